@@ -1,0 +1,124 @@
+"""Mesh specs ("8x8x4", "data=2,fsdp=4"), simulated CPU devices, multi-host init.
+
+The mesh always has the four axes below, in this order; an axis of size 1 costs nothing.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from meshtrain.config import UserError
+
+AXES = ("data", "fsdp", "tensor", "pipeline")
+
+
+def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
+    """'8x8x4' -> data x fsdp x tensor (pipeline 1); four numbers set pipeline too;
+    'data=2,fsdp=4' names axes (missing ones are 1); one axis may be -1 = the rest."""
+    spec = spec.replace(" ", "")
+    sizes = dict.fromkeys(AXES, 1)
+    if "=" in spec:
+        for part in spec.split(","):
+            name, _, value = part.partition("=")
+            if name not in AXES:
+                raise UserError(f"unknown mesh axis '{name}' in --mesh {spec}; axes are {', '.join(AXES)}")
+            sizes[name] = _axis_size(value, spec)
+    else:
+        parts = spec.lower().split("x")
+        if not 1 <= len(parts) <= 4:
+            raise UserError(f"--mesh {spec} needs 1 to 4 sizes (data x fsdp x tensor [x pipeline]), e.g. 2x2x2")
+        for name, value in zip(AXES, parts):
+            sizes[name] = _axis_size(value, spec)
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise UserError(f"--mesh {spec}: only one axis may be -1")
+    if free:
+        rest = math.prod(s for s in sizes.values() if s != -1)
+        if num_devices % rest:
+            raise UserError(f"--mesh {spec}: {num_devices} devices do not divide by {rest}")
+        sizes[free[0]] = num_devices // rest
+    if math.prod(sizes.values()) != num_devices:
+        shape = "x".join(str(sizes[a]) for a in AXES)
+        raise UserError(f"mesh {shape} needs {math.prod(sizes.values())} devices, found {num_devices}; "
+                        f"change --mesh or --devices")
+    return sizes
+
+
+def _axis_size(value: str, spec: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        raise UserError(f"--mesh {spec}: '{value}' is not an integer axis size") from None
+    if size < 1 and size != -1:
+        raise UserError(f"--mesh {spec}: axis sizes must be >= 1 (or -1 for the rest)")
+    return size
+
+
+def describe(sizes: dict[str, int]) -> str:
+    return ",".join(f"{a}={sizes[a]}" for a in AXES)
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Ask for `count` CPU devices. Must run before JAX initialises its backends."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as e:  # backends already up: only fine if the count already matches
+        if len(jax.devices("cpu")) != count:
+            raise UserError(f"--devices {count} must be set before JAX starts "
+                            f"(it already has {len(jax.devices('cpu'))} CPU devices)") from e
+
+
+def launched_by_cluster() -> bool:
+    """True under a multi-process launcher that jax.distributed.initialize() detects itself."""
+    env = os.environ
+    return (int(env.get("SLURM_NTASKS", "1")) > 1
+            or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+            or "JAX_COORDINATOR_ADDRESS" in env)
+
+
+def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
+    """Join the multi-controller runtime: explicit flags, or SLURM / Open MPI / Kubernetes env."""
+    import jax
+
+    explicit = coordinator is not None
+    if not explicit and not launched_by_cluster():
+        return
+    if explicit and (num_processes is None or process_id is None):
+        raise UserError("--coordinator needs --num-processes and --process-id too")
+    # On CPU the cross-process collectives go through gloo (a real multi-host test on one machine).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    else:
+        jax.distributed.initialize()
+
+
+def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
+    """A jax Mesh with all four axes Auto (compiler-managed; see DESIGN.md).
+
+    `devices` picks a subset (e.g. one device for a reference run). With several processes on
+    GPUs, `dcn` gives the across-host factor of each axis (default: the data axis spans hosts) and
+    the mesh is hybrid: fast in-host links carry the inner axes, the network the outer ones.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    shape = tuple(sizes[a] for a in AXES)
+    axis_types = (AxisType.Auto,) * len(AXES)
+    if devices is None and jax.process_count() > 1 and jax.default_backend() == "gpu":
+        from jax.experimental import mesh_utils
+
+        dcn = dcn or {"data": jax.process_count()}
+        dcn_shape = tuple(dcn.get(a, 1) for a in AXES)
+        if any(s % d for s, d in zip(shape, dcn_shape)):
+            raise UserError(f"mesh {describe(sizes)} is not divisible by the across-host factors {dcn}")
+        ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, process_is_granule=True)
+        return Mesh(grid, AXES, axis_types=axis_types)
+    devices = list(devices if devices is not None else jax.devices())
+    if len(devices) != math.prod(shape):
+        raise UserError(f"mesh {describe(sizes)} needs {math.prod(shape)} devices, found {len(devices)}")
+    return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=devices)

@@ -1,0 +1,80 @@
+"""FLOPs model, device peak table, MFU, and the console / metrics.jsonl writers.
+
+Model FLOPs per token (training, forward + backward = 3 x forward), the PaLM-paper convention:
+    6 * N  +  12 * layers * width * seq
+where N counts the parameters used in matmuls (the embedding table only when it doubles as the
+tied output head) and the second term is attention's QK^T and AV. MFU = achieved model FLOP/s
+divided by the device's dense bf16 peak (not the 2x "sparse" figure).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+# Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v4": 275e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in device_kind:
+            return flops
+    return None
+
+
+def flops_per_token(matmul_params: int, num_layers: int, d_model: int, seq_len: int) -> float:
+    return 6.0 * matmul_params + 12.0 * num_layers * d_model * seq_len
+
+
+def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float | None) -> float | None:
+    if not peak:
+        return None
+    return tokens_per_sec * flops_token / (num_devices * peak)
+
+
+class MetricsLog:
+    """Progress lines on stdout and one JSON object per record in <out>/metrics.jsonl.
+    Only the primary process (process 0) writes."""
+
+    def __init__(self, out_dir: str | Path, primary: bool = True):
+        self.primary = primary
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.history: list[dict] = []
+        self._file = None
+        if primary:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        self.history.append(record)
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self.primary:
+            print(format_record(record), flush=True)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+def format_record(r: dict) -> str:
+    if "eval_loss" in r:
+        return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}"
+    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
+             f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device)")
+    return "  ".join(parts)

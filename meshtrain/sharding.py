@@ -1,0 +1,181 @@
+"""Logical axis rules -> PartitionSpecs for parameters, optimizer state, gradients, activations.
+
+One table maps each logical tensor dimension to mesh axes. A mesh axis shards at most one
+dimension of a tensor: the first dimension that claims it wins (so activations (batch, seq, embed)
+put `fsdp` on batch, while weights (embed, mlp) put it on embed).
+
+ZeRO: `fsdp` always shards parameters, gradients and optimizer state (that is what FSDP means).
+The `zero` stage decides what the pure data-parallel `data` axis shards as well:
+  stage 0: nothing; 1: optimizer state; 2: + gradients; 3: + parameters.
+With N = |data|, Psi parameters and fp32 Adam (4 B param, 4 B grad, 8 B moments), bytes/device
+before dividing by |fsdp| x |tensor| are: 16Psi, 8Psi + 8Psi/N, 4Psi + 12Psi/N, 16Psi/N
+(Rajbhandari et al., ZeRO, 2020, with fp32 in place of their fp16 copies).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain.config import UserError
+
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "seq": (),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": (),
+}
+
+# Largest share of parameter bytes allowed to stay replicated where the rules say to shard.
+MAX_REPLICATED_FRACTION = 0.02
+
+
+def make_rules(overrides: dict | None = None) -> dict[str, tuple[str, ...]]:
+    """The default table with config overrides (`rules: {mlp: [tensor, fsdp], seq: null}`)."""
+    from meshtrain.mesh import AXES
+
+    rules = dict(DEFAULT_RULES)
+    for name, axes in (overrides or {}).items():
+        if name not in DEFAULT_RULES:
+            raise UserError(f"unknown logical axis '{name}' in rules; known: {', '.join(DEFAULT_RULES)}")
+        axes = () if axes in (None, "", []) else (axes,) if isinstance(axes, str) else tuple(axes)
+        for a in axes:
+            if a not in AXES:
+                raise UserError(f"rules.{name}: unknown mesh axis '{a}'; axes are {', '.join(AXES)}")
+        rules[name] = axes
+    return rules
+
+
+def spec_for(names, rules, mesh, shape=None, extra_axes=()) -> P:
+    """PartitionSpec for a tensor whose dimensions carry logical `names`.
+
+    With `shape`, an axis that does not divide its dimension is dropped (see `check_replication`).
+    `extra_axes` (the ZeRO `data` axis) go on the dimension that already holds `fsdp` if they
+    divide it, else on the largest dimension they divide.
+    """
+    used, dims = set(), []
+    for i, name in enumerate(names):
+        axes = []
+        for a in rules.get(name, ()):
+            if a in used or mesh.shape[a] == 1:
+                continue
+            if shape is not None and shape[i] % (math.prod(mesh.shape[x] for x in axes) * mesh.shape[a]):
+                continue
+            axes.append(a)
+            used.add(a)
+        dims.append(axes)
+    for a in extra_axes:
+        if a in used or mesh.shape[a] == 1:
+            continue
+        order = sorted(range(len(dims)), key=lambda i: ("fsdp" not in dims[i], -(shape[i] if shape else 0)))
+        for i in order:
+            if shape is None or shape[i] % (math.prod(mesh.shape[x] for x in dims[i]) * mesh.shape[a]) == 0:
+                dims[i] = [a] + dims[i]
+                used.add(a)
+                break
+    return P(*[tuple(d) if len(d) > 1 else (d[0] if d else None) for d in dims])
+
+
+def shard_factor(spec: P, mesh) -> int:
+    """Number of distinct shards a spec cuts a tensor into."""
+    return math.prod(mesh.shape[a] for d in spec if d for a in ((d,) if isinstance(d, str) else d))
+
+
+def tree_specs(abstract, logical_axes, rules, mesh, extra_axes=()):
+    return jax.tree.map(lambda x, names: spec_for(names, rules, mesh, x.shape, extra_axes),
+                        abstract, logical_axes, is_leaf=lambda n: isinstance(n, tuple))
+
+
+def zero_axes(zero: int, what: str) -> tuple[str, ...]:
+    """Which extra axes the ZeRO stage adds for `what` in {params, grads, opt_state}."""
+    threshold = {"opt_state": 1, "grads": 2, "params": 3}[what]
+    return ("data",) if zero >= threshold else ()
+
+
+def check_replication(abstract_params, logical_axes, rules, mesh, zero: int) -> None:
+    """Fail when more than 2% of parameter bytes stay replicated where the rules say to shard
+    (a dimension the mesh axis does not divide), naming the worst parameter and the fix."""
+    total, lost, worst = 0, 0, None
+    for (path, x), names in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
+                                jax.tree.leaves(logical_axes, is_leaf=lambda n: isinstance(n, tuple))):
+        extra = zero_axes(zero, "params")
+        wanted = shard_factor(spec_for(names, rules, mesh, None, extra), mesh)
+        got = shard_factor(spec_for(names, rules, mesh, x.shape, extra), mesh)
+        nbytes = x.size * x.dtype.itemsize
+        total += nbytes
+        if got < wanted:
+            lost += nbytes
+            if worst is None or nbytes > worst[1]:
+                worst = (jax.tree_util.keystr(path), nbytes, x.shape, names)
+    if total and lost / total > MAX_REPLICATED_FRACTION:
+        name, _, shape, names = worst
+        raise UserError(f"{lost / total:.0%} of parameter bytes stay replicated because the mesh does not divide "
+                        f"them (largest: {name} {shape} with axes {names}); pick mesh sizes that divide "
+                        f"the model's dimensions")
+
+
+def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
+    """NamedShardings for {'step', 'params', 'opt_state'} and the PartitionSpecs for gradients."""
+    params = abstract_state["params"]
+    param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "params"))
+    opt_param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "opt_state"))
+    grad_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "grads"))
+    import optax
+
+    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract_state["opt_state"], opt_param_specs,
+                                      transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                       is_leaf=lambda x: isinstance(x, P))
+    shardings = {"step": NamedSharding(mesh, P()), "params": named(param_specs), "opt_state": named(opt_specs)}
+    return shardings, grad_specs
+
+
+# ---- activations: the model calls `constrain`; the trainer says which mesh and rules apply ----
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("meshtrain_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(rules, mesh):
+    token = _ACTIVE.set((rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x, names):
+    """Pin an activation's layout by logical names; a no-op outside `activation_rules`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    rules, mesh = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, rules, mesh, x.shape)))
+
+
+def check_divisibility(cfg, sizes: dict[str, int]) -> None:
+    """Mesh-dependent checks, before anything is compiled."""
+    m, t = cfg.model, cfg.train
+    tp = sizes["tensor"]
+    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+        if value % tp:
+            raise UserError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
+    dp = sizes["data"] * sizes["fsdp"]
+    if t.batch_size % (dp * t.microbatches):
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by data x fsdp ({dp}) x "
+                        f"train.microbatches ({t.microbatches}); use a multiple of {dp * t.microbatches}")
+
+
+def bytes_per_device(tree, shardings) -> int:
+    """Bytes one device holds for a placed tree (largest shard per leaf)."""
+    leaves = jax.tree.leaves(tree)
+    shards = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    return int(sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(leaves, shards)))

@@ -1,0 +1,81 @@
+"""Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
+AdamW. The state is {'step', 'params', 'opt_state'}; the batch is [batch, seq_len + 1] tokens."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from meshtrain.precision import cast_for_compute
+from meshtrain.sharding import constrain
+
+
+def lr_schedule(ocfg, total_steps: int):
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    warmup = min(ocfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(total_steps, warmup + 1),
+                                              end_value=ocfg.lr * ocfg.min_lr_ratio)
+
+
+def make_optimizer(ocfg, total_steps: int, logical_axes):
+    """Global-norm clipping, then AdamW; weight decay only on matrices (not norms)."""
+    decay_mask = jax.tree.map(lambda names: len([n for n in names if n != "layers"]) >= 2, logical_axes,
+                              is_leaf=lambda n: isinstance(n, tuple))
+    adamw = optax.adamw(lr_schedule(ocfg, total_steps), b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
+                        weight_decay=ocfg.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(ocfg.clip_norm), adamw) if ocfg.clip_norm > 0 else adamw
+
+
+def cross_entropy(logits_BxLxV, targets_BxL):
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV.astype(jnp.float32), targets_BxL).mean()
+
+
+def make_loss_fn(model, precision: str):
+    def loss_fn(params, tokens_BxL1):
+        logits = model.apply(cast_for_compute(params, precision), tokens_BxL1[:, :-1])
+        return cross_entropy(logits, tokens_BxL1[:, 1:])
+
+    return loss_fn
+
+
+def split_microbatches(tokens_BxL1, num_micro: int):
+    """[B, L+1] -> [M, B/M, L+1] with microbatch m = rows i*M + m, so that every microbatch spans
+    all data-parallel shards (a contiguous split would leave most devices idle)."""
+    B = tokens_BxL1.shape[0]
+    return tokens_BxL1.reshape(B // num_micro, num_micro, -1).swapaxes(0, 1)
+
+
+def make_train_step(model, tx, schedule, precision: str, microbatches: int, grad_specs, mesh):
+    loss_fn = make_loss_fn(model, precision)
+    grad_fn = jax.value_and_grad(loss_fn)
+    pin_grads = lambda g: jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
+                                       g, grad_specs)
+
+    def train_step(state, tokens_BxL1):
+        params = state["params"]
+        if microbatches == 1:
+            loss, grads = grad_fn(params, tokens_BxL1)
+        else:
+            def accumulate(carry, micro_tokens):
+                loss_sum, grad_sum = carry
+                loss, grads = grad_fn(params, constrain(micro_tokens, ("batch", "seq")))
+                return (loss_sum + loss, pin_grads(jax.tree.map(jnp.add, grad_sum, grads))), None
+
+            zeros = pin_grads(jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                            split_microbatches(tokens_BxL1, microbatches))
+            loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+        grads = pin_grads(grads)  # ZeRO-2/3: sharded over `data`, so XLA reduce-scatters
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+                     "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+
+    return train_step
+
+
+def make_eval_step(model, precision: str):
+    loss_fn = make_loss_fn(model, precision)
+    return lambda params, tokens_BxL1: loss_fn(params, tokens_BxL1)

@@ -1,0 +1,52 @@
+"""`python -m meshtrain.train`: parse flags, build a Trainer, run. All logic lives in importable modules."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshtrain.config import UserError, load_config
+
+# Shortcut flags -> config keys.
+FLAG_KEYS = {"mesh": "mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
+             "seq_len": "train.seq_len", "data": "data.path", "out": "out"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meshtrain.train", description="Train a transformer on a named mesh.")
+    p.add_argument("--config", help="YAML config (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value by dotted path, e.g. --set model.num_layers=8 (repeatable)")
+    p.add_argument("--mesh", help="'8x8x4' (data x fsdp x tensor [x pipeline]) or 'data=2,fsdp=4'; -1 = the rest")
+    p.add_argument("--devices", type=int, help="simulate this many CPU devices when no accelerator is present")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch size in sequences")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--data", help="text file, folder of text files, or uint16 .bin token file")
+    p.add_argument("--out", help="output folder for config.yaml and metrics.jsonl")
+    p.add_argument("--coordinator", help="multi-host: coordinator host:port (else SLURM/Open MPI/K8s env)")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
+    try:
+        cfg = load_config(args.config, list(args.set) + overrides)
+        from meshtrain.mesh import init_distributed, simulate_cpu_devices
+
+        if cfg.devices:
+            simulate_cpu_devices(cfg.devices)
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
+        from meshtrain.trainer import Trainer
+
+        Trainer(cfg).fit()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The Python API: `Trainer(config).fit()` builds mesh, model, sharded state, data and the
+compiled step, trains, and returns the metric history. The CLI is a thin layer over it."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import yaml
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import data as data_lib
+from meshtrain.config import Config, UserError, to_dict, validate
+from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
+from meshtrain.metrics import MetricsLog, flops_per_token, mfu, peak_flops
+from meshtrain.sharding import (activation_rules, check_divisibility, check_replication, make_rules, spec_for,
+                                state_shardings)
+from meshtrain.step import lr_schedule, make_eval_step, make_optimizer, make_train_step
+from models import LanguageModel
+
+
+class Trainer:
+    """Training run for one config on one mesh.
+
+    `devices` restricts the mesh to a subset of jax.devices() (e.g. one device for a reference run).
+    """
+
+    def __init__(self, cfg: Config, devices=None):
+        validate(cfg)
+        if cfg.devices:
+            simulate_cpu_devices(cfg.devices)
+        if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
+            raise UserError("model.attention=cudnn needs an NVIDIA GPU; use model.attention=xla here")
+        if cfg.model.remat == "offload" and jax.default_backend() == "cpu":
+            raise UserError("model.remat=offload moves activations to host memory and needs a GPU/TPU; "
+                            "use full or save_matmuls on CPU")
+        self.cfg, t = cfg, cfg.train
+        self.sizes = parse_mesh(cfg.mesh, len(devices) if devices is not None else jax.device_count())
+        check_divisibility(cfg, self.sizes)
+        self.mesh = build_mesh(self.sizes, devices)
+        self.rules = make_rules(cfg.rules)
+        self.model = LanguageModel(cfg.model)
+
+        tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
+        train_tokens, val_tokens = data_lib.split_tokens(tokens, cfg.data.val_fraction)
+        self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", "seq"), self.rules, self.mesh))
+        batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
+                                                       self.batch_sharding, cfg.model.vocab_size)
+        self.train_batches = batches(train_tokens, 0)
+        has_val = cfg.data.val_fraction > 0 or tokens is None
+        self.val_batches = batches(val_tokens, 1) if has_val else None
+
+        key = jax.random.key(t.seed)
+        abstract_params = jax.eval_shape(self.model.init, key)
+        self.logical_axes = self.model.logical_axes(abstract_params)
+        check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, cfg.zero)
+        self.schedule = lr_schedule(cfg.optim, t.steps)
+        self.tx = make_optimizer(cfg.optim, t.steps, self.logical_axes)
+
+        def init_state(key):
+            params = self.model.init(key)
+            return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+
+        abstract_state = jax.eval_shape(init_state, key)
+        self.state_shardings, self.grad_specs = state_shardings(abstract_state, self.logical_axes, self.rules,
+                                                                self.mesh, cfg.zero, self.tx)
+        replicated = NamedSharding(self.mesh, P())
+        step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches,
+                                  self.grad_specs, self.mesh)
+        abstract_batch = jax.ShapeDtypeStruct(self.train_batches.shape, jnp.int32, sharding=self.batch_sharding)
+        with self.context():
+            # Parameters are created already sharded: no device ever holds the full model.
+            self.state = jax.jit(init_state, out_shardings=self.state_shardings)(key)
+            # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
+            self.compiled_step = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                                         out_shardings=(self.state_shardings, replicated),
+                                         donate_argnums=0).lower(abstract_state, abstract_batch).compile()
+            self.eval_step = jax.jit(make_eval_step(self.model, cfg.precision),
+                                     in_shardings=(self.state_shardings["params"], self.batch_sharding),
+                                     out_shardings=replicated)
+        self.num_params = self.model.num_params(abstract_params)
+        matmul_params = self.model.num_params(abstract_params, embedding=cfg.model.tie_embeddings)
+        m = self.model.cfg
+        self.flops_per_token = flops_per_token(matmul_params, m.num_layers, m.d_model, t.seq_len)
+        self.peak = peak_flops(self.mesh.devices.flat[0].device_kind)
+
+    def context(self):
+        """Mesh and activation rules in force while tracing and running."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(activation_rules(self.rules, self.mesh))
+        return stack
+
+    def evaluate(self) -> float | None:
+        if self.val_batches is None:
+            return None
+        with self.context():
+            losses = [self.eval_step(self.state["params"], self.val_batches(i)) for i in range(self.cfg.train.eval_batches)]
+        return float(jnp.mean(jnp.stack(losses)))
+
+    def fit(self, steps: int | None = None, log: MetricsLog | None = None) -> list[dict]:
+        """Train until `steps` (default train.steps) and return the logged records."""
+        cfg, t = self.cfg, self.cfg.train
+        steps = steps or t.steps
+        primary = jax.process_index() == 0
+        out = Path(cfg.out)
+        if primary:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        log = log or MetricsLog(out, primary)
+        if primary:
+            print(f"meshtrain: {self.num_params / 1e6:.2f}M params, mesh {describe(self.sizes)} "
+                  f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.zero}, "
+                  f"precision={cfg.precision}, out={out}", flush=True)
+        tokens_per_step = t.batch_size * t.seq_len
+        first = int(self.state["step"])
+        last_time, last_step = time.perf_counter(), first
+        with self.context():
+            for k in range(first, steps):
+                self.state, metrics = self.compiled_step(self.state, self.train_batches(k))
+                done = k + 1
+                if done % t.log_every == 0 or done == steps:
+                    metrics = jax.device_get(metrics)  # waits for the step
+                    now = time.perf_counter()
+                    dt = (now - last_time) / (done - last_step)
+                    tps = tokens_per_step / dt
+                    util = mfu(tps, self.flops_per_token, self.mesh.size, self.peak)
+                    record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                              "lr": float(metrics["lr"]), "tokens_per_sec": tps, "step_time_s": dt}
+                    if util is not None:
+                        record.update(mfu=util, tflops_per_device=tps * self.flops_per_token / self.mesh.size / 1e12)
+                    log.write(record)
+                    last_time, last_step = time.perf_counter(), done
+                if t.eval_every and (done % t.eval_every == 0 or done == steps):
+                    eval_loss = self.evaluate()
+                    if eval_loss is not None:
+                        log.write({"step": done, "eval_loss": eval_loss})
+                    last_time = time.perf_counter()
+        log.close()
+        return log.history
