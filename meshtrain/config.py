@@ -195,5 +195,7 @@ def validate(cfg: Config) -> None:
             raise UserError(f"train.{key}={getattr(t, key)} must be >= 1")
     if t.batch_size % t.microbatches:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}")
+    if cfg.data.kind == "synthetic" and cfg.data.path:
+        raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
     if not 0 <= cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")

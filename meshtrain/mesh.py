@@ -38,8 +38,7 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
             raise UserError(f"--mesh {spec}: {num_devices} devices do not divide by {rest}")
         sizes[free[0]] = num_devices // rest
     if math.prod(sizes.values()) != num_devices:
-        shape = "x".join(str(sizes[a]) for a in AXES)
-        raise UserError(f"mesh {shape} needs {math.prod(sizes.values())} devices, found {num_devices}; "
+        raise UserError(f"mesh {shape_str(sizes)} needs {math.prod(sizes.values())} devices, found {num_devices}; "
                         f"change --mesh or --devices")
     return sizes
 
@@ -52,6 +51,12 @@ def _axis_size(value: str, spec: str) -> int:
     if size < 1 and size != -1:
         raise UserError(f"--mesh {spec}: axis sizes must be >= 1 (or -1 for the rest)")
     return size
+
+
+def shape_str(sizes: dict[str, int]) -> str:
+    """'2x2x2' (data x fsdp x tensor), with the pipeline size appended when it is not 1."""
+    dims = [sizes[a] for a in AXES]
+    return "x".join(map(str, dims if dims[3] != 1 else dims[:3]))
 
 
 def describe(sizes: dict[str, int]) -> str:

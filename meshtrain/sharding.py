@@ -164,6 +164,9 @@ def constrain(x, names):
 def check_divisibility(cfg, sizes: dict[str, int]) -> None:
     """Mesh-dependent checks, before anything is compiled."""
     m, t = cfg.model, cfg.train
+    if sizes["pipeline"] > 1:
+        raise UserError(f"pipeline={sizes['pipeline']}: pipeline schedules are not implemented yet; "
+                        f"use pipeline=1 and put those devices on data, fsdp or tensor")
     tp = sizes["tensor"]
     for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
         if value % tp:

@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
+    if args.data is not None:
+        overrides.append("data.kind=auto")  # --data means: train on this path
     try:
         cfg = load_config(args.config, list(args.set) + overrides)
         from meshtrain.mesh import init_distributed, simulate_cpu_devices

@@ -1,0 +1,24 @@
+"""k microbatches accumulated inside the step give the update of one batch k times larger."""
+import jax
+import numpy as np
+
+from conftest import run_tiny
+
+
+def test_microbatches_match_one_large_batch():
+    common = ("mesh=data=2", "optim.warmup_steps=0", "train.steps=3")
+    _, big_losses, big_params = run_tiny(*common, devices=jax.devices()[:2])
+    _, acc_losses, acc_params = run_tiny(*common, "train.microbatches=4", devices=jax.devices()[:2])
+    np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(acc_params), jax.tree.leaves(big_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_microbatch_split_spans_every_data_shard():
+    from meshtrain.step import split_microbatches
+
+    tokens = np.arange(8)[:, None].repeat(3, axis=1)  # row i holds i
+    micro = split_microbatches(tokens, 4)
+    assert micro.shape == (4, 2, 3)
+    # microbatch m takes rows m, m+4: one from each half of the batch (each data shard)
+    assert [list(m[:, 0]) for m in micro] == [[0, 4], [1, 5], [2, 6], [3, 7]]

@@ -1,0 +1,66 @@
+"""Batches depend only on (seed, step); sources; process-local rows."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import data
+from meshtrain.config import DataConfig, UserError
+from meshtrain.mesh import build_mesh, parse_mesh
+
+
+def batches(tokens, sharding, seed=0, split=0):
+    return data.Batches(tokens, batch_size=8, seq_len=5, seed=seed, split=split, sharding=sharding, vocab_size=256)
+
+
+def test_batch_depends_only_on_seed_and_step_not_on_mesh():
+    tokens = np.arange(1000, dtype=np.uint16) % 256
+    one = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
+    eight = NamedSharding(build_mesh(parse_mesh("data=4,fsdp=2", 8)), P(("data", "fsdp")))
+    a, b = batches(tokens, one)(7), batches(tokens, eight)(7)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert b.sharding == eight and a.shape == (8, 6)
+    assert not np.array_equal(np.asarray(batches(tokens, one)(8)), np.asarray(a))
+    assert not np.array_equal(np.asarray(batches(tokens, one, seed=1)(7)), np.asarray(a))
+    rows = np.asarray(a)
+    np.testing.assert_array_equal(np.diff(rows, axis=1) % 256, 1)  # contiguous windows of the stream
+
+
+def test_text_folder_and_token_file_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("hello ")
+    (tmp_path / "b.md").write_text("world")
+    (tmp_path / "skip.bin").write_bytes(b"\x00")
+    toks = data.load_tokens(DataConfig(path=str(tmp_path)), 256)
+    assert data.decode(toks) == "hello \nworld\n"
+
+    ids = np.arange(50000, 50100, dtype=np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    mm = data.load_tokens(DataConfig(path=str(tmp_path / "train.bin")), 50304)
+    assert isinstance(mm, np.memmap) and mm[3] == 50003
+    sharding = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
+    small_vocab = data.Batches(mm, 4, 5, 0, 0, sharding, vocab_size=256)
+    with pytest.raises(UserError, match="token id .* >= model.vocab_size=256"):
+        small_vocab(0)
+
+
+def test_default_corpus_is_the_stdlib_and_splits_off_validation():
+    files = data.stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+    tokens = data.load_tokens(DataConfig(), 256)
+    train, val = data.split_tokens(tokens, 0.05)
+    assert len(val) == len(tokens) - len(train) and 0.04 < len(val) / len(tokens) < 0.06
+
+
+def test_each_process_reads_only_its_rows():
+    mesh = build_mesh(parse_mesh("data=8", 8))
+    b = batches(np.arange(1000) % 256, NamedSharding(mesh, P("data")))
+    assert (b.lo, b.hi) == (0, 8)  # one process holds every device here
+    assert b.local_rows(0).shape == (8, 6)
+
+
+def test_synthetic_data_is_deterministic():
+    sharding = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
+    a, b = batches(None, sharding)(3), batches(None, sharding)(3)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(np.asarray(a).max()) < 256
