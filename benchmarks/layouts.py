@@ -4,6 +4,7 @@ bytes of the compiled train step against the ZeRO formulas, for the tiny config 
     python benchmarks/layouts.py
 """
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -20,7 +21,8 @@ LAYOUTS = [("data=8", z) for z in range(4)] + [("fsdp=8", 1), ("data=2,tensor=4"
 
 
 def run(mesh, zero, devices=None):
-    cfg = load_config("configs/tiny.yaml", [f"mesh={mesh}", f"zero={zero}", "out=/tmp/meshtrain-bench"])
+    cfg = load_config("configs/tiny.yaml", [f"mesh={mesh}", f"zero={zero}", f"out={tempfile.mkdtemp()}",
+                                            "checkpoint.resume=never"])
     trainer = Trainer(cfg, devices=devices)
     history = trainer.fit(log=MetricsLog("/tmp/meshtrain-bench", primary=False))
     return trainer, np.array([r["loss"] for r in history]), jax.device_get(trainer.state["params"])

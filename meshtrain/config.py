@@ -70,11 +70,19 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps (async); 0 saves only at the end and on preemption
+    keep: int = 3  # keep the newest N checkpoints
+    resume: str = "auto"  # auto (latest under <out>/checkpoints) | never | path to a checkpoint folder
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mesh: str = "data=-1"  # "8x8x4" (data x fsdp x tensor [x pipeline]) or "data=2,fsdp=4"
     devices: int = 0  # >0: simulate this many CPU devices when no accelerator is present
     zero: int = 1  # what the `data` axis shards: 1 opt state, 2 + grads, 3 + params
@@ -195,6 +203,8 @@ def validate(cfg: Config) -> None:
             raise UserError(f"train.{key}={getattr(t, key)} must be >= 1")
     if t.batch_size % t.microbatches:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise UserError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
     if cfg.data.kind == "synthetic" and cfg.data.path:
         raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
     if not 0 <= cfg.data.val_fraction < 1:

@@ -8,7 +8,8 @@ from meshtrain.config import UserError, load_config
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
-             "seq_len": "train.seq_len", "data": "data.path", "out": "out"}
+             "seq_len": "train.seq_len", "data": "data.path", "out": "out",
+             "resume": "checkpoint.resume"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,7 +23,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="global batch size in sequences")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--data", help="text file, folder of text files, or uint16 .bin token file")
-    p.add_argument("--out", help="output folder for config.yaml and metrics.jsonl")
+    p.add_argument("--out", help="output folder for config.yaml, metrics.jsonl and checkpoints/")
+    p.add_argument("--resume", help="auto (default: latest checkpoint under --out), never, or a checkpoint path")
     p.add_argument("--coordinator", help="multi-host: coordinator host:port (else SLURM/Open MPI/K8s env)")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)

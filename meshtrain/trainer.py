@@ -2,6 +2,8 @@
 compiled step, trains, and returns the metric history. The CLI is a thin layer over it."""
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import data as data_lib
+from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.config import Config, UserError, to_dict, validate
 from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import MetricsLog, flops_per_token, mfu, peak_flops
@@ -69,9 +72,16 @@ class Trainer:
         step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches,
                                   self.grad_specs, self.mesh)
         abstract_batch = jax.ShapeDtypeStruct(self.train_batches.shape, jnp.int32, sharding=self.batch_sharding)
+        self.out = Path(cfg.out)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
+        self.resumed_from = None
         with self.context():
-            # Parameters are created already sharded: no device ever holds the full model.
-            self.state = jax.jit(init_state, out_shardings=self.state_shardings)(key)
+            resume_root, resume_step = resolve_resume(cfg.checkpoint.resume, self.out)
+            if resume_step is not None:
+                self.state = self._restore(resume_root, resume_step, abstract_state)
+            else:
+                # Parameters are created already sharded: no device ever holds the full model.
+                self.state = jax.jit(init_state, out_shardings=self.state_shardings)(key)
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
             self.compiled_step = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
                                          out_shardings=(self.state_shardings, replicated),
@@ -84,6 +94,22 @@ class Trainer:
         m = self.model.cfg
         self.flops_per_token = flops_per_token(matmul_params, m.num_layers, m.d_model, t.seq_len)
         self.peak = peak_flops(self.mesh.devices.flat[0].device_kind)
+
+    def _restore(self, root: Path, step: int, abstract_state):
+        """Read a checkpoint straight into this mesh's shardings (elastic: any saved mesh works)."""
+        reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
+        state, meta = reader.restore(step, abstract_like(abstract_state, self.state_shardings))
+        self.resumed_from = reader.path(step)
+        if jax.process_index() == 0:
+            print(f"resumed from step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
+        return state
+
+    def save_checkpoint(self, wait: bool = False) -> Path:
+        self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(self.sizes),
+                                            "devices": self.mesh.size})
+        if wait:
+            self.checkpointer.wait()
+        return self.checkpointer.path(int(self.state["step"]))
 
     def context(self):
         """Mesh and activation rules in force while tracing and running."""
@@ -106,7 +132,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         steps = steps or t.steps
         primary = jax.process_index() == 0
-        out = Path(cfg.out)
+        out = self.out
         if primary:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -117,6 +143,22 @@ class Trainer:
                   f"precision={cfg.precision}, out={out}", flush=True)
         tokens_per_step = t.batch_size * t.seq_len
         first = int(self.state["step"])
+        preempted = threading.Event()
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):  # finish the step, checkpoint, exit cleanly
+                handlers[sig] = signal.signal(sig, lambda *_: preempted.set())
+        self.preempted = False
+        try:
+            self._loop(first, steps, log, tokens_per_step, preempted)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            log.close()
+        return log.history
+
+    def _loop(self, first, steps, log, tokens_per_step, preempted):
+        t, every = self.cfg.train, self.cfg.checkpoint.every
         last_time, last_step = time.perf_counter(), first
         with self.context():
             for k in range(first, steps):
@@ -139,5 +181,13 @@ class Trainer:
                     if eval_loss is not None:
                         log.write({"step": done, "eval_loss": eval_loss})
                     last_time = time.perf_counter()
-        log.close()
-        return log.history
+                if every and done % every == 0 and done != steps:
+                    self.save_checkpoint()  # async: training goes on while it is written
+                if preempted.is_set():
+                    path = self.save_checkpoint(wait=True)
+                    self.preempted = True
+                    if jax.process_index() == 0:
+                        print(f"preempted at step {done}: checkpoint saved to {path}", flush=True)
+                    return
+            if steps > first:
+                self.save_checkpoint(wait=True)

@@ -17,10 +17,14 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 _RUNS = {}
 
 
-def tiny_config(*overrides, out="/tmp/meshtrain-tests"):
+def tiny_config(*overrides, out=None):
+    """The tiny config in a fresh output folder (never resuming another test's checkpoint)."""
+    import tempfile
+
     from meshtrain.config import load_config
 
-    return load_config(TINY, [f"out={out}", *overrides])
+    out = out or tempfile.mkdtemp(prefix="meshtrain-test-")
+    return load_config(TINY, [f"out={out}", "checkpoint.resume=never", *overrides])
 
 
 def run_tiny(*overrides, devices=None):

@@ -1,0 +1,81 @@
+"""Checkpoints: exact continuation after SIGKILL, elastic resume on another mesh, SIGTERM."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from conftest import ROOT, TINY
+
+STEPS = 12
+
+
+def train_cmd(out, *extra):
+    return [sys.executable, "-m", "meshtrain.train", "--config", TINY, "--steps", str(STEPS), "--out", str(out),
+            "--set", "checkpoint.every=4", *extra]
+
+
+def losses(out):
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    by_step = {}
+    for r in records:
+        if "loss" in r:
+            by_step[r["step"]] = r["loss"]  # a resumed run rewrites the steps after its checkpoint
+    return by_step
+
+
+def run(cmd, **kw):
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_sigkill_then_rerun_continues_bitwise_and_elastic_resume(tmp_path):
+    full = tmp_path / "full"
+    run(train_cmd(full, "--devices", "8", "--mesh", "fsdp=8"))
+    reference = losses(full)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+
+    # kill -9 once the step-8 checkpoint is complete, then rerun the same command
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(killed, "--devices", "8", "--mesh", "fsdp=8", "--set", "train.steps=1000"),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "8").is_dir() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (killed / "checkpoints" / "8").is_dir()
+    out = run(train_cmd(killed, "--devices", "8", "--mesh", "fsdp=8"))
+    restored = int(out.split("resumed from step ")[1].split()[0])
+    assert restored >= 8
+    resumed = losses(killed)
+    for step in range(restored + 1, STEPS + 1):
+        assert resumed[step] == reference[step], step  # fp32 on CPU: bitwise
+
+    # elastic: the fsdp=8 checkpoint at step 8 continues on 4 devices as data=2,tensor=2
+    elastic = tmp_path / "elastic"
+    out = run(train_cmd(elastic, "--devices", "4", "--mesh", "data=2,tensor=2",
+                        "--resume", str(full / "checkpoints" / "8")))
+    assert "resumed from step 8" in out and "saved on mesh data=1,fsdp=8" in out
+    moved = losses(elastic)
+    assert sorted(moved) == list(range(9, STEPS + 1))
+    np.testing.assert_allclose([moved[s] for s in moved], [reference[s] for s in moved], rtol=1e-5)
+
+
+def test_sigterm_checkpoints_and_exits_zero(tmp_path):
+    proc = subprocess.Popen(train_cmd(tmp_path, "--devices", "8", "--mesh", "data=8", "--set", "train.steps=100000"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    line = [ln for ln in stdout.splitlines() if ln.startswith("preempted at step")][0]
+    step = int(line.split()[3].rstrip(":"))
+    assert (tmp_path / "checkpoints" / str(step)).is_dir()
+    assert line.endswith(str(tmp_path / "checkpoints" / str(step)))
