@@ -14,6 +14,7 @@ cfg = meshtrain.load_config("configs/shakespeare_char.yaml", [
     "train.steps=200",
     "train.log_every=25",
     "out=runs/quickstart",
+    "checkpoint.resume=never",      # a demo: start fresh each time (the default, auto, resumes)
 ])
 history = meshtrain.Trainer(cfg).fit()
 

@@ -143,6 +143,8 @@ class Trainer:
                   f"precision={cfg.precision}, out={out}", flush=True)
         tokens_per_step = t.batch_size * t.seq_len
         first = int(self.state["step"])
+        if first >= steps and primary:
+            print(f"already at step {first} of {steps}: nothing to train (raise --steps, or --resume never)", flush=True)
         preempted = threading.Event()
         handlers = {}
         if threading.current_thread() is threading.main_thread():
