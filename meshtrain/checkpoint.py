@@ -35,9 +35,6 @@ class Checkpointer:
         """Block until every started save is durable on disk."""
         self.manager.wait_until_finished()
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
     def restore(self, step: int, abstract_state):
         """Restore `step` into the shardings carried by `abstract_state` (jax.ShapeDtypeStructs)."""
         restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -62,16 +59,21 @@ def resolve_resume(resume: str, out_dir: Path) -> tuple[Path | None, int | None]
         return None, None
     if resume == "auto":
         root = out_dir / "checkpoints"
-        if not root.is_dir():
-            return None, None
-        steps = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
-        return (root, steps[-1]) if steps else (None, None)
+        step = _latest_complete_step(root)
+        return (root, step) if step is not None else (None, None)
     path = Path(resume)
     if path.is_dir() and path.name.isdigit():
         return path.parent, int(path.name)
-    if path.is_dir():
-        steps = sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
-        if steps:
-            return path, steps[-1]
+    step = _latest_complete_step(path)
+    if step is not None:
+        return path, step
     raise UserError(f"checkpoint.resume={resume!r} is not a checkpoint folder; pass <out>/checkpoints or "
                     f"<out>/checkpoints/<step>, or auto / never")
+
+
+def _latest_complete_step(root: Path) -> int | None:
+    """Newest step folder under `root`; Orbax's in-progress saves carry a non-numeric tmp suffix."""
+    if not root.is_dir():
+        return None
+    steps = [int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max(steps, default=None)

@@ -18,7 +18,6 @@ import contextvars
 import math
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.config import UserError
@@ -176,9 +175,3 @@ def check_divisibility(cfg, sizes: dict[str, int]) -> None:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by data x fsdp ({dp}) x "
                         f"train.microbatches ({t.microbatches}); use a multiple of {dp * t.microbatches}")
 
-
-def bytes_per_device(tree, shardings) -> int:
-    """Bytes one device holds for a placed tree (largest shard per leaf)."""
-    leaves = jax.tree.leaves(tree)
-    shards = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
-    return int(sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(leaves, shards)))

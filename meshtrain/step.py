@@ -74,8 +74,3 @@ def make_train_step(model, tx, schedule, precision: str, microbatches: int, grad
         return new_state, {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
 
     return train_step
-
-
-def make_eval_step(model, precision: str):
-    loss_fn = make_loss_fn(model, precision)
-    return lambda params, tokens_BxL1: loss_fn(params, tokens_BxL1)

@@ -19,7 +19,7 @@ from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_device
 from meshtrain.metrics import MetricsLog, flops_per_token, mfu, peak_flops
 from meshtrain.sharding import (activation_rules, check_divisibility, check_replication, make_rules, spec_for,
                                 state_shardings)
-from meshtrain.step import lr_schedule, make_eval_step, make_optimizer, make_train_step
+from meshtrain.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
 from models import LanguageModel
 
 
@@ -86,7 +86,7 @@ class Trainer:
             self.compiled_step = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
                                          out_shardings=(self.state_shardings, replicated),
                                          donate_argnums=0).lower(abstract_state, abstract_batch).compile()
-            self.eval_step = jax.jit(make_eval_step(self.model, cfg.precision),
+            self.eval_step = jax.jit(make_loss_fn(self.model, cfg.precision),
                                      in_shardings=(self.state_shardings["params"], self.batch_sharding),
                                      out_shardings=replicated)
         self.num_params = self.model.num_params(abstract_params)
