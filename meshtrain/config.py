@@ -77,12 +77,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    # A step with a NaN/Inf loss or gradient never updates the state; after this many in a row the
+    # run rolls back to the last checkpoint and skips the offending batches.
+    max_consecutive_bad: int = 3
+    max_rollbacks: int = 3  # then stop with an error: the run is diverging, not unlucky
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     mesh: str = "data=-1"  # "8x8x4" (data x fsdp x tensor [x pipeline]) or "data=2,fsdp=4"
     devices: int = 0  # >0: simulate this many CPU devices when no accelerator is present
     zero: int = 1  # what the `data` axis shards: 1 opt state, 2 + grads, 3 + params
@@ -205,6 +214,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise UserError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+    if cfg.guard.max_consecutive_bad < 1 or cfg.guard.max_rollbacks < 0:
+        raise UserError("guard.max_consecutive_bad must be >= 1 and guard.max_rollbacks >= 0")
     if cfg.data.kind == "synthetic" and cfg.data.path:
         raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
     if not 0 <= cfg.data.val_fraction < 1:

@@ -84,8 +84,14 @@ def launched_by_cluster() -> bool:
 
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None) -> None:
-    """Join the multi-controller runtime: explicit flags, or SLURM / Open MPI / Kubernetes env."""
+                     process_id: int | None = None, heartbeat_timeout_s: int = 100,
+                     init_timeout_s: int = 300) -> None:
+    """Join the multi-controller runtime: explicit flags, or SLURM / Open MPI / Kubernetes env.
+
+    When a process dies, the coordination service notices its missing heartbeats within
+    `heartbeat_timeout_s` and terminates the others with an error naming it: never a hang.
+    `init_timeout_s` bounds the wait for all processes to join.
+    """
     import jax
 
     explicit = coordinator is not None
@@ -95,10 +101,11 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         raise UserError("--coordinator needs --num-processes and --process-id too")
     # On CPU the cross-process collectives go through gloo (a real multi-host test on one machine).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = {"initialization_timeout": init_timeout_s, "heartbeat_timeout_seconds": heartbeat_timeout_s}
     if explicit:
-        jax.distributed.initialize(coordinator, num_processes, process_id)
+        jax.distributed.initialize(coordinator, num_processes, process_id, **timeouts)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
 
 
 def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):

@@ -73,8 +73,12 @@ class MetricsLog:
 def format_record(r: dict) -> str:
     if "eval_loss" in r:
         return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}"
+    if "checkpoint_blocking_s" in r:
+        return f"step {r['step']:>6}  checkpoint started (blocked the loop {r['checkpoint_blocking_s'] * 1e3:.1f}ms)"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
              f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
     if r.get("mfu") is not None:
         parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device)")
     return "  ".join(parts)

@@ -123,7 +123,8 @@ def check_replication(abstract_params, logical_axes, rules, mesh, zero: int) -> 
 
 
 def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
-    """NamedShardings for {'step', 'params', 'opt_state'} and the PartitionSpecs for gradients."""
+    """NamedShardings for the train state (params, opt_state and replicated scalar counters) and the
+    PartitionSpecs for gradients."""
     params = abstract_state["params"]
     param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "params"))
     opt_param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "opt_state"))
@@ -134,7 +135,8 @@ def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
                                       transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                        is_leaf=lambda x: isinstance(x, P))
-    shardings = {"step": NamedSharding(mesh, P()), "params": named(param_specs), "opt_state": named(opt_specs)}
+    shardings = {key: NamedSharding(mesh, P()) for key in abstract_state}  # scalar counters
+    shardings.update(params=named(param_specs), opt_state=named(opt_specs))
     return shardings, grad_specs
 
 

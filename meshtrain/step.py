@@ -1,5 +1,6 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
-AdamW. The state is {'step', 'params', 'opt_state'}; the batch is [batch, seq_len + 1] tokens."""
+nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps'}; the batch
+is [batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
 import jax
@@ -69,8 +70,16 @@ def make_train_step(model, tx, schedule, precision: str, microbatches: int, grad
         grads = pin_grads(grads)  # ZeRO-2/3: sharded over `data`, so XLA reduce-scatters
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
+        # if any gradient element is), but the step still advances so the next batch is new.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = {"step": state["step"] + 1,
+                     "params": keep_if_bad(optax.apply_updates(params, updates), params),
+                     "opt_state": keep_if_bad(opt_state, state["opt_state"]),
+                     "skipped_steps": state["skipped_steps"] + (~finite).astype(jnp.int32)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite,
+                   "skipped_steps": new_state["skipped_steps"]}
+        return new_state, metrics
 
     return train_step

@@ -28,6 +28,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", help="multi-host: coordinator host:port (else SLURM/Open MPI/K8s env)")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
+    p.add_argument("--heartbeat-timeout", type=int, default=100, metavar="SECONDS",
+                   help="multi-host: when a process dies, the others stop with an error after this long")
+    p.add_argument("--init-timeout", type=int, default=300, metavar="SECONDS",
+                   help="multi-host: how long to wait for every process to join")
     return p
 
 
@@ -42,7 +46,8 @@ def main(argv=None) -> int:
 
         if cfg.devices:
             simulate_cpu_devices(cfg.devices)
-        init_distributed(args.coordinator, args.num_processes, args.process_id)
+        init_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
+                         args.init_timeout)
         from meshtrain.trainer import Trainer
 
         Trainer(cfg).fit()

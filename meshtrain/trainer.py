@@ -3,6 +3,7 @@ compiled step, trains, and returns the metric history. The CLI is a thin layer o
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,9 +64,11 @@ class Trainer:
 
         def init_state(key):
             params = self.model.init(key)
-            return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+            zero = jnp.zeros((), jnp.int32)
+            return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero}
 
         abstract_state = jax.eval_shape(init_state, key)
+        self.abstract_state = abstract_state
         self.state_shardings, self.grad_specs = state_shardings(abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, cfg.zero, self.tx)
         replicated = NamedSharding(self.mesh, P())
@@ -75,10 +78,13 @@ class Trainer:
         self.out = Path(cfg.out)
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
         self.resumed_from = None
+        self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
+        self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
+        self.rollbacks = 0
         with self.context():
-            resume_root, resume_step = resolve_resume(cfg.checkpoint.resume, self.out)
-            if resume_step is not None:
-                self.state = self._restore(resume_root, resume_step, abstract_state)
+            resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
+            if resume_steps:
+                self.state = self._restore(resume_root, resume_steps)
             else:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(init_state, out_shardings=self.state_shardings)(key)
@@ -95,18 +101,37 @@ class Trainer:
         self.flops_per_token = flops_per_token(matmul_params, m.num_layers, m.d_model, t.seq_len)
         self.peak = peak_flops(self.mesh.devices.flat[0].device_kind)
 
-    def _restore(self, root: Path, step: int, abstract_state):
-        """Read a checkpoint straight into this mesh's shardings (elastic: any saved mesh works)."""
+    def _restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
+        """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
+        (elastic: any saved mesh works)."""
         reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
-        state, meta = reader.restore(step, abstract_like(abstract_state, self.state_shardings))
+        model = to_dict(self.cfg)["model"]
+
+        def same_model(meta):
+            if meta["config"]["model"] != model:
+                raise UserError(f"checkpoint in {root} was saved for a different model ({meta['config']['model']}); "
+                                f"use its model config, or pass --resume never to start fresh")
+
+        step, state, meta = reader.restore_latest_intact(
+            steps, abstract_like(self.abstract_state, self.state_shardings), same_model)
         self.resumed_from = reader.path(step)
+        self.skip_batches = sorted(set(self.skip_batches) | set(meta.get("skip_batches", [])))
         if jax.process_index() == 0:
-            print(f"resumed from step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
+            print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
         return state
+
+    def batch_index(self, step: int) -> int:
+        """The data batch of `step`: the step-th batch index, counting from 0, that is not skipped."""
+        index = step
+        for skipped in self.skip_batches:  # sorted
+            if skipped > index:
+                break
+            index += 1
+        return index
 
     def save_checkpoint(self, wait: bool = False) -> Path:
         self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(self.sizes),
-                                            "devices": self.mesh.size})
+                                            "devices": self.mesh.size, "skip_batches": self.skip_batches})
         if wait:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))
@@ -162,10 +187,20 @@ class Trainer:
     def _loop(self, first, steps, log, tokens_per_step, preempted):
         t, every = self.cfg.train, self.cfg.checkpoint.every
         last_time, last_step = time.perf_counter(), first
+        k, unchecked = first, None  # unchecked: (step, metrics) not yet judged by the nonfinite guard
         with self.context():
-            for k in range(first, steps):
-                self.state, metrics = self.compiled_step(self.state, self.train_batches(k))
-                done = k + 1
+            while k < steps or unchecked is not None:
+                if k < steps:
+                    self.state, metrics = self.compiled_step(self.state, self.train_batches(self.batch_index(k)))
+                # Judge the previous step only now, so the host never waits for the step it just dispatched.
+                if unchecked is not None and self._guard(*unchecked):
+                    k, unchecked = int(self.state["step"]), None  # rolled back: the step in flight is dropped
+                    last_time, last_step = time.perf_counter(), k
+                    continue
+                if k >= steps:
+                    break
+                k = done = k + 1
+                unchecked = (done, metrics)
                 if done % t.log_every == 0 or done == steps:
                     metrics = jax.device_get(metrics)  # waits for the step
                     now = time.perf_counter()
@@ -173,7 +208,8 @@ class Trainer:
                     tps = tokens_per_step / dt
                     util = mfu(tps, self.flops_per_token, self.mesh.size, self.peak)
                     record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                              "lr": float(metrics["lr"]), "tokens_per_sec": tps, "step_time_s": dt}
+                              "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
+                              "tokens_per_sec": tps, "step_time_s": dt}
                     if util is not None:
                         record.update(mfu=util, tflops_per_device=tps * self.flops_per_token / self.mesh.size / 1e12)
                     log.write(record)
@@ -184,7 +220,12 @@ class Trainer:
                         log.write({"step": done, "eval_loss": eval_loss})
                     last_time = time.perf_counter()
                 if every and done % every == 0 and done != steps:
-                    self.save_checkpoint()  # async: training goes on while it is written
+                    # Async: the loop waits only for the device-to-host copy (and the checksums).
+                    jax.block_until_ready(self.state)
+                    started = time.perf_counter()
+                    self.save_checkpoint()
+                    log.write({"step": done, "checkpoint_blocking_s": time.perf_counter() - started})
+                    last_time += time.perf_counter() - started
                 if preempted.is_set():
                     path = self.save_checkpoint(wait=True)
                     self.preempted = True
@@ -193,3 +234,33 @@ class Trainer:
                     return
             if steps > first:
                 self.save_checkpoint(wait=True)
+
+    def _guard(self, step: int, metrics) -> bool:
+        """Count a nonfinite step (its update was already skipped inside the step); after
+        guard.max_consecutive_bad in a row, roll back to the last checkpoint. True if rolled back."""
+        if bool(metrics["finite"]):
+            self.bad_batches = []
+            return False
+        self.bad_batches.append(self.batch_index(step - 1))
+        bad, g = len(self.bad_batches), self.cfg.guard
+        if jax.process_index() == 0:
+            print(f"warning: step {step}: loss or gradients are NaN/Inf; update skipped ({bad} in a row)",
+                  file=sys.stderr, flush=True)
+        if bad < g.max_consecutive_bad:
+            return False
+        self.checkpointer.wait()
+        steps = self.checkpointer.steps()
+        if not steps or self.rollbacks >= g.max_rollbacks:
+            path = self.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
+            why = "no checkpoint to roll back to" if not steps else f"still diverging after {self.rollbacks} rollbacks"
+            raise UserError(f"{bad} NaN/Inf steps in a row at step {step}, {why}; state saved to {path}; "
+                            f"lower optim.lr or check the data, then rerun to resume")
+        self.state = self._restore(self.checkpointer.directory, steps,
+                                   verb=f"guard: {bad} NaN/Inf steps in a row; rolled back to")
+        resume_index = self.batch_index(int(self.state["step"]))
+        skipped = [b for b in self.bad_batches if b >= resume_index]  # earlier ones precede the checkpoint
+        self.skip_batches = sorted(set(self.skip_batches) | set(skipped))
+        if jax.process_index() == 0:
+            print(f"guard: skipping batches {skipped}", flush=True)
+        self.bad_batches, self.rollbacks = [], self.rollbacks + 1
+        return True

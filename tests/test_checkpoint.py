@@ -1,4 +1,5 @@
-"""Checkpoints: exact continuation after SIGKILL, elastic resume on another mesh, SIGTERM."""
+"""Checkpoints: exact continuation after SIGKILL, elastic resume on another mesh, damaged
+checkpoints, SIGTERM."""
 import json
 import signal
 import subprocess
@@ -63,6 +64,41 @@ def test_sigkill_then_rerun_continues_bitwise_and_elastic_resume(tmp_path):
     moved = losses(elastic)
     assert sorted(moved) == list(range(9, STEPS + 1))
     np.testing.assert_allclose([moved[s] for s in moved], [reference[s] for s in moved], rtol=1e-5)
+
+
+def largest_file(checkpoint):
+    return max((f for f in (checkpoint / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def test_damaged_checkpoints_fall_back_with_a_warning_or_fail_clearly(tmp_path):
+    full = tmp_path / "full"
+    run(train_cmd(full, "--devices", "8", "--mesh", "fsdp=8"))
+    reference = losses(full)
+    ckpts = full / "checkpoints"
+    assert all((ckpts / str(s) / "meshtrain_manifest.json").is_file() for s in (4, 8, 12))
+    largest_file(ckpts / "12").write_bytes(b"truncated")  # caught by the manifest's sizes
+    flipped = largest_file(ckpts / "8")
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 1  # one flipped bit: caught by the checksums
+    flipped.write_bytes(bytes(data))
+
+    proc = subprocess.run(train_cmd(full, "--devices", "8", "--mesh", "fsdp=8"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"warning: checkpoint {ckpts / '12'} is damaged (file state/" in proc.stderr
+    assert f"warning: checkpoint {ckpts / '8'} is damaged (checksums of the restored arrays differ" in proc.stderr
+    assert "resumed from step 4" in proc.stdout
+    assert (ckpts / "12.damaged").is_dir() and (ckpts / "8.damaged").is_dir()  # kept for inspection
+    retrained = losses(full)  # the rerun rewrote steps 5-12: the same losses
+    assert all(retrained[s] == reference[s] for s in range(5, STEPS + 1))
+
+    for step in (4, 8, 12):
+        largest_file(ckpts / str(step)).unlink()
+    proc = subprocess.run(train_cmd(full, "--devices", "8", "--mesh", "fsdp=8", "--steps", "16"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: no intact checkpoint in {ckpts} (damaged: 12, 8, 4); pass --resume never to start fresh")
 
 
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):

@@ -1,0 +1,82 @@
+"""Nonfinite guard: a NaN/Inf step updates nothing and is counted; a run of them rolls back to the
+last checkpoint and skips the offending batches, reproducing a run that never saw them."""
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from meshtrain.config import UserError
+from meshtrain.metrics import MetricsLog
+from meshtrain.trainer import Trainer
+
+STEPS, BAD = 10, (5, 6)  # batches 5 and 6 (steps 6 and 7) are poisoned
+
+
+def poison(trainer, bad_batches):
+    """Feed a token id outside the vocabulary in the given batches: the embedding lookup turns it
+    into NaN, as a corrupt shard of data would."""
+    clean = trainer.train_batches
+
+    def batches(index):
+        batch = clean(index)
+        if index not in bad_batches:
+            return batch
+        tokens = np.array(batch)
+        tokens[0, 0] = trainer.cfg.model.vocab_size
+        return jax.device_put(tokens, trainer.batch_sharding)
+
+    trainer.train_batches = batches
+    return trainer
+
+
+def fit(trainer, steps):
+    history = trainer.fit(steps, log=MetricsLog("/tmp/meshtrain-tests", primary=False))
+    return {r["step"]: r["loss"] for r in history if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def never_saw_bad_batches():
+    """The run the guard must reproduce: batches 5 and 6 skipped from the start."""
+    trainer = Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}"))
+    trainer.skip_batches = list(BAD)
+    losses = fit(trainer, STEPS)
+    return trainer, losses, jax.device_get(trainer.state["params"])
+
+
+def test_nonfinite_step_leaves_params_and_optimizer_unchanged(never_saw_bad_batches):
+    trainer, _, _ = never_saw_bad_batches
+    before = jax.device_get(trainer.state)
+    tokens = np.array(trainer.train_batches(0))
+    tokens[3, 2] = trainer.cfg.model.vocab_size
+    state, metrics = trainer.compiled_step(trainer.state, jax.device_put(tokens, trainer.batch_sharding))
+    after = jax.device_get(state)
+    assert not bool(metrics["finite"]) and not np.isfinite(float(metrics["loss"]))
+    assert int(metrics["skipped_steps"]) == int(before["skipped_steps"]) + 1
+    assert int(after["step"]) == int(before["step"]) + 1  # the data position still advances
+    for key in ("params", "opt_state"):
+        for a, b in zip(jax.tree.leaves(before[key]), jax.tree.leaves(after[key])):
+            np.testing.assert_array_equal(a, b)
+    trainer.state = state
+
+
+def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_bad_batches, capsys, tmp_path):
+    _, reference_losses, reference_params = never_saw_bad_batches
+    trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
+                                         "guard.max_consecutive_bad=2", out=str(tmp_path))), set(BAD))
+    losses = fit(trainer, STEPS)
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "guard: 2 NaN/Inf steps in a row; rolled back to step 4" in captured.out
+    assert "warning: step 6: loss or gradients are NaN/Inf; update skipped (1 in a row)" in err
+    assert "(2 in a row)" in err
+    assert trainer.skip_batches == list(BAD) and trainer.rollbacks == 1
+    for step in range(5, STEPS + 1):  # after the rollback to step 4: bitwise the clean run
+        assert losses[step] == reference_losses[step], step
+    for a, b in zip(jax.tree.leaves(jax.device_get(trainer.state["params"])), jax.tree.leaves(reference_params)):
+        np.testing.assert_array_equal(a, b)
+
+    # A run that keeps diverging after guard.max_rollbacks stops with an error, its state saved.
+    trainer.cfg.guard.max_rollbacks = 1
+    poison(trainer, set(range(STEPS, STEPS + 100)))
+    with pytest.raises(UserError, match="still diverging after 1 rollbacks; state saved to"):
+        fit(trainer, STEPS + 6)

@@ -1,0 +1,71 @@
+"""Real multi-host: 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed + gloo) train the same
+run as 1 process with 8 devices; only process 0 logs; the checkpoint they write together restores in
+one process; when one process dies the other stops with an error within the heartbeat bound."""
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from conftest import ROOT, TINY, tiny_config
+from meshtrain.checkpoint import Checkpointer, abstract_like
+from meshtrain.metrics import MetricsLog
+from meshtrain.trainer import Trainer
+
+OVERRIDES = ("mesh=2x2x2", "zero=0", "train.steps=1000")
+HEARTBEAT_S, EXIT_BOUND_S = 10, 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_then_survivor_exits_when_peer_dies(tmp_path):
+    out, port = tmp_path / "run", free_port()
+    sets = [arg for o in OVERRIDES for arg in ("--set", o)]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "meshtrain.train", "--config", TINY, "--devices", "4", *sets, "--out", str(out),
+         "--set", "checkpoint.every=5", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT_S)],
+        cwd=ROOT, stdout=open(tmp_path / f"p{i}.out", "w"), stderr=open(tmp_path / f"p{i}.err", "w"))
+        for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / "5").is_dir() and time.time() < deadline:
+            assert all(p.poll() is None for p in procs), (tmp_path / "p0.err").read_text()[-3000:]
+            time.sleep(0.2)
+        assert (out / "checkpoints" / "5").is_dir()
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        procs[0].wait(timeout=EXIT_BOUND_S + 60)
+        survivor_exit_s = time.time() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
+    print(f"survivor exited {survivor_exit_s:.1f}s after its peer was killed (heartbeat timeout {HEARTBEAT_S}s)")
+    assert procs[0].returncode != 0 and survivor_exit_s < EXIT_BOUND_S
+
+    # Only process 0 logs, once per step; its losses are the 1-process 8-device run's.
+    assert "step      1  loss" in (tmp_path / "p0.out").read_text()
+    assert "loss" not in (tmp_path / "p1.out").read_text()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[:5] == [1, 2, 3, 4, 5]
+    two_process = [r["loss"] for r in records if "loss" in r][:5]
+    one_process = Trainer(tiny_config(*OVERRIDES))
+    history = one_process.fit(5, log=MetricsLog("/tmp/meshtrain-tests", primary=False))
+    np.testing.assert_allclose(two_process, [r["loss"] for r in history if "loss" in r], rtol=1e-6)
+
+    # The checkpoint both processes wrote restores in one process, onto its mesh.
+    state, meta = Checkpointer(out / "checkpoints", keep=10).restore(
+        5, abstract_like(one_process.abstract_state, one_process.state_shardings))
+    assert meta["devices"] == 8 and int(state["step"]) == 5
+    for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])),
+                    jax.tree.leaves(jax.device_get(one_process.state["params"]))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
