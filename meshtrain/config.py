@@ -77,6 +77,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class PipelineConfig:
+    # Used when the mesh's pipeline axis is > 1; see README "Pipeline parallelism".
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    microbatches: int = 0  # >= pipeline stages; 0 -> 2 x stages
+    virtual_stages: int = 1  # chunks of layers per device (interleaved only)
+
+
+@dataclass
 class GuardConfig:
     # A step with a NaN/Inf loss or gradient never updates the state; after this many in a row the
     # run rolls back to the last checkpoint and skips the offending batches.
@@ -92,6 +100,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     mesh: str = "data=-1"  # "8x8x4" (data x fsdp x tensor [x pipeline]) or "data=2,fsdp=4"
     devices: int = 0  # >0: simulate this many CPU devices when no accelerator is present
     zero: int = 1  # what the `data` axis shards: 1 opt state, 2 + grads, 3 + params
@@ -103,6 +112,7 @@ class Config:
 CHOICES = {
     "model.attention": ("xla", "cudnn"),
     "model.remat": ("none", "full", "save_matmuls", "offload"),
+    "pipeline.schedule": ("gpipe", "1f1b", "interleaved"),
     "data.kind": ("auto", "text", "tokens", "synthetic", "stdlib"),
     "precision": ("fp32", "bf16"),
     "zero": (0, 1, 2, 3),
@@ -214,6 +224,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise UserError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+    if cfg.pipeline.microbatches < 0 or cfg.pipeline.virtual_stages < 1:
+        raise UserError("pipeline.microbatches must be >= 0 (0 = 2 x stages) and pipeline.virtual_stages >= 1")
     if cfg.guard.max_consecutive_bad < 1 or cfg.guard.max_rollbacks < 0:
         raise UserError("guard.max_consecutive_bad must be >= 1 and guard.max_rollbacks >= 0")
     if cfg.data.kind == "synthetic" and cfg.data.path:

@@ -31,7 +31,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
-    "layers": (),
+    "layers": ("pipeline",),  # each pipeline stage holds its own layers
 }
 
 # Largest share of parameter bytes allowed to stay replicated where the rules say to shard.
@@ -153,6 +153,22 @@ def activation_rules(rules, mesh):
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def manual_axes_rules(manual: set[str]):
+    """Inside `jax.shard_map` over `manual` axes: activations are constrained over the other axes only."""
+    active = _ACTIVE.get()
+    if active is None:
+        yield
+        return
+    rules, mesh = active
+    rules = {k: tuple(a for a in v if a not in manual) for k, v in rules.items()}
+    token = _ACTIVE.set((rules, jax.sharding.get_abstract_mesh()))  # the mesh that knows which axes are manual
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def constrain(x, names):
     """Pin an activation's layout by logical names; a no-op outside `activation_rules`."""
     active = _ACTIVE.get()
@@ -164,16 +180,32 @@ def constrain(x, names):
 
 def check_divisibility(cfg, sizes: dict[str, int]) -> None:
     """Mesh-dependent checks, before anything is compiled."""
-    m, t = cfg.model, cfg.train
-    if sizes["pipeline"] > 1:
-        raise UserError(f"pipeline={sizes['pipeline']}: pipeline schedules are not implemented yet; "
-                        f"use pipeline=1 and put those devices on data, fsdp or tensor")
+    m, t, pp = cfg.model, cfg.train, cfg.pipeline
+    stages = sizes["pipeline"]
+    micro = t.microbatches
+    if stages > 1:
+        from meshtrain.schedules import check
+
+        micro = pipeline_microbatches(cfg, stages)
+        check(pp.schedule, stages, micro, pp.virtual_stages)
+        if t.microbatches != 1:
+            raise UserError(f"train.microbatches={t.microbatches} with pipeline={stages}: the pipeline splits the "
+                            f"batch itself; set pipeline.microbatches={t.microbatches} and train.microbatches=1")
+        if m.num_layers % (stages * pp.virtual_stages):
+            raise UserError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
+                            f"pipeline.virtual_stages ({pp.virtual_stages})")
     tp = sizes["tensor"]
     for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
         if value % tp:
             raise UserError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
     dp = sizes["data"] * sizes["fsdp"]
-    if t.batch_size % (dp * t.microbatches):
+    if t.batch_size % (dp * micro):
+        which = "pipeline.microbatches" if stages > 1 else "train.microbatches"
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by data x fsdp ({dp}) x "
-                        f"train.microbatches ({t.microbatches}); use a multiple of {dp * t.microbatches}")
+                        f"{which} ({micro}); use a multiple of {dp * micro}")
+
+
+def pipeline_microbatches(cfg, stages: int) -> int:
+    """pipeline.microbatches, where 0 means twice the number of stages."""
+    return cfg.pipeline.microbatches or 2 * stages
 

@@ -29,7 +29,11 @@ def make_optimizer(ocfg, total_steps: int, logical_axes):
 
 
 def cross_entropy(logits_BxLxV, targets_BxL):
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV.astype(jnp.float32), targets_BxL).mean()
+    """Mean next-token loss. The target logit is picked with a one-hot product, not a gather, so a
+    vocabulary split over `tensor` stays split (XLA's gather partitioning fails inside pipeline stages)."""
+    logits = logits_BxLxV.astype(jnp.float32)
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets_BxL, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return (jax.nn.logsumexp(logits, axis=-1) - target_logit).mean()
 
 
 def make_loss_fn(model, precision: str):
@@ -47,11 +51,17 @@ def split_microbatches(tokens_BxL1, num_micro: int):
     return tokens_BxL1.reshape(B // num_micro, num_micro, -1).swapaxes(0, 1)
 
 
-def make_train_step(model, tx, schedule, precision: str, microbatches: int, grad_specs, mesh):
+def make_train_step(model, tx, schedule, precision: str, microbatches: int, grad_specs, mesh, pipeline=None):
+    """`pipeline`: None, or (schedule, microbatches, virtual_stages, data_manual) to run the stacked
+    layers as pipeline stages over the mesh's `pipeline` axis (meshtrain/pipeline.py)."""
     loss_fn = make_loss_fn(model, precision)
     grad_fn = jax.value_and_grad(loss_fn)
     pin_grads = lambda g: jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
                                        g, grad_specs)
+    if pipeline is not None:
+        from meshtrain.pipeline import make_pipeline_grads
+
+        grad_fn = make_pipeline_grads(model, precision, mesh, *pipeline)
 
     def train_step(state, tokens_BxL1):
         params = state["params"]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -18,7 +20,9 @@ from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.config import Config, UserError, to_dict, validate
 from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import MetricsLog, flops_per_token, mfu, peak_flops
-from meshtrain.sharding import (activation_rules, check_divisibility, check_replication, make_rules, spec_for,
+from meshtrain.pipeline import layer_order
+from meshtrain.sharding import (activation_rules, check_divisibility, check_replication, make_rules,
+                                pipeline_microbatches, spec_for,
                                 state_shardings)
 from meshtrain.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
 from models import LanguageModel
@@ -62,8 +66,15 @@ class Trainer:
         self.schedule = lr_schedule(cfg.optim, t.steps)
         self.tx = make_optimizer(cfg.optim, t.steps, self.logical_axes)
 
+        stages, virtual = self.sizes["pipeline"], cfg.pipeline.virtual_stages if self.sizes["pipeline"] > 1 else 1
+        self.layer_order = layer_order(cfg.model.num_layers, stages, virtual)
+        pipeline = None
+        if stages > 1:  # data is manual too when params are replicated over it: one gradient reduction per step
+            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.zero <= 1)
+
         def init_state(key):
             params = self.model.init(key)
+            params["blocks"] = jax.tree.map(lambda p: p[self.layer_order], params["blocks"])  # storage order
             zero = jnp.zeros((), jnp.int32)
             return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero}
 
@@ -73,7 +84,7 @@ class Trainer:
                                                                 self.mesh, cfg.zero, self.tx)
         replicated = NamedSharding(self.mesh, P())
         step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches,
-                                  self.grad_specs, self.mesh)
+                                  self.grad_specs, self.mesh, pipeline)
         abstract_batch = jax.ShapeDtypeStruct(self.train_batches.shape, jnp.int32, sharding=self.batch_sharding)
         self.out = Path(cfg.out)
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
@@ -92,7 +103,10 @@ class Trainer:
             self.compiled_step = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
                                          out_shardings=(self.state_shardings, replicated),
                                          donate_argnums=0).lower(abstract_state, abstract_batch).compile()
-            self.eval_step = jax.jit(make_loss_fn(self.model, cfg.precision),
+            eval_loss = make_loss_fn(self.model, cfg.precision)
+            model_order = np.argsort(self.layer_order)
+            in_model_order = lambda params: {**params, "blocks": jax.tree.map(lambda p: p[model_order], params["blocks"])}
+            self.eval_step = jax.jit(lambda params, tokens: eval_loss(in_model_order(params), tokens),
                                      in_shardings=(self.state_shardings["params"], self.batch_sharding),
                                      out_shardings=replicated)
         self.num_params = self.model.num_params(abstract_params)
@@ -114,11 +128,35 @@ class Trainer:
 
         step, state, meta = reader.restore_latest_intact(
             steps, abstract_like(self.abstract_state, self.state_shardings), same_model)
+        saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
+        if not np.array_equal(saved_order, self.layer_order):
+            state = self._reorder_layers(state, saved_order)
         self.resumed_from = reader.path(step)
         self.skip_batches = sorted(set(self.skip_batches) | set(meta.get("skip_batches", [])))
         if jax.process_index() == 0:
             print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
         return state
+
+    def _reorder_layers(self, state, saved_order):
+        """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
+        device's chunks together) into this run's."""
+        rows = np.argsort(saved_order)[self.layer_order]
+        move = lambda x, names: x[rows] if names and names[0] == "layers" else x
+        is_names = lambda n: isinstance(n, tuple)
+
+        def reorder(state):
+            params = jax.tree.map(move, state["params"], self.logical_axes, is_leaf=is_names)
+            opt_state = optax.tree_map_params(self.tx, move, state["opt_state"], self.logical_axes,
+                                              transform_non_params=lambda x: x, is_leaf=is_names)
+            return {**state, "params": params, "opt_state": opt_state}
+
+        return jax.jit(reorder, out_shardings=self.state_shardings)(state)
+
+    def unpermuted_params(self):
+        """The parameters with the stacked layers in model order (as a single device holds them)."""
+        params = jax.device_get(self.state["params"])
+        params["blocks"] = jax.tree.map(lambda p: p[np.argsort(self.layer_order)], params["blocks"])
+        return params
 
     def batch_index(self, step: int) -> int:
         """The data batch of `step`: the step-th batch index, counting from 0, that is not skipped."""
@@ -131,7 +169,8 @@ class Trainer:
 
     def save_checkpoint(self, wait: bool = False) -> Path:
         self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(self.sizes),
-                                            "devices": self.mesh.size, "skip_batches": self.skip_batches})
+                                            "devices": self.mesh.size, "skip_batches": self.skip_batches,
+                                            "layer_order": self.layer_order.tolist()})
         if wait:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))

@@ -5,6 +5,14 @@ os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One compilation cache per test session, shared with the CLI subprocesses: tests that compile the
+# same program (a rerun after SIGKILL, a resume) load it instead of compiling it again.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtrain-jax-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from pathlib import Path  # noqa: E402
 

@@ -10,8 +10,10 @@ def test_microbatches_match_one_large_batch():
     _, big_losses, big_params = run_tiny(*common, devices=jax.devices()[:2])
     _, acc_losses, acc_params = run_tiny(*common, "train.microbatches=4", devices=jax.devices()[:2])
     np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-6)
+    # Accumulating changes the summation order; Adam divides by sqrt(v), so for a near-zero gradient
+    # that rounding moves the update by a visible fraction of lr = 3e-3: compare to 1e-4.
     for a, b in zip(jax.tree.leaves(acc_params), jax.tree.leaves(big_params)):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, b, atol=1e-4)
 
 
 def test_microbatch_split_spans_every_data_shard():

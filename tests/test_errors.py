@@ -14,7 +14,7 @@ BAD_INPUTS = [
     (["--mesh", "data=2,tensor=4", "--set", "model.num_kv_heads=2"], "num_kv_heads=2 is not divisible by tensor=4"),
     (["--mesh", "data=8", "--batch-size", "12"], "batch_size=12 is not divisible by data x fsdp (8)"),
     (["--data", "/nonexistent/corpus.txt"], "data path '/nonexistent/corpus.txt' does not exist"),
-    (["--mesh", "2x1x1x4"], "pipeline=4: pipeline schedules are not implemented yet"),
+    (["--mesh", "2x1x1x4", "--set", "pipeline.microbatches=2"], "pipeline.microbatches=2 is fewer than the 4 pipeline stages"),
     (["--set", "model.width=64"], "unknown config key 'model.width'"),
     (["--set", "precision=fp8"], "precision='fp8' is not one of fp32, bf16"),
     (["--set", "train.steps=many"], "train.steps='many' is not a valid int"),

@@ -76,5 +76,5 @@ def test_untied_head_and_logical_axes():
     axes = model.logical_axes(params)
     assert axes["lm_head"] == ("embed", "vocab")
     assert axes["blocks"]["wq"] == ("layers", "embed", "heads", "head_dim")
-    assert params["blocks"]["wq"].shape == (2, 32, 8, 8)
-    assert params["blocks"]["wk"].shape == (2, 32, 4, 8)
+    assert params["blocks"]["wq"].shape == (4, 32, 8, 8)
+    assert params["blocks"]["wk"].shape == (4, 32, 4, 8)

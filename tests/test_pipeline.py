@@ -1,0 +1,152 @@
+"""Pipeline parallelism: schedule tables, parity with one device for every schedule on 2 and 4
+stages alone and combined with data/fsdp/tensor, memory that does (GPipe) or does not (1F1B) grow
+with microbatches, and the CLI."""
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, TINY, run_tiny
+from meshtrain.config import UserError
+from meshtrain.schedules import Action, executor_tables, timetable
+
+# ---- tables ----
+TABLES = [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
+          ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 12, 3)]
+
+
+@pytest.mark.parametrize("schedule,stages,micro,virtual", TABLES)
+def test_timetable_runs_each_action_once_in_dependency_order(schedule, stages, micro, virtual):
+    tt = timetable(schedule, stages, micro, virtual)
+    when = tt.when()
+    expected = {(s, Action(k, m, v)) for s in range(stages) for m in range(micro) for v in range(virtual) for k in "FB"}
+    assert set(when) == expected and len(when) == sum(a is not None for row in tt.ticks for a in row)
+    for s in range(stages):
+        for m in range(micro):
+            for v in range(virtual):
+                f, b = when[(s, Action("F", m, v))], when[(s, Action("B", m, v))]
+                assert f < b
+                if s + 1 < stages:  # backward never precedes the next stage's backward
+                    assert when[(s + 1, Action("B", m, v))] < b and f < when[(s + 1, Action("F", m, v))]
+    assert tt.bubble == pytest.approx(tt.bubble_formula, abs=1e-12)  # (S-1)/(V*M+S-1)
+    if schedule == "1f1b":
+        assert max(tt.in_flight()) <= stages
+    if schedule == "gpipe":
+        assert max(tt.in_flight()) == micro
+
+
+def test_1f1b_buffers_do_not_grow_with_microbatches():
+    assert int(executor_tables(timetable("1f1b", 4, 8))["stash_slots"]) == 4
+    assert int(executor_tables(timetable("1f1b", 4, 32))["stash_slots"]) == 4
+    assert int(executor_tables(timetable("gpipe", 4, 32))["stash_slots"]) == 32
+
+
+@pytest.mark.parametrize("schedule,stages,micro,virtual,message", [
+    ("1f1b", 4, 2, 1, "fewer than the 4 pipeline stages"),
+    ("interleaved", 2, 4, 1, "needs pipeline.virtual_stages >= 2"),
+    ("interleaved", 4, 6, 2, "to be a multiple of the pipeline size"),
+    ("1f1b", 2, 4, 2, "needs pipeline.schedule=interleaved"),
+])
+def test_bad_schedules_fail_clearly(schedule, stages, micro, virtual, message):
+    with pytest.raises(UserError, match=message):
+        timetable(schedule, stages, micro, virtual)
+
+
+# ---- parity with the single-device run (fp32) ----
+PARITY = [  # (schedule, data x fsdp x tensor x pipeline, virtual stages, zero)
+    ("1f1b", "2x1x1x4", 1, 1), ("1f1b", "1x2x2x2", 1, 0),
+    ("gpipe", "2x2x1x2", 1, 3), ("interleaved", "1x2x2x2", 2, 1),
+]
+
+
+@pytest.mark.parametrize("schedule,mesh,virtual,zero", PARITY)
+def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, reference_run):
+    _, ref_losses, ref_params = reference_run
+    trainer, losses, _ = run_tiny(f"mesh={mesh}", f"zero={zero}", f"pipeline.schedule={schedule}",
+                                  "pipeline.microbatches=4", f"pipeline.virtual_stages={virtual}")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    params = trainer.unpermuted_params()
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
+    """Interleaved runs store layers in pipeline order; a checkpoint restores in model order elsewhere."""
+    from conftest import tiny_config
+    from meshtrain.trainer import Trainer
+
+    interleaved, _, _ = run_tiny("mesh=1x2x2x2", "zero=1", "pipeline.schedule=interleaved",
+                                 "pipeline.microbatches=4", "pipeline.virtual_stages=2")
+    assert interleaved.layer_order.tolist() == [0, 2, 1, 3]  # device 0: model stages 0 and 2
+    plain = Trainer(tiny_config("mesh=1", f"checkpoint.resume={interleaved.checkpointer.path(5)}"),
+                    devices=jax.devices()[:1])
+    assert int(plain.state["step"]) == 5
+    for a, b in zip(jax.tree.leaves(jax.device_get(plain.state["params"])),
+                    jax.tree.leaves(interleaved.unpermuted_params())):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_pipeline_configs_fail_clearly():
+    from meshtrain.trainer import Trainer
+    from conftest import tiny_config
+
+    with pytest.raises(UserError, match="model.num_layers=6 is not divisible by pipeline stages"):
+        Trainer(tiny_config("mesh=2x1x1x4", "model.num_layers=6"))
+    with pytest.raises(UserError, match="set pipeline.microbatches=4 and train.microbatches=1"):
+        Trainer(tiny_config("mesh=4x1x1x2", "train.microbatches=4"))
+    with pytest.raises(UserError, match="pipeline.microbatches=2 is fewer than the 4 pipeline stages"):
+        Trainer(tiny_config("mesh=2x1x1x4", "pipeline.microbatches=2"))
+
+
+# ---- memory: compiled temp bytes per device vs microbatches (same microbatch size) ----
+def temp_bytes(schedule, micro):
+    from conftest import tiny_config
+    from meshtrain.trainer import Trainer
+
+    cfg = tiny_config("mesh=1x1x1x4", f"pipeline.schedule={schedule}", f"pipeline.microbatches={micro}",
+                      f"train.batch_size={2 * micro}", "model.d_model=64", "model.mlp_dim=256", "train.seq_len=64")
+    return Trainer(cfg, devices=jax.devices()[:4]).compiled_step.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
+    one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 16)}
+    gpipe = {m: temp_bytes("gpipe", m) for m in (4, 16)}
+    print(f"temp bytes per device: 1f1b {one_f_one_b}, gpipe {gpipe}")
+    assert one_f_one_b[16] <= 1.15 * one_f_one_b[4]
+    # GPipe stashes every microbatch's stage input: 12 more microbatches, 12 more [2, 64, 64] fp32 inputs
+    assert gpipe[16] - gpipe[4] >= 12 * 2 * 64 * 64 * 4
+
+
+def test_cli_trains_a_1f1b_pipeline(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", TINY, "--devices", "8",
+                           "--mesh", "2x1x1x4", "--set", "pipeline.schedule=1f1b",
+                           "--set", "pipeline.microbatches=8", "--steps", "40", "--set", "train.log_every=10", "--set", "optim.lr=1e-2",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines() if " loss " in line]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1
+
+
+def test_plan_prints_bubble_and_draws_the_timeline(tmp_path, capsys):
+    import struct
+
+    from meshtrain.plan import main
+
+    png = tmp_path / "1f1b.png"
+    assert main(["--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--draw", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "bubble: 27.3% of stage-ticks idle; formula (S-1)/(V*M+S-1) = 3/11 = 27.3%" in out
+    assert "in flight per stage (microbatch chunks): 4 3 2 1" in out
+    assert "stage 3:   .  .  . F0 B0 F1 B1" in out
+    data = png.read_bytes()
+    width, height = struct.unpack(">II", data[16:24])
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and (width, height) == (22 * 22 + 2, 4 * 22 + 2)  # ticks x stages
+
+    assert main(["--schedule", "interleaved", "--stages", "4", "--microbatches", "8", "--virtual-stages", "2",
+                 "--json"]) == 0
+    report = __import__("json").loads(capsys.readouterr().out)
+    assert report["ticks"] == 38 and abs(report["bubble"] - 3 / 19) < 1e-12
+    assert main(["--schedule", "1f1b", "--stages", "4", "--microbatches", "2"]) == 2
+    assert "error: pipeline.microbatches=2 is fewer than the 4 pipeline stages" in capsys.readouterr().err
