@@ -1,4 +1,16 @@
-"""`python -m meshtrain.plan`: look at a pipeline schedule before running it.
+"""`python -m meshtrain.plan`: know before you pay for the pod.
+
+Plan a run on a target mesh, on any laptop (simulated CPU devices, nothing materialised):
+
+    python -m meshtrain.plan --config configs/llama3_8b.yaml --devices 64 --mesh fsdp=8,tensor=8
+
+lowers and compiles the real train step for that mesh ahead of time and reports, per device, the
+bytes of parameters, optimizer state, gradients and temporaries against --device-memory, the
+collective traffic by kind parsed from the compiled HLO, the FLOPs per step and a roofline
+estimate, each next to its analytical formula. `--compare MESH ...` ranks meshes, `--zero-table`
+sets ZeRO stages 0-3 side by side, `--json` prints one JSON object.
+
+Look at a pipeline schedule:
 
     python -m meshtrain.plan --schedule 1f1b --stages 4 --microbatches 8 --draw docs/1f1b.png
 
@@ -14,6 +26,7 @@ import sys
 
 from meshtrain.config import UserError
 from meshtrain.drawing import timeline_pixels, write_png
+from meshtrain.metrics import PEAK_BF16_FLOPS
 from meshtrain.schedules import SCHEDULES, executor_tables, timetable
 
 
@@ -42,11 +55,22 @@ def format_schedule(r: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", choices=SCHEDULES, required=True)
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--virtual-stages", type=int, default=1)
-    p.add_argument("--draw", metavar="PNG", help="write the timeline (stages x ticks) as a PNG image")
+    run = p.add_argument_group("plan a training run on a target mesh")
+    run.add_argument("--config", help="YAML config (see configs/)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    run.add_argument("--devices", type=int, help="target device count (simulated on this machine's CPU)")
+    run.add_argument("--mesh", help="target mesh, e.g. fsdp=8,tensor=8 or 8x8x4")
+    run.add_argument("--device", default="h100", choices=sorted(DEVICE_PROFILES), help="device profile for the roofline")
+    run.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
+                     help="memory per device, e.g. 80GB (default: the profile's)")
+    run.add_argument("--compare", nargs="+", metavar="MESH", help="rank these meshes for the same model and devices")
+    run.add_argument("--zero-table", action="store_true", help="ZeRO stages 0-3 side by side, measured vs formula")
+    sched = p.add_argument_group("look at a pipeline schedule")
+    sched.add_argument("--schedule", choices=SCHEDULES)
+    sched.add_argument("--stages", type=int)
+    sched.add_argument("--microbatches", type=int)
+    sched.add_argument("--virtual-stages", type=int, default=1)
+    sched.add_argument("--draw", metavar="PNG", help="write the timeline (stages x ticks) as a PNG image")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -54,12 +78,23 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.stages < 1:
-            raise UserError(f"--stages {args.stages} must be >= 1")
-        report = schedule_report(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+        if args.schedule:
+            return schedule_main(args)
+        if not (args.config and args.devices):
+            raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
+        from meshtrain import planner
+
+        print(planner.run(args))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def schedule_main(args) -> int:
+    if args.stages is None or args.microbatches is None or args.stages < 1:
+        raise UserError("--schedule needs --stages >= 1 and --microbatches")
+    report = schedule_report(args.schedule, args.stages, args.microbatches, args.virtual_stages)
     table = report.pop("_table")
     print(json.dumps(report) if args.json else format_schedule(report))
     if args.draw:
@@ -67,6 +102,23 @@ def main(argv=None) -> int:
         if not args.json:
             print(f"timeline drawn to {args.draw}")
     return 0
+
+
+def parse_bytes(text: str) -> float:
+    units = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}
+    for unit, scale in units.items():
+        if text.upper().endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
+# Dense bf16 peak FLOP/s, HBM bytes/s and interconnect bytes/s per device (one direction), capacity.
+DEVICE_PROFILES = {
+    "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "hbm_bw": 3.35e12, "link_bw": 450e9, "memory": 80e9},
+    "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "hbm_bw": 4.8e12, "link_bw": 450e9, "memory": 141e9},
+    "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "hbm_bw": 2.04e12, "link_bw": 300e9, "memory": 80e9},
+    "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.76e12, "link_bw": 600e9, "memory": 95e9},
+}
 
 
 if __name__ == "__main__":

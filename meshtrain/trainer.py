@@ -17,102 +17,53 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import data as data_lib
 from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
-from meshtrain.config import Config, UserError, to_dict, validate
-from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
-from meshtrain.metrics import MetricsLog, flops_per_token, mfu, peak_flops
-from meshtrain.pipeline import layer_order
-from meshtrain.sharding import (activation_rules, check_divisibility, check_replication, make_rules,
-                                pipeline_microbatches, spec_for,
-                                state_shardings)
-from meshtrain.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
-from models import LanguageModel
+from meshtrain.config import Config, UserError, to_dict
+from meshtrain.mesh import describe
+from meshtrain.metrics import MetricsLog, mfu, peak_flops
+from meshtrain.program import TrainProgram
+from meshtrain.step import make_loss_fn
 
 
-class Trainer:
-    """Training run for one config on one mesh.
+class Trainer(TrainProgram):
+    """Training run for one config on one mesh: the compiled program (meshtrain/program.py) plus
+    data, state, checkpoints and the loop.
 
     `devices` restricts the mesh to a subset of jax.devices() (e.g. one device for a reference run).
     """
 
     def __init__(self, cfg: Config, devices=None):
-        validate(cfg)
-        if cfg.devices:
-            simulate_cpu_devices(cfg.devices)
-        if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
-            raise UserError("model.attention=cudnn needs an NVIDIA GPU; use model.attention=xla here")
-        if cfg.model.remat == "offload" and jax.default_backend() == "cpu":
-            raise UserError("model.remat=offload moves activations to host memory and needs a GPU/TPU; "
-                            "use full or save_matmuls on CPU")
-        self.cfg, t = cfg, cfg.train
-        self.sizes = parse_mesh(cfg.mesh, len(devices) if devices is not None else jax.device_count())
-        check_divisibility(cfg, self.sizes)
-        self.mesh = build_mesh(self.sizes, devices)
-        self.rules = make_rules(cfg.rules)
-        self.model = LanguageModel(cfg.model)
-
+        super().__init__(cfg, devices)
+        t = cfg.train
         tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
         train_tokens, val_tokens = data_lib.split_tokens(tokens, cfg.data.val_fraction)
-        self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", "seq"), self.rules, self.mesh))
         batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
                                                        self.batch_sharding, cfg.model.vocab_size)
         self.train_batches = batches(train_tokens, 0)
         has_val = cfg.data.val_fraction > 0 or tokens is None
         self.val_batches = batches(val_tokens, 1) if has_val else None
 
-        key = jax.random.key(t.seed)
-        abstract_params = jax.eval_shape(self.model.init, key)
-        self.logical_axes = self.model.logical_axes(abstract_params)
-        check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, cfg.zero)
-        self.schedule = lr_schedule(cfg.optim, t.steps)
-        self.tx = make_optimizer(cfg.optim, t.steps, self.logical_axes)
-
-        stages, virtual = self.sizes["pipeline"], cfg.pipeline.virtual_stages if self.sizes["pipeline"] > 1 else 1
-        self.layer_order = layer_order(cfg.model.num_layers, stages, virtual)
-        pipeline = None
-        if stages > 1:  # data is manual too when params are replicated over it: one gradient reduction per step
-            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.zero <= 1)
-
-        def init_state(key):
-            params = self.model.init(key)
-            params["blocks"] = jax.tree.map(lambda p: p[self.layer_order], params["blocks"])  # storage order
-            zero = jnp.zeros((), jnp.int32)
-            return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero}
-
-        abstract_state = jax.eval_shape(init_state, key)
-        self.abstract_state = abstract_state
-        self.state_shardings, self.grad_specs = state_shardings(abstract_state, self.logical_axes, self.rules,
-                                                                self.mesh, cfg.zero, self.tx)
-        replicated = NamedSharding(self.mesh, P())
-        step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches,
-                                  self.grad_specs, self.mesh, pipeline)
-        abstract_batch = jax.ShapeDtypeStruct(self.train_batches.shape, jnp.int32, sharding=self.batch_sharding)
         self.out = Path(cfg.out)
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
         self.resumed_from = None
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
         self.rollbacks = 0
+        replicated = NamedSharding(self.mesh, P())
         with self.context():
             resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
             if resume_steps:
                 self.state = self._restore(resume_root, resume_steps)
             else:
                 # Parameters are created already sharded: no device ever holds the full model.
-                self.state = jax.jit(init_state, out_shardings=self.state_shardings)(key)
+                self.state = jax.jit(self.init_state, out_shardings=self.state_shardings)(jax.random.key(t.seed))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
-            self.compiled_step = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
-                                         out_shardings=(self.state_shardings, replicated),
-                                         donate_argnums=0).lower(abstract_state, abstract_batch).compile()
+            self.compiled_step = self.lower().compile()
             eval_loss = make_loss_fn(self.model, cfg.precision)
             model_order = np.argsort(self.layer_order)
             in_model_order = lambda params: {**params, "blocks": jax.tree.map(lambda p: p[model_order], params["blocks"])}
             self.eval_step = jax.jit(lambda params, tokens: eval_loss(in_model_order(params), tokens),
                                      in_shardings=(self.state_shardings["params"], self.batch_sharding),
                                      out_shardings=replicated)
-        self.num_params = self.model.num_params(abstract_params)
-        matmul_params = self.model.num_params(abstract_params, embedding=cfg.model.tie_embeddings)
-        m = self.model.cfg
-        self.flops_per_token = flops_per_token(matmul_params, m.num_layers, m.d_model, t.seq_len)
         self.peak = peak_flops(self.mesh.devices.flat[0].device_kind)
 
     def _restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
@@ -174,15 +125,6 @@ class Trainer:
         if wait:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))
-
-    def context(self):
-        """Mesh and activation rules in force while tracing and running."""
-        import contextlib
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(activation_rules(self.rules, self.mesh))
-        return stack
 
     def evaluate(self) -> float | None:
         if self.val_batches is None:

@@ -45,6 +45,7 @@ def run_tiny(*overrides, devices=None):
     if key not in _RUNS:
         trainer = Trainer(tiny_config(*overrides), devices=devices)
         history = trainer.fit(log=MetricsLog("/tmp/meshtrain-tests", primary=False))
+        trainer.grad_norms = np.array([r["grad_norm"] for r in history if "loss" in r])
         losses = np.array([r["loss"] for r in history if "loss" in r])
         _RUNS[key] = (trainer, losses, jax.device_get(trainer.state["params"]))
     return _RUNS[key]

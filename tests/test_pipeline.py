@@ -63,13 +63,21 @@ PARITY = [  # (schedule, data x fsdp x tensor x pipeline, virtual stages, zero)
 
 @pytest.mark.parametrize("schedule,mesh,virtual,zero", PARITY)
 def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, reference_run):
-    _, ref_losses, ref_params = reference_run
+    reference, ref_losses, ref_params = reference_run
     trainer, losses, _ = run_tiny(f"mesh={mesh}", f"zero={zero}", f"pipeline.schedule={schedule}",
                                   "pipeline.microbatches=4", f"pipeline.virtual_stages={virtual}")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(trainer.grad_norms, reference.grad_norms, rtol=1e-5, atol=0)  # every step
     params = trainer.unpermuted_params()
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_bf16_pipeline_tracks_fp32(reference_run):
+    _, ref_losses, _ = reference_run
+    _, losses, params = run_tiny("mesh=2x1x1x4", "precision=bf16", "pipeline.schedule=1f1b", "pipeline.microbatches=4")
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))  # fp32 master weights
 
 
 def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):

@@ -1,0 +1,84 @@
+"""The train step for one config on one mesh, ready to compile, with no data loaded and no
+parameter materialised: mesh, sharding rules, model, abstract state, shardings and the step
+function. The Trainer builds on it to train; the planner (`python -m meshtrain.plan`) lowers and
+compiles it for a target mesh ahead of time."""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain.config import Config, UserError, validate
+from meshtrain.mesh import build_mesh, parse_mesh, simulate_cpu_devices
+from meshtrain.metrics import flops_per_token
+from meshtrain.pipeline import layer_order
+from meshtrain.sharding import (activation_rules, check_divisibility, check_replication, make_rules,
+                                pipeline_microbatches, spec_for, state_shardings)
+from meshtrain.step import lr_schedule, make_optimizer, make_train_step
+from models import LanguageModel
+
+
+class TrainProgram:
+    def __init__(self, cfg: Config, devices=None):
+        validate(cfg)
+        if cfg.devices:
+            simulate_cpu_devices(cfg.devices)
+        if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
+            raise UserError("model.attention=cudnn needs an NVIDIA GPU; use model.attention=xla here")
+        if cfg.model.remat == "offload" and jax.default_backend() == "cpu":
+            raise UserError("model.remat=offload moves activations to host memory and needs a GPU/TPU; "
+                            "use full or save_matmuls on CPU")
+        self.cfg, t = cfg, cfg.train
+        self.sizes = parse_mesh(cfg.mesh, len(devices) if devices is not None else jax.device_count())
+        check_divisibility(cfg, self.sizes)
+        self.mesh = build_mesh(self.sizes, devices)
+        self.rules = make_rules(cfg.rules)
+        self.model = LanguageModel(cfg.model)
+        self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", "seq"), self.rules, self.mesh))
+        self.batch_shape = (t.batch_size, t.seq_len + 1)
+
+        abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))
+        self.logical_axes = self.model.logical_axes(abstract_params)
+        check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, cfg.zero)
+        self.schedule = lr_schedule(cfg.optim, t.steps)
+        self.tx = make_optimizer(cfg.optim, t.steps, self.logical_axes)
+
+        stages = self.sizes["pipeline"]
+        virtual = cfg.pipeline.virtual_stages if stages > 1 else 1
+        self.layer_order = layer_order(cfg.model.num_layers, stages, virtual)
+        pipeline = None
+        if stages > 1:  # data is manual too when params are replicated over it: one gradient reduction per step
+            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.zero <= 1)
+
+        self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
+        self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
+                                                                self.mesh, cfg.zero, self.tx)
+        self.step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches,
+                                       self.grad_specs, self.mesh, pipeline)
+        self.num_params = self.model.num_params(abstract_params)
+        matmul_params = self.model.num_params(abstract_params, embedding=cfg.model.tie_embeddings)
+        m = self.model.cfg
+        self.flops_per_token = flops_per_token(matmul_params, m.num_layers, m.d_model, t.seq_len)
+
+    def init_state(self, key):
+        params = self.model.init(key)
+        params["blocks"] = jax.tree.map(lambda p: p[self.layer_order], params["blocks"])  # storage order
+        zero = jnp.zeros((), jnp.int32)
+        return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero}
+
+    def lower(self):
+        """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs."""
+        batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        with self.context():
+            return jax.jit(self.step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                           out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
+                           donate_argnums=0).lower(self.abstract_state, batch)
+
+    def context(self):
+        """Mesh and activation rules in force while tracing and running."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(activation_rules(self.rules, self.mesh))
+        return stack

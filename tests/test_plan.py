@@ -1,0 +1,86 @@
+"""The planner: collective parsing on hand-built programs, ZeRO bytes vs formula, the JSON report,
+a config that does not fit, and the MFU arithmetic."""
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from conftest import TINY
+from meshtrain.hlo import collectives
+from meshtrain.metrics import flops_per_token, mfu
+from meshtrain.plan import main
+
+
+def one_of_each_collective(a):
+    total = jax.lax.psum(a, "x").sum()  # all-reduce
+    total += jax.lax.all_gather(a, "x", tiled=True).sum()
+    total += jax.lax.psum_scatter(a, "x", tiled=True).sum()
+    total += jax.lax.ppermute(a, "x", [(i, (i + 1) % 8) for i in range(8)]).sum()
+    total += jax.lax.all_to_all(a, "x", 0, 0, tiled=True).sum()
+    looped, _ = jax.lax.scan(lambda c, _: (jax.lax.psum(c, "x") * 0.5, None), a, None, length=3)  # 3 more all-reduces
+    return total + looped.sum()
+
+
+def test_collectives_are_parsed_with_loop_trip_counts():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    fn = jax.jit(jax.shard_map(one_of_each_collective, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False))
+    arg = jax.ShapeDtypeStruct((8 * 64,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    found = collectives(fn.lower(arg).compile().as_text(), 8)
+    local = 64 * 4  # bytes of each device's f32[64] block
+    assert found["all-reduce"] == {"count": 4, "payload_bytes": 4 * local, "traffic_bytes": 4 * local * 2 * 7 / 8}
+    assert found["all-gather"] == {"count": 1, "payload_bytes": 8 * local, "traffic_bytes": 8 * local * 7 / 8}
+    assert found["reduce-scatter"] == {"count": 1, "payload_bytes": local / 8, "traffic_bytes": local / 8 * 7}
+    assert found["collective-permute"] == {"count": 1, "payload_bytes": local, "traffic_bytes": local}
+    assert found["all-to-all"] == {"count": 1, "payload_bytes": local, "traffic_bytes": local * 7 / 8}
+
+
+def plan_json(capsys, *extra):
+    assert main(["--config", TINY, "--devices", "8", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_reports_zero_bytes_within_5_percent_of_the_formula(capsys):
+    rows = plan_json(capsys, "--mesh", "data=8", "--zero-table")
+    assert [r["config"]["zero"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        for key in ("parameters", "optimizer_state", "gradients"):
+            assert r["memory"][key] == pytest.approx(r["zero_formula"][key], rel=0.05), (r["config"]["zero"], key)
+    assert rows[3]["memory"]["parameters"] * 8 == pytest.approx(rows[0]["memory"]["parameters"], rel=0.01)
+
+
+def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
+    report = plan_json(capsys, "--mesh", "2x2x2", "--device-memory", "100KB")
+    assert set(report) == {"config", "mesh", "devices", "params", "memory", "zero_formula", "collectives", "flops",
+                           "roofline"}
+    assert set(report["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+    assert {"count", "payload_bytes", "traffic_bytes", "formula_traffic_bytes", "formula"} <= set(report["collectives"]["all-gather"])
+    assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers weights
+    assert {"compute_s", "comm_s", "step_s", "mfu_ceiling", "pipeline_bubble"} <= set(report["roofline"])
+    memory = report["memory"]
+    assert memory["fits"] is False and memory["total"] > 100e3
+    assert memory["largest"] == "activations and temporaries (gradients included)"
+    assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--device-memory", "100KB"]) == 0
+    assert ("DOES NOT FIT in 100.00 KB: the largest consumer is activations and temporaries"
+            in capsys.readouterr().out)
+
+
+def test_plan_compare_ranks_meshes_and_sees_the_pipeline_bubble(capsys):
+    rows = plan_json(capsys, "--compare", "data=8", "2x1x1x4")
+    assert sorted(r["mesh"] for r in rows) == ["data=2,fsdp=1,tensor=1,pipeline=4", "data=8,fsdp=1,tensor=1,pipeline=1"]
+    ceilings = [r["roofline"]["mfu_ceiling"] for r in rows]
+    assert ceilings == sorted(ceilings, reverse=True)
+    piped = next(r for r in rows if r["mesh"].endswith("pipeline=4"))
+    assert piped["roofline"]["pipeline_bubble"] == pytest.approx(3 / 11)  # default 2 x 4 microbatches
+    assert piped["collectives"]["collective-permute"]["count"] > 0
+
+
+def test_mfu_arithmetic_worked_example():
+    # Llama-2-7B-like: 6.5e9 matmul params, 32 layers, width 4096, 4096 tokens of context.
+    per_token = flops_per_token(6.5e9, 32, 4096, 4096)
+    assert per_token == 6 * 6.5e9 + 12 * 32 * 4096 * 4096 == 45_442_450_944
+    # 3,000 tokens/s per H100 (dense bf16 peak 989 TFLOP/s) on 8 GPUs
+    assert mfu(24_000, per_token, 8, 989e12) == pytest.approx(3000 * 45_442_450_944 / 989e12)
+    assert mfu(24_000, per_token, 8, 989e12) == pytest.approx(0.1378, abs=1e-4)
+    assert mfu(24_000, per_token, 8, None) is None
