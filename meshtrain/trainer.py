@@ -59,9 +59,7 @@ class Trainer(TrainProgram):
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
             self.compiled_step = self.lower().compile()
             eval_loss = make_loss_fn(self.model, cfg.precision)
-            model_order = np.argsort(self.layer_order)
-            in_model_order = lambda params: {**params, "blocks": jax.tree.map(lambda p: p[model_order], params["blocks"])}
-            self.eval_step = jax.jit(lambda params, tokens: eval_loss(in_model_order(params), tokens),
+            self.eval_step = jax.jit(lambda params, tokens: eval_loss(self.in_model_order(params), tokens),
                                      in_shardings=(self.state_shardings["params"], self.batch_sharding),
                                      out_shardings=replicated)
         self.peak = peak_flops(self.mesh.devices.flat[0].device_kind)
@@ -103,11 +101,14 @@ class Trainer(TrainProgram):
 
         return jax.jit(reorder, out_shardings=self.state_shardings)(state)
 
+    def in_model_order(self, params):
+        """Stacked layers from storage order back to model order (a no-op order unless interleaved)."""
+        model_order = np.argsort(self.layer_order)
+        return {**params, "blocks": jax.tree.map(lambda p: p[model_order], params["blocks"])}
+
     def unpermuted_params(self):
-        """The parameters with the stacked layers in model order (as a single device holds them)."""
-        params = jax.device_get(self.state["params"])
-        params["blocks"] = jax.tree.map(lambda p: p[np.argsort(self.layer_order)], params["blocks"])
-        return params
+        """The parameters as a single device holds them, on the host."""
+        return self.in_model_order(jax.device_get(self.state["params"]))
 
     def batch_index(self, step: int) -> int:
         """The data batch of `step`: the step-th batch index, counting from 0, that is not skipped."""

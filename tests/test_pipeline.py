@@ -94,6 +94,7 @@ def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
     for a, b in zip(jax.tree.leaves(jax.device_get(plain.state["params"])),
                     jax.tree.leaves(interleaved.unpermuted_params())):
         np.testing.assert_array_equal(a, b)
+    assert interleaved.evaluate() == pytest.approx(plain.evaluate(), rel=1e-6)  # eval runs layers in model order
 
 
 def test_bad_pipeline_configs_fail_clearly():
