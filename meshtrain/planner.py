@@ -158,6 +158,8 @@ def format_plan(r: dict) -> str:
     for kind, c in r["collectives"].items():
         lines.append(f"  {kind:<30} {c['count']:>7.0f} {gb(c['payload_bytes']):>12} {gb(c['traffic_bytes']):>12} "
                      f"{gb(c['formula_traffic_bytes']):>12}  {'; '.join(c['formula'])}")
+    if r["config"]["precision"] == "bf16":
+        lines.append("  (XLA's CPU backend widens bf16 collectives to f32: their payload reads 2x what a GPU/TPU moves)")
     f = r["flops"]
     lines += ["", f"FLOPs per device per step: model (6N + 12LDS per token) {f['model_per_device']:.3e}; "
                   f"XLA cost analysis {f['compiled_per_device']:.3e} (it counts a loop body once, not per layer)",
