@@ -112,11 +112,12 @@ def test_bad_pipeline_configs_fail_clearly():
 # ---- memory: compiled temp bytes per device vs microbatches (same microbatch size) ----
 def temp_bytes(schedule, micro):
     from conftest import tiny_config
-    from meshtrain.trainer import Trainer
+    from meshtrain.program import TrainProgram
 
     cfg = tiny_config("mesh=1x1x1x4", f"pipeline.schedule={schedule}", f"pipeline.microbatches={micro}",
                       f"train.batch_size={2 * micro}", "model.d_model=64", "model.mlp_dim=256", "train.seq_len=64")
-    return Trainer(cfg, devices=jax.devices()[:4]).compiled_step.memory_analysis().temp_size_in_bytes
+    program = TrainProgram(cfg, devices=jax.devices()[:4])
+    return program.lower().compile().memory_analysis().temp_size_in_bytes
 
 
 def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
