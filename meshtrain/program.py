@@ -8,6 +8,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.config import Config, UserError, validate
@@ -64,9 +65,17 @@ class TrainProgram:
 
     def init_state(self, key):
         params = self.model.init(key)
-        params["blocks"] = jax.tree.map(lambda p: p[self.layer_order], params["blocks"])  # storage order
+        params["blocks"] = self.reorder_blocks(params["blocks"], self.layer_order)  # storage order
         zero = jnp.zeros((), jnp.int32)
         return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero}
+
+    @staticmethod
+    def reorder_blocks(blocks, rows):
+        """blocks[rows] on the stacked layers axis; no gather at all when `rows` is the identity
+        (every layout except interleaved pipelines)."""
+        if np.array_equal(rows, np.arange(len(rows))):
+            return blocks
+        return jax.tree.map(lambda p: p[rows], blocks)
 
     def lower(self):
         """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs."""

@@ -103,8 +103,7 @@ class Trainer(TrainProgram):
 
     def in_model_order(self, params):
         """Stacked layers from storage order back to model order (a no-op order unless interleaved)."""
-        model_order = np.argsort(self.layer_order)
-        return {**params, "blocks": jax.tree.map(lambda p: p[model_order], params["blocks"])}
+        return {**params, "blocks": self.reorder_blocks(params["blocks"], np.argsort(self.layer_order))}
 
     def unpermuted_params(self):
         """The parameters as a single device holds them, on the host."""
