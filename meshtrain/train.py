@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshtrain.config import UserError, load_config
+from meshtrain.config import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
+                              split_override)
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
@@ -14,17 +15,22 @@ FLAG_KEYS = {"mesh": "mesh", "devices": "devices", "steps": "train.steps", "batc
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m meshtrain.train", description="Train a transformer on a named mesh.")
-    p.add_argument("--config", help="YAML config (see configs/)")
+    p.add_argument("--config", help="YAML config (see configs/ and docs/config.md)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value by dotted path, e.g. --set model.num_layers=8 (repeatable)")
     p.add_argument("--mesh", help="'8x8x4' (data x fsdp x tensor [x pipeline]) or 'data=2,fsdp=4'; -1 = the rest")
-    p.add_argument("--devices", type=int, help="simulate this many CPU devices when no accelerator is present")
+    p.add_argument("--devices", type=int, help=f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) "
+                                               "when no accelerator is present")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", type=int, help="global batch size in sequences")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--data", help="text file, folder of text files, or uint16 .bin token file")
-    p.add_argument("--out", help="output folder for config.yaml, metrics.jsonl and checkpoints/")
+    p.add_argument("--out", help="output folder for config.yaml, metrics.jsonl and checkpoints/ "
+                                 "(default runs/<config file name>)")
     p.add_argument("--resume", help="auto (default: latest checkpoint under --out), never, or a checkpoint path")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config with comments and exit")
+    p.add_argument("--config-reference", action="store_true",
+                   help="print every config key, its default and meaning (docs/config.md) and exit")
     p.add_argument("--coordinator", help="multi-host: coordinator host:port (else SLURM/Open MPI/K8s env)")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
@@ -35,13 +41,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def overrides(args) -> list[str]:
+    """--set items, then the shortcut flags; a flag and a --set of the same key must not both be given."""
+    set_keys = {split_override(item)[0]: item for item in args.set}
+    flags = []
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if key in set_keys:
+            raise UserError(f"--{flag.replace('_', '-')} {value} and --set {set_keys[key]} both set {key}; "
+                            f"pass only one")
+        flags.append(f"{key}={value}")
+    if args.devices is not None and not 1 <= args.devices <= MAX_SIMULATED_DEVICES:
+        raise UserError(f"--devices {args.devices}: simulate 1 to {MAX_SIMULATED_DEVICES} CPU devices, "
+                        f"or omit --devices to use the machine's own")
+    if args.data is not None and "data.kind" not in set_keys:
+        flags.append("data.kind=auto")  # --data means: train on this path (unless data.kind is given)
+    return list(args.set) + flags
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
-    if args.data is not None:
-        overrides.append("data.kind=auto")  # --data means: train on this path
+    if args.config_reference:
+        print(reference_markdown(), end="")
+        return 0
     try:
-        cfg = load_config(args.config, list(args.set) + overrides)
+        cfg = load_config(args.config, overrides(args))
+        if args.print_config:
+            print(commented_yaml(cfg), end="")
+            return 0
         from meshtrain.mesh import init_distributed, simulate_cpu_devices
 
         if cfg.devices:
@@ -54,6 +83,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing was written
+        print("interrupted before training started; nothing was written", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,18 +1,64 @@
-"""Config loading, dotted overrides and validation; every shipped config loads."""
+"""Config loading, dotted overrides and validation; every shipped config loads; the reference."""
 import math
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from conftest import ROOT
-from meshtrain.config import Config, UserError, apply_overrides, load_config
+from meshtrain.config import (Config, ModelConfig, OptimConfig, UserError, apply_overrides, commented_yaml,
+                              load_config, reference_markdown)
 from meshtrain.mesh import parse_mesh
+from meshtrain.step import make_optimizer
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_shipped_configs_load(path: Path):
+def test_shipped_configs_load_and_print_config_round_trips(path: Path, tmp_path):
     cfg = load_config(str(path))
-    assert cfg.model.resolved().head_dim * cfg.model.num_heads > 0
+    assert cfg.out == f"runs/{path.stem}"  # each config its own run folder: README commands never collide
+    printed = tmp_path / "printed.yaml"  # --print-config output is itself a valid config
+    printed.write_text(commented_yaml(cfg))
+    assert load_config(str(printed)) == cfg
+
+
+def test_config_reference_is_in_sync():
+    """docs/config.md is generated: `python -m meshtrain.train --config-reference > docs/config.md`."""
+    assert (ROOT / "docs" / "config.md").read_text() == reference_markdown()
+
+
+def test_text_settings_are_never_yaml_typed():
+    cfg = apply_overrides(Config(), ["mesh=0x8", "out=007", "data.path=1e3", "optim.lr=1e-3", "train.steps=1_0"])
+    assert (cfg.mesh, cfg.out, cfg.data.path, cfg.optim.lr) == ("0x8", "007", "1e3", 1e-3)
+    with pytest.raises(UserError, match="axis sizes must be >= 1"):  # not YAML's hex 8 = data=8
+        parse_mesh(cfg.mesh, 8)
+    assert cfg.train.steps == 10
+
+
+def test_yaml_errors_name_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {num_layers: 4\ntrain: [\n")
+    with pytest.raises(UserError, match=rf"^{bad} line 2, column 6: .*; fix the YAML syntax$"):
+        load_config(str(bad))
+    hexed = tmp_path / "hex.yaml"
+    hexed.write_text("mesh: 0x8\n")
+    assert load_config(str(hexed)).mesh == "0x8"
+
+
+def test_architecture_is_resolved_and_leaves_out_execution_settings():
+    explicit = ModelConfig(d_model=128, mlp_dim=384, head_dim=32, remat="full", attention="cudnn")
+    assert ModelConfig(d_model=128).architecture() == explicit.architecture()
+    assert "remat" not in explicit.architecture() and "attention" not in explicit.architecture()
+    assert ModelConfig(d_model=128, mlp_dim=512).architecture() != explicit.architecture()
+
+
+@pytest.mark.parametrize("optim", [{"clip_norm": 0.0}, {"clip_norm": 5.0, "lr": 1.0, "weight_decay": 0.0},
+                                   {"b1": 0.5, "b2": 0.5, "eps": 1e-3, "warmup_steps": 0, "min_lr_ratio": 1.0}])
+def test_optimizer_state_layout_does_not_depend_on_hyperparameters(optim):
+    params = {"w": jnp.ones((4, 3)), "scale": jnp.ones((3,))}
+    axes = {"w": ("embed", "mlp"), "scale": ("embed",)}
+    layout = lambda ocfg, steps: jax.tree.structure(make_optimizer(ocfg, steps, axes).init(params))
+    assert layout(OptimConfig(**optim), 7) == layout(OptimConfig(), 100)
 
 
 def test_overrides_coerce_types_and_nest():
@@ -24,6 +70,13 @@ def test_overrides_coerce_types_and_nest():
 
 @pytest.mark.parametrize("override,message", [
     ("model=3", "is a section"),
+    ("model.num_layers=0", "model.num_layers=0 must be >= 1"),
+    ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),
+    ("checkpoint.every_minutes=-5", "checkpoint.every_minutes=-5.0 must be >= 0.0"),
+    ("devices=8192", "devices=8192: at most 4096 CPU devices"),
+    ("data.val_fraction=1", "data.val_fraction=1.0 must be below 1"),
+    ("rules.seq=[tensor", "--set rules.seq line 1, column 8: .*fix the YAML syntax"),
+    ("model.remat=some", "model.remat='some' is not one of none, full, save_matmuls, offload"),
     ("train.steps.x=1", "has no field 'x'"),
     ("bogus=1", "unknown config key 'bogus'"),
     ("model.num_heads=6", "must be a multiple of model.num_kv_heads=4"),
