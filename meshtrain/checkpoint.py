@@ -7,9 +7,13 @@ depends only on (seed, k, skipped batches).
 
 Integrity: Orbax writes each step into a temporary folder and renames it when complete, so an
 interrupted save is never listed. Once a save is durable, a manifest records the size of each of
-its files. Damaged files are caught on restore: by the manifest (missing or truncated files), by
-Orbax failing to decode them, or by the checksums disagreeing; the damaged step is renamed `<step>.damaged` (kept for
-inspection, never loaded again) and the previous one is tried, with a warning naming the bad one.
+its files. Only proven damage sets a checkpoint aside: the manifest (missing or truncated files),
+Orbax failing to decode a file, or the checksums disagreeing. The damaged step is renamed
+`<step>.damaged` (kept for inspection, never loaded again) and the previous one is tried, with a
+warning naming the bad one. Anything else is not damage and harms nothing: a checkpoint of another
+model or state layout is a `UserError` naming what differs (checked from metadata before any array
+is read), and a transient failure (memory, permissions, I/O) is raised as it is. With several
+processes, all agree on the verdict before any of them renames anything or loads a step.
 
 Restoring reads each array straight into the shardings of the current mesh (resharding on load),
 so a run saved on fsdp=8 continues on data=2,tensor=2 with 4 devices.
@@ -53,7 +57,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True,
+            max_to_keep=keep, enable_async_checkpointing=True, create=False,  # made by the first save
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -84,33 +88,44 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self._write_manifests()
 
-    def restore(self, step: int, abstract_state, check_metadata=lambda meta: None):
+    def restore(self, step: int, abstract_state, check_metadata=lambda meta, folder: None):
         """Restore `step` into the shardings carried by `abstract_state` (jax.ShapeDtypeStructs).
-        `check_metadata` may raise UserError (e.g. a different model); damage raises anything else."""
-        check_manifest(self.path(step))
-        meta = self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
-        check_metadata(meta)
-        state = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))["state"]
+        Raises `Damaged` on proof of damage, `UserError` when the checkpoint is of another model or
+        state layout (`check_metadata` may raise it too), and anything else as it is."""
+        folder = self.path(step)
+        try:
+            check_manifest(folder)
+            meta = self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
+            saved = ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree
+        except Exception as e:  # noqa: BLE001 - sorted by `_as_damage`
+            raise _as_damage(e) from e
+        check_metadata(meta, folder)
+        check_same_layout(folder, leaf_specs(saved), leaf_specs(abstract_state))
+        try:
+            state = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+            failure = None
+        except Exception as e:  # noqa: BLE001 - one process's read failure is every process's verdict
+            state, failure = None, _as_damage(e)
+        failure = agree(failure)  # before the checksums: they are a collective over every process
+        if failure is not None:
+            raise failure
         if state_checksums(state) != meta["checksums"]:
-            raise ValueError("checksums of the restored arrays differ from those recorded at save time")
+            raise Damaged("checksums of the restored arrays differ from those recorded at save time")
         return state, meta
 
-    def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta: None):
+    def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta, folder: None):
         """Try `steps` newest first; a damaged one is set aside with a warning. Returns (step, state, meta)."""
         damaged = []
         for step in steps:
             try:
                 with _quiet_async_failures():
                     return (step, *self.restore(step, abstract_state, check_metadata))
-            except UserError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is not usable
-                reason = _first_line(e)
+            except Damaged as e:
                 moved_to = self._set_aside(step)
                 damaged.append(step)
                 if jax.process_index() == 0:
-                    print(f"warning: checkpoint {self.path(step)} is damaged ({reason}); moved to "
+                    print(f"warning: checkpoint {self.path(step)} is damaged ({e}); moved to "
                           f"{moved_to}, falling back to the previous one", file=sys.stderr, flush=True)
         raise UserError(f"no intact checkpoint in {self.directory} (damaged: {', '.join(map(str, damaged)) or 'none'}); "
                         f"pass --resume never to start fresh")
@@ -141,6 +156,71 @@ class Checkpointer:
         self.manager.close()
 
 
+class Damaged(Exception):
+    """Proof that a checkpoint's files are damaged: it is set aside and the previous one tried."""
+
+
+# Failures that prove nothing about the files: the same read may succeed later or elsewhere.
+TRANSIENT_ERRORS = (MemoryError, PermissionError, TimeoutError, ConnectionError, InterruptedError)
+TRANSIENT_MESSAGES = ("RESOURCE_EXHAUSTED", "out of memory", "DEADLINE_EXCEEDED", "UNAVAILABLE", "Permission denied")
+
+
+def _as_damage(error: Exception) -> Exception:
+    """A failed read of a checkpoint whose metadata matches this run: `Damaged`, unless the failure is
+    transient (then the error itself is returned, to be raised: an error, never a rename)."""
+    if isinstance(error, (Damaged, UserError)):
+        return error
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    transient = isinstance(root, TRANSIENT_ERRORS) or (isinstance(root, OSError) and not isinstance(
+        root, (FileNotFoundError, IsADirectoryError, NotADirectoryError)))
+    if transient or any(m.lower() in str(root).lower() for m in TRANSIENT_MESSAGES):
+        return error
+    return Damaged(_first_line(error))
+
+
+def agree(failure: Exception | None) -> Exception | None:
+    """Every process's verdict on a read: the worst of them (a transient error, then damage, then
+    none), so that no process renames a step or loads one that another could not read."""
+    if jax.process_count() == 1:
+        return failure
+    from jax.experimental import multihost_utils
+    import numpy as np
+
+    code = 0 if failure is None else 1 if isinstance(failure, Damaged) else 2
+    worst = int(np.max(multihost_utils.process_allgather(np.int32(code))))
+    if worst == code:
+        return failure
+    if worst == 1:
+        return Damaged("another process could not read its part of it")
+    return RuntimeError("another process failed to read this checkpoint (a transient error there); "
+                        "rerun to resume")
+
+
+def leaf_specs(tree) -> dict[str, tuple]:
+    """'opt_state/1/0/mu/w' -> (shape, dtype) for each array; namedtuple fields and dict keys alike, so
+    a saved tree (Orbax metadata) and this run's abstract state compare."""
+    def name(path):
+        return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+    return {name(path): (tuple(x.shape), str(x.dtype)) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_same_layout(folder: Path, saved: dict, current: dict) -> None:
+    """The saved state must have this run's arrays, shapes and dtypes; else a UserError naming them."""
+    if saved == current:
+        return
+    missing, extra = sorted(current.keys() - saved.keys()), sorted(saved.keys() - current.keys())
+    differ = [f"{k} {saved[k][0]}/{saved[k][1]} vs {current[k][0]}/{current[k][1]}"
+              for k in sorted(saved.keys() & current.keys()) if saved[k] != current[k]]
+    parts = ([f"this run has {len(missing)} arrays it lacks (e.g. {missing[0]})"] if missing else []) + \
+            ([f"it has {len(extra)} arrays this run lacks (e.g. {extra[0]})"] if extra else []) + \
+            ([f"{len(differ)} arrays differ (e.g. {differ[0]}, saved vs this run)"] if differ else [])
+    raise UserError(f"checkpoint {folder} holds another state layout: {'; '.join(parts)}; resume it with the "
+                    f"config it was saved with, or use a new --out (or --resume never) to start fresh")
+
+
 def check_manifest(folder: Path) -> None:
     """Raise if a file recorded in the folder's manifest is missing or has another size."""
     manifest = folder / MANIFEST
@@ -149,9 +229,9 @@ def check_manifest(folder: Path) -> None:
     for name, size in json.loads(manifest.read_text()).items():
         path = folder / name
         if not path.is_file():
-            raise FileNotFoundError(f"file {name} is missing")
+            raise Damaged(f"file {name} is missing")
         if path.stat().st_size != size:
-            raise ValueError(f"file {name} has {path.stat().st_size} bytes, {size} were written")
+            raise Damaged(f"file {name} has {path.stat().st_size} bytes, {size} were written")
 
 
 def _first_line(error: BaseException) -> str:
@@ -204,19 +284,26 @@ def abstract_like(state_shapes, shardings):
 def resolve_resume(resume: str, out_dir: Path) -> tuple[Path | None, list[int]]:
     """(checkpoint root, candidate steps newest first) to resume from, or (None, []) to start fresh.
     `auto` and a root folder offer every complete step (falling back past damaged ones); a step folder
-    offers only itself."""
+    offers only itself. A PATH is where a fresh `out_dir` starts: once `out_dir` holds a newer step
+    (the same command, rerun after a crash), the run continues from `out_dir` instead."""
+    own_root = out_dir / "checkpoints"
+    own = (own_root, complete_steps(own_root))
     if resume == "never":
+        if own[1]:
+            raise UserError(f"--resume never, but {own_root} holds checkpoints of an earlier run (newest: step "
+                            f"{own[1][0]}); use a new --out, or delete that folder to discard them")
         return None, []
     if resume == "auto":
-        root = out_dir / "checkpoints"
-        return (root, complete_steps(root)) if complete_steps(root) else (None, [])
+        return own if own[1] else (None, [])
     path = Path(resume)
     if path.is_dir() and path.name.isdigit():
-        return path.parent, [int(path.name)]
-    if complete_steps(path):
-        return path, complete_steps(path)
-    raise UserError(f"checkpoint.resume={resume!r} is not a checkpoint folder; pass <out>/checkpoints or "
-                    f"<out>/checkpoints/<step>, or auto / never")
+        given = (path.parent, [int(path.name)])
+    elif complete_steps(path):
+        given = (path, complete_steps(path))
+    else:
+        raise UserError(f"checkpoint.resume={resume!r} is not a checkpoint folder; pass <out>/checkpoints or "
+                        f"<out>/checkpoints/<step>, or auto / never")
+    return own if own[1] and own[1][0] > given[1][0] else given
 
 
 def complete_steps(root: Path) -> list[int]:

@@ -20,12 +20,23 @@ def lr_schedule(ocfg, total_steps: int):
 
 
 def make_optimizer(ocfg, total_steps: int, logical_axes):
-    """Global-norm clipping, then AdamW; weight decay only on matrices (not norms)."""
+    """Global-norm clipping, then AdamW; weight decay only on matrices (not norms). The state's tree
+    does not depend on any hyperparameter (clip_norm=0 is an identity in the clipping slot), so a
+    checkpoint resumes with other optimizer settings."""
     decay_mask = jax.tree.map(lambda names: len([n for n in names if n != "layers"]) >= 2, logical_axes,
                               is_leaf=lambda n: isinstance(n, tuple))
     adamw = optax.adamw(lr_schedule(ocfg, total_steps), b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
                         weight_decay=ocfg.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(ocfg.clip_norm), adamw) if ocfg.clip_norm > 0 else adamw
+    clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, adamw)
+
+
+def applied_lr(schedule, opt_state):
+    """The learning rate an update applies: the schedule at the optimizer's own count, which
+    skipped (NaN/Inf) steps do not advance."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    count = next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s))
+    return schedule(count)
 
 
 def cross_entropy(logits_BxLxV, targets_BxL):
@@ -88,7 +99,7 @@ def make_train_step(model, tx, schedule, precision: str, microbatches: int, grad
                      "params": keep_if_bad(optax.apply_updates(params, updates), params),
                      "opt_state": keep_if_bad(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + (~finite).astype(jnp.int32)}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite,
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]), "finite": finite,
                    "skipped_steps": new_state["skipped_steps"]}
         return new_state, metrics
 

@@ -1,15 +1,24 @@
-"""Checkpoints: exact continuation after SIGKILL, elastic resume on another mesh, damaged
-checkpoints, SIGTERM."""
+"""Checkpoints: exact continuation after SIGKILL, elastic resume on another mesh, resume across
+config changes, damaged checkpoints vs mismatches vs transient errors, saves by time, SIGTERM."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
 import pytest
+import yaml
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, tiny_config
+from meshtrain.checkpoint import Checkpointer, resolve_resume
+from meshtrain.config import UserError
+from meshtrain.metrics import MetricsLog
+from meshtrain.trainer import Trainer
 
 STEPS = 24  # checkpoints every 4 steps, all kept
 
@@ -20,12 +29,11 @@ def train_cmd(out, *extra):
 
 
 def losses(out):
+    """{step: loss}; metrics.jsonl holds each step once, also after a resume."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    by_step = {}
-    for r in records:
-        if "loss" in r:
-            by_step[r["step"]] = r["loss"]  # a resumed run rewrites the steps after its checkpoint
-    return by_step
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == sorted(set(steps)), steps
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def run(cmd, **kw):
@@ -35,18 +43,29 @@ def run(cmd, **kw):
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """One uninterrupted fsdp=8 run with checkpoints every 4 steps. The damaged-checkpoint test
-    (defined after the others that read them) damages them."""
+def reference_run(tmp_path_factory):
+    """One uninterrupted fsdp=8 run with checkpoints every 4 steps. Read only: tests that change a
+    run folder take their own copy (`full_run`)."""
     full = tmp_path_factory.mktemp("full")
     run(train_cmd(full, "--devices", "8", "--mesh", "fsdp=8"))
     reference = losses(full)
     assert sorted(reference) == list(range(1, STEPS + 1))
+    header = (full / "config.yaml").read_text().splitlines()[0]
+    assert header.startswith("# written by meshtrain ") and "on 8 x cpu (cpu), 1 process(es)" in header
+    assert yaml.safe_load((full / "config.yaml").read_text())["model"]["mlp_dim"] == 64  # resolved values
     return full, reference
 
 
-def test_sigkill_then_rerun_continues_bitwise_and_elastic_resume(tmp_path, full_run):
-    full, reference = full_run
+@pytest.fixture
+def full_run(reference_run, tmp_path):
+    """This test's own copy of the reference run's folder."""
+    full, reference = reference_run
+    shutil.copytree(full, tmp_path / "full")
+    return tmp_path / "full", reference
+
+
+def test_sigkill_then_rerun_continues_bitwise_and_elastic_resume(tmp_path, reference_run):
+    full, reference = reference_run
 
     # kill -9 the same command once its step-8 checkpoint is complete, then rerun it
     killed = tmp_path / "killed"
@@ -61,7 +80,8 @@ def test_sigkill_then_rerun_continues_bitwise_and_elastic_resume(tmp_path, full_
     out = run(train_cmd(killed, "--devices", "8", "--mesh", "fsdp=8"))
     restored = int(out.split("resumed from step ")[1].split()[0])
     assert 8 <= restored < STEPS  # killed mid-run: there are steps left to compare
-    resumed = losses(killed)
+    resumed = losses(killed)  # each step once: the killed attempt's records past the checkpoint are dropped
+    assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(restored + 1, STEPS + 1):
         assert resumed[step] == reference[step], step  # fp32 on CPU: bitwise
 
@@ -73,6 +93,85 @@ def test_sigkill_then_rerun_continues_bitwise_and_elastic_resume(tmp_path, full_
     moved = losses(elastic)
     assert sorted(moved) == list(range(9, STEPS + 1))
     np.testing.assert_allclose([moved[s] for s in moved], [reference[s] for s in moved], rtol=1e-5)
+
+
+def test_resume_path_yields_to_a_newer_out(tmp_path):
+    given, out = tmp_path / "given" / "checkpoints", tmp_path / "out"
+    for step in (4, 8):
+        (given / str(step)).mkdir(parents=True)
+    assert resolve_resume(str(given / "8"), out) == (given, [8])  # a fresh --out starts from PATH
+    (out / "checkpoints" / "12").mkdir(parents=True)  # the same command ran on and was interrupted
+    assert resolve_resume(str(given / "8"), out) == (out / "checkpoints", [12])
+    assert resolve_resume(str(given), out) == (out / "checkpoints", [12])
+    (given / "16").mkdir()
+    assert resolve_resume(str(given), out) == (given, [16, 8, 4])
+    with pytest.raises(UserError, match=r"--resume never, but .*out/checkpoints holds checkpoints of an earlier "
+                                        r"run \(newest: step 12\); use a new --out"):
+        resolve_resume("never", out)
+
+
+def tiny_run(out, *overrides):
+    return Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.resume=auto", *overrides,
+                               out=str(out)))
+
+
+def quiet_fit(trainer, steps):
+    return trainer.fit(steps, log=MetricsLog("/tmp/meshtrain-tests", primary=False))
+
+
+def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch):
+    full, reference = full_run
+    ckpts = full / "checkpoints"
+    saved = sorted(p.name for p in ckpts.iterdir())
+
+    # How the run executes and learns may change: it resumes from step 24, checkpoints untouched.
+    changed = tiny_run(full, "mesh=data=2,tensor=4", "optim.clip_norm=0", "optim.lr=0.01", "optim.b2=0.99",
+                       "model.remat=full", "zero=3", "train.microbatches=2", "model.mlp_dim=64")
+    assert changed.resumed_from == ckpts / "24"
+    assert sorted(p.name for p in ckpts.iterdir()) == saved
+
+    # What defines the weights may not: a one-line error naming the key, nothing renamed.
+    with pytest.raises(UserError, match=rf"^checkpoint {ckpts / '24'} has model.d_model=32, this run has 64; "
+                                        r"use --out for a new run, --resume never"):
+        tiny_run(full, "model.d_model=64", "model.head_dim=0")
+    assert sorted(p.name for p in ckpts.iterdir()) == saved
+
+    # A transient read failure is an error, never damage.
+    real_restore = ocp.CheckpointManager.restore
+
+    def out_of_memory(self, step, args=None):
+        if "state" in args.keys():
+            raise MemoryError("simulated: host out of memory")
+        return real_restore(self, step, args=args)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", out_of_memory)
+    with pytest.raises(MemoryError):
+        tiny_run(full)
+    monkeypatch.undo()
+    assert sorted(p.name for p in ckpts.iterdir()) == saved
+
+    # A checkpoint of another state layout (with clip_norm=0, earlier versions saved AdamW unchained):
+    # a UserError naming an array, nothing renamed.
+    state = dict(changed.state)
+    state["step"] = state["step"] + 4
+    state["opt_state"] = optax.adamw(1e-3).init(state["params"])
+    meta = json.loads((ckpts / "24" / "metadata" / "metadata").read_text())
+    checkpointer = Checkpointer(ckpts, keep=10)
+    checkpointer.save(state, meta)
+    checkpointer.wait()
+    with pytest.raises(UserError, match=rf"checkpoint {ckpts / '28'} holds another state layout: this run has "
+                                        r"24 arrays it lacks \(e.g. opt_state/1/0/count\); it has 23 arrays this run lacks"):
+        tiny_run(full)
+    assert (ckpts / "28").is_dir() and not list(ckpts.glob("*.damaged"))
+
+
+def test_saves_by_wall_time(tmp_path):
+    by_time = tiny_run(tmp_path / "by_time", "checkpoint.every_minutes=1e-6", "checkpoint.keep=10")
+    quiet_fit(by_time, 6)
+    assert by_time.checkpointer.steps() == [6, 5, 4, 3, 2, 1]  # every step is past the interval
+    default = tiny_run(tmp_path / "default")  # every_minutes=10: only the final save in a short run
+    quiet_fit(default, 6)
+    assert default.checkpointer.steps() == [6]
 
 
 def largest_file(checkpoint):
