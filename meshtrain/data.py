@@ -16,6 +16,7 @@ import numpy as np
 from meshtrain.config import UserError
 
 BYTE_VOCAB = 256
+TOKEN_DTYPE = np.dtype(np.uint16)  # .bin token files, as nanoGPT writes them
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")
 
 
@@ -59,7 +60,12 @@ def load_tokens(dcfg, vocab_size: int) -> np.ndarray | None:
             raise UserError(f"data path {dcfg.path!r} does not exist; pass --data FILE_OR_FOLDER "
                             f"(or omit it to train on the Python standard library)")
         if kind == "tokens":
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            size = path.stat().st_size
+            if size % TOKEN_DTYPE.itemsize or size == 0:
+                raise UserError(f"token file {path} has {size} bytes, not a whole number of "
+                                f"{TOKEN_DTYPE.itemsize}-byte ({TOKEN_DTYPE.name}) tokens; "
+                                f"write it as a flat {TOKEN_DTYPE.name} array (e.g. numpy's tofile)")
+            tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
         else:
             files = [path] if path.is_file() else sorted(
                 p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
@@ -78,9 +84,6 @@ class Batches:
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.seed, self.split, self.sharding, self.vocab_size = seed, split, sharding, vocab_size
         self.shape = (batch_size, seq_len + 1)
-        if tokens is not None and len(tokens) <= seq_len + 1:
-            raise UserError(f"the data holds {len(tokens)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
-                            f"use more data or a shorter sequence")
         rows = sorted({i for idx in sharding.addressable_devices_indices_map(self.shape).values()
                        for i in range(*idx[0].indices(batch_size))})
         self.lo, self.hi = rows[0], rows[-1] + 1
@@ -117,9 +120,16 @@ def synthetic_rows(rng, seed: int, vocab_size: int, shape) -> np.ndarray:
     return rows
 
 
-def split_tokens(tokens, val_fraction: float):
-    """Hold out the stream's tail for validation."""
+def split_tokens(tokens, val_fraction: float, seq_len: int):
+    """Hold out the stream's tail for validation; each part must hold more than one window."""
     if tokens is None:
         return None, None
     cut = int(len(tokens) * (1 - val_fraction))
-    return tokens[:cut], (tokens[cut:] if val_fraction > 0 else None)
+    train, val = tokens[:cut], (tokens[cut:] if val_fraction > 0 else None)
+    for name, part in (("training", train), ("validation", val)):
+        if part is not None and len(part) <= seq_len + 1:
+            raise UserError(f"the data holds {len(tokens):,} tokens, leaving {len(part):,} for {name} "
+                            f"(data.val_fraction={val_fraction}), which is not more than train.seq_len + 1 = "
+                            f"{seq_len + 1}; use more data, a shorter train.seq_len"
+                            f"{', or a larger data.val_fraction' if name == 'validation' else ''}")
+    return train, val

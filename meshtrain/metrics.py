@@ -44,16 +44,28 @@ def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float
 
 class MetricsLog:
     """Progress lines on stdout and one JSON object per record in <out>/metrics.jsonl.
-    Only the primary process (process 0) writes."""
+    Only the primary process (process 0) writes.
 
-    def __init__(self, out_dir: str | Path, primary: bool = True):
+    A run that resumes from step k (or starts fresh: k = 0) first drops the file's records past k,
+    written by the attempt it replaces, so the file holds each step once."""
+
+    def __init__(self, out_dir: str | Path, primary: bool = True, keep_through: int | None = None):
         self.primary = primary
         self.path = Path(out_dir) / "metrics.jsonl"
         self.history: list[dict] = []
         self._file = None
         if primary:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if keep_through is not None and self.path.exists():
+                self._drop_records_after(keep_through)
             self._file = open(self.path, "a")
+
+    def _drop_records_after(self, step: int) -> None:
+        kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}

@@ -33,11 +33,13 @@ class TrainProgram:
                             "use full or save_matmuls on CPU")
         self.cfg, t = cfg, cfg.train
         self.sizes = parse_mesh(cfg.mesh, len(devices) if devices is not None else jax.device_count())
-        check_divisibility(cfg, self.sizes)
-        self.mesh = build_mesh(self.sizes, devices)
         self.rules = make_rules(cfg.rules)
+        check_divisibility(cfg, self.sizes, self.rules)
+        self.mesh = build_mesh(self.sizes, devices)
         self.model = LanguageModel(cfg.model)
-        self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", "seq"), self.rules, self.mesh))
+        # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
+        # activations take the `seq` rule.
+        self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
         self.batch_shape = (t.batch_size, t.seq_len + 1)
 
         abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))

@@ -178,7 +178,7 @@ def constrain(x, names):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, rules, mesh, x.shape)))
 
 
-def check_divisibility(cfg, sizes: dict[str, int]) -> None:
+def check_divisibility(cfg, sizes: dict[str, int], rules) -> None:
     """Mesh-dependent checks, before anything is compiled."""
     m, t, pp = cfg.model, cfg.train, cfg.pipeline
     stages = sizes["pipeline"]
@@ -186,14 +186,21 @@ def check_divisibility(cfg, sizes: dict[str, int]) -> None:
     if stages > 1:
         from meshtrain.schedules import check
 
+        if t.microbatches != 1:
+            valid = max(t.microbatches, stages)
+            if pp.schedule == "interleaved":
+                valid = -(-valid // stages) * stages
+            raise UserError(f"train.microbatches={t.microbatches} with pipeline={stages}: the pipeline splits the "
+                            f"batch itself; set pipeline.microbatches={valid} and train.microbatches=1")
         micro = pipeline_microbatches(cfg, stages)
         check(pp.schedule, stages, micro, pp.virtual_stages)
-        if t.microbatches != 1:
-            raise UserError(f"train.microbatches={t.microbatches} with pipeline={stages}: the pipeline splits the "
-                            f"batch itself; set pipeline.microbatches={t.microbatches} and train.microbatches=1")
         if m.num_layers % (stages * pp.virtual_stages):
             raise UserError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
                             f"pipeline.virtual_stages ({pp.virtual_stages})")
+    seq_shards = math.prod(sizes[a] for a in rules["seq"])
+    if t.seq_len % seq_shards:
+        raise UserError(f"rules.seq={list(rules['seq'])} splits the sequence {seq_shards} ways, which does not "
+                        f"divide train.seq_len={t.seq_len}; use a multiple of {seq_shards} or other rules")
     tp = sizes["tensor"]
     for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
         if value % tp:

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import data as data_lib
+from meshtrain import run_dir
 from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
-from meshtrain.config import Config, UserError, to_dict
+from meshtrain.config import Config, ModelConfig, UserError, to_dict
 from meshtrain.mesh import describe
 from meshtrain.metrics import MetricsLog, mfu, peak_flops
 from meshtrain.program import TrainProgram
@@ -32,17 +32,17 @@ class Trainer(TrainProgram):
     """
 
     def __init__(self, cfg: Config, devices=None):
+        self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
         super().__init__(cfg, devices)
         t = cfg.train
         tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
-        train_tokens, val_tokens = data_lib.split_tokens(tokens, cfg.data.val_fraction)
+        train_tokens, val_tokens = data_lib.split_tokens(tokens, cfg.data.val_fraction, t.seq_len)
         batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
                                                        self.batch_sharding, cfg.model.vocab_size)
         self.train_batches = batches(train_tokens, 0)
         has_val = cfg.data.val_fraction > 0 or tokens is None
         self.val_batches = batches(val_tokens, 1) if has_val else None
 
-        self.out = Path(cfg.out)
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
         self.resumed_from = None
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
@@ -68,15 +68,9 @@ class Trainer(TrainProgram):
         """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
         (elastic: any saved mesh works)."""
         reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
-        model = to_dict(self.cfg)["model"]
-
-        def same_model(meta):
-            if meta["config"]["model"] != model:
-                raise UserError(f"checkpoint in {root} was saved for a different model ({meta['config']['model']}); "
-                                f"use its model config, or pass --resume never to start fresh")
-
         step, state, meta = reader.restore_latest_intact(
-            steps, abstract_like(self.abstract_state, self.state_shardings), same_model)
+            steps, abstract_like(self.abstract_state, self.state_shardings),
+            self._check_same_model)
         saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
         if not np.array_equal(saved_order, self.layer_order):
             state = self._reorder_layers(state, saved_order)
@@ -85,6 +79,18 @@ class Trainer(TrainProgram):
         if jax.process_index() == 0:
             print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
         return state
+
+    def _check_same_model(self, meta, folder) -> None:
+        """Resume needs the same weights' definition (architecture, resolved); everything about how the
+        run executes or learns may change."""
+        saved = ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelConfig, k)})
+        saved_arch, arch = saved.architecture(), self.cfg.model.architecture()
+        differ = [k for k in arch if saved_arch.get(k) != arch[k]]
+        if differ:
+            k = differ[0]
+            raise UserError(f"checkpoint {folder} has model.{k}={saved_arch[k]}, this run has {arch[k]}"
+                            f"{f' (and {len(differ) - 1} more keys differ)' if len(differ) > 1 else ''}; "
+                            f"use --out for a new run, --resume never, or the checkpoint's model config")
 
     def _reorder_layers(self, state, saved_order):
         """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
@@ -122,6 +128,7 @@ class Trainer(TrainProgram):
         self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(self.sizes),
                                             "devices": self.mesh.size, "skip_batches": self.skip_batches,
                                             "layer_order": self.layer_order.tolist()})
+        self.last_save = time.monotonic()
         if wait:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))
@@ -138,83 +145,111 @@ class Trainer(TrainProgram):
         cfg, t = self.cfg, self.cfg.train
         steps = steps or t.steps
         primary = jax.process_index() == 0
-        out = self.out
-        if primary:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        log = log or MetricsLog(out, primary)
+        first = int(self.state["step"])
+        if first >= steps:
+            if primary:
+                print(f"already at step {first} of {steps}: nothing to train (raise --steps, or use a new --out)",
+                      flush=True)
+            return []
+        if primary:  # only a run that trains writes into --out
+            self.out.mkdir(parents=True, exist_ok=True)
+            run_dir.write_config(self.out, cfg, self.mesh)
+        log = log or MetricsLog(self.out, primary, keep_through=first)
         if primary:
             print(f"meshtrain: {self.num_params / 1e6:.2f}M params, mesh {describe(self.sizes)} "
                   f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.zero}, "
-                  f"precision={cfg.precision}, out={out}", flush=True)
-        tokens_per_step = t.batch_size * t.seq_len
-        first = int(self.state["step"])
-        if first >= steps and primary:
-            print(f"already at step {first} of {steps}: nothing to train (raise --steps, or --resume never)", flush=True)
-        preempted = threading.Event()
+                  f"precision={cfg.precision}, out={self.out}", flush=True)
+        signalled = threading.Event()
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):  # finish the step, checkpoint, exit cleanly
-                handlers[sig] = signal.signal(sig, lambda *_: preempted.set())
+                handlers[sig] = signal.signal(sig, lambda *_: signalled.set())
         self.preempted = False
         try:
-            self._loop(first, steps, log, tokens_per_step, preempted)
+            self._loop(first, steps, log, signalled)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             log.close()
         return log.history
 
-    def _loop(self, first, steps, log, tokens_per_step, preempted):
-        t, every = self.cfg.train, self.cfg.checkpoint.every
+    def _loop(self, first, steps, log, signalled):
+        t = self.cfg.train
+        tokens_per_step = t.batch_size * t.seq_len
         last_time, last_step = time.perf_counter(), first
-        k, unchecked = first, None  # unchecked: (step, metrics) not yet judged by the nonfinite guard
+        self.last_save = time.monotonic()
+        k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
         with self.context():
-            while k < steps or unchecked is not None:
-                if k < steps:
-                    self.state, metrics = self.compiled_step(self.state, self.train_batches(self.batch_index(k)))
+            while k < steps:
+                self.state, metrics = self.compiled_step(self.state, self.train_batches(self.batch_index(k)))
                 # Judge the previous step only now, so the host never waits for the step it just dispatched.
-                if unchecked is not None and self._guard(*unchecked):
-                    k, unchecked = int(self.state["step"]), None  # rolled back: the step in flight is dropped
+                if pending is not None and self._guard(*pending):
+                    k, pending = int(self.state["step"]), None  # rolled back: the step in flight is dropped
                     last_time, last_step = time.perf_counter(), k
                     continue
-                if k >= steps:
-                    break
                 k = done = k + 1
-                unchecked = (done, metrics)
+                pending = (done, metrics)
                 if done % t.log_every == 0 or done == steps:
                     metrics = jax.device_get(metrics)  # waits for the step
-                    now = time.perf_counter()
-                    dt = (now - last_time) / (done - last_step)
-                    tps = tokens_per_step / dt
-                    util = mfu(tps, self.flops_per_token, self.mesh.size, self.peak)
-                    record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                              "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
-                              "tokens_per_sec": tps, "step_time_s": dt}
-                    if util is not None:
-                        record.update(mfu=util, tflops_per_device=tps * self.flops_per_token / self.mesh.size / 1e12)
-                    log.write(record)
+                    dt = (time.perf_counter() - last_time) / (done - last_step)
+                    log.write(self._record(done, metrics, tokens_per_step / dt, dt))
                     last_time, last_step = time.perf_counter(), done
                 if t.eval_every and (done % t.eval_every == 0 or done == steps):
                     eval_loss = self.evaluate()
                     if eval_loss is not None:
                         log.write({"step": done, "eval_loss": eval_loss})
                     last_time = time.perf_counter()
-                if every and done % every == 0 and done != steps:
-                    # Async: the loop waits only for the device-to-host copy (and the checksums).
-                    jax.block_until_ready(self.state)
+                preempted = self._preempted(done, signalled)
+                save_owed = save_owed or self._save_due(done)
+                if not (save_owed or preempted or done == steps):
+                    continue
+                # A checkpoint never lands inside a NaN/Inf streak: judge this step before saving it.
+                judged, pending = pending, None
+                if self._guard(*judged):
+                    k = int(self.state["step"])
+                    last_time, last_step = time.perf_counter(), k
+                    continue
+                final = preempted or done == steps
+                if self.bad_batches:  # a periodic save waits for the streak to end
+                    save_owed = True
+                    if final and jax.process_index() == 0:
+                        print(f"warning: step {done} is inside a NaN/Inf streak: not saved; the newest "
+                              f"checkpoint is step {max(self.checkpointer.steps(), default=0)}",
+                              file=sys.stderr, flush=True)
+                else:
                     started = time.perf_counter()
-                    self.save_checkpoint()
-                    log.write({"step": done, "checkpoint_blocking_s": time.perf_counter() - started})
-                    last_time += time.perf_counter() - started
-                if preempted.is_set():
-                    path = self.save_checkpoint(wait=True)
+                    path = self.save_checkpoint(wait=final)
+                    if not final:  # async: the loop waited only for the device-to-host copy and checksums
+                        log.write({"step": done, "checkpoint_blocking_s": time.perf_counter() - started})
+                        last_time += time.perf_counter() - started
+                    save_owed = False
+                if preempted:
                     self.preempted = True
                     if jax.process_index() == 0:
                         print(f"preempted at step {done}: checkpoint saved to {path}", flush=True)
                     return
-            if steps > first:
-                self.save_checkpoint(wait=True)
+
+    def _record(self, step, metrics, tokens_per_sec, step_time) -> dict:
+        record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                  "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
+                  "tokens_per_sec": tokens_per_sec, "step_time_s": step_time}
+        util = mfu(tokens_per_sec, self.flops_per_token, self.mesh.size, self.peak)
+        if util is not None:
+            record.update(mfu=util, tflops_per_device=tokens_per_sec * self.flops_per_token / self.mesh.size / 1e12)
+        return record
+
+    def _save_due(self, step: int) -> bool:
+        """checkpoint.every steps, or checkpoint.every_minutes since the last save. With several
+        processes, process 0's clock decides, at log steps only (one tiny broadcast there)."""
+        c = self.cfg.checkpoint
+        if c.every and step % c.every == 0:
+            return True
+        if not c.every_minutes or (jax.process_count() > 1 and step % self.cfg.train.log_every):
+            return False
+        return agree_with_process_0(time.monotonic() - self.last_save >= 60 * c.every_minutes)
+
+    def _preempted(self, step: int, signalled: threading.Event) -> bool:
+        return signalled.is_set()
 
     def _guard(self, step: int, metrics) -> bool:
         """Count a nonfinite step (its update was already skipped inside the step); after
@@ -245,3 +280,12 @@ class Trainer(TrainProgram):
             print(f"guard: skipping batches {skipped}", flush=True)
         self.bad_batches, self.rollbacks = [], self.rollbacks + 1
         return True
+
+
+def agree_with_process_0(flag: bool) -> bool:
+    """Process 0's `flag` on every process (one tiny broadcast), so all take the same branch."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))

@@ -48,8 +48,22 @@ def test_default_corpus_is_the_stdlib_and_splits_off_validation():
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)
     assert not any("site-packages" in f.parts for f in files)
     tokens = data.load_tokens(DataConfig(), 256)
-    train, val = data.split_tokens(tokens, 0.05)
+    train, val = data.split_tokens(tokens, 0.05, seq_len=64)
     assert len(val) == len(tokens) - len(train) and 0.04 < len(val) / len(tokens) < 0.06
+
+
+def test_short_data_names_the_split_that_is_too_short():
+    tokens = np.zeros(1000, np.uint8)
+    with pytest.raises(UserError, match=r"the data holds 1,000 tokens, leaving 50 for validation "
+                                        r"\(data.val_fraction=0.05\), which is not more than train.seq_len \+ 1 = 65"):
+        data.split_tokens(tokens, 0.05, seq_len=64)
+    assert data.split_tokens(tokens, 0.0, seq_len=64)[1] is None
+
+
+def test_token_file_of_a_partial_token_is_an_error(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(UserError, match="has 3 bytes, not a whole number of 2-byte .uint16. tokens"):
+        data.load_tokens(DataConfig(path=str(tmp_path / "odd.bin")), 256)
 
 
 def test_each_process_reads_only_its_rows():

@@ -1,4 +1,4 @@
-"""Bad input: a one-line `error: ...` naming the problem and the fix, and a non-zero exit."""
+"""Bad input: a one-line `error: ...` naming the problem and the fix, exit 2, nothing written."""
 import subprocess
 import sys
 
@@ -7,14 +7,25 @@ import pytest
 from conftest import ROOT, TINY
 from meshtrain.train import main
 
+SHAKESPEARE = str(ROOT / "configs" / "shakespeare_char.yaml")
+
 BAD_INPUTS = [
-    (["--mesh", "2x2x4"], "mesh 2x2x4 needs 16 devices, found 8"),
-    (["--mesh", "data=2,model=4"], "unknown mesh axis 'model'"),
-    (["--mesh", "data=2,tensor=3", "--devices", "6"], "devices"),  # 6 != the 8 already simulated
+    (["--mesh", "2x2x4"], "mesh 2x2x4 needs 16 devices, found 8; change --mesh or --devices"),
+    (["--mesh", "data=2,model=4"], "unknown mesh axis 'model' in --mesh data=2,model=4"),
+    (["--mesh", "data=2,tensor=3", "--devices", "6"], "--devices 6 must be set before JAX starts"),
+    (["--mesh", "0x8"], "--mesh 0x8: axis sizes must be >= 1"),  # not YAML's hex 8
+    (["--devices", "0"], "--devices 0: simulate 1 to 4096 CPU devices"),
+    (["--devices", "100000"], "--devices 100000: simulate 1 to 4096 CPU devices"),
+    (["--set", "model.num_layers=0"], "model.num_layers=0 must be >= 1"),
     (["--mesh", "data=2,tensor=4", "--set", "model.num_kv_heads=2"], "num_kv_heads=2 is not divisible by tensor=4"),
     (["--mesh", "data=8", "--batch-size", "12"], "batch_size=12 is not divisible by data x fsdp (8)"),
     (["--data", "/nonexistent/corpus.txt"], "data path '/nonexistent/corpus.txt' does not exist"),
     (["--mesh", "2x1x1x4", "--set", "pipeline.microbatches=2"], "pipeline.microbatches=2 is fewer than the 4 pipeline stages"),
+    (["--mesh", "2x1x1x4", "--set", "train.microbatches=2"], "set pipeline.microbatches=4 and train.microbatches=1"),
+    (["--mesh", "data=2,tensor=4", "--set", "rules.seq=[tensor]", "--seq-len", "18"],
+     "rules.seq=['tensor'] splits the sequence 4 ways, which does not divide train.seq_len=18"),
+    (["--set", "rules.seq=[tensor"], "--set rules.seq line 1, column 8: expected ',' or ']'"),
+    (["--steps", "12", "--set", "train.steps=100"], "--steps 12 and --set train.steps=100 both set train.steps"),
     (["--set", "model.width=64"], "unknown config key 'model.width'"),
     (["--set", "precision=fp8"], "precision='fp8' is not one of fp32, bf16"),
     (["--set", "train.steps=many"], "train.steps='many' is not a valid int"),
@@ -22,18 +33,61 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("argv,message", BAD_INPUTS)
-def test_bad_input_is_one_line_error(argv, message, capsys, tmp_path):
+def run_main(argv, capsys, out):
     if "--config" not in argv:
         argv = ["--config", TINY, *argv]
-    assert main([*argv, "--out", str(tmp_path)]) == 2
+    code = main([*argv, "--out", str(out)])
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    assert message in err, err
+    assert code == 2 and err.startswith("error: ") and "\n" not in err, (code, err)
+    assert not out.exists()  # nothing written
+    return err
 
 
-def test_cli_process_exits_nonzero_with_one_line():
+@pytest.mark.parametrize("argv,message", BAD_INPUTS)
+def test_bad_input_is_one_line_error(argv, message, capsys, tmp_path):
+    assert message in run_main(argv, capsys, tmp_path / "run")
+
+
+def test_bad_files(capsys, tmp_path):
+    (tmp_path / "broken.yaml").write_text("model: {num_layers: 4\ntrain: [\n")
+    err = run_main(["--config", str(tmp_path / "broken.yaml")], capsys, tmp_path / "run")
+    assert err == f"error: {tmp_path / 'broken.yaml'} line 2, column 6: expected ',' or '}}', but got ':'; fix the YAML syntax"
+
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    err = run_main(["--data", str(tmp_path / "odd.bin")], capsys, tmp_path / "run")
+    assert "has 3 bytes, not a whole number of 2-byte (uint16) tokens" in err
+
+    (tmp_path / "small.txt").write_text("x" * 1000)  # + a newline: 950 tokens to train on, 51 held out
+    err = run_main(["--config", SHAKESPEARE, "--data", str(tmp_path / "small.txt"), "--mesh", "data=8"],
+                   capsys, tmp_path / "run")
+    assert "the data holds 1,001 tokens, leaving 51 for validation" in err
+
+    (tmp_path / "a_file").write_text("")
+    err = run_main([], capsys, tmp_path / "a_file" / "run")
+    assert err == f"error: --out {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is a file, not a folder; pick another --out"
+
+
+def test_explicit_data_kind_wins_over_data_flag(capsys, tmp_path):
+    (tmp_path / "corpus.txt").write_text("abc" * 1001)  # 3003 bytes: not whole uint16 tokens
+    err = run_main(["--data", str(tmp_path / "corpus.txt"), "--set", "data.kind=tokens"], capsys, tmp_path / "run")
+    assert "not a whole number of 2-byte (uint16) tokens" in err  # read as tokens, as asked
+
+
+def test_ctrl_c_before_training_exits_quietly_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    import meshtrain.trainer
+
+    def interrupted_compile(self, cfg, devices=None):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(meshtrain.trainer.Trainer, "__init__", interrupted_compile)
+    assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err == "interrupted before training started; nothing was written\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_process_exits_nonzero_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", TINY, "--devices", "4",
-                           "--mesh", "2x2x2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--mesh", "2x2x2", "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: mesh 2x2x2 needs 8 devices, found 4; change --mesh or --devices"
+    assert not (tmp_path / "run").exists()

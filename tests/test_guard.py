@@ -80,3 +80,17 @@ def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_ba
     poison(trainer, set(range(STEPS, STEPS + 100)))
     with pytest.raises(UserError, match="still diverging after 1 rollbacks; state saved to"):
         fit(trainer, STEPS + 6)
+
+
+def test_no_checkpoint_inside_a_bad_streak_and_the_logged_lr_is_the_applied_one(tmp_path):
+    """Batches 3 and 4 (steps 4 and 5) are bad: the step-4 save waits for the first good step, 6;
+    the optimizer's count, and so the learning rate, does not advance on skipped steps."""
+    trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
+                                         "checkpoint.keep=10", out=str(tmp_path))), {3, 4})
+    history = {r["step"]: r for r in trainer.fit(log=MetricsLog("/tmp/meshtrain-tests", primary=False))
+               if "loss" in r}
+    assert trainer.checkpointer.steps() == [10, 8, 6]
+    assert [history[s]["skipped_steps"] for s in (3, 4, 5, 6)] == [0, 1, 2, 2]
+    applied_updates = {3: 2, 4: 3, 5: 3, 6: 3, 7: 4}  # good updates before each step
+    for step, count in applied_updates.items():
+        assert history[step]["lr"] == pytest.approx(float(trainer.schedule(count)), rel=1e-6), step
