@@ -13,10 +13,12 @@ cfg = meshtrain.load_config("configs/shakespeare_char.yaml", [
     "zero=1",                       # also shard Adam's moments over the data axis
     "train.steps=200",
     "train.log_every=25",
-    "out=runs/quickstart",
-    "checkpoint.resume=never",      # a demo: start fresh each time (the default, auto, resumes)
+    "out=runs/quickstart",          # rerun: resumes from the newest checkpoint there (checkpoint.resume=auto)
 ])
 history = meshtrain.Trainer(cfg).fit()
 
 train = [r for r in history if "loss" in r]
-print(f"loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f} over {train[-1]['step']} steps")
+if train:
+    print(f"loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f} over steps {train[0]['step']}-{train[-1]['step']}")
+else:
+    print(f"{cfg.out} already holds the trained run; delete it to train again, or raise train.steps")

@@ -330,8 +330,11 @@ def _reference_row(key: str, f, value) -> str:
         notes.append(f">= {f.metadata['min']}")
     if f.metadata["execution"]:
         notes.append("*execution*")
-    shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-    return f"| `{key}` | `{shown}` | {'; '.join(notes)} |"
+    return f"| `{key}` | `{_flow_yaml(value)}` | {'; '.join(notes)} |"
+
+
+def _flow_yaml(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def commented_yaml(cfg: Config) -> str:
@@ -342,6 +345,5 @@ def commented_yaml(cfg: Config) -> str:
         if head != section and head:
             lines.append(f"{head}:")
         section = head
-        shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-        lines.append(f"{'  ' if head else ''}{name}: {shown}  # {f.metadata['help']}")
+        lines.append(f"{'  ' if head else ''}{name}: {_flow_yaml(value)}  # {f.metadata['help']}")
     return "\n".join(lines) + "\n"
