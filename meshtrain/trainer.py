@@ -209,9 +209,11 @@ class Trainer(TrainProgram):
                     k = int(self.state["step"])
                     last_time, last_step = time.perf_counter(), k
                     continue
-                final = preempted or done == steps
+                final, path = preempted or done == steps, None
                 if self.bad_batches:  # a periodic save waits for the streak to end
                     save_owed = True
+                    if final:
+                        self.checkpointer.wait()  # earlier async saves are durable before the run ends
                     if final and jax.process_index() == 0:
                         print(f"warning: step {done} is inside a NaN/Inf streak: not saved; the newest "
                               f"checkpoint is step {max(self.checkpointer.steps(), default=0)}",
@@ -226,7 +228,8 @@ class Trainer(TrainProgram):
                 if preempted:
                     self.preempted = True
                     if jax.process_index() == 0:
-                        print(f"preempted at step {done}: checkpoint saved to {path}", flush=True)
+                        print(f"preempted at step {done}: " + (f"checkpoint saved to {path}" if path else
+                                                               "not saved (inside a NaN/Inf streak)"), flush=True)
                     return
 
     def _record(self, step, metrics, tokens_per_sec, step_time) -> dict:

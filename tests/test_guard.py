@@ -94,3 +94,22 @@ def test_no_checkpoint_inside_a_bad_streak_and_the_logged_lr_is_the_applied_one(
     applied_updates = {3: 2, 4: 3, 5: 3, 6: 3, 7: 4}  # good updates before each step
     for step, count in applied_updates.items():
         assert history[step]["lr"] == pytest.approx(float(trainer.schedule(count)), rel=1e-6), step
+
+
+def test_preemption_inside_a_bad_streak_saves_nothing(tmp_path, capsys):
+    import os
+    import signal
+
+    trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=2",
+                                         out=str(tmp_path))), {3, 4})
+    batches = trainer.train_batches
+
+    def sigterm_during_batch_4(index):
+        if index == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler: finish the step, then stop
+        return batches(index)
+
+    trainer.train_batches = sigterm_during_batch_4
+    fit(trainer, STEPS)
+    assert trainer.preempted and trainer.checkpointer.steps() == [2]  # not 4 (bad), nor 5 (bad)
+    assert "preempted at step 5: not saved (inside a NaN/Inf streak)" in capsys.readouterr().out
