@@ -91,22 +91,24 @@ class Checkpointer:
     def restore(self, step: int, abstract_state, check_metadata=lambda meta, folder: None):
         """Restore `step` into the shardings carried by `abstract_state` (jax.ShapeDtypeStructs).
         Raises `Damaged` on proof of damage, `UserError` when the checkpoint is of another model or
-        state layout (`check_metadata` may raise it too), and anything else as it is."""
-        folder = self.path(step)
+        state layout (`check_metadata` may raise it too), and anything else as it is.
+
+        Reads go through Orbax's handlers, which hold no barrier: whatever fails on one process,
+        every process reaches the one `agree` below, so collectives never pair up wrongly."""
+        folder, state = self.path(step), None
         try:
             check_manifest(folder)
-            meta = self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
+            meta = ocp.JsonCheckpointHandler().restore(folder / "metadata", args=ocp.args.JsonRestore())
             saved = ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree
-        except Exception as e:  # noqa: BLE001 - sorted by `_as_damage`
-            raise _as_damage(e) from e
-        check_metadata(meta, folder)
-        check_same_layout(folder, leaf_specs(saved), leaf_specs(abstract_state))
-        try:
-            state = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))["state"]
+            check_metadata(meta, folder)  # UserErrors: the same files give every process the same verdict
+            check_same_layout(folder, leaf_specs(saved), leaf_specs(abstract_state))
+            state = ocp.StandardCheckpointHandler().restore(folder / "state",
+                                                            args=ocp.args.StandardRestore(abstract_state))
             failure = None
-        except Exception as e:  # noqa: BLE001 - one process's read failure is every process's verdict
-            state, failure = None, _as_damage(e)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted by `_as_damage`, then agreed on
+            failure = _as_damage(e)
         failure = agree(failure)  # before the checksums: they are a collective over every process
         if failure is not None:
             raise failure

@@ -137,14 +137,10 @@ def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch
     assert sorted(p.name for p in ckpts.iterdir()) == saved
 
     # A transient read failure is an error, never damage.
-    real_restore = ocp.CheckpointManager.restore
+    def out_of_memory(self, directory, args=None):
+        raise MemoryError("simulated: host out of memory")
 
-    def out_of_memory(self, step, args=None):
-        if "state" in args.keys():
-            raise MemoryError("simulated: host out of memory")
-        return real_restore(self, step, args=args)
-
-    monkeypatch.setattr(ocp.CheckpointManager, "restore", out_of_memory)
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", out_of_memory)
     with pytest.raises(MemoryError):
         tiny_run(full)
     monkeypatch.undo()

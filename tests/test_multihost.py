@@ -16,7 +16,8 @@ from meshtrain.checkpoint import Checkpointer, abstract_like
 from meshtrain.metrics import MetricsLog
 from meshtrain.trainer import Trainer
 
-OVERRIDES = ("mesh=2x2x2", "zero=0", "train.steps=1000")
+LAYOUT = ("mesh=2x2x2", "zero=0")
+OVERRIDES = (*LAYOUT, "train.steps=1000")
 HEARTBEAT_S, EXIT_BOUND_S = 10, 60
 
 
@@ -69,3 +70,50 @@ def test_two_processes_match_one_then_survivor_exits_when_peer_dies(tmp_path):
     for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])),
                     jax.tree.leaves(jax.device_get(one_process.state["params"]))):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# Process 1 alone fails to decode its part of step 4 (as a bad sector under its shard would make it).
+READ_FAILS_ON_THIS_PROCESS = """
+import sys
+import orbax.checkpoint as ocp
+real_restore = ocp.StandardCheckpointHandler.restore
+def restore(self, directory, args=None):
+    if directory.parent.name == "4":
+        raise ValueError("injected: cannot decode this process's shard")
+    return real_restore(self, directory, args=args)
+ocp.StandardCheckpointHandler.restore = restore
+from meshtrain.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def launch(tmp_path, out, port, *args, script=("-m", "meshtrain.train"), scripts=None, name="p"):
+    """Start process 0 and 1 of a 2-process run; `scripts` may give each its own entry point."""
+    return [subprocess.Popen(
+        [sys.executable, *(scripts[i] if scripts else script), "--config", TINY, "--devices", "4", "--out", str(out),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), *args],
+        cwd=ROOT, stdout=open(tmp_path / f"{name}{i}.out", "w"), stderr=open(tmp_path / f"{name}{i}.err", "w"))
+        for i in range(2)]
+
+
+def test_processes_agree_on_a_damaged_checkpoint_before_renaming(tmp_path):
+    out = tmp_path / "run"
+    first = Trainer(tiny_config(*LAYOUT, "train.steps=4", "checkpoint.every=2", out=str(out)))
+    first.fit(log=MetricsLog("/tmp/meshtrain-tests", primary=False))
+    assert first.checkpointer.steps() == [4, 2]
+
+    sets = [arg for o in LAYOUT for arg in ("--set", o)]
+    procs = launch(tmp_path, out, free_port(), *sets, "--steps", "6", "--set", "checkpoint.every=2",
+                   scripts=[("-m", "meshtrain.train"), ("-c", READ_FAILS_ON_THIS_PROCESS)])
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    err0 = (tmp_path / "p0.err").read_text()
+    assert codes == [0, 0], err0[-3000:] + (tmp_path / "p1.err").read_text()[-3000:]
+    # Process 0 read step 4 fine, but both set it aside and resumed from step 2.
+    assert (f"warning: checkpoint {out / 'checkpoints' / '4'} is damaged (another process could not read "
+            f"its part of it); moved to {out / 'checkpoints' / '4.damaged'}") in err0
+    assert "resumed from step 2" in (tmp_path / "p0.out").read_text()
+    assert (out / "checkpoints" / "4.damaged").is_dir() and Checkpointer(out / "checkpoints", 3).steps() == [6, 4, 2]
