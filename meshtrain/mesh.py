@@ -1,11 +1,10 @@
-"""Mesh specs ("8x8x4", "data=2,fsdp=4"), simulated CPU devices, multi-host init.
+"""Mesh specs ("8x8x4", "data=2,fsdp=4"), simulated CPU devices, hybrid meshes across hosts.
 
 The mesh always has the four axes below, in this order; an axis of size 1 costs nothing.
 """
 from __future__ import annotations
 
 import math
-import os
 
 from meshtrain.config import UserError
 
@@ -73,39 +72,6 @@ def simulate_cpu_devices(count: int) -> None:
         if len(jax.devices("cpu")) != count:
             raise UserError(f"--devices {count} must be set before JAX starts "
                             f"(it already has {len(jax.devices('cpu'))} CPU devices)") from e
-
-
-def launched_by_cluster() -> bool:
-    """True under a multi-process launcher that jax.distributed.initialize() detects itself."""
-    env = os.environ
-    return (int(env.get("SLURM_NTASKS", "1")) > 1
-            or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-            or "JAX_COORDINATOR_ADDRESS" in env)
-
-
-def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, heartbeat_timeout_s: int = 100,
-                     init_timeout_s: int = 300) -> None:
-    """Join the multi-controller runtime: explicit flags, or SLURM / Open MPI / Kubernetes env.
-
-    When a process dies, the coordination service notices its missing heartbeats within
-    `heartbeat_timeout_s` and terminates the others with an error naming it: never a hang.
-    `init_timeout_s` bounds the wait for all processes to join.
-    """
-    import jax
-
-    explicit = coordinator is not None
-    if not explicit and not launched_by_cluster():
-        return
-    if explicit and (num_processes is None or process_id is None):
-        raise UserError("--coordinator needs --num-processes and --process-id too")
-    # On CPU the cross-process collectives go through gloo (a real multi-host test on one machine).
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeouts = {"initialization_timeout": init_timeout_s, "heartbeat_timeout_seconds": heartbeat_timeout_s}
-    if explicit:
-        jax.distributed.initialize(coordinator, num_processes, process_id, **timeouts)
-    else:
-        jax.distributed.initialize(**timeouts)
 
 
 def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):

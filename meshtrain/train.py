@@ -71,15 +71,23 @@ def main(argv=None) -> int:
         if args.print_config:
             print(commented_yaml(cfg), end="")
             return 0
-        from meshtrain.mesh import init_distributed, simulate_cpu_devices
+        from meshtrain import multihost
+        from meshtrain.mesh import simulate_cpu_devices
 
         if cfg.devices:
             simulate_cpu_devices(cfg.devices)
-        init_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
-                         args.init_timeout)
+        multihost.init_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
+                                   args.init_timeout)
         from meshtrain.trainer import Trainer
 
-        Trainer(cfg).fit()
+        try:
+            Trainer(cfg).fit()
+        except Exception as e:  # noqa: BLE001 - a peer that died is named in one line, not a traceback
+            multihost.wait_if_a_peer_died(e, args.heartbeat_timeout)
+            raise
+        finally:
+            multihost.run_over()
+        multihost.leave_together()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 compiled step, trains, and returns the metric history. The CLI is a thin layer over it."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.config import Config, ModelConfig, UserError, to_dict
 from meshtrain.mesh import describe
 from meshtrain.metrics import MetricsLog, mfu, peak_flops
+from meshtrain.multihost import agree_with_process_0, preemption_reached
 from meshtrain.program import TrainProgram
 from meshtrain.step import make_loss_fn
 
@@ -161,9 +163,12 @@ class Trainer(TrainProgram):
                   f"precision={cfg.precision}, out={self.out}", flush=True)
         signalled = threading.Event()
         handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):  # finish the step, checkpoint, exit cleanly
-                handlers[sig] = signal.signal(sig, lambda *_: signalled.set())
+        if threading.current_thread() is threading.main_thread():  # finish the step, checkpoint, exit 0
+            if jax.process_count() == 1:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    handlers[sig] = signal.signal(sig, lambda *_: signalled.set())
+            else:  # JAX's runtime notes SIGTERM for the preemption sync point; Ctrl-C becomes one
+                handlers[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         self.preempted = False
         try:
             self._loop(first, steps, log, signalled)
@@ -252,7 +257,8 @@ class Trainer(TrainProgram):
         return agree_with_process_0(time.monotonic() - self.last_save >= 60 * c.every_minutes)
 
     def _preempted(self, step: int, signalled: threading.Event) -> bool:
-        return signalled.is_set()
+        """SIGTERM/SIGINT: at once with one process; with several, at the step all of them agree on."""
+        return signalled.is_set() if jax.process_count() == 1 else preemption_reached(step)
 
     def _guard(self, step: int, metrics) -> bool:
         """Count a nonfinite step (its update was already skipped inside the step); after
@@ -284,11 +290,3 @@ class Trainer(TrainProgram):
         self.bad_batches, self.rollbacks = [], self.rollbacks + 1
         return True
 
-
-def agree_with_process_0(flag: bool) -> bool:
-    """Process 0's `flag` on every process (one tiny broadcast), so all take the same branch."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
