@@ -22,6 +22,7 @@ import time
 from meshtrain.config import UserError
 
 EXIT_PEER_LOST = 3
+RESUME_HINT = "rerun the same command on every host to resume from the latest checkpoint"
 _run_over = threading.Event()  # set when this process is done: a peer that finished first is not lost
 
 
@@ -89,8 +90,7 @@ def exit_peer_lost(lost: list[int], heartbeat_timeout_s: int) -> None:
 
     which = ", ".join(map(str, lost))
     print(f"error: process {which} of {jax.process_count()} stopped responding (no heartbeat for "
-          f"{heartbeat_timeout_s} s); rerun the same command on every host to resume from the latest "
-          f"checkpoint", file=sys.stderr, flush=True)
+          f"{heartbeat_timeout_s} s); {RESUME_HINT}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(EXIT_PEER_LOST)  # no clean shutdown: it would wait for the lost process
 
@@ -193,5 +193,5 @@ def _filter_output() -> None:
     _filter_fd(1, ("[Gloo]", "peer ranks"))
     _filter_fd(2, ("Using experimental recoverable task feature",),
                fatal="Terminating process because the JAX distributed service detected fatal errors",
-               message="error: lost the coordinator, process 0 (the JAX distributed service stopped answering); "
-                       "rerun the same command on every host to resume from the latest checkpoint")
+               message=f"error: lost the coordinator, process 0 (the JAX distributed service stopped "
+                       f"answering); {RESUME_HINT}")
