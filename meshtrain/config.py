@@ -103,12 +103,18 @@ class CheckpointConfig:
     resume: str = setting("auto", "auto (newest under <out>/checkpoints), never, or a checkpoint folder")
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
 @dataclass
 class PipelineConfig:
-    schedule: str = setting("1f1b", "pipeline schedule when the mesh's pipeline axis is > 1",
-                            choices=("gpipe", "1f1b", "interleaved"))
+    schedule: str = setting("1f1b", "pipeline schedule when the mesh's pipeline axis is > 1 (zb: zero-bubble "
+                                    "ZB-H1, weight gradients deferred into the bubbles)", choices=PIPELINE_SCHEDULES)
     microbatches: int = setting(0, "microbatches per step, >= pipeline stages; 0 = 2 x stages", min=0)
     virtual_stages: int = setting(1, "chunks of layers per device (interleaved only)", min=1)
+    residuals: str = setting("save", "save: a stage keeps each chunk's backward residuals from its forward "
+                                     "(what model.remat lets it keep); recompute: it keeps only the chunk's "
+                                     "input and reruns the forward in the backward", choices=("save", "recompute"))
 
 
 @dataclass

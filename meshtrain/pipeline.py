@@ -1,22 +1,30 @@
 """The SPMD pipeline executor: one program, run by every stage inside `jax.shard_map` over the
 `pipeline` axis, steps through a schedule's timetable (meshtrain/schedules.py) tick by tick.
 
-At each tick a stage looks up its own action and runs one branch of a `lax.switch`: idle (no
-compute, so the time bubble is the schedule's bubble), the forward of one chunk of one
-microbatch, or its backward. Then every stage sends one activation to the next model stage and one
-cotangent to the previous one (`ppermute`, circular so that interleaved chunks wrap from the last
-device to the first). Received tensors wait in ring buffers sized from the timetable: `stash`
-holds a chunk's input until its backward, `grads_in` a cotangent until its backward runs.
+In a tick a stage runs the actions of its slot, each behind a `lax.cond` on its own table entry
+(so an idle stage computes nothing): the forward of one chunk of one microbatch, its backward,
+and under zero-bubble a deferred weight gradient. Then stages exchange what the timetable sends:
+activations to the next model stage, cotangents to the previous one (`ppermute`, circular so that
+interleaved chunks wrap from the last device to the first). The ticks run as up to three scans
+(warm-up, steady, cool-down), each holding only the actions and sends its ticks use: the warm-up
+sends no cotangents, the cool-down no activations.
 
-The backward recomputes its chunk's forward from the stashed input (`jax.grad` at backward time)
-instead of keeping residuals, so a stage holds one input activation per in-flight microbatch: at
-most `stages` for 1F1B whatever the number of microbatches, all M for GPipe.
+Residuals (`pipeline.residuals`):
+- `save` (default): the forward runs each layer under `jax.vjp` and keeps the residuals its
+  backward needs (with `model.remat`, only what the remat policy saves; the parameters are read
+  again, never copied); the backward applies them, so no forward is run twice.
+- `recompute`: a stage keeps only each chunk's input and reruns the chunk's forward in its
+  backward (less memory, a third more compute).
+Under zero-bubble (`zb`) the backward computes only the input gradient, layer by layer, and keeps
+each layer's output cotangent; the weight gradient (W) runs later from those and the residuals.
 
 The embedding and the head are not split into stages: the first stage embeds each microbatch as
-it enters and the last stage applies the head and the loss as it leaves, so no activation buffer
-grows with the number of microbatches. Gradients accumulate locally over microbatches. They are
-summed over the pipeline axis (embedding, final norm, head), and averaged over `data` (when `data`
-is a manual axis too, i.e. zero <= 1) once per step.
+it enters (and adds the embedding gradient in its backward), the last stage applies the head and
+the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
+reads that cotangent like any other stage). Received tensors wait in ring buffers sized from the
+timetable. Gradients accumulate locally over microbatches; they are summed over the pipeline axis
+(embedding, final norm, head) and averaged over `data` (when `data` is a manual axis too, i.e.
+zero <= 1) once per step.
 """
 from __future__ import annotations
 
@@ -26,9 +34,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.precision import cast_for_compute
-from meshtrain.schedules import executor_tables, timetable
-from meshtrain.sharding import manual_axes_rules
+from meshtrain.schedules import executor_tables, tick_phases, timetable
+from meshtrain.sharding import constrain, manual_axes_rules
 from meshtrain.step import cross_entropy, split_microbatches
+from models.transformer import remat_policy
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -40,12 +49,45 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
                      for s in range(stages) for v in range(virtual) for j in range(per_chunk)])
 
 
-def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, virtual: int, data_manual: bool):
+class LayerResiduals:
+    """One layer's backward as data: `jax.vjp` of the layer, closure-converted so the residuals are
+    explicit arrays. `save` keeps the ones that are not parameters; `pullback` rebuilds the vjp from
+    them and the parameters (retracing the layer for the vjp's structure only: its forward is dead
+    code, removed by XLA)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def _vjp(self, p_layer, x):
+        y, vjp = jax.vjp(self.layer, p_layer, x)
+        pullback, consts = jax.closure_convert(vjp, y)
+        params = jax.tree.leaves(p_layer)
+        is_param = [next((i for i, p in enumerate(params) if c is p), None) for c in consts]
+        return y, pullback, consts, is_param
+
+    def forward(self, p_layer, x):
+        y, _, consts, is_param = self._vjp(p_layer, x)
+        return y, [c for c, i in zip(consts, is_param) if i is None]
+
+    def pullback(self, p_layer, saved, g_y):
+        """(d p_layer, d x) for the output cotangent g_y."""
+        _, pullback, consts, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype))
+        params, saved = jax.tree.leaves(p_layer), iter(saved)
+        return pullback(g_y, *[params[i] if i is not None else next(saved) for i in is_param])
+
+
+def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, virtual: int, data_manual: bool,
+                        residuals: str = "save"):
     """(params, tokens [B, L+1]) -> (loss, grads): one step's forward and backward, pipelined."""
     stages = mesh.shape["pipeline"]
-    tables = executor_tables(timetable(schedule, stages, micro, virtual))
-    stash_slots, grad_slots = int(tables.pop("stash_slots")), int(tables.pop("grad_slots"))
+    tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
+    slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
+    phases = tick_phases(tables)
     manual = {"pipeline", "data"} if data_manual else {"pipeline"}
+    save, zero_bubble = residuals == "save", schedule == "zb"
+    policy = remat_policy(model.cfg.remat)
+    layer = model.block if policy is None else jax.checkpoint(model.block, policy=policy, prevent_cse=False)
+    layers = LayerResiduals(layer)
 
     def per_stage(*args):
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
@@ -55,73 +97,130 @@ def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, 
         s = jax.lax.axis_index("pipeline")
         chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
         tab = {k: jnp.asarray(v) for k, v in tables.items()}
-        x_shape = jax.eval_shape(lambda o, t: model.embed(o, t[:, :-1]), outer, tokens_MxbxL1[0])
-        zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
-        f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
-        carry = {"stash": jnp.zeros((stash_slots, virtual, *x_shape.shape), x_shape.dtype),
-                 "grads_in": jnp.zeros((grad_slots, virtual, *x_shape.shape), x_shape.dtype),
-                 "g_chunks": f32_zeros(chunks), "g_outer": f32_zeros(outer), "loss": jnp.zeros((), jnp.float32)}
+        take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # slices, not gathers:
+        put = lambda x, value, i: jax.lax.dynamic_update_index_in_dim(x, value, i, 0)  # XLA partitions them
+        take_chunk = lambda v: jax.tree.map(lambda p: take(p, v), chunks)
+        is_first = lambda v: (s == 0) & (v == 0)  # the model stage that embeds
+        is_last = lambda v: (s == stages - 1) & (v == virtual - 1)  # the one that applies head and loss
 
-        # Dynamic slices, not gathers (XLA cannot partition some gathers inside a manual region).
-        take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
-        put = lambda x, value, i: jax.lax.dynamic_update_index_in_dim(x, value, i, 0)
-        slot = lambda buffer, m, v, slots: take(take(buffer, m % slots), v)
+        def read(buffer, m, v, n):
+            return jax.tree.map(lambda b: take(take(b, m % n), v), buffer)
 
-        def chunk_forward(p_chunk, p_outer, m, v, x_stashed):
-            """The chunk's output; the first model stage embeds the microbatch instead of reading the stash."""
-            first = (s == 0) & (v == 0)
-            x = jax.lax.cond(first, lambda: model.embed(p_outer, take(tokens_MxbxL1, m)[:, :-1]), lambda: x_stashed)
-            return model.run_blocks(p_chunk, x)
+        def write(buffer, value, m, v, n):
+            return jax.tree.map(lambda b, x: put(b, put(take(b, m % n), x.astype(b.dtype), v), m % n), buffer, value)
+
+        def embed(p_outer, m):
+            return model.embed(p_outer, take(tokens_MxbxL1, m)[:, :-1])
 
         def microbatch_loss(p_outer, y, m):
             return cross_entropy(model.head(p_outer, y), take(tokens_MxbxL1, m)[:, 1:])
 
-        def idle(c, m, v):
-            return c, zeros_x, zeros_x
+        def forward_saving(p_chunk, x):
+            return jax.lax.scan(lambda x, p: layers.forward(p, x), x, p_chunk)
+
+        x_like = jax.eval_shape(embed, outer, 0)
+        zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
+        zeros = lambda like, *lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), like)
+        f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
+        carry = {"inputs": zeros(x_like, slots["input_slots"], virtual),
+                 "cotangents": zeros(x_like, slots["cotangent_slots"], virtual),
+                 "g_chunks": f32_zeros(chunks), "g_outer": f32_zeros(outer), "loss": jnp.zeros((), jnp.float32)}
+        if save:
+            saved_like = jax.eval_shape(forward_saving, take_chunk(0), zeros_x)[1]
+            carry["residuals"] = zeros(saved_like, slots["residual_slots"], virtual)
+        if zero_bubble:
+            per_chunk = jax.tree.leaves(chunks)[0].shape[1]
+            carry["deferred"] = zeros(x_like, slots["deferred_slots"], virtual, per_chunk)
+
+        def add_outer(c, g_outer):
+            return {**c, "g_outer": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["g_outer"], g_outer)}
+
+        def add_chunk(c, g_chunk, v):
+            return {**c, "g_chunks": jax.tree.map(lambda a, g: put(a, take(a, v) + g.astype(jnp.float32), v),
+                                                  c["g_chunks"], g_chunk)}
+
+        def chunk_input(c, m, v):
+            """The first model stage embeds the microbatch; the others read what they received (with
+            the embedding's sharding: both branches of a cond must agree)."""
+            received = lambda: constrain(read(c["inputs"], m, v, slots["input_slots"]), ("batch", "seq", "embed"))
+            return jax.lax.cond(is_first(v), lambda: embed(outer, m), received)
 
         def forward(c, m, v):
-            y = chunk_forward(take_chunk(v), outer, m, v, slot(c["stash"], m, v, stash_slots))
-            last = (s == stages - 1) & (v == virtual - 1)  # the last model stage applies the head and loss
-            loss = jax.lax.cond(last, lambda: microbatch_loss(outer, y, m), lambda: jnp.zeros((), jnp.float32))
-            return {**c, "loss": c["loss"] + loss}, y, zeros_x
+            x = chunk_input(c, m, v)
+            if save:
+                y, saved = forward_saving(take_chunk(v), x)
+                c = {**c, "residuals": write(c["residuals"], saved, m, v, slots["residual_slots"])}
+            else:
+                y = model.run_blocks(take_chunk(v), x)
+
+            def head_and_loss(c):
+                """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
+                loss, (g_outer, g_y) = jax.value_and_grad(microbatch_loss, argnums=(0, 1))(outer, y, m)
+                c = add_outer(c, jax.tree.map(lambda g: g / micro, g_outer))
+                return {**c, "loss": c["loss"] + loss,
+                        "cotangents": write(c["cotangents"], g_y / micro, m, v, slots["cotangent_slots"])}
+
+            return jax.lax.cond(is_last(v), head_and_loss, lambda c: c, c), y
 
         def backward(c, m, v):
-            """Recompute the chunk from its stashed input and pull back the cotangent of its output
-            (on the last model stage: of the microbatch's share of the mean loss)."""
-            g_out = slot(c["grads_in"], m, v, grad_slots)
-            last = (s == stages - 1) & (v == virtual - 1)
+            g_y = read(c["cotangents"], m, v, slots["cotangent_slots"])
+            if save:
+                def layer_back(g, xs):
+                    p_layer, saved = xs
+                    g_p, g_x = layers.pullback(p_layer, saved, g)
+                    return g_x, (g if zero_bubble else g_p)  # zb: keep each layer's output cotangent for W
 
-            def objective(p_chunk, p_outer, x_stashed):
-                y = chunk_forward(p_chunk, p_outer, m, v, x_stashed)
-                return jax.lax.cond(last, lambda: microbatch_loss(p_outer, y, m) / micro,
-                                    lambda: jnp.sum(y.astype(jnp.float32) * g_out.astype(jnp.float32)))
+                saved = read(c["residuals"], m, v, slots["residual_slots"])
+                g_x, per_layer = jax.lax.scan(layer_back, g_y, (take_chunk(v), saved), reverse=True)
+                if zero_bubble:
+                    c = {**c, "deferred": write(c["deferred"], per_layer, m, v, slots["deferred_slots"])}
+                else:
+                    c = add_chunk(c, per_layer, v)
+            else:
+                x = chunk_input(c, m, v)
+                g_chunk, g_x = jax.vjp(model.run_blocks, take_chunk(v), x)[1](g_y)
+                c = add_chunk(c, g_chunk, v)
 
-            g_chunk, g_outer, g_x = jax.grad(objective, argnums=(0, 1, 2))(
-                take_chunk(v), outer, slot(c["stash"], m, v, stash_slots))
-            g_chunks = jax.tree.map(lambda acc, g: put(acc, take(acc, v) + g.astype(jnp.float32), v),
-                                    c["g_chunks"], g_chunk)
-            g_outer = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), c["g_outer"], g_outer)
-            return {**c, "g_chunks": g_chunks, "g_outer": g_outer}, zeros_x, g_x
+            def embedding_grad(c):
+                return add_outer(c, jax.vjp(lambda o: embed(o, m), outer)[1](g_x)[0])
 
-        def take_chunk(v):
-            return jax.tree.map(lambda p: take(p, v), chunks)
+            return jax.lax.cond(is_first(v), embedding_grad, lambda c: c, c), g_x
 
-        def store(buffer, valid, m, v, slots, value):
-            def write(b):
-                return put(b, put(take(b, m % slots), value, v), m % slots)
+        def weight_grad(c, m, v):
+            """zb's deferred W: each layer's parameter gradient from its residuals and output cotangent."""
+            def layer_w(_, xs):
+                p_layer, saved, g = xs
+                return None, layers.pullback(p_layer, saved, g)[0]
 
-            return jax.lax.cond(valid > 0, write, lambda b: b, buffer)
+            xs = (take_chunk(v), read(c["residuals"], m, v, slots["residual_slots"]),
+                  read(c["deferred"], m, v, slots["deferred_slots"]))
+            return add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
 
-        def tick(c, t):
-            at = lambda name: tab[name][t, s]
-            c, send_f, send_b = jax.lax.switch(at("kind"), [idle, forward, backward], c, at("micro"), at("chunk"))
-            recv_f = jax.lax.ppermute(send_f, "pipeline", [(i, (i + 1) % stages) for i in range(stages)])
-            recv_b = jax.lax.ppermute(send_b, "pipeline", [(i, (i - 1) % stages) for i in range(stages)])
-            c = {**c, "stash": store(c["stash"], at("recv_f"), at("recv_f_micro"), at("recv_f_chunk"), stash_slots, recv_f),
-                 "grads_in": store(c["grads_in"], at("recv_b"), at("recv_b_micro"), at("recv_b_chunk"), grad_slots, recv_b)}
-            return c, None
+        def make_tick(uses):
+            def tick(c, t):
+                at = lambda name: tab[name][t, s]
+                send_f = send_b = zeros_x
+                if "F" in uses:
+                    c, send_f = jax.lax.cond(at("F") > 0, forward, lambda c, m, v: (c, zeros_x),
+                                             c, at("F_micro"), at("F_chunk"))
+                if "B" in uses:
+                    c, send_b = jax.lax.cond(at("B") > 0, backward, lambda c, m, v: (c, zeros_x),
+                                             c, at("B_micro"), at("B_chunk"))
+                if "W" in uses:
+                    c = jax.lax.cond(at("W") > 0, weight_grad, lambda c, m, v: c, c, at("W_micro"), at("W_chunk"))
+                for name, buffer, shift, sent in (("recv_f", "inputs", 1, send_f), ("recv_b", "cotangents", -1, send_b)):
+                    if name in uses:
+                        got = jax.lax.ppermute(sent, "pipeline", [(i, (i + shift) % stages) for i in range(stages)])
+                        n = slots["input_slots" if buffer == "inputs" else "cotangent_slots"]
+                        c = {**c, buffer: jax.lax.cond(
+                            at(name) > 0, lambda b: write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n),
+                            lambda b: b, c[buffer])}
+                return c, None
 
-        carry, _ = jax.lax.scan(tick, carry, jnp.arange(len(tables["kind"])))
+            return tick
+
+        for start, end, uses in phases:
+            carry, _ = jax.lax.scan(make_tick(uses), carry, jnp.arange(start, end))
         loss = jax.lax.psum(carry["loss"], "pipeline") / micro
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])

@@ -30,23 +30,29 @@ from meshtrain.metrics import PEAK_BF16_FLOPS
 from meshtrain.schedules import SCHEDULES, executor_tables, timetable
 
 
-def schedule_report(schedule: str, stages: int, micro: int, virtual: int) -> dict:
-    tt = timetable(schedule, stages, micro, virtual)
+def schedule_report(schedule: str, stages: int, micro: int, virtual: int, residuals: str = "save") -> dict:
+    tt = timetable(schedule, stages, micro, virtual, residuals)
     buffers = executor_tables(tt)
     return {"schedule": schedule, "stages": stages, "microbatches": micro, "virtual_stages": virtual,
-            "ticks": len(tt.ticks), "bubble": tt.bubble, "bubble_formula": tt.bubble_formula,
-            "in_flight": tt.in_flight(), "stash_slots": int(buffers["stash_slots"]),
-            "timeline": [[str(a) if a else "." for a in row] for row in zip(*tt.ticks)], "_table": tt}
+            "residuals": residuals, "costs": tt.costs, "ticks": len(tt.ticks), "time": tt.time,
+            "bubble": tt.bubble, "bubble_formula": tt.bubble_formula, "in_flight": tt.in_flight(),
+            "residual_slots": int(buffers["residual_slots"]), "input_slots": int(buffers["input_slots"]),
+            "timeline": [["+".join(map(str, slot)) or "." for slot in row] for row in zip(*tt.ticks)], "_table": tt}
 
 
 def format_schedule(r: dict) -> str:
     S, M, V = r["stages"], r["microbatches"], r["virtual_stages"]
-    lines = [f"schedule {r['schedule']}: {S} stages x {M} microbatches, {V} virtual stage(s) per device",
-             f"ticks: {r['ticks']} (one forward or backward of one chunk per tick)",
-             f"bubble: {r['bubble']:.1%} of stage-ticks idle; formula (S-1)/(V*M+S-1) = {S - 1}/{V * M + S - 1} "
+    costs = ", ".join(f"{k}={v}" for k, v in r["costs"].items() if v)
+    formula = "(S-1)/(3M+S-1)" if r["schedule"] == "zb" else "(S-1)/(V*M+S-1)"
+    denominator = 3 * M + S - 1 if r["schedule"] == "zb" else V * M + S - 1
+    lines = [f"schedule {r['schedule']}: {S} stages x {M} microbatches, {V} virtual stage(s) per device, "
+             f"residuals {r['residuals']}",
+             f"ticks: {r['ticks']}, lockstep time {r['time']} (action costs {costs}; a tick lasts as long as "
+             f"its slowest stage)",
+             f"bubble: {r['bubble']:.1%} of stage-time idle in lockstep; formula {formula} = {S - 1}/{denominator} "
              f"= {r['bubble_formula']:.1%}",
              f"in flight per stage (microbatch chunks): {' '.join(map(str, r['in_flight']))}; "
-             f"stashed inputs per stage: {r['stash_slots']}"]
+             f"buffer slots per chunk: residuals {r['residual_slots']}, received inputs {r['input_slots']}"]
     if r["ticks"] <= 80:
         width = max(len(c) for row in r["timeline"] for c in row) + 1
         lines += [f"stage {s}: " + "".join(c.rjust(width) for c in row) for s, row in enumerate(r["timeline"])]
@@ -70,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     sched.add_argument("--stages", type=int)
     sched.add_argument("--microbatches", type=int)
     sched.add_argument("--virtual-stages", type=int, default=1)
+    sched.add_argument("--residuals", default="save", choices=("save", "recompute"),
+                       help="what a stage keeps for the backward (sets the backward's cost)")
     sched.add_argument("--draw", metavar="PNG", help="write the timeline (stages x ticks) as a PNG image")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
@@ -94,11 +102,11 @@ def main(argv=None) -> int:
 def schedule_main(args) -> int:
     if args.stages is None or args.microbatches is None or args.stages < 1:
         raise UserError("--schedule needs --stages >= 1 and --microbatches")
-    report = schedule_report(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+    report = schedule_report(args.schedule, args.stages, args.microbatches, args.virtual_stages, args.residuals)
     table = report.pop("_table")
     print(json.dumps(report) if args.json else format_schedule(report))
     if args.draw:
-        write_png(args.draw, timeline_pixels(table.ticks))
+        write_png(args.draw, timeline_pixels(table))
         if not args.json:
             print(f"timeline drawn to {args.draw}")
     return 0

@@ -32,7 +32,7 @@ from meshtrain.config import load_config
 from meshtrain.hlo import KINDS, collectives
 from meshtrain.mesh import describe, simulate_cpu_devices
 from meshtrain.plan import DEVICE_PROFILES
-from meshtrain.schedules import timetable
+from meshtrain.schedules import executor_tables, tick_phases, timetable
 from meshtrain.sharding import pipeline_microbatches
 
 GB = 1e9
@@ -81,8 +81,10 @@ def expected_traffic(program) -> dict[str, dict]:
     add("all-reduce", per_layer * m.num_layers / P * 2 * (T - 1) / T * activation,
         f"Megatron: {per_layer} activation all-reduces per layer")
     if P > 1:
-        ticks = len(timetable(cfg.pipeline.schedule, P, micro, cfg.pipeline.virtual_stages).ticks)
-        add("collective-permute", 2 * ticks * activation / micro, f"pipeline: 2 sends per tick x {ticks} ticks")
+        tables = executor_tables(timetable(cfg.pipeline.schedule, P, micro, cfg.pipeline.virtual_stages))
+        sends = sum((end - start) * len(uses & {"recv_f", "recv_b"}) for start, end, uses in tick_phases(tables))
+        add("collective-permute", sends * activation / micro, f"pipeline: {sends} sends (activations forward, "
+            f"cotangents back) over {len(tables['F'])} ticks")
     return out
 
 
@@ -121,7 +123,7 @@ def plan(cfg, profile: dict, device_memory: float) -> dict:
     bubble = 0.0
     if sizes["pipeline"] > 1:
         bubble = timetable(cfg.pipeline.schedule, sizes["pipeline"], pipeline_microbatches(cfg, sizes["pipeline"]),
-                           cfg.pipeline.virtual_stages).bubble
+                           cfg.pipeline.virtual_stages, cfg.pipeline.residuals).bubble
     compute_s = max(flops["compiled_per_device"], model_flops) / profile["peak_flops"] / (1 - bubble)
     comm_s = sum(c["traffic_bytes"] for c in measured.values()) / profile["link_bw"]
     step_s = max(compute_s, comm_s)

@@ -53,7 +53,8 @@ class TrainProgram:
         self.layer_order = layer_order(cfg.model.num_layers, stages, virtual)
         pipeline = None
         if stages > 1:  # data is manual too when params are replicated over it: one gradient reduction per step
-            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.zero <= 1)
+            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.zero <= 1,
+                        cfg.pipeline.residuals)
 
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,

@@ -184,7 +184,7 @@ def check_divisibility(cfg, sizes: dict[str, int], rules) -> None:
     stages = sizes["pipeline"]
     micro = t.microbatches
     if stages > 1:
-        from meshtrain.schedules import check
+        from meshtrain.schedules import check, check_residuals
 
         if t.microbatches != 1:
             valid = max(t.microbatches, stages)
@@ -194,6 +194,7 @@ def check_divisibility(cfg, sizes: dict[str, int], rules) -> None:
                             f"batch itself; set pipeline.microbatches={valid} and train.microbatches=1")
         micro = pipeline_microbatches(cfg, stages)
         check(pp.schedule, stages, micro, pp.virtual_stages)
+        check_residuals(pp.schedule, pp.residuals, m.remat)
         if m.num_layers % (stages * pp.virtual_stages):
             raise UserError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
                             f"pipeline.virtual_stages ({pp.virtual_stages})")
