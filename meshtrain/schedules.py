@@ -206,11 +206,13 @@ class Timetable:
         return {(s, a): t for t, row in enumerate(self.ticks) for s, slot in enumerate(row) for a in slot}
 
 
-def timetable(schedule: str, stages: int, micro: int, virtual: int = 1, residuals: str = "save") -> Timetable:
+def timetable(schedule: str, stages: int, micro: int, virtual: int = 1, residuals: str = "save",
+              orders: list[list[Slot]] | None = None) -> Timetable:
     """Place each stage's slots, in order, at the earliest tick their inputs allow. Under zb a stage
     runs its oldest queued weight gradient instead when its next slot must wait, when its order is
-    done, or when more than S-1 are queued."""
-    orders = stage_orders(schedule, stages, micro, virtual)
+    done, or when more than S-1 are queued. `orders` times other orders under a schedule's costs
+    (benchmarks/pipeline.py times the classic 1F1B that way)."""
+    orders = orders or stage_orders(schedule, stages, micro, virtual)
     done: dict[tuple[int, Action], int] = {}
     position = [0] * stages
     queued: list[list[Action]] = [[] for _ in range(stages)]
