@@ -80,6 +80,8 @@ class DataConfig:
     kind: str = setting("auto", "auto picks tokens for .bin, text otherwise, stdlib without a path",
                         choices=("auto", "text", "tokens", "synthetic", "stdlib"))
     val_fraction: float = setting(0.05, "tail of the token stream held out for eval_loss", min=0.0)
+    prefetch: int = setting(1, "batches built ahead in a background thread while the device computes; "
+                               "0 builds each one in the loop", min=0)
 
 
 @dataclass

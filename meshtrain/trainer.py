@@ -2,6 +2,7 @@
 compiled step, trains, and returns the metric history. The CLI is a thin layer over it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ from meshtrain.config import Config, ModelConfig, UserError, to_dict
 from meshtrain.mesh import describe
 from meshtrain.metrics import MetricsLog, mfu, peak_flops
 from meshtrain.multihost import agree_with_process_0, preemption_reached
+from meshtrain.prefetch import Prefetcher
 from meshtrain.program import TrainProgram
 from meshtrain.step import make_loss_fn
 
@@ -184,21 +186,25 @@ class Trainer(TrainProgram):
         last_time, last_step = time.perf_counter(), first
         self.last_save = time.monotonic()
         k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
-        with self.context():
+        depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
+        prefetch = Prefetcher(self.train_batches, depth)
+        with self.context(), contextlib.closing(prefetch):
             while k < steps:
-                self.state, metrics = self.compiled_step(self.state, self.train_batches(self.batch_index(k)))
+                batch = prefetch.get(self.batch_index(k), [self.batch_index(k + j) for j in range(1, depth + 1)])
+                self.state, metrics = self.compiled_step(self.state, batch)
                 # Judge the previous step only now, so the host never waits for the step it just dispatched.
                 if pending is not None and self._guard(*pending):
                     k, pending = int(self.state["step"]), None  # rolled back: the step in flight is dropped
-                    last_time, last_step = time.perf_counter(), k
+                    last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
                     continue
                 k = done = k + 1
                 pending = (done, metrics)
                 if done % t.log_every == 0 or done == steps:
                     metrics = jax.device_get(metrics)  # waits for the step
                     dt = (time.perf_counter() - last_time) / (done - last_step)
-                    log.write(self._record(done, metrics, tokens_per_step / dt, dt))
-                    last_time, last_step = time.perf_counter(), done
+                    log.write(self._record(done, metrics, tokens_per_step / dt, dt,
+                                           (prefetch.waited - data_wait) / (done - last_step)))
+                    last_time, last_step, data_wait = time.perf_counter(), done, prefetch.waited
                 if t.eval_every and (done % t.eval_every == 0 or done == steps):
                     eval_loss = self.evaluate()
                     if eval_loss is not None:
@@ -237,10 +243,11 @@ class Trainer(TrainProgram):
                                                                "not saved (inside a NaN/Inf streak)"), flush=True)
                     return
 
-    def _record(self, step, metrics, tokens_per_sec, step_time) -> dict:
+    def _record(self, step, metrics, tokens_per_sec, step_time, data_wait) -> dict:
+        """`data_wait_s`: host seconds per step spent getting the batch (~0 when prefetching keeps up)."""
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
-                  "tokens_per_sec": tokens_per_sec, "step_time_s": step_time}
+                  "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "data_wait_s": data_wait}
         util = mfu(tokens_per_sec, self.flops_per_token, self.mesh.size, self.peak)
         if util is not None:
             record.update(mfu=util, tflops_per_device=tokens_per_sec * self.flops_per_token / self.mesh.size / 1e12)

@@ -101,7 +101,7 @@ def test_preemption_inside_a_bad_streak_saves_nothing(tmp_path, capsys):
     import signal
 
     trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=2",
-                                         out=str(tmp_path))), {3, 4})
+                                         "data.prefetch=0", out=str(tmp_path))), {3, 4})  # built in the loop
     batches = trainer.train_batches
 
     def sigterm_during_batch_4(index):
