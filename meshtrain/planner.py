@@ -32,7 +32,7 @@ from meshtrain.config import load_config
 from meshtrain.hlo import KINDS, collectives
 from meshtrain.mesh import describe, simulate_cpu_devices
 from meshtrain.plan import DEVICE_PROFILES
-from meshtrain.schedules import executor_tables, tick_phases, timetable
+from meshtrain.schedules import executor_tables, sends_per_step, timetable
 from meshtrain.sharding import pipeline_microbatches
 
 GB = 1e9
@@ -82,7 +82,7 @@ def expected_traffic(program) -> dict[str, dict]:
         f"Megatron: {per_layer} activation all-reduces per layer")
     if P > 1:
         tables = executor_tables(timetable(cfg.pipeline.schedule, P, micro, cfg.pipeline.virtual_stages))
-        sends = sum((end - start) * len(uses & {"recv_f", "recv_b"}) for start, end, uses in tick_phases(tables))
+        sends = sends_per_step(tables)
         add("collective-permute", sends * activation / micro, f"pipeline: {sends} sends (activations forward, "
             f"cotangents back) over {len(tables['F'])} ticks")
     return out

@@ -311,6 +311,11 @@ def tick_phases(tables: dict) -> list[tuple[int, int, frozenset]]:
     return phases
 
 
+
+def sends_per_step(tables: dict) -> int:
+    """ppermutes the executor runs in one step: each phase sends in the directions it uses, every tick."""
+    return sum((end - start) * len(uses & {"recv_f", "recv_b"}) for start, end, uses in tick_phases(tables))
+
 def _slots(live: dict) -> int:
     """The fewest buffer slots such that microbatch m of a (stage, chunk) can use slot m % slots
     without overwriting one still needed."""

@@ -104,6 +104,21 @@ def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, more, ref
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_compiled_sends_are_the_timetables(schedule):
+    """The compiled program's collective-permutes, counted per execution, are exactly the sends its
+    phases need: no cotangent goes back in the warm-up, no activation forward in the cool-down."""
+    from meshtrain import hlo
+    from meshtrain.schedules import sends_per_step
+
+    trainer, _, _ = run_tiny("mesh=2x1x1x4", "zero=1", f"pipeline.schedule={schedule}", "pipeline.microbatches=4",
+                             "pipeline.virtual_stages=1")  # the parity run's compiled program
+    tables = executor_tables(timetable(schedule, 4, 4))
+    sends = sends_per_step(tables)
+    permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]
+    assert permutes == sends < 2 * len(tables["F"])
+
+
 def test_bf16_pipeline_tracks_fp32(reference_run):
     _, ref_losses, _ = reference_run
     _, losses, params = run_tiny("mesh=2x1x1x4", "precision=bf16", "pipeline.schedule=1f1b", "pipeline.microbatches=4")
