@@ -76,6 +76,184 @@ class LayerResiduals:
         return pullback(g_y, *[params[i] if i is not None else next(saved) for i in is_param])
 
 
+# Dynamic slices, not gathers: XLA partitions them inside the manual region.
+def _take(x, i):
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _put(x, value, i):
+    return jax.lax.dynamic_update_index_in_dim(x, value, i, 0)
+
+
+def _read(buffer, m, v, slots: int):
+    """Microbatch m's entry for chunk v of a ring buffer [slots, V, ...] (a pytree of them)."""
+    return jax.tree.map(lambda b: _take(_take(b, m % slots), v), buffer)
+
+
+def _write(buffer, value, m, v, slots: int):
+    return jax.tree.map(lambda b, x: _put(b, _put(_take(b, m % slots), x.astype(b.dtype), v), m % slots),
+                        buffer, value)
+
+
+def _zeros(like, *lead):
+    return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), like)
+
+
+class StageProgram:
+    """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
+    method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
+    timetable (meshtrain/schedules.py)."""
+
+    def __init__(self, model, layers: LayerResiduals, schedule: str, residuals: str, stages: int, micro: int,
+                 virtual: int, tables: dict, slots: dict, blocks, outer, tokens_MxbxL1):
+        self.model, self.layers, self.stages, self.micro, self.virtual = model, layers, stages, micro, virtual
+        self.save, self.zero_bubble = residuals == "save", schedule == "zb"
+        self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
+        self.s = jax.lax.axis_index("pipeline")
+        self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
+        self.outer, self.tokens = outer, tokens_MxbxL1
+        x_like = jax.eval_shape(self.embed, outer, 0)
+        self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
+
+    # ---- pieces ----
+    def chunk(self, v):
+        return jax.tree.map(lambda p: _take(p, v), self.chunks)
+
+    def is_first(self, v):  # the model stage that embeds
+        return (self.s == 0) & (v == 0)
+
+    def is_last(self, v):  # the one that applies the head and the loss
+        return (self.s == self.stages - 1) & (v == self.virtual - 1)
+
+    def embed(self, p_outer, m):
+        return self.model.embed(p_outer, _take(self.tokens, m)[:, :-1])
+
+    def microbatch_loss(self, p_outer, y, m):
+        return cross_entropy(self.model.head(p_outer, y), _take(self.tokens, m)[:, 1:])
+
+    def forward_saving(self, p_chunk, x):
+        """(y, each layer's residuals stacked)."""
+        return jax.lax.scan(lambda x, p: self.layers.forward(p, x), x, p_chunk)
+
+    def initial_carry(self) -> dict:
+        f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
+        n, V = self.slots, self.virtual
+        carry = {"inputs": _zeros(self.zeros_x, n["input_slots"], V),
+                 "cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
+                 "g_chunks": f32_zeros(self.chunks), "g_outer": f32_zeros(self.outer),
+                 "loss": jnp.zeros((), jnp.float32)}
+        if self.save:
+            saved_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.zeros_x)[1]
+            carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
+        if self.zero_bubble:
+            per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
+            carry["deferred"] = _zeros(self.zeros_x, n["deferred_slots"], V, per_chunk)
+        return carry
+
+    def add_outer(self, c, g_outer):
+        return {**c, "g_outer": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["g_outer"], g_outer)}
+
+    def add_chunk(self, c, g_chunk, v):
+        return {**c, "g_chunks": jax.tree.map(lambda a, g: _put(a, _take(a, v) + g.astype(jnp.float32), v),
+                                              c["g_chunks"], g_chunk)}
+
+    def chunk_input(self, c, m, v):
+        """The first model stage embeds the microbatch; the others read what they received (with
+        the embedding's sharding: both branches of a cond must agree)."""
+        received = lambda: constrain(_read(c["inputs"], m, v, self.slots["input_slots"]), ("batch", "seq", "embed"))
+        return jax.lax.cond(self.is_first(v), lambda: self.embed(self.outer, m), received)
+
+    # ---- actions ----
+    def forward(self, c, m, v):
+        x = self.chunk_input(c, m, v)
+        if self.save:
+            y, saved = self.forward_saving(self.chunk(v), x)
+            c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
+        else:
+            y = self.model.run_blocks(self.chunk(v), x)
+
+        def head_and_loss(c):
+            """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
+            loss, (g_outer, g_y) = jax.value_and_grad(self.microbatch_loss, argnums=(0, 1))(self.outer, y, m)
+            c = self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer))
+            return {**c, "loss": c["loss"] + loss,
+                    "cotangents": _write(c["cotangents"], g_y / self.micro, m, v, self.slots["cotangent_slots"])}
+
+        return jax.lax.cond(self.is_last(v), head_and_loss, lambda c: c, c), y
+
+    def backward(self, c, m, v):
+        """The input gradient (sent back) and, except under zb, the chunk's weight gradient."""
+        g_y = _read(c["cotangents"], m, v, self.slots["cotangent_slots"])
+        if self.save:
+            def layer_back(g, xs):
+                p_layer, saved = xs
+                g_p, g_x = self.layers.pullback(p_layer, saved, g)
+                return g_x, (g if self.zero_bubble else g_p)  # zb: keep each layer's output cotangent for W
+
+            saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
+            g_x, per_layer = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved), reverse=True)
+            if self.zero_bubble:
+                c = {**c, "deferred": _write(c["deferred"], per_layer, m, v, self.slots["deferred_slots"])}
+            else:
+                c = self.add_chunk(c, per_layer, v)
+        else:
+            x = self.chunk_input(c, m, v)
+            g_chunk, g_x = jax.vjp(self.model.run_blocks, self.chunk(v), x)[1](g_y)
+            c = self.add_chunk(c, g_chunk, v)
+
+        def embedding_grad(c):
+            return self.add_outer(c, jax.vjp(lambda o: self.embed(o, m), self.outer)[1](g_x)[0])
+
+        return jax.lax.cond(self.is_first(v), embedding_grad, lambda c: c, c), g_x
+
+    def weight_grad(self, c, m, v):
+        """zb's deferred W: each layer's parameter gradient from its residuals and output cotangent."""
+        def layer_w(_, xs):
+            p_layer, saved, g = xs
+            return None, self.layers.pullback(p_layer, saved, g)[0]
+
+        xs = (self.chunk(v), _read(c["residuals"], m, v, self.slots["residual_slots"]),
+              _read(c["deferred"], m, v, self.slots["deferred_slots"]))
+        return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
+
+    # ---- ticks ----
+    def tick(self, uses: frozenset):
+        """One tick of a phase: the actions and sends in `uses`, each action behind its own cond."""
+        idle_send = lambda c, m, v: (c, self.zeros_x)
+        actions = (("F", self.forward, idle_send), ("B", self.backward, idle_send),
+                   ("W", lambda c, m, v: (self.weight_grad(c, m, v), None), lambda c, m, v: (c, None)))
+        sends = (("recv_f", "inputs", "input_slots", 1, "F"), ("recv_b", "cotangents", "cotangent_slots", -1, "B"))
+
+        def tick(c, t):
+            at = lambda name: self.tables[name][t, self.s]
+            sent = {}
+            for kind, run, idle in actions:
+                if kind in uses:
+                    c, sent[kind] = jax.lax.cond(at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
+            for name, buffer, slots, shift, kind in sends:
+                if name in uses:
+                    ring = [(i, (i + shift) % self.stages) for i in range(self.stages)]
+                    got = jax.lax.ppermute(sent.get(kind, self.zeros_x), "pipeline", ring)
+                    store = lambda b: _write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), self.slots[slots])
+                    c = {**c, buffer: jax.lax.cond(at(name) > 0, store, lambda b: b, c[buffer])}
+            return c, None
+
+        return tick
+
+    def run(self, phases, data_manual: bool):
+        """All ticks, phase by phase; then the step's loss and gradient sums (pipeline and, when it
+        is manual, data reductions once per step)."""
+        carry = self.initial_carry()
+        for start, end, uses in phases:
+            carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
+        loss = jax.lax.psum(carry["loss"], "pipeline") / self.micro
+        g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
+        g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
+        if data_manual:  # the data-parallel reduction, once per step
+            loss, g_outer, g_blocks = jax.lax.pmean((loss, g_outer, g_blocks), "data")
+        return loss, g_blocks, g_outer
+
+
 def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, virtual: int, data_manual: bool,
                         residuals: str = "save"):
     """(params, tokens [B, L+1]) -> (loss, grads): one step's forward and backward, pipelined."""
@@ -84,154 +262,19 @@ def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, 
     slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
     phases = tick_phases(tables)
     manual = {"pipeline", "data"} if data_manual else {"pipeline"}
-    save, zero_bubble = residuals == "save", schedule == "zb"
     policy = remat_policy(model.cfg.remat)
-    layer = model.block if policy is None else jax.checkpoint(model.block, policy=policy, prevent_cse=False)
-    layers = LayerResiduals(layer)
+    layers = LayerResiduals(model.block if policy is None else
+                            jax.checkpoint(model.block, policy=policy, prevent_cse=False))
 
-    def per_stage(*args):
+    def per_stage(blocks, outer, tokens_MxbxL1):
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
-            return stage_program(*args)
+            stage = StageProgram(model, layers, schedule, residuals, stages, micro, virtual, tables, slots,
+                                 blocks, outer, tokens_MxbxL1)
+            return stage.run(phases, data_manual)
 
-    def stage_program(blocks, outer, tokens_MxbxL1):
-        s = jax.lax.axis_index("pipeline")
-        chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
-        tab = {k: jnp.asarray(v) for k, v in tables.items()}
-        take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # slices, not gathers:
-        put = lambda x, value, i: jax.lax.dynamic_update_index_in_dim(x, value, i, 0)  # XLA partitions them
-        take_chunk = lambda v: jax.tree.map(lambda p: take(p, v), chunks)
-        is_first = lambda v: (s == 0) & (v == 0)  # the model stage that embeds
-        is_last = lambda v: (s == stages - 1) & (v == virtual - 1)  # the one that applies head and loss
-
-        def read(buffer, m, v, n):
-            return jax.tree.map(lambda b: take(take(b, m % n), v), buffer)
-
-        def write(buffer, value, m, v, n):
-            return jax.tree.map(lambda b, x: put(b, put(take(b, m % n), x.astype(b.dtype), v), m % n), buffer, value)
-
-        def embed(p_outer, m):
-            return model.embed(p_outer, take(tokens_MxbxL1, m)[:, :-1])
-
-        def microbatch_loss(p_outer, y, m):
-            return cross_entropy(model.head(p_outer, y), take(tokens_MxbxL1, m)[:, 1:])
-
-        def forward_saving(p_chunk, x):
-            return jax.lax.scan(lambda x, p: layers.forward(p, x), x, p_chunk)
-
-        x_like = jax.eval_shape(embed, outer, 0)
-        zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
-        zeros = lambda like, *lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), like)
-        f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
-        carry = {"inputs": zeros(x_like, slots["input_slots"], virtual),
-                 "cotangents": zeros(x_like, slots["cotangent_slots"], virtual),
-                 "g_chunks": f32_zeros(chunks), "g_outer": f32_zeros(outer), "loss": jnp.zeros((), jnp.float32)}
-        if save:
-            saved_like = jax.eval_shape(forward_saving, take_chunk(0), zeros_x)[1]
-            carry["residuals"] = zeros(saved_like, slots["residual_slots"], virtual)
-        if zero_bubble:
-            per_chunk = jax.tree.leaves(chunks)[0].shape[1]
-            carry["deferred"] = zeros(x_like, slots["deferred_slots"], virtual, per_chunk)
-
-        def add_outer(c, g_outer):
-            return {**c, "g_outer": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["g_outer"], g_outer)}
-
-        def add_chunk(c, g_chunk, v):
-            return {**c, "g_chunks": jax.tree.map(lambda a, g: put(a, take(a, v) + g.astype(jnp.float32), v),
-                                                  c["g_chunks"], g_chunk)}
-
-        def chunk_input(c, m, v):
-            """The first model stage embeds the microbatch; the others read what they received (with
-            the embedding's sharding: both branches of a cond must agree)."""
-            received = lambda: constrain(read(c["inputs"], m, v, slots["input_slots"]), ("batch", "seq", "embed"))
-            return jax.lax.cond(is_first(v), lambda: embed(outer, m), received)
-
-        def forward(c, m, v):
-            x = chunk_input(c, m, v)
-            if save:
-                y, saved = forward_saving(take_chunk(v), x)
-                c = {**c, "residuals": write(c["residuals"], saved, m, v, slots["residual_slots"])}
-            else:
-                y = model.run_blocks(take_chunk(v), x)
-
-            def head_and_loss(c):
-                """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
-                loss, (g_outer, g_y) = jax.value_and_grad(microbatch_loss, argnums=(0, 1))(outer, y, m)
-                c = add_outer(c, jax.tree.map(lambda g: g / micro, g_outer))
-                return {**c, "loss": c["loss"] + loss,
-                        "cotangents": write(c["cotangents"], g_y / micro, m, v, slots["cotangent_slots"])}
-
-            return jax.lax.cond(is_last(v), head_and_loss, lambda c: c, c), y
-
-        def backward(c, m, v):
-            g_y = read(c["cotangents"], m, v, slots["cotangent_slots"])
-            if save:
-                def layer_back(g, xs):
-                    p_layer, saved = xs
-                    g_p, g_x = layers.pullback(p_layer, saved, g)
-                    return g_x, (g if zero_bubble else g_p)  # zb: keep each layer's output cotangent for W
-
-                saved = read(c["residuals"], m, v, slots["residual_slots"])
-                g_x, per_layer = jax.lax.scan(layer_back, g_y, (take_chunk(v), saved), reverse=True)
-                if zero_bubble:
-                    c = {**c, "deferred": write(c["deferred"], per_layer, m, v, slots["deferred_slots"])}
-                else:
-                    c = add_chunk(c, per_layer, v)
-            else:
-                x = chunk_input(c, m, v)
-                g_chunk, g_x = jax.vjp(model.run_blocks, take_chunk(v), x)[1](g_y)
-                c = add_chunk(c, g_chunk, v)
-
-            def embedding_grad(c):
-                return add_outer(c, jax.vjp(lambda o: embed(o, m), outer)[1](g_x)[0])
-
-            return jax.lax.cond(is_first(v), embedding_grad, lambda c: c, c), g_x
-
-        def weight_grad(c, m, v):
-            """zb's deferred W: each layer's parameter gradient from its residuals and output cotangent."""
-            def layer_w(_, xs):
-                p_layer, saved, g = xs
-                return None, layers.pullback(p_layer, saved, g)[0]
-
-            xs = (take_chunk(v), read(c["residuals"], m, v, slots["residual_slots"]),
-                  read(c["deferred"], m, v, slots["deferred_slots"]))
-            return add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
-
-        def make_tick(uses):
-            def tick(c, t):
-                at = lambda name: tab[name][t, s]
-                send_f = send_b = zeros_x
-                if "F" in uses:
-                    c, send_f = jax.lax.cond(at("F") > 0, forward, lambda c, m, v: (c, zeros_x),
-                                             c, at("F_micro"), at("F_chunk"))
-                if "B" in uses:
-                    c, send_b = jax.lax.cond(at("B") > 0, backward, lambda c, m, v: (c, zeros_x),
-                                             c, at("B_micro"), at("B_chunk"))
-                if "W" in uses:
-                    c = jax.lax.cond(at("W") > 0, weight_grad, lambda c, m, v: c, c, at("W_micro"), at("W_chunk"))
-                for name, buffer, shift, sent in (("recv_f", "inputs", 1, send_f), ("recv_b", "cotangents", -1, send_b)):
-                    if name in uses:
-                        got = jax.lax.ppermute(sent, "pipeline", [(i, (i + shift) % stages) for i in range(stages)])
-                        n = slots["input_slots" if buffer == "inputs" else "cotangent_slots"]
-                        c = {**c, buffer: jax.lax.cond(
-                            at(name) > 0, lambda b: write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n),
-                            lambda b: b, c[buffer])}
-                return c, None
-
-            return tick
-
-        for start, end, uses in phases:
-            carry, _ = jax.lax.scan(make_tick(uses), carry, jnp.arange(start, end))
-        loss = jax.lax.psum(carry["loss"], "pipeline") / micro
-        g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
-        g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
-        if data_manual:  # the data-parallel reduction, once per step
-            loss, g_outer, g_blocks = jax.lax.pmean((loss, g_outer, g_blocks), "data")
-        return loss, g_blocks, g_outer
-
-    blocks_spec = P("pipeline")
     tokens_spec = P(None, "data") if data_manual else P()
-    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, P(), tokens_spec),
-                           out_specs=(P(), blocks_spec, P()), axis_names=manual, check_vma=False)
+    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(P("pipeline"), P(), tokens_spec),
+                           out_specs=(P(), P("pipeline"), P()), axis_names=manual, check_vma=False)
 
     def loss_and_grads(params, tokens_BxL1):
         compute = cast_for_compute(params, precision)
