@@ -220,7 +220,7 @@ def check_same_layout(folder: Path, saved: dict, current: dict) -> None:
             ([f"it has {len(extra)} arrays this run lacks (e.g. {extra[0]})"] if extra else []) + \
             ([f"{len(differ)} arrays differ (e.g. {differ[0]}, saved vs this run)"] if differ else [])
     raise UserError(f"checkpoint {folder} holds another state layout: {'; '.join(parts)}; resume it with the "
-                    f"config it was saved with, or use a new --out (or --resume never) to start fresh")
+                    f"config it was saved with, or start fresh with a new --out")
 
 
 def check_manifest(folder: Path) -> None:

@@ -67,6 +67,14 @@ class MetricsLog:
         tmp.write_text("".join(kept))
         tmp.replace(self.path)
 
+    def rewind(self, step: int) -> None:
+        """Forget the records past `step` (a guard rollback is about to train those steps again)."""
+        self.history = [r for r in self.history if r.get("step", 0) <= step]
+        if self._file:
+            self._file.close()
+            self._drop_records_after(step)
+            self._file = open(self.path, "a")
+
     def write(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
         self.history.append(record)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 
 from meshtrain.config import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
                               split_override)
@@ -66,35 +69,63 @@ def main(argv=None) -> int:
     if args.config_reference:
         print(reference_markdown(), end="")
         return 0
-    try:
-        cfg = load_config(args.config, overrides(args))
-        if args.print_config:
-            print(commented_yaml(cfg), end="")
-            return 0
-        from meshtrain import multihost
-        from meshtrain.mesh import simulate_cpu_devices
-
-        if cfg.devices:
-            simulate_cpu_devices(cfg.devices)
-        multihost.init_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
-                                   args.init_timeout)
-        from meshtrain.trainer import Trainer
-
+    with noting_interrupts() as interrupted:
         try:
-            Trainer(cfg).fit()
-        except Exception as e:  # noqa: BLE001 - a peer that died is named in one line, not a traceback
-            multihost.wait_if_a_peer_died(e, args.heartbeat_timeout)
-            raise
-        finally:
-            multihost.run_over()
-        multihost.leave_together()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C before training started: nothing was written
-        print("interrupted before training started; nothing was written", file=sys.stderr)
-        return 130
+            cfg = load_config(args.config, overrides(args))
+            if args.print_config:
+                print(commented_yaml(cfg), end="")
+                return 0
+            run(cfg, args, interrupted)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # Ctrl-C before training started: nothing was written
+            print("interrupted before training started; nothing was written", file=sys.stderr)
+            return 130
     return 0
+
+
+def run(cfg, args, interrupted: threading.Event) -> None:
+    from meshtrain import multihost
+    from meshtrain.mesh import simulate_cpu_devices
+
+    if cfg.devices:
+        simulate_cpu_devices(cfg.devices)
+    multihost.init_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
+                               args.init_timeout)
+    from meshtrain.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+        if interrupted.is_set():  # a Ctrl-C that a library callback swallowed while starting up
+            raise KeyboardInterrupt
+        trainer.fit()
+    except Exception as e:  # noqa: BLE001 - a peer that died is named in one line, not a traceback
+        multihost.wait_if_a_peer_died(e, args.heartbeat_timeout)
+        raise
+    finally:
+        multihost.run_over()
+    multihost.leave_together()
+
+
+@contextlib.contextmanager
+def noting_interrupts():
+    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: one raised inside a callback
+    (JAX's GC hook while importing) is swallowed there, and must still stop the run before it writes."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+
+    def on_sigint(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

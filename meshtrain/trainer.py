@@ -92,9 +92,11 @@ class Trainer(TrainProgram):
         differ = [k for k in arch if saved_arch.get(k) != arch[k]]
         if differ:
             k = differ[0]
+            own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
+            fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
             raise UserError(f"checkpoint {folder} has model.{k}={saved_arch[k]}, this run has {arch[k]}"
                             f"{f' (and {len(differ) - 1} more keys differ)' if len(differ) > 1 else ''}; "
-                            f"use --out for a new run, --resume never, or the checkpoint's model config")
+                            f"{fresh}, or use the checkpoint's model config")
 
     def _reorder_layers(self, state, saved_order):
         """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
@@ -195,6 +197,7 @@ class Trainer(TrainProgram):
                 # Judge the previous step only now, so the host never waits for the step it just dispatched.
                 if pending is not None and self._guard(*pending):
                     k, pending = int(self.state["step"]), None  # rolled back: the step in flight is dropped
+                    log.rewind(k)
                     last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
                     continue
                 k = done = k + 1
@@ -218,6 +221,7 @@ class Trainer(TrainProgram):
                 judged, pending = pending, None
                 if self._guard(*judged):
                     k = int(self.state["step"])
+                    log.rewind(k)
                     last_time, last_step = time.perf_counter(), k
                     continue
                 final, path = preempted or done == steps, None

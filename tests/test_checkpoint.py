@@ -133,7 +133,7 @@ def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch
 
     # What defines the weights may not: a one-line error naming the key, nothing renamed.
     with pytest.raises(UserError, match=rf"^checkpoint {ckpts / '24'} has model.d_model=32, this run has 64; "
-                                        r"use --out for a new run, --resume never"):
+                                        r"use a new --out for a new run, or use the checkpoint's model config$"):
         tiny_run(full, "model.d_model=64", "model.head_dim=0")
     assert sorted(p.name for p in ckpts.iterdir()) == saved
 

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from conftest import ROOT, TINY
@@ -66,6 +68,10 @@ def test_bad_files(capsys, tmp_path):
     err = run_main([], capsys, tmp_path / "a_file" / "run")
     assert err == f"error: --out {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is a file, not a folder; pick another --out"
 
+    # writable by access() (as root) yet impossible to create: found before building, nothing left behind
+    err = run_main([], capsys, Path("/proc/meshtrain/run"))
+    assert err.startswith("error: --out /proc/meshtrain/run") and err.endswith("; pick another --out")
+
 
 def test_explicit_data_kind_wins_over_data_flag(capsys, tmp_path):
     (tmp_path / "corpus.txt").write_text("abc" * 1001)  # 3003 bytes: not whole uint16 tokens
@@ -82,6 +88,25 @@ def test_ctrl_c_before_training_exits_quietly_and_writes_nothing(capsys, tmp_pat
     assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
     assert capsys.readouterr().err == "interrupted before training started; nothing was written\n"
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_swallowed_by_a_library_still_stops_before_training(capsys, tmp_path, monkeypatch):
+    """A SIGINT whose KeyboardInterrupt a callback swallows (as JAX's GC hook does during import)."""
+    import os
+    import signal
+
+    import meshtrain.trainer
+
+    def swallowed_interrupt(self, cfg, devices=None):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+    monkeypatch.setattr(meshtrain.trainer.Trainer, "__init__", swallowed_interrupt)
+    assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err == "interrupted before training started; nothing was written\n"
+    assert not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
 
 
 def test_cli_process_exits_nonzero_with_one_line(tmp_path):

@@ -1,5 +1,7 @@
 """Nonfinite guard: a NaN/Inf step updates nothing and is counted; a run of them rolls back to the
 last checkpoint and skips the offending batches, reproducing a run that never saw them."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -63,7 +65,12 @@ def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_ba
     _, reference_losses, reference_params = never_saw_bad_batches
     trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
                                          "guard.max_consecutive_bad=2", out=str(tmp_path))), set(BAD))
-    losses = fit(trainer, STEPS)
+    history = trainer.fit(STEPS, log=MetricsLog(tmp_path / "log"))
+    losses = {r["step"]: r["loss"] for r in history if "loss" in r}
+    # the rollback retrained steps 5-7: metrics.jsonl (and the history) hold each step once
+    logged = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, STEPS + 1))
     captured = capsys.readouterr()
     err = captured.err
     assert "guard: 2 NaN/Inf steps in a row; rolled back to step 4" in captured.out
