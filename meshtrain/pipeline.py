@@ -23,8 +23,8 @@ it enters (and adds the embedding gradient in its backward), the last stage appl
 the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
 reads that cotangent like any other stage). Received tensors wait in ring buffers sized from the
 timetable. Gradients accumulate locally over microbatches; they are summed over the pipeline axis
-(embedding, final norm, head) and averaged over `data` (when `data` is a manual axis too, i.e.
-zero <= 1) once per step.
+(embedding, final norm, head) and reduced over `data` (a manual axis too when data > 1, at every
+ZeRO stage: meshtrain/data_parallel.py) once per step.
 """
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import data_parallel
 from meshtrain.precision import cast_for_compute
 from meshtrain.schedules import executor_tables, tick_phases, timetable
 from meshtrain.sharding import constrain, manual_axes_rules
-from meshtrain.step import cross_entropy, split_microbatches
+from meshtrain.step import split_microbatches
 from models.transformer import remat_policy
 
 
@@ -129,7 +130,7 @@ class StageProgram:
         return self.model.embed(p_outer, _take(self.tokens, m)[:, :-1])
 
     def microbatch_loss(self, p_outer, y, m):
-        return cross_entropy(self.model.head(p_outer, y), _take(self.tokens, m)[:, 1:])
+        return self.model.loss(p_outer, y, _take(self.tokens, m)[:, 1:])
 
     def forward_saving(self, p_chunk, x):
         """(y, each layer's residuals stacked)."""
@@ -240,41 +241,51 @@ class StageProgram:
 
         return tick
 
-    def run(self, phases, data_manual: bool):
-        """All ticks, phase by phase; then the step's loss and gradient sums (pipeline and, when it
-        is manual, data reductions once per step)."""
+    def run(self, phases):
+        """All ticks, phase by phase; then the step's loss and gradient sums over the pipeline."""
         carry = self.initial_carry()
         for start, end, uses in phases:
             carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
         loss = jax.lax.psum(carry["loss"], "pipeline") / self.micro
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
-        if data_manual:  # the data-parallel reduction, once per step
-            loss, g_outer, g_blocks = jax.lax.pmean((loss, g_outer, g_blocks), "data")
         return loss, g_blocks, g_outer
 
 
-def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, virtual: int, data_manual: bool,
-                        residuals: str = "save"):
-    """(params, tokens [B, L+1]) -> (loss, grads): one step's forward and backward, pipelined."""
+def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, virtual: int, residuals: str,
+                        param_specs, grad_specs):
+    """(params, tokens [B, L+1]) -> (loss, grads): one step's forward and backward, pipelined. With
+    data > 1, `data` is manual too: each data shard pipelines its own rows, and the gradients are
+    reduced over it once per step (meshtrain/data_parallel.py)."""
     stages = mesh.shape["pipeline"]
     tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
     slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
     phases = tick_phases(tables)
-    manual = {"pipeline", "data"} if data_manual else {"pipeline"}
+    data_manual = mesh.shape[data_parallel.AXIS] > 1
+    manual = {"pipeline", data_parallel.AXIS} if data_manual else {"pipeline"}
+    split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
+    outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))
+    outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
     policy = remat_policy(model.cfg.remat)
     layers = LayerResiduals(model.block if policy is None else
                             jax.checkpoint(model.block, policy=policy, prevent_cse=False))
 
     def per_stage(blocks, outer, tokens_MxbxL1):
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
+            if data_manual:  # ZeRO-3: whole over data once per step
+                blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
             stage = StageProgram(model, layers, schedule, residuals, stages, micro, virtual, tables, slots,
                                  blocks, outer, tokens_MxbxL1)
-            return stage.run(phases, data_manual)
+            loss, g_blocks, g_outer = stage.run(phases)
+            if data_manual:  # the data-parallel reduction, once per step
+                loss = jax.lax.pmean(loss, data_parallel.AXIS)
+                g_blocks = data_parallel.reduce_mean(g_blocks, blocks_out)
+                g_outer = data_parallel.reduce_mean(g_outer, outer_out)
+            return loss, g_blocks, g_outer
 
-    tokens_spec = P(None, "data") if data_manual else P()
-    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(P("pipeline"), P(), tokens_spec),
-                           out_specs=(P(), P("pipeline"), P()), axis_names=manual, check_vma=False)
+    tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
+    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_in, outer_in, tokens_spec),
+                           out_specs=(P(), blocks_out, outer_out), axis_names=manual, check_vma=False)
 
     def loss_and_grads(params, tokens_BxL1):
         compute = cast_for_compute(params, precision)

@@ -27,7 +27,10 @@ class TrainProgram:
         if cfg.devices:
             simulate_cpu_devices(cfg.devices)
         if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
-            raise UserError("model.attention=cudnn needs an NVIDIA GPU; use model.attention=xla here")
+            raise UserError("model.attention=cudnn needs an NVIDIA GPU; use model.attention=blockwise or xla here")
+        if cfg.model.attention == "cudnn" and cfg.precision == "fp32":
+            raise UserError("model.attention=cudnn runs in bf16/fp16 only; set precision=bf16, or use "
+                            "model.attention=blockwise for fp32")
         if cfg.model.remat == "offload" and jax.default_backend() == "cpu":
             raise UserError("model.remat=offload moves activations to host memory and needs a GPU/TPU; "
                             "use full or save_matmuls on CPU")
@@ -52,15 +55,16 @@ class TrainProgram:
         virtual = cfg.pipeline.virtual_stages if stages > 1 else 1
         self.layer_order = layer_order(cfg.model.num_layers, stages, virtual)
         pipeline = None
-        if stages > 1:  # data is manual too when params are replicated over it: one gradient reduction per step
-            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.zero <= 1,
-                        cfg.pipeline.residuals)
+        if stages > 1:
+            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.pipeline.residuals)
 
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, cfg.zero, self.tx)
+        specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
+                 "grads": self.grad_specs, "batch": self.batch_sharding.spec}
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches,
-                                       self.grad_specs, self.mesh, pipeline)
+                                       self.mesh, specs, pipeline)
         self.num_params = self.model.num_params(abstract_params)
         matmul_params = self.model.num_params(abstract_params, embedding=cfg.model.tie_embeddings)
         m = self.model.cfg

@@ -178,6 +178,16 @@ def constrain(x, names):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, rules, mesh, x.shape)))
 
 
+def shard_count(name: str) -> int:
+    """How many ways the active rules split logical dimension `name` (1 outside `activation_rules`;
+    inside a `shard_map`, the compiler-managed axes only: the manual ones are already local)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    rules, mesh = active
+    return math.prod(mesh.shape[a] for a in rules.get(name, ()))
+
+
 def check_divisibility(cfg, sizes: dict[str, int], rules) -> None:
     """Mesh-dependent checks, before anything is compiled."""
     m, t, pp = cfg.model, cfg.train, cfg.pipeline

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 
+from meshtrain import data_parallel
 from meshtrain.precision import cast_for_compute
 from meshtrain.sharding import constrain
 
@@ -39,18 +39,11 @@ def applied_lr(schedule, opt_state):
     return schedule(count)
 
 
-def cross_entropy(logits_BxLxV, targets_BxL):
-    """Mean next-token loss. The target logit is picked with a one-hot product, not a gather, so a
-    vocabulary split over `tensor` stays split (XLA's gather partitioning fails inside pipeline stages)."""
-    logits = logits_BxLxV.astype(jnp.float32)
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets_BxL, logits.shape[-1], dtype=logits.dtype), axis=-1)
-    return (jax.nn.logsumexp(logits, axis=-1) - target_logit).mean()
-
-
 def make_loss_fn(model, precision: str):
     def loss_fn(params, tokens_BxL1):
-        logits = model.apply(cast_for_compute(params, precision), tokens_BxL1[:, :-1])
-        return cross_entropy(logits, tokens_BxL1[:, 1:])
+        compute = cast_for_compute(params, precision)
+        x_BxLxD = model.run_blocks(compute["blocks"], model.embed(compute, tokens_BxL1[:, :-1]))
+        return model.loss(compute, x_BxLxD, tokens_BxL1[:, 1:])
 
     return loss_fn
 
@@ -62,33 +55,50 @@ def split_microbatches(tokens_BxL1, num_micro: int):
     return tokens_BxL1.reshape(B // num_micro, num_micro, -1).swapaxes(0, 1)
 
 
-def make_train_step(model, tx, schedule, precision: str, microbatches: int, grad_specs, mesh, pipeline=None):
-    """`pipeline`: None, or (schedule, microbatches, virtual_stages, data_manual) to run the stacked
-    layers as pipeline stages over the mesh's `pipeline` axis (meshtrain/pipeline.py)."""
-    loss_fn = make_loss_fn(model, precision)
-    grad_fn = jax.value_and_grad(loss_fn)
-    pin_grads = lambda g: jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
-                                       g, grad_specs)
+def accumulate(grad_fn, microbatches: int, accumulator_specs):
+    """(params, tokens) -> (mean loss, mean gradients) over `microbatches` slices of the batch, summed
+    in a scan. The accumulator is pinned to `accumulator_specs` (PartitionSpecs over the axes that
+    are not manual here), so the sum is kept sharded and never reduced inside the loop."""
+    if microbatches == 1:
+        return grad_fn
+    pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
+
+    def loss_and_grads(params, tokens_BxL1):
+        def add(carry, micro_tokens):
+            loss_sum, grad_sum = carry
+            loss, grads = grad_fn(params, constrain(micro_tokens, ("batch", "seq")))
+            return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads))), None
+
+        zeros = pin(jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), zeros),
+                                        split_microbatches(tokens_BxL1, microbatches))
+        return loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+
+    return loss_and_grads
+
+
+def make_train_step(model, tx, schedule, precision: str, microbatches: int, mesh, specs: dict, pipeline=None):
+    """`specs`: PartitionSpecs of 'params', 'grads' (pytrees) and 'batch'. `pipeline`: None, or
+    (schedule, microbatches, virtual_stages, residuals) to run the stacked layers as pipeline stages
+    over the mesh's `pipeline` axis (meshtrain/pipeline.py). With microbatches (or a pipeline) on a
+    mesh with data > 1, each data shard accumulates locally and the gradients are reduced over
+    `data` once per step (meshtrain/data_parallel.py)."""
+    grad_specs = specs["grads"]
     if pipeline is not None:
         from meshtrain.pipeline import make_pipeline_grads
 
-        grad_fn = make_pipeline_grads(model, precision, mesh, *pipeline)
+        grad_fn = make_pipeline_grads(model, precision, mesh, *pipeline, specs["params"], grad_specs)
+    elif microbatches > 1 and mesh.shape[data_parallel.AXIS] > 1:
+        local = accumulate(jax.value_and_grad(make_loss_fn(model, precision)), microbatches,
+                           data_parallel.local_specs(grad_specs, set(mesh.axis_names) - {data_parallel.AXIS}))
+        grad_fn = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"])
+    else:
+        grad_fn = accumulate(jax.value_and_grad(make_loss_fn(model, precision)), microbatches, grad_specs)
 
     def train_step(state, tokens_BxL1):
         params = state["params"]
-        if microbatches == 1:
-            loss, grads = grad_fn(params, tokens_BxL1)
-        else:
-            def accumulate(carry, micro_tokens):
-                loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, constrain(micro_tokens, ("batch", "seq")))
-                return (loss_sum + loss, pin_grads(jax.tree.map(jnp.add, grad_sum, grads))), None
-
-            zeros = pin_grads(jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                            split_microbatches(tokens_BxL1, microbatches))
-            loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
-        grads = pin_grads(grads)  # ZeRO-2/3: sharded over `data`, so XLA reduce-scatters
+        loss, grads = grad_fn(params, tokens_BxL1)
+        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)  # ZeRO-2/3: reduce-scatter
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from meshtrain.loss import cross_entropy
 from meshtrain.sharding import constrain
 
 # Logical axes of every parameter, by its name (stacked block parameters get a leading "layers").
@@ -27,7 +28,8 @@ PARAM_AXES = {
     "w_down": ("mlp", "embed"),
 }
 # Activations that the save_matmuls / offload remat policies keep for the backward pass.
-MATMUL_OUTPUTS = ("q", "k", "v", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
+# `attn_ctx` (attention's output, before wo) too, so the recompute never reruns the L^2 attention.
+MATMUL_OUTPUTS = ("q", "k", "v", "attn_ctx", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
 
 
 def _init(in_axes, out_axes):
@@ -56,10 +58,18 @@ def rotary(x_BxLxNxK, theta: float):
     return out.astype(x_BxLxNxK.dtype)
 
 
+ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel
+
+
 def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str):
-    """Causal grouped-query attention; softmax in fp32."""
+    """Causal grouped-query attention; softmax in fp32. `xla` forms the [B, H, L, L] scores,
+    `blockwise` never does, `cudnn` is cuDNN's fused kernel (GPU, bf16/fp16)."""
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True, implementation="cudnn")
+    L = q_BxLxHxK.shape[1]
+    if implementation == "blockwise":
+        block = max(b for b in range(1, min(ATTENTION_BLOCK, L) + 1) if L % b == 0)
+        return blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, block)
     B, L, H, K = q_BxLxHxK.shape
     G = k_BxLxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
@@ -70,6 +80,52 @@ def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxLxGxK.dtype)
     out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
     return out.reshape(B, L, H, K)
+
+
+def blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, block: int):
+    """The same attention over blocks of `block` queries x `block` keys with an online softmax
+    (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022): per query block, running max m,
+    normaliser l and output acc are rescaled by exp(m_old - m_new) as each key block arrives, so
+    only [B, G, R, block, block] scores exist at a time. Key blocks above the diagonal are skipped.
+    The backward rematerialises each query block, then each key block's scores, so residuals stay
+    O(L x K), never O(L^2); the price is computing the scores three times instead of FlashAttention's
+    two (GPUs use `cudnn`)."""
+    B, L, H, K = q_BxLxHxK.shape
+    G = k_BxLxGxK.shape[2]
+    R, n = H // G, L // block
+    q_NxBxCxGxRxK = q_BxLxHxK.reshape(B, n, block, G, R, K).swapaxes(0, 1)
+    k_NxBxCxGxK = k_BxLxGxK.reshape(B, n, block, G, K).swapaxes(0, 1)
+    v_NxBxCxGxK = v_BxLxGxK.reshape(B, n, block, G, K).swapaxes(0, 1)
+    pos_C = jnp.arange(block)
+    lowest = jnp.finfo(jnp.float32).min
+
+    @jax.checkpoint
+    def query_block(i, q_BxCxGxRxK):
+        def key_block(carry, xs):
+            j, k_BxCxGxK, v_BxCxGxK = xs
+
+            @jax.checkpoint  # residuals: the carries (O(block x K)), not this block's scores
+            def update(carry):
+                m_BxGxRxC, l_BxGxRxC, acc_BxGxRxCxK = carry
+                s = jnp.einsum("bqgrk,bmgk->bgrqm", q_BxCxGxRxK, k_BxCxGxK, preferred_element_type=jnp.float32)
+                causal_CxC = (i * block + pos_C)[:, None] >= (j * block + pos_C)[None, :]
+                s = jnp.where(causal_CxC, s * K ** -0.5, lowest)
+                m_new = jnp.maximum(m_BxGxRxC, s.max(axis=-1))
+                p = jnp.exp(s - m_new[..., None])
+                rescale = jnp.exp(m_BxGxRxC - m_new)
+                pv = jnp.einsum("bgrqm,bmgk->bgrqk", p.astype(v_BxCxGxK.dtype), v_BxCxGxK,
+                                preferred_element_type=jnp.float32)
+                return m_new, l_BxGxRxC * rescale + p.sum(axis=-1), acc_BxGxRxCxK * rescale[..., None] + pv
+
+            return jax.lax.cond(j <= i, update, lambda c: c, carry), None
+
+        init = (jnp.full((B, G, R, block), lowest), jnp.zeros((B, G, R, block)), jnp.zeros((B, G, R, block, K)))
+        (_, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(n), k_NxBxCxGxK, v_NxBxCxGxK))
+        out_BxGxRxCxK = acc / l[..., None]
+        return out_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(B, block, H, K)
+
+    out_NxBxCxHxK = jax.lax.map(lambda xs: query_block(*xs), (jnp.arange(n), q_NxBxCxGxRxK))
+    return out_NxBxCxHxK.swapaxes(0, 1).reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
 
 
 class Block(nnx.Module):
@@ -96,7 +152,7 @@ class Block(nnx.Module):
         v = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
         q = constrain(rotary(q, cfg.rope_theta), ("batch", "seq", "heads", "head_dim"))
         k = constrain(rotary(k, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
-        ctx_BxLxHxK = attention(q, k, v, cfg.attention)
+        ctx_BxLxHxK = checkpoint_name(attention(q, k, v, cfg.attention), "attn_ctx")
         attn = checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]), "attn_out")
         x_BxLxD = constrain(x_BxLxD + attn, ("batch", "seq", "embed"))
 
@@ -139,8 +195,8 @@ def remat_policy(name: str):
 
 class LanguageModel:
     """The protocol meshtrain trains through, on pure parameter pytrees (nested dicts):
-    `init(key)`, `embed(params, tokens)`, `block(params_i, x)`, `head(params, x)`, `apply`,
-    `logical_axes(params)`. `params["blocks"]` is stacked on a leading layers axis."""
+    `init(key)`, `embed(params, tokens)`, `block(params_i, x)`, `loss(params, x, targets)` (head and
+    cross-entropy), `head(params, x)` (logits), `apply`, `logical_axes(params)`. `params["blocks"]` is stacked on a leading layers axis."""
 
     def __init__(self, cfg):
         self.cfg = cfg.resolved()
@@ -162,13 +218,22 @@ class LanguageModel:
     def block(self, params_i, x_BxLxD):
         return nnx.merge(self._block_graphdef, params_i)(x_BxLxD)
 
+    def final_norm(self, params, x_BxLxD):
+        return nnx.merge(self._norm_graphdef, params["final_norm"])(x_BxLxD)
+
+    def unembedding(self, params):
+        """The output head's matrix [D, V] (the embedding table, transposed, when tied)."""
+        return params["embedding"].T if self.cfg.tie_embeddings else params["lm_head"]
+
     def head(self, params, x_BxLxD):
-        x = nnx.merge(self._norm_graphdef, params["final_norm"])(x_BxLxD)
-        if self.cfg.tie_embeddings:
-            logits = jnp.einsum("bld,vd->blv", x, params["embedding"], preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum("bld,dv->blv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        """Logits [B, L, V] in fp32 (for evaluation and decoding; training calls `loss`)."""
+        logits = jnp.einsum("bld,dv->blv", self.final_norm(params, x_BxLxD), self.unembedding(params),
+                            preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
+
+    def loss(self, params, x_BxLxD, targets_BxL):
+        """Mean next-token cross-entropy of the head, never holding [B, L, V] logits (meshtrain/loss.py)."""
+        return cross_entropy(self.final_norm(params, x_BxLxD), self.unembedding(params), targets_BxL)
 
     def run_blocks(self, blocks, x_BxLxD):
         """All stacked layers with one scan (compile time does not grow with depth)."""

@@ -86,7 +86,7 @@ def test_bad_schedules_fail_clearly(schedule, stages, micro, virtual, message):
 PARITY = [  # (schedule, data x fsdp x tensor x pipeline, virtual stages, zero, more overrides)
     ("1f1b", "2x1x1x4", 1, 1, ()), ("1f1b", "1x2x2x2", 1, 0, ()),
     ("gpipe", "2x2x1x2", 1, 3, ()), ("interleaved", "1x2x2x2", 2, 1, ()),
-    ("zb", "2x1x1x4", 1, 1, ()), ("zb", "1x2x2x2", 1, 0, ()),
+    ("zb", "2x1x1x4", 1, 2, ()), ("zb", "1x2x2x2", 1, 0, ()),  # zero 2: gradients reduce-scattered over data
     ("1f1b", "2x2x1x2", 1, 3, ("pipeline.residuals=recompute",)),
     ("1f1b", "2x1x1x4", 1, 1, ("model.remat=full",)),  # residuals from the remat policy: one recompute
 ]

@@ -1,0 +1,78 @@
+"""One data-parallel gradient reduction per step, for every ZeRO stage.
+
+Inside `jax.shard_map` over the `data` axis (manual; the other axes stay compiler-managed), each
+data shard runs the forward and backward of its own rows for every microbatch and sums the
+gradients locally. After the microbatch loop the gradients are reduced over `data` once: averaged
+(pmean) where they are replicated over `data` (zero 0/1), reduce-scattered (psum_scatter / N) where
+ZeRO-2/3 shard them. Parameters that ZeRO-3 shards over `data` are all-gathered once, before the
+loop. Left to XLA, the accumulator's sharding would ask for a reduction every microbatch.
+
+The price: during the step a data shard holds gradients (and, under zero 3, parameters) whole over
+`data`, as at zero 1; between steps the ZeRO layout holds. `fsdp` is the axis that gathers and
+reduce-scatters per layer and microbatch, bounding those bytes instead.
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.sharding import manual_axes_rules
+
+AXIS = "data"
+_is_spec = lambda x: isinstance(x, P)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def local_spec(spec: P, manual) -> P:
+    """The part of a PartitionSpec over the `manual` axes: a shard_map's in/out spec."""
+    kept = [tuple(a for a in _axes(e) if a in manual) for e in spec]
+    return P(*[k if len(k) > 1 else (k[0] if k else None) for k in kept])
+
+
+def local_specs(specs, manual):
+    return jax.tree.map(lambda s: local_spec(s, manual), specs, is_leaf=_is_spec)
+
+
+def _data_dim(spec: P):
+    return next((i for i, e in enumerate(spec) if AXIS in _axes(e)), None)
+
+
+def gather(tree, specs):
+    """Whole over `data`: all-gather the leaves whose spec splits a dimension over it."""
+    def one(x, spec):
+        d = _data_dim(spec)
+        return x if d is None else jax.lax.all_gather(x, AXIS, axis=d, tiled=True)
+
+    return jax.tree.map(one, tree, specs, is_leaf=_is_spec)
+
+
+def reduce_mean(tree, specs):
+    """The mean over `data` of every data shard's gradients, laid out as `specs` say: pmean, or
+    reduce-scatter of the sum, then / N, on the dimension a spec splits over `data`."""
+    n = jax.lax.axis_size(AXIS)
+
+    def one(g, spec):
+        d = _data_dim(spec)
+        if d is None:
+            return jax.lax.pmean(g, AXIS)
+        return jax.lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True) / n
+
+    return jax.tree.map(one, tree, specs, is_leaf=_is_spec)
+
+
+def data_parallel(loss_and_grads, mesh, param_specs, grad_specs, batch_spec: P):
+    """(params, tokens) -> (loss, grads), with `loss_and_grads` run per data shard on its rows and
+    its gradients reduced over `data` once."""
+    manual = {AXIS}
+    in_params, out_grads = local_specs(param_specs, manual), local_specs(grad_specs, manual)
+
+    def per_shard(params, tokens):
+        with manual_axes_rules(manual):  # activations are constrained over the other axes only
+            loss, grads = loss_and_grads(gather(params, in_params), tokens)
+            return jax.lax.pmean(loss, AXIS), reduce_mean(grads, out_grads)
+
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_params, local_spec(batch_spec, manual)),
+                         out_specs=(P(), out_grads), axis_names=manual, check_vma=False)
