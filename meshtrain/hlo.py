@@ -100,3 +100,10 @@ def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
             r["payload_bytes"] += factor * payload
             r["traffic_bytes"] += factor * ring_traffic(kind, payload, group_size(line, num_devices))
     return result
+
+
+def reduction_totals(found: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """(executions, payload bytes) per step of the reductions and gathers: every kind but the
+    pipeline's point-to-point collective-permutes."""
+    kinds = [k for k in KINDS if k != "collective-permute"]
+    return sum(found[k]["count"] for k in kinds), sum(found[k]["payload_bytes"] for k in kinds)

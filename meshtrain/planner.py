@@ -7,11 +7,13 @@ Formulas (per device; Psi parameters; D, F, T, P the data, fsdp, tensor, pipelin
   divided by F x T x P and also by D from stage 3, 2 and 1 respectively.
 - Ring all-reduce of B bytes over N devices moves 2(N-1)/N x B per device; all-gather and
   reduce-scatter (N-1)/N x B (B the full tensor).
-- Data parallelism (zero <= 1): one gradient all-reduce over D per step. ZeRO 1/2: the updated
-  parameter shards are all-gathered over D; ZeRO 2 reduce-scatters gradients over D.
-- FSDP (over F, and D from zero 3): weights all-gathered for every microbatch in the forward and
-  again in the backward (and in the recomputed forward under remat=full), gradients
-  reduce-scattered per microbatch.
+- Data parallelism (zero <= 1): one gradient all-reduce over D per step, also with microbatches
+  (meshtrain/data_parallel.py). ZeRO 1/2: the updated parameter shards are all-gathered over D;
+  ZeRO 2 reduce-scatters gradients over D once per step; ZeRO 3 with microbatches or a pipeline
+  gathers parameters and reduce-scatters gradients over D once per step.
+- FSDP (over F, and D at zero 3 without microbatches): weights all-gathered for every microbatch in
+  the forward and again in the backward (and in the recomputed forward under remat=full),
+  gradients reduce-scattered per microbatch.
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward (2 more
   when remat recomputes the forward), each of (batch/(D x F)) x seq x width.
 - Pipeline: one activation forward and one cotangent back per tick; bubble (S-1)/(V*M+S-1).
@@ -70,8 +72,13 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-gather", (D - 1) / D * slice_bytes / F, "ZeRO-1/2 all-gather of updated parameter shards")
     if zero == 2:
         add("reduce-scatter", (D - 1) / D * slice_bytes / F, "ZeRO-2 gradient reduce-scatter over data")
-    A = F * (D if zero >= 3 else 1)
     micro = t.microbatches if P == 1 else pipeline_microbatches(cfg, P)  # FSDP gathers again for every microbatch
+    data_once = D > 1 and (micro > 1 or P > 1)  # data is manual: reduced (and zero-3 gathered) once per step
+    if zero >= 3 and data_once:
+        gathered = act / 4 if P > 1 else 1  # pipelines gather the compute-dtype copy, else the fp32 master
+        add("all-gather", (D - 1) / D * slice_bytes / F * gathered, "ZeRO-3 parameter all-gather over data, once per step")
+        add("reduce-scatter", (D - 1) / D * slice_bytes / F, "ZeRO-3 gradient reduce-scatter over data, once per step")
+    A = F * (D if zero >= 3 and not data_once else 1)
     gathers = 3 if m.remat == "full" else 2  # forward, backward (and the recomputed forward)
     add("all-gather", gathers * micro * (A - 1) / A * slice_bytes * act / 4,
         f"FSDP weight all-gather in the compute dtype, {gathers} per microbatch x {micro}")

@@ -62,8 +62,12 @@ def test_blockwise_never_forms_the_scores():
 def test_cudnn_needs_a_gpu_and_bf16():
     from meshtrain.program import TrainProgram
 
-    with pytest.raises(UserError, match="model.attention=cudnn needs an NVIDIA GPU"):
-        TrainProgram(tiny_config("mesh=1", "model.attention=cudnn", "precision=bf16"), devices=jax.devices()[:1])
-    if jax.default_backend() == "gpu":
+    build = lambda *overrides: TrainProgram(tiny_config("mesh=1", "model.attention=cudnn", *overrides),
+                                            devices=jax.devices()[:1])
+    if jax.default_backend() != "gpu":
+        with pytest.raises(UserError, match="model.attention=cudnn needs an NVIDIA GPU"):
+            build("precision=bf16")
+    else:
         with pytest.raises(UserError, match="runs in bf16/fp16 only; set precision=bf16"):
-            TrainProgram(tiny_config("mesh=1", "model.attention=cudnn"), devices=jax.devices()[:1])
+            build("precision=fp32")
+        build("precision=bf16")

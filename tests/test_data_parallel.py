@@ -12,9 +12,7 @@ from meshtrain.program import TrainProgram
 def reductions(zero: int, microbatches: int) -> tuple[float, float]:
     """(count, payload bytes) per step of the collectives other than pipeline sends, on data=8."""
     cfg = tiny_config("mesh=data=8", f"zero={zero}", f"train.microbatches={microbatches}", "train.batch_size=32")
-    found = hlo.collectives(TrainProgram(cfg).lower().compile().as_text(), 8)
-    found.pop("collective-permute")
-    return sum(c["count"] for c in found.values()), sum(c["payload_bytes"] for c in found.values())
+    return hlo.reduction_totals(hlo.collectives(TrainProgram(cfg).lower().compile().as_text(), 8))
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -1,0 +1,104 @@
+"""One device's training speed and memory for a config: tokens/s, TFLOP/s and MFU (the PaLM
+convention of meshtrain/metrics.py), compiled temporaries and peak device memory of the real
+train step, for several variants side by side from one run. Each variant runs in its own process,
+so its peak memory is its own. Runs on CPU at tiny size and on a GPU at full size:
+
+    python benchmarks/gpu.py --config configs/tiny.yaml --steps 3
+    python benchmarks/gpu.py --config configs/llama_1b.yaml --set train.batch_size=8 --steps 10 \
+        --variant xla:model.attention=xla --variant cudnn:model.attention=cudnn
+
+A variant is `name:key=value,key=value` (config overrides on top of --set). The batch is a fixed
+random token array already on the device, so the figures are the step's, not the data loader's
+(benchmarks/overhead.py measures the loop around it).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def measure(config: str, overrides: list[str], steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from meshtrain.config import load_config
+    from meshtrain.metrics import peak_flops
+    from meshtrain.program import TrainProgram
+
+    cfg = load_config(config, ["mesh=1", "devices=0", *overrides])
+    device = jax.devices()[0]
+    program = TrainProgram(cfg, devices=[device])
+    started = time.perf_counter()
+    compiled = program.lower().compile()
+    compile_s = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    with program.context():
+        state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(0))
+        tokens = jax.random.randint(jax.random.key(1), program.batch_shape, 0, cfg.model.vocab_size, jnp.int32)
+        tokens = jax.device_put(tokens, program.batch_sharding)
+        for _ in range(2):  # warm-up: first-touch allocations, autotuning
+            state, metrics = compiled(state, tokens)
+        jax.block_until_ready(state)
+        started = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, tokens)
+        jax.block_until_ready(state)
+        step_s = (time.perf_counter() - started) / steps
+    tokens_per_s = cfg.train.batch_size * cfg.train.seq_len / step_s
+    peak = peak_flops(device.device_kind)
+    stats = device.memory_stats() or {}
+    return {"device": device.device_kind, "step_ms": step_s * 1e3, "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * program.flops_per_token / 1e12,
+            "mfu": tokens_per_s * program.flops_per_token / peak if peak else None,
+            "temp_gb": memory.temp_size_in_bytes / 1e9, "args_gb": memory.argument_size_in_bytes / 1e9,
+            "peak_gb": stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None,
+            "loss": float(metrics["loss"]), "compile_s": compile_s, "params_m": program.num_params / 1e6}
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
+    lines = ["| variant | step ms | tokens/s | TFLOP/s | MFU | temp GB | peak GB | loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows:
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} |||||||")
+            continue
+        lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
+                     f"{fmt(r['mfu'], '.1%')} | {r['temp_gb']:.2f} | {fmt(r['peak_gb'], '.2f')} | {r['loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--set", action="append", default=[], help="config override for every variant")
+    ap.add_argument("--variant", action="append", default=[], help="name:key=value,key=value")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one variant, print JSON
+    args = ap.parse_args()
+    if args.one is not None:
+        print("RESULT " + json.dumps(measure(args.config, json.loads(args.one), args.steps)), flush=True)
+        return
+    rows = []
+    for variant in args.variant or ["default:"]:
+        name, _, extra = variant.partition(":")
+        overrides = args.set + [kv for kv in extra.split(",") if kv]
+        run = subprocess.run([sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
+                              "--one", json.dumps(overrides)], capture_output=True, text=True)
+        found = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+        if found:
+            result = json.loads(found[0])
+        else:
+            result = {"error": (run.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+        rows.append((name, result))
+        print(f"{name}: {json.dumps(result)}", flush=True)
+    print(f"\n{args.config}, {' '.join(args.set)}, {args.steps} timed steps, "
+          f"{rows[0][1].get('device', '?')}\n{table(rows)}")
+
+
+if __name__ == "__main__":
+    main()
