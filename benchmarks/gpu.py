@@ -9,7 +9,9 @@ so its peak memory is its own. Runs on CPU at tiny size and on a GPU at full siz
 
 A variant is `name:key=value,key=value` (config overrides on top of --set). The batch is a fixed
 random token array already on the device, so the figures are the step's, not the data loader's
-(benchmarks/overhead.py measures the loop around it).
+(benchmarks/overhead.py measures the loop around it). `--torch` adds a row for the same model and
+step in plain PyTorch (`torch.compile`, SDPA FlashAttention, bf16 autocast: benchmarks/torch_baseline.py)
+with the --set overrides, in its own process.
 """
 import argparse
 import json
@@ -68,7 +70,7 @@ def table(rows: list[tuple[str, dict]]) -> str:
             lines.append(f"| {name} | failed: {r['error']} |||||||")
             continue
         lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-                     f"{fmt(r['mfu'], '.1%')} | {r['temp_gb']:.2f} | {fmt(r['peak_gb'], '.2f')} | {r['loss']:.4f} |")
+                     f"{fmt(r['mfu'], '.1%')} | {fmt(r['temp_gb'], '.2f')} | {fmt(r['peak_gb'], '.2f')} | {r['loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -78,17 +80,27 @@ def main():
     ap.add_argument("--set", action="append", default=[], help="config override for every variant")
     ap.add_argument("--variant", action="append", default=[], help="name:key=value,key=value")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--torch", action="store_true", help="also measure the PyTorch baseline")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one variant, print JSON
+    ap.add_argument("--engine", default="meshtrain", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
-        print("RESULT " + json.dumps(measure(args.config, json.loads(args.one), args.steps)), flush=True)
+        if args.engine == "torch":
+            from torch_baseline import measure as measure_torch  # beside this file
+            from meshtrain.config import load_config
+
+            result = measure_torch(load_config(args.config, ["mesh=1", *json.loads(args.one)]), args.steps)
+        else:
+            result = measure(args.config, json.loads(args.one), args.steps)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     rows = []
-    for variant in args.variant or ["default:"]:
+    variants = [("meshtrain", v) for v in args.variant or ["default:"]] + [("torch", "pytorch:")] * args.torch
+    for engine, variant in variants:
         name, _, extra = variant.partition(":")
         overrides = args.set + [kv for kv in extra.split(",") if kv]
         run = subprocess.run([sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
-                              "--one", json.dumps(overrides)], capture_output=True, text=True)
+                              "--one", json.dumps(overrides), "--engine", engine], capture_output=True, text=True)
         found = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
         if found:
             result = json.loads(found[0])
