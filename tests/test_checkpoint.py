@@ -127,7 +127,8 @@ def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch
 
     # How the run executes and learns may change: it resumes from step 24, checkpoints untouched.
     changed = tiny_run(full, "mesh=data=2,tensor=4", "optim.clip_norm=0", "optim.lr=0.01", "optim.b2=0.99",
-                       "model.remat=full", "zero=3", "train.microbatches=2", "model.mlp_dim=64")
+                       "model.remat=full", "zero=3", "train.microbatches=2", "model.mlp_dim=64",
+                       "model.attention=blockwise", "precision=bf16")
     assert changed.resumed_from == ckpts / "24"
     assert sorted(p.name for p in ckpts.iterdir()) == saved
 
