@@ -15,11 +15,14 @@ def reductions(zero: int, microbatches: int) -> tuple[float, float]:
     return hlo.reduction_totals(hlo.collectives(TrainProgram(cfg).lower().compile().as_text(), 8))
 
 
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_data_parallel_collectives_do_not_grow_with_microbatches(zero):
     (count_1, bytes_1), (count_4, bytes_4) = reductions(zero, 1), reductions(zero, 4)
     print(f"zero={zero}: 1 microbatch {count_1:.0f} collectives {bytes_1:,.0f} B; 4: {count_4:.0f}, {bytes_4:,.0f} B")
-    assert count_4 <= 1.1 * count_1 and bytes_4 <= 1.1 * bytes_1
+    assert bytes_4 <= 1.1 * bytes_1
+    # zero 2 at one microbatch is XLA's reduction, which the CPU backend emits as 7 combined
+    # all-reduces + slices where the once-per-step path issues one reduce-scatter per gradient (11)
+    assert count_4 <= 1.1 * count_1 or (zero == 2 and bytes_4 < 0.6 * bytes_1)
     # at least the whole gradient crosses the data axis once (4 B per parameter)
     assert bytes_4 >= 4 * TrainProgram(tiny_config("mesh=data=8")).num_params / (8 if zero >= 2 else 1)
 
@@ -31,4 +34,18 @@ def test_accumulating_per_data_shard_matches_single_device(mesh, zero, reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     np.testing.assert_allclose(trainer.grad_norms, reference.grad_norms, rtol=1e-5, atol=0)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_zero3_pipeline_where_data_divides_only_the_layers():
+    """data=3 divides no width of this model, so ZeRO-3 shards the stacked layers over it, inside
+    each pipeline stage's block (pipeline major, data minor): every stage gathers its own layers."""
+    common = ("model.num_layers=12", "model.vocab_size=264", "train.batch_size=24")
+    reference, ref_losses, ref_params = run_tiny("mesh=1", *common, devices=jax.devices()[:1])
+    trainer, losses, _ = run_tiny("mesh=data=3,pipeline=2", "zero=3", "pipeline.microbatches=4", *common,
+                                  devices=jax.devices()[:6])
+    assert trainer.state_shardings["params"]["blocks"]["wq"].spec[0] == ("pipeline", "data")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(trainer.grad_norms, reference.grad_norms, rtol=1e-5, atol=0)
+    for a, b in zip(jax.tree.leaves(trainer.unpermuted_params()), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
