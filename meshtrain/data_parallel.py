@@ -2,10 +2,11 @@
 
 Inside `jax.shard_map` over the `data` axis (manual; the other axes stay compiler-managed), each
 data shard runs the forward and backward of its own rows for every microbatch and sums the
-gradients locally. After the microbatch loop the gradients are reduced over `data` once: averaged
-(pmean) where they are replicated over `data` (zero 0/1), reduce-scattered (psum_scatter / N) where
-ZeRO-2/3 shard them. Parameters that ZeRO-3 shards over `data` are all-gathered once, before the
-loop. Left to XLA, the accumulator's sharding would ask for a reduction every microbatch.
+gradients locally, in fp32. After the microbatch loop the gradients are reduced over `data` once:
+averaged (pmean) where they are replicated over `data` (zero 0/1), reduce-scattered
+(psum_scatter / N) where ZeRO-2/3 shard them. Parameters that ZeRO-3 shards over `data` are
+all-gathered once, in the compute dtype, before the loop. Left to XLA, the accumulator's sharding
+would ask for a reduction every microbatch.
 
 The price: during the step a data shard holds gradients (and, under zero 3, parameters) whole over
 `data`, as at zero 1; between steps the ZeRO layout holds. `fsdp` is the axis that gathers and
@@ -14,12 +15,20 @@ reduce-scatters per layer and microbatch, bounding those bytes instead.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.sharding import manual_axes_rules
 
 AXIS = "data"
 _is_spec = lambda x: isinstance(x, P)
+
+
+def is_manual(data_size: int, *, microbatches: int = 1, pipelined: bool = False, zero: int = 0) -> bool:
+    """Whether the step runs `data` as a manual axis: with data > 1, under microbatches or a
+    pipeline, and at zero 0/1 always. With one microbatch, zero 2/3 keep XLA's per-layer
+    reduce-scatters (and gathers): already one reduction per step, and they bound the memory."""
+    return data_size > 1 and (pipelined or microbatches > 1 or zero <= 1)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -72,6 +81,7 @@ def data_parallel(loss_and_grads, mesh, param_specs, grad_specs, batch_spec: P):
     def per_shard(params, tokens):
         with manual_axes_rules(manual):  # activations are constrained over the other axes only
             loss, grads = loss_and_grads(gather(params, in_params), tokens)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # reduced in fp32
             return jax.lax.pmean(loss, AXIS), reduce_mean(grads, out_grads)
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_params, local_spec(batch_spec, manual)),

@@ -23,16 +23,18 @@ from meshtrain.sharding import constrain, shard_count
 LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, per device
 
 
-def chunk_positions(batch_per_device: int, seq_len: int, vocab: int, budget: int = LOSS_CHUNK_BYTES) -> int:
+def chunk_positions(batch_per_device: int, seq_len: int, vocab_per_device: int,
+                    budget: int = LOSS_CHUNK_BYTES) -> int:
     """The largest divisor C of seq_len with batch x C x vocab fp32 logits within `budget` (C >= 1)."""
-    fit = max(1, budget // (4 * vocab * batch_per_device))
+    fit = max(1, budget // (4 * vocab_per_device * batch_per_device))
     return max(c for c in range(1, min(fit, seq_len) + 1) if seq_len % c == 0)
 
 
 def cross_entropy(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES):
     """Mean over tokens of -log softmax(x w)[target]; logits in fp32."""
     B, L, _ = x_BxLxD.shape
-    C = chunk_positions(max(1, B // shard_count("batch")), L, w_DxV.shape[1], budget)
+    V = w_DxV.shape[1]
+    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget)
     return _loss_sum(x_BxLxD, w_DxV, targets_BxL, C) / (B * L)
 
 

@@ -261,7 +261,7 @@ def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, 
     tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
     slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
     phases = tick_phases(tables)
-    data_manual = mesh.shape[data_parallel.AXIS] > 1
+    data_manual = data_parallel.is_manual(mesh.shape[data_parallel.AXIS], pipelined=True)
     manual = {"pipeline", data_parallel.AXIS} if data_manual else {"pipeline"}
     split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
     outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))

@@ -11,9 +11,9 @@ Formulas (per device; Psi parameters; D, F, T, P the data, fsdp, tensor, pipelin
   (meshtrain/data_parallel.py). ZeRO 1/2: the updated parameter shards are all-gathered over D;
   ZeRO 2 reduce-scatters gradients over D once per step; ZeRO 3 with microbatches or a pipeline
   gathers parameters and reduce-scatters gradients over D once per step.
-- FSDP (over F, and D at zero 3 without microbatches): weights all-gathered for every microbatch in
-  the forward and again in the backward (and in the recomputed forward under remat=full),
-  gradients reduce-scattered per microbatch.
+- FSDP (over F, and D at zero 3 without microbatches or a pipeline): weights all-gathered for
+  every microbatch in the forward and again in the backward (and in the recomputed forward under
+  remat=full), gradients reduce-scattered per microbatch.
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward (2 more
   when remat recomputes the forward), each of (batch/(D x F)) x seq x width.
 - Pipeline: one activation forward and one cotangent back per tick; bubble (S-1)/(V*M+S-1).
@@ -30,6 +30,7 @@ import math
 import jax
 from jax.sharding import NamedSharding
 
+from meshtrain import data_parallel
 from meshtrain.config import load_config
 from meshtrain.hlo import KINDS, collectives
 from meshtrain.mesh import describe, simulate_cpu_devices
@@ -73,10 +74,9 @@ def expected_traffic(program) -> dict[str, dict]:
     if zero == 2:
         add("reduce-scatter", (D - 1) / D * slice_bytes / F, "ZeRO-2 gradient reduce-scatter over data")
     micro = t.microbatches if P == 1 else pipeline_microbatches(cfg, P)  # FSDP gathers again for every microbatch
-    data_once = D > 1 and (micro > 1 or P > 1)  # data is manual: reduced (and zero-3 gathered) once per step
-    if zero >= 3 and data_once:
-        gathered = act / 4 if P > 1 else 1  # pipelines gather the compute-dtype copy, else the fp32 master
-        add("all-gather", (D - 1) / D * slice_bytes / F * gathered, "ZeRO-3 parameter all-gather over data, once per step")
+    data_once = data_parallel.is_manual(D, microbatches=micro, pipelined=P > 1, zero=zero)  # reduced once per step
+    if zero >= 3 and data_once:  # the compute-dtype copy gathered once per step
+        add("all-gather", (D - 1) / D * slice_bytes / F * act / 4, "ZeRO-3 parameter all-gather over data, once per step")
         add("reduce-scatter", (D - 1) / D * slice_bytes / F, "ZeRO-3 gradient reduce-scatter over data, once per step")
     A = F * (D if zero >= 3 and not data_once else 1)
     gathers = 3 if m.remat == "full" else 2  # forward, backward (and the recomputed forward)

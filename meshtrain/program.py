@@ -19,6 +19,7 @@ from meshtrain.sharding import (activation_rules, check_divisibility, check_repl
                                 pipeline_microbatches, spec_for, state_shardings)
 from meshtrain.step import lr_schedule, make_optimizer, make_train_step
 from models import LanguageModel
+from models.transformer import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
 
 
 class TrainProgram:
@@ -29,8 +30,14 @@ class TrainProgram:
         if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
             raise UserError("model.attention=cudnn needs an NVIDIA GPU; use model.attention=blockwise or xla here")
         if cfg.model.attention == "cudnn" and cfg.precision == "fp32":
-            raise UserError("model.attention=cudnn runs in bf16/fp16 only; set precision=bf16, or use "
+            raise UserError("model.attention=cudnn runs in bf16 only; set precision=bf16, or use "
                             "model.attention=blockwise for fp32")
+        seq_len = cfg.train.seq_len
+        if cfg.model.attention == "blockwise" and attention_block(seq_len) < min(seq_len, MIN_ATTENTION_BLOCK):
+            raise UserError(f"model.attention=blockwise splits train.seq_len={seq_len} into blocks of "
+                            f"{attention_block(seq_len)} positions (its largest divisor up to {ATTENTION_BLOCK}); "
+                            f"use a seq_len with a divisor from {MIN_ATTENTION_BLOCK} to {ATTENTION_BLOCK}, "
+                            f"e.g. a multiple of {MIN_ATTENTION_BLOCK}")
         if cfg.model.remat == "offload" and jax.default_backend() == "cpu":
             raise UserError("model.remat=offload moves activations to host memory and needs a GPU/TPU; "
                             "use full or save_matmuls on CPU")
@@ -63,7 +70,7 @@ class TrainProgram:
                                                                 self.mesh, cfg.zero, self.tx)
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec}
-        self.step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches,
+        self.step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches, cfg.zero,
                                        self.mesh, specs, pipeline)
         self.num_params = self.model.num_params(abstract_params)
         matmul_params = self.model.num_params(abstract_params, embedding=cfg.model.tie_embeddings)

@@ -67,9 +67,9 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
         def add(carry, micro_tokens):
             loss_sum, grad_sum = carry
             loss, grads = grad_fn(params, constrain(micro_tokens, ("batch", "seq")))
-            return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads))), None
+            return (loss_sum + loss, pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads))), None
 
-        zeros = pin(jax.tree.map(jnp.zeros_like, params))
+        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))  # fp32 sums
         (loss, grads), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), zeros),
                                         split_microbatches(tokens_BxL1, microbatches))
         return loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
@@ -77,28 +77,32 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
     return loss_and_grads
 
 
-def make_train_step(model, tx, schedule, precision: str, microbatches: int, mesh, specs: dict, pipeline=None):
+def make_train_step(model, tx, schedule, precision: str, microbatches: int, zero: int, mesh, specs: dict,
+                    pipeline=None):
     """`specs`: PartitionSpecs of 'params', 'grads' (pytrees) and 'batch'. `pipeline`: None, or
     (schedule, microbatches, virtual_stages, residuals) to run the stacked layers as pipeline stages
-    over the mesh's `pipeline` axis (meshtrain/pipeline.py). With microbatches (or a pipeline) on a
-    mesh with data > 1, each data shard accumulates locally and the gradients are reduced over
-    `data` once per step (meshtrain/data_parallel.py)."""
+    over the mesh's `pipeline` axis (meshtrain/pipeline.py). Where `data` is manual
+    (data_parallel.is_manual), each data shard computes on the compute-dtype parameters and its own
+    rows, accumulates locally and the gradients are reduced over `data` once per step."""
     grad_specs = specs["grads"]
     if pipeline is not None:
         from meshtrain.pipeline import make_pipeline_grads
 
         grad_fn = make_pipeline_grads(model, precision, mesh, *pipeline, specs["params"], grad_specs)
-    elif microbatches > 1 and mesh.shape[data_parallel.AXIS] > 1:
+    elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=microbatches, zero=zero):
         local = accumulate(jax.value_and_grad(make_loss_fn(model, precision)), microbatches,
                            data_parallel.local_specs(grad_specs, set(mesh.axis_names) - {data_parallel.AXIS}))
-        grad_fn = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"])
+        per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"])
+        grad_fn = lambda params, tokens: per_shard(cast_for_compute(params, precision), tokens)  # gathers bf16
     else:
         grad_fn = accumulate(jax.value_and_grad(make_loss_fn(model, precision)), microbatches, grad_specs)
 
     def train_step(state, tokens_BxL1):
         params = state["params"]
         loss, grads = grad_fn(params, tokens_BxL1)
-        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)  # ZeRO-2/3: reduce-scatter
+        # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
+        grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(g.astype(p.dtype), s),
+                             grads, params, grad_specs)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
