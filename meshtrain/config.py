@@ -47,7 +47,7 @@ class ModelConfig:
     norm_eps: float = setting(1e-5, "RMSNorm epsilon", min=0.0)
     tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
     attention: str = setting("xla", "attention kernel: xla (forms [B, H, L, L] scores), blockwise (online "
-                                    "softmax over 512-position blocks, any backend), cudnn (fused, GPU, bf16)",
+                                    "softmax over blocks of positions, any backend), cudnn (fused, GPU, bf16)",
                             choices=("xla", "blockwise", "cudnn"), execution=True)
     remat: str = setting("none", "activation rematerialisation policy",
                          choices=("none", "full", "save_matmuls", "offload"), execution=True)

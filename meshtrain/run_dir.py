@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -21,13 +22,10 @@ def checked(out: str) -> Path:
         raise UserError(f"--out {path}: {probe} is a file, not a folder; pick another --out")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"--out {path}: {probe} is not writable; pick another --out")
-    missing = [p for p in [path, *path.parents] if p != probe and probe in p.parents]
-    try:  # access() can pass where creating fails (/proc, a read-only mount as root): try, then undo
-        path.mkdir(parents=True, exist_ok=True)
+    try:  # access() can pass where creating fails (/proc, a read-only mount as root): create a folder
+        os.rmdir(tempfile.mkdtemp(prefix=".meshtrain-probe-", dir=probe))  # of our own there, then remove it
     except OSError as e:
         raise UserError(f"--out {path} cannot be created ({e.strerror}); pick another --out") from None
-    for folder in missing:  # deepest first: nothing is left behind
-        folder.rmdir()
     return path
 
 

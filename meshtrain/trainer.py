@@ -157,17 +157,10 @@ class Trainer(TrainProgram):
                 print(f"already at step {first} of {steps}: nothing to train (raise --steps, or use a new --out)",
                       flush=True)
             return []
-        if primary:  # only a run that trains writes into --out
-            self.out.mkdir(parents=True, exist_ok=True)
-            run_dir.write_config(self.out, cfg, self.mesh)
-        log = log or MetricsLog(self.out, primary, keep_through=first)
-        if primary:
-            print(f"meshtrain: {self.num_params / 1e6:.2f}M params, mesh {describe(self.sizes)} "
-                  f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.zero}, "
-                  f"precision={cfg.precision}, out={self.out}", flush=True)
+        # From before the first write on, a signal finishes the step, checkpoints and exits 0.
         signalled = threading.Event()
         handlers = {}
-        if threading.current_thread() is threading.main_thread():  # finish the step, checkpoint, exit 0
+        if threading.current_thread() is threading.main_thread():
             if jax.process_count() == 1:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     handlers[sig] = signal.signal(sig, lambda *_: signalled.set())
@@ -175,11 +168,20 @@ class Trainer(TrainProgram):
                 handlers[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         self.preempted = False
         try:
+            if primary:  # only a run that trains writes into --out
+                self.out.mkdir(parents=True, exist_ok=True)
+                run_dir.write_config(self.out, cfg, self.mesh)
+            log = log or MetricsLog(self.out, primary, keep_through=first)
+            if primary:
+                print(f"meshtrain: {self.num_params / 1e6:.2f}M params, mesh {describe(self.sizes)} "
+                      f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.zero}, "
+                      f"precision={cfg.precision}, out={self.out}", flush=True)
             self._loop(first, steps, log, signalled)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-            log.close()
+            if log is not None:
+                log.close()
         return log.history
 
     def _loop(self, first, steps, log, signalled):

@@ -58,7 +58,13 @@ def rotary(x_BxLxNxK, theta: float):
     return out.astype(x_BxLxNxK.dtype)
 
 
-ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel
+ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel, at most
+MIN_ATTENTION_BLOCK = 128  # smaller blocks run too many serial steps: refused (meshtrain/program.py)
+
+
+def attention_block(seq_len: int) -> int:
+    """The blockwise kernel's block: the largest divisor of seq_len up to ATTENTION_BLOCK."""
+    return max(b for b in range(1, min(ATTENTION_BLOCK, seq_len) + 1) if seq_len % b == 0)
 
 
 def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str):
@@ -68,8 +74,7 @@ def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str):
         return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True, implementation="cudnn")
     L = q_BxLxHxK.shape[1]
     if implementation == "blockwise":
-        block = max(b for b in range(1, min(ATTENTION_BLOCK, L) + 1) if L % b == 0)
-        return blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, block)
+        return blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, attention_block(L))
     B, L, H, K = q_BxLxHxK.shape
     G = k_BxLxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)

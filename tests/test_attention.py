@@ -68,6 +68,13 @@ def test_cudnn_needs_a_gpu_and_bf16():
         with pytest.raises(UserError, match="model.attention=cudnn needs an NVIDIA GPU"):
             build("precision=bf16")
     else:
-        with pytest.raises(UserError, match="runs in bf16/fp16 only; set precision=bf16"):
+        with pytest.raises(UserError, match="runs in bf16 only; set precision=bf16"):
             build("precision=fp32")
         build("precision=bf16")
+
+
+def test_blockwise_refuses_a_sequence_it_would_split_into_tiny_blocks():
+    from meshtrain.program import TrainProgram
+
+    with pytest.raises(UserError, match=r"splits train.seq_len=1031 into blocks of 1 positions .*e.g. a multiple of 128"):
+        TrainProgram(tiny_config("mesh=1", "model.attention=blockwise", "train.seq_len=1031"), devices=jax.devices()[:1])
