@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.sharding import manual_axes_rules
+from meshtrain.sharding import entry_axes, manual_axes_rules
 
 AXIS = "data"
 _is_spec = lambda x: isinstance(x, P)
@@ -31,13 +31,9 @@ def is_manual(data_size: int, *, microbatches: int = 1, pipelined: bool = False,
     return data_size > 1 and (pipelined or microbatches > 1 or zero <= 1)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def local_spec(spec: P, manual) -> P:
     """The part of a PartitionSpec over the `manual` axes: a shard_map's in/out spec."""
-    kept = [tuple(a for a in _axes(e) if a in manual) for e in spec]
+    kept = [tuple(a for a in entry_axes(e) if a in manual) for e in spec]
     return P(*[k if len(k) > 1 else (k[0] if k else None) for k in kept])
 
 
@@ -46,7 +42,7 @@ def local_specs(specs, manual):
 
 
 def _data_dim(spec: P):
-    return next((i for i, e in enumerate(spec) if AXIS in _axes(e)), None)
+    return next((i for i, e in enumerate(spec) if AXIS in entry_axes(e)), None)
 
 
 def gather(tree, specs):

@@ -291,7 +291,6 @@ def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, 
         compute = cast_for_compute(params, precision)
         outer = {k: v for k, v in compute.items() if k != "blocks"}
         loss, g_blocks, g_outer = staged(compute["blocks"], outer, split_microbatches(tokens_BxL1, micro))
-        grads = {**g_outer, "blocks": g_blocks}
-        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        return loss, {**g_outer, "blocks": g_blocks}  # fp32 sums; the step casts to the params' dtype
 
     return loss_and_grads

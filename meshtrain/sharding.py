@@ -86,9 +86,14 @@ def spec_for(names, rules, mesh, shape=None, extra_axes=()) -> P:
     return P(*[tuple(d) if len(d) > 1 else (d[0] if d else None) for d in dims])
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, 'fsdp' or ('data', 'fsdp'))."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def shard_factor(spec: P, mesh) -> int:
     """Number of distinct shards a spec cuts a tensor into."""
-    return math.prod(mesh.shape[a] for d in spec if d for a in ((d,) if isinstance(d, str) else d))
+    return math.prod(mesh.shape[a] for d in spec for a in entry_axes(d))
 
 
 def tree_specs(abstract, logical_axes, rules, mesh, extra_axes=()):
