@@ -24,9 +24,9 @@ def main():
         sys.exit("error: cuDNN attention needs an NVIDIA GPU; run this on one")
     for remat in ("none", "save_matmuls", "full"):
         cfg = load_config("configs/llama_1b.yaml", [
-            "mesh=1", f"model.num_layers={LAYERS}", "train.batch_size=2", "train.seq_len=1024",
-            "model.attention=cudnn", f"model.remat={remat}", f"out={tempfile.mkdtemp()}"])
-        text = TrainProgram(cfg, devices=jax.devices()[:1]).lower().compile().as_text()
+            "parallel.mesh=1", f"model.num_layers={LAYERS}", "train.batch_size=2", "train.seq_len=1024",
+            "parallel.attention=cudnn", f"parallel.remat={remat}", f"out={tempfile.mkdtemp()}"])
+        text = TrainProgram.from_config(cfg, devices=jax.devices()[:1]).lower().compile().as_text()
         calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
         print(f"remat={remat}: " + ", ".join(f"{c} x{calls.count(c)}" for c in sorted(set(calls))), flush=True)
 

@@ -5,7 +5,7 @@ so its peak memory is its own. Runs on CPU at tiny size and on a GPU at full siz
 
     python benchmarks/gpu.py --config configs/tiny.yaml --steps 3
     python benchmarks/gpu.py --config configs/llama_1b.yaml --set train.batch_size=8 --steps 10 \
-        --variant xla:model.attention=xla --variant cudnn:model.attention=cudnn
+        --variant xla:parallel.attention=xla --variant cudnn:parallel.attention=cudnn
 
 A variant is `name:key=value,key=value` (config overrides on top of --set). The batch is a fixed
 random token array already on the device, so the figures are the step's, not the data loader's
@@ -31,9 +31,9 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     from meshtrain.metrics import peak_flops
     from meshtrain.program import TrainProgram
 
-    cfg = load_config(config, ["mesh=1", "devices=0", *overrides])
+    cfg = load_config(config, ["parallel.mesh=1", "devices=0", *overrides])
     device = jax.devices()[0]
-    program = TrainProgram(cfg, devices=[device])
+    program = TrainProgram.from_config(cfg, devices=[device])
     started = time.perf_counter()
     compiled = program.lower().compile()
     compile_s = time.perf_counter() - started
@@ -89,7 +89,7 @@ def main():
             from torch_baseline import measure as measure_torch  # beside this file
             from meshtrain.config import load_config
 
-            result = measure_torch(load_config(args.config, ["mesh=1", *json.loads(args.one)]), args.steps)
+            result = measure_torch(load_config(args.config, ["parallel.mesh=1", *json.loads(args.one)]), args.steps)
         else:
             result = measure(args.config, json.loads(args.one), args.steps)
         print("RESULT " + json.dumps(result), flush=True)

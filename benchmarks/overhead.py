@@ -30,7 +30,7 @@ from models import LanguageModel  # noqa: E402
 
 def config(steps, prefetch=1):
     return load_config("configs/shakespeare_char.yaml", [f"data.prefetch={prefetch}",
-        "mesh=1", "data.kind=synthetic", "optim.warmup_steps=5", f"train.steps={steps}", f"train.log_every={steps}", "train.eval_every=0",
+        "parallel.mesh=1", "data.kind=synthetic", "optim.warmup_steps=5", f"train.steps={steps}", f"train.log_every={steps}", "train.eval_every=0",
         "checkpoint.resume=never", f"out={tempfile.mkdtemp()}"])
 
 

@@ -10,7 +10,6 @@
 import contextlib
 import io
 import os
-import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -18,9 +17,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshtrain.config import load_config  # noqa: E402
-from meshtrain.metrics import MetricsLog  # noqa: E402
 from meshtrain.schedules import timetable, zero_bubble_order  # noqa: E402
+from meshtrain.testing import run_tiny, tiny_config  # noqa: E402
 from meshtrain.trainer import Trainer  # noqa: E402
 
 BUBBLES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb", 4, 8, 1), ("gpipe", 4, 32, 1), ("1f1b", 4, 32, 1),
@@ -36,15 +34,13 @@ PARITY = [("gpipe", "4x1x1x2", 1, 1), ("gpipe", "2x1x1x4", 1, 1), ("1f1b", "4x1x
 
 
 def trainer(*overrides, devices=None):
-    cfg = load_config("configs/tiny.yaml", [f"out={tempfile.mkdtemp()}", "checkpoint.resume=never", *overrides])
-    return Trainer(cfg, devices=devices)
+    return Trainer(tiny_config(*overrides), devices=devices)
 
 
 def run(*overrides, devices=None):
-    t = trainer(*overrides, devices=devices)
     with contextlib.redirect_stdout(io.StringIO()):  # the run's banner
-        history = [r for r in t.fit(log=MetricsLog("/tmp/meshtrain-bench", primary=False)) if "loss" in r]
-    return np.array([r["loss"] for r in history]), np.array([r["grad_norm"] for r in history])
+        t, losses, _ = run_tiny(*overrides, devices=devices)
+    return losses, t.grad_norms
 
 
 def main():
@@ -64,25 +60,25 @@ def main():
                   f"{tt.bubble_formula:.4f} | {classic} | {tt.in_flight()[0]} |")
 
     print("\n## Memory: compiled temp bytes per device, 4 stages, microbatch 2 x 64 tokens, width 64\n")
-    print("| schedule | residuals | model.remat | M=4 | M=8 | M=16 | M=16 / M=8 |\n|---|---|---|---|---|---|---|")
+    print("| schedule | residuals | parallel.remat | M=4 | M=8 | M=16 | M=16 / M=8 |\n|---|---|---|---|---|---|---|")
     for schedule, V, residuals, remat in MEMORY:
         row = {}
         for M in (4, 8, 16):
-            t = trainer("mesh=2x1x1x4" if V == 1 else "mesh=4x1x1x2", f"pipeline.schedule={schedule}",
-                        f"pipeline.microbatches={M}", f"pipeline.virtual_stages={V}",
-                        f"pipeline.residuals={residuals}", f"model.remat={remat}", f"train.batch_size={2 * M * (2 if V == 1 else 4)}", "model.d_model=64", "model.mlp_dim=256",
+            t = trainer("parallel.mesh=2x1x1x4" if V == 1 else "parallel.mesh=4x1x1x2", f"parallel.schedule={schedule}",
+                        f"parallel.microbatches={M}", f"parallel.virtual_stages={V}",
+                        f"parallel.residuals={residuals}", f"parallel.remat={remat}", f"train.batch_size={2 * M * (2 if V == 1 else 4)}", "model.d_model=64", "model.mlp_dim=256",
                         "train.seq_len=64")
             row[M] = t.compiled_step.memory_analysis().temp_size_in_bytes
         name = schedule if V == 1 else f"{schedule} (V={V}, 2 stages)"
         print(f"| {name} | {residuals} | {remat} | {row[4]:,} | {row[8]:,} | {row[16]:,} | {row[16] / row[8]:.3f} |")
 
     print("\n## Parity vs 1 device (fp32, 5 steps, 4 microbatches)\n")
-    ref_losses, ref_norms = run("mesh=1", devices=jax.devices()[:1])
+    ref_losses, ref_norms = run("parallel.mesh=1", devices=jax.devices()[:1])
     print("| schedule | mesh (data x fsdp x tensor x pipeline) | V | zero | max rel loss diff | max rel grad-norm diff |\n"
           "|---|---|---|---|---|---|")
     for schedule, mesh, V, zero in PARITY:
-        losses, norms = run(f"mesh={mesh}", f"zero={zero}", f"pipeline.schedule={schedule}",
-                            "pipeline.microbatches=4", f"pipeline.virtual_stages={V}")
+        losses, norms = run(f"parallel.mesh={mesh}", f"parallel.zero={zero}", f"parallel.schedule={schedule}",
+                            "parallel.microbatches=4", f"parallel.virtual_stages={V}")
         print(f"| {schedule} | {mesh} | {V} | {zero} | {np.max(np.abs(losses / ref_losses - 1)):.1e} | "
               f"{np.max(np.abs(norms / ref_norms - 1)):.1e} |")
 

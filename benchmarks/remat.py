@@ -18,10 +18,10 @@ POLICIES = ("none", "save_matmuls", "full")
 
 def compiled(policy):
     cfg = load_config("configs/tiny.yaml", [
-        "mesh=1", f"model.remat={policy}", "model.num_layers=8", "model.d_model=256", "model.num_heads=8",
+        "parallel.mesh=1", f"parallel.remat={policy}", "model.num_layers=8", "model.d_model=256", "model.num_heads=8",
         "model.num_kv_heads=8", "model.head_dim=32", "model.mlp_dim=1024", "train.batch_size=16", "train.seq_len=256",
         f"out={tempfile.mkdtemp()}"])
-    c = TrainProgram(cfg).lower().compile()
+    c = TrainProgram.from_config(cfg).lower().compile()
     cost = c.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return c.memory_analysis().temp_size_in_bytes, cost["flops"]

@@ -79,7 +79,7 @@ def measure(cfg, steps: int) -> dict:
     model = Llama(m).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
                             weight_decay=o.weight_decay, fused=cuda)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.parallel.precision == "bf16")
 
     @torch.compile
     def loss_fn(tokens_BxL1):

@@ -9,8 +9,8 @@ import meshtrain
 meshtrain.simulate_cpu_devices(8)  # before anything touches JAX's devices
 
 cfg = meshtrain.load_config("configs/shakespeare_char.yaml", [
-    "mesh=data=2,fsdp=2,tensor=2",  # 8 devices: 2-way data x 2-way FSDP x 2-way tensor parallel
-    "zero=1",                       # also shard Adam's moments over the data axis
+    "parallel.mesh=data=2,fsdp=2,tensor=2",  # 8 devices: 2-way data x 2-way FSDP x 2-way tensor parallel
+    "parallel.zero=1",                       # also shard Adam's moments over the data axis
     "train.steps=200",
     "train.log_every=25",
     "out=runs/quickstart",          # rerun: resumes from the newest checkpoint there (checkpoint.resume=auto)

@@ -1,14 +1,16 @@
 """meshtrain: train transformer language models on a named device mesh with JAX SPMD."""
-from meshtrain.config import Config, UserError, load_config
 
-__all__ = ["Config", "UserError", "load_config", "Trainer", "simulate_cpu_devices"]
+__all__ = ["Config", "UserError", "load_config", "Trainer", "TrainProgram", "simulate_cpu_devices"]
+
+_WHERE = {"Config": "meshtrain.config", "UserError": "meshtrain.errors", "load_config": "meshtrain.config",
+          "Trainer": "meshtrain.trainer", "TrainProgram": "meshtrain.program",
+          "simulate_cpu_devices": "meshtrain.mesh"}
 
 
-def __getattr__(name):  # import JAX-heavy modules lazily, so --devices can act before JAX starts
-    if name == "Trainer":
-        from meshtrain.trainer import Trainer
-        return Trainer
-    if name == "simulate_cpu_devices":
-        from meshtrain.mesh import simulate_cpu_devices
-        return simulate_cpu_devices
-    raise AttributeError(name)
+def __getattr__(name):
+    """Import on first use, so `import meshtrain` is light and --devices can act before JAX starts."""
+    if name not in _WHERE:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(_WHERE[name]), name)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from meshtrain.config import UserError
+from meshtrain.errors import UserError
 
 MANIFEST = "meshtrain_manifest.json"
 

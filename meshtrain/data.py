@@ -3,7 +3,7 @@
 The batch of step k depends only on (seed, k): its rows are random windows of the token stream
 drawn from `np.random.default_rng([seed, split, k])`, so resuming or changing the mesh never
 changes the data order. Each process reads only the rows its devices hold and the global array
-is assembled with `jax.make_array_from_process_local_data`.
+is assembled with `jax.make_array_from_callback`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from meshtrain.config import UserError
+from meshtrain.errors import UserError
 
 BYTE_VOCAB = 256
 TOKEN_DTYPE = np.dtype(np.uint16)  # .bin token files, as nanoGPT writes them
@@ -78,24 +78,22 @@ def load_tokens(dcfg, vocab_size: int) -> np.ndarray | None:
 
 
 class Batches:
-    """`batches(k)` -> the global [batch, seq_len + 1] token array of step k, sharded as `sharding`."""
+    """`batches(k)` -> the global [batch, seq_len + 1] token array of step k, sharded as `sharding`.
+    Each process builds only the rows its devices hold (whatever their order on the mesh)."""
 
     def __init__(self, tokens, batch_size: int, seq_len: int, seed: int, split: int, sharding, vocab_size: int):
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.seed, self.split, self.sharding, self.vocab_size = seed, split, sharding, vocab_size
         self.shape = (batch_size, seq_len + 1)
-        rows = sorted({i for idx in sharding.addressable_devices_indices_map(self.shape).values()
-                       for i in range(*idx[0].indices(batch_size))})
-        self.lo, self.hi = rows[0], rows[-1] + 1
-        if self.hi - self.lo != len(rows):
-            raise UserError("this process's devices hold non-contiguous batch rows; put the batch axes "
-                            "(data, fsdp) outermost in the device order")
+        self.rows = np.array(sorted({i for idx in sharding.addressable_devices_indices_map(self.shape).values()
+                                     for i in range(*idx[0].indices(batch_size))}))
 
     def local_rows(self, step: int) -> np.ndarray:
+        """The rows `self.rows` of step k's batch."""
         rng = np.random.default_rng([self.seed, self.split, step])
         if self.tokens is None:
-            return synthetic_rows(rng, self.seed, self.vocab_size, self.shape)[self.lo:self.hi]
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)[self.lo:self.hi]
+            return synthetic_rows(rng, self.seed, self.vocab_size, self.shape)[self.rows]
+        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)[self.rows]
         window = np.arange(self.seq_len + 1)
         rows = np.asarray(self.tokens[starts[:, None] + window[None, :]], dtype=np.int32)
         if rows.max() >= self.vocab_size:
@@ -104,7 +102,10 @@ class Batches:
         return rows
 
     def __call__(self, step: int) -> jax.Array:
-        return jax.make_array_from_process_local_data(self.sharding, self.local_rows(step), self.shape)
+        rows = self.local_rows(step)
+        where = {int(r): i for i, r in enumerate(self.rows)}  # global row -> position in `rows`
+        return jax.make_array_from_callback(
+            self.shape, self.sharding, lambda idx: rows[[where[r] for r in range(*idx[0].indices(self.batch_size))]])
 
 
 def synthetic_rows(rng, seed: int, vocab_size: int, shape) -> np.ndarray:

@@ -68,17 +68,17 @@ def reduce_mean(tree, specs):
     return jax.tree.map(one, tree, specs, is_leaf=_is_spec)
 
 
-def data_parallel(loss_and_grads, mesh, param_specs, grad_specs, batch_spec: P):
-    """(params, tokens) -> (loss, grads), with `loss_and_grads` run per data shard on its rows and
-    its gradients reduced over `data` once."""
+def data_parallel(metrics_and_grads, mesh, param_specs, grad_specs, batch_spec: P):
+    """(params, tokens) -> (metrics, grads), with `metrics_and_grads` run per data shard on its rows
+    and its metrics averaged and gradients reduced over `data` once."""
     manual = {AXIS}
     in_params, out_grads = local_specs(param_specs, manual), local_specs(grad_specs, manual)
 
     def per_shard(params, tokens):
         with manual_axes_rules(manual):  # activations are constrained over the other axes only
-            loss, grads = loss_and_grads(gather(params, in_params), tokens)
+            metrics, grads = metrics_and_grads(gather(params, in_params), tokens)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # reduced in fp32
-            return jax.lax.pmean(loss, AXIS), reduce_mean(grads, out_grads)
+            return jax.lax.pmean(metrics, AXIS), reduce_mean(grads, out_grads)
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_params, local_spec(batch_spec, manual)),
                          out_specs=(P(), out_grads), axis_names=manual, check_vma=False)

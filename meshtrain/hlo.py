@@ -3,14 +3,14 @@
 Each collective's payload is its output size per device; instructions inside a `while` body run
 `known_trip_count` times (the layer scan, the pipeline ticks), so they are counted that often.
 Branches of a conditional are counted as if taken, an upper bound. Link traffic per device uses
-the ring algorithms' volumes for a group of N devices and payload B (output bytes):
-all-reduce 2(N-1)/N x B, all-gather (N-1)/N x B, reduce-scatter (N-1) x B, all-to-all (N-1)/N x B,
-collective-permute B.
+the ring algorithms' volumes for the group's size (meshtrain/formulas.py).
 """
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+
+from meshtrain.formulas import ring_traffic
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -42,13 +42,6 @@ def group_size(line: str, default: int) -> int:
     if listed and listed.group(1):
         return len(listed.group(1).split(","))
     return default
-
-
-def ring_traffic(kind: str, payload: float, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    return {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
-            "all-to-all": (n - 1) / n, "collective-permute": 1.0}[kind] * payload
 
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str]:

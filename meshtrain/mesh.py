@@ -1,14 +1,19 @@
-"""Mesh specs ("8x8x4", "data=2,fsdp=4"), simulated CPU devices, hybrid meshes across hosts.
+"""Mesh specs ("8x8x4", "data=2,expert=4"), simulated CPU devices, hybrid meshes across hosts.
 
-The mesh always has the four axes below, in this order; an axis of size 1 costs nothing.
+The mesh always has the six axes below, in this order; an axis of size 1 costs nothing. The
+positional form sets the classic four (`data x fsdp x tensor [x pipeline]`); `expert` (experts of
+mixture-of-experts layers) and `context` (the sequence, for context parallelism) are given by name.
+Device order follows the axis order, so the innermost axes (`expert`, `context`, then `pipeline`,
+`tensor`) get the nearest devices.
 """
 from __future__ import annotations
 
 import math
 
-from meshtrain.config import UserError
+from meshtrain.errors import UserError
 
-AXES = ("data", "fsdp", "tensor", "pipeline")
+AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
+POSITIONAL = AXES[:4]
 
 
 def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
@@ -24,9 +29,10 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
             sizes[name] = _axis_size(value, spec)
     else:
         parts = spec.lower().split("x")
-        if not 1 <= len(parts) <= 4:
-            raise UserError(f"--mesh {spec} needs 1 to 4 sizes (data x fsdp x tensor [x pipeline]), e.g. 2x2x2")
-        for name, value in zip(AXES, parts):
+        if not 1 <= len(parts) <= len(POSITIONAL):
+            raise UserError(f"--mesh {spec} needs 1 to 4 sizes (data x fsdp x tensor [x pipeline]), e.g. 2x2x2; "
+                            f"name the other axes: data=2,expert=4")
+        for name, value in zip(POSITIONAL, parts):
             sizes[name] = _axis_size(value, spec)
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
@@ -53,13 +59,17 @@ def _axis_size(value: str, spec: str) -> int:
 
 
 def shape_str(sizes: dict[str, int]) -> str:
-    """'2x2x2' (data x fsdp x tensor), with the pipeline size appended when it is not 1."""
-    dims = [sizes[a] for a in AXES]
+    """'2x2x2' (data x fsdp x tensor), with the pipeline size appended when it is not 1; the named
+    form when expert or context is used."""
+    if any(sizes[a] != 1 for a in AXES if a not in POSITIONAL):
+        return describe(sizes)
+    dims = [sizes[a] for a in POSITIONAL]
     return "x".join(map(str, dims if dims[3] != 1 else dims[:3]))
 
 
 def describe(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in AXES)
+    """'data=2,fsdp=2,tensor=2,pipeline=1', with expert and context only when they are used."""
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a in POSITIONAL or sizes[a] != 1)
 
 
 def simulate_cpu_devices(count: int) -> None:
@@ -75,7 +85,7 @@ def simulate_cpu_devices(count: int) -> None:
 
 
 def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
-    """A jax Mesh with all four axes Auto (compiler-managed; see DESIGN.md).
+    """A jax Mesh with all six axes Auto (compiler-managed; see DESIGN.md).
 
     `devices` picks a subset (e.g. one device for a reference run). With several processes on
     GPUs, `dcn` gives the across-host factor of each axis (default: the data axis spans hosts) and
@@ -84,7 +94,7 @@ def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None =
     import jax
     from jax.sharding import AxisType, Mesh
 
-    shape = tuple(sizes[a] for a in AXES)
+    shape = tuple(sizes.get(a, 1) for a in AXES)
     axis_types = (AxisType.Auto,) * len(AXES)
     if devices is None and jax.process_count() > 1 and jax.default_backend() == "gpu":
         from jax.experimental import mesh_utils

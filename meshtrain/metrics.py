@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-# Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind.
+# Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind (first match wins).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
     "H100 PCIe": 756e12,
@@ -22,6 +22,19 @@ PEAK_BF16_FLOPS = {
     "TPU v5p": 459e12,
     "TPU v5 lite": 197e12,
     "TPU v4": 275e12,
+}
+
+# The planner's device profiles: peak, HBM bytes/s, interconnect bytes/s per device (one direction),
+# memory.
+DEVICE_PROFILES = {
+    "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "hbm_bw": 3.35e12, "link_bw": 450e9,
+             "memory": 80e9},
+    "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "hbm_bw": 4.8e12, "link_bw": 450e9,
+             "memory": 141e9},
+    "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "hbm_bw": 2.04e12, "link_bw": 300e9,
+             "memory": 80e9},
+    "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.76e12, "link_bw": 600e9,
+                "memory": 95e9},
 }
 
 
@@ -99,6 +112,9 @@ def format_record(r: dict) -> str:
              f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}")
+    if "router_aux_loss" in r:
+        parts.append(f"router aux {r['router_aux_loss']:.3f} z {r['router_z_loss']:.3f} dropped {r['dropped']:.1%} "
+                     f"load max/mean {r['expert_load_max']:.2f}")
     if r.get("mfu") is not None:
         parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device)")
     return "  ".join(parts)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from meshtrain.config import UserError
+from meshtrain.errors import UserError
 
 EXIT_PEER_LOST = 3
 RESUME_HINT = "rerun the same command on every host to resume from the latest checkpoint"

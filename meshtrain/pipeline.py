@@ -9,9 +9,9 @@ interleaved chunks wrap from the last device to the first). The ticks run as up 
 (warm-up, steady, cool-down), each holding only the actions and sends its ticks use: the warm-up
 sends no cotangents, the cool-down no activations.
 
-Residuals (`pipeline.residuals`):
+Residuals (`parallel.residuals`):
 - `save` (default): the forward runs each layer under `jax.vjp` and keeps the residuals its
-  backward needs (with `model.remat`, only what the remat policy saves; the parameters are read
+  backward needs (with `parallel.remat`, only what the remat policy saves; the parameters are read
   again, never copied); the backward applies them, so no forward is run twice.
 - `recompute`: a stage keeps only each chunk's input and reruns the chunk's forward in its
   backward (less memory, a third more compute).
@@ -34,11 +34,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import data_parallel
+from meshtrain import remat as remat_lib
+from meshtrain.batching import inputs_and_targets, split_microbatches
 from meshtrain.precision import cast_for_compute
 from meshtrain.schedules import executor_tables, tick_phases, timetable
 from meshtrain.sharding import constrain, manual_axes_rules
-from meshtrain.step import split_microbatches
-from models.transformer import remat_policy
+from models.transformer import scan_blocks
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -51,30 +52,35 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
 
 
 class LayerResiduals:
-    """One layer's backward as data: `jax.vjp` of the layer, closure-converted so the residuals are
-    explicit arrays. `save` keeps the ones that are not parameters; `pullback` rebuilds the vjp from
-    them and the parameters (retracing the layer for the vjp's structure only: its forward is dead
-    code, removed by XLA)."""
+    """One layer's backward as data: the function `jax.vjp` returns for the layer (x -> (y, stats))
+    is a pytree whose leaves are its residuals (integer ones too, e.g. MoE routing decisions:
+    `jax.closure_convert` would bake those in from a retrace instead). `forward` keeps the leaves
+    that are not parameters; `pullback` rebuilds the vjp from them and the parameters (retracing the
+    layer for the vjp's structure only: that forward is dead code, removed by XLA). `g_stats`: the
+    objective's constant derivative by the layer's statistics (the auxiliary losses' weights),
+    pulled back with every output cotangent."""
 
-    def __init__(self, layer):
-        self.layer = layer
+    def __init__(self, layer, g_stats):
+        self.layer, self.g_stats = layer, g_stats
 
     def _vjp(self, p_layer, x):
-        y, vjp = jax.vjp(self.layer, p_layer, x)
-        pullback, consts = jax.closure_convert(vjp, y)
+        out, vjp = jax.vjp(self.layer, p_layer, x)
+        leaves, structure = jax.tree.flatten(vjp)
         params = jax.tree.leaves(p_layer)
-        is_param = [next((i for i, p in enumerate(params) if c is p), None) for c in consts]
-        return y, pullback, consts, is_param
+        is_param = [next((i for i, p in enumerate(params) if leaf is p), None) for leaf in leaves]
+        return out, leaves, structure, is_param
 
     def forward(self, p_layer, x):
-        y, _, consts, is_param = self._vjp(p_layer, x)
-        return y, [c for c, i in zip(consts, is_param) if i is None]
+        """(y, (residuals, stats))."""
+        (y, stats), leaves, _, is_param = self._vjp(p_layer, x)
+        return y, ([leaf for leaf, i in zip(leaves, is_param) if i is None], stats)
 
     def pullback(self, p_layer, saved, g_y):
         """(d p_layer, d x) for the output cotangent g_y."""
-        _, pullback, consts, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype))
+        _, _, structure, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype))
         params, saved = jax.tree.leaves(p_layer), iter(saved)
-        return pullback(g_y, *[params[i] if i is not None else next(saved) for i in is_param])
+        vjp = jax.tree.unflatten(structure, [params[i] if i is not None else next(saved) for i in is_param])
+        return vjp((g_y, self.g_stats))
 
 
 # Dynamic slices, not gathers: XLA partitions them inside the manual region.
@@ -105,16 +111,20 @@ class StageProgram:
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
     timetable (meshtrain/schedules.py)."""
 
-    def __init__(self, model, layers: LayerResiduals, schedule: str, residuals: str, stages: int, micro: int,
-                 virtual: int, tables: dict, slots: dict, blocks, outer, tokens_MxbxL1):
-        self.model, self.layers, self.stages, self.micro, self.virtual = model, layers, stages, micro, virtual
+    def __init__(self, model, layer, schedule: str, residuals: str, stages: int, micro: int,
+                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL):
+        self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.save, self.zero_bubble = residuals == "save", schedule == "zb"
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
-        self.outer, self.tokens = outer, tokens_MxbxL1
+        self.outer, self.inputs, self.targets = outer, inputs_MxbxL, targets_MxbxL
         x_like = jax.eval_shape(self.embed, outer, 0)
         self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
+        # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro)
+        stats_like = jax.eval_shape(layer, jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x)[1]
+        g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
+        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g / (model.cfg.num_layers * micro), g_stats))
 
     # ---- pieces ----
     def chunk(self, v):
@@ -127,14 +137,15 @@ class StageProgram:
         return (self.s == self.stages - 1) & (v == self.virtual - 1)
 
     def embed(self, p_outer, m):
-        return self.model.embed(p_outer, _take(self.tokens, m)[:, :-1])
+        return self.model.embed(p_outer, _take(self.inputs, m))
 
     def microbatch_loss(self, p_outer, y, m):
-        return self.model.loss(p_outer, y, _take(self.tokens, m)[:, 1:])
+        return self.model.loss(p_outer, y, _take(self.targets, m))
 
     def forward_saving(self, p_chunk, x):
-        """(y, each layer's residuals stacked)."""
-        return jax.lax.scan(lambda x, p: self.layers.forward(p, x), x, p_chunk)
+        """(y, (each layer's residuals stacked, the chunk's statistics summed))."""
+        y, (saved, stats) = jax.lax.scan(lambda x, p: self.layers.forward(p, x), x, p_chunk)
+        return y, (saved, jax.tree.map(lambda s: s.sum(axis=0), stats))
 
     def initial_carry(self) -> dict:
         f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
@@ -143,8 +154,9 @@ class StageProgram:
                  "cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
                  "g_chunks": f32_zeros(self.chunks), "g_outer": f32_zeros(self.outer),
                  "loss": jnp.zeros((), jnp.float32)}
+        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.zeros_x)[1]
+        carry["stats"] = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like)
         if self.save:
-            saved_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.zeros_x)[1]
             carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
         if self.zero_bubble:
             per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
@@ -168,10 +180,11 @@ class StageProgram:
     def forward(self, c, m, v):
         x = self.chunk_input(c, m, v)
         if self.save:
-            y, saved = self.forward_saving(self.chunk(v), x)
+            y, (saved, stats) = self.forward_saving(self.chunk(v), x)
             c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
         else:
-            y = self.model.run_blocks(self.chunk(v), x)
+            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x)
+        c = {**c, "stats": jax.tree.map(lambda a, s: a + s.astype(jnp.float32), c["stats"], stats)}
 
         def head_and_loss(c):
             """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
@@ -199,7 +212,8 @@ class StageProgram:
                 c = self.add_chunk(c, per_layer, v)
         else:
             x = self.chunk_input(c, m, v)
-            g_chunk, g_x = jax.vjp(self.model.run_blocks, self.chunk(v), x)[1](g_y)
+            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x)
+            g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.layers.g_stats))
             c = self.add_chunk(c, g_chunk, v)
 
         def embedding_grad(c):
@@ -247,17 +261,20 @@ class StageProgram:
         for start, end, uses in phases:
             carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
         loss = jax.lax.psum(carry["loss"], "pipeline") / self.micro
+        stats = jax.lax.psum(carry["stats"], "pipeline")
+        metrics = {"loss": loss, **jax.tree.map(lambda s: s / (self.micro * self.model.cfg.num_layers), stats)}
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
-        return loss, g_blocks, g_outer
+        return metrics, g_blocks, g_outer
 
 
-def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, virtual: int, residuals: str,
-                        param_specs, grad_specs):
-    """(params, tokens [B, L+1]) -> (loss, grads): one step's forward and backward, pipelined. With
-    data > 1, `data` is manual too: each data shard pipelines its own rows, and the gradients are
-    reduced over it once per step (meshtrain/data_parallel.py)."""
+def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs):
+    """(params, tokens [B, L+1]) -> (metrics, grads): one step's forward and backward, pipelined as
+    `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
+    own rows, and the gradients are reduced over it once per step (meshtrain/data_parallel.py)."""
     stages = mesh.shape["pipeline"]
+    schedule, residuals, micro = plan.schedule, plan.residuals, plan.num_microbatches(stages)
+    virtual = plan.virtual_stages
     tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
     slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
     phases = tick_phases(tables)
@@ -266,31 +283,33 @@ def make_pipeline_grads(model, precision: str, mesh, schedule: str, micro: int, 
     split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
     outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))
     outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
-    policy = remat_policy(model.cfg.remat)
-    layers = LayerResiduals(model.block if policy is None else
-                            jax.checkpoint(model.block, policy=policy, prevent_cse=False))
+    layer = remat_lib.apply(model.block, plan.remat, model.saveable)
 
-    def per_stage(blocks, outer, tokens_MxbxL1):
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL):
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             if data_manual:  # ZeRO-3: whole over data once per step
                 blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
-            stage = StageProgram(model, layers, schedule, residuals, stages, micro, virtual, tables, slots,
-                                 blocks, outer, tokens_MxbxL1)
-            loss, g_blocks, g_outer = stage.run(phases)
+            stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
+                                 blocks, outer, inputs_MxbxL, targets_MxbxL)
+            metrics, g_blocks, g_outer = stage.run(phases)
             if data_manual:  # the data-parallel reduction, once per step
-                loss = jax.lax.pmean(loss, data_parallel.AXIS)
+                metrics = jax.lax.pmean(metrics, data_parallel.AXIS)
                 g_blocks = data_parallel.reduce_mean(g_blocks, blocks_out)
                 g_outer = data_parallel.reduce_mean(g_outer, outer_out)
-            return loss, g_blocks, g_outer
+            return metrics, g_blocks, g_outer
 
     tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
-    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_in, outer_in, tokens_spec),
+    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec),
                            out_specs=(P(), blocks_out, outer_out), axis_names=manual, check_vma=False)
 
-    def loss_and_grads(params, tokens_BxL1):
-        compute = cast_for_compute(params, precision)
+    def metrics_and_grads(params, tokens_BxL1):
+        compute = cast_for_compute(params, plan.precision)
         outer = {k: v for k, v in compute.items() if k != "blocks"}
-        loss, g_blocks, g_outer = staged(compute["blocks"], outer, split_microbatches(tokens_BxL1, micro))
-        return loss, {**g_outer, "blocks": g_blocks}  # fp32 sums; the step casts to the params' dtype
+        # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
+        # resharding collective would wait for the stages that skip the branch.
+        inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
+        metrics, g_blocks, g_outer = staged(compute["blocks"], outer, split_microbatches(inputs, micro),
+                                            split_microbatches(targets, micro))
+        return metrics, {**g_outer, "blocks": g_blocks}  # fp32 sums; the step casts to the params' dtype
 
-    return loss_and_grads
+    return metrics_and_grads

@@ -24,9 +24,10 @@ import argparse
 import json
 import sys
 
-from meshtrain.config import UserError
 from meshtrain.drawing import timeline_pixels, write_png
-from meshtrain.metrics import PEAK_BF16_FLOPS
+from meshtrain.errors import UserError
+from meshtrain.formulas import bubble_expression, bubble_terms
+from meshtrain.metrics import DEVICE_PROFILES
 from meshtrain.schedules import SCHEDULES, executor_tables, timetable
 
 
@@ -42,15 +43,14 @@ def schedule_report(schedule: str, stages: int, micro: int, virtual: int, residu
 
 def format_schedule(r: dict) -> str:
     S, M, V = r["stages"], r["microbatches"], r["virtual_stages"]
+    idle, total = bubble_terms(r["schedule"], S, M, V)
     costs = ", ".join(f"{k}={v}" for k, v in r["costs"].items() if v)
-    formula = "(S-1)/(3M+S-1)" if r["schedule"] == "zb" else "(S-1)/(V*M+S-1)"
-    denominator = 3 * M + S - 1 if r["schedule"] == "zb" else V * M + S - 1
     lines = [f"schedule {r['schedule']}: {S} stages x {M} microbatches, {V} virtual stage(s) per device, "
              f"residuals {r['residuals']}",
              f"ticks: {r['ticks']}, lockstep time {r['time']} (action costs {costs}; a tick lasts as long as "
              f"its slowest stage)",
-             f"bubble: {r['bubble']:.1%} of stage-time idle in lockstep; formula {formula} = {S - 1}/{denominator} "
-             f"= {r['bubble_formula']:.1%}",
+             f"bubble: {r['bubble']:.1%} of stage-time idle in lockstep; formula "
+             f"{bubble_expression(r['schedule'])} = {idle}/{total} = {r['bubble_formula']:.1%}",
              f"in flight per stage (microbatch chunks): {' '.join(map(str, r['in_flight']))}; "
              f"buffer slots per chunk: residuals {r['residual_slots']}, received inputs {r['input_slots']}"]
     if r["ticks"] <= 80:
@@ -118,15 +118,6 @@ def parse_bytes(text: str) -> float:
         if text.upper().endswith(unit):
             return float(text[: -len(unit)]) * scale
     return float(text)
-
-
-# Dense bf16 peak FLOP/s, HBM bytes/s and interconnect bytes/s per device (one direction), capacity.
-DEVICE_PROFILES = {
-    "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "hbm_bw": 3.35e12, "link_bw": 450e9, "memory": 80e9},
-    "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "hbm_bw": 4.8e12, "link_bw": 450e9, "memory": 141e9},
-    "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "hbm_bw": 2.04e12, "link_bw": 300e9, "memory": 80e9},
-    "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.76e12, "link_bw": 600e9, "memory": 95e9},
-}
 
 
 if __name__ == "__main__":

@@ -2,11 +2,9 @@
 target mesh on simulated CPU devices and report memory, collectives, FLOPs and a roofline, each
 next to its analytical formula.
 
-Formulas (per device; Psi parameters; D, F, T, P the data, fsdp, tensor, pipeline sizes):
-- ZeRO memory, fp32 Adam (16 bytes/param): parameters 4Psi, gradients 4Psi, moments 8Psi, each
-  divided by F x T x P and also by D from stage 3, 2 and 1 respectively.
-- Ring all-reduce of B bytes over N devices moves 2(N-1)/N x B per device; all-gather and
-  reduce-scatter (N-1)/N x B (B the full tensor).
+Formulas (per device; meshtrain/formulas.py; D, F, T, P, E, C the data, fsdp, tensor, pipeline,
+expert, context sizes); a reduce-scatter of an X-byte tensor moves the all-gather's (N-1)/N x X:
+- ZeRO memory, fp32 Adam: `formulas.zero_bytes`.
 - Data parallelism (zero <= 1): one gradient all-reduce over D per step, also with microbatches
   (meshtrain/data_parallel.py). ZeRO 1/2: the updated parameter shards are all-gathered over D;
   ZeRO 2 reduce-scatters gradients over D once per step; ZeRO 3 with microbatches or a pipeline
@@ -15,8 +13,12 @@ Formulas (per device; Psi parameters; D, F, T, P the data, fsdp, tensor, pipelin
   every microbatch in the forward and again in the backward (and in the recomputed forward under
   remat=full), gradients reduce-scattered per microbatch.
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward (2 more
-  when remat recomputes the forward), each of (batch/(D x F)) x seq x width.
-- Pipeline: one activation forward and one cotangent back per tick; bubble (S-1)/(V*M+S-1).
+  when remat recomputes the forward); under sequence parallelism each becomes a reduce-scatter and
+  an all-gather.
+- Expert parallelism: 4 all-to-alls of the dispatch buffer per MoE layer.
+- Context parallelism: each device's keys and values go C-1 steps around the ring per layer in the
+  forward, and again twice in the backward (the keys/values and their gradients).
+- Pipeline: one activation forward and one cotangent back per tick; `formulas.bubble`.
 Roofline: compute time = compiled FLOPs / peak, stretched by the pipeline bubble; communication
 time = link traffic / link bandwidth; the step takes the larger (perfect overlap), so the MFU
 ceiling = model FLOPs / peak / step time.
@@ -30,13 +32,15 @@ import math
 import jax
 from jax.sharding import NamedSharding
 
-from meshtrain import data_parallel
+from meshtrain import data_parallel, formulas
 from meshtrain.config import load_config
+from meshtrain.formulas import ring_traffic
 from meshtrain.hlo import KINDS, collectives
 from meshtrain.mesh import describe, simulate_cpu_devices
-from meshtrain.plan import DEVICE_PROFILES
+from meshtrain.metrics import DEVICE_PROFILES
+from meshtrain.program import TrainProgram
 from meshtrain.schedules import executor_tables, sends_per_step, timetable
-from meshtrain.sharding import pipeline_microbatches
+from models.moe import capacity
 
 GB = 1e9
 
@@ -46,20 +50,13 @@ def shard_bytes(tree, shardings) -> int:
                    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))))
 
 
-def zero_formula(psi: int, sizes: dict, zero: int) -> dict[str, float]:
-    """ZeRO's 16 bytes/param (fp32 params 4, grads 4, Adam moments 8), per device."""
-    D, split = sizes["data"], sizes["fsdp"] * sizes["tensor"] * sizes["pipeline"]
-    over = lambda stage: split * (D if zero >= stage else 1)
-    return {"parameters": 4 * psi / over(3), "gradients": 4 * psi / over(2), "optimizer_state": 8 * psi / over(1)}
-
-
 def expected_traffic(program) -> dict[str, dict]:
     """Analytical link traffic per device per step, by collective kind, with what it stands for."""
-    cfg, sizes = program.cfg, program.sizes
-    D, F, T, P = (sizes[a] for a in ("data", "fsdp", "tensor", "pipeline"))
-    m, t, zero = program.model.cfg, cfg.train, cfg.zero
-    act = 2 if cfg.precision == "bf16" else 4
-    slice_bytes = 4 * program.num_params / (T * P)  # fp32 bytes of this device's tensor x pipeline slice
+    plan, sizes = program.plan, program.sizes
+    D, F, T, P, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context"))
+    m, t, zero = program.model.cfg, program.train, plan.zero
+    act = 2 if plan.precision == "bf16" else 4
+    slice_bytes = 4 * program.num_params / (T * P * E)  # fp32 bytes of this device's slice (experts split E ways)
     out = {k: {"traffic_bytes": 0.0, "terms": []} for k in KINDS}
 
     def add(kind, value, term):
@@ -67,38 +64,53 @@ def expected_traffic(program) -> dict[str, dict]:
             out[kind]["traffic_bytes"] += value
             out[kind]["terms"].append(term)
 
+    over_data = lambda kind, nbytes: ring_traffic(kind, nbytes, D)
     if zero <= 1:
-        add("all-reduce", 2 * (D - 1) / D * slice_bytes / F, "data-parallel gradient all-reduce 2(D-1)/D x grads")
+        add("all-reduce", over_data("all-reduce", slice_bytes / F), "data-parallel gradient all-reduce 2(D-1)/D x grads")
     if zero in (1, 2):
-        add("all-gather", (D - 1) / D * slice_bytes / F, "ZeRO-1/2 all-gather of updated parameter shards")
+        add("all-gather", over_data("all-gather", slice_bytes / F), "ZeRO-1/2 all-gather of updated parameter shards")
     if zero == 2:
-        add("reduce-scatter", (D - 1) / D * slice_bytes / F, "ZeRO-2 gradient reduce-scatter over data")
-    micro = t.microbatches if P == 1 else pipeline_microbatches(cfg, P)  # FSDP gathers again for every microbatch
+        add("reduce-scatter", over_data("all-gather", slice_bytes / F), "ZeRO-2 gradient reduce-scatter over data")
+    micro = plan.num_microbatches(P)  # FSDP gathers again for every microbatch
     data_once = data_parallel.is_manual(D, microbatches=micro, pipelined=P > 1, zero=zero)  # reduced once per step
     if zero >= 3 and data_once:  # the compute-dtype copy gathered once per step
-        add("all-gather", (D - 1) / D * slice_bytes / F * act / 4, "ZeRO-3 parameter all-gather over data, once per step")
-        add("reduce-scatter", (D - 1) / D * slice_bytes / F, "ZeRO-3 gradient reduce-scatter over data, once per step")
+        add("all-gather", over_data("all-gather", slice_bytes / F * act / 4),
+            "ZeRO-3 parameter all-gather over data, once per step")
+        add("reduce-scatter", over_data("all-gather", slice_bytes / F),
+            "ZeRO-3 gradient reduce-scatter over data, once per step")
     A = F * (D if zero >= 3 and not data_once else 1)
-    gathers = 3 if m.remat == "full" else 2  # forward, backward (and the recomputed forward)
-    add("all-gather", gathers * micro * (A - 1) / A * slice_bytes * act / 4,
+    gathers = 3 if plan.remat == "full" else 2  # forward, backward (and the recomputed forward)
+    add("all-gather", gathers * micro * ring_traffic("all-gather", slice_bytes * act / 4, A),
         f"FSDP weight all-gather in the compute dtype, {gathers} per microbatch x {micro}")
-    add("reduce-scatter", micro * (A - 1) / A * slice_bytes, f"FSDP gradient reduce-scatter per microbatch x {micro}")
-    per_layer = 6 if m.remat == "full" else 4
-    activation = t.batch_size / (D * F) * t.seq_len * m.d_model * act
-    add("all-reduce", per_layer * m.num_layers / P * 2 * (T - 1) / T * activation,
-        f"Megatron: {per_layer} activation all-reduces per layer")
+    add("reduce-scatter", micro * ring_traffic("all-gather", slice_bytes, A),
+        f"FSDP gradient reduce-scatter per microbatch x {micro}")
+    per_layer = 6 if plan.remat == "full" else 4
+    tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    megatron = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, m.num_layers / P, per_layer, act)
+    if plan.sequence_parallel:
+        add("reduce-scatter", megatron / 2, f"Megatron-SP: {per_layer} activation reduce-scatters per layer")
+        add("all-gather", megatron / 2, f"Megatron-SP: {per_layer} activation all-gathers per layer")
+    else:
+        add("all-reduce", megatron, f"Megatron: {per_layer} activation all-reduces per layer")
+    if E > 1:
+        rows = t.batch_size / (D * F * E)
+        add("all-to-all", formulas.moe_all_to_all_bytes(rows, m.num_experts, capacity(t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor),
+                                                        m.d_model, E, m.num_layers / P, act),
+            "expert parallelism: 4 all-to-alls of the dispatch buffer per MoE layer")
+    if C > 1:
+        kv = tokens * 2 * m.num_kv_heads * m.head_dim * act  # this device's keys and values
+        add("collective-permute", 3 * (C - 1) * kv * m.num_layers / P,
+            f"ring attention: K/V passed {C - 1} times per layer forward, twice that backward")
     if P > 1:
-        tables = executor_tables(timetable(cfg.pipeline.schedule, P, micro, cfg.pipeline.virtual_stages))
+        tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages))
         sends = sends_per_step(tables)
-        add("collective-permute", sends * activation / micro, f"pipeline: {sends} sends (activations forward, "
-            f"cotangents back) over {len(tables['F'])} ticks")
+        add("collective-permute", sends * tokens * m.d_model * act * C / micro, f"pipeline: {sends} sends "
+            f"(activations forward, cotangents back) over {len(tables['F'])} ticks")
     return out
 
 
 def plan(cfg, profile: dict, device_memory: float) -> dict:
-    from meshtrain.program import TrainProgram
-
-    program = TrainProgram(cfg)
+    program = TrainProgram.from_config(cfg)
     compiled = program.lower().compile()
     ma = compiled.memory_analysis()
     mesh, sizes, n = program.mesh, program.sizes, program.mesh.size
@@ -127,10 +139,10 @@ def plan(cfg, profile: dict, device_memory: float) -> dict:
     model_flops = program.flops_per_token * t.batch_size * t.seq_len / n
     flops = {"compiled_per_device": float(cost.get("flops", 0.0)), "model_per_device": model_flops}
 
-    bubble = 0.0
+    bubble, par = 0.0, cfg.parallel
     if sizes["pipeline"] > 1:
-        bubble = timetable(cfg.pipeline.schedule, sizes["pipeline"], pipeline_microbatches(cfg, sizes["pipeline"]),
-                           cfg.pipeline.virtual_stages, cfg.pipeline.residuals).bubble
+        bubble = timetable(par.schedule, sizes["pipeline"], par.num_microbatches(sizes["pipeline"]),
+                           par.virtual_stages, par.residuals).bubble
     compute_s = max(flops["compiled_per_device"], model_flops) / profile["peak_flops"] / (1 - bubble)
     comm_s = sum(c["traffic_bytes"] for c in measured.values()) / profile["link_bw"]
     step_s = max(compute_s, comm_s)
@@ -138,9 +150,10 @@ def plan(cfg, profile: dict, device_memory: float) -> dict:
                 "step_s": step_s, "mfu_ceiling": model_flops / profile["peak_flops"] / step_s,
                 "tokens_per_s": t.batch_size * t.seq_len / step_s}
     return {"config": {"model": dataclasses.asdict(program.model.cfg), "batch_size": t.batch_size, "seq_len": t.seq_len,
-                       "precision": cfg.precision, "zero": cfg.zero, "remat": cfg.model.remat},
+                       "precision": par.precision, "zero": par.zero, "remat": par.remat,
+                       "attention": par.attention, "sequence_parallel": par.sequence_parallel},
             "mesh": describe(sizes), "devices": n, "params": program.num_params, "memory": memory,
-            "zero_formula": zero_formula(program.num_params, sizes, cfg.zero), "collectives": comms,
+            "zero_formula": formulas.zero_bytes(program.num_params, sizes, par.zero), "collectives": comms,
             "flops": flops, "roofline": roofline}
 
 
@@ -184,18 +197,23 @@ def run(args) -> str:
     simulate_cpu_devices(args.devices)
     profile = DEVICE_PROFILES[args.device]
     device_memory = args.device_memory or profile["memory"]
-    overrides = list(args.set) + ([f"mesh={args.mesh}"] if args.mesh else [])
+    overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
     cfg = load_config(args.config, overrides)
     cfg.devices = 0
     if args.zero_table:
-        rows = [plan(dataclasses.replace(cfg, zero=z), profile, device_memory) for z in range(4)]
+        rows = [plan(with_plan(cfg, zero=z), profile, device_memory) for z in range(4)]
         return json.dumps(rows) if args.json else format_zero_table(rows)
     if args.compare:
-        rows = sorted((plan(dataclasses.replace(cfg, mesh=m), profile, device_memory) for m in args.compare),
+        rows = sorted((plan(with_plan(cfg, mesh=m), profile, device_memory) for m in args.compare),
                       key=lambda r: -r["roofline"]["mfu_ceiling"])
         return json.dumps(rows) if args.json else format_compare(rows)
     report = plan(cfg, profile, device_memory)
     return json.dumps(report) if args.json else format_plan(report)
+
+
+def with_plan(cfg, **changes):
+    """The config with some ParallelPlan settings changed."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **changes))
 
 
 def format_zero_table(rows) -> str:

@@ -1,7 +1,9 @@
-"""The train step for one config on one mesh, ready to compile, with no data loaded and no
-parameter materialised: mesh, sharding rules, model, abstract state, shardings and the step
-function. The Trainer builds on it to train; the planner (`python -m meshtrain.plan`) lowers and
-compiles it for a target mesh ahead of time."""
+"""The compile unit: what is trained (`ModelSpec`), how it runs (`ParallelPlan`) and how it learns
+(`OptimSpec`), for one batch shape (`TrainConfig`), on one mesh: the sharding rules, the model of
+its family with the plan's attention backend and sequence layout, the abstract state, its
+shardings and the step function. Nothing is materialised and no data is loaded. The Trainer has
+one to train; the planner (`python -m meshtrain.plan`) lowers and compiles one for a target mesh
+ahead of time."""
 from __future__ import annotations
 
 import contextlib
@@ -11,42 +13,29 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain.config import Config, UserError, validate
+from meshtrain.attention import BACKENDS
+from meshtrain.context_parallel import load_balanced_order
 from meshtrain.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import flops_per_token
 from meshtrain.pipeline import layer_order
-from meshtrain.sharding import (activation_rules, check_divisibility, check_replication, make_rules,
-                                pipeline_microbatches, spec_for, state_shardings)
+from meshtrain.sharding import activation_rules, check_replication, make_rules, spec_for, state_shardings
+from meshtrain.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.step import lr_schedule, make_optimizer, make_train_step
-from models import LanguageModel
-from models.transformer import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
+from meshtrain.validate import check_layout
+from models import FAMILIES
 
 
 class TrainProgram:
-    def __init__(self, cfg: Config, devices=None):
-        validate(cfg)
-        if cfg.devices:
-            simulate_cpu_devices(cfg.devices)
-        if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
-            raise UserError("model.attention=cudnn needs an NVIDIA GPU; use model.attention=blockwise or xla here")
-        if cfg.model.attention == "cudnn" and cfg.precision == "fp32":
-            raise UserError("model.attention=cudnn runs in bf16 only; set precision=bf16, or use "
-                            "model.attention=blockwise for fp32")
-        seq_len = cfg.train.seq_len
-        if cfg.model.attention == "blockwise" and attention_block(seq_len) < min(seq_len, MIN_ATTENTION_BLOCK):
-            raise UserError(f"model.attention=blockwise splits train.seq_len={seq_len} into blocks of "
-                            f"{attention_block(seq_len)} positions (its largest divisor up to {ATTENTION_BLOCK}); "
-                            f"use a seq_len with a divisor from {MIN_ATTENTION_BLOCK} to {ATTENTION_BLOCK}, "
-                            f"e.g. a multiple of {MIN_ATTENTION_BLOCK}")
-        if cfg.model.remat == "offload" and jax.default_backend() == "cpu":
-            raise UserError("model.remat=offload moves activations to host memory and needs a GPU/TPU; "
-                            "use full or save_matmuls on CPU")
-        self.cfg, t = cfg, cfg.train
-        self.sizes = parse_mesh(cfg.mesh, len(devices) if devices is not None else jax.device_count())
-        self.rules = make_rules(cfg.rules)
-        check_divisibility(cfg, self.sizes, self.rules)
+    def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None):
+        self.spec, self.plan, self.optim, self.train = model, plan, optim, train
+        t = train
+        self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
+        self.rules = make_rules(plan.rules, plan.sequence_parallel)
+        check_layout(model, plan, t, self.sizes, self.rules, jax.default_backend())
         self.mesh = build_mesh(self.sizes, devices)
-        self.model = LanguageModel(cfg.model)
+        context = self.sizes["context"]
+        order = load_balanced_order(t.seq_len, context) if context > 1 else None
+        self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order)
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
@@ -54,28 +43,27 @@ class TrainProgram:
 
         abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))
         self.logical_axes = self.model.logical_axes(abstract_params)
-        check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, cfg.zero)
-        self.schedule = lr_schedule(cfg.optim, t.steps)
-        self.tx = make_optimizer(cfg.optim, t.steps, self.logical_axes)
+        check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
+        self.schedule = lr_schedule(optim, t.steps)
+        self.tx = make_optimizer(optim, t.steps, self.logical_axes)
 
         stages = self.sizes["pipeline"]
-        virtual = cfg.pipeline.virtual_stages if stages > 1 else 1
-        self.layer_order = layer_order(cfg.model.num_layers, stages, virtual)
-        pipeline = None
-        if stages > 1:
-            pipeline = (cfg.pipeline.schedule, pipeline_microbatches(cfg, stages), virtual, cfg.pipeline.residuals)
-
+        self.layer_order = layer_order(model.num_layers, stages, plan.virtual_stages if stages > 1 else 1)
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
-                                                                self.mesh, cfg.zero, self.tx)
+                                                                self.mesh, plan.zero, self.tx)
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec}
-        self.step_fn = make_train_step(self.model, self.tx, self.schedule, cfg.precision, t.microbatches, cfg.zero,
-                                       self.mesh, specs, pipeline)
+        self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs)
         self.num_params = self.model.num_params(abstract_params)
-        matmul_params = self.model.num_params(abstract_params, embedding=cfg.model.tie_embeddings)
-        m = self.model.cfg
-        self.flops_per_token = flops_per_token(matmul_params, m.num_layers, m.d_model, t.seq_len)
+        self.flops_per_token = flops_per_token(self.model.active_matmul_params(abstract_params), model.num_layers,
+                                               self.model.cfg.d_model, t.seq_len)
+
+    @classmethod
+    def from_config(cls, cfg, devices=None) -> "TrainProgram":
+        if cfg.devices:
+            simulate_cpu_devices(cfg.devices)
+        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices)
 
     def init_state(self, key):
         params = self.model.init(key)

@@ -10,7 +10,7 @@ output sent at tick t is there at tick t + 1; within a slot, actions run in orde
 Time is lockstep: in one SPMD program every stage advances one tick together, so a tick lasts as
 long as its most expensive slot, and idle is what the other stages wait. Action costs, a forward
 = 1: a backward does two matmuls per forward matmul (dX and dW), 2, plus 1 when it first recomputes
-the forward (`pipeline.residuals=recompute`); under zero-bubble B is dX alone (1) and W is dW (1).
+the forward (`parallel.residuals=recompute`); under zero-bubble B is dX alone (1) and W is dW (1).
 So the schedules are written to balance ticks, not only to leave few idle slots:
 - GPipe: every forward, then every backward; all stages do the same kind of work in a tick.
 - 1F1B: after a warm-up of 2(S-1-s) forwards, each tick holds one forward *and* one backward on
@@ -32,8 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshtrain.config import PIPELINE_SCHEDULES as SCHEDULES
-from meshtrain.config import UserError
+from meshtrain import formulas
+from meshtrain.errors import UserError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 @dataclass(frozen=True)
@@ -112,28 +114,28 @@ def stage_orders(schedule: str, stages: int, micro: int, virtual: int = 1) -> li
 
 def check(schedule: str, stages: int, micro: int, virtual: int) -> None:
     if schedule not in SCHEDULES:
-        raise UserError(f"pipeline.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        raise UserError(f"parallel.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     if micro < stages:
-        raise UserError(f"pipeline.microbatches={micro} is fewer than the {stages} pipeline stages: stages "
+        raise UserError(f"parallel.microbatches={micro} is fewer than the {stages} pipeline stages: stages "
                         f"would wait forever; use at least {stages}")
     if schedule == "interleaved":
         if virtual < 2:
-            raise UserError("pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2")
+            raise UserError("parallel.schedule=interleaved needs parallel.virtual_stages >= 2")
         if micro % stages:
-            raise UserError(f"pipeline.schedule=interleaved needs pipeline.microbatches ({micro}) to be a "
+            raise UserError(f"parallel.schedule=interleaved needs parallel.microbatches ({micro}) to be a "
                             f"multiple of the pipeline size ({stages})")
     elif virtual != 1:
-        raise UserError(f"pipeline.virtual_stages={virtual} needs pipeline.schedule=interleaved")
+        raise UserError(f"parallel.virtual_stages={virtual} needs parallel.schedule=interleaved")
 
 
 def check_residuals(schedule: str, residuals: str, remat: str) -> None:
     if residuals == "recompute" and schedule == "zb":
-        raise UserError("pipeline.schedule=zb needs pipeline.residuals=save: its weight gradients run after "
+        raise UserError("parallel.schedule=zb needs parallel.residuals=save: its weight gradients run after "
                         "the backward, from the saved residuals")
     if residuals == "recompute" and remat != "none":
-        raise UserError(f"pipeline.residuals=recompute with model.remat={remat} would recompute each chunk "
-                        f"twice; use pipeline.residuals=save (it keeps only what model.remat saves) or "
-                        f"model.remat=none")
+        raise UserError(f"parallel.residuals=recompute with parallel.remat={remat} would recompute each chunk "
+                        f"twice; use parallel.residuals=save (it keeps only what parallel.remat saves) or "
+                        f"parallel.remat=none")
 
 
 def _input_of(action: Action, stage: int, stages: int, virtual: int):
@@ -185,8 +187,7 @@ class Timetable:
 
     @property
     def bubble_formula(self) -> float:
-        S, M, V = self.stages, self.micro, self.virtual
-        return (S - 1) / (3 * M + S - 1) if self.schedule == "zb" else (S - 1) / (V * M + S - 1)
+        return formulas.bubble(self.schedule, self.stages, self.micro, self.virtual)
 
     def in_flight(self) -> list[int]:
         """Per stage: the most (microbatch, chunk) pairs whose residuals it holds at once (from the

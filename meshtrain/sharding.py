@@ -20,11 +20,15 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain.config import UserError
+from meshtrain.errors import UserError
+from meshtrain.mesh import AXES
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
-    "seq": (),
+    # Outside the experts, the expert axis is data parallel; it is the batch's major factor, as the
+    # experts' all-to-all (models/moe.py) takes it, so tokens enter and leave it without a reshuffle.
+    "batch": ("expert", "data", "fsdp"),
+    "seq": ("context",),  # context parallelism splits the sequence
+    "residual_seq": ("context",),  # the residual stream and norms; + tensor under sequence parallelism
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -32,24 +36,27 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),  # each pipeline stage holds its own layers
+    "experts": ("expert",),  # each expert-parallel device holds its own experts
 }
 
 # Largest share of parameter bytes allowed to stay replicated where the rules say to shard.
 MAX_REPLICATED_FRACTION = 0.02
 
 
-def make_rules(overrides: dict | None = None) -> dict[str, tuple[str, ...]]:
-    """The default table with config overrides (`rules: {mlp: [tensor, fsdp], seq: null}`)."""
-    from meshtrain.mesh import AXES
-
+def make_rules(overrides: dict | None = None, sequence_parallel: bool = False) -> dict[str, tuple[str, ...]]:
+    """The default table with the plan's overrides (`parallel.rules: {mlp: [tensor, fsdp]}`). Sequence
+    parallelism (Korthikanti et al. 2022) adds `tensor` to the residual stream's sequence, so XLA
+    turns each block's output all-reduce into a reduce-scatter and an all-gather."""
     rules = dict(DEFAULT_RULES)
+    if sequence_parallel:
+        rules["residual_seq"] = rules["residual_seq"] + ("tensor",)
     for name, axes in (overrides or {}).items():
         if name not in DEFAULT_RULES:
-            raise UserError(f"unknown logical axis '{name}' in rules; known: {', '.join(DEFAULT_RULES)}")
+            raise UserError(f"unknown logical axis '{name}' in parallel.rules; known: {', '.join(DEFAULT_RULES)}")
         axes = () if axes in (None, "", []) else (axes,) if isinstance(axes, str) else tuple(axes)
         for a in axes:
             if a not in AXES:
-                raise UserError(f"rules.{name}: unknown mesh axis '{a}'; axes are {', '.join(AXES)}")
+                raise UserError(f"parallel.rules.{name}: unknown mesh axis '{a}'; axes are {', '.join(AXES)}")
         rules[name] = axes
     return rules
 
@@ -193,44 +200,3 @@ def shard_count(name: str) -> int:
         return 1
     rules, mesh = active
     return math.prod(mesh.shape[a] for a in rules.get(name, ()))
-
-
-def check_divisibility(cfg, sizes: dict[str, int], rules) -> None:
-    """Mesh-dependent checks, before anything is compiled."""
-    m, t, pp = cfg.model, cfg.train, cfg.pipeline
-    stages = sizes["pipeline"]
-    micro = t.microbatches
-    if stages > 1:
-        from meshtrain.schedules import check, check_residuals
-
-        if t.microbatches != 1:
-            valid = max(t.microbatches, stages)
-            if pp.schedule == "interleaved":
-                valid = -(-valid // stages) * stages
-            raise UserError(f"train.microbatches={t.microbatches} with pipeline={stages}: the pipeline splits the "
-                            f"batch itself; set pipeline.microbatches={valid} and train.microbatches=1")
-        micro = pipeline_microbatches(cfg, stages)
-        check(pp.schedule, stages, micro, pp.virtual_stages)
-        check_residuals(pp.schedule, pp.residuals, m.remat)
-        if m.num_layers % (stages * pp.virtual_stages):
-            raise UserError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
-                            f"pipeline.virtual_stages ({pp.virtual_stages})")
-    seq_shards = math.prod(sizes[a] for a in rules["seq"])
-    if t.seq_len % seq_shards:
-        raise UserError(f"rules.seq={list(rules['seq'])} splits the sequence {seq_shards} ways, which does not "
-                        f"divide train.seq_len={t.seq_len}; use a multiple of {seq_shards} or other rules")
-    tp = sizes["tensor"]
-    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
-        if value % tp:
-            raise UserError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
-    dp = sizes["data"] * sizes["fsdp"]
-    if t.batch_size % (dp * micro):
-        which = "pipeline.microbatches" if stages > 1 else "train.microbatches"
-        raise UserError(f"train.batch_size={t.batch_size} is not divisible by data x fsdp ({dp}) x "
-                        f"{which} ({micro}); use a multiple of {dp * micro}")
-
-
-def pipeline_microbatches(cfg, stages: int) -> int:
-    """pipeline.microbatches, where 0 means twice the number of stages."""
-    return cfg.pipeline.microbatches or 2 * stages
-

@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import optax
 
 from meshtrain import data_parallel
+from meshtrain import remat as remat_lib
+from meshtrain.batching import accumulate, inputs_and_targets
+from meshtrain.pipeline import make_pipeline_grads
 from meshtrain.precision import cast_for_compute
-from meshtrain.sharding import constrain
+from models.transformer import scan_blocks
 
 
 def lr_schedule(ocfg, total_steps: int):
@@ -39,67 +42,57 @@ def applied_lr(schedule, opt_state):
     return schedule(count)
 
 
-def make_loss_fn(model, precision: str):
+def make_loss_fn(model, precision: str, remat: str = "none"):
+    """(params, tokens [B, L+1]) -> (objective, metrics): the mean cross-entropy plus the model's
+    auxiliary losses, and the metrics (meshtrain/batching.py). The blocks run under the plan's remat
+    policy; their statistics are reported as means over layers."""
+    layer = remat_lib.apply(model.block, remat, model.saveable)
+
     def loss_fn(params, tokens_BxL1):
         compute = cast_for_compute(params, precision)
-        x_BxLxD = model.run_blocks(compute["blocks"], model.embed(compute, tokens_BxL1[:, :-1]))
-        return model.loss(compute, x_BxLxD, tokens_BxL1[:, 1:])
+        inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
+        x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs))
+        stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
+        loss = model.loss(compute, x_BxLxD, targets)
+        return loss + model.auxiliary_loss(stats), {"loss": loss, **stats}
 
     return loss_fn
 
 
-def split_microbatches(tokens_BxL1, num_micro: int):
-    """[B, L+1] -> [M, B/M, L+1] with microbatch m = rows i*M + m, so that every microbatch spans
-    all data-parallel shards (a contiguous split would leave most devices idle)."""
-    B = tokens_BxL1.shape[0]
-    return tokens_BxL1.reshape(B // num_micro, num_micro, -1).swapaxes(0, 1)
+def metrics_and_grads(loss_fn):
+    """`loss_fn` -> (params, tokens) -> (metrics, gradients of the objective)."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def fn(params, tokens_BxL1):
+        (_, metrics), grads = grad_fn(params, tokens_BxL1)
+        return metrics, grads
+
+    return fn
 
 
-def accumulate(grad_fn, microbatches: int, accumulator_specs):
-    """(params, tokens) -> (mean loss, mean gradients) over `microbatches` slices of the batch, summed
-    in a scan. The accumulator is pinned to `accumulator_specs` (PartitionSpecs over the axes that
-    are not manual here), so the sum is kept sharded and never reduced inside the loop."""
-    if microbatches == 1:
-        return grad_fn
-    pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
-
-    def loss_and_grads(params, tokens_BxL1):
-        def add(carry, micro_tokens):
-            loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, constrain(micro_tokens, ("batch", "seq")))
-            return (loss_sum + loss, pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads))), None
-
-        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))  # fp32 sums
-        (loss, grads), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), zeros),
-                                        split_microbatches(tokens_BxL1, microbatches))
-        return loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
-
-    return loss_and_grads
-
-
-def make_train_step(model, tx, schedule, precision: str, microbatches: int, zero: int, mesh, specs: dict,
-                    pipeline=None):
-    """`specs`: PartitionSpecs of 'params', 'grads' (pytrees) and 'batch'. `pipeline`: None, or
-    (schedule, microbatches, virtual_stages, residuals) to run the stacked layers as pipeline stages
-    over the mesh's `pipeline` axis (meshtrain/pipeline.py). Where `data` is manual
-    (data_parallel.is_manual), each data shard computes on the compute-dtype parameters and its own
-    rows, accumulates locally and the gradients are reduced over `data` once per step."""
-    grad_specs = specs["grads"]
-    if pipeline is not None:
-        from meshtrain.pipeline import make_pipeline_grads
-
-        grad_fn = make_pipeline_grads(model, precision, mesh, *pipeline, specs["params"], grad_specs)
-    elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=microbatches, zero=zero):
-        local = accumulate(jax.value_and_grad(make_loss_fn(model, precision)), microbatches,
-                           data_parallel.local_specs(grad_specs, set(mesh.axis_names) - {data_parallel.AXIS}))
+def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
+    """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
+    (pytrees) and 'batch'. With a `pipeline` axis > 1 the stacked layers run as pipeline stages
+    (meshtrain/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
+    computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
+    are reduced over `data` once per step. Otherwise XLA partitions the step from the shardings."""
+    grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
+    micro = plan.num_microbatches(stages)
+    if stages > 1:
+        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs)
+    elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero):
+        others = set(mesh.axis_names) - {data_parallel.AXIS}
+        local = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro,
+                           data_parallel.local_specs(grad_specs, others))
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"])
-        grad_fn = lambda params, tokens: per_shard(cast_for_compute(params, precision), tokens)  # gathers bf16
+        grad_fn = lambda params, tokens: per_shard(cast_for_compute(params, plan.precision), tokens)  # gathers bf16
     else:
-        grad_fn = accumulate(jax.value_and_grad(make_loss_fn(model, precision)), microbatches, grad_specs)
+        grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro, grad_specs)
 
     def train_step(state, tokens_BxL1):
         params = state["params"]
-        loss, grads = grad_fn(params, tokens_BxL1)
+        model_metrics, grads = grad_fn(params, tokens_BxL1)
+        loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
         grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(g.astype(p.dtype), s),
                              grads, params, grad_specs)
@@ -113,8 +106,8 @@ def make_train_step(model, tx, schedule, precision: str, microbatches: int, zero
                      "params": keep_if_bad(optax.apply_updates(params, updates), params),
                      "opt_state": keep_if_bad(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + (~finite).astype(jnp.int32)}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]), "finite": finite,
-                   "skipped_steps": new_state["skipped_steps"]}
+        metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
+                   "finite": finite, "skipped_steps": new_state["skipped_steps"]}
         return new_state, metrics
 
     return train_step

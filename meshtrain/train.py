@@ -11,7 +11,7 @@ from meshtrain.config import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, 
                               split_override)
 
 # Shortcut flags -> config keys.
-FLAG_KEYS = {"mesh": "mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
+FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
              "seq_len": "train.seq_len", "data": "data.path", "out": "out",
              "resume": "checkpoint.resume"}
 

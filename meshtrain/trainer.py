@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain import data as data_lib
 from meshtrain import run_dir
 from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
-from meshtrain.config import Config, ModelConfig, UserError, to_dict
+from meshtrain.config import Config, ModelSpec, UserError, to_dict
 from meshtrain.mesh import describe
 from meshtrain.metrics import MetricsLog, mfu, peak_flops
 from meshtrain.multihost import agree_with_process_0, preemption_reached
@@ -28,21 +28,22 @@ from meshtrain.program import TrainProgram
 from meshtrain.step import make_loss_fn
 
 
-class Trainer(TrainProgram):
-    """Training run for one config on one mesh: the compiled program (meshtrain/program.py) plus
-    data, state, checkpoints and the loop.
+class Trainer:
+    """Training run for one config on one mesh: it has a program (meshtrain/program.py: the model,
+    plan and optimizer compiled for the mesh) and adds data, state, checkpoints and the loop.
 
     `devices` restricts the mesh to a subset of jax.devices() (e.g. one device for a reference run).
     """
 
     def __init__(self, cfg: Config, devices=None):
         self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
-        super().__init__(cfg, devices)
+        self.cfg = cfg
+        self.program = program = TrainProgram.from_config(cfg, devices)
         t = cfg.train
         tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
         train_tokens, val_tokens = data_lib.split_tokens(tokens, cfg.data.val_fraction, t.seq_len)
         batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
-                                                       self.batch_sharding, cfg.model.vocab_size)
+                                                       program.batch_sharding, cfg.model.vocab_size)
         self.train_batches = batches(train_tokens, 0)
         has_val = cfg.data.val_fraction > 0 or tokens is None
         self.val_batches = batches(val_tokens, 1) if has_val else None
@@ -52,31 +53,31 @@ class Trainer(TrainProgram):
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
         self.rollbacks = 0
-        replicated = NamedSharding(self.mesh, P())
-        with self.context():
+        replicated = NamedSharding(program.mesh, P())
+        with program.context():
             resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
             if resume_steps:
                 self.state = self._restore(resume_root, resume_steps)
             else:
                 # Parameters are created already sharded: no device ever holds the full model.
-                self.state = jax.jit(self.init_state, out_shardings=self.state_shardings)(jax.random.key(t.seed))
+                self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
-            self.compiled_step = self.lower().compile()
-            eval_loss = make_loss_fn(self.model, cfg.precision)
-            self.eval_step = jax.jit(lambda params, tokens: eval_loss(self.in_model_order(params), tokens),
-                                     in_shardings=(self.state_shardings["params"], self.batch_sharding),
+            self.compiled_step = program.lower().compile()
+            eval_loss = make_loss_fn(program.model, cfg.parallel.precision)
+            self.eval_step = jax.jit(lambda params, tokens: eval_loss(self.in_model_order(params), tokens)[1]["loss"],
+                                     in_shardings=(program.state_shardings["params"], program.batch_sharding),
                                      out_shardings=replicated)
-        self.peak = peak_flops(self.mesh.devices.flat[0].device_kind)
+        self.peak = peak_flops(program.mesh.devices.flat[0].device_kind)
 
     def _restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
         """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
         (elastic: any saved mesh works)."""
         reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
         step, state, meta = reader.restore_latest_intact(
-            steps, abstract_like(self.abstract_state, self.state_shardings),
+            steps, abstract_like(self.program.abstract_state, self.program.state_shardings),
             self._check_same_model)
         saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
-        if not np.array_equal(saved_order, self.layer_order):
+        if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)
         self.resumed_from = reader.path(step)
         self.skip_batches = sorted(set(self.skip_batches) | set(meta.get("skip_batches", [])))
@@ -87,7 +88,7 @@ class Trainer(TrainProgram):
     def _check_same_model(self, meta, folder) -> None:
         """Resume needs the same weights' definition (architecture, resolved); everything about how the
         run executes or learns may change."""
-        saved = ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelConfig, k)})
+        saved = ModelSpec(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelSpec, k)})
         saved_arch, arch = saved.architecture(), self.cfg.model.architecture()
         differ = [k for k in arch if saved_arch.get(k) != arch[k]]
         if differ:
@@ -101,21 +102,23 @@ class Trainer(TrainProgram):
     def _reorder_layers(self, state, saved_order):
         """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
         device's chunks together) into this run's."""
-        rows = np.argsort(saved_order)[self.layer_order]
+        p = self.program
+        rows = np.argsort(saved_order)[p.layer_order]
         move = lambda x, names: x[rows] if names and names[0] == "layers" else x
         is_names = lambda n: isinstance(n, tuple)
 
         def reorder(state):
-            params = jax.tree.map(move, state["params"], self.logical_axes, is_leaf=is_names)
-            opt_state = optax.tree_map_params(self.tx, move, state["opt_state"], self.logical_axes,
+            params = jax.tree.map(move, state["params"], p.logical_axes, is_leaf=is_names)
+            opt_state = optax.tree_map_params(p.tx, move, state["opt_state"], p.logical_axes,
                                               transform_non_params=lambda x: x, is_leaf=is_names)
             return {**state, "params": params, "opt_state": opt_state}
 
-        return jax.jit(reorder, out_shardings=self.state_shardings)(state)
+        return jax.jit(reorder, out_shardings=p.state_shardings)(state)
 
     def in_model_order(self, params):
         """Stacked layers from storage order back to model order (a no-op order unless interleaved)."""
-        return {**params, "blocks": self.reorder_blocks(params["blocks"], np.argsort(self.layer_order))}
+        p = self.program
+        return {**params, "blocks": p.reorder_blocks(params["blocks"], np.argsort(p.layer_order))}
 
     def unpermuted_params(self):
         """The parameters as a single device holds them, on the host."""
@@ -131,9 +134,10 @@ class Trainer(TrainProgram):
         return index
 
     def save_checkpoint(self, wait: bool = False) -> Path:
-        self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(self.sizes),
-                                            "devices": self.mesh.size, "skip_batches": self.skip_batches,
-                                            "layer_order": self.layer_order.tolist()})
+        p = self.program
+        self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(p.sizes),
+                                            "devices": p.mesh.size, "skip_batches": self.skip_batches,
+                                            "layer_order": p.layer_order.tolist()})
         self.last_save = time.monotonic()
         if wait:
             self.checkpointer.wait()
@@ -142,7 +146,7 @@ class Trainer(TrainProgram):
     def evaluate(self) -> float | None:
         if self.val_batches is None:
             return None
-        with self.context():
+        with self.program.context():
             losses = [self.eval_step(self.state["params"], self.val_batches(i)) for i in range(self.cfg.train.eval_batches)]
         return float(jnp.mean(jnp.stack(losses)))
 
@@ -170,12 +174,12 @@ class Trainer(TrainProgram):
         try:
             if primary:  # only a run that trains writes into --out
                 self.out.mkdir(parents=True, exist_ok=True)
-                run_dir.write_config(self.out, cfg, self.mesh)
+                run_dir.write_config(self.out, cfg, self.program.mesh)
             log = log or MetricsLog(self.out, primary, keep_through=first)
             if primary:
-                print(f"meshtrain: {self.num_params / 1e6:.2f}M params, mesh {describe(self.sizes)} "
-                      f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.zero}, "
-                      f"precision={cfg.precision}, out={self.out}", flush=True)
+                print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
+                      f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
+                      f"precision={cfg.parallel.precision}, out={self.out}", flush=True)
             self._loop(first, steps, log, signalled)
         finally:
             for sig, handler in handlers.items():
@@ -192,7 +196,7 @@ class Trainer(TrainProgram):
         k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
         depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
         prefetch = Prefetcher(self.train_batches, depth)
-        with self.context(), contextlib.closing(prefetch):
+        with self.program.context(), contextlib.closing(prefetch):
             while k < steps:
                 batch = prefetch.get(self.batch_index(k), [self.batch_index(k + j) for j in range(1, depth + 1)])
                 self.state, metrics = self.compiled_step(self.state, batch)
@@ -254,9 +258,11 @@ class Trainer(TrainProgram):
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
                   "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "data_wait_s": data_wait}
-        util = mfu(tokens_per_sec, self.flops_per_token, self.mesh.size, self.peak)
+        record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "finite"})  # the model's
+        flops, n = self.program.flops_per_token, self.program.mesh.size
+        util = mfu(tokens_per_sec, flops, n, self.peak)
         if util is not None:
-            record.update(mfu=util, tflops_per_device=tokens_per_sec * self.flops_per_token / self.mesh.size / 1e12)
+            record.update(mfu=util, tflops_per_device=tokens_per_sec * flops / n / 1e12)
         return record
 
     def _save_due(self, step: int) -> bool:

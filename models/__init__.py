@@ -1,4 +1,7 @@
-"""Model definitions. meshtrain relies on the small protocol in `models.transformer.LanguageModel`."""
+"""Model families behind one protocol (`models.transformer.LanguageModel`), by `model.family`."""
+from models.moe import MoELanguageModel
 from models.transformer import LanguageModel, Transformer
 
-__all__ = ["LanguageModel", "Transformer"]
+FAMILIES = {"llama": LanguageModel, "moe": MoELanguageModel}
+
+__all__ = ["FAMILIES", "LanguageModel", "MoELanguageModel", "Transformer"]

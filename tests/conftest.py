@@ -14,44 +14,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-from pathlib import Path  # noqa: E402
-
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny.yaml")
-_RUNS = {}
-
-
-def tiny_config(*overrides, out=None):
-    """The tiny config in a fresh output folder (never resuming another test's checkpoint)."""
-    import tempfile
-
-    from meshtrain.config import load_config
-
-    out = out or tempfile.mkdtemp(prefix="meshtrain-test-")
-    return load_config(TINY, [f"out={out}", "checkpoint.resume=never", *overrides])
-
-
-def run_tiny(*overrides, devices=None):
-    """Train the tiny config (5 steps) and return (trainer, per-step losses, final params).
-    Memoized: the parity, sharding and memory tests share compiled runs."""
-    from meshtrain.metrics import MetricsLog
-    from meshtrain.trainer import Trainer
-
-    key = (overrides, None if devices is None else len(devices))
-    if key not in _RUNS:
-        trainer = Trainer(tiny_config(*overrides), devices=devices)
-        history = trainer.fit(log=MetricsLog("/tmp/meshtrain-tests", primary=False))
-        trainer.grad_norms = np.array([r["grad_norm"] for r in history if "loss" in r])
-        losses = np.array([r["loss"] for r in history if "loss" in r])
-        _RUNS[key] = (trainer, losses, jax.device_get(trainer.state["params"]))
-    return _RUNS[key]
+from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, tiny_config  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")
 def reference_run():
     """The single-device run every layout must reproduce."""
-    return run_tiny("mesh=1", devices=jax.devices()[:1])
+    return run_tiny("parallel.mesh=1", devices=jax.devices()[:1])

@@ -6,9 +6,9 @@ from conftest import run_tiny
 
 
 def test_microbatches_match_one_large_batch():
-    common = ("mesh=data=2", "optim.warmup_steps=0", "train.steps=3")
+    common = ("parallel.mesh=data=2", "optim.warmup_steps=0", "train.steps=3")
     _, big_losses, big_params = run_tiny(*common, devices=jax.devices()[:2])
-    _, acc_losses, acc_params = run_tiny(*common, "train.microbatches=4", devices=jax.devices()[:2])
+    _, acc_losses, acc_params = run_tiny(*common, "parallel.microbatches=4", devices=jax.devices()[:2])
     np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-6)
     # Accumulating changes the summation order; Adam divides by sqrt(v), so for a near-zero gradient
     # that rounding moves the update by a visible fraction of lr = 3e-3: compare to 1e-4.
@@ -17,7 +17,7 @@ def test_microbatches_match_one_large_batch():
 
 
 def test_microbatch_split_spans_every_data_shard():
-    from meshtrain.step import split_microbatches
+    from meshtrain.batching import split_microbatches
 
     tokens = np.arange(8)[:, None].repeat(3, axis=1)  # row i holds i
     micro = split_microbatches(tokens, 4)

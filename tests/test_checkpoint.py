@@ -112,7 +112,7 @@ def test_resume_path_yields_to_a_newer_out(tmp_path):
 
 
 def tiny_run(out, *overrides):
-    return Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.resume=auto", *overrides,
+    return Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.resume=auto", *overrides,
                                out=str(out)))
 
 
@@ -126,9 +126,9 @@ def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch
     saved = sorted(p.name for p in ckpts.iterdir())
 
     # How the run executes and learns may change: it resumes from step 24, checkpoints untouched.
-    changed = tiny_run(full, "mesh=data=2,tensor=4", "optim.clip_norm=0", "optim.lr=0.01", "optim.b2=0.99",
-                       "model.remat=full", "zero=3", "train.microbatches=2", "model.mlp_dim=64",
-                       "model.attention=blockwise", "precision=bf16")
+    changed = tiny_run(full, "parallel.mesh=data=2,tensor=4", "optim.clip_norm=0", "optim.lr=0.01", "optim.b2=0.99",
+                       "parallel.remat=full", "parallel.zero=3", "parallel.microbatches=2", "model.mlp_dim=64",
+                       "parallel.attention=blockwise", "parallel.precision=bf16")
     assert changed.resumed_from == ckpts / "24"
     assert sorted(p.name for p in ckpts.iterdir()) == saved
 

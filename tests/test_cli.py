@@ -30,4 +30,4 @@ def test_cli_trains_on_default_corpus_and_writes_metrics(tmp_path):
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
 
     resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert resolved["mesh"] == "data=2,fsdp=2,tensor=2" and resolved["train"]["steps"] == 60
+    assert resolved["parallel"]["mesh"] == "data=2,fsdp=2,tensor=2" and resolved["train"]["steps"] == 60

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import ROOT
-from meshtrain.config import (Config, ModelConfig, OptimConfig, UserError, apply_overrides, commented_yaml,
+from meshtrain.config import (Config, ModelSpec, OptimSpec, UserError, apply_overrides, commented_yaml,
                               load_config, reference_markdown)
 from meshtrain.mesh import parse_mesh
 from meshtrain.step import make_optimizer
@@ -28,10 +28,10 @@ def test_config_reference_is_in_sync():
 
 
 def test_text_settings_are_never_yaml_typed():
-    cfg = apply_overrides(Config(), ["mesh=0x8", "out=007", "data.path=1e3", "optim.lr=1e-3", "train.steps=1_0"])
-    assert (cfg.mesh, cfg.out, cfg.data.path, cfg.optim.lr) == ("0x8", "007", "1e3", 1e-3)
+    cfg = apply_overrides(Config(), ["parallel.mesh=0x8", "out=007", "data.path=1e3", "optim.lr=1e-3", "train.steps=1_0"])
+    assert (cfg.parallel.mesh, cfg.out, cfg.data.path, cfg.optim.lr) == ("0x8", "007", "1e3", 1e-3)
     with pytest.raises(UserError, match="axis sizes must be >= 1"):  # not YAML's hex 8 = data=8
-        parse_mesh(cfg.mesh, 8)
+        parse_mesh(cfg.parallel.mesh, 8)
     assert cfg.train.steps == 10
 
 
@@ -41,15 +41,16 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(UserError, match=rf"^{bad} line 2, column 6: .*; fix the YAML syntax$"):
         load_config(str(bad))
     hexed = tmp_path / "hex.yaml"
-    hexed.write_text("mesh: 0x8\n")
-    assert load_config(str(hexed)).mesh == "0x8"
+    hexed.write_text("parallel: {mesh: 0x8}\n")
+    assert load_config(str(hexed)).parallel.mesh == "0x8"
 
 
-def test_architecture_is_resolved_and_leaves_out_execution_settings():
-    explicit = ModelConfig(d_model=128, mlp_dim=384, head_dim=32, remat="full", attention="cudnn")
-    assert ModelConfig(d_model=128).architecture() == explicit.architecture()
-    assert "remat" not in explicit.architecture() and "attention" not in explicit.architecture()
-    assert ModelConfig(d_model=128, mlp_dim=512).architecture() != explicit.architecture()
+def test_architecture_is_resolved_and_leaves_out_loss_weights_and_capacity():
+    explicit = ModelSpec(d_model=128, mlp_dim=384, head_dim=32, capacity_factor=1.25, router_aux_loss=0.1)
+    assert ModelSpec(d_model=128).architecture() == explicit.architecture()
+    assert not {"capacity_factor", "router_aux_loss", "router_z_loss"} & set(explicit.architecture())
+    assert ModelSpec(d_model=128, mlp_dim=512).architecture() != explicit.architecture()
+    assert ModelSpec(family="moe", num_experts=4).architecture() != ModelSpec(family="moe").architecture()
 
 
 @pytest.mark.parametrize("optim", [{"clip_norm": 0.0}, {"clip_norm": 5.0, "lr": 1.0, "weight_decay": 0.0},
@@ -58,14 +59,14 @@ def test_optimizer_state_layout_does_not_depend_on_hyperparameters(optim):
     params = {"w": jnp.ones((4, 3)), "scale": jnp.ones((3,))}
     axes = {"w": ("embed", "mlp"), "scale": ("embed",)}
     layout = lambda ocfg, steps: jax.tree.structure(make_optimizer(ocfg, steps, axes).init(params))
-    assert layout(OptimConfig(**optim), 7) == layout(OptimConfig(), 100)
+    assert layout(OptimSpec(**optim), 7) == layout(OptimSpec(), 100)
 
 
 def test_overrides_coerce_types_and_nest():
     cfg = apply_overrides(Config(), ["model.num_layers=8", "optim.lr=3e-4", "model.tie_embeddings=false",
-                                     "rules.mlp=[tensor, fsdp]", "mesh=2x2x2"])
+                                     "parallel.rules.mlp=[tensor, fsdp]", "parallel.mesh=2x2x2"])
     assert cfg.model.num_layers == 8 and cfg.optim.lr == 3e-4 and cfg.model.tie_embeddings is False
-    assert cfg.rules == {"mlp": ["tensor", "fsdp"]} and cfg.mesh == "2x2x2"
+    assert cfg.parallel.rules == {"mlp": ["tensor", "fsdp"]} and cfg.parallel.mesh == "2x2x2"
 
 
 @pytest.mark.parametrize("override,message", [
@@ -75,13 +76,16 @@ def test_overrides_coerce_types_and_nest():
     ("checkpoint.every_minutes=-5", "checkpoint.every_minutes=-5.0 must be >= 0.0"),
     ("devices=8192", "devices=8192: at most 4096 CPU devices"),
     ("data.val_fraction=1", "data.val_fraction=1.0 must be below 1"),
-    ("rules.seq=[tensor", "--set rules.seq line 1, column 8: .*fix the YAML syntax"),
-    ("model.remat=some", "model.remat='some' is not one of none, full, save_matmuls, offload"),
+    ("parallel.rules.seq=[tensor", "--set parallel.rules.seq line 1, column 8: .*fix the YAML syntax"),
+    ("parallel.remat=some", "parallel.remat='some' is not one of none, full, save_matmuls, offload"),
     ("train.steps.x=1", "has no field 'x'"),
     ("bogus=1", "unknown config key 'bogus'"),
     ("model.num_heads=6", "must be a multiple of model.num_kv_heads=4"),
-    ("train.microbatches=3", "not divisible by train.microbatches=3"),
-    ("zero=4", "zero=4 is not one of 0, 1, 2, 3"),
+    ("parallel.microbatches=3", "not divisible by parallel.microbatches=3"),
+    ("parallel.zero=4", "parallel.zero=4 is not one of 0, 1, 2, 3"),
+    ("model.family=gpt", "model.family='gpt' is not one of llama, moe"),
+    ("parallel.attention=flash", "parallel.attention='flash' is not one of xla, blockwise, cudnn, ring"),
+    ("model.num_experts=4", "experts belong to the moe family; set model.family=moe"),
 ])
 def test_invalid_configs_fail_clearly(override, message):
     with pytest.raises(UserError, match=message):
@@ -89,12 +93,33 @@ def test_invalid_configs_fail_clearly(override, message):
 
 
 @pytest.mark.parametrize("spec,expected", [
-    ("8x8x4", (8, 8, 4, 1)),
-    ("2x2x2x4", (2, 2, 2, 4)),
-    ("data=2,fsdp=4", (2, 4, 1, 1)),
-    ("fsdp=-1,tensor=2", (1, 4, 2, 1)),
-    ("-1x2", (4, 2, 1, 1)),
+    ("8x8x4", (8, 8, 4, 1, 1, 1)),
+    ("2x2x2x4", (2, 2, 2, 4, 1, 1)),
+    ("data=2,fsdp=4", (2, 4, 1, 1, 1, 1)),
+    ("fsdp=-1,tensor=2", (1, 4, 2, 1, 1, 1)),
+    ("-1x2", (4, 2, 1, 1, 1, 1)),
+    ("data=2,expert=4", (2, 1, 1, 1, 4, 1)),
+    ("fsdp=2,context=-1", (1, 2, 1, 1, 1, 4)),
 ])
 def test_mesh_specs(spec, expected):
     sizes = parse_mesh(spec, math.prod(expected))
     assert tuple(sizes.values()) == expected
+
+
+def test_renamed_keys_still_work_with_a_notice(tmp_path, capsys):
+    import meshtrain.config as config
+
+    config._NOTICED.clear()
+    old = tmp_path / "old.yaml"
+    old.write_text("model: {num_layers: 2, remat: full, attention: blockwise}\nzero: 3\nprecision: bf16\n"
+                   "mesh: data=2,fsdp=4\nrules: {mlp: [tensor]}\npipeline: {schedule: zb, microbatches: 8}\n"
+                   "train: {microbatches: 1, steps: 7}\n")
+    cfg = load_config(str(old))
+    p = cfg.parallel
+    assert (p.remat, p.attention, p.zero, p.precision, p.mesh) == ("full", "blockwise", 3, "bf16", "data=2,fsdp=4")
+    assert (p.rules, p.schedule, p.microbatches) == ({"mlp": ["tensor"]}, "zb", 8)  # train.microbatches=1: the old default
+    assert cfg.model.num_layers == 2 and cfg.train.steps == 7
+    notices = capsys.readouterr().err.splitlines()
+    assert "notice: config key 'model.remat' is now 'parallel.remat' (docs/config.md)" in notices
+    assert len(notices) == 9 and all(line.startswith("notice: config key '") for line in notices)
+    assert load_config(None, ["train.microbatches=4"]).parallel.microbatches == 4

@@ -25,7 +25,7 @@ def poison(trainer, bad_batches):
             return batch
         tokens = np.array(batch)
         tokens[0, 0] = trainer.cfg.model.vocab_size
-        return jax.device_put(tokens, trainer.batch_sharding)
+        return jax.device_put(tokens, trainer.program.batch_sharding)
 
     trainer.train_batches = batches
     return trainer
@@ -39,7 +39,7 @@ def fit(trainer, steps):
 @pytest.fixture(scope="module")
 def never_saw_bad_batches():
     """The run the guard must reproduce: batches 5 and 6 skipped from the start."""
-    trainer = Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}"))
+    trainer = Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}"))
     trainer.skip_batches = list(BAD)
     losses = fit(trainer, STEPS)
     return trainer, losses, jax.device_get(trainer.state["params"])
@@ -50,7 +50,7 @@ def test_nonfinite_step_leaves_params_and_optimizer_unchanged(never_saw_bad_batc
     before = jax.device_get(trainer.state)
     tokens = np.array(trainer.train_batches(0))
     tokens[3, 2] = trainer.cfg.model.vocab_size
-    state, metrics = trainer.compiled_step(trainer.state, jax.device_put(tokens, trainer.batch_sharding))
+    state, metrics = trainer.compiled_step(trainer.state, jax.device_put(tokens, trainer.program.batch_sharding))
     after = jax.device_get(state)
     assert not bool(metrics["finite"]) and not np.isfinite(float(metrics["loss"]))
     assert int(metrics["skipped_steps"]) == int(before["skipped_steps"]) + 1
@@ -63,7 +63,7 @@ def test_nonfinite_step_leaves_params_and_optimizer_unchanged(never_saw_bad_batc
 
 def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_bad_batches, capsys, tmp_path):
     _, reference_losses, reference_params = never_saw_bad_batches
-    trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
+    trainer = poison(Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
                                          "guard.max_consecutive_bad=2", out=str(tmp_path))), set(BAD))
     history = trainer.fit(STEPS, log=MetricsLog(tmp_path / "log"))
     losses = {r["step"]: r["loss"] for r in history if "loss" in r}
@@ -92,7 +92,7 @@ def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_ba
 def test_no_checkpoint_inside_a_bad_streak_and_the_logged_lr_is_the_applied_one(tmp_path):
     """Batches 3 and 4 (steps 4 and 5) are bad: the step-4 save waits for the first good step, 6;
     the optimizer's count, and so the learning rate, does not advance on skipped steps."""
-    trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
+    trainer = poison(Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
                                          "checkpoint.keep=10", out=str(tmp_path))), {3, 4})
     history = {r["step"]: r for r in trainer.fit(log=MetricsLog("/tmp/meshtrain-tests", primary=False))
                if "loss" in r}
@@ -100,14 +100,14 @@ def test_no_checkpoint_inside_a_bad_streak_and_the_logged_lr_is_the_applied_one(
     assert [history[s]["skipped_steps"] for s in (3, 4, 5, 6)] == [0, 1, 2, 2]
     applied_updates = {3: 2, 4: 3, 5: 3, 6: 3, 7: 4}  # good updates before each step
     for step, count in applied_updates.items():
-        assert history[step]["lr"] == pytest.approx(float(trainer.schedule(count)), rel=1e-6), step
+        assert history[step]["lr"] == pytest.approx(float(trainer.program.schedule(count)), rel=1e-6), step
 
 
 def test_preemption_inside_a_bad_streak_saves_nothing(tmp_path, capsys):
     import os
     import signal
 
-    trainer = poison(Trainer(tiny_config("mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=2",
+    trainer = poison(Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=2",
                                          "data.prefetch=0", out=str(tmp_path))), {3, 4})  # built in the loop
     batches = trainer.train_batches
 

@@ -18,7 +18,7 @@ from meshtrain.checkpoint import Checkpointer, abstract_like
 from meshtrain.metrics import MetricsLog
 from meshtrain.trainer import Trainer
 
-LAYOUT = ("mesh=2x2x2", "zero=0")
+LAYOUT = ("parallel.mesh=2x2x2", "parallel.zero=0")
 OVERRIDES = (*LAYOUT, "train.steps=1000")
 HEARTBEAT_S, EXIT_BOUND_S = 10, 60
 
@@ -73,7 +73,7 @@ def test_two_processes_match_one_then_survivor_exits_when_peer_dies(tmp_path):
 
     # The checkpoint both processes wrote restores in one process, onto its mesh.
     state, meta = Checkpointer(out / "checkpoints", keep=10).restore(
-        5, abstract_like(one_process.abstract_state, one_process.state_shardings))
+        5, abstract_like(one_process.program.abstract_state, one_process.program.state_shardings))
     assert meta["devices"] == 8 and int(state["step"]) == 5
     for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])),
                     jax.tree.leaves(jax.device_get(one_process.state["params"]))):

@@ -73,9 +73,9 @@ def test_phases_leave_out_what_their_ticks_do_not_use():
 
 @pytest.mark.parametrize("schedule,stages,micro,virtual,message", [
     ("1f1b", 4, 2, 1, "fewer than the 4 pipeline stages"),
-    ("interleaved", 2, 4, 1, "needs pipeline.virtual_stages >= 2"),
+    ("interleaved", 2, 4, 1, "needs parallel.virtual_stages >= 2"),
     ("interleaved", 4, 6, 2, "to be a multiple of the pipeline size"),
-    ("1f1b", 2, 4, 2, "needs pipeline.schedule=interleaved"),
+    ("1f1b", 2, 4, 2, "needs parallel.schedule=interleaved"),
 ])
 def test_bad_schedules_fail_clearly(schedule, stages, micro, virtual, message):
     with pytest.raises(UserError, match=message):
@@ -87,16 +87,16 @@ PARITY = [  # (schedule, data x fsdp x tensor x pipeline, virtual stages, zero, 
     ("1f1b", "2x1x1x4", 1, 1, ()), ("1f1b", "1x2x2x2", 1, 0, ()),
     ("gpipe", "2x2x1x2", 1, 3, ()), ("interleaved", "1x2x2x2", 2, 1, ()),
     ("zb", "2x1x1x4", 1, 2, ()), ("zb", "1x2x2x2", 1, 0, ()),  # zero 2: gradients reduce-scattered over data
-    ("1f1b", "2x2x1x2", 1, 3, ("pipeline.residuals=recompute",)),
-    ("1f1b", "2x1x1x4", 1, 1, ("model.remat=full",)),  # residuals from the remat policy: one recompute
+    ("1f1b", "2x2x1x2", 1, 3, ("parallel.residuals=recompute",)),
+    ("1f1b", "2x1x1x4", 1, 1, ("parallel.remat=full",)),  # residuals from the remat policy: one recompute
 ]
 
 
 @pytest.mark.parametrize("schedule,mesh,virtual,zero,more", PARITY)
 def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, more, reference_run):
     reference, ref_losses, ref_params = reference_run
-    trainer, losses, _ = run_tiny(f"mesh={mesh}", f"zero={zero}", f"pipeline.schedule={schedule}",
-                                  "pipeline.microbatches=4", f"pipeline.virtual_stages={virtual}", *more)
+    trainer, losses, _ = run_tiny(f"parallel.mesh={mesh}", f"parallel.zero={zero}", f"parallel.schedule={schedule}",
+                                  "parallel.microbatches=4", f"parallel.virtual_stages={virtual}", *more)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     np.testing.assert_allclose(trainer.grad_norms, reference.grad_norms, rtol=1e-5, atol=0)  # every step
     params = trainer.unpermuted_params()
@@ -111,8 +111,8 @@ def test_compiled_sends_are_the_timetables(schedule):
     from meshtrain import hlo
     from meshtrain.schedules import sends_per_step
 
-    trainer, _, _ = run_tiny("mesh=2x1x1x4", "zero=1", f"pipeline.schedule={schedule}", "pipeline.microbatches=4",
-                             "pipeline.virtual_stages=1")  # the parity run's compiled program
+    trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}", "parallel.microbatches=4",
+                             "parallel.virtual_stages=1")  # the parity run's compiled program
     tables = executor_tables(timetable(schedule, 4, 4))
     sends = sends_per_step(tables)
     permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]
@@ -121,7 +121,7 @@ def test_compiled_sends_are_the_timetables(schedule):
 
 def test_bf16_pipeline_tracks_fp32(reference_run):
     _, ref_losses, _ = reference_run
-    _, losses, params = run_tiny("mesh=2x1x1x4", "precision=bf16", "pipeline.schedule=1f1b", "pipeline.microbatches=4")
+    _, losses, params = run_tiny("parallel.mesh=2x1x1x4", "parallel.precision=bf16", "parallel.schedule=1f1b", "parallel.microbatches=4")
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))  # fp32 master weights
 
@@ -131,10 +131,10 @@ def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
     from conftest import tiny_config
     from meshtrain.trainer import Trainer
 
-    interleaved, _, _ = run_tiny("mesh=1x2x2x2", "zero=1", "pipeline.schedule=interleaved",
-                                 "pipeline.microbatches=4", "pipeline.virtual_stages=2")
-    assert interleaved.layer_order.tolist() == [0, 2, 1, 3]  # device 0: model stages 0 and 2
-    plain = Trainer(tiny_config("mesh=1", f"checkpoint.resume={interleaved.checkpointer.path(5)}"),
+    interleaved, _, _ = run_tiny("parallel.mesh=1x2x2x2", "parallel.zero=1", "parallel.schedule=interleaved",
+                                 "parallel.microbatches=4", "parallel.virtual_stages=2")
+    assert interleaved.program.layer_order.tolist() == [0, 2, 1, 3]  # device 0: model stages 0 and 2
+    plain = Trainer(tiny_config("parallel.mesh=1", f"checkpoint.resume={interleaved.checkpointer.path(5)}"),
                     devices=jax.devices()[:1])
     assert int(plain.state["step"]) == 5
     for a, b in zip(jax.tree.leaves(jax.device_get(plain.state["params"])),
@@ -148,15 +148,13 @@ def test_bad_pipeline_configs_fail_clearly():
     from conftest import tiny_config
 
     with pytest.raises(UserError, match="model.num_layers=6 is not divisible by pipeline stages"):
-        Trainer(tiny_config("mesh=2x1x1x4", "model.num_layers=6"))
-    with pytest.raises(UserError, match="set pipeline.microbatches=4 and train.microbatches=1"):
-        Trainer(tiny_config("mesh=4x1x1x2", "train.microbatches=4"))
-    with pytest.raises(UserError, match="pipeline.microbatches=2 is fewer than the 4 pipeline stages"):
-        Trainer(tiny_config("mesh=2x1x1x4", "pipeline.microbatches=2"))
-    with pytest.raises(UserError, match="pipeline.schedule=zb needs pipeline.residuals=save"):
-        Trainer(tiny_config("mesh=4x1x1x2", "pipeline.schedule=zb", "pipeline.residuals=recompute"))
-    with pytest.raises(UserError, match="with model.remat=full would recompute each chunk twice"):
-        Trainer(tiny_config("mesh=4x1x1x2", "pipeline.residuals=recompute", "model.remat=full"))
+        Trainer(tiny_config("parallel.mesh=2x1x1x4", "model.num_layers=6"))
+    with pytest.raises(UserError, match="parallel.microbatches=2 is fewer than the 4 pipeline stages"):
+        Trainer(tiny_config("parallel.mesh=2x1x1x4", "parallel.microbatches=2"))
+    with pytest.raises(UserError, match="parallel.schedule=zb needs parallel.residuals=save"):
+        Trainer(tiny_config("parallel.mesh=4x1x1x2", "parallel.schedule=zb", "parallel.residuals=recompute"))
+    with pytest.raises(UserError, match="with parallel.remat=full would recompute each chunk twice"):
+        Trainer(tiny_config("parallel.mesh=4x1x1x2", "parallel.residuals=recompute", "parallel.remat=full"))
 
 
 # ---- memory: compiled temp bytes per device vs microbatches (same microbatch size) ----
@@ -164,9 +162,9 @@ def temp_bytes(schedule, micro):
     from conftest import tiny_config
     from meshtrain.program import TrainProgram
 
-    cfg = tiny_config("mesh=1x1x1x4", f"pipeline.schedule={schedule}", f"pipeline.microbatches={micro}",
+    cfg = tiny_config("parallel.mesh=1x1x1x4", f"parallel.schedule={schedule}", f"parallel.microbatches={micro}",
                       f"train.batch_size={2 * micro}", "model.d_model=64", "model.mlp_dim=256", "train.seq_len=64")
-    program = TrainProgram(cfg, devices=jax.devices()[:4])
+    program = TrainProgram.from_config(cfg, devices=jax.devices()[:4])
     return program.lower().compile().memory_analysis().temp_size_in_bytes
 
 
@@ -182,8 +180,8 @@ def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
 
 def test_cli_trains_a_1f1b_pipeline(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", TINY, "--devices", "8",
-                           "--mesh", "2x1x1x4", "--set", "pipeline.schedule=1f1b",
-                           "--set", "pipeline.microbatches=8", "--steps", "40", "--set", "train.log_every=10", "--set", "optim.lr=1e-2",
+                           "--mesh", "2x1x1x4", "--set", "parallel.schedule=1f1b",
+                           "--set", "parallel.microbatches=8", "--steps", "40", "--set", "train.log_every=10", "--set", "optim.lr=1e-2",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines() if " loss " in line]
@@ -213,4 +211,4 @@ def test_plan_prints_bubble_and_draws_the_timeline(tmp_path, capsys):
     report = __import__("json").loads(capsys.readouterr().out)
     assert report["ticks"] == 26 and abs(report["bubble"] - 3 / 19) < 1e-12
     assert main(["--schedule", "1f1b", "--stages", "4", "--microbatches", "2"]) == 2
-    assert "error: pipeline.microbatches=2 is fewer than the 4 pipeline stages" in capsys.readouterr().err
+    assert "error: parallel.microbatches=2 is fewer than the 4 pipeline stages" in capsys.readouterr().err

@@ -96,9 +96,9 @@ def test_model_flops_formula_matches_the_compiled_step(tied):
     from conftest import tiny_config
     from meshtrain.program import TrainProgram
 
-    cfg = tiny_config("mesh=1", "model.num_layers=1", "model.d_model=128", "model.head_dim=16",
+    cfg = tiny_config("parallel.mesh=1", "model.num_layers=1", "model.d_model=128", "model.head_dim=16",
                       "model.mlp_dim=512", "train.seq_len=64", f"model.tie_embeddings={str(tied).lower()}")
-    program = TrainProgram(cfg, devices=jax.devices()[:1])
+    program = TrainProgram.from_config(cfg, devices=jax.devices()[:1])
     cost = program.lower().compile().cost_analysis()
     compiled_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
     formula = program.flops_per_token * cfg.train.batch_size * cfg.train.seq_len

@@ -45,7 +45,7 @@ def test_training_with_and_without_prefetch_is_identical(reference_run):
     from conftest import run_tiny
 
     _, ref_losses, ref_params = reference_run  # data.prefetch=1, the default
-    _, losses, params = run_tiny("mesh=1", "data.prefetch=0", devices=jax.devices()[:1])
+    _, losses, params = run_tiny("parallel.mesh=1", "data.prefetch=0", devices=jax.devices()[:1])
     np.testing.assert_array_equal(losses, ref_losses)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_array_equal(a, b)

@@ -5,6 +5,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import run_tiny, tiny_config
 from meshtrain.config import UserError
+from meshtrain.formulas import zero_bytes
 from meshtrain.mesh import build_mesh, parse_mesh
 from meshtrain.sharding import DEFAULT_RULES, make_rules, spec_for
 
@@ -20,8 +21,8 @@ def specs_of(tree, name_filter):
 def test_param_and_opt_state_specs_on_2x2x2(zero):
     from meshtrain.program import TrainProgram
 
-    trainer = TrainProgram(tiny_config("mesh=2x2x2", f"zero={zero}"))  # shardings only: nothing compiled
-    params = trainer.state_shardings["params"]
+    program = TrainProgram.from_config(tiny_config("parallel.mesh=2x2x2", f"parallel.zero={zero}"))  # shardings only: nothing compiled
+    params = program.state_shardings["params"]
     dp = ("data", "fsdp") if zero >= 3 else "fsdp"
     assert params["embedding"].spec == P("tensor", dp)
     assert params["blocks"]["wq"].spec == P(None, dp, "tensor", None)
@@ -33,27 +34,28 @@ def test_param_and_opt_state_specs_on_2x2x2(zero):
     assert params["final_norm"]["scale"].spec == P(dp)
 
     opt_dp = ("data", "fsdp") if zero >= 1 else "fsdp"
-    moments = specs_of(trainer.state_shardings["opt_state"], lambda k: "['wq']" in k)
+    moments = specs_of(program.state_shardings["opt_state"], lambda k: "['wq']" in k)
     assert len(moments) == 2  # Adam's mu and nu
     assert set(moments.values()) == {P(None, opt_dp, "tensor", None)}
     grad_dp = ("data", "fsdp") if zero >= 2 else "fsdp"
-    assert trainer.grad_specs["blocks"]["wq"] == P(None, grad_dp, "tensor", None)
+    assert program.grad_specs["blocks"]["wq"] == P(None, grad_dp, "tensor", None)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_argument_bytes_follow_zero_formula(zero):
-    """fp32 Adam, N = |data| = 8: params 4Psi (/N at stage 3), moments 8Psi (/N from stage 1)."""
-    trainer, _, _ = run_tiny("mesh=data=8", f"zero={zero}")
-    psi, n = trainer.num_params, 8
+    """fp32 Adam, N = |data| = 8: params 4Psi (/N at stage 3), moments 8Psi (/N from stage 1)
+    (meshtrain/formulas.py); the step's arguments hold no gradients."""
+    trainer, _, _ = run_tiny("parallel.mesh=data=8", f"parallel.zero={zero}")
+    formula = zero_bytes(trainer.program.num_params, trainer.program.sizes, zero)
     t = trainer.cfg.train
-    expected = 4 * psi / (n if zero >= 3 else 1) + 8 * psi / (n if zero >= 1 else 1)
-    expected += t.batch_size * (t.seq_len + 1) * 4 / n  # int32 tokens
+    expected = formula["parameters"] + formula["optimizer_state"]
+    expected += t.batch_size * (t.seq_len + 1) * 4 / 8  # int32 tokens
     measured = trainer.compiled_step.memory_analysis().argument_size_in_bytes
     assert abs(measured - expected) / expected < 0.01, (measured, expected)
 
 
 def test_zero2_shards_gradients_and_cuts_temp_bytes():
-    temp = {z: run_tiny("mesh=data=8", f"zero={z}")[0].compiled_step.memory_analysis().temp_size_in_bytes
+    temp = {z: run_tiny("parallel.mesh=data=8", f"parallel.zero={z}")[0].compiled_step.memory_analysis().temp_size_in_bytes
             for z in (1, 2)}
     assert temp[2] < temp[1]
 
@@ -71,7 +73,9 @@ def test_activation_and_param_specs_resolve_axis_conflicts():
 def test_rules_are_overridable_from_config():
     rules = make_rules({"mlp": ["tensor", "fsdp"], "embed": None})
     assert rules["mlp"] == ("tensor", "fsdp") and rules["embed"] == ()
-    assert set(DEFAULT_RULES) == {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers"}
+    assert set(DEFAULT_RULES) == {"batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                                  "vocab", "layers", "experts"}
+    assert make_rules({}, sequence_parallel=True)["residual_seq"] == ("context", "tensor")
     with pytest.raises(UserError, match="unknown mesh axis 'model'"):
         make_rules({"mlp": "model"})
     with pytest.raises(UserError, match="unknown logical axis"):
@@ -81,6 +85,6 @@ def test_rules_are_overridable_from_config():
 def test_mostly_replicated_parameters_are_an_error():
     from meshtrain.trainer import Trainer
 
-    cfg = tiny_config("mesh=fsdp=8", "model.d_model=36", "model.mlp_dim=36")  # 36 is not divisible by 8
+    cfg = tiny_config("parallel.mesh=fsdp=8", "model.d_model=36", "model.mlp_dim=36")  # 36 is not divisible by 8
     with pytest.raises(UserError, match="stay replicated"):
         Trainer(cfg)

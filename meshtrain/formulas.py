@@ -1,0 +1,81 @@
+"""The analytical formulas meshtrain's figures are checked against, each written once: the planner
+prints them beside the compiled facts, the tests and the benchmarks compare with them.
+
+Sizes: D, F, T, P, E, C the data, fsdp, tensor, pipeline, expert and context axis sizes; Psi
+parameters; N devices in a collective's group; B bytes.
+"""
+from __future__ import annotations
+
+import math
+
+# ---- memory: ZeRO (Rajbhandari et al. 2020), with fp32 in place of their fp16 copies ----
+ADAM_BYTES = {"parameters": 4, "gradients": 4, "optimizer_state": 8}  # fp32 Adam: 16 bytes/param
+ZERO_STAGE_SHARDS = {"optimizer_state": 1, "gradients": 2, "parameters": 3}  # the stage from which data shards it
+
+
+def zero_bytes(psi: float, sizes: dict[str, int], zero: int) -> dict[str, float]:
+    """Per device: fp32 parameters 4Psi, gradients 4Psi, Adam moments 8Psi, each divided by
+    F x T x P and also by D from stage 3, 2 and 1 respectively."""
+    split = sizes["fsdp"] * sizes["tensor"] * sizes["pipeline"]
+    return {what: per_param * psi / split / (sizes["data"] if zero >= ZERO_STAGE_SHARDS[what] else 1)
+            for what, per_param in ADAM_BYTES.items()}
+
+
+# ---- collectives: ring algorithms (Patarasuk & Yuan 2009), link bytes per device ----
+RING_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+               "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: (n - 1) / n,
+               "collective-permute": lambda n: 1.0}
+
+
+def ring_traffic(kind: str, payload: float, n: int) -> float:
+    """Link bytes per device of one collective over n devices whose output is `payload` bytes per
+    device: all-reduce 2(N-1)/N x B, all-gather (N-1)/N x B (B the gathered tensor), reduce-scatter
+    (N-1) x B (B one shard), all-to-all (N-1)/N x B, collective-permute B."""
+    return 0.0 if n <= 1 else RING_FACTOR[kind](n) * payload
+
+
+# ---- pipeline bubble (Narayanan et al. 2021, eq. 1-2; Qi et al. 2023 for ZB-H1) ----
+def bubble_terms(schedule: str, stages: int, micro: int, virtual: int = 1) -> tuple[int, int]:
+    """The idle fraction as (numerator, denominator): (S-1)/(V*M+S-1) for GPipe, 1F1B and
+    interleaved; (S-1)/(3M+S-1) for zb."""
+    S, M, V = stages, micro, virtual
+    return S - 1, (3 * M if schedule == "zb" else V * M) + S - 1
+
+
+def bubble(schedule: str, stages: int, micro: int, virtual: int = 1) -> float:
+    idle, total = bubble_terms(schedule, stages, micro, virtual)
+    return idle / total
+
+
+def bubble_expression(schedule: str) -> str:
+    return "(S-1)/(3M+S-1)" if schedule == "zb" else "(S-1)/(V*M+S-1)"
+
+
+# ---- activations (Korthikanti et al. 2022, "Reducing activation recomputation", section 4) ----
+def activation_bytes_per_layer(seq: int, batch: int, width: int, heads: int, tensor: int = 1,
+                               sequence_parallel: bool = False, context: int = 1) -> float:
+    """Bytes one transformer layer keeps for its backward (16-bit activations, no recomputation,
+    attention scores materialised), per device: s b h (34 + 5 a s / h); tensor parallelism divides
+    the attention and MLP parts, s b h (10 + 24/t + 5 a s / (h t)); sequence parallelism the rest
+    too, s b h (34/t + 5 a s / (h t)). Context parallelism keeps s/C of the positions per device,
+    each still attending over all s keys: (s/C) b h (... + 5 a s / (h t))."""
+    local = seq / context
+    linear = 34 / tensor if sequence_parallel else 10 + 24 / tensor
+    return local * batch * width * (linear + 5 * heads * seq / (width * tensor))
+
+
+def megatron_allreduce_bytes(tokens_per_device: float, width: int, tensor: int, layers: float, per_layer: int,
+                             act_bytes: int) -> float:
+    """Tensor parallelism: `per_layer` activation all-reduces of [b, s, h] per layer (2 forward, 2
+    backward, 2 more when remat reruns the forward), each 2(T-1)/T x b s h bytes on the links;
+    sequence parallelism replaces each by a reduce-scatter and an all-gather of the same volume."""
+    return per_layer * layers * ring_traffic("all-reduce", tokens_per_device * width * act_bytes, tensor)
+
+
+def moe_all_to_all_bytes(rows_per_device: float, experts: int, capacity: int, width: int, expert_axis: int,
+                         moe_layers: float, act_bytes: int, passes: int = 4) -> float:
+    """Expert parallelism: per MoE layer the dispatch buffer [rows, E, C, h] goes to the experts'
+    devices and back, in the forward and again in the backward (4 all-to-alls), each
+    (N-1)/N x rows x E x C x h bytes over the expert axis (N = its size)."""
+    payload = rows_per_device * experts * capacity * width * act_bytes
+    return passes * moe_layers * ring_traffic("all-to-all", payload, expert_axis)

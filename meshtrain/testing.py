@@ -1,0 +1,44 @@
+"""Tiny runs for the tests, the benchmarks and notebooks: one harness, so every parity figure is
+measured the same way. A tiny run trains configs/tiny.yaml (or another config) for its 5 steps in
+a fresh output folder and returns (trainer, per-step losses, final parameters on the host)."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+MOE_TINY = str(ROOT / "configs" / "moe_tiny.yaml")
+_RUNS: dict = {}
+
+
+def tiny_config(*overrides, out=None, config=TINY):
+    """The config in a fresh output folder (never resuming another run's checkpoint)."""
+    from meshtrain.config import load_config
+
+    out = out or tempfile.mkdtemp(prefix="meshtrain-tiny-")
+    return load_config(config, [f"out={out}", "checkpoint.resume=never", *overrides])
+
+
+def run_tiny(*overrides, devices=None, config=TINY):
+    """Train and return (trainer, per-step losses, final params); `trainer.history` holds the
+    records and `trainer.grad_norms` the per-step gradient norms. Memoized: callers share runs."""
+    from meshtrain.metrics import MetricsLog
+    from meshtrain.trainer import Trainer
+
+    key = (overrides, None if devices is None else len(devices), config)
+    if key not in _RUNS:
+        trainer = Trainer(tiny_config(*overrides, config=config), devices=devices)
+        history = trainer.history = trainer.fit(log=MetricsLog(trainer.out, primary=False))
+        trainer.grad_norms = np.array([r["grad_norm"] for r in history if "loss" in r])
+        losses = np.array([r["loss"] for r in history if "loss" in r])
+        _RUNS[key] = (trainer, losses, jax.device_get(trainer.state["params"]))
+    return _RUNS[key]
+
+
+def max_param_diff(a, b) -> float:
+    """The largest absolute difference between two parameter trees."""
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

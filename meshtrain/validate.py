@@ -1,0 +1,116 @@
+"""Every check of a config, in one place, each failing with a one-line `UserError` that names the
+key and the fix.
+
+- `check_config(cfg)`: what needs no devices (allowed values, bounds, settings that must agree);
+  run when a config is loaded.
+- `check_layout(model, plan, train, sizes, rules, backend)`: what depends on the mesh and the device kind; run by
+  the program before anything is traced.
+"""
+from __future__ import annotations
+
+import math
+
+from meshtrain.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
+from meshtrain.errors import UserError
+from meshtrain.schedules import check as check_schedule
+from meshtrain.schedules import check_residuals
+from meshtrain.spec import MAX_SIMULATED_DEVICES, settings
+
+
+def check_config(cfg) -> None:
+    for key, f, value in settings(cfg):
+        choices, low = f.metadata["choices"], f.metadata["min"]
+        if choices and value not in choices:
+            raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+        if low is not None and value < low:
+            raise UserError(f"{key}={value} must be >= {low}")
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    if m.num_heads % m.num_kv_heads:
+        raise UserError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+    if not m.head_dim and m.d_model % m.num_heads:
+        raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+                        f"set model.head_dim")
+    if m.resolved().head_dim % 2:
+        raise UserError(f"rotary embeddings need an even head_dim, got {m.resolved().head_dim}; set model.head_dim")
+    _check_experts(m)
+    if par.microbatches and t.batch_size % par.microbatches:
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
+                        f"parallel.microbatches={par.microbatches}")
+    if cfg.devices > MAX_SIMULATED_DEVICES:
+        raise UserError(f"devices={cfg.devices}: at most {MAX_SIMULATED_DEVICES} CPU devices can be simulated "
+                        f"(XLA takes minutes to start more); plan a smaller mesh")
+    if cfg.data.kind == "synthetic" and cfg.data.path:
+        raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
+    if not cfg.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be below 1")
+
+
+def _check_experts(m) -> None:
+    if m.family != "moe":
+        if m.num_experts or m.num_shared_experts:
+            raise UserError(f"model.num_experts={m.num_experts}, model.num_shared_experts={m.num_shared_experts}: "
+                            f"experts belong to the moe family; set model.family=moe")
+        return
+    if m.num_experts and m.experts_per_token > m.num_experts:
+        raise UserError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts={m.num_experts}; "
+                        f"route each token to at most num_experts experts")
+
+
+def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) -> None:
+    """Checks that need the mesh's axis sizes, the resolved logical rules and the device backend:
+    `m` the ModelSpec, `par` the ParallelPlan, `t` the TrainConfig."""
+    _check_kernels(par, t.seq_len, backend)
+    stages = sizes["pipeline"]
+    micro = par.num_microbatches(stages)
+    if stages > 1:
+        check_schedule(par.schedule, stages, micro, par.virtual_stages)
+        check_residuals(par.schedule, par.residuals, par.remat)
+        if m.num_layers % (stages * par.virtual_stages):
+            raise UserError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
+                            f"parallel.virtual_stages ({par.virtual_stages})")
+    context = sizes["context"]
+    if context > 1:
+        if par.attention != "ring":
+            raise UserError(f"mesh context={context} splits the sequence, which parallel.attention={par.attention} "
+                            f"cannot attend across; set parallel.attention=ring")
+        if t.seq_len % (2 * context):
+            raise UserError(f"train.seq_len={t.seq_len} is not divisible by 2 x context ({2 * context}): each "
+                            f"device holds an early and a late chunk; use a multiple of {2 * context}")
+    for name in ("seq", "residual_seq"):
+        shards = math.prod(sizes[a] for a in rules[name])
+        if t.seq_len % shards:
+            raise UserError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which does not "
+                            f"divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
+    tp = sizes["tensor"]
+    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+        if value % tp:
+            raise UserError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
+    experts = sizes["expert"]
+    if experts > 1 and not (m.family == "moe" and m.num_experts):
+        raise UserError(f"mesh expert={experts} splits experts, and this model has none; set model.family=moe and "
+                        f"model.num_experts, or drop the expert axis")
+    if experts > 1 and m.num_experts % experts:
+        raise UserError(f"model.num_experts={m.num_experts} is not divisible by expert={experts}; use an expert "
+                        f"axis size that divides it")
+    batch_axes = list(rules["batch"])
+    dp = math.prod(sizes[a] for a in batch_axes)
+    if t.batch_size % (dp * micro):
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by the batch axes "
+                        f"{' x '.join(f'{a} ({sizes[a]})' for a in batch_axes)} x parallel.microbatches ({micro}); "
+                        f"use a multiple of {dp * micro}")
+
+
+def _check_kernels(par, seq_len: int, backend: str) -> None:
+    if par.attention == "cudnn" and backend != "gpu":
+        raise UserError("parallel.attention=cudnn needs an NVIDIA GPU; use parallel.attention=blockwise or xla here")
+    if par.attention == "cudnn" and par.precision == "fp32":
+        raise UserError("parallel.attention=cudnn runs in bf16 only; set parallel.precision=bf16, or use "
+                        "parallel.attention=blockwise for fp32")
+    if par.attention == "blockwise" and attention_block(seq_len) < min(seq_len, MIN_ATTENTION_BLOCK):
+        raise UserError(f"parallel.attention=blockwise splits train.seq_len={seq_len} into blocks of "
+                        f"{attention_block(seq_len)} positions (its largest divisor up to {ATTENTION_BLOCK}); "
+                        f"use a seq_len with a divisor from {MIN_ATTENTION_BLOCK} to {ATTENTION_BLOCK}, "
+                        f"e.g. a multiple of {MIN_ATTENTION_BLOCK}")
+    if par.remat == "offload" and backend == "cpu":
+        raise UserError("parallel.remat=offload moves activations to host memory and needs a GPU/TPU; "
+                        "use full or save_matmuls on CPU")
