@@ -1,0 +1,205 @@
+"""models/moe.py: a dense reference, capacity drops counted in numpy, expert-parallel parity
+(outputs, stats, gradients) on 8 simulated devices, the all-to-alls in the HLO, and the errors."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from meshtrain.config import UserError
+from models.moe import capacity, moe_mlp
+
+B, L, D, F, K = 8, 8, 16, 32, 2
+
+
+def make_inputs(E, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    router = rng.normal(size=(D, E)).astype(np.float32)
+    w_gate = (rng.normal(size=(E, D, F)) / np.sqrt(D)).astype(np.float32)
+    w_up = (rng.normal(size=(E, D, F)) / np.sqrt(D)).astype(np.float32)
+    w_down = (rng.normal(size=(E, F, D)) / np.sqrt(F)).astype(np.float32)
+    return x, router, w_gate, w_up, w_down
+
+
+def routing(x, router):
+    logits = jnp.einsum("bld,de->ble", x, router)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, expert = jax.lax.top_k(probs, K)
+    return logits, probs, expert, top / jnp.sum(top, axis=-1, keepdims=True)
+
+
+def numpy_keep(expert_BxLxK, E, cap):
+    """Which assignments fit: per row, every first choice in position order, then every second..."""
+    keep = np.zeros(expert_BxLxK.shape, bool)
+    for b in range(expert_BxLxK.shape[0]):
+        used = np.zeros(E, int)
+        for j in range(K):
+            for pos in range(expert_BxLxK.shape[1]):
+                e = expert_BxLxK[b, pos, j]
+                if used[e] < cap:
+                    used[e] += 1
+                    keep[b, pos, j] = True
+    return keep
+
+
+def dense_reference(x, router, w_gate, w_up, w_down, keep=None):
+    """Every expert on every token; y sums the token's (kept) top-k, weighted by its gates."""
+    E = router.shape[1]
+    _, _, expert, gate = routing(x, router)
+    out_ExBxLxD = jnp.stack([(jax.nn.silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]
+                             for e in range(E)])
+    y = jnp.zeros_like(x)
+    for j in range(K):
+        picked = jnp.take_along_axis(out_ExBxLxD, expert[None, :, :, j, None], axis=0)[0]
+        w = gate[..., j] if keep is None else jnp.where(keep[..., j], gate[..., j], 0.0)
+        y = y + w[..., None] * picked
+    return y
+
+
+def objective(fn, ct, shards=1):
+    """A scalar that depends on y and on both router losses, for gradients; `shards`: this is
+    one of that many equal row shards, whose sum is the whole batch's objective."""
+    def loss(*args):
+        y, stats = fn(*args)
+        router_loss = 0.1 * stats["aux_loss"] + 0.01 * stats["z_loss"]
+        return jnp.sum(y * ct) + router_loss / shards, (y, stats)
+
+    return jax.value_and_grad(loss, argnums=range(5), has_aux=True)
+
+
+def moe(capacity_factor):
+    return lambda *a: moe_mlp(*a, experts_per_token=K, capacity_factor=capacity_factor)
+
+
+def reference_moe(x, router, w_gate, w_up, w_down, keep=None):
+    """The dense reference and the router losses, written from their definitions."""
+    E = router.shape[1]
+    logits, probs, expert, _ = routing(x, router)
+    f_BxE = jax.nn.one_hot(expert, E).sum(axis=2).mean(axis=1) / K
+    stats = {"aux_loss": jnp.mean(E * jnp.sum(f_BxE * probs.mean(axis=1), axis=-1)),
+             "z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)}
+    return dense_reference(x, router, w_gate, w_up, w_down, keep), stats
+
+
+def assert_close(got, want, tol=1e-5):
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=tol, rtol=tol), got, want)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_matches_dense_reference(capacity_factor):
+    """Dropless equals the dense top-k mixture; with capacity, the dense mixture of the kept
+    assignments, with `dropped` as counted in numpy."""
+    E = 4
+    args = make_inputs(E)
+    ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
+    (_, (y, stats)), grads = jax.jit(objective(moe(capacity_factor), ct))(*args)
+
+    expert = np.asarray(routing(*args[:2])[2])
+    keep = numpy_keep(expert, E, capacity(L, E, K, capacity_factor))
+    reference = jax.jit(objective(lambda *a: reference_moe(*a, keep), ct))
+    (_, (ref_y, ref_stats)), ref_grads = reference(*args)
+    assert_close(y, ref_y)
+    assert_close({k: stats[k] for k in ref_stats}, ref_stats)
+    assert_close(grads, ref_grads)
+    assert float(stats["dropped"]) == pytest.approx(1 - keep.mean(), abs=1e-7)
+    if capacity_factor == 0:
+        assert float(stats["dropped"]) == 0.0
+    else:
+        assert float(stats["dropped"]) > 0
+    load = np.bincount(expert.ravel(), minlength=E) / expert.size
+    np.testing.assert_allclose(stats["load"], load, atol=1e-7)
+
+
+def mesh_of(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def expert_parallel_objective(batch_spec, weight_spec, capacity_factor, ct):
+    """objective(moe) with x's rows sharded by `batch_spec` and the expert weights by
+    `weight_spec` (E over 'expert'); run it under jax.set_mesh."""
+    def sharded(x, router, w_gate, w_up, w_down):
+        x = jax.lax.with_sharding_constraint(x, batch_spec)
+        w_gate, w_up, w_down = (jax.lax.with_sharding_constraint(w, weight_spec)
+                                for w in (w_gate, w_up, w_down))
+        return moe(capacity_factor)(x, router, w_gate, w_up, w_down)
+
+    return jax.jit(objective(sharded, ct))
+
+
+def collectives(hlo):
+    """{op: count} of the collectives in compiled HLO text, and the leading dim of every
+    all-to-all's operands."""
+    ops = re.findall(r"[ )](all-to-all|all-gather|collective-permute|all-reduce|reduce-scatter)"
+                     r"(?:-start)?\(", hlo)
+    rows = {int(m) for line in hlo.splitlines() if re.search(r"[ )]all-to-all\(", line)
+            for m in re.findall(r"f32\[(\d+),", line.split("all-to-all(")[0])}
+    return {op: ops.count(op) for op in set(ops)}, rows
+
+
+@pytest.mark.parametrize("shape, names, weight_spec", [
+    ((2, 4), ("data", "expert"), P("expert")),
+    ((2, 2, 2), ("data", "fsdp", "expert"), P("expert", "fsdp")),
+])
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_expert_parallel_matches_one_device(shape, names, weight_spec, capacity_factor):
+    args = make_inputs(E=8)
+    ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
+    (_, (y, stats)), grads = jax.jit(objective(moe(capacity_factor), ct))(*args)
+    fn = expert_parallel_objective(P(names), weight_spec, capacity_factor, ct)
+    with jax.set_mesh(mesh_of(shape, names)):
+        (_, (ep_y, ep_stats)), ep_grads = fn(*args)
+    assert_close(ep_y, y)
+    assert_close(ep_stats, stats)
+    assert_close(ep_grads, grads)
+    assert (float(stats["dropped"]) > 0) == (capacity_factor > 0)
+
+
+def test_expert_parallel_hlo_has_all_to_all():
+    """Two all-to-alls forward (slots out, results back), two more backward. With 'expert' the
+    major batch axis, the rows enter the expert shard_map as they are (nothing gathered or
+    permuted), and each all-to-all moves this device's rows only, not its whole data group's."""
+    args = make_inputs(E=8)
+    ct = np.ones((B, L, D), np.float32)
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    for batch_axes in (("data", "expert"), ("expert", "data")):
+        fn = expert_parallel_objective(P(batch_axes), P("expert"), 0.5, ct)
+        with jax.set_mesh(mesh):
+            ops, rows = collectives(fn.lower(*args).compile().as_text())
+        assert ops.get("all-to-all", 0) >= 4, ops
+        assert rows == {B // 8}, rows
+        if batch_axes[0] == "expert":
+            assert not ops.get("all-gather") and not ops.get("collective-permute"), ops
+
+
+def test_expert_parallel_inside_a_data_shard_map():
+    """moe_mlp called where 'data' is already manual (as in the data-parallel and pipeline
+    executors): the expert shard_map nests inside."""
+    args = make_inputs(E=8)
+    ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
+    (_, (y, _)), grads = jax.jit(objective(moe(0.5), ct))(*args)
+
+    def per_shard(x, router, w_gate, w_up, w_down, ct):
+        (_, (y, _)), g = objective(moe(0.5), ct, shards=2)(x, router, w_gate, w_up, w_down)
+        return y, g[0], jax.tree.map(lambda t: jax.lax.psum(t, "data"), g[1:])
+
+    rows = P("data")
+    fn = jax.jit(jax.shard_map(per_shard, in_specs=(rows,) + (P(),) * 4 + (rows,),
+                               out_specs=(rows, rows, P()), axis_names={"data"}, check_vma=False))
+    with jax.set_mesh(mesh_of((2, 4), ("data", "expert"))):
+        ep_y, g_x, g_weights = fn(*args, ct)
+    assert_close(ep_y, y)
+    assert_close((g_x, *g_weights), grads)
+
+
+def test_errors():
+    """E not divisible by the expert axis; rows not divisible by it."""
+    args = make_inputs(E=6)
+    with jax.set_mesh(mesh_of((2, 4), ("data", "expert"))):
+        with pytest.raises(UserError, match="model.num_experts=6 .* 'expert' mesh axis \\(4\\)"):
+            jax.jit(moe(0.0))(*args)
+        x, *weights = make_inputs(E=8)
+        with pytest.raises(UserError, match="batch rows"):
+            jax.jit(moe(0.0))(x[:2], *weights)
