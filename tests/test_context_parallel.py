@@ -1,0 +1,152 @@
+"""Ring attention (meshtrain.context_parallel) against a plain causal attention in true order."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.config import UserError
+from meshtrain.context_parallel import load_balanced_order, ring_attention
+
+B, L, H, G, K = 2, 16, 4, 2, 8
+
+
+def mesh_of(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
+                         devices=jax.devices()[:int(np.prod(shape))])
+
+
+def reference(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+    """Causal GQA in true order, the textbook way."""
+    b, n, h, d = q_BxLxHxK.shape
+    g = k_BxLxGxK.shape[2]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(b, n, g, h // g, d)
+    s = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK) * d ** -0.5
+    s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+    out = jnp.einsum("bgrlm,bmgk->blgrk", jax.nn.softmax(s, axis=-1), v_BxLxGxK)
+    return out.reshape(b, n, h, d)
+
+
+def inputs(seed=0, batch=B):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, L, H, K))
+    k = jax.random.normal(keys[1], (batch, L, G, K))
+    v = jax.random.normal(keys[2], (batch, L, G, K))
+    cot = jax.random.normal(keys[3], (batch, L, H, K))
+    return q, k, v, cot
+
+
+def value_and_grads(attend, q, k, v, cot):
+    """out and d(sum(out * cot))/d(q, k, v), all in true order."""
+    def loss(q, k, v):
+        out = attend(q, k, v)
+        return jnp.sum(out * cot), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+def ring_in_true_order(positions, constrain=None):
+    """ring_attention wrapped to take and return true order: permute in, un-permute out."""
+    inverse = np.argsort(positions)
+
+    def attend(q, k, v):
+        q, k, v = (x[:, positions] for x in (q, k, v))  # storage order
+        if constrain is not None:
+            q, k, v = constrain(q, k, v)
+        return ring_attention(q, k, v, positions)[:, inverse]
+    return attend
+
+
+def check(mesh, positions, constrain=None, batch=B):
+    q, k, v, cot = inputs(batch=batch)
+    want_out, want_grads = value_and_grads(reference, q, k, v, cot)
+    with jax.set_mesh(mesh):
+        got_out, got_grads = jax.jit(
+            lambda *a: value_and_grads(ring_in_true_order(positions, constrain), *a))(q, k, v, cot)
+    np.testing.assert_allclose(got_out, want_out, atol=1e-5, rtol=1e-5)
+    for name, got, want in zip("qkv", got_grads, want_grads):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+def test_load_balanced_order():
+    assert np.array_equal(load_balanced_order(12, 1), np.arange(12))
+    for seq_len, parts in [(16, 2), (32, 4), (24, 3)]:
+        positions = load_balanced_order(seq_len, parts)
+        assert sorted(positions) == list(range(seq_len))
+        chunks = np.arange(seq_len).reshape(2 * parts, -1)
+        for i, slot in enumerate(positions.reshape(parts, -1)):
+            assert np.array_equal(slot, np.concatenate([chunks[i], chunks[2 * parts - 1 - i]]))
+    with pytest.raises(UserError, match=r"train\.seq_len=20 .*multiple of 8"):
+        load_balanced_order(20, 4)
+
+
+@pytest.mark.parametrize("shape,names,parts", [
+    ((2,), ("context",), 2),
+    ((4, 2), ("data", "context"), 2),
+    ((4,), ("context",), 4),
+])
+def test_ring_matches_reference(shape, names, parts):
+    check(mesh_of(shape, names), load_balanced_order(L, parts))
+
+
+def test_ring_contiguous_layout():
+    """Any layout is correct: contiguous slots, where whole blocks are masked (the skip path)."""
+    check(mesh_of((4,), ("context",)), np.arange(L))
+
+
+def test_ring_with_batch_and_heads_sharded():
+    mesh = mesh_of((2, 2, 2), ("fsdp", "tensor", "context"))
+
+    def constrain(q, k, v):
+        spec = NamedSharding(mesh, P("fsdp", "context", "tensor"))
+        return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
+    check(mesh, load_balanced_order(L, 2), constrain)
+
+
+@pytest.mark.parametrize("manual", ["data", "context"])
+def test_ring_inside_callers_shard_map(manual):
+    """The caller made 'data' manual (the ring nests its own shard_map over 'context'), or made
+    'context' itself manual (the arrays are the local slots: the ring runs in place)."""
+    mesh = mesh_of((2, 2), ("data", "context"))
+    positions = load_balanced_order(L, 2)
+    inverse = np.argsort(positions)
+    q, k, v, cot = inputs(batch=4)
+    spec = P("data") if manual == "data" else P(None, "context")
+
+    def attend(q, k, v):
+        inner = jax.shard_map(lambda *a: ring_attention(*a, positions), in_specs=spec,
+                              out_specs=spec, axis_names={manual}, check_vma=False)
+        return inner(*(x[:, positions] for x in (q, k, v)))[:, inverse]
+
+    want_out, want_grads = value_and_grads(reference, q, k, v, cot)
+    with jax.set_mesh(mesh):
+        got_out, got_grads = jax.jit(lambda *a: value_and_grads(attend, *a))(q, k, v, cot)
+    np.testing.assert_allclose(got_out, want_out, atol=1e-5, rtol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_no_context_axis_falls_back_to_local():
+    check(mesh_of((1,), ("data",)), load_balanced_order(L, 2))
+    q, k, v, _ = inputs()
+    out = jax.jit(lambda q, k, v: ring_attention(q, k, v, np.arange(L)))(q, k, v)  # no mesh at all
+    np.testing.assert_allclose(out, reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_hlo_passes_blocks_round_the_ring():
+    mesh = mesh_of((4,), ("context",))
+    positions = load_balanced_order(L, 4)
+    q, k, v, cot = inputs()
+    shard = NamedSharding(mesh, P(None, "context"))
+    q, k, v, cot = (jax.device_put(x, shard) for x in (q, k, v, cot))
+
+    def loss(q, k, v):
+        return jnp.sum(ring_attention(q, k, v, positions) * cot)
+    def forward(q, k, v):
+        return ring_attention(q, k, v, positions)
+    with jax.set_mesh(mesh):
+        for f in (forward, jax.grad(loss, argnums=(0, 1, 2))):
+            hlo = jax.jit(f).lower(q, k, v).compile().as_text()
+            assert "collective-permute" in hlo
+            assert "all-gather" not in hlo and "all-to-all" not in hlo  # K/V never gathered
