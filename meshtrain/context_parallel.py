@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.errors import UserError
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)  # masked score: exp(lowest - m) == 0 once m is real
+RING_BLOCK = 512  # positions per sub-block: a ring step forms [S, S] scores, never [L/cp, L/cp]
 
 
 def load_balanced_order(seq_len: int, parts: int) -> np.ndarray:
@@ -127,14 +128,25 @@ def _ring_shard(q_BxCxHxK, k_BxCxGxK, v_BxCxGxK, positions_PxC, axis, gather: bo
             (carry, kv), _ = jax.lax.scan(body, (carry, kv), jnp.arange(cp - 1))
         return step(carry, cp - 1, *kv)
 
-    def masked_scores(q_BxCxGxRxK, k_BxCxGxK, t):
-        """Our queries' scaled scores against the held block, lowest where causality hides them."""
+    S = max(b for b in range(1, min(RING_BLOCK, C) + 1) if C % b == 0)  # sub-block of positions
+    n = C // S
+
+    def sub_blocks(x_BxCx_):
+        """[B, C, ...] -> [n, B, S, ...]."""
+        return x_BxCx_.reshape(x_BxCx_.shape[0], n, S, *x_BxCx_.shape[2:]).swapaxes(0, 1)
+
+    def positions(t):
+        """True positions [n, S] of our queries and of the block held at step t."""
         me, src = slots(t)
-        table_PxC = jnp.asarray(positions_PxC, dtype=jnp.int32)
-        causal_CxC = table_PxC[me][:, None] >= table_PxC[src][None, :]
-        s_BxGxRxCxC = jnp.einsum("bqgrk,bmgk->bgrqm", q_BxCxGxRxK, k_BxCxGxK,
+        table_PxC = jnp.asarray(positions_PxC, dtype=jnp.int32)  # made in the trace that uses it
+        return table_PxC[me].reshape(n, S), table_PxC[src].reshape(n, S)
+
+    def masked_scores(q_BxSxGxRxK, k_BxSxGxK, pq_S, pk_S):
+        """Scaled scores of S queries against S keys, lowest where causality hides them."""
+        causal_SxS = pq_S[:, None] >= pk_S[None, :]
+        s_BxGxRxSxS = jnp.einsum("bqgrk,bmgk->bgrqm", q_BxSxGxRxK, k_BxSxGxK,
                                  preferred_element_type=jnp.float32)
-        return jnp.where(causal_CxC, s_BxGxRxCxC * scale, _LOWEST), causal_CxC
+        return jnp.where(causal_SxS, s_BxGxRxSxS * scale, _LOWEST), causal_SxS
 
     def unless_masked(update, carry, t, *kv):
         """update(carry, t, *kv), or carry unchanged where the held block is entirely masked."""
@@ -149,15 +161,32 @@ def _ring_shard(q_BxCxHxK, k_BxCxGxK, v_BxCxGxK, positions_PxC, axis, gather: bo
         q_BxCxGxRxK = q_BxCxHxK.reshape(B, C, G, R, K)
 
         def update(stats, t, k_BxCxGxK, v_BxCxGxK):
-            m_BxGxRxC, l_BxGxRxC, acc_BxGxRxCxK = stats
-            s_BxGxRxCxC, _ = masked_scores(q_BxCxGxRxK, k_BxCxGxK, t)
-            m_new = jnp.maximum(m_BxGxRxC, s_BxGxRxCxC.max(axis=-1))
-            p_BxGxRxCxC = jnp.exp(s_BxGxRxCxC - m_new[..., None])
-            rescale = jnp.exp(m_BxGxRxC - m_new)
-            pv_BxGxRxCxK = jnp.einsum("bgrqm,bmgk->bgrqk", p_BxGxRxCxC.astype(v_BxCxGxK.dtype),
-                                      v_BxCxGxK, preferred_element_type=jnp.float32)
-            return (m_new, l_BxGxRxC * rescale + p_BxGxRxCxC.sum(axis=-1),
-                    acc_BxGxRxCxK * rescale[..., None] + pv_BxGxRxCxK)
+            """Fold the held block into every query's running (m, l, acc), S x S scores at a time."""
+            pq_NxS, pk_NxS = positions(t)
+            keys = (sub_blocks(k_BxCxGxK), sub_blocks(v_BxCxGxK), pk_NxS)
+
+            def query_block(xs):
+                q_BxSxGxRxK, pq_S, *stats_i = xs
+
+                def key_block(stats_i, ys):
+                    m_BxGxRxS, l_BxGxRxS, acc_BxGxRxSxK = stats_i
+                    k_BxSxGxK, v_BxSxGxK, pk_S = ys
+                    s_BxGxRxSxS, _ = masked_scores(q_BxSxGxRxK, k_BxSxGxK, pq_S, pk_S)
+                    m_new = jnp.maximum(m_BxGxRxS, s_BxGxRxSxS.max(axis=-1))
+                    p_BxGxRxSxS = jnp.exp(s_BxGxRxSxS - m_new[..., None])
+                    rescale = jnp.exp(m_BxGxRxS - m_new)
+                    pv_BxGxRxSxK = jnp.einsum("bgrqm,bmgk->bgrqk", p_BxGxRxSxS.astype(v_BxSxGxK.dtype),
+                                              v_BxSxGxK, preferred_element_type=jnp.float32)
+                    return (m_new, l_BxGxRxS * rescale + p_BxGxRxSxS.sum(axis=-1),
+                            acc_BxGxRxSxK * rescale[..., None] + pv_BxGxRxSxK), None
+
+                return jax.lax.scan(key_block, tuple(stats_i), keys)[0]
+
+            to_blocks = lambda x: jnp.moveaxis(x.reshape(B, G, R, n, S, *x.shape[4:]), 3, 0)
+            from_blocks = lambda x: jnp.moveaxis(x, 0, 3).reshape(B, G, R, C, *x.shape[5:])
+            q_NxBxSxGxRxK = sub_blocks(q_BxCxGxRxK)
+            new = jax.lax.map(query_block, (q_NxBxSxGxRxK, pq_NxS, *map(to_blocks, stats)))
+            return tuple(map(from_blocks, new))
 
         # Step 0 holds our own block, where every query sees at least itself: m is real before
         # any fully masked row arrives, whose scores then add exp(lowest - m) = 0.
@@ -182,21 +211,40 @@ def _ring_shard(q_BxCxHxK, k_BxCxGxK, v_BxCxGxK, positions_PxC, axis, gather: bo
         delta_BxGxRxC = delta_BxCxGxR.transpose(0, 2, 3, 1)
 
         def update(grads, t, k_BxCxGxK, v_BxCxGxK):
+            """Add the held block's part: dQ for our queries, dK/dV for its keys, S x S at a time."""
             dq_BxCxGxRxK, dk_BxCxGxK, dv_BxCxGxK = grads
-            s_BxGxRxCxC, causal_CxC = masked_scores(q_BxCxGxRxK, k_BxCxGxK, t)
-            p_BxGxRxCxC = jnp.exp(s_BxGxRxCxC - lse_BxGxRxC[..., None])
-            p_BxGxRxCxC = jnp.where(causal_CxC, p_BxGxRxCxC, 0.0)
-            dv_BxCxGxK += jnp.einsum("bgrqm,bqgrk->bmgk", p_BxGxRxCxC.astype(do_BxCxGxRxK.dtype),
-                                     do_BxCxGxRxK, preferred_element_type=jnp.float32)
-            dp_BxGxRxCxC = jnp.einsum("bqgrk,bmgk->bgrqm", do_BxCxGxRxK, v_BxCxGxK,
-                                      preferred_element_type=jnp.float32)
-            ds_BxGxRxCxC = p_BxGxRxCxC * (dp_BxGxRxCxC - delta_BxGxRxC[..., None]) * scale
-            ds_BxGxRxCxC = ds_BxGxRxCxC.astype(q_BxCxHxK.dtype)
-            dq_BxCxGxRxK += jnp.einsum("bgrqm,bmgk->bqgrk", ds_BxGxRxCxC, k_BxCxGxK,
-                                       preferred_element_type=jnp.float32)
-            dk_BxCxGxK += jnp.einsum("bgrqm,bqgrk->bmgk", ds_BxGxRxCxC, q_BxCxGxRxK,
-                                     preferred_element_type=jnp.float32)
-            return dq_BxCxGxRxK, dk_BxCxGxK, dv_BxCxGxK
+            pq_NxS, pk_NxS = positions(t)
+            keys = (sub_blocks(k_BxCxGxK), sub_blocks(v_BxCxGxK), pk_NxS)
+            lse_NxBxGxRxS = jnp.moveaxis(lse_BxGxRxC.reshape(B, G, R, n, S), 3, 0)
+            delta_NxBxGxRxS = jnp.moveaxis(delta_BxGxRxC.reshape(B, G, R, n, S), 3, 0)
+
+            def query_block(dkv_NxBxSxGxK, xs):
+                q_BxSxGxRxK, do_BxSxGxRxK, lse_BxGxRxS, delta_BxGxRxS, pq_S = xs
+
+                def key_block(dq_BxSxGxRxK, ys):
+                    k_BxSxGxK, v_BxSxGxK, pk_S = ys
+                    s_BxGxRxSxS, causal_SxS = masked_scores(q_BxSxGxRxK, k_BxSxGxK, pq_S, pk_S)
+                    p_BxGxRxSxS = jnp.where(causal_SxS, jnp.exp(s_BxGxRxSxS - lse_BxGxRxS[..., None]), 0.0)
+                    dv = jnp.einsum("bgrqm,bqgrk->bmgk", p_BxGxRxSxS.astype(do_BxSxGxRxK.dtype),
+                                    do_BxSxGxRxK, preferred_element_type=jnp.float32)
+                    dp_BxGxRxSxS = jnp.einsum("bqgrk,bmgk->bgrqm", do_BxSxGxRxK, v_BxSxGxK,
+                                              preferred_element_type=jnp.float32)
+                    ds = (p_BxGxRxSxS * (dp_BxGxRxSxS - delta_BxGxRxS[..., None]) * scale).astype(q_BxCxHxK.dtype)
+                    dq_BxSxGxRxK += jnp.einsum("bgrqm,bmgk->bqgrk", ds, k_BxSxGxK,
+                                               preferred_element_type=jnp.float32)
+                    dk = jnp.einsum("bgrqm,bqgrk->bmgk", ds, q_BxSxGxRxK, preferred_element_type=jnp.float32)
+                    return dq_BxSxGxRxK, (dk, dv)
+
+                dq_BxSxGxRxK, dkv = jax.lax.scan(key_block, jnp.zeros((B, S, G, R, K)), keys)
+                return jax.tree.map(jnp.add, dkv_NxBxSxGxK, dkv), dq_BxSxGxRxK
+
+            zeros_NxBxSxGxK = jnp.zeros((n, B, S, G, K))
+            (dk_NxBxSxGxK, dv_NxBxSxGxK), dq_NxBxSxGxRxK = jax.lax.scan(
+                query_block, (zeros_NxBxSxGxK, zeros_NxBxSxGxK),
+                (sub_blocks(q_BxCxGxRxK), sub_blocks(do_BxCxGxRxK), lse_NxBxGxRxS, delta_NxBxGxRxS, pq_NxS))
+            whole = lambda x: x.swapaxes(0, 1).reshape(B, C, *x.shape[3:])
+            return (dq_BxCxGxRxK + whole(dq_NxBxSxGxRxK), dk_BxCxGxK + whole(dk_NxBxSxGxK),
+                    dv_BxCxGxK + whole(dv_NxBxSxGxK))
 
         zeros_BxCxGxK = jnp.zeros((B, C, G, K))
         if cp > 1 and gather:

@@ -90,6 +90,16 @@ def test_ring_matches_reference(shape, names, parts):
     check(mesh_of(shape, names), load_balanced_order(L, parts))
 
 
+@pytest.mark.parametrize("parts", [1, 2])
+def test_ring_in_sub_blocks_matches_reference(parts, monkeypatch):
+    """Each ring step in S x S sub-blocks (S = 4 here), as at long sequences; one device too."""
+    import meshtrain.context_parallel as context_parallel
+
+    monkeypatch.setattr(context_parallel, "RING_BLOCK", 4)
+    mesh = mesh_of((4, 2), ("data", "context")) if parts == 2 else mesh_of((1,), ("context",))
+    check(mesh, load_balanced_order(L, parts))
+
+
 def test_ring_contiguous_layout():
     """Any layout is correct: contiguous slots, where whole blocks are masked (the skip path)."""
     check(mesh_of((4,), ("context",)), np.arange(L))
