@@ -22,7 +22,7 @@ LAYOUTS = [("data=8", z) for z in range(4)] + [("fsdp=8", 1), ("data=2,tensor=4"
                                                ("data=4,fsdp=2", 2)]
 MOE_LAYOUTS = [("data=2,expert=4", 0.0), ("expert=2,data=2,fsdp=2", 0.0), ("data=2,pipeline=2,expert=2", 0.0),
                ("expert=2,tensor=2,data=2", 0.0), ("data=2,expert=4", 0.5)]
-CONTEXT_LAYOUTS = [("context=2", False), ("context=4", False), ("fsdp=2,tensor=2,context=2", False),
+CONTEXT_LAYOUTS = [("data=4,context=2", False), ("data=2,context=4", False), ("fsdp=2,tensor=2,context=2", False),
                    ("data=2,context=2,pipeline=2", False), ("data=4,tensor=2", True), ("tensor=2,context=2,data=2", True)]
 MOE_STATS = ("router_aux_loss", "dropped", "expert_load_max")
 

@@ -75,7 +75,8 @@ def megatron_allreduce_bytes(tokens_per_device: float, width: int, tensor: int, 
 def moe_all_to_all_bytes(rows_per_device: float, experts: int, capacity: int, width: int, expert_axis: int,
                          moe_layers: float, act_bytes: int, passes: int = 4) -> float:
     """Expert parallelism: per MoE layer the dispatch buffer [rows, E, C, h] goes to the experts'
-    devices and back, in the forward and again in the backward (4 all-to-alls), each
+    devices and back, in the forward and again in the backward (4 all-to-alls; 6 when remat
+    reruns the forward), each
     (N-1)/N x rows x E x C x h bytes over the expert axis (N = its size)."""
     payload = rows_per_device * experts * capacity * width * act_bytes
     return passes * moe_layers * ring_traffic("all-to-all", payload, expert_axis)

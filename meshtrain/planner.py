@@ -94,9 +94,11 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-reduce", megatron, f"Megatron: {per_layer} activation all-reduces per layer")
     if E > 1:
         rows = t.batch_size / (D * F * E)
-        add("all-to-all", formulas.moe_all_to_all_bytes(rows, m.num_experts, capacity(t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor),
-                                                        m.d_model, E, m.num_layers / P, act),
-            "expert parallelism: 4 all-to-alls of the dispatch buffer per MoE layer")
+        passes = 6 if plan.remat == "full" else 4  # the recomputed forward exchanges again
+        cap = capacity(t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor)
+        add("all-to-all", formulas.moe_all_to_all_bytes(rows, m.num_experts, cap, m.d_model, E, m.num_layers / P, act,
+                                                        passes),
+            f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer")
     if C > 1:
         kv = tokens * 2 * m.num_kv_heads * m.head_dim * act  # this device's keys and values
         add("collective-permute", 3 * (C - 1) * kv * m.num_layers / P,
