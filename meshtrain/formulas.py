@@ -51,19 +51,7 @@ def bubble_expression(schedule: str) -> str:
     return "(S-1)/(3M+S-1)" if schedule == "zb" else "(S-1)/(V*M+S-1)"
 
 
-# ---- activations (Korthikanti et al. 2022, "Reducing activation recomputation", section 4) ----
-def activation_bytes_per_layer(seq: int, batch: int, width: int, heads: int, tensor: int = 1,
-                               sequence_parallel: bool = False, context: int = 1) -> float:
-    """Bytes one transformer layer keeps for its backward (16-bit activations, no recomputation,
-    attention scores materialised), per device: s b h (34 + 5 a s / h); tensor parallelism divides
-    the attention and MLP parts, s b h (10 + 24/t + 5 a s / (h t)); sequence parallelism the rest
-    too, s b h (34/t + 5 a s / (h t)). Context parallelism keeps s/C of the positions per device,
-    each still attending over all s keys: (s/C) b h (... + 5 a s / (h t))."""
-    local = seq / context
-    linear = 34 / tensor if sequence_parallel else 10 + 24 / tensor
-    return local * batch * width * (linear + 5 * heads * seq / (width * tensor))
-
-
+# ---- tensor and expert parallelism ----
 def megatron_allreduce_bytes(tokens_per_device: float, width: int, tensor: int, layers: float, per_layer: int,
                              act_bytes: int) -> float:
     """Tensor parallelism: `per_layer` activation all-reduces of [b, s, h] per layer (2 forward, 2
