@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
+from meshtrain.sharding import mesh_axis
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)  # masked score: exp(lowest - m) == 0 once m is real
 RING_BLOCK = 512  # positions per sub-block: a ring step forms [S, S] scores, never [L/cp, L/cp]
@@ -62,8 +63,7 @@ def ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, axis: str = "co
     `positions_L` still covers the whole sequence."""
     positions_L = np.asarray(positions_L)
     mesh = jax.sharding.get_abstract_mesh()
-    cp = mesh.shape.get(axis, 1)  # an empty mesh (no jax.set_mesh) has no axes
-    manual = cp > 1 and axis in mesh.manual_axes
+    cp, manual = mesh_axis(axis)
     L = positions_L.shape[0]
     if positions_L.ndim != 1 or not np.array_equal(np.sort(positions_L), np.arange(L)):
         raise ValueError("positions_L must be a permutation of arange(seq_len)")

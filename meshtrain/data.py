@@ -87,6 +87,7 @@ class Batches:
         self.shape = (batch_size, seq_len + 1)
         self.rows = np.array(sorted({i for idx in sharding.addressable_devices_indices_map(self.shape).values()
                                      for i in range(*idx[0].indices(batch_size))}))
+        self.position = {int(r): i for i, r in enumerate(self.rows)}  # global row -> its place in `rows`
 
     def local_rows(self, step: int) -> np.ndarray:
         """The rows `self.rows` of step k's batch."""
@@ -103,9 +104,9 @@ class Batches:
 
     def __call__(self, step: int) -> jax.Array:
         rows = self.local_rows(step)
-        where = {int(r): i for i, r in enumerate(self.rows)}  # global row -> position in `rows`
         return jax.make_array_from_callback(
-            self.shape, self.sharding, lambda idx: rows[[where[r] for r in range(*idx[0].indices(self.batch_size))]])
+            self.shape, self.sharding,
+            lambda idx: rows[[self.position[r] for r in range(*idx[0].indices(self.batch_size))]])
 
 
 def synthetic_rows(rng, seed: int, vocab_size: int, shape) -> np.ndarray:

@@ -192,6 +192,14 @@ def constrain(x, names):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, rules, mesh, x.shape)))
 
 
+def mesh_axis(axis: str) -> tuple[int, bool]:
+    """(size, already manual) of `axis` in the mesh being traced under ((1, False) without it):
+    whether a kernel must open its own shard_map over the axis, or runs inside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    size = mesh.shape.get(axis, 1)  # an empty mesh (no jax.set_mesh) has no axes
+    return size, size > 1 and axis in mesh.manual_axes
+
+
 def shard_count(name: str) -> int:
     """How many ways the active rules split logical dimension `name` (1 outside `activation_rules`;
     inside a `shard_map`, the compiler-managed axes only: the manual ones are already local)."""

@@ -46,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.sharding import constrain, manual_axes_rules
+from meshtrain.sharding import constrain, manual_axes_rules, mesh_axis
 from models.transformer import PARAM_AXES, Block, LanguageModel, Transformer, _init
 
 
@@ -59,11 +59,8 @@ def capacity(seq_len: int, num_experts: int, experts_per_token: int, capacity_fa
 
 def expert_parallel_size(axis: str) -> int:
     """Size of mesh axis `axis` if the active mesh has it and it is not manual already, else 1."""
-    mesh = jax.sharding.get_abstract_mesh()
-    for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types):
-        if name == axis and kind != jax.sharding.AxisType.Manual:
-            return size
-    return 1
+    size, manual = mesh_axis(axis)
+    return 1 if manual else size
 
 
 def top_k(probs_BxLxE, k: int):

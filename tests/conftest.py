@@ -1,4 +1,5 @@
-"""8 simulated CPU devices (set before JAX starts) and a memoized tiny training run."""
+"""8 simulated CPU devices (set before JAX starts), a shared compilation cache, and the tiny-run
+harness (meshtrain/testing.py) with the single-device reference run."""
 import os
 
 os.environ["XLA_FLAGS"] = " ".join(
