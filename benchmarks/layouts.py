@@ -1,7 +1,8 @@
 """Parity tables against one device, on 8 CPU devices (fp32, 5 steps of the tiny configs): layout x
 ZeRO stage with the compiled step's per-device state bytes against the ZeRO formula; expert
 layouts of the moe family (losses, router statistics, parameters; dropless and with drops);
-context and sequence parallel layouts.
+context and sequence parallel layouts; the compiled temporaries with and without sequence
+parallelism.
 
     python benchmarks/layouts.py
 """
@@ -74,9 +75,26 @@ def context_table():
         print(f"| {mesh} | {sp} | {rel_diff(losses, ref_losses):.1e} | {max_param_diff(params, ref_params):.1e} |")
 
 
+def sequence_parallel_memory():
+    """Compiled temporaries per device of the tiny step on data=4 x tensor=2, without and with
+    sequence parallelism, and the all-gathers it adds."""
+    from meshtrain import hlo
+    from meshtrain.program import TrainProgram
+    from meshtrain.testing import tiny_config
+
+    print("| sequence parallel | temporaries/device | all-gathers | all-reduce payload |")
+    print("|---|---|---|---|")
+    for sp in (False, True):
+        cfg = tiny_config("parallel.mesh=data=4,tensor=2", f"parallel.sequence_parallel={sp}")
+        compiled = TrainProgram.from_config(cfg).lower().compile()
+        found = hlo.collectives(compiled.as_text(), 8)
+        print(f"| {sp} | {compiled.memory_analysis().temp_size_in_bytes:,} | {found['all-gather']['count']:.0f} | "
+              f"{found['all-reduce']['payload_bytes']:,.0f} |")
+
+
 def main():
     """Each table against the single-device run of the same config."""
-    for table in (zero_table, moe_table, context_table):
+    for table in (zero_table, moe_table, context_table, sequence_parallel_memory):
         table()
         print()
 
