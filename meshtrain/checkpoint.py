@@ -116,6 +116,18 @@ class Checkpointer:
             raise Damaged("checksums of the restored arrays differ from those recorded at save time")
         return state, meta
 
+    def restore_params(self, step: int, abstract_params):
+        """Only the parameters of `step` (no optimizer state is read), into the shardings carried by
+        `abstract_params`, in the checkpoint's storage order; and the checkpoint's metadata."""
+        folder = self.path(step)
+        check_manifest(folder)
+        meta = ocp.JsonCheckpointHandler().restore(folder / "metadata", args=ocp.args.JsonRestore())
+        item = {"params": abstract_params}
+        restored = ocp.PyTreeCheckpointHandler().restore(
+            folder / "state", args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        return restored["params"], meta
+
     def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta, folder: None):
         """Try `steps` newest first; a damaged one is set aside with a warning. Returns (step, state, meta)."""
         damaged = []

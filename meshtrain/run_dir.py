@@ -48,3 +48,42 @@ def write_config(out: Path, cfg: Config, mesh) -> None:
     tmp = out / "config.yaml.tmp"
     tmp.write_text(header + yaml.safe_dump(resolved, sort_keys=False))
     os.replace(tmp, out / "config.yaml")
+
+
+def run_config(run: str | Path) -> Config:
+    """The config a finished or running run recorded (<run>/config.yaml), with out = the run."""
+    from meshtrain.config import load_config
+
+    path = Path(run) / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{run} is not a meshtrain run folder (no config.yaml); pass the --out of a training run")
+    return load_config(str(path), [f"out={run}"])
+
+
+def newest_params(run: str | Path, model, shardings=None):
+    """(params in model order, step) of the newest checkpoint under <run>/checkpoints, read straight
+    into `shardings` (a tree like the params, or one sharding for all; default: the first device).
+    Only the parameters are read, never the optimizer state."""
+    import jax
+    import numpy as np
+
+    from meshtrain.checkpoint import Checkpointer, complete_steps
+
+    root = Path(run) / "checkpoints"
+    steps = complete_steps(root)
+    if not steps:
+        raise UserError(f"{root} holds no checkpoint; train first (python -m meshtrain.train --out {run})")
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    if shardings is None or not isinstance(shardings, dict):
+        one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    reader = Checkpointer(root, keep=1000)
+    try:
+        params, meta = reader.restore_params(steps[0], abstract)
+    finally:
+        reader.close()
+    order = np.asarray(meta.get("layer_order", range(model.cfg.num_layers)))
+    if not np.array_equal(order, np.arange(len(order))):  # interleaved pipelines store layers permuted
+        params = {**params, "blocks": jax.tree.map(lambda p: p[np.argsort(order)], params["blocks"])}
+    return params, steps[0]
