@@ -47,6 +47,14 @@ class ModelSpec:
     mlp_dim: int = setting(0, "SwiGLU hidden width (of each expert under moe); 0 = 8/3 x d_model rounded "
                               "up to a multiple of 64", min=0)
     rope_theta: float = setting(10000.0, "rotary embedding base", min=1.0)
+    rope_scaling: str = setting("none", "rotary frequency rescaling for long context: none, or llama3 (Llama "
+                                        "3.1+: the rope_* keys below)", choices=("none", "llama3"))
+    rope_factor: float = setting(8.0, "llama3 rope scaling: low frequencies are divided by this", min=1.0)
+    rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original_max_len / "
+                                               "this are scaled", min=0.0)
+    rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original_max_len / "
+                                                "this are kept", min=0.0)
+    rope_original_max_len: int = setting(8192, "llama3 rope scaling: the context length of pre-training", min=1)
     norm_eps: float = setting(1e-5, "RMSNorm epsilon", min=0.0)
     tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
     num_experts: int = setting(0, "moe: routed SwiGLU experts per block; 0 = a dense MLP (the llama block)",

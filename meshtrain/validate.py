@@ -32,6 +32,9 @@ def check_config(cfg) -> None:
                         f"set model.head_dim")
     if m.resolved().head_dim % 2:
         raise UserError(f"rotary embeddings need an even head_dim, got {m.resolved().head_dim}; set model.head_dim")
+    if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                        f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
     _check_experts(m)
     if par.microbatches and t.batch_size % par.microbatches:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by "

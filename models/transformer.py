@@ -55,13 +55,30 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
-def rotary(x_BxLxNxK, theta: float, positions_L=None):
-    """Rotate channel pairs (i, i + K/2) by position * theta^(-2i/K) (Su et al., RoFormer).
+def rope_frequencies(cfg):
+    """The rotary inverse frequencies [K/2]: theta^(-2i/K) (Su et al., RoFormer); with
+    rope_scaling=llama3, Llama 3.1's long-context rescaling: wavelengths 2 pi / f longer than
+    original_max_len / low_freq_factor are divided by `rope_factor`, shorter than
+    original_max_len / high_freq_factor kept, and those between interpolated with
+    s = (original_max_len / wavelength - low) / (high - low): f' = (1 - s) f / factor + s f."""
+    K = cfg.head_dim
+    inv_freq = cfg.rope_theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+    wavelength = 2 * jnp.pi / inv_freq
+    smooth = (cfg.rope_original_max_len / wavelength - low) / (high - low)
+    scaled = jnp.where(wavelength > cfg.rope_original_max_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelength >= cfg.rope_original_max_len / high) & (wavelength <= cfg.rope_original_max_len / low)
+    return jnp.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rotary(x_BxLxNxK, inv_freq_K2, positions_L=None):
+    """Rotate channel pairs (i, i + K/2) by position x inv_freq[i] (`rope_frequencies`).
     `positions_L`: each stored position's place in the sequence (None: 0..L-1)."""
-    L, K = x_BxLxNxK.shape[1], x_BxLxNxK.shape[-1]
+    L = x_BxLxNxK.shape[1]
     positions = jnp.arange(L) if positions_L is None else jnp.asarray(positions_L)
-    inv_freq = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
-    angle_LxK2 = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angle_LxK2 = positions.astype(jnp.float32)[:, None] * inv_freq_K2[None, :]
     cos, sin = jnp.cos(angle_LxK2)[None, :, None, :], jnp.sin(angle_LxK2)[None, :, None, :]
     x1, x2 = jnp.split(x_BxLxNxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -95,8 +112,9 @@ class Block(nnx.Module):
         q = checkpoint_name(jnp.einsum("bld,dhk->blhk", h, self.wq[...]), "q")
         k = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wk[...]), "k")
         v = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
-        q = constrain(rotary(q, cfg.rope_theta, positions_L), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(rotary(k, cfg.rope_theta, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
+        inv_freq_K2 = rope_frequencies(cfg)
+        q = constrain(rotary(q, inv_freq_K2, positions_L), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(rotary(k, inv_freq_K2, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
         ctx_BxLxHxK = checkpoint_name(attend(q, k, v, positions_L), "attn_ctx")
         attn = checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]), "attn_out")
         x_BxLxD = constrain(x_BxLxD + attn, RESIDUAL)
