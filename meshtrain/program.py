@@ -66,7 +66,11 @@ class TrainProgram:
         return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices)
 
     def init_state(self, key):
-        params = self.model.init(key)
+        return self.state_from_params(self.model.init(key))
+
+    def state_from_params(self, params):
+        """Step 0 with these parameters (in model order) and a fresh optimizer state."""
+        params = dict(params)
         params["blocks"] = self.reorder_blocks(params["blocks"], self.layer_order)  # storage order
         zero = jnp.zeros((), jnp.int32)
         return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero}

@@ -87,3 +87,21 @@ def newest_params(run: str | Path, model, shardings=None):
     if not np.array_equal(order, np.arange(len(order))):  # interleaved pipelines store layers permuted
         params = {**params, "blocks": jax.tree.map(lambda p: p[np.argsort(order)], params["blocks"])}
     return params, steps[0]
+
+
+def initial_params(source: str, model, shardings):
+    """checkpoint.init_from: the parameters (model order, in `shardings`) of a Hugging Face folder
+    (`hf:DIR`) or of a meshtrain run's newest checkpoint, whose architecture must be this model's."""
+    from meshtrain import hf
+
+    if source.startswith("hf:"):
+        folder = source[3:]
+        spec, fix = hf.read_spec(folder), f"python -m meshtrain.convert --from-hf {folder} --out RUN"
+    else:
+        spec, fix = run_config(source).model, f"use the model section of {Path(source) / 'config.yaml'}"
+    differ = model.cfg.architecture_difference(spec.resolved(), "this run", f"checkpoint.init_from={source}")
+    if differ:
+        raise UserError(f"{differ}; the model must match the weights: {fix}")
+    if source.startswith("hf:"):
+        return hf.load_params(source[3:], model, shardings)
+    return newest_params(source, model, shardings)[0]

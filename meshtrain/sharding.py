@@ -136,6 +136,14 @@ def check_replication(abstract_params, logical_axes, rules, mesh, zero: int) -> 
                         f"the model's dimensions")
 
 
+def param_shardings(model, mesh, rules=None):
+    """NamedShardings of the model's parameters on `mesh` under the (default) rules, with no ZeRO
+    stage: for reading or writing weights outside a training run (import, export, generation)."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    specs = tree_specs(abstract, model.logical_axes(abstract), rules or make_rules(), mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
     """NamedShardings for the train state (params, opt_state and replicated scalar counters) and the
     PartitionSpecs for gradients."""

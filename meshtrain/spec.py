@@ -80,6 +80,16 @@ class ModelSpec:
         resolved = self.resolved()
         return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self) if f.metadata["architecture"]}
 
+    def architecture_difference(self, other: "ModelSpec", here: str, there: str) -> str | None:
+        """'<there> has model.d_model=32, <here> has 64 (and 2 more keys differ)', or None when both
+        define the same weights."""
+        mine, theirs = self.architecture(), other.architecture()
+        differ = [k for k in mine if theirs.get(k) != mine[k]]
+        if not differ:
+            return None
+        more = f" (and {len(differ) - 1} more keys differ)" if len(differ) > 1 else ""
+        return f"{there} has model.{differ[0]}={theirs[differ[0]]}, {here} has {mine[differ[0]]}{more}"
+
 
 @dataclass
 class ParallelPlan:
@@ -155,6 +165,9 @@ class CheckpointConfig:
                                          "0 disables it", min=0.0)
     keep: int = setting(3, "keep the newest N checkpoints", min=1)
     resume: str = setting("auto", "auto (newest under <out>/checkpoints), never, or a checkpoint folder")
+    init_from: str = setting("", "weights to start from when there is no checkpoint to resume (fine-tuning): "
+                                 "hf:DIR (a Hugging Face checkpoint folder) or a meshtrain run folder; the "
+                                 "optimizer starts fresh; '' = random initialisation")
 
 
 @dataclass

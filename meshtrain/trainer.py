@@ -58,6 +58,12 @@ class Trainer:
             resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
             if resume_steps:
                 self.state = self._restore(resume_root, resume_steps)
+            elif cfg.checkpoint.init_from:
+                params = run_dir.initial_params(cfg.checkpoint.init_from, program.model,
+                                                program.state_shardings["params"])
+                self.state = jax.jit(program.state_from_params, out_shardings=program.state_shardings)(params)
+                if jax.process_index() == 0:
+                    print(f"initialised from {cfg.checkpoint.init_from}", flush=True)
             else:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
@@ -89,15 +95,11 @@ class Trainer:
         """Resume needs the same weights' definition (architecture, resolved); everything about how the
         run executes or learns may change."""
         saved = ModelSpec(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelSpec, k)})
-        saved_arch, arch = saved.architecture(), self.cfg.model.architecture()
-        differ = [k for k in arch if saved_arch.get(k) != arch[k]]
+        differ = self.cfg.model.architecture_difference(saved, "this run", f"checkpoint {folder}")
         if differ:
-            k = differ[0]
             own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
             fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
-            raise UserError(f"checkpoint {folder} has model.{k}={saved_arch[k]}, this run has {arch[k]}"
-                            f"{f' (and {len(differ) - 1} more keys differ)' if len(differ) > 1 else ''}; "
-                            f"{fresh}, or use the checkpoint's model config")
+            raise UserError(f"{differ}; {fresh}, or use the checkpoint's model config")
 
     def _reorder_layers(self, state, saved_order):
         """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each

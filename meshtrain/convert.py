@@ -1,0 +1,126 @@
+"""`python -m meshtrain.convert`: weights in and out of meshtrain.
+
+  --from-hf DIR --out RUN   a run folder that fine-tunes a Hugging Face checkpoint: RUN/config.yaml
+                            with the checkpoint's model section and checkpoint.init_from=hf:DIR (the
+                            weights are read straight into their shards when training starts);
+                            every tensor's name and shape is checked now
+  --to-hf RUN DIR           the newest checkpoint of a run as a Hugging Face folder (config.json +
+                            safetensors), loadable by transformers' from_pretrained
+  --quantize int8 RUN OUT   per-channel INT8 weights for deployment, with their eval loss against
+                            the run's fp32 model (meshtrain/quantize.py)
+
+Nothing is written unless the whole output could be: outputs go to a temporary folder first.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from meshtrain.config import Config, UserError, commented_yaml
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meshtrain.convert", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--from-hf", metavar="DIR", help="a Hugging Face checkpoint folder to fine-tune (with --out)")
+    mode.add_argument("--to-hf", nargs=2, metavar=("RUN", "DIR"), help="export a run's newest checkpoint")
+    mode.add_argument("--quantize", nargs=3, metavar=("int8", "RUN", "OUT"), help="INT8 export of a run")
+    p.add_argument("--out", help="--from-hf: the run folder to create")
+    p.add_argument("--dtype", default="float32", help="--to-hf: float32, bfloat16 or float16")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: largest safetensors file")
+    p.add_argument("--scheme", default="symmetric", help="--quantize: symmetric or affine")
+    p.add_argument("--mesh", default="fsdp=-1",
+                   help="--to-hf: the mesh the weights are read onto (default: split over every device)")
+    p.add_argument("--devices", type=int, help="simulate this many CPU devices")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.devices:
+            from meshtrain.mesh import simulate_cpu_devices
+
+            simulate_cpu_devices(args.devices)
+        if args.from_hf:
+            from_hf(args.from_hf, args.out)
+        elif args.to_hf:
+            to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh)
+        else:
+            from meshtrain import quantize
+
+            kind, run, out = args.quantize
+            if kind != "int8":
+                raise UserError(f"--quantize {kind}: only int8 is implemented")
+            quantize.cli(run, out, args.scheme)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def from_hf(folder: str, out: str | None) -> Path:
+    from meshtrain import hf
+    from models import FAMILIES
+
+    if not out:
+        raise UserError("--from-hf needs --out RUN: the run folder to fine-tune in")
+    spec = hf.read_spec(folder)
+    hf.check_tensors(hf.SafetensorsFolder(folder), FAMILIES[spec.family](spec), folder)
+    cfg = Config(model=spec, out=str(Path(out)))
+    cfg.checkpoint.init_from = f"hf:{Path(folder).absolute()}"
+    with output_folder(out) as tmp:
+        (tmp / "config.yaml").write_text(
+            f"# fine-tunes {Path(folder).absolute()} (python -m meshtrain.convert --from-hf); set data and train\n"
+            + commented_yaml(cfg))
+    print(f"wrote {Path(out) / 'config.yaml'} ({spec.family}, {spec.num_layers} layers, d_model {spec.d_model}); "
+          f"fine-tune with: python -m meshtrain.train --config {Path(out) / 'config.yaml'} --data DATA")
+    return Path(out)
+
+
+def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: str) -> list[Path]:
+    import jax
+
+    from meshtrain import hf, run_dir
+    from meshtrain.mesh import build_mesh, parse_mesh
+    from meshtrain.sharding import param_shardings
+    from models import FAMILIES
+
+    cfg = run_dir.run_config(run)
+    model = FAMILIES[cfg.model.family](cfg.model)
+    hf.hf_config(cfg.model, dtype)  # refuses what has no Hugging Face form before anything is read
+    mesh = build_mesh(parse_mesh(mesh_spec, jax.device_count()))
+    params, step = run_dir.newest_params(run, model, param_shardings(model, mesh))
+    with output_folder(folder) as tmp:
+        files = hf.save_params(params, cfg.model, tmp, dtype, max_shard_bytes)
+    size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    print(f"wrote {folder}: step {step} of {run}, {len(files)} safetensors file(s), {size / 1e6:.1f} MB {dtype}")
+    return [Path(folder) / f.name for f in files]
+
+
+@contextlib.contextmanager
+def output_folder(path: str | Path):
+    """A temporary folder beside `path`, renamed to it when the block succeeds; `path` must not exist
+    or be empty, so nothing is overwritten and a failure leaves nothing behind."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"{path} already exists and is not empty; pick a new output folder")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            path.rmdir()
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

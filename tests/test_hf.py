@@ -1,0 +1,161 @@
+"""Hugging Face import/export against transformers itself (CPU torch, random weights from small
+configs, nothing downloaded): logits, bitwise round trips, sharded loading, fine-tuning via the CLI."""
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from meshtrain import convert, hf, run_dir  # noqa: E402
+from meshtrain.config import UserError, load_config  # noqa: E402
+from meshtrain.mesh import build_mesh, parse_mesh  # noqa: E402
+from meshtrain.sharding import param_shardings  # noqa: E402
+from meshtrain.testing import max_param_diff, run_tiny  # noqa: E402
+from models import FAMILIES  # noqa: E402
+
+COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              initializer_range=0.2, rms_norm_eps=1e-5)
+TOKENS = np.random.default_rng(0).integers(0, 256, (2, 48))
+
+
+def save_hf(folder, kind="llama", **overrides):
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(intermediate_size=128, rope_theta=500000.0, **{**COMMON, **overrides})
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                                            **{**COMMON, **overrides})
+        model = transformers.MixtralForCausalLM(config)
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_logits(folder, tokens=TOKENS):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def imported(folder, mesh=None):
+    spec = hf.read_spec(folder)
+    model = FAMILIES[spec.family](spec)
+    mesh = mesh or build_mesh(parse_mesh("1", 1), jax.devices()[:1])
+    return model, hf.load_params(folder, model, param_shardings(model, mesh))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # short, so scaled frequencies matter at 48 tokens
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("llama", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
+    ("llama", dict(tie_word_embeddings=True)),
+    ("mixtral", dict(tie_word_embeddings=False)),
+])
+def test_import_reproduces_transformers_logits(tmp_path, kind, overrides):
+    folder = save_hf(tmp_path / "hf", kind, **overrides)
+    model, params = imported(folder)
+    assert model.cfg.tie_embeddings == overrides["tie_word_embeddings"]
+    assert model.cfg.rope_scaling == ("llama3" if "rope_scaling" in overrides else "none")
+    ours, theirs = np.asarray(model.apply(params, TOKENS)), hf_logits(folder)
+    assert np.abs(theirs).max() > 1.0  # logits large enough for the comparison to mean something
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_rope_scaling_changes_the_function(tmp_path):
+    """Without model.rope_scaling the imported Llama 3.x weights would not give their logits."""
+    folder = save_hf(tmp_path / "hf", rope_scaling=LLAMA3_ROPE)
+    model, params = imported(folder)
+    plain = FAMILIES["llama"](dataclasses.replace(model.cfg, rope_scaling="none"))
+    assert np.abs(np.asarray(plain.apply(params, TOKENS)) - hf_logits(folder)).max() > 1e-2
+
+
+def test_sharded_import_reads_each_shard_and_equals_one_device(tmp_path):
+    folder = save_hf(tmp_path / "hf", "mixtral")
+    _, one = imported(folder)
+    _, sharded = imported(folder, build_mesh(parse_mesh("fsdp=2,tensor=2", 4), jax.devices()[:4]))
+    assert max_param_diff(jax.device_get(sharded), jax.device_get(one)) == 0
+    wq = sharded["blocks"]["wq"]
+    assert len({s.data.shape for s in wq.addressable_shards}) == 1 and wq.addressable_shards[0].data.size * 4 == wq.size
+
+
+def test_cli_fine_tunes_imported_weights_and_exports_them_bitwise(tmp_path):
+    """convert --from-hf writes a run config; training starts from the weights (step 0's loss is the
+    Hugging Face model's); export of that checkpoint gives back the same bytes and config."""
+    folder = save_hf(tmp_path / "hf", rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)
+    run = tmp_path / "run"
+    assert convert.main(["--from-hf", str(folder), "--out", str(run)]) == 0
+    from meshtrain.trainer import Trainer
+
+    cfg = load_config(str(run / "config.yaml"), ["data.kind=synthetic", "train.steps=2", "train.batch_size=2",
+                                                 "train.seq_len=16", "parallel.mesh=fsdp=2,tensor=2", "train.log_every=1",
+                                                 "train.eval_every=0"])
+    trainer = Trainer(cfg, devices=jax.devices()[:4])
+    _, start = imported(folder)
+    assert max_param_diff(jax.device_get(trainer.state["params"]), jax.device_get(start)) == 0
+    trainer.save_checkpoint(wait=True)
+    assert convert.main(["--to-hf", str(run), str(tmp_path / "back"), "--mesh", "fsdp=-1"]) == 0
+    original, back = hf.SafetensorsFolder(folder), hf.SafetensorsFolder(tmp_path / "back")
+    assert original.tensors.keys() == back.tensors.keys()
+    for name, x in original.tensors.items():
+        assert x.dtype == back.get(name).dtype and np.array_equal(x.view(np.uint8), back.get(name).view(np.uint8))
+    assert hf.read_spec(tmp_path / "back") == hf.read_spec(folder)
+    history = trainer.fit()
+    tokens = torch.tensor(np.asarray(trainer.train_batches(0)))  # [B, L + 1]: step 1's batch
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        hf_loss = hf_model(tokens, labels=tokens).loss.item()  # predicts tokens 1..L, as meshtrain does
+    assert abs(history[0]["loss"] - hf_loss) < 1e-4
+
+
+def test_export_of_a_trained_run_loads_in_transformers(tmp_path):
+    """A run trained by meshtrain (configs/tiny.yaml: tied head) exported in several fp32 files:
+    from_pretrained reproduces meshtrain's logits."""
+    trainer, _, _ = run_tiny("parallel.mesh=1", devices=jax.devices()[:1])
+    trainer.save_checkpoint(wait=True)
+    files = convert.to_hf(str(trainer.out), str(tmp_path / "hf"), "float32", 60_000, "fsdp=-1")
+    assert len(files) > 1 and (tmp_path / "hf" / hf.INDEX).is_file()
+    index = json.loads((tmp_path / "hf" / hf.INDEX).read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    ours = np.asarray(trainer.program.model.apply(trainer.unpermuted_params(), TOKENS))
+    np.testing.assert_allclose(hf_logits(tmp_path / "hf"), ours, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_export_round_trips(tmp_path):
+    folder = save_hf(tmp_path / "hf")
+    model, params = imported(folder)
+    hf.save_params(params, model.cfg, tmp_path / "bf16", dtype="bfloat16")
+    _, again = imported(tmp_path / "bf16")
+    hf.save_params(again, model.cfg, tmp_path / "bf16_again", dtype="bfloat16")
+    a, b = hf.SafetensorsFolder(tmp_path / "bf16"), hf.SafetensorsFolder(tmp_path / "bf16_again")
+    assert all(np.array_equal(a.get(n).view(np.uint16), b.get(n).view(np.uint16)) for n in a.tensors)
+    model_bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert next(model_bf16.parameters()).dtype == torch.bfloat16
+
+
+def test_errors_name_the_problem(tmp_path, capsys):
+    folder = save_hf(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
+        hf.read_spec(tmp_path / "gpt2")
+    (tmp_path / "bias").mkdir()
+    (tmp_path / "bias" / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    with pytest.raises(UserError, match="attention_bias=True is not implemented"):
+        hf.read_spec(tmp_path / "bias")
+    model = FAMILIES["llama"](dataclasses.replace(hf.read_spec(folder), d_model=32))
+    with pytest.raises(UserError, match=r"has model.d_model=64, this run has 32; .*convert --from-hf"):
+        run_dir.initial_params(f"hf:{folder}", model, None)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    capsys.readouterr()
+    assert convert.main(["--from-hf", str(folder), "--out", str(tmp_path / "taken")]) == 2
+    assert capsys.readouterr().err.startswith("error: ") and sorted(Path(tmp_path / "taken").iterdir()) == \
+        [tmp_path / "taken" / "x"]
