@@ -1,7 +1,7 @@
 """Temporaries of the loss and attention kernels, forward + backward, from compiled programs on one
 CPU device (fp32): the plain head + cross-entropy (full [B, L, V] logits) vs the vocab-tiled one
 (meshtrain/loss.py), and XLA attention ([B, H, L, L] scores) vs the blockwise kernel
-(models/transformer.py), over sequence lengths.
+(meshtrain/attention.py), over sequence lengths.
 
     python benchmarks/kernels.py
 """
@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from meshtrain.loss import cross_entropy  # noqa: E402
-from models.transformer import attention  # noqa: E402
+from meshtrain.attention import BACKENDS  # noqa: E402
 
 
 def temp_bytes(fn, *shapes) -> int:
@@ -39,7 +39,7 @@ def main():
     print(f"\nAttention, batch {B}, {H} heads of {K}\n| seq | scores MiB | xla MiB | blockwise MiB |\n|---|---|---|---|")
     for L in (1024, 2048, 4096, 8192):
         shapes = [((B, L, H, K), jnp.float32)] * 3
-        per_kernel = [temp_bytes(lambda q, k, v, kernel=kernel: jnp.sum(attention(q, k, v, kernel)), *shapes)
+        per_kernel = [temp_bytes(lambda q, k, v, kernel=kernel: jnp.sum(BACKENDS[kernel](q, k, v)), *shapes)
                       for kernel in ("xla", "blockwise")]
         print(f"| {L} | {B * H * L * L * 4 / 2**20:.0f} | {per_kernel[0] / 2**20:.0f} | {per_kernel[1] / 2**20:.0f} |",
               flush=True)

@@ -1,0 +1,78 @@
+"""Hugging Face import/export parity: max |logit difference| between meshtrain and transformers
+(CPU torch, fp32) for random-weight Llama and Mixtral checkpoints built from small configs (nothing
+downloaded), and for a meshtrain run exported to Hugging Face and loaded with from_pretrained.
+
+    python benchmarks/hf_parity.py [--width 256 --layers 4 --seq 256]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# the repository instead of this folder: transformers imports a package named `kernels` if it finds one
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from meshtrain import hf  # noqa: E402
+from meshtrain.mesh import build_mesh, parse_mesh  # noqa: E402
+from meshtrain.sharding import param_shardings  # noqa: E402
+from models import FAMILIES  # noqa: E402
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def checkpoints(width: int, layers: int):
+    common = dict(vocab_size=1000, hidden_size=width, num_hidden_layers=layers, num_attention_heads=8,
+                  num_key_value_heads=2, initializer_range=0.1)
+    yield "llama, untied, GQA 8/2, llama3 rope", transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        intermediate_size=2 * width, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False,
+        **common))
+    yield "llama, tied head", transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        intermediate_size=2 * width, tie_word_embeddings=True, **common))
+    yield "mixtral, 8 experts top-2", transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        intermediate_size=width, num_local_experts=8, num_experts_per_tok=2, **common))
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tokens = np.random.default_rng(0).integers(0, 1000, (2, args.seq))
+    mesh = build_mesh(parse_mesh("fsdp=2,tensor=2", 4), jax.devices()[:4])
+    print(f"| checkpoint | import: max abs logit diff (max abs logit) | export -> from_pretrained | "
+          f"re-export bitwise |\n|---|---|---|---|")
+    for name, hf_model in checkpoints(args.width, args.layers):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            hf_model.eval().save_pretrained(tmp / "in")
+            spec = hf.read_spec(tmp / "in")
+            model = FAMILIES[spec.family](spec)
+            params = hf.load_params(tmp / "in", model, param_shardings(model, mesh))  # on fsdp=2,tensor=2
+            theirs, ours = logits(hf_model, tokens), np.asarray(model.apply(params, tokens))
+            hf.save_params(params, spec, tmp / "out", max_shard_bytes=2**20)
+            back = transformers.AutoModelForCausalLM.from_pretrained(tmp / "out", dtype=torch.float32).eval()
+            a, b = hf.SafetensorsFolder(tmp / "in"), hf.SafetensorsFolder(tmp / "out")
+            same = all(np.array_equal(a.get(n), b.get(n)) for n in a.tensors) and a.tensors.keys() == b.tensors.keys()
+            print(f"| {name} | {np.abs(ours - theirs).max():.2e} ({np.abs(theirs).max():.1f}) | "
+                  f"{np.abs(logits(back, tokens) - ours).max():.2e} | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
