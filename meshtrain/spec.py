@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshtrain.attention import BACKENDS as ATTENTION_BACKENDS
+from meshtrain.data.sources import KINDS as DATA_KINDS
 from meshtrain.remat import POLICIES as REMAT_POLICIES
 from meshtrain.schedules import SCHEDULES
 from models import FAMILIES
@@ -138,10 +139,16 @@ class OptimSpec:
 
 @dataclass
 class DataConfig:
-    path: str = setting("", "text file, folder of text files, or uint16 .bin token file; "
-                            "'' = the Python standard library's .py files")
-    kind: str = setting("auto", "auto picks tokens for .bin, text otherwise, stdlib without a path",
-                        choices=("auto", "text", "tokens", "synthetic", "stdlib"))
+    path: str = setting("", "text file or folder, .jsonl, Parquet file or folder (part-*.parquet), datasets "
+                            "save_to_disk folder, .bin token file, or a prepared folder (python -m "
+                            "meshtrain.data prepare); '' = the Python standard library's .py files")
+    kind: str = setting("auto", "auto detects it: a file by its suffix (.bin tokens, .jsonl, .parquet, else "
+                                "text), a folder by its contents (manifest.json: prepared; state.json: "
+                                "hf_datasets; else parquet, jsonl or text files); stdlib without a path",
+                        choices=DATA_KINDS)
+    text_field: str = setting("text", "jsonl field / Parquet or datasets column holding each document's text")
+    tokenizer: str = setting("auto", "byte, or a tokenizer.json (or a folder holding one); auto = the data's "
+                                     "own (a prepared folder's, a token file's sidecar's), byte for raw text")
     val_fraction: float = setting(0.05, "tail of the token stream held out for eval_loss", min=0.0)
     prefetch: int = setting(1, "batches built ahead in a background thread while the device computes; "
                                "0 builds each one in the loop", min=0)

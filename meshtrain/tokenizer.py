@@ -131,14 +131,16 @@ def load(spec: str) -> Tokenizer:
 def check_vocab(tok: Tokenizer, vocab_size: int, source: str) -> None:
     """The model's embedding must hold every id the tokenizer (named by `source`) can produce."""
     if vocab_size < tok.vocab_size:
-        raise UserError(f"model.vocab_size={vocab_size} is smaller than {source}'s vocabulary "
-                        f"({tok.vocab_size}, tokenizer {tok.name}); set model.vocab_size >= {tok.vocab_size}")
+        raise UserError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of {source} "
+                        f"({tok.vocab_size} ids, tokenizer {tok.name}); set model.vocab_size >= {tok.vocab_size}")
 
 
-def record(folder: Path, tok: Tokenizer) -> None:
+def record(folder: Path, tok: Tokenizer | None) -> None:
     """Keep `tok` in `folder`: tokenizer.json and tokenizer_config.json (naming its EOS), or
-    tokenizer.txt reading `byte`."""
+    tokenizer.txt reading `byte`; None (unknown: token files that name no tokenizer) keeps nothing."""
     folder = Path(folder)
+    if tok is None:
+        return
     if isinstance(tok, ByteTokenizer):
         (folder / BYTE_NOTE).write_text("byte\n")
         return

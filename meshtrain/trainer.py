@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import data as data_lib
 from meshtrain import run_dir
+from meshtrain import tokenizer as tokenizer_lib
 from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.config import Config, ModelSpec, UserError, to_dict
 from meshtrain.mesh import describe
@@ -40,12 +41,12 @@ class Trainer:
         self.cfg = cfg
         self.program = program = TrainProgram.from_config(cfg, devices)
         t = cfg.train
-        tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
-        train_tokens, val_tokens = data_lib.split_tokens(tokens, cfg.data.val_fraction, t.seq_len)
+        self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
         batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
                                                        program.batch_sharding, cfg.model.vocab_size)
         self.train_batches = batches(train_tokens, 0)
-        has_val = cfg.data.val_fraction > 0 or tokens is None
+        has_val = cfg.data.val_fraction > 0 or self.corpus.tokens is None
         self.val_batches = batches(val_tokens, 1) if has_val else None
 
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
@@ -177,6 +178,7 @@ class Trainer:
             if primary:  # only a run that trains writes into --out
                 self.out.mkdir(parents=True, exist_ok=True)
                 run_dir.write_config(self.out, cfg, self.program.mesh)
+                tokenizer_lib.record(self.out, self.corpus.tokenizer)  # so the run's tokens can be decoded
             log = log or MetricsLog(self.out, primary, keep_through=first)
             if primary:
                 print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "

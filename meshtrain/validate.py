@@ -9,12 +9,14 @@ key and the fix.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from meshtrain.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.errors import UserError
 from meshtrain.schedules import check as check_schedule
 from meshtrain.schedules import check_residuals
 from meshtrain.spec import MAX_SIMULATED_DEVICES, settings
+from meshtrain.tokenizer import check_vocab, load as load_tokenizer
 
 
 def check_config(cfg) -> None:
@@ -46,6 +48,9 @@ def check_config(cfg) -> None:
         raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
     if not cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be below 1")
+    spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
+    if spec == "byte" or (spec != "auto" and Path(spec).exists()):
+        check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
 
 
 def _check_experts(m) -> None:

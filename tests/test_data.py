@@ -1,4 +1,4 @@
-"""Batches depend only on (seed, step); sources; process-local rows."""
+"""Batches depend only on (seed, step); token streams over shards; sources; process-local rows."""
 import jax
 import numpy as np
 import pytest
@@ -6,6 +6,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import data
 from meshtrain.config import DataConfig, UserError
+from meshtrain.tokenizer import ByteTokenizer
 from meshtrain.mesh import build_mesh, parse_mesh
 
 
@@ -30,13 +31,15 @@ def test_text_folder_and_token_file_sources(tmp_path):
     (tmp_path / "a.txt").write_text("hello ")
     (tmp_path / "b.md").write_text("world")
     (tmp_path / "skip.bin").write_bytes(b"\x00")
-    toks = data.load_tokens(DataConfig(path=str(tmp_path)), 256)
-    assert data.decode(toks) == "hello \nworld\n"
+    corpus = data.load_corpus(DataConfig(path=str(tmp_path)), 256)
+    assert ByteTokenizer().decode(np.asarray(corpus.tokens)) == "hello \nworld\n"
+    assert corpus.tokenizer.name == "byte"
 
     ids = np.arange(50000, 50100, dtype=np.uint16)
-    ids.tofile(tmp_path / "train.bin")
-    mm = data.load_tokens(DataConfig(path=str(tmp_path / "train.bin")), 50304)
-    assert isinstance(mm, np.memmap) and mm[3] == 50003
+    ids.tofile(tmp_path / "train.bin")  # nanoGPT's plain uint16 file: no sidecar, no known tokenizer
+    corpus = data.load_corpus(DataConfig(path=str(tmp_path / "train.bin")), 50304)
+    mm = corpus.tokens.parts[0]
+    assert isinstance(mm, np.memmap) and mm[3] == 50003 and corpus.tokenizer is None
     sharding = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
     small_vocab = data.Batches(mm, 4, 5, 0, 0, sharding, vocab_size=256)
     with pytest.raises(UserError, match="token id .* >= model.vocab_size=256"):
@@ -47,7 +50,7 @@ def test_default_corpus_is_the_stdlib_and_splits_off_validation():
     files = data.stdlib_files()
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)
     assert not any("site-packages" in f.parts for f in files)
-    tokens = data.load_tokens(DataConfig(), 256)
+    tokens = data.load_corpus(DataConfig(), 256).tokens
     train, val = data.split_tokens(tokens, 0.05, seq_len=64)
     assert len(val) == len(tokens) - len(train) and 0.04 < len(val) / len(tokens) < 0.06
 
@@ -63,7 +66,7 @@ def test_short_data_names_the_split_that_is_too_short():
 def test_token_file_of_a_partial_token_is_an_error(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     with pytest.raises(UserError, match="has 3 bytes, not a whole number of 2-byte .uint16. tokens"):
-        data.load_tokens(DataConfig(path=str(tmp_path / "odd.bin")), 256)
+        data.load_corpus(DataConfig(path=str(tmp_path / "odd.bin")), 256)
 
 
 def test_each_process_reads_only_its_rows():
@@ -78,3 +81,23 @@ def test_synthetic_data_is_deterministic():
     a, b = batches(None, sharding)(3), batches(None, sharding)(3)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(np.asarray(a).max()) < 256
+
+
+def test_windows_cross_shard_boundaries_and_slices_stay_views(tmp_path):
+    parts = [np.arange(0, 7, dtype=np.uint16), np.arange(7, 9, dtype=np.uint16), np.arange(9, 20, dtype=np.uint16)]
+    stream = data.Tokens(parts)
+    assert len(stream) == 20
+    np.testing.assert_array_equal(stream.windows(np.array([0, 5, 6, 13]), 5),
+                                  [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [6, 7, 8, 9, 10], [13, 14, 15, 16, 17]])
+    middle = stream[4:12]
+    assert len(middle) == 8 and np.asarray(middle).tolist() == list(range(4, 12))
+    assert all(np.shares_memory(a, b) for a, b in zip(middle.parts, parts))
+
+
+def test_sharded_stream_gives_the_same_batches_as_one_array_on_any_mesh():
+    whole = (np.arange(1000) % 256).astype(np.uint16)
+    sharded = data.Tokens(np.split(whole, [100, 101, 640]))
+    one = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
+    eight = NamedSharding(build_mesh(parse_mesh("data=2,fsdp=4", 8)), P(("data", "fsdp")))
+    for step in range(3):
+        np.testing.assert_array_equal(np.asarray(batches(whole, one)(step)), np.asarray(batches(sharded, eight)(step)))

@@ -1,0 +1,18 @@
+"""Data: tokenized sources, token files and deterministic batches.
+
+- sources.py: raw sources (text, jsonl, Parquet, datasets folders, the standard library), detected
+  from the path and read in units.
+- tokens.py: token files (dtype from the vocabulary, sidecars), prepared folders, the `Tokens` stream.
+- prepare.py: `python -m meshtrain.data prepare`: tokenize once, in parallel, into shards.
+- corpus.py: `load_corpus(data config)` -> the token stream and its tokenizer, for training.
+- batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
+The tokenizers themselves live in meshtrain/tokenizer.py.
+"""
+from meshtrain.data.batches import Batches, split_tokens, synthetic_rows
+from meshtrain.data.corpus import RAW_LIMIT_BYTES, Corpus, load_corpus
+from meshtrain.data.prepare import prepare
+from meshtrain.data.sources import KINDS, detect, stdlib_files
+from meshtrain.data.tokens import Tokens, read_prepared, read_token_file, token_dtype
+
+__all__ = ["Batches", "split_tokens", "synthetic_rows", "RAW_LIMIT_BYTES", "Corpus", "load_corpus", "prepare",
+           "KINDS", "detect", "stdlib_files", "Tokens", "read_prepared", "read_token_file", "token_dtype"]

@@ -1,0 +1,76 @@
+"""What training reads: the configured data as one token stream, and the tokenizer that made it.
+
+Token files and prepared folders are memory-mapped, never read into memory. Raw sources (text,
+jsonl, Parquet, datasets folders, the standard library) are tokenized on load, by every process,
+exactly as `prepare` would; that is for small data only (RAW_LIMIT_BYTES): `prepare` is the path
+for anything larger.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from meshtrain import tokenizer as tokenizer_lib
+from meshtrain.data.prepare import tokenize
+from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
+from meshtrain.data.tokens import Tokens, read_prepared, read_token_file
+from meshtrain.errors import UserError
+
+RAW_LIMIT_BYTES = 256 << 20
+
+
+class Corpus(NamedTuple):
+    tokens: Tokens | None  # None: synthetic data
+    tokenizer: object | None  # None: synthetic data, or token files that name no tokenizer
+
+
+def load_corpus(dcfg, vocab_size: int) -> Corpus:
+    """`dcfg`: the DataConfig. data.tokenizer=auto means the data's own (a prepared folder's, a token
+    file's sidecar's), bytes for raw text."""
+    kind = detect(dcfg.path, dcfg.kind)
+    explicit = None if dcfg.tokenizer == "auto" else tokenizer_lib.load(dcfg.tokenizer)
+    if kind == "synthetic":
+        return Corpus(None, None)
+    if kind in RAW_KINDS:
+        tok = explicit or tokenizer_lib.ByteTokenizer()
+        tokenizer_lib.check_vocab(tok, vocab_size, "data.tokenizer")
+        return Corpus(_tokenized(kind, dcfg, tok), tok)
+    path = Path(dcfg.path)
+    if kind == "prepared":
+        tokens, _ = read_prepared(path)
+        own = tokenizer_lib.recorded(path)
+    else:  # a token file
+        tokens, meta = read_token_file(path)
+        tokens = Tokens([tokens])
+        own = None if meta is None else tokenizer_lib.recorded(path.parent) or _named(meta["tokenizer"], path)
+    if explicit and own and explicit.vocab_size != own.vocab_size:
+        raise UserError(f"data.tokenizer={dcfg.tokenizer} ({explicit.vocab_size} ids) is not the tokenizer "
+                        f"{path} was written with ({own.name}, {own.vocab_size} ids); set data.tokenizer=auto")
+    tok = explicit or own
+    if tok is not None:
+        tokenizer_lib.check_vocab(tok, vocab_size, "data.tokenizer" if explicit else f"{path}'s tokenizer")
+    return Corpus(tokens, tok)
+
+
+def _tokenized(kind: str, dcfg, tok) -> Tokens:
+    parts = units(kind, dcfg.path)
+    size = source_bytes(parts)
+    if kind != "stdlib" and size > RAW_LIMIT_BYTES:
+        raise UserError(f"{dcfg.path} holds {size / 1e6:,.0f} MB of {kind}, more than training tokenizes on load "
+                        f"({RAW_LIMIT_BYTES / 1e6:,.0f} MB); run python -m meshtrain.data prepare {dcfg.path} "
+                        f"--tokenizer {tok.name} --out DIR once, then train on --data DIR")
+    ids = [tokenize(u, tok, dcfg.text_field)[0] for u in parts]
+    if not any(len(i) for i in ids):
+        raise UserError(f"{dcfg.path or 'the data'} holds no documents; pass a source with text in it")
+    return Tokens([np.concatenate(ids)])
+
+
+def _named(name: str, path: Path):
+    """The tokenizer a token file's sidecar names."""
+    try:
+        return tokenizer_lib.load(name)
+    except UserError:
+        raise UserError(f"token file {path} was written with tokenizer {name}, which is gone; set "
+                        f"data.tokenizer to it (byte, or a tokenizer.json)") from None

@@ -1,0 +1,129 @@
+"""`prepare`: tokenize a raw source once, in parallel, into a folder of token shards.
+
+Units (meshtrain/data/sources.py) are tokenized by worker processes and written in source order,
+so any number of workers writes the same bytes. Every document is followed by the tokenizer's
+`document_end` (its EOS id; a newline for bytes). The folder holds shard-00000.bin, ... (each with
+its sidecar), the tokenizer (tokenizer.json or tokenizer.txt) and, written last, manifest.json: a
+folder without one is an unfinished prepare.
+"""
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from meshtrain import tokenizer as tokenizer_lib
+from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
+from meshtrain.data.tokens import MANIFEST, file_meta, sidecar, token_dtype, write_json
+from meshtrain.errors import UserError
+
+SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
+
+
+def tokenize(unit: Unit, tok, field: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, ends): the unit's documents, each followed by document_end(tok), in the token dtype;
+    document i ends before ids[ends[i]]."""
+    end = tokenizer_lib.document_end(tok)
+    pieces = [piece for ids in tok.encode_batch(list(read(unit, field))) for piece in (ids, end)]
+    dtype = token_dtype(tok.vocab_size)
+    if not pieces:
+        return np.zeros(0, dtype), np.zeros(0, np.int64)
+    return np.concatenate(pieces).astype(dtype), np.cumsum([len(p) for p in pieces])[1::2]
+
+
+def tokenized(parts: list[Unit], tok, field: str, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`tokenize` of each unit, in order; units spread over `workers` processes."""
+    workers = min(workers, len(parts))
+    if workers <= 1:
+        yield from (tokenize(u, tok, field) for u in parts)
+        return
+    # spawn, not fork: the parent may hold JAX's or the tokenizer's threads, which fork would copy mid-work.
+    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tok, field)) as pool:
+        yield from pool.imap(_tokenize_in_worker, parts)
+
+
+_worker: tuple = ()  # (tokenizer, field) in a worker process
+
+
+def _start_worker(tok, field: str) -> None:
+    import os
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
+    global _worker
+    _worker = (tok, field)
+
+
+def _tokenize_in_worker(unit: Unit):
+    return tokenize(unit, *_worker)
+
+
+class ShardWriter:
+    """Appends a token stream to shards of `shard_tokens` tokens (the last one shorter); a document
+    may continue into the next shard and counts in the one holding its end."""
+
+    def __init__(self, out: Path, tok, shard_tokens: int):
+        self.out, self.tok, self.shard_tokens = out, tok, shard_tokens
+        self.shards: list[dict] = []  # the manifest's rows
+        self.file, self.tokens, self.documents = None, 0, 0  # the open shard
+
+    def add(self, ids: np.ndarray, ends: np.ndarray) -> None:
+        at = 0
+        while at < len(ids):
+            if self.file is None:
+                self.file = open(self.out / f"shard-{len(self.shards):05d}.bin", "wb")
+            take = min(len(ids) - at, self.shard_tokens - self.tokens)
+            self.file.write(ids[at:at + take].tobytes())
+            self.documents += int(np.count_nonzero((ends > at) & (ends <= at + take)))
+            self.tokens, at = self.tokens + take, at + take
+            if self.tokens == self.shard_tokens:
+                self._finish()
+
+    def _finish(self) -> None:
+        path = Path(self.file.name)
+        self.file.close()
+        write_json(sidecar(path), file_meta(self.tok, self.tokens, self.documents))
+        self.shards.append({"file": path.name, "tokens": self.tokens, "documents": self.documents})
+        self.file, self.tokens, self.documents = None, 0, 0
+
+    def close(self) -> list[dict]:
+        if self.file is not None:
+            self._finish()
+        return self.shards
+
+
+def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = "text",
+            shard_tokens: int = SHARD_TOKENS, kind: str = "auto") -> dict:
+    """Tokenize `src` (a raw source: text, jsonl, Parquet, datasets folder) into the empty or new
+    folder `out`; returns the manifest."""
+    kind = detect(src, kind)
+    if kind not in RAW_KINDS:
+        raise UserError(f"{src} holds {kind}, not documents; prepare reads text, jsonl, Parquet or a datasets "
+                        f"save_to_disk folder")
+    if shard_tokens < 1 or workers < 1:
+        raise UserError(f"--shard-tokens {shard_tokens} and --workers {workers} must be >= 1")
+    parts = units(kind, src)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not an empty folder; pick a new one (prepare never "
+                        f"overwrites)")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out, tok, shard_tokens)
+    try:
+        for ids, ends in tokenized(parts, tok, text_field, workers):
+            writer.add(ids, ends)
+        shards = writer.close()
+        if not shards:
+            raise UserError(f"{src} holds no documents; pass a source with text in it")
+        tokenizer_lib.record(out, tok)
+        manifest = {**file_meta(tok, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)),
+                    "source": {"path": str(src), "kind": kind, "text_field": text_field}, "shards": shards}
+        write_json(out / MANIFEST, manifest)
+        return manifest
+    except BaseException:  # a failed prepare leaves the folder as it found it: empty
+        if writer.file is not None:
+            writer.file.close()
+        for f in out.iterdir():
+            f.unlink()
+        raise

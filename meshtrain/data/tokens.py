@@ -1,0 +1,112 @@
+"""Token files and token streams.
+
+- A token file is a flat array of ids (`shard-00000.bin`, nanoGPT's `train.bin`). Its dtype follows
+  the vocabulary (`token_dtype`): uint16 up to 65,536 ids, uint32 above. A sidecar `<file>.json`
+  records dtype, tokenizer, vocabulary, EOS id, documents and tokens; a file without one is read
+  as uint16 (nanoGPT's files).
+- A prepared folder holds token files and `manifest.json` (the sidecar's fields for the whole corpus,
+  its source, and the shards in order); `python -m meshtrain.data prepare` writes it.
+- `Tokens` is one stream over several arrays (memory-mapped shards, or arrays in memory), read by
+  windows; slicing it makes views, so a corpus is never loaded into memory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from meshtrain.errors import UserError
+
+MANIFEST = "manifest.json"
+PLAIN_DTYPE = np.dtype(np.uint16)  # a token file without a sidecar, as nanoGPT writes them
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype holding ids 0 .. vocab_size - 1 (uint16 or uint32)."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def file_meta(tok, tokens: int, documents: int) -> dict:
+    """A token file's (or a whole prepared corpus's) description: what a sidecar holds."""
+    return {"dtype": token_dtype(tok.vocab_size).name, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id, "documents": documents, "tokens": tokens}
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Written whole or not at all (a reader never sees half a manifest)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({e}); prepare the data again") from None
+
+
+def read_token_file(path: Path, meta: dict | None = None) -> tuple[np.memmap, dict | None]:
+    """(memory-mapped ids, sidecar or None). `meta`: the description if the caller has it."""
+    path = Path(path)
+    meta = meta if meta is not None else (_read_json(sidecar(path)) if sidecar(path).is_file() else None)
+    dtype = np.dtype(meta["dtype"]) if meta else PLAIN_DTYPE
+    size = path.stat().st_size if path.is_file() else -1
+    if size <= 0 or size % dtype.itemsize:
+        why = "is missing" if size < 0 else f"has {size} bytes, not a whole number of"
+        raise UserError(f"token file {path} {why} {dtype.itemsize}-byte ({dtype.name}) tokens; write it "
+                        f"as a flat {dtype.name} array (numpy's tofile) or prepare the data again")
+    if meta and "tokens" in meta and size != meta["tokens"] * dtype.itemsize:
+        raise UserError(f"token file {path} has {size // dtype.itemsize:,} tokens, its description says "
+                        f"{meta['tokens']:,}; prepare the data again")
+    return np.memmap(path, dtype=dtype, mode="r"), meta
+
+
+def read_prepared(folder: Path) -> tuple["Tokens", dict]:
+    """(the corpus's token stream, its manifest) of a prepared folder; the shards stay on disk."""
+    manifest = _read_json(Path(folder) / MANIFEST)
+    parts = [read_token_file(Path(folder) / s["file"], {"dtype": manifest["dtype"], "tokens": s["tokens"]})[0]
+             for s in manifest["shards"]]
+    return Tokens(parts), manifest
+
+
+class Tokens:
+    """A token stream: `parts` (1-D integer arrays) one after another."""
+
+    def __init__(self, parts):
+        self.parts = [p for p in parts if len(p)]
+        self.ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)  # where each part ends
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if self.parts else 0
+
+    def __getitem__(self, s: slice) -> "Tokens":
+        """A contiguous slice (views of the parts)."""
+        lo, hi, step = s.indices(len(self))
+        assert step == 1, "token streams slice contiguously"
+        starts = self.ends - [len(p) for p in self.parts]
+        return Tokens([p[max(lo - a, 0):max(hi - a, 0)] for p, a in zip(self.parts, starts)])
+
+    def windows(self, starts_N: np.ndarray, length: int) -> np.ndarray:
+        """[N, length] int32: the stream's `length` tokens from each start (across part boundaries)."""
+        if len(self.parts) == 1:
+            return np.asarray(self.parts[0][starts_N[:, None] + np.arange(length)[None, :]], np.int32)
+        out_NxL = np.empty((len(starts_N), length), np.int32)
+        for n, start in enumerate(starts_N):
+            i, filled = int(np.searchsorted(self.ends, start, side="right")), 0
+            while filled < length:
+                offset = start + filled - (self.ends[i] - len(self.parts[i]))
+                piece = self.parts[i][offset:offset + length - filled]
+                out_NxL[n, filled:filled + len(piece)] = piece
+                filled, i = filled + len(piece), i + 1
+        return out_NxL
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The whole stream in memory: for small streams (tests, decoding a sample)."""
+        whole = np.concatenate(self.parts) if self.parts else np.zeros(0, np.uint16)
+        return whole if dtype is None else whole.astype(dtype)
