@@ -132,7 +132,8 @@ def check_vocab(tok: Tokenizer, vocab_size: int, source: str) -> None:
     """The model's embedding must hold every id the tokenizer (named by `source`) can produce."""
     if vocab_size < tok.vocab_size:
         raise UserError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of {source} "
-                        f"({tok.vocab_size} ids, tokenizer {tok.name}); set model.vocab_size >= {tok.vocab_size}")
+                        f"({tok.vocab_size} ids, tokenizer {tok.name}); "
+                        f"set model.vocab_size >= {tok.vocab_size}")
 
 
 def record(folder: Path, tok: Tokenizer | None) -> None:

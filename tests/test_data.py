@@ -11,7 +11,8 @@ from meshtrain.mesh import build_mesh, parse_mesh
 
 
 def batches(tokens, sharding, seed=0, split=0):
-    return data.Batches(tokens, batch_size=8, seq_len=5, seed=seed, split=split, sharding=sharding, vocab_size=256)
+    return data.Batches(tokens, batch_size=8, seq_len=5, seed=seed, split=split, sharding=sharding,
+                        vocab_size=256)
 
 
 def test_batch_depends_only_on_seed_and_step_not_on_mesh():
@@ -58,7 +59,8 @@ def test_default_corpus_is_the_stdlib_and_splits_off_validation():
 def test_short_data_names_the_split_that_is_too_short():
     tokens = np.zeros(1000, np.uint8)
     with pytest.raises(UserError, match=r"the data holds 1,000 tokens, leaving 50 for validation "
-                                        r"\(data.val_fraction=0.05\), which is not more than train.seq_len \+ 1 = 65"):
+                                        r"\(data.val_fraction=0.05\), which is not more than "
+                                        r"train.seq_len \+ 1 = 65"):
         data.split_tokens(tokens, 0.05, seq_len=64)
     assert data.split_tokens(tokens, 0.0, seq_len=64)[1] is None
 
@@ -84,7 +86,7 @@ def test_synthetic_data_is_deterministic():
 
 
 def test_windows_cross_shard_boundaries_and_slices_stay_views(tmp_path):
-    parts = [np.arange(0, 7, dtype=np.uint16), np.arange(7, 9, dtype=np.uint16), np.arange(9, 20, dtype=np.uint16)]
+    parts = np.split(np.arange(20, dtype=np.uint16), [7, 9])
     stream = data.Tokens(parts)
     assert len(stream) == 20
     np.testing.assert_array_equal(stream.windows(np.array([0, 5, 6, 13]), 5),
@@ -100,4 +102,5 @@ def test_sharded_stream_gives_the_same_batches_as_one_array_on_any_mesh():
     one = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
     eight = NamedSharding(build_mesh(parse_mesh("data=2,fsdp=4", 8)), P(("data", "fsdp")))
     for step in range(3):
-        np.testing.assert_array_equal(np.asarray(batches(whole, one)(step)), np.asarray(batches(sharded, eight)(step)))
+        expected = np.asarray(batches(whole, one)(step))
+        np.testing.assert_array_equal(np.asarray(batches(sharded, eight)(step)), expected)

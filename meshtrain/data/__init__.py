@@ -8,7 +8,6 @@
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
 The tokenizers themselves live in meshtrain/tokenizer.py.
 """
-from meshtrain.data.batches import Batches, split_tokens, synthetic_rows
 from meshtrain.data.corpus import RAW_LIMIT_BYTES, Corpus, load_corpus
 from meshtrain.data.prepare import prepare
 from meshtrain.data.sources import KINDS, detect, stdlib_files
@@ -16,3 +15,12 @@ from meshtrain.data.tokens import Tokens, read_prepared, read_token_file, token_
 
 __all__ = ["Batches", "split_tokens", "synthetic_rows", "RAW_LIMIT_BYTES", "Corpus", "load_corpus", "prepare",
            "KINDS", "detect", "stdlib_files", "Tokens", "read_prepared", "read_token_file", "token_dtype"]
+
+
+def __getattr__(name):
+    """batches.py (it imports JAX) on first use: prepare and its worker processes never start JAX."""
+    if name not in ("Batches", "split_tokens", "synthetic_rows"):
+        raise AttributeError(f"module 'meshtrain.data' has no attribute {name!r}")
+    from meshtrain.data import batches
+
+    return getattr(batches, name)

@@ -23,11 +23,11 @@ def parser() -> argparse.ArgumentParser:
     source = argparse.ArgumentParser(add_help=False)
     source.add_argument("src", help="text file or folder, .jsonl file or folder, Parquet file or folder "
                                     "(part-*.parquet), or a datasets save_to_disk folder")
-    source.add_argument("--kind", default="auto", choices=("auto",) + tuple(k for k in RAW_KINDS if k != "stdlib"),
-                        help="the source's kind (default: detected from the path)")
+    kinds = ("auto",) + tuple(k for k in RAW_KINDS if k != "stdlib")
+    source.add_argument("--kind", default="auto", choices=kinds, help="the source's kind (default: detected)")
     source.add_argument("--text-field", default="text", help="jsonl field / column holding the text")
-    prep = commands.add_parser("prepare", parents=[source], help="tokenize SRC into token shards + manifest.json")
-    prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json (or a folder holding one)")
+    prep = commands.add_parser("prepare", parents=[source], help="tokenize SRC into shards + manifest.json")
+    prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json (or its folder)")
     prep.add_argument("--out", required=True, help="new (or empty) folder for the shards")
     prep.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes")
     prep.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard file")

@@ -17,14 +17,15 @@ class Batches:
     """`batches(k)` -> the global [batch, seq_len + 1] token array of step k, sharded as `sharding`.
     Each process builds only the rows its devices hold (whatever their order on the mesh)."""
 
-    def __init__(self, tokens, batch_size: int, seq_len: int, seed: int, split: int, sharding, vocab_size: int):
+    def __init__(self, tokens, batch_size: int, seq_len: int, seed: int, split: int, sharding,
+                 vocab_size: int):
         """`tokens`: a `Tokens` stream, a 1-D array, or None for synthetic data."""
         self.tokens = tokens if tokens is None or isinstance(tokens, Tokens) else Tokens([tokens])
         self.batch_size, self.seq_len = batch_size, seq_len
         self.seed, self.split, self.sharding, self.vocab_size = seed, split, sharding, vocab_size
         self.shape = (batch_size, seq_len + 1)
-        self.rows = np.array(sorted({i for idx in sharding.addressable_devices_indices_map(self.shape).values()
-                                     for i in range(*idx[0].indices(batch_size))}))
+        held = sharding.addressable_devices_indices_map(self.shape).values()
+        self.rows = np.array(sorted({i for idx in held for i in range(*idx[0].indices(batch_size))}))
         self.position = {int(r): i for i, r in enumerate(self.rows)}  # global row -> its place in `rows`
 
     def local_rows(self, step: int) -> np.ndarray:
@@ -35,8 +36,8 @@ class Batches:
         starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)[self.rows]
         rows = self.tokens.windows(starts, self.seq_len + 1)
         if rows.max() >= self.vocab_size:
-            raise UserError(f"token id {rows.max()} >= model.vocab_size={self.vocab_size}; set model.vocab_size "
-                            f"to the tokenizer's vocabulary")
+            raise UserError(f"token id {rows.max()} >= model.vocab_size={self.vocab_size}; set "
+                            f"model.vocab_size to the tokenizer's vocabulary")
         return rows
 
     def __call__(self, step: int) -> jax.Array:

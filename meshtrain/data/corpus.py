@@ -47,7 +47,8 @@ def load_corpus(dcfg, vocab_size: int) -> Corpus:
         own = None if meta is None else tokenizer_lib.recorded(path.parent) or _named(meta["tokenizer"], path)
     if explicit and own and explicit.vocab_size != own.vocab_size:
         raise UserError(f"data.tokenizer={dcfg.tokenizer} ({explicit.vocab_size} ids) is not the tokenizer "
-                        f"{path} was written with ({own.name}, {own.vocab_size} ids); set data.tokenizer=auto")
+                        f"{path} was written with ({own.name}, {own.vocab_size} ids); "
+                        f"set data.tokenizer=auto")
     tok = explicit or own
     if tok is not None:
         tokenizer_lib.check_vocab(tok, vocab_size, "data.tokenizer" if explicit else f"{path}'s tokenizer")
@@ -58,9 +59,9 @@ def _tokenized(kind: str, dcfg, tok) -> Tokens:
     parts = units(kind, dcfg.path)
     size = source_bytes(parts)
     if kind != "stdlib" and size > RAW_LIMIT_BYTES:
-        raise UserError(f"{dcfg.path} holds {size / 1e6:,.0f} MB of {kind}, more than training tokenizes on load "
-                        f"({RAW_LIMIT_BYTES / 1e6:,.0f} MB); run python -m meshtrain.data prepare {dcfg.path} "
-                        f"--tokenizer {tok.name} --out DIR once, then train on --data DIR")
+        raise UserError(f"{dcfg.path} holds {size / 1e6:,.0f} MB of {kind}, more than training tokenizes "
+                        f"on load ({RAW_LIMIT_BYTES / 1e6:,.0f} MB); run python -m meshtrain.data prepare "
+                        f"{dcfg.path} --tokenizer {tok.name} --out DIR once, then train on --data DIR")
     ids = [tokenize(u, tok, dcfg.text_field)[0] for u in parts]
     if not any(len(i) for i in ids):
         raise UserError(f"{dcfg.path or 'the data'} holds no documents; pass a source with text in it")

@@ -99,8 +99,8 @@ def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = 
     folder `out`; returns the manifest."""
     kind = detect(src, kind)
     if kind not in RAW_KINDS:
-        raise UserError(f"{src} holds {kind}, not documents; prepare reads text, jsonl, Parquet or a datasets "
-                        f"save_to_disk folder")
+        raise UserError(f"{src} holds {kind}, not documents; prepare reads text, jsonl, Parquet or a "
+                        f"datasets save_to_disk folder")
     if shard_tokens < 1 or workers < 1:
         raise UserError(f"--shard-tokens {shard_tokens} and --workers {workers} must be >= 1")
     parts = units(kind, src)

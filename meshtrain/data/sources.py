@@ -76,8 +76,9 @@ def units(kind: str, path: str) -> list[Unit]:
     if not p.exists():
         raise UserError(f"data path {path!r} does not exist; pass an existing file or folder")
     if kind == "text":
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-        return [Unit("text", str(f)) for f in _need(files, p, "text files (" + ", ".join(TEXT_SUFFIXES) + ")")]
+        files = [p] if p.is_file() else sorted(
+            f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        return [Unit("text", str(f)) for f in _need(files, p, f"text files ({', '.join(TEXT_SUFFIXES)})")]
     if kind == "jsonl":
         files = _need([p] if p.is_file() else _files(p, ".jsonl"), p, ".jsonl files")
         return [Unit("jsonl", str(f), lo, min(lo + UNIT_BYTES, f.stat().st_size))

@@ -1,0 +1,168 @@
+"""Sources (jsonl, Parquet, datasets, text), prepare's shards and manifest, token dtypes, their errors."""
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from meshtrain import data, tokenizer
+from meshtrain.config import DataConfig, UserError
+from meshtrain.data import prepare, sources
+from meshtrain.data.__main__ import main
+
+DOCS = [f"Document {i}: " + "all the world's a stage, " * (i % 5) + "é✓" for i in range(40)]
+BYTE = tokenizer.ByteTokenizer()
+
+
+def expected(tok, docs=DOCS) -> list[int]:
+    return [int(t) for d in docs for t in [*tok.encode(d), *tokenizer.document_end(tok)]]
+
+
+def write_jsonl(path, docs=DOCS, field="text"):
+    path.write_text("".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def write_spark_parquet(folder, docs=DOCS, column="body"):
+    """Spark's layout: part files of several row groups, beside _SUCCESS and .crc files."""
+    folder.mkdir()
+    half = len(docs) // 2
+    for i, part in enumerate([docs[:half], docs[half:]]):
+        name = f"part-{i:05d}-x.snappy.parquet"
+        pq.write_table(pa.table({"id": range(len(part)), column: part}), folder / name, row_group_size=7)
+        (folder / f".{name}.crc").write_bytes(b"crc")
+    (folder / "_SUCCESS").write_text("")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return tokenizer.train_bpe(DOCS, 300, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+
+
+def corpus_ids(path, **kw):
+    return np.asarray(data.load_corpus(DataConfig(path=str(path), **kw), 512).tokens).tolist()
+
+
+def test_each_source_kind_gives_its_documents_tokens(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    write_jsonl(tmp_path / "docs.jsonl")
+    write_spark_parquet(tmp_path / "spark")
+    datasets.Dataset.from_dict({"content": DOCS}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "texts").mkdir()
+    for i, d in enumerate(DOCS):
+        (tmp_path / "texts" / f"{i:03d}.txt").write_text(d)
+    for name, kind, field in [("docs.jsonl", "jsonl", "text"), ("spark", "parquet", "body"),
+                              ("saved", "hf_datasets", "content"), ("texts", "text", "text")]:
+        assert sources.detect(str(tmp_path / name)) == kind
+        assert corpus_ids(tmp_path / name, text_field=field) == expected(BYTE), name
+    assert sources.detect(str(tmp_path / "spark" / "part-00000-x.snappy.parquet")) == "parquet"
+
+
+def test_prepare_writes_shards_a_manifest_and_eos_after_every_document(bpe, tmp_path):
+    src = write_jsonl(tmp_path / "docs.jsonl")
+    manifest = prepare(str(src), bpe, tmp_path / "out", shard_tokens=200)
+    ids = expected(bpe)
+    assert ids.count(bpe.eos_id) == len(DOCS) and ids[-1] == bpe.eos_id
+    assert (manifest["tokens"], manifest["documents"], manifest["dtype"]) == (len(ids), len(DOCS), "uint16")
+    assert manifest["vocab_size"] == 300 and manifest["eos_id"] == bpe.eos_id
+    assert manifest["source"] == {"path": str(src), "kind": "jsonl", "text_field": "text"}
+    shards = manifest["shards"]
+    assert [s["file"] for s in shards] == [f"shard-{i:05d}.bin" for i in range(len(shards))]
+    assert [s["tokens"] for s in shards] == [200] * (len(shards) - 1) + [len(ids) - 200 * (len(shards) - 1)]
+    assert sum(s["documents"] for s in shards) == len(DOCS)
+    on_disk = np.concatenate([np.fromfile(tmp_path / "out" / s["file"], np.uint16) for s in shards])
+    assert on_disk.tolist() == ids
+    sidecar = json.loads((tmp_path / "out" / "shard-00001.bin.json").read_text())
+    assert sidecar == {**sidecar, "dtype": "uint16", "tokens": 200, "documents": shards[1]["documents"]}
+    corpus = data.load_corpus(DataConfig(path=str(tmp_path / "out")), 300)  # the folder's own tokenizer
+    assert np.asarray(corpus.tokens).tolist() == ids and corpus.tokenizer.eos_id == bpe.eos_id
+    assert all(isinstance(p, np.memmap) for p in corpus.tokens.parts)
+    one_shard = data.load_corpus(DataConfig(path=str(tmp_path / "out" / "shard-00000.bin")), 300)
+    assert np.asarray(one_shard.tokens).tolist() == ids[:200] and one_shard.tokenizer.vocab_size == 300
+
+
+def test_parallel_prepare_writes_what_serial_prepare_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "UNIT_BYTES", 700)  # jsonl byte ranges end mid-line
+    write_spark_parquet(tmp_path / "spark")
+    write_jsonl(tmp_path / "docs.jsonl")
+    for src, field in [(tmp_path / "spark", "body"), (tmp_path / "docs.jsonl", "text")]:
+        assert len(sources.units(sources.detect(str(src)), str(src))) > 3
+        one, two = tmp_path / f"{src.name}1", tmp_path / f"{src.name}2"
+        serial = prepare(str(src), BYTE, one, workers=1, text_field=field, shard_tokens=500)
+        parallel = prepare(str(src), BYTE, two, workers=2, text_field=field, shard_tokens=500)
+        assert serial == parallel and len(serial["shards"]) > 1
+        for s in serial["shards"]:
+            assert (one / s["file"]).read_bytes() == (two / s["file"]).read_bytes()
+        assert corpus_ids(two) == expected(BYTE)
+
+
+def test_token_dtype_follows_the_vocabulary(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    assert data.token_dtype(256) == data.token_dtype(65536) == np.uint16
+    assert data.token_dtype(65537) == np.uint32
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0"))
+    big.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    big.save(str(tmp_path / "big.json"))
+    tok = tokenizer.HFTokenizer(tmp_path / "big.json", eos=69999)
+    (tmp_path / "a.txt").write_text("w1 w65536 w69998")
+    manifest = prepare(str(tmp_path / "a.txt"), tok, tmp_path / "out")
+    assert manifest["dtype"] == "uint32"
+    shard = tmp_path / "out" / "shard-00000.bin"
+    assert np.fromfile(shard, np.uint32).tolist() == [1, 65536, 69998, 69999]
+    corpus = data.load_corpus(DataConfig(path=str(shard)), 70000)  # read as uint32, as its sidecar says
+    assert np.asarray(corpus.tokens).tolist() == [1, 65536, 69998, 69999]
+
+
+def test_cli_prepares_and_trains_a_tokenizer(tmp_path, capsys):
+    write_jsonl(tmp_path / "docs.jsonl")
+    assert main(["train-tokenizer", str(tmp_path / "docs.jsonl"), "--vocab-size", "280",
+                 "--out", str(tmp_path / "tok" / "tokenizer.json")]) == 0
+    assert main(["prepare", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(tmp_path / "out"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "byte-level BPE, 280 ids, EOS '<|endoftext|>' = 0" in out
+    assert "from 40 documents in 1 shard(s)" in out
+    ids = np.fromfile(tmp_path / "out" / "shard-00000.bin", np.uint16)
+    assert tokenizer.for_run(tmp_path / "out").decode(ids) == "".join(d + "<|endoftext|>" for d in DOCS)
+
+
+def test_bad_sources_are_one_line_errors(bpe, tmp_path, capsys, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": "ok", \n')
+    write_jsonl(tmp_path / "other.jsonl", field="content")
+    write_spark_parquet(tmp_path / "spark")
+    saved = datasets.Dataset.from_dict({"text": ["a"]})
+    datasets.DatasetDict({"train": saved, "test": saved}).save_to_disk(str(tmp_path / "dict"))
+    prepare(str(tmp_path / "other.jsonl"), BYTE, tmp_path / "prepared", text_field="content")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    capsys.readouterr()  # datasets' progress bars
+    cases = [  # (source and flags, --out, message)
+        (["bad.jsonl"], "new", "bad.jsonl, line at byte 15: not JSON"),
+        (["other.jsonl"], "new", "line at byte 0: no field 'text' (has: id, content); set data.text_field"),
+        (["spark"], "new", "x.snappy.parquet has no column 'text' (has: id, body); set data.text_field"),
+        (["dict"], "new", "is a DatasetDict with splits train, test; pass one split's folder, e.g. --data"),
+        (["spark", "--kind", "jsonl"], "new", "no .jsonl files under"),
+        (["prepared"], "new", "holds prepared, not documents"),
+        (["other.jsonl", "--text-field", "content"], "busy", "busy exists and is not an empty folder"),
+        (["missing.txt"], "new", "data path"),
+    ]
+    for (src, *flags), out, message in cases:
+        assert main(["prepare", str(tmp_path / src), *flags, "--out", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (src, err)
+        assert not any((tmp_path / "new").glob("*"))  # a failure leaves nothing behind
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
+
+    with pytest.raises(UserError, match=r"is not the tokenizer .*prepared was written with "
+                                        r"\(byte, 256 ids\); set data.tokenizer=auto"):
+        data.load_corpus(DataConfig(path=str(tmp_path / "prepared"), tokenizer=str(bpe.path)), 300)
+    with pytest.raises(UserError, match="model.vocab_size=200 is smaller than the vocabulary of .*ed's"):
+        data.load_corpus(DataConfig(path=str(tmp_path / "prepared")), 200)
+    monkeypatch.setattr(data.corpus, "RAW_LIMIT_BYTES", 100)
+    with pytest.raises(UserError, match=r"more than training tokenizes on load .*; run python -m meshtrain"
+                                        r".data prepare .*other.jsonl --tokenizer byte --out DIR once"):
+        data.load_corpus(DataConfig(path=str(tmp_path / "other.jsonl"), text_field="content"), 256)
