@@ -1,5 +1,6 @@
 """INT8 export: per-channel weight quantization of a run's newest checkpoint, saved as safetensors,
-with the eval loss of the quantized model beside the fp32 one.
+with the eval loss of the quantized model beside the fp32 one. `python -m meshtrain.convert
+--quantize int8 RUN OUT [--scheme symmetric|affine]` calls `cli`.
 
 Formulas (Jacob et al. 2018, "Quantization and Training of Neural Networks for Efficient
 Integer-Arithmetic-Only Inference"): w ~ (q - Z) * S, q = clip(round(w / S) + Z), per channel.
@@ -29,11 +30,9 @@ meshtrain/loss.py's tiled cross-entropy); the int8 format here is plain safetens
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import uuid
 from pathlib import Path
 from typing import NamedTuple
@@ -229,8 +228,7 @@ def write_folder(out: Path, files: dict[str, bytes], tok) -> None:
     try:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
-        if tok is not None:
-            tokenizer.record(tmp, tok)
+        tokenizer.record(tmp, tok)  # None: the run recorded none
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, out)
     except BaseException:
@@ -249,24 +247,6 @@ def table(info: dict) -> str:
         f"{'':10}{'fp32':>12}{'int8':>12}   delta",
         f"{'eval loss':10}{loss(r['eval_loss_fp32']):>12}{loss(r['eval_loss_int8']):>12}   {delta}",
         f"{'size':10}{mb(r['bytes_fp32']):>12}{mb(r['bytes_int8']):>12}   {r['ratio']:.2f}x smaller",
-        f"int8: {100 * r['quantized_fraction']:.2f}% of the parameters (every weight matrix, the "
-        f"embedding too); kept: {', '.join(kept) or 'nothing'}"])
+        f"int8: {100 * r['quantized_fraction']:.2f}% of the parameters (every weight matrix); "
+        f"kept: {', '.join(kept) or 'nothing'}"])
 
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.quantize",
-                                description="Export a run's newest checkpoint as per-channel int8.")
-    p.add_argument("run", help="a training run's --out folder (config.yaml and checkpoints/)")
-    p.add_argument("out", help="a new folder for model.safetensors, quantization.json and config.yaml")
-    p.add_argument("--scheme", default="symmetric", help=f"{' or '.join(SCHEMES)} (default symmetric)")
-    args = p.parse_args(argv)
-    try:
-        cli(args.run, args.out, args.scheme)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

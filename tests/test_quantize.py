@@ -1,10 +1,13 @@
 """INT8 export (meshtrain/quantize.py): the round-trip error bound per element for both schemes, the
 stored tensors, a saved folder loading back, and the quantized tiny model's eval loss and size."""
+import shutil
+
 import jax
 import numpy as np
 import pytest
 
 from meshtrain import quantize as qz
+from meshtrain import tokenizer
 from meshtrain.errors import UserError
 from meshtrain.testing import run_tiny
 from models.moe import MOE_PARAM_AXES
@@ -76,17 +79,21 @@ def test_model_params_round_trip(tiny, scheme):
 
 @pytest.fixture(scope="module")
 def exports(tiny, tmp_path_factory):
-    """{scheme: (OUT folder, report)} of the tiny run exported with each scheme."""
+    """{scheme: (OUT folder, report)}: the tiny run (a copy, recording a tokenizer) exported."""
     trainer, _ = tiny
     root = tmp_path_factory.mktemp("int8")
-    return {s: (root / s, qz.cli(trainer.out, root / s, s, devices=jax.devices()[:1])) for s in SCHEMES}
+    run = shutil.copytree(trainer.out, root / "run")
+    tokenizer.record(run, tokenizer.ByteTokenizer())
+    return {s: (root / s, qz.cli(run, root / s, s, devices=jax.devices()[:1])) for s in SCHEMES}
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_export_loads_back_and_stays_close(tiny, exports, scheme):
     trainer, params = tiny
     out, report = exports[scheme]
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors", "quantization.json"]
+    files = ["config.yaml", "model.safetensors", "quantization.json", "tokenizer.txt"]
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert isinstance(tokenizer.for_run(out), tokenizer.ByteTokenizer)
     qtree, info = qz.load(out)  # the tree quantize() makes, bit for bit
     expected = qz.quantize(params, trainer.program.model.logical_axes(params), scheme)
     assert jax.tree.structure(qtree) == jax.tree.structure(expected)
