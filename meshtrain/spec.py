@@ -144,7 +144,7 @@ class DataConfig:
                             "meshtrain.data prepare); '' = the Python standard library's .py files")
     kind: str = setting("auto", "auto detects it: a file by its suffix (.bin tokens, .jsonl, .parquet, else "
                                 "text), a folder by its contents (manifest.json: prepared; state.json: "
-                                "hf_datasets; else parquet, jsonl or text files); stdlib without a path",
+                                "hf_datasets; else jsonl, Parquet or text files); stdlib without a path",
                         choices=DATA_KINDS)
     text_field: str = setting("text", "jsonl field / Parquet or datasets column holding each document's text")
     tokenizer: str = setting("auto", "byte, or a tokenizer.json (or a folder holding one); auto = the data's "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from meshtrain.data.tokens import MANIFEST
 from meshtrain.errors import UserError
 
 # data.kind's values; auto detects one from the path (`detect`).
@@ -49,8 +50,8 @@ def _files(folder: Path, suffix: str) -> list[Path]:
 
 def detect(path: str, kind: str = "auto") -> str:
     """`kind`, or for auto: stdlib without a path; a file by its suffix (text otherwise); a folder by
-    its contents (manifest.json: prepared; save_to_disk files: hf_datasets; else parquet, jsonl or
-    text files, the first found)."""
+    its contents (manifest.json: prepared; save_to_disk files: hf_datasets; else .jsonl files, else
+    .parquet files, else text files)."""
     if kind != "auto":
         return kind
     if not path:
@@ -61,11 +62,11 @@ def detect(path: str, kind: str = "auto") -> str:
                         f"(or omit it to train on the Python standard library)")
     if p.is_file():
         return SUFFIXES.get(p.suffix, "text")
-    if (p / "manifest.json").is_file():
+    if (p / MANIFEST).is_file():
         return "prepared"
     if (p / HF_STATE).is_file() or (p / HF_SPLITS).is_file():
         return "hf_datasets"
-    return next((k for s, k in SUFFIXES.items() if k in ("parquet", "jsonl") and _files(p, s)), "text")
+    return next((k for s, k in SUFFIXES.items() if k != "tokens" and _files(p, s)), "text")
 
 
 def units(kind: str, path: str) -> list[Unit]:

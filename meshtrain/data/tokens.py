@@ -56,11 +56,13 @@ def read_token_file(path: Path, meta: dict | None = None) -> tuple[np.memmap, di
     path = Path(path)
     meta = meta if meta is not None else (_read_json(sidecar(path)) if sidecar(path).is_file() else None)
     dtype = np.dtype(meta["dtype"]) if meta else PLAIN_DTYPE
-    size = path.stat().st_size if path.is_file() else -1
-    if size <= 0 or size % dtype.itemsize:
-        why = "is missing" if size < 0 else f"has {size} bytes, not a whole number of"
-        raise UserError(f"token file {path} {why} {dtype.itemsize}-byte ({dtype.name}) tokens; write it "
-                        f"as a flat {dtype.name} array (numpy's tofile) or prepare the data again")
+    if not path.is_file():
+        raise UserError(f"token file {path} is not a file; pass a .bin token file, or set data.kind")
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise UserError(f"token file {path} has {size} bytes, not a whole number of {dtype.itemsize}-byte "
+                        f"({dtype.name}) tokens; write it as a flat {dtype.name} array (numpy's tofile) or "
+                        f"prepare the data again")
     if meta and "tokens" in meta and size != meta["tokens"] * dtype.itemsize:
         raise UserError(f"token file {path} has {size // dtype.itemsize:,} tokens, its description says "
                         f"{meta['tokens']:,}; prepare the data again")
@@ -69,6 +71,9 @@ def read_token_file(path: Path, meta: dict | None = None) -> tuple[np.memmap, di
 
 def read_prepared(folder: Path) -> tuple["Tokens", dict]:
     """(the corpus's token stream, its manifest) of a prepared folder; the shards stay on disk."""
+    if not (Path(folder) / MANIFEST).is_file():
+        raise UserError(f"{folder} is not a prepared folder (no {MANIFEST}); write one with python -m "
+                        f"meshtrain.data prepare, or set data.kind")
     manifest = _read_json(Path(folder) / MANIFEST)
     parts = [read_token_file(Path(folder) / s["file"], {"dtype": manifest["dtype"], "tokens": s["tokens"]})[0]
              for s in manifest["shards"]]
