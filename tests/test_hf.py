@@ -107,7 +107,7 @@ def test_cli_fine_tunes_imported_weights_and_exports_them_bitwise(tmp_path):
         assert x.dtype == back.get(name).dtype and np.array_equal(x.view(np.uint8), back.get(name).view(np.uint8))
     assert hf.read_spec(tmp_path / "back") == hf.read_spec(folder)
     history = trainer.fit()
-    tokens = torch.tensor(np.asarray(trainer.train_batches(0)))  # [B, L + 1]: step 1's batch
+    tokens = torch.tensor(np.asarray(trainer.train_batches(0))).long()  # [B, L + 1]: step 1's batch
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         hf_loss = hf_model(tokens, labels=tokens).loss.item()  # predicts tokens 1..L, as meshtrain does
