@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from meshtrain import tokenizer
 from meshtrain.config import Config, UserError, commented_yaml
 
 
@@ -75,6 +76,8 @@ def from_hf(folder: str, out: str | None) -> Path:
     hf.check_tensors(hf.SafetensorsFolder(folder), FAMILIES[spec.family](spec), folder)
     cfg = Config(model=spec, out=str(Path(out)))
     cfg.checkpoint.init_from = f"hf:{Path(folder).absolute()}"
+    if (Path(folder) / tokenizer.HF_FILE).is_file():  # train on text with the checkpoint's own tokenizer
+        cfg.data.tokenizer = str(Path(folder).absolute())
     with output_folder(out) as tmp:
         (tmp / "config.yaml").write_text(
             f"# fine-tunes {Path(folder).absolute()} (python -m meshtrain.convert --from-hf); set data and train\n"
@@ -99,6 +102,9 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     params, step = run_dir.newest_params(run, model, param_shardings(model, mesh))
     with output_folder(folder) as tmp:
         files = hf.save_params(params, cfg.model, tmp, dtype, max_shard_bytes)
+        tok = tokenizer.recorded(Path(run))
+        if isinstance(tok, tokenizer.HFTokenizer):  # byte-level runs have no Hugging Face tokenizer to ship
+            tokenizer.record(tmp, tok)
     size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
     print(f"wrote {folder}: step {step} of {run}, {len(files)} safetensors file(s), {size / 1e6:.1f} MB {dtype}")
     return [Path(folder) / f.name for f in files]
