@@ -14,15 +14,12 @@ Nothing is written unless the whole output could be: outputs go to a temporary f
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from meshtrain import tokenizer
+from meshtrain import run_dir, tokenizer
 from meshtrain.config import Config, UserError, commented_yaml
+from meshtrain.folders import check_new, writing_whole
 
 
 def parser() -> argparse.ArgumentParser:
@@ -72,13 +69,14 @@ def from_hf(folder: str, out: str | None) -> Path:
 
     if not out:
         raise UserError("--from-hf needs --out RUN: the run folder to fine-tune in")
+    check_new(out, "--out")
     spec = hf.read_spec(folder)
     hf.check_tensors(hf.SafetensorsFolder(folder), FAMILIES[spec.family](spec), folder)
     cfg = Config(model=spec, out=str(Path(out)))
     cfg.checkpoint.init_from = f"hf:{Path(folder).absolute()}"
     if (Path(folder) / tokenizer.HF_FILE).is_file():  # train on text with the checkpoint's own tokenizer
         cfg.data.tokenizer = str(Path(folder).absolute())
-    with output_folder(out) as tmp:
+    with writing_whole(out, "--out") as tmp:
         (tmp / "config.yaml").write_text(
             f"# fine-tunes {Path(folder).absolute()} (python -m meshtrain.convert --from-hf); set data and train\n"
             + commented_yaml(cfg))
@@ -90,17 +88,18 @@ def from_hf(folder: str, out: str | None) -> Path:
 def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: str) -> list[Path]:
     import jax
 
-    from meshtrain import hf, run_dir
+    from meshtrain import hf
     from meshtrain.mesh import build_mesh, parse_mesh
     from meshtrain.sharding import param_shardings
     from models import FAMILIES
 
     cfg = run_dir.run_config(run)
+    check_new(folder, "--to-hf DIR")
     model = FAMILIES[cfg.model.family](cfg.model)
     hf.hf_config(cfg.model, dtype)  # refuses what has no Hugging Face form before anything is read
     mesh = build_mesh(parse_mesh(mesh_spec, jax.device_count()))
     params, step = run_dir.newest_params(run, model, param_shardings(model, mesh))
-    with output_folder(folder) as tmp:
+    with writing_whole(folder, "--to-hf DIR") as tmp:
         files = hf.save_params(params, cfg.model, tmp, dtype, max_shard_bytes)
         tok = tokenizer.recorded(Path(run))
         if isinstance(tok, tokenizer.HFTokenizer):  # byte-level runs have no Hugging Face tokenizer to ship
@@ -108,24 +107,6 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
     print(f"wrote {folder}: step {step} of {run}, {len(files)} safetensors file(s), {size / 1e6:.1f} MB {dtype}")
     return [Path(folder) / f.name for f in files]
-
-
-@contextlib.contextmanager
-def output_folder(path: str | Path):
-    """A temporary folder beside `path`, renamed to it when the block succeeds; `path` must not exist
-    or be empty, so nothing is overwritten and a failure leaves nothing behind."""
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UserError(f"{path} already exists and is not empty; pick a new output folder")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        yield tmp
-        if path.exists():
-            path.rmdir()
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

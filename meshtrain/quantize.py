@@ -31,16 +31,15 @@ meshtrain/loss.py's tiled cross-entropy); the int8 format here is plain safetens
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 from flax import traverse_util
 
+from meshtrain import run_dir
 from meshtrain.errors import UserError
+from meshtrain.folders import check_new, writing_whole
 
 SCHEMES = ("symmetric", "affine")
 BATCH_AXES = ("layers", "experts")
@@ -168,16 +167,6 @@ def evaluate_with(trainer, params) -> float | None:
         trainer.state = own
 
 
-def checked_out(out: str | Path) -> Path:
-    """OUT, once it is known that it can be created and holds nothing; nothing is written."""
-    from meshtrain.run_dir import checked
-
-    out = checked(str(out))
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} already exists and is not empty; pass a new OUT folder or delete it")
-    return out
-
-
 def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=None) -> dict:
     """Export RUN's newest checkpoint as int8 into OUT (made whole or not at all); print and return
     the eval losses and sizes. `devices` as for Trainer (default: all, with the run's mesh)."""
@@ -185,14 +174,13 @@ def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=Non
 
     from meshtrain import tokenizer
     from meshtrain.checkpoint import complete_steps
-    from meshtrain.run_dir import run_config
     from meshtrain.trainer import Trainer
 
     check_scheme(scheme)
-    cfg = run_config(run)
+    cfg = run_dir.run_config(run)
     if not complete_steps(Path(run) / "checkpoints"):
         raise UserError(f"{run} holds no checkpoint; train it first (python -m meshtrain.train --out {run})")
-    out = checked_out(out)
+    out = check_new(out, "OUT")
     cfg.checkpoint.resume = "auto"  # the newest checkpoint, whatever the run was started with
     trainer = Trainer(cfg, devices=devices)  # restores it; writes nothing until fit
     params = trainer.unpermuted_params()
@@ -212,28 +200,12 @@ def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=Non
             "run": str(Path(run).absolute()), "report": report}
     files = {MODEL_FILE: blob, INFO_FILE: json.dumps(info, indent=1).encode() + b"\n",
              "config.yaml": (Path(run) / "config.yaml").read_bytes()}
-    write_folder(out, files, tokenizer.recorded(run))
-    print(table(info), flush=True)
-    return report
-
-
-def write_folder(out: Path, files: dict[str, bytes], tok) -> None:
-    """OUT with `files` and the tokenizer (if any), whole or not at all: written into a hidden
-    folder beside it, renamed at the end (over an empty OUT)."""
-    from meshtrain import tokenizer
-
-    parent = next(p for p in out.absolute().parents if p.is_dir())  # checked_out: writable
-    tmp = parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()  # not mkdtemp: OUT gets the umask's permissions, not 0700
-    try:
+    with writing_whole(out, "OUT") as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
-        tokenizer.record(tmp, tok)  # None: the run recorded none
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tokenizer.record(tmp, tokenizer.recorded(run))  # None: the run recorded none
+    print(table(info), flush=True)
+    return report
 
 
 def table(info: dict) -> str:

@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import tempfile
 from pathlib import Path
 
 import yaml
 
 from meshtrain.config import Config, UserError, default_out, to_dict
+from meshtrain.folders import writable
 
 
 def checked(out: str) -> Path:
     """The output folder, once it is known that it can be created or written; nothing is written."""
-    path = Path(out or default_out())
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(f"--out {path}: {probe} is a file, not a folder; pick another --out")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"--out {path}: {probe} is not writable; pick another --out")
-    try:  # access() can pass where creating fails (/proc, a read-only mount as root): create a folder
-        os.rmdir(tempfile.mkdtemp(prefix=".meshtrain-probe-", dir=probe))  # of our own there, then remove it
-    except OSError as e:
-        raise UserError(f"--out {path} cannot be created ({e.strerror}); pick another --out") from None
-    return path
+    return writable(Path(out or default_out()), "--out")
 
 
 def version() -> str:

@@ -147,7 +147,7 @@ def test_bad_sources_are_one_line_errors(bpe, tmp_path, capsys, monkeypatch):
         (["dict"], "new", "is a DatasetDict with splits train, test; pass one split's folder, e.g. --data"),
         (["spark", "--kind", "jsonl"], "new", "no .jsonl files under"),
         (["prepared"], "new", "holds prepared, not documents"),
-        (["other.jsonl", "--text-field", "content"], "busy", "busy exists and is not an empty folder"),
+        (["other.jsonl", "--text-field", "content"], "busy", "busy already exists and is not empty"),
         (["missing.txt"], "new", "data path"),
     ]
     for (src, *flags), out, message in cases:

@@ -10,6 +10,7 @@ from meshtrain import quantize as qz
 from meshtrain import tokenizer
 from meshtrain.config import load_config
 from meshtrain.errors import UserError
+from meshtrain.folders import writing_whole
 from meshtrain.testing import MOE_TINY, run_tiny
 from models import FAMILIES
 from models.moe import MOE_PARAM_AXES
@@ -128,7 +129,7 @@ def test_export_loads_back_and_stays_close(tiny, exports, scheme):
 def test_bad_input_is_a_user_error_and_writes_nothing(tiny, exports, tmp_path):
     trainer, _ = tiny
     taken, _ = exports["symmetric"]
-    with pytest.raises(UserError, match="not empty; pass a new OUT"):
+    with pytest.raises(UserError, match="OUT .* already exists and is not empty; pick a new folder"):
         qz.cli(trainer.out, taken, "symmetric", devices=jax.devices()[:1])
     with pytest.raises(UserError, match="scheme 'int4'; pass --scheme symmetric or affine"):
         qz.cli(trainer.out, tmp_path / "new", "int4")
@@ -143,5 +144,7 @@ def test_bad_input_is_a_user_error_and_writes_nothing(tiny, exports, tmp_path):
 
 def test_a_failed_write_leaves_no_folder(tmp_path):
     with pytest.raises(FileNotFoundError):
-        qz.write_folder(tmp_path / "a" / "out", {"model.safetensors": b"x", "no/such/dir": b"y"}, None)
+        with writing_whole(tmp_path / "a" / "out", "OUT") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x")
+            (tmp / "no" / "such").write_bytes(b"y")
     assert list(tmp_path.iterdir()) == []

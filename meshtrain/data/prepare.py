@@ -18,6 +18,7 @@ from meshtrain import tokenizer as tokenizer_lib
 from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
 from meshtrain.data.tokens import MANIFEST, file_meta, sidecar, token_dtype, write_json
 from meshtrain.errors import UserError
+from meshtrain.folders import writing_whole
 
 SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 
@@ -104,26 +105,19 @@ def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = 
     if shard_tokens < 1 or workers < 1:
         raise UserError(f"--shard-tokens {shard_tokens} and --workers {workers} must be >= 1")
     parts = units(kind, src)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out} exists and is not an empty folder; pick a new one (prepare never "
-                        f"overwrites)")
-    out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, tok, shard_tokens)
-    try:
-        for ids, ends in tokenized(parts, tok, text_field, workers):
-            writer.add(ids, ends)
-        shards = writer.close()
+    with writing_whole(out, "--out") as tmp:
+        writer = ShardWriter(tmp, tok, shard_tokens)
+        try:
+            for ids, ends in tokenized(parts, tok, text_field, workers):
+                writer.add(ids, ends)
+            shards = writer.close()
+        finally:
+            if writer.file is not None:
+                writer.file.close()
         if not shards:
             raise UserError(f"{src} holds no documents; pass a source with text in it")
-        tokenizer_lib.record(out, tok)
+        tokenizer_lib.record(tmp, tok)
         manifest = {**file_meta(tok, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)),
                     "source": {"path": str(src), "kind": kind, "text_field": text_field}, "shards": shards}
-        write_json(out / MANIFEST, manifest)
-        return manifest
-    except BaseException:  # a failed prepare leaves the folder as it found it: empty
-        if writer.file is not None:
-            writer.file.close()
-        for f in out.iterdir():
-            f.unlink()
-        raise
+        write_json(tmp / MANIFEST, manifest)
+    return manifest
