@@ -1,6 +1,6 @@
 """Batches built ahead, in a background thread, while the device runs the current step.
 
-The batch of a step is a pure function of its index (meshtrain/data.py), so prefetching cannot
+The batch of a step is a pure function of its index (meshtrain/data/batches.py), so prefetching cannot
 change the data: a miss (after a guard rollback, or when the guard has just skipped a batch) only
 means that one batch is built in the loop instead.
 """
