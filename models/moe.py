@@ -37,6 +37,7 @@ K experts per token, C capacity (slots per row and expert), S = E * C slots per 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -251,6 +252,12 @@ class MoELanguageModel(LanguageModel):
 
     module = MoETransformer
     param_axes = MOE_PARAM_AXES
+
+    def decoding_spec(self):
+        """Decoding routes dropless (capacity_factor 0): a token's experts never depend on the other
+        tokens of its prefill or batch. Under capacity_factor > 0 the full forward (and training) may
+        drop assignments, so cached decoding matches it only where nothing was dropped."""
+        return dataclasses.replace(self.cfg, capacity_factor=0.0)
 
     def auxiliary_loss(self, stats):
         if not self.cfg.num_experts:

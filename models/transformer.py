@@ -2,15 +2,20 @@
 attention, SwiGLU, tied or untied head; layers stacked on a leading `layers` axis and run with scan.
 The `llama` family, and the base the `moe` family (models/moe.py) changes the MLP of.
 
+`Block` is three pieces: `project` (norm, q/k/v, rotary), the attention kernel, and `finish` (output
+projection, MLP, residuals); training runs them as `__call__`, generation as `decode` (a KV cache).
+
 The model names its activations and logical axes; how it runs is applied from outside: the
 attention backend is a function it is given (meshtrain/attention.py), the remat policy wraps its
 `block` (meshtrain/remat.py), and the sequence may be stored permuted (`sequence_order`, for
 context parallelism), which the rotary embeddings and the kernel follow.
 
 Names carry their shapes (nanodo style): B batch, L sequence, D width, H query heads, G kv heads,
-R = H / G query heads per kv head, K head dim, F mlp width, V vocab.
+R = H / G query heads per kv head, K head dim, F mlp width, V vocab, T KV-cache positions.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,16 +78,28 @@ def rope_frequencies(cfg):
     return jnp.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-def rotary(x_BxLxNxK, inv_freq_K2, positions_L=None):
+def rotary(x_BxLxNxK, inv_freq_K2, positions=None):
     """Rotate channel pairs (i, i + K/2) by position x inv_freq[i] (`rope_frequencies`).
-    `positions_L`: each stored position's place in the sequence (None: 0..L-1)."""
+    `positions`: each stored position's place in the sequence, [L] or per row [B, L] (None: 0..L-1)."""
     L = x_BxLxNxK.shape[1]
-    positions = jnp.arange(L) if positions_L is None else jnp.asarray(positions_L)
-    angle_LxK2 = positions.astype(jnp.float32)[:, None] * inv_freq_K2[None, :]
-    cos, sin = jnp.cos(angle_LxK2)[None, :, None, :], jnp.sin(angle_LxK2)[None, :, None, :]
+    positions = jnp.arange(L) if positions is None else jnp.asarray(positions)
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq_K2  # [L, K/2] or [B, L, K/2]
+    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]
     x1, x2 = jnp.split(x_BxLxNxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxK.dtype)
+
+
+def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int | None = None):
+    """Attention of L queries per row over a KV cache of T positions: each query sees the cache
+    positions <= its own (`positions_BxL`), so what lies beyond a row's end is never read; with
+    `window`, only the last `window` of them (sliding-window attention, Beltagy et al. 2020).
+    fp32 scores and softmax, grouped-query, as `meshtrain.attention.xla_attention`."""
+    pos_Bx1xLx1, cache_T = positions_BxL[:, None, :, None], jnp.arange(k_BxTxGxK.shape[1])
+    mask_Bx1xLxT = cache_T <= pos_Bx1xLx1
+    if window is not None:
+        mask_Bx1xLxT &= cache_T > pos_Bx1xLx1 - window
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, mask=mask_Bx1xLxT)
 
 
 class Block(nnx.Module):
@@ -107,19 +124,45 @@ class Block(nnx.Module):
         self.w_down = nnx.Param(_init(0, 1)(rngs.params(), (F, D)))
 
     def __call__(self, x_BxLxD, attend, positions_L=None):
-        cfg = self.cfg
+        q, k, v = self.project(x_BxLxD, positions_L)
+        return self.finish(x_BxLxD, attend(q, k, v, positions_L))
+
+    def project(self, x_BxLxD, positions=None):
+        """Queries [B, L, H, K], keys and values [B, L, G, K] of norm(x); q and k rotated to their
+        `positions` ([L] or [B, L], see `rotary`)."""
         h = self.attn_norm(x_BxLxD)
         q = checkpoint_name(jnp.einsum("bld,dhk->blhk", h, self.wq[...]), "q")
         k = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wk[...]), "k")
         v = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
-        inv_freq_K2 = rope_frequencies(cfg)
-        q = constrain(rotary(q, inv_freq_K2, positions_L), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(rotary(k, inv_freq_K2, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
-        ctx_BxLxHxK = checkpoint_name(attend(q, k, v, positions_L), "attn_ctx")
+        inv_freq_K2 = rope_frequencies(self.cfg)
+        q = constrain(rotary(q, inv_freq_K2, positions), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(rotary(k, inv_freq_K2, positions), ("batch", "seq", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def finish(self, x_BxLxD, ctx_BxLxHxK):
+        """The block after attention: x + ctx wo, then x + mlp(norm(x)); the new x and the stats."""
+        ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_ctx")
         attn = checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]), "attn_out")
         x_BxLxD = constrain(x_BxLxD + attn, RESIDUAL)
         out, stats = self.mlp(self.mlp_norm(x_BxLxD))
         return constrain(x_BxLxD + out, RESIDUAL), stats
+
+    def decode(self, x_BxLxD, cache_k_BxTxGxK, cache_v_BxTxGxK, start_B, window=None):
+        """The block on L new positions per row, start_B[b] .. start_B[b] + L - 1, with this layer's
+        KV cache: their keys and values are written there, then each query attends to the cache
+        positions <= its own (`cached_attention`). Returns the new x and the cache."""
+        positions_BxL = start_B[:, None] + jnp.arange(x_BxLxD.shape[1])
+        q, k, v = self.project(x_BxLxD, positions_BxL)
+
+        def write(cache_BxTxGxK, new_BxLxGxK):  # each row at its own start
+            put = lambda c_TxGxK, n_LxGxK, s: jax.lax.dynamic_update_slice_in_dim(c_TxGxK, n_LxGxK, s, 0)
+            cache_BxTxGxK = jax.vmap(put)(cache_BxTxGxK, new_BxLxGxK.astype(cache_BxTxGxK.dtype), start_B)
+            return constrain(cache_BxTxGxK, ("batch", None, "kv_heads", "head_dim"))
+
+        cache_k_BxTxGxK, cache_v_BxTxGxK = write(cache_k_BxTxGxK, k), write(cache_v_BxTxGxK, v)
+        ctx_BxLxHxK = cached_attention(q, cache_k_BxTxGxK, cache_v_BxTxGxK, positions_BxL, window)
+        x_BxLxD, _ = self.finish(x_BxLxD, ctx_BxLxHxK)
+        return x_BxLxD, cache_k_BxTxGxK, cache_v_BxTxGxK
 
     def mlp(self, h_BxLxD):
         """SwiGLU (Shazeer 2020): (silu(h w_gate) * h w_up) w_down."""
@@ -158,7 +201,8 @@ class LanguageModel:
     """The protocol meshtrain trains through, on pure parameter pytrees (nested dicts):
     `init(key)`, `embed(params, tokens)`, `block(params_i, x) -> (x, stats)`, `loss(params, x, targets)`
     (head and cross-entropy), `auxiliary_loss(stats)`, `head(params, x)` (logits), `apply`,
-    `logical_axes(params)`, `saveable` (the activation names remat policies may keep).
+    `logical_axes(params)`, `saveable` (the activation names remat policies may keep);
+    for generation, `init_cache` and `decode` (the cached forward, meshtrain/generate.py).
     `params["blocks"]` is stacked on a leading layers axis.
 
     `attention`: the kernel (meshtrain/attention.py); `sequence_order`: the true position of each
@@ -212,6 +256,35 @@ class LanguageModel:
     def apply(self, params, tokens_BxL):
         x = self.embed(params, tokens_BxL)
         return self.head(params, scan_blocks(self.block, params["blocks"], x)[0])
+
+    def decoding_spec(self):
+        """The model spec the cached forward runs with (the moe family's routes dropless)."""
+        return self.cfg
+
+    @functools.cached_property
+    def _decode_graphdef(self):
+        return nnx.graphdef(nnx.eval_shape(lambda: self.module(self.decoding_spec(), nnx.Rngs(0))).blocks)
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """An empty KV cache: keys and values [layers, B, T, G, K] for T = max_len positions."""
+        c = self.cfg
+        zeros = jnp.zeros((c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim), dtype)
+        return {"k": zeros, "v": zeros}
+
+    def decode(self, params, tokens_BxL, cache, start_B, window: int | None = None):
+        """The cached forward: the final hidden states [B, L, D] (before `head`) of L new tokens per
+        row at positions start_B[b] .. start_B[b] + L - 1, and the cache with their keys and values
+        written. Prefill (a prompt) and one-token decoding are this one function; the layers run
+        under one scan, as `scan_blocks`. `window`: attend to that many latest positions at most."""
+        def layer(x_BxLxD, xs):
+            params_i, k_BxTxGxK, v_BxTxGxK = xs
+            block = nnx.merge(self._decode_graphdef, params_i)
+            x_BxLxD, k_BxTxGxK, v_BxTxGxK = block.decode(x_BxLxD, k_BxTxGxK, v_BxTxGxK, start_B, window)
+            return x_BxLxD, (k_BxTxGxK, v_BxTxGxK)
+
+        x_BxLxD = self.embed(params, tokens_BxL)
+        x_BxLxD, (k, v) = jax.lax.scan(layer, x_BxLxD, (params["blocks"], cache["k"], cache["v"]))
+        return x_BxLxD, {"k": k, "v": v}
 
     def logical_axes(self, params):
         def axes(path, _):
