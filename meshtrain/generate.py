@@ -1,0 +1,259 @@
+"""Text generation with a KV cache: `generate(model, params, prompts, max_new_tokens, ...)` and
+`python -m meshtrain.generate --run RUN --prompt "ROMEO:"`.
+
+- The cached forward is the model's (`LanguageModel.decode`): the prompt (prefill) and each new
+  token go through one function, which writes their keys and values into a cache [layers, B, T, G, K]
+  and attends over it.
+- Prompts of different lengths: each row keeps its own length. The prompts are right-padded to the
+  longest and prefilled together; row b's first new token comes from position len_b - 1 and its t-th
+  is written at position len_b + t, over the padding's keys, which no query of the row has read (a
+  query attends to cache positions <= its own). Every row's positions start at 0, as in training,
+  so a row's tokens never depend on the other rows (left padding would shift them).
+- One jitted program: prefill, then a `jax.lax.while_loop` of one-token steps that ends when every
+  row has produced `eos_id` or after max_new_tokens.
+- Sampling: greedy (temperature 0), or softmax(logits / temperature) restricted to the top k and to
+  the nucleus (Holtzman et al. 2020); step t draws with `fold_in(key(seed), t)`, so a seed
+  reproduces its tokens, on any mesh.
+- On a mesh (`place`): parameters sharded by the logical rules over fsdp/tensor/expert (replicated
+  over data, whatever ZeRO stage trained them), prompt rows over the batch axes. No pipeline or
+  context axes.
+- `window` (the CLI: the run's train.seq_len): a query attends to the latest `window` positions at
+  most, so text longer than the trained length keeps every query-key distance a trained one.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.errors import UserError
+from meshtrain.spec import MAX_SIMULATED_DEVICES
+
+
+def filter_logits(logits_BxV, top_k=0, top_p=1.0):
+    """Logits outside the k largest (top_k > 0) and outside the nucleus (top_p < 1: the smallest set
+    of most likely tokens whose probabilities, renormalised over the top k, sum to >= top_p) set to
+    -inf; ties at the boundary stay in. top_k and top_p may be traced: one sort serves both."""
+    V = logits_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)
+    in_top_k_V = jnp.arange(V) < jnp.where(top_k > 0, top_k, V)
+    probs_BxV = jax.nn.softmax(jnp.where(in_top_k_V, sorted_BxV, -jnp.inf), axis=-1)
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # the mass of the more likely tokens
+    kept_Bx1 = jnp.sum(in_top_k_V & (before_BxV < top_p), axis=-1, keepdims=True)
+    cut_Bx1 = jnp.take_along_axis(sorted_BxV, kept_Bx1 - 1, axis=-1)
+    return jnp.where(logits_BxV < cut_Bx1, -jnp.inf, logits_BxV)
+
+
+def sample(logits_BxV, key, temperature, top_k, top_p):
+    """One token per row: the argmax at temperature 0, else a draw from the filtered softmax of
+    logits / temperature."""
+    hot = temperature > 0
+    filtered_BxV = filter_logits(logits_BxV / jnp.where(hot, temperature, 1.0), top_k, top_p)
+    drawn_B = jax.random.categorical(key, filtered_BxV, axis=-1)
+    return jnp.where(hot, drawn_B, jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _program(model, max_new: int, mesh, rules):
+    """The jitted generation of max_new tokens (jit caches the compiled shapes; the sampling
+    settings, eos and window are traced, so changing them compiles nothing); traced under `rules`
+    (a tuple of items) on `mesh` when one is given."""
+    from meshtrain.sharding import activation_rules
+
+    def run(params, prompts_BxP, lengths_B, key, settings):
+        with activation_rules(dict(rules), mesh) if mesh is not None else contextlib.nullcontext():
+            return tokens(params, prompts_BxP, lengths_B, key, **settings)
+
+    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, window):
+        B, P = prompts_BxP.shape
+        cache = model.init_cache(B, P + max_new - 1)
+        x_BxPxD, cache = model.decode(params, prompts_BxP, cache, jnp.zeros(B, jnp.int32), window)
+        x_BxD = jnp.take_along_axis(x_BxPxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+
+        def next_token(x_BxD, t, done_B):  # a finished row repeats eos_id (-1: none)
+            logits_BxV = model.head(params, x_BxD[:, None])[:, 0]
+            token_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
+            return jnp.where(done_B, eos_id, token_B), done_B | (token_B == eos_id)
+
+        first_B, done_B = next_token(x_BxD, 0, jnp.zeros(B, bool))
+        out_BxN = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first_B)
+
+        def step(state):
+            t, out_BxN, cache, done_B = state
+            last_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxN, t - 1, 1, axis=1)
+            x_Bx1xD, cache = model.decode(params, last_Bx1, cache, lengths_B + t - 1, window)
+            token_B, done_B = next_token(x_Bx1xD[:, 0], t, done_B)
+            return t + 1, jax.lax.dynamic_update_slice_in_dim(out_BxN, token_B[:, None], t, 1), cache, done_B
+
+        going = lambda state: (state[0] < max_new) & ~jnp.all(state[3])
+        _, out_BxN, _, _ = jax.lax.while_loop(going, step, (1, out_BxN, cache, done_B))
+        return out_BxN
+
+    return jax.jit(run)
+
+
+def generate(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
+             mesh=None, rules=None) -> list[np.ndarray]:
+    """The new token ids of each prompt (a list of 1-D int arrays): max_new_tokens of them, or up to
+    (not including) the row's first `eos_id`. temperature 0 is greedy; top_k 0 and top_p 1 keep every
+    token. With `mesh`, runs there under the logical `rules` (default: meshtrain's), `params` placed
+    by `place`; rows are padded to a multiple of the batch axes and the padding dropped."""
+    from meshtrain.sharding import make_rules, spec_for
+
+    check_settings(max_new_tokens, temperature, top_k, top_p)
+    lengths = [len(p) for p in prompts]
+    if not prompts or min(lengths) == 0:
+        raise UserError("every prompt needs at least one token; pass a non-empty prompt")
+    rows = len(prompts)
+    if mesh is not None:
+        rules = rules or make_rules()
+        multiple = math.prod(mesh.shape[a] for a in rules["batch"])
+        rows = -(-rows // multiple) * multiple
+    prompts_BxP = np.zeros((rows, max(lengths)), np.int32)
+    lengths_B = np.full(rows, lengths[0], np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BxP[b, :len(p)], lengths_B[b] = p, len(p)
+    prompts_BxP[len(prompts):, :lengths[0]] = prompts[0]  # padding rows repeat the first prompt
+    program = _program(model, max_new_tokens, mesh, None if mesh is None else tuple(sorted(rules.items())))
+    settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
+                "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
+                "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens)}
+    args = [prompts_BxP, lengths_B]
+    if mesh is None:
+        out_BxN = program(params, *args, jax.random.key(seed), settings)
+    else:
+        by_row = lambda a: NamedSharding(mesh, spec_for(("batch",) + (None,) * (a.ndim - 1), rules, mesh))
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, by_row(a)) for a in args]
+            out_BxN = program(params, *args, jax.random.key(seed), settings)
+    out_BxN = np.asarray(jax.device_get(out_BxN))[:len(prompts)]
+    return [row[:np.argmax(row == eos_id)] if eos_id is not None and (row == eos_id).any() else row
+            for row in out_BxN]
+
+
+def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: generate at least 1 token")
+    if temperature < 0:
+        raise UserError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise UserError(f"--top-k {top_k}: must be >= 0 (0 = no top-k filter)")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p {top_p}: must be in (0, 1] (1 = no nucleus filter)")
+
+
+def place(model, mesh, rules=None, params=None):
+    """The parameters' shardings on `mesh` (no ZeRO: replicated over data); with `params`, those
+    parameters placed there."""
+    from meshtrain.sharding import check_replication, make_rules, tree_specs
+
+    rules = rules or make_rules()
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    axes = model.logical_axes(abstract)
+    check_replication(abstract, axes, rules, mesh, zero=0)
+    specs = tree_specs(abstract, axes, rules, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return shardings if params is None else jax.device_put(params, shardings)
+
+
+def load(run: str, mesh_spec: str | None = None):
+    """(model, params, mesh) of a run's newest checkpoint: on the first device, or sharded over
+    `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
+    from meshtrain.mesh import build_mesh, parse_mesh
+    from meshtrain.run_dir import newest_params, run_config
+    from models import FAMILIES
+
+    cfg = run_config(run)
+    model = FAMILIES[cfg.model.family](cfg.model)
+    if mesh_spec is None:
+        return model, newest_params(run, model)[0], None
+    spec = cfg.parallel.mesh if mesh_spec == "run" else mesh_spec
+    sizes = parse_mesh(spec, jax.device_count())
+    for axis in ("pipeline", "context"):
+        if sizes[axis] > 1:
+            raise UserError(f"mesh {spec} has {axis}={sizes[axis]}, which decoding does not use; pass "
+                            f"--mesh without it, e.g. --mesh tensor=2 (the parameters are resharded on load)")
+    mesh = build_mesh(sizes)
+    return model, newest_params(run, model, place(model, mesh))[0], mesh
+
+
+def encode_prompts(run: str, texts: list[str], tokenizer_spec: str | None = None):
+    """(tokenizer, token ids of each text): the run's recorded tokenizer unless one is named; each
+    prompt at most the run's context (train.seq_len)."""
+    from meshtrain import tokenizer
+    from meshtrain.run_dir import run_config
+
+    cfg = run_config(run)
+    tok = tokenizer.load(tokenizer_spec) if tokenizer_spec else tokenizer.recorded(run)
+    if tok is None:
+        raise UserError(f"{run} records no tokenizer (a run from before they were recorded, or on token "
+                        f"files); pass --tokenizer byte for a text run, or --tokenizer a/tokenizer.json")
+    tokenizer.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
+    prompts = [tok.encode(text).astype(np.int32) for text in texts]
+    context = cfg.train.seq_len
+    for text, ids in zip(texts, prompts):
+        if len(ids) > context:
+            raise UserError(f"prompt {text[:20]!r}... is {len(ids)} tokens, longer than the run's context "
+                            f"(train.seq_len={context}); shorten it to at most {context} tokens")
+    return tok, prompts
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meshtrain.generate",
+                                description="Generate text from a training run's newest checkpoint.")
+    p.add_argument("--run", required=True, help="the training run's --out folder")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="text to continue (repeatable: a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", help="shard over this mesh ('tensor=2', 'data=2,tensor=2'; 'run' = the run's "
+                                  "own); default: one device")
+    p.add_argument("--devices", type=int,
+                   help=f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}), no accelerator")
+    p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the one the run recorded)")
+    return p
+
+
+def main(argv=None) -> int:
+    from meshtrain.mesh import simulate_cpu_devices
+    from meshtrain.run_dir import run_config
+
+    args = parser().parse_args(argv)
+    try:
+        check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        if args.devices is not None:
+            if not 1 <= args.devices <= MAX_SIMULATED_DEVICES:
+                raise UserError(f"--devices {args.devices}: simulate 1 to {MAX_SIMULATED_DEVICES} CPU "
+                                f"devices, or omit --devices to use the machine's own")
+            simulate_cpu_devices(args.devices)
+        tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
+        model, params, mesh = load(args.run, args.mesh)
+        start = time.perf_counter()
+        out = generate(model, params, prompts, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
+                       window=run_config(args.run).train.seq_len, mesh=mesh)
+        seconds = time.perf_counter() - start
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for text, ids in zip(args.prompt, out):
+        print(text + tok.decode(ids), end="\n\n" if len(out) > 1 else "\n")
+    print(f"{sum(map(len, out))} tokens in {seconds:.1f} s, compile included", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
