@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from meshtrain.errors import UserError
 from meshtrain.spec import MAX_SIMULATED_DEVICES
@@ -154,15 +154,9 @@ def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: f
 def place(model, mesh, rules=None, params=None):
     """The parameters' shardings on `mesh` (no ZeRO: replicated over data); with `params`, those
     parameters placed there."""
-    from meshtrain.sharding import check_replication, make_rules, tree_specs
+    from meshtrain.sharding import param_shardings
 
-    rules = rules or make_rules()
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
-    axes = model.logical_axes(abstract)
-    check_replication(abstract, axes, rules, mesh, zero=0)
-    specs = tree_specs(abstract, axes, rules, mesh)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                             is_leaf=lambda s: isinstance(s, PartitionSpec))
+    shardings = param_shardings(model, mesh, rules, check=True)
     return shardings if params is None else jax.device_put(params, shardings)
 
 

@@ -136,11 +136,15 @@ def check_replication(abstract_params, logical_axes, rules, mesh, zero: int) -> 
                         f"the model's dimensions")
 
 
-def param_shardings(model, mesh, rules=None):
+def param_shardings(model, mesh, rules=None, check: bool = False):
     """NamedShardings of the model's parameters on `mesh` under the (default) rules, with no ZeRO
-    stage: for reading or writing weights outside a training run (import, export, generation)."""
+    stage (replicated over `data`): for weights outside a training run (import, export,
+    generation). `check`: fail as training would when the mesh leaves much of them replicated."""
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    specs = tree_specs(abstract, model.logical_axes(abstract), rules or make_rules(), mesh)
+    rules = rules or make_rules()
+    if check:
+        check_replication(abstract, model.logical_axes(abstract), rules, mesh, zero=0)
+    specs = tree_specs(abstract, model.logical_axes(abstract), rules, mesh)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
