@@ -61,7 +61,10 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json. `encode` adds no special tokens (no BOS): prepare appends EOS.
+    """A Hugging Face tokenizer.json. `encode` adds what the file's own template adds, as Hugging Face
+    does by default (Llama: a BOS first; GPT-2 style files: nothing); prepare appends EOS. Text that
+    holds undecodable bytes (surrogate escapes) has them replaced by U+FFFD: the library takes
+    valid Unicode only.
     EOS: `eos` if given (a token or an id), else tokenizer_config.json's eos_token beside the file,
     else the first of `EOS_NAMES` among the file's special tokens; None if none is found."""
 
@@ -95,11 +98,11 @@ class HFTokenizer:
         return next((special[n] for n in EOS_NAMES if n in special), None)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.rust.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int64)
-                for e in self.rust.encode_batch(texts, add_special_tokens=False)]
+        valid = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in texts]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.rust.encode_batch(valid, add_special_tokens=True)]
 
     def decode(self, ids) -> str:
         return self.rust.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)

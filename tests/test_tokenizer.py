@@ -88,3 +88,18 @@ def test_check_config_needs_a_vocabulary_the_tokenizer_fits_in(bpe):
         load_config(None, ["data.tokenizer=byte", "model.vocab_size=200"])
     # a config naming a tokenizer file that is gone still loads (a finished run's config.yaml)
     assert load_config(None, ["data.tokenizer=/gone/tokenizer.json"]).data.tokenizer == "/gone/tokenizer.json"
+
+
+def test_encode_adds_what_the_files_template_adds_and_survives_undecodable_bytes(bpe, tmp_path):
+    """A Llama-style file prepends BOS (as Hugging Face does by default); bytes that are not UTF-8
+    become U+FFFD for the library instead of failing."""
+    from tokenizers import Tokenizer, processors
+
+    rust = Tokenizer.from_file(str(bpe.path))
+    eos = rust.token_to_id("<|endoftext|>")
+    rust.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                        special_tokens=[("<|endoftext|>", eos)])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    with_bos = tokenizer.HFTokenizer(tmp_path / "tokenizer.json")
+    assert list(with_bos.encode("to be")) == [eos, *bpe.encode("to be")]
+    assert list(bpe.encode(b"to \xff be".decode("utf-8", "surrogateescape"))) == list(bpe.encode("to \ufffd be"))

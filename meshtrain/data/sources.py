@@ -104,9 +104,10 @@ def source_bytes(parts: list[Unit]) -> int:
 
 
 def read(unit: Unit, field: str) -> Iterator[str]:
-    """The unit's documents: a text file whole; jsonl lines' / Parquet or Arrow rows' `field`."""
+    """The unit's documents: a text file whole (undecodable bytes kept as surrogate escapes, so the
+    byte tokenizer sees the file's own bytes); jsonl lines' / Parquet or Arrow rows' `field`."""
     if unit.kind == "text":
-        yield Path(unit.file).read_bytes().decode("utf-8", errors="replace")
+        yield Path(unit.file).read_bytes().decode("utf-8", errors="surrogateescape")
     elif unit.kind == "jsonl":
         yield from _jsonl(unit, field)
     else:
