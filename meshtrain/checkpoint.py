@@ -118,14 +118,27 @@ class Checkpointer:
 
     def restore_params(self, step: int, abstract_params):
         """Only the parameters of `step` (no optimizer state is read), into the shardings carried by
-        `abstract_params`, in the checkpoint's storage order; and the checkpoint's metadata."""
+        `abstract_params`, in the checkpoint's storage order; and the checkpoint's metadata. Another
+        layout is a UserError; so is damage (manifest or decode), named, with nothing renamed (a
+        reader of weights leaves setting checkpoints aside to the training run)."""
         folder = self.path(step)
-        check_manifest(folder)
-        meta = ocp.JsonCheckpointHandler().restore(folder / "metadata", args=ocp.args.JsonRestore())
-        item = {"params": abstract_params}
-        restored = ocp.PyTreeCheckpointHandler().restore(
-            folder / "state", args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        try:
+            check_manifest(folder)
+            meta = ocp.JsonCheckpointHandler().restore(folder / "metadata", args=ocp.args.JsonRestore())
+            saved = ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree
+            check_same_layout(folder, leaf_specs(saved["params"]), leaf_specs(abstract_params))
+            item = {"params": abstract_params}
+            restored = ocp.PyTreeCheckpointHandler().restore(
+                folder / "state", args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - damage is named in one line, anything else raised as it is
+            failure = _as_damage(e)
+            if isinstance(failure, Damaged):
+                raise UserError(f"checkpoint {folder} cannot be read ({failure}); resume its run once (which sets "
+                                f"it aside and falls back), or pass an earlier checkpoint") from None
+            raise
         return restored["params"], meta
 
     def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta, folder: None):

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshtrain import run_dir, tokenizer
+from meshtrain import hf, run_dir, tokenizer
 from meshtrain.config import Config, UserError, commented_yaml
 from meshtrain.folders import check_new, writing_whole
 
@@ -30,8 +30,9 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--to-hf", nargs=2, metavar=("RUN", "DIR"), help="export a run's newest checkpoint")
     mode.add_argument("--quantize", nargs=3, metavar=("int8", "RUN", "OUT"), help="INT8 export of a run")
     p.add_argument("--out", help="--from-hf: the run folder to create")
-    p.add_argument("--dtype", default="float32", help="--to-hf: float32, bfloat16 or float16")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: largest safetensors file")
+    p.add_argument("--dtype", default="float32", choices=tuple(hf.DTYPE_NAMES),
+                   help="--to-hf: the dtype written")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: largest safetensors file (> 0)")
     p.add_argument("--scheme", default="symmetric", help="--quantize: symmetric or affine")
     p.add_argument("--mesh", default="fsdp=-1",
                    help="--to-hf: the mesh the weights are read onto (default: split over every device)")
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
         if args.from_hf:
             from_hf(args.from_hf, args.out)
         elif args.to_hf:
+            if args.max_shard_gb <= 0:
+                raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (Hugging Face uses 5)")
             to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh)
         else:
             from meshtrain import quantize
@@ -64,7 +67,6 @@ def main(argv=None) -> int:
 
 
 def from_hf(folder: str, out: str | None) -> Path:
-    from meshtrain import hf
     from models import FAMILIES
 
     if not out:
@@ -88,11 +90,13 @@ def from_hf(folder: str, out: str | None) -> Path:
 def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: str) -> list[Path]:
     import jax
 
-    from meshtrain import hf
     from meshtrain.mesh import build_mesh, parse_mesh
     from meshtrain.sharding import param_shardings
     from models import FAMILIES
 
+    if jax.process_count() > 1:
+        raise UserError("--to-hf runs in one process: it reads the checkpoint onto one host's devices "
+                        "(any mesh's checkpoint); run it on one host, without a multi-host launcher")
     cfg = run_dir.run_config(run)
     check_new(folder, "--to-hf DIR")
     model = FAMILIES[cfg.model.family](cfg.model)

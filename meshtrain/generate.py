@@ -188,10 +188,7 @@ def encode_prompts(run: str, texts: list[str], tokenizer_spec: str | None = None
     from meshtrain.run_dir import run_config
 
     cfg = run_config(run)
-    tok = tokenizer.load(tokenizer_spec) if tokenizer_spec else tokenizer.recorded(run)
-    if tok is None:
-        raise UserError(f"{run} records no tokenizer (a run from before they were recorded, or on token "
-                        f"files); pass --tokenizer byte for a text run, or --tokenizer a/tokenizer.json")
+    tok = tokenizer.load(tokenizer_spec) if tokenizer_spec else tokenizer.for_run(run)
     tokenizer.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
     prompts = [tok.encode(text).astype(np.int32) for text in texts]
     context = cfg.train.seq_len

@@ -11,8 +11,10 @@ family (`LlamaForCausalLM`: GQA, tied or untied head, Llama 3.x rope scaling) an
 - `load_params(dir, model, shardings)`: each device's shard is read from the memory-mapped files
   by `jax.make_array_from_callback`: a process reads only the rows of the tensors its devices hold,
   so no host holds the whole model when the shardings split it.
-- `save_params(params, spec, dir)`: one tensor at a time is gathered to the host and written, into
-  files of at most `max_shard_bytes` with `model.safetensors.index.json`, as `save_pretrained` does.
+- `save_params(params, spec, dir)`: tensors are gathered to the host one (layer of one weight) at a
+  time and written file by file, each of at most `max_shard_bytes` (the most the host holds), with
+  `model.safetensors.index.json`, as `save_pretrained` does. One process writes: export reads a
+  checkpoint onto one host's devices (meshtrain/convert.py).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from safetensors.numpy import save_file
 
 from meshtrain.errors import UserError
 from meshtrain.spec import ModelSpec
+from models.moe import MOE_PARAM_AXES
+from models.transformer import contracted_axes
 
 LAYER = "model.layers.{i}."
 EXPERT = LAYER + "block_sparse_moe.experts.{j}."
@@ -50,7 +54,6 @@ TENSORS = {
     ("blocks", "expert_down"): (EXPERT + "w2.weight", True),
     ("blocks", "expert_up"): (EXPERT + "w3.weight", True),
 }
-INPUT_DIMS = {"wo": 2}  # leading input dimensions of our linear weights: wo is [H, K, D], the rest [in, ...]
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 DTYPE_NAMES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -76,25 +79,31 @@ def read_spec(folder: str | Path) -> ModelSpec:
         if key in c and (bad(c[key]) if callable(bad) else c[key] == bad):
             raise UserError(f"{path}: {key}={c[key]!r} is not implemented by meshtrain's {kind} model; "
                             f"this checkpoint cannot be imported exactly")
+    def need(table, key):
+        if key not in table:
+            raise UserError(f"{path} lacks {key!r}, which a {kind} config.json has; the file is incomplete")
+        return table[key]
+
     rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise UserError(f"{path}: rope scaling {rope_type!r} is not implemented (meshtrain has none and llama3)")
-    heads = c["num_attention_heads"]
+    heads, width = need(c, "num_attention_heads"), need(c, "hidden_size")
     spec = ModelSpec(
-        family="moe" if kind == "mixtral" else "llama", vocab_size=c["vocab_size"],
-        num_layers=c["num_hidden_layers"], d_model=c["hidden_size"], num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        mlp_dim=c["intermediate_size"], rope_theta=float(rope["rope_theta"]), norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        family="moe" if kind == "mixtral" else "llama", vocab_size=need(c, "vocab_size"),
+        num_layers=need(c, "num_hidden_layers"), d_model=width, num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or width // heads,
+        mlp_dim=need(c, "intermediate_size"), rope_theta=float(rope["rope_theta"]),
+        norm_eps=float(need(c, "rms_norm_eps")), tie_embeddings=bool(c.get("tie_word_embeddings", False)))
     if rope_type == "llama3":
-        spec.rope_scaling, spec.rope_factor = "llama3", float(rope["factor"])
-        spec.rope_low_freq_factor = float(rope["low_freq_factor"])
-        spec.rope_high_freq_factor = float(rope["high_freq_factor"])
-        spec.rope_original_max_len = int(rope["original_max_position_embeddings"])
-    if kind == "mixtral":  # routing is dropless in Hugging Face: capacity_factor 0
-        spec.num_experts, spec.experts_per_token = c["num_local_experts"], c["num_experts_per_tok"]
-        spec.capacity_factor, spec.router_aux_loss = 0.0, float(c.get("router_aux_loss_coef", 0.0))
+        spec.rope_scaling, spec.rope_factor = "llama3", float(need(rope, "factor"))
+        spec.rope_low_freq_factor = float(need(rope, "low_freq_factor"))
+        spec.rope_high_freq_factor = float(need(rope, "high_freq_factor"))
+        spec.rope_original_max_len = int(need(rope, "original_max_position_embeddings"))
+    if kind == "mixtral":  # Hugging Face routes dropless (capacity_factor 0), with no z-loss
+        spec.num_experts, spec.experts_per_token = need(c, "num_local_experts"), need(c, "num_experts_per_tok")
+        spec.capacity_factor, spec.router_z_loss = 0.0, 0.0
+        spec.router_aux_loss = float(c.get("router_aux_loss_coef", 0.001))  # MixtralConfig's default
     return spec
 
 
@@ -118,8 +127,8 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict:
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "rope_parameters": rope, "rope_theta": m.rope_theta,
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling != "none" else None,
-        "max_position_embeddings": max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling != "none" else 1),
-                                       2048),
+        "max_position_embeddings": int(max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling != "none"
+                                                                        else 1), 2048)),
         "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype,
     }
     if moe:
@@ -147,12 +156,19 @@ def _path(key_path) -> tuple[str, ...]:
     return tuple(k.key for k in key_path)
 
 
+def hf_shape(path, shape) -> tuple[int, ...]:
+    """The Hugging Face shape of our array of `shape` at one layer / expert index."""
+    if not TENSORS[path][1]:
+        return tuple(shape)
+    inputs = len(contracted_axes(MOE_PARAM_AXES[path[-1]]))
+    return math.prod(shape[inputs:]), math.prod(shape[:inputs])
+
+
 def to_hf(path, x_ours: np.ndarray) -> np.ndarray:
     """One tensor (our array at one layer / expert index) in Hugging Face layout."""
     if not TENSORS[path][1]:
         return x_ours
-    inputs = INPUT_DIMS.get(path[-1], 1)
-    return x_ours.reshape(math.prod(x_ours.shape[:inputs]), -1).T
+    return x_ours.reshape(hf_shape(path, x_ours.shape)[::-1]).T
 
 
 # ---- reading: memory-mapped safetensors ----
@@ -171,15 +187,23 @@ class SafetensorsFolder:
                             f"convert them with transformers' save_pretrained(safe_serialization=True)")
         self.tensors = {}
         for f in files:
-            with open(f, "rb") as fh:
-                length = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(length))
+            try:
+                with open(f, "rb") as fh:
+                    length = int.from_bytes(fh.read(8), "little")
+                    header = json.loads(fh.read(length))
+            except (OSError, ValueError) as e:  # missing, unreadable, or no JSON header
+                raise UserError(f"{f} cannot be read as safetensors ({type(e).__name__}: {e}); download or "
+                                f"export it again") from None
+            size = f.stat().st_size
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
                 if info["dtype"] not in DTYPES:
                     raise UserError(f"{f}: tensor {name} has dtype {info['dtype']}; meshtrain reads F32, BF16, F16")
-                begin, _ = info["data_offsets"]
+                begin, end = info["data_offsets"]
+                if 8 + length + end > size or end - begin != math.prod(info["shape"]) * np.dtype(DTYPES[info["dtype"]]).itemsize:
+                    raise UserError(f"{f}: tensor {name} lies outside the file or has the wrong size (a truncated "
+                                    f"download?); download or export it again")
                 self.tensors[name] = np.memmap(f, dtype=DTYPES[info["dtype"]], mode="r", offset=8 + length + begin,
                                                shape=tuple(info["shape"]))
 
@@ -194,7 +218,7 @@ def check_tensors(files: SafetensorsFolder, model, folder) -> None:
     for key_path, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(model.init, jax.random.key(0))):
         path = _path(key_path)
         for name, index in tensor_names(path, x.shape):
-            needed = to_hf(path, np.empty(x.shape[len(index):], np.bool_)).shape
+            needed = hf_shape(path, x.shape[len(index):])
             if files.get(name).shape != needed:
                 raise UserError(f"{folder}: tensor {name} has shape {files.get(name).shape}, the model of its "
                                 f"config.json needs {needed}")
@@ -234,7 +258,8 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
                 max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write `params` (model order; jax arrays on any mesh, or numpy) as a Hugging Face folder:
     config.json, and model.safetensors, or model-0000k-of-0000n.safetensors + index when larger than
-    `max_shard_bytes`. One tensor at a time is gathered to the host. Returns the files written."""
+    `max_shard_bytes`. One tensor at a time is gathered to the host, one file's worth is held there.
+    Returns the files written."""
     if dtype not in DTYPE_NAMES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPE_NAMES)}")
     folder = Path(folder)
@@ -269,21 +294,12 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
 
 
 def _fetch(x, index) -> np.ndarray:
-    """x[index] on this host: a numpy slice, or a gather of one layer / expert of a sharded array."""
-    if isinstance(x, np.ndarray) or not index:
-        return np.asarray(jax.device_get(_replicated(x)))
-    return np.asarray(jax.device_get(_replicated(_take(x, *map(np.int32, index)))))
+    """x[index] on this host: a numpy slice, or a gather of one layer / expert of a jax array."""
+    if isinstance(x, np.ndarray):
+        return x[index]
+    return np.asarray(jax.device_get(_take(x, *map(np.int32, index)) if index else x))
 
 
 @jax.jit
 def _take(x, *index):
     return x[index]
-
-
-def _replicated(x):
-    """Fully addressable on every process (a gather when several processes share the array)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return multihost_utils.process_allgather(x, tiled=True)
-    return x

@@ -40,9 +40,9 @@ from flax import traverse_util
 from meshtrain import run_dir
 from meshtrain.errors import UserError
 from meshtrain.folders import check_new, writing_whole
+from models.transformer import contracted_axes
 
 SCHEMES = ("symmetric", "affine")
-BATCH_AXES = ("layers", "experts")
 KEPT = ("router",)  # by param name; 1-D params (norm scales) are kept too
 SEP = "."  # a param path as a name: blocks.wq
 MODEL_FILE, INFO_FILE = "model.safetensors", "quantization.json"
@@ -59,16 +59,6 @@ class QTensor(NamedTuple):
 def check_scheme(scheme: str) -> None:
     if scheme not in SCHEMES:
         raise UserError(f"unknown quantization scheme {scheme!r}; pass --scheme {' or '.join(SCHEMES)}")
-
-
-def contracted_axes(names: tuple) -> tuple[int, ...]:
-    """Indices of the axes a weight's matmul contracts (rule in the module docstring); () for a
-    vector (a norm scale), which has no channels to share a scale."""
-    if sum(n not in BATCH_AXES for n in names) < 2:
-        return ()
-    first = next(i for i, n in enumerate(names) if n not in (*BATCH_AXES, "vocab"))
-    heads = names[first] in ("heads", "kv_heads") and names[first + 1:first + 2] == ("head_dim",)
-    return (first, first + 1) if heads else (first,)
 
 
 def quantize_array(w, axes: tuple[int, ...], scheme: str) -> QTensor:

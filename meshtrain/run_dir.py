@@ -56,6 +56,7 @@ def newest_params(run: str | Path, model, shardings=None):
     import numpy as np
 
     from meshtrain.checkpoint import Checkpointer, complete_steps
+    from meshtrain.program import TrainProgram
 
     root = Path(run) / "checkpoints"
     steps = complete_steps(root)
@@ -71,10 +72,8 @@ def newest_params(run: str | Path, model, shardings=None):
         params, meta = reader.restore_params(steps[0], abstract)
     finally:
         reader.close()
-    order = np.asarray(meta.get("layer_order", range(model.cfg.num_layers)))
-    if not np.array_equal(order, np.arange(len(order))):  # interleaved pipelines store layers permuted
-        params = {**params, "blocks": jax.tree.map(lambda p: p[np.argsort(order)], params["blocks"])}
-    return params, steps[0]
+    order = np.asarray(meta.get("layer_order", range(model.cfg.num_layers)))  # interleaved: permuted
+    return {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}, steps[0]
 
 
 def initial_params(source: str, model, shardings):

@@ -79,7 +79,10 @@ class ModelSpec:
     def architecture(self) -> dict:
         """What defines the weights (resolved): a checkpoint resumes only into the same one."""
         resolved = self.resolved()
-        return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self) if f.metadata["architecture"]}
+        unused = {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
+            if self.rope_scaling == "none" else set()
+        return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self)
+                if f.metadata["architecture"] and f.name not in unused}
 
     def architecture_difference(self, other: "ModelSpec", here: str, there: str) -> str | None:
         """'<there> has model.d_model=32, <here> has 64 (and 2 more keys differ)', or None when both

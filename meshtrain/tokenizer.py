@@ -172,7 +172,7 @@ def for_run(run_dir: Path) -> Tokenizer:
     if tok is None:
         raise UserError(f"{run_dir} records no tokenizer (no {HF_FILE} or {BYTE_NOTE}: a run from before "
                         f"tokenizers were recorded, or one trained on token files that name none); "
-                        f"name the tokenizer explicitly (byte or a {HF_FILE})")
+                        f"name it: --tokenizer byte, or --tokenizer path/to/{HF_FILE}")
     return tok
 
 

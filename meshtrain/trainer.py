@@ -62,7 +62,8 @@ class Trainer:
             elif cfg.checkpoint.init_from:
                 params = run_dir.initial_params(cfg.checkpoint.init_from, program.model,
                                                 program.state_shardings["params"])
-                self.state = jax.jit(program.state_from_params, out_shardings=program.state_shardings)(params)
+                self.state = jax.jit(program.state_from_params, out_shardings=program.state_shardings,
+                                     donate_argnums=0)(params)  # the loaded copy becomes the state's
                 if jax.process_index() == 0:
                     print(f"initialised from {cfg.checkpoint.init_from}", flush=True)
             else:

@@ -39,6 +39,20 @@ PARAM_AXES = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
 }
+STACKED_AXES = ("layers", "experts")  # leading axes that stack independent weights
+
+
+def contracted_axes(names: tuple) -> tuple[int, ...]:
+    """Indices of the axes a weight's matmul contracts, from its logical axes: the first one that is
+    not a stacking axis (layers, experts) or vocab, and head_dim after heads (wo [H, K, D] contracts
+    H and K); () for a vector (a norm scale). INT8 channels and Hugging Face layouts follow it."""
+    if sum(n not in STACKED_AXES for n in names) < 2:
+        return ()
+    first = next(i for i, n in enumerate(names) if n not in (*STACKED_AXES, "vocab"))
+    heads = names[first] in ("heads", "kv_heads") and names[first + 1:first + 2] == ("head_dim",)
+    return (first, first + 1) if heads else (first,)
+
+
 # Activations that the save_matmuls / offload remat policies keep for the backward pass.
 # `attn_ctx` (attention's output, before wo) too, so the recompute never reruns the L^2 attention.
 MATMUL_OUTPUTS = ("q", "k", "v", "attn_ctx", "attn_out", "mlp_gate", "mlp_up", "mlp_out")

@@ -76,13 +76,14 @@ def test_rope_scaling_changes_the_function(tmp_path):
     assert np.abs(np.asarray(plain.apply(params, TOKENS)) - hf_logits(folder)).max() > 1e-2
 
 
-def test_sharded_import_reads_each_shard_and_equals_one_device(tmp_path):
+@pytest.mark.parametrize("mesh", ["fsdp=2,tensor=2", "pipeline=2,expert=2"])  # layers and experts split too
+def test_sharded_import_reads_each_shard_and_equals_one_device(tmp_path, mesh):
     folder = save_hf(tmp_path / "hf", "mixtral")
     _, one = imported(folder)
-    _, sharded = imported(folder, build_mesh(parse_mesh("fsdp=2,tensor=2", 4), jax.devices()[:4]))
+    _, sharded = imported(folder, build_mesh(parse_mesh(mesh, 4), jax.devices()[:4]))
     assert max_param_diff(jax.device_get(sharded), jax.device_get(one)) == 0
-    wq = sharded["blocks"]["wq"]
-    assert len({s.data.shape for s in wq.addressable_shards}) == 1 and wq.addressable_shards[0].data.size * 4 == wq.size
+    experts = sharded["blocks"]["expert_gate"]  # [layers, experts, D, F]: split 4 ways on either mesh
+    assert all(s.data.size * 4 == experts.size for s in experts.addressable_shards)
 
 
 def test_cli_fine_tunes_imported_weights_and_exports_them_bitwise(tmp_path):
@@ -125,6 +126,21 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path):
     assert set(index["weight_map"].values()) == {f.name for f in files}
     ours = np.asarray(trainer.program.model.apply(trainer.unpermuted_params(), TOKENS))
     np.testing.assert_allclose(hf_logits(tmp_path / "hf"), ours, atol=1e-4, rtol=0)
+
+
+def test_host_params_export_and_a_llama3_config_loads(tmp_path):
+    """numpy parameters export layer by layer; Llama 3.1's rope settings give a config.json that
+    transformers accepts (max_position_embeddings an int: 8192 x 8)."""
+    folder = save_hf(tmp_path / "hf")
+    model, params = imported(folder)
+    hf.save_params(jax.device_get(params), model.cfg, tmp_path / "np")
+    a, b = hf.SafetensorsFolder(folder), hf.SafetensorsFolder(tmp_path / "np")
+    assert all(np.array_equal(a.get(n), b.get(n)) for n in a.tensors)
+    llama31 = dataclasses.replace(model.cfg, rope_scaling="llama3", rope_original_max_len=8192)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(hf.hf_config(llama31)))
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "cfg").max_position_embeddings == 65536
+    assert hf.read_spec(tmp_path / "cfg") == dataclasses.replace(llama31, router_z_loss=model.cfg.router_z_loss)
 
 
 def test_bfloat16_export_round_trips(tmp_path):

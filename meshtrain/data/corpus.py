@@ -44,7 +44,9 @@ def load_corpus(dcfg, vocab_size: int) -> Corpus:
     else:  # a token file
         tokens, meta = read_token_file(path)
         tokens = Tokens([tokens])
-        own = None if meta is None else tokenizer_lib.recorded(path.parent) or _named(meta["tokenizer"], path)
+        beside = None if meta is None else tokenizer_lib.recorded(path.parent)  # a prepared folder's
+        same = beside is not None and beside.vocab_size == meta["vocab_size"]
+        own = None if meta is None else beside if same else _named(meta["tokenizer"], path)
     if explicit and own and explicit.vocab_size != own.vocab_size:
         raise UserError(f"data.tokenizer={dcfg.tokenizer} ({explicit.vocab_size} ids) is not the tokenizer "
                         f"{path} was written with ({own.name}, {own.vocab_size} ids); "
