@@ -34,22 +34,22 @@ def split_microbatches(tokens_BxL1, num_micro: int):
 
 
 def accumulate(grad_fn, microbatches: int, accumulator_specs):
-    """(params, tokens) -> (mean metrics, mean gradients) over `microbatches` slices of the batch,
+    """(params, tokens[, scale]) -> (mean metrics, mean gradients) over `microbatches` slices of the batch,
     summed in a scan. The accumulator is pinned to `accumulator_specs` (PartitionSpecs over the
     axes that are not manual here), so the sum is kept sharded and never reduced inside the loop."""
     if microbatches == 1:
         return grad_fn
     pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
 
-    def metrics_and_grads(params, tokens_BxL1):
+    def metrics_and_grads(params, tokens_BxL1, *scale):
         def add(carry, micro_tokens):
             metric_sums, grad_sums = carry
-            metrics, grads = grad_fn(params, constrain(micro_tokens, ("batch", None)))
+            metrics, grads = grad_fn(params, constrain(micro_tokens, ("batch", None)), *scale)
             grad_sums = pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sums, grads))
             return (jax.tree.map(jnp.add, metric_sums, metrics), grad_sums), None
 
         tokens_MxbxL1 = split_microbatches(tokens_BxL1, microbatches)
-        metrics_like = jax.eval_shape(grad_fn, params, tokens_MxbxL1[0])[0]
+        metrics_like = jax.eval_shape(grad_fn, params, tokens_MxbxL1[0], *scale)[0]
         zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metrics_like),
                  pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))  # fp32 sums
         (metrics, grads), _ = jax.lax.scan(add, zeros, tokens_MxbxL1)

@@ -1,6 +1,6 @@
 """Thin wrapper over Orbax: async saves, retention, integrity, restore onto any mesh.
 
-A checkpoint holds the train state ({'step', 'params', 'opt_state', 'skipped_steps'}) and
+A checkpoint holds the train state ({'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'}) and
 metadata: the resolved config, the mesh it was saved on, the batches the nonfinite guard skipped,
 and a checksum per state leaf. The data position needs no saving beyond that: the batch of step k
 depends only on (seed, k, skipped batches).
@@ -88,10 +88,15 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self._write_manifests()
 
-    def restore(self, step: int, abstract_state, check_metadata=lambda meta, folder: None):
+    def restore(self, step: int, abstract_state, check_metadata=lambda meta, folder: None, optional=None):
         """Restore `step` into the shardings carried by `abstract_state` (jax.ShapeDtypeStructs).
         Raises `Damaged` on proof of damage, `UserError` when the checkpoint is of another model or
         state layout (`check_metadata` may raise it too), and anything else as it is.
+
+        `optional`: top-level state entries -> a function making a fresh one. Such an entry is read
+        when the checkpoint holds it in this run's layout and made fresh otherwise (a checkpoint of an
+        earlier version, or of another data-parallel size); one the checkpoint holds and this run
+        does not use is not read.
 
         Reads go through Orbax's handlers, which hold no barrier: whatever fails on one process,
         every process reaches the one `agree` below, so collectives never pair up wrongly."""
@@ -101,9 +106,13 @@ class Checkpointer:
             meta = ocp.JsonCheckpointHandler().restore(folder / "metadata", args=ocp.args.JsonRestore())
             saved = ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree
             check_metadata(meta, folder)  # UserErrors: the same files give every process the same verdict
-            check_same_layout(folder, leaf_specs(saved), leaf_specs(abstract_state))
-            state = ocp.StandardCheckpointHandler().restore(folder / "state",
-                                                            args=ocp.args.StandardRestore(abstract_state))
+            fresh = [k for k in (optional or {}) if k in abstract_state and (
+                k not in saved or leaf_specs(saved[k]) != leaf_specs(abstract_state[k]))]
+            read = {k: v for k, v in abstract_state.items() if k not in fresh}
+            kept = {k: v for k, v in saved.items() if k in read or k not in (optional or {})}
+            check_same_layout(folder, leaf_specs(kept), leaf_specs(read))
+            state = ocp.PyTreeCheckpointHandler().restore(folder / "state", args=ocp.args.PyTreeRestore(
+                item=read, restore_args=ocp.checkpoint_utils.construct_restore_args(read), partial_restore=True))
             failure = None
         except UserError:
             raise
@@ -112,9 +121,14 @@ class Checkpointer:
         failure = agree(failure)  # before the checksums: they are a collective over every process
         if failure is not None:
             raise failure
-        if state_checksums(state) != meta["checksums"]:
+        recorded = dict(zip(leaf_specs(saved), meta["checksums"]))
+        if state_checksums(state) != [recorded[name] for name in leaf_specs(state)]:
             raise Damaged("checksums of the restored arrays differ from those recorded at save time")
-        return state, meta
+        for k in fresh:
+            state[k] = optional[k]()
+            if jax.process_index() == 0:
+                print(f"notice: checkpoint {folder} has no '{k}' in this run's layout; it starts fresh", flush=True)
+        return {k: state[k] for k in abstract_state}, meta
 
     def restore_params(self, step: int, abstract_params):
         """Only the parameters of `step` (no optimizer state is read), into the shardings carried by
@@ -141,13 +155,14 @@ class Checkpointer:
             raise
         return restored["params"], meta
 
-    def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta, folder: None):
+    def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta, folder: None,
+                              optional=None):
         """Try `steps` newest first; a damaged one is set aside with a warning. Returns (step, state, meta)."""
         damaged = []
         for step in steps:
             try:
                 with _quiet_async_failures():
-                    return (step, *self.restore(step, abstract_state, check_metadata))
+                    return (step, *self.restore(step, abstract_state, check_metadata, optional))
             except Damaged as e:
                 moved_to = self._set_aside(step)
                 damaged.append(step)

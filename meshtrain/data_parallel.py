@@ -69,16 +69,21 @@ def reduce_mean(tree, specs):
 
 
 def data_parallel(metrics_and_grads, mesh, param_specs, grad_specs, batch_spec: P):
-    """(params, tokens) -> (metrics, grads), with `metrics_and_grads` run per data shard on its rows
-    and its metrics averaged and gradients reduced over `data` once."""
+    """(params, tokens, *scalars) -> (metrics, grads), with `metrics_and_grads` run per data shard on
+    its rows (the scalars, e.g. fp16's loss scale, replicated) and its metrics averaged and gradients
+    reduced over `data` once."""
     manual = {AXIS}
     in_params, out_grads = local_specs(param_specs, manual), local_specs(grad_specs, manual)
 
-    def per_shard(params, tokens):
+    def per_shard(params, tokens, *scalars):
         with manual_axes_rules(manual):  # activations are constrained over the other axes only
-            metrics, grads = metrics_and_grads(gather(params, in_params), tokens)
+            metrics, grads = metrics_and_grads(gather(params, in_params), tokens, *scalars)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # reduced in fp32
             return jax.lax.pmean(metrics, AXIS), reduce_mean(grads, out_grads)
 
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_params, local_spec(batch_spec, manual)),
-                         out_specs=(P(), out_grads), axis_names=manual, check_vma=False)
+    def fn(params, tokens, *scalars):
+        in_specs = (in_params, local_spec(batch_spec, manual), *[P()] * len(scalars))
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=(P(), out_grads),
+                             axis_names=manual, check_vma=False)(params, tokens, *scalars)
+
+    return fn

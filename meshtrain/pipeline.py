@@ -112,8 +112,9 @@ class StageProgram:
     timetable (meshtrain/schedules.py)."""
 
     def __init__(self, model, layer, schedule: str, residuals: str, stages: int, micro: int,
-                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL):
+                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
+        self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
         self.save, self.zero_bubble = residuals == "save", schedule == "zb"
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
@@ -124,7 +125,8 @@ class StageProgram:
         # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro)
         stats_like = jax.eval_shape(layer, jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x)[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
-        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g / (model.cfg.num_layers * micro), g_stats))
+        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * self.scale / (model.cfg.num_layers * micro),
+                                                         g_stats))
 
     # ---- pieces ----
     def chunk(self, v):
@@ -141,6 +143,11 @@ class StageProgram:
 
     def microbatch_loss(self, p_outer, y, m):
         return self.model.loss(p_outer, y, _take(self.targets, m))
+
+    def scaled_loss(self, p_outer, y, m):
+        """(the loss x scale, to differentiate; the loss)."""
+        loss = self.microbatch_loss(p_outer, y, m)
+        return loss * self.scale, loss
 
     def forward_saving(self, p_chunk, x):
         """(y, (each layer's residuals stacked, the chunk's statistics summed))."""
@@ -188,7 +195,8 @@ class StageProgram:
 
         def head_and_loss(c):
             """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
-            loss, (g_outer, g_y) = jax.value_and_grad(self.microbatch_loss, argnums=(0, 1))(self.outer, y, m)
+            (_, loss), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
+                self.outer, y, m)
             c = self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer))
             return {**c, "loss": c["loss"] + loss,
                     "cotangents": _write(c["cotangents"], g_y / self.micro, m, v, self.slots["cotangent_slots"])}
@@ -285,12 +293,12 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs):
     outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
     layer = remat_lib.apply(model.block, plan.remat, model.saveable)
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL):
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, *scale):
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             if data_manual:  # ZeRO-3: whole over data once per step
                 blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
-                                 blocks, outer, inputs_MxbxL, targets_MxbxL)
+                                 blocks, outer, inputs_MxbxL, targets_MxbxL, *scale)
             metrics, g_blocks, g_outer = stage.run(phases)
             if data_manual:  # the data-parallel reduction, once per step
                 metrics = jax.lax.pmean(metrics, data_parallel.AXIS)
@@ -299,17 +307,18 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs):
             return metrics, g_blocks, g_outer
 
     tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
-    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec),
-                           out_specs=(P(), blocks_out, outer_out), axis_names=manual, check_vma=False)
+    staged = lambda *args: jax.shard_map(
+        per_stage, mesh=mesh, in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, *[P()] * (len(args) - 4)),
+        out_specs=(P(), blocks_out, outer_out), axis_names=manual, check_vma=False)(*args)
 
-    def metrics_and_grads(params, tokens_BxL1):
+    def metrics_and_grads(params, tokens_BxL1, *scale):
         compute = cast_for_compute(params, plan.precision)
         outer = {k: v for k, v in compute.items() if k != "blocks"}
         # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
         # resharding collective would wait for the stages that skip the branch.
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
         metrics, g_blocks, g_outer = staged(compute["blocks"], outer, split_microbatches(inputs, micro),
-                                            split_microbatches(targets, micro))
+                                            split_microbatches(targets, micro), *scale)
         return metrics, {**g_outer, "blocks": g_blocks}  # fp32 sums; the step casts to the params' dtype
 
     return metrics_and_grads

@@ -18,6 +18,7 @@ from meshtrain.context_parallel import load_balanced_order
 from meshtrain.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import flops_per_token
 from meshtrain.pipeline import layer_order
+from meshtrain.precision import initial_loss_scale
 from meshtrain.sharding import activation_rules, check_replication, make_rules, spec_for, state_shardings
 from meshtrain.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.step import lr_schedule, make_optimizer, make_train_step
@@ -73,7 +74,14 @@ class TrainProgram:
         params = dict(params)
         params["blocks"] = self.reorder_blocks(params["blocks"], self.layer_order)  # storage order
         zero = jnp.zeros((), jnp.int32)
-        return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero}
+        return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero,
+                "loss_scale": initial_loss_scale(self.plan)}
+
+    def optional_state(self) -> dict:
+        """State entries a checkpoint may lack (meshtrain/checkpoint.py `restore`): a function making
+        each afresh, in its sharding."""
+        make = lambda fn, key: lambda: jax.jit(fn, out_shardings=self.state_shardings[key])()
+        return {"loss_scale": make(lambda: initial_loss_scale(self.plan), "loss_scale")}
 
     @staticmethod
     def reorder_blocks(blocks, rows):

@@ -161,7 +161,8 @@ def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
                                       transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                        is_leaf=lambda x: isinstance(x, P))
-    shardings = {key: NamedSharding(mesh, P()) for key in abstract_state}  # scalar counters
+    replicated = NamedSharding(mesh, P())
+    shardings = {key: jax.tree.map(lambda _: replicated, value) for key, value in abstract_state.items()}  # scalars
     shardings.update(params=named(param_specs), opt_state=named(opt_specs))
     return shardings, grad_specs
 

@@ -102,7 +102,19 @@ class ParallelPlan:
                                    "-1 = the rest")
     zero: int = setting(1, "what the data axis shards: 0 nothing, 1 optimizer state, 2 + gradients, "
                            "3 + parameters", choices=(0, 1, 2, 3))
-    precision: str = setting("fp32", "fp32, or bf16 compute with fp32 master weights", choices=("fp32", "bf16"))
+    precision: str = setting("fp32", "fp32, or bf16 / fp16 compute with fp32 master weights (fp16 with dynamic "
+                                     "loss scaling: the loss_scale_* keys)", choices=("fp32", "bf16", "fp16"))
+    loss_scale_initial: float = setting(65536.0, "fp16: the loss scale at step 0 (2^16, DeepSpeed's default); an "
+                                                 "overflowing step is skipped and halves it", min=1.0)
+    loss_scale_window: int = setting(1000, "fp16: the scale doubles after this many steps in a row without "
+                                           "overflow (Megatron/DeepSpeed: 1000)", min=1)
+    loss_scale_min: float = setting(1.0, "fp16: the scale never falls below this; at it an overflow is a "
+                                         "NaN/Inf step for the guard", min=0.0)
+    grad_compression: str = setting("none", "the data-parallel gradient reduction: none (fp32), or int8 (blockwise "
+                                            "int8 with a scale per block and error feedback, carried over the "
+                                            "network as int8)", choices=("none", "int8"))
+    compression_block: int = setting(256, "grad_compression=int8: values per quantization block (one fp32 scale "
+                                          "each)", min=1)
     rules: dict = setting({}, "logical axis -> mesh axes overrides, e.g. {mlp: [tensor, fsdp]}")
     remat: str = setting("none", "activation rematerialisation policy for each block",
                          choices=tuple(REMAT_POLICIES))

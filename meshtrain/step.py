@@ -1,6 +1,6 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
-nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps'}; the batch
-is [batch, seq_len + 1] tokens."""
+nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'};
+the batch is [batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
 import jax
@@ -11,7 +11,7 @@ from meshtrain import data_parallel
 from meshtrain import remat as remat_lib
 from meshtrain.batching import accumulate, inputs_and_targets
 from meshtrain.pipeline import make_pipeline_grads
-from meshtrain.precision import cast_for_compute
+from meshtrain.precision import cast_for_compute, scales_loss, update_loss_scale
 from models.transformer import scan_blocks
 
 
@@ -60,11 +60,14 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
 
 
 def metrics_and_grads(loss_fn):
-    """`loss_fn` -> (params, tokens) -> (metrics, gradients of the objective)."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    """`loss_fn` -> (params, tokens[, scale]) -> (metrics, gradients of the objective, times `scale`
+    when one is given: fp16's loss scale, meshtrain/precision.py)."""
+    def fn(params, tokens_BxL1, *scale):
+        def objective(p):
+            value, metrics = loss_fn(p, tokens_BxL1)
+            return (value * scale[0] if scale else value), metrics
 
-    def fn(params, tokens_BxL1):
-        (_, metrics), grads = grad_fn(params, tokens_BxL1)
+        (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return metrics, grads
 
     return fn
@@ -75,7 +78,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
     (pytrees) and 'batch'. With a `pipeline` axis > 1 the stacked layers run as pipeline stages
     (meshtrain/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
     computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
-    are reduced over `data` once per step. Otherwise XLA partitions the step from the shardings."""
+    are reduced over `data` once per step. Otherwise XLA partitions the step from the shardings.
+    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/precision.py)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
     micro = plan.num_microbatches(stages)
     if stages > 1:
@@ -85,29 +89,36 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
         local = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro,
                            data_parallel.local_specs(grad_specs, others))
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"])
-        grad_fn = lambda params, tokens: per_shard(cast_for_compute(params, plan.precision), tokens)  # gathers bf16
+        # the gathers move compute-dtype parameters
+        grad_fn = lambda params, *args: per_shard(cast_for_compute(params, plan.precision), *args)
     else:
         grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro, grad_specs)
 
     def train_step(state, tokens_BxL1):
-        params = state["params"]
-        model_metrics, grads = grad_fn(params, tokens_BxL1)
+        params, loss_scale = state["params"], state["loss_scale"]
+        scale = (loss_scale["scale"],) if scales_loss(plan) else ()
+        model_metrics, grads = grad_fn(params, tokens_BxL1, *scale)
         loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
-        grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(g.astype(p.dtype), s),
+        unscale = (lambda g: g / scale[0]) if scale else (lambda g: g)
+        grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
                              grads, params, grad_specs)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
-        # if any gradient element is), but the step still advances so the next batch is new.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        # if any gradient element is), but the step still advances so the next batch is new. Under
+        # fp16 a NaN/Inf gradient is first an overflow: skipped too, but it halves the loss scale.
+        loss_scale, overflow, bad = update_loss_scale(plan, loss_scale, jnp.isfinite(loss), jnp.isfinite(grad_norm))
+        applied = ~(bad | overflow)
+        keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
         new_state = {"step": state["step"] + 1,
-                     "params": keep_if_bad(optax.apply_updates(params, updates), params),
-                     "opt_state": keep_if_bad(opt_state, state["opt_state"]),
-                     "skipped_steps": state["skipped_steps"] + (~finite).astype(jnp.int32)}
+                     "params": keep_if_skipped(optax.apply_updates(params, updates), params),
+                     "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
+                     "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
-                   "finite": finite, "skipped_steps": new_state["skipped_steps"]}
+                   "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
+        if scales_loss(plan):
+            metrics.update(loss_scale=state["loss_scale"]["scale"], overflows=loss_scale["overflows"])
         return new_state, metrics
 
     return train_step

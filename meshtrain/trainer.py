@@ -83,7 +83,7 @@ class Trainer:
         reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
         step, state, meta = reader.restore_latest_intact(
             steps, abstract_like(self.program.abstract_state, self.program.state_shardings),
-            self._check_same_model)
+            self._check_same_model, self.program.optional_state())
         saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
         if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)

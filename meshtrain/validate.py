@@ -38,6 +38,9 @@ def check_config(cfg) -> None:
         raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
     _check_experts(m)
+    if par.loss_scale_min > par.loss_scale_initial:
+        raise UserError(f"parallel.loss_scale_min={par.loss_scale_min} exceeds parallel.loss_scale_initial="
+                        f"{par.loss_scale_initial}; lower the minimum or raise the initial scale")
     if par.microbatches and t.batch_size % par.microbatches:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
                         f"parallel.microbatches={par.microbatches}")
@@ -112,7 +115,7 @@ def _check_kernels(par, seq_len: int, backend: str) -> None:
     if par.attention == "cudnn" and backend != "gpu":
         raise UserError("parallel.attention=cudnn needs an NVIDIA GPU; use parallel.attention=blockwise or xla here")
     if par.attention == "cudnn" and par.precision == "fp32":
-        raise UserError("parallel.attention=cudnn runs in bf16 only; set parallel.precision=bf16, or use "
+        raise UserError("parallel.attention=cudnn runs in bf16/fp16 only; set parallel.precision=bf16, or use "
                         "parallel.attention=blockwise for fp32")
     if par.attention == "blockwise" and attention_block(seq_len) < min(seq_len, MIN_ATTENTION_BLOCK):
         raise UserError(f"parallel.attention=blockwise splits train.seq_len={seq_len} into blocks of "

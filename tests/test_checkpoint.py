@@ -142,7 +142,7 @@ def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch
     def out_of_memory(self, directory, args=None):
         raise MemoryError("simulated: host out of memory")
 
-    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", out_of_memory)
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", out_of_memory)
     with pytest.raises(MemoryError):
         tiny_run(full)
     monkeypatch.undo()
