@@ -1,65 +1,75 @@
-"""Pipeline timelines as PNG images, with no plotting dependency: an RGB pixel array written with
-zlib. Rows are stages (stage 0 on top), columns are ticks as wide as their lockstep cost (a tick
-lasts as long as its slowest stage's slot); each action is a cell as wide as its own cost:
-forwards blue, backwards green, zero-bubble weight gradients orange (darker for later virtual
-chunks), idle time (the bubble) light grey; each cell carries its microbatch number."""
+"""Pipeline timelines drawn with matplotlib (`python -m meshtrain.plan --schedule ... --draw PNG`).
+
+Rows are stages (stage 0 on top), columns are ticks as wide as their lockstep cost (a tick lasts as
+long as its slowest stage's slot); each action is a box as wide as its own cost: forwards blue,
+backwards green, zero-bubble weight gradients orange (darker for later virtual chunks), idle time
+(the bubble) light grey; each box carries its microbatch number. The x axis is time, one forward = 1.
+"""
 from __future__ import annotations
 
-import struct
-import zlib
 from pathlib import Path
 
-import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
-CELL, GAP = 20, 2
-IDLE_RGB = (228, 228, 228)
-FORWARD_RGB = [(66, 133, 244), (26, 86, 190), (12, 52, 130)]  # by chunk
-BACKWARD_RGB = [(52, 168, 83), (24, 118, 52), (10, 78, 30)]
-WEIGHT_RGB = [(244, 160, 0), (200, 120, 0), (150, 85, 0)]
-PALETTE = {"F": FORWARD_RGB, "B": BACKWARD_RGB, "W": WEIGHT_RGB}
-
-# 3x5 digits, one string of 15 bits per digit (rows top to bottom)
-DIGITS = ["111101101101111", "010110010010111", "111001111100111", "111001111001111", "101101111001001",
-          "111100111001111", "111100111101111", "111001001001001", "111101111101111", "111101111001111"]
+IDLE = "#e4e4e4"
+COLORS = {"F": ["#4285f4", "#1a56be", "#0c3482"],  # by chunk, then the last one
+          "B": ["#34a853", "#187634", "#0a4e1e"],
+          "W": ["#f4a000", "#c87800", "#965500"]}
+NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+UNIT_INCHES, MAX_WIDTH_INCHES, ROW_INCHES = 0.26, 40.0, 0.34
 
 
-def timeline_pixels(tt) -> np.ndarray:
-    """A schedules.Timetable -> [height, width, 3] uint8 image; one cost unit is CELL pixels wide."""
-    stages, tick_costs = tt.stages, tt.tick_costs
-    image = np.full((stages * (CELL + GAP) + GAP, sum(tick_costs) * (CELL + GAP) + GAP, 3), 255, np.uint8)
-    x0 = GAP
-    for row, cost in zip(tt.ticks, tick_costs):
+def color(kind: str, chunk: int) -> str:
+    palette = COLORS[kind]
+    return palette[min(chunk, len(palette) - 1)]
+
+
+def timeline_figure(tt) -> Figure:
+    """A schedules.Timetable as a figure."""
+    stages, time = tt.stages, tt.time
+    unit = min(UNIT_INCHES, MAX_WIDTH_INCHES / time)
+    left, right, bottom, top = 0.75, 0.25, 0.45, 0.55  # inches around the boxes: labels, legend, title
+    width, height = time * unit + left + right, stages * ROW_INCHES + bottom + top
+    fig = Figure(figsize=(width, height))
+    ax = fig.add_axes((left / width, bottom / height, time * unit / width, stages * ROW_INCHES / height))
+    font = 7 if unit >= 0.2 else 5
+    edge = min(1.0, unit / UNIT_INCHES)  # the white lines between boxes, thinner when boxes are
+    seen = {}
+    x0 = 0
+    for row, tick_cost in zip(tt.ticks, tt.tick_costs):
         for s, slot in enumerate(row):
-            y, x = GAP + s * (CELL + GAP), x0
-            image[y:y + CELL, x:x + cost * (CELL + GAP) - GAP] = IDLE_RGB
+            ax.add_patch(Rectangle((x0, s), tick_cost, 1, facecolor=IDLE, edgecolor="white", linewidth=edge))
+            x = x0
             for action in slot:
-                width = tt.costs[action.kind] * (CELL + GAP) - GAP
-                palette = PALETTE[action.kind]
-                image[y:y + CELL, x:x + width] = palette[min(action.chunk, len(palette) - 1)]
-                _write_number(image, action.micro, y + (CELL - 10) // 2, x + width // 2)
-                x += width + GAP
-        x0 += cost * (CELL + GAP)
-    return image
+                cost = tt.costs[action.kind]
+                fill = color(action.kind, action.chunk)
+                seen[(action.kind, min(action.chunk, len(COLORS[action.kind]) - 1))] = fill
+                ax.add_patch(Rectangle((x, s), cost, 1, facecolor=fill, edgecolor="white", linewidth=edge))
+                if unit * cost >= 0.12:  # room for the number
+                    ax.text(x + cost / 2, s + 0.5, str(action.micro), ha="center", va="center", color="white",
+                            fontsize=font, fontweight="bold")
+                x += cost
+        x0 += tick_cost
+    ax.set_xlim(0, time)
+    ax.set_ylim(stages, 0)  # stage 0 on top
+    ax.set_yticks([s + 0.5 for s in range(stages)], [f"stage {s}" for s in range(stages)], fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("time (one forward = 1); numbers: microbatches", fontsize=8)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    chunks = tt.virtual > 1
+    handles = [Patch(facecolor=fill, label=NAMES[kind] + (f" (chunk {chunk})" if chunks else ""))
+                      for (kind, chunk), fill in sorted(seen.items(), key=lambda item: ("FBW".index(item[0][0]), item[0][1]))]
+    handles.append(Patch(facecolor=IDLE, label="idle"))
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(handles), frameon=False,
+              fontsize=7, handlelength=1.2, columnspacing=1.0, borderaxespad=0.2)
+    virtual = f" x {tt.virtual} virtual stages" if chunks else ""
+    fig.text(left / width, 1 - 0.06 / height, f"{tt.schedule}: {stages} stages{virtual} x {tt.micro} microbatches, "
+             f"{tt.bubble:.1%} idle in lockstep", fontsize=9, va="top")
+    return fig
 
 
-def _write_number(image, number: int, top: int, center: int) -> None:
-    text = str(number)
-    left = center - (len(text) * 8 - 2) // 2
-    for i, ch in enumerate(text):
-        bits = np.array([int(b) for b in DIGITS[int(ch)]], bool).reshape(5, 3)
-        glyph = np.kron(bits, np.ones((2, 2), bool))  # 6 x 10 pixels
-        x = left + i * 8
-        image[top:top + 10, x:x + 6][glyph] = 255
-
-
-def write_png(path: str | Path, image: np.ndarray) -> None:
-    """Minimal PNG writer: 8-bit RGB, no interlace."""
-    height, width, _ = image.shape
-    raw = b"".join(b"\x00" + image[y].tobytes() for y in range(height))  # filter type 0 per row
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-                           + chunk(b"IEND", b""))
+def save_timeline(tt, path: str | Path) -> None:
+    """Write the timeline of a schedules.Timetable as a PNG."""
+    timeline_figure(tt).savefig(path, dpi=110)

@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 
-from meshtrain.drawing import timeline_pixels, write_png
+from meshtrain.drawing import save_timeline
 from meshtrain.errors import UserError
 from meshtrain.formulas import bubble_expression, bubble_terms
 from meshtrain.metrics import DEVICE_PROFILES
@@ -106,7 +106,7 @@ def schedule_main(args) -> int:
     table = report.pop("_table")
     print(json.dumps(report) if args.json else format_schedule(report))
     if args.draw:
-        write_png(args.draw, timeline_pixels(table))
+        save_timeline(table, args.draw)
         if not args.json:
             print(f"timeline drawn to {args.draw}")
     return 0
