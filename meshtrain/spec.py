@@ -6,7 +6,7 @@
   rules, ZeRO stage, precision, remat policy, attention backend, microbatches, pipeline schedule,
   sequence parallelism. Any of it may change on resume.
 - `OptimSpec` (`optim:`): how it learns (AdamW, schedule, clipping).
-The loop, data, checkpoint and guard sections complete `Config`.
+The loop, data, checkpoint, guard and logging sections complete `Config`.
 
 Each setting is declared once, with its default, its meaning (`help`), its allowed values or lower
 bound; the parser, the reference (docs/config.md) and the resume check all read that. The checks
@@ -200,6 +200,22 @@ class GuardConfig:
 
 
 @dataclass
+class LoggingConfig:
+    progress: str = setting("auto", "console output while training: lines (a line per train.log_every steps), "
+                                    "bar (the same lines above a live progress bar with ETA), none (only the "
+                                    "first and the summary line); auto = bar on a terminal, lines otherwise",
+                            choices=("auto", "bar", "lines", "none"))
+    tensorboard: bool = setting(True, "write TensorBoard event files to <out>/tensorboard, one scalar per metric "
+                                      "(train/loss, eval/loss, perf/tokens_per_sec, memory/..., moe/...)")
+    wandb: bool = setting(False, "also log to Weights & Biases (needs pip install wandb)")
+    wandb_project: str = setting("meshtrain", "logging.wandb: the W&B project")
+    wandb_mode: str = setting("offline", "logging.wandb: offline (files under <out>/wandb; wandb sync uploads "
+                                         "them) or online", choices=("offline", "online"))
+    profile: str = setting("", "START:STOP: trace these steps (as logged, both included) with jax.profiler "
+                               "into <out>/profile, for TensorBoard's profile plugin and Perfetto; '' = none")
+
+
+@dataclass
 class Config:
     model: ModelSpec = setting(ModelSpec(), "what is trained: the family and its architecture")
     parallel: ParallelPlan = setting(ParallelPlan(), "how it runs: mesh, sharding, precision, remat, attention, "
@@ -209,6 +225,7 @@ class Config:
     train: TrainConfig = setting(TrainConfig(), "the loop")
     checkpoint: CheckpointConfig = setting(CheckpointConfig(), "saving and resuming")
     guard: GuardConfig = setting(GuardConfig(), "the NaN/Inf guard")
+    logging: LoggingConfig = setting(LoggingConfig(), "console, TensorBoard, W&B and profiler output")
     devices: int = setting(0, f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) when no "
                               "accelerator is present; 0 = the machine's devices", min=0)
     out: str = setting("", "output folder; '' = runs/<config file name> (runs/default without --config)")
