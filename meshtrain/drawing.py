@@ -17,7 +17,7 @@ COLORS = {"F": ["#4285f4", "#1a56be", "#0c3482"],  # by chunk, then the last one
           "B": ["#34a853", "#187634", "#0a4e1e"],
           "W": ["#f4a000", "#c87800", "#965500"]}
 NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
-UNIT_INCHES, MAX_WIDTH_INCHES, ROW_INCHES = 0.26, 40.0, 0.34
+UNIT_INCHES, MAX_WIDTH_INCHES, ROW_INCHES, DPI = 0.26, 40.0, 0.34, 110
 
 
 def color(kind: str, chunk: int) -> str:
@@ -72,4 +72,4 @@ def timeline_figure(tt) -> Figure:
 
 def save_timeline(tt, path: str | Path) -> None:
     """Write the timeline of a schedules.Timetable as a PNG."""
-    timeline_figure(tt).savefig(path, dpi=110)
+    timeline_figure(tt).savefig(path, dpi=DPI)

@@ -13,7 +13,7 @@ from meshtrain.config import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
              "seq_len": "train.seq_len", "data": "data.path", "out": "out",
-             "resume": "checkpoint.resume", "init_from": "checkpoint.init_from"}
+             "resume": "checkpoint.resume", "init_from": "checkpoint.init_from", "profile": "logging.profile"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,11 +29,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--data", help="text file or folder, .jsonl, Parquet, datasets save_to_disk folder, .bin token "
                                   "file, or a prepared folder (python -m meshtrain.data prepare)")
-    p.add_argument("--out", help="output folder for config.yaml, metrics.jsonl and checkpoints/ "
+    p.add_argument("--out", help="output folder for config.yaml, metrics.jsonl, tensorboard/ and checkpoints/ "
                                  "(default runs/<config file name>)")
     p.add_argument("--resume", help="auto (default: latest checkpoint under --out), never, or a checkpoint path")
     p.add_argument("--init-from", help="start from these weights when there is no checkpoint to resume: "
                                        "hf:DIR (a Hugging Face checkpoint) or a meshtrain run folder")
+    p.add_argument("--profile", metavar="START:STOP",
+                   help="trace steps START to STOP (as logged, both included) with jax.profiler into <out>/profile "
+                        "(TensorBoard's profile plugin, Perfetto)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config with comments and exit")
     p.add_argument("--config-reference", action="store_true",
                    help="print every config key, its default and meaning (docs/config.md) and exit")

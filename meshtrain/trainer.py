@@ -17,12 +17,13 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import data as data_lib
-from meshtrain import run_dir
+from meshtrain import loggers, run_dir
 from meshtrain import tokenizer as tokenizer_lib
 from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.config import Config, ModelSpec, UserError, to_dict
 from meshtrain.mesh import describe
-from meshtrain.metrics import MetricsLog, mfu, peak_flops
+from meshtrain.loggers import MetricsLog
+from meshtrain.metrics import mfu, peak_flops
 from meshtrain.multihost import agree_with_process_0, preemption_reached
 from meshtrain.prefetch import Prefetcher
 from meshtrain.program import TrainProgram
@@ -38,6 +39,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, devices=None):
         self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
+        self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
         self.cfg = cfg
         self.program = program = TrainProgram.from_config(cfg, devices)
         t = cfg.train
@@ -76,6 +78,7 @@ class Trainer:
                                      in_shardings=(program.state_shardings["params"], program.batch_sharding),
                                      out_shardings=replicated)
         self.peak = peak_flops(program.mesh.devices.flat[0].device_kind)
+        self.local_devices = [d for d in program.mesh.devices.flat if d.process_index == jax.process_index()]
 
     def _restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
         """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
@@ -155,7 +158,8 @@ class Trainer:
         return float(jnp.mean(jnp.stack(losses)))
 
     def fit(self, steps: int | None = None, log: MetricsLog | None = None) -> list[dict]:
-        """Train until `steps` (default train.steps) and return the logged records."""
+        """Train until `steps` (default train.steps) and return the logged records. `log`: where
+        records go (default: the sinks of the config's logging section, on process 0 only)."""
         cfg, t = self.cfg, self.cfg.train
         steps = steps or t.steps
         primary = jax.process_index() == 0
@@ -180,17 +184,23 @@ class Trainer:
                 self.out.mkdir(parents=True, exist_ok=True)
                 run_dir.write_config(self.out, cfg, self.program.mesh)
                 tokenizer_lib.record(self.out, self.corpus.tokenizer)  # so the run's tokens can be decoded
-            log = log or MetricsLog(self.out, primary, keep_through=first)
             if primary:
                 print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
                       f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
                       f"precision={cfg.parallel.precision}, out={self.out}", flush=True)
+            log = log or loggers.for_run(self.out, cfg, primary, first, steps)
+            started = time.perf_counter()
             self._loop(first, steps, log, signalled)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             if log is not None:
                 log.close()
+        if primary:
+            saved = self.checkpointer.steps()
+            newest = str(self.checkpointer.path(max(saved))) if saved else None
+            print(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
+                                       time.perf_counter() - started, newest, log.locations()), flush=True)
         return log.history
 
     def _loop(self, first, steps, log, signalled):
@@ -201,9 +211,12 @@ class Trainer:
         k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
         depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
         prefetch = Prefetcher(self.train_batches, depth)
-        with self.program.context(), contextlib.closing(prefetch):
+        trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
+                                      state=lambda: self.state)
+        with self.program.context(), contextlib.closing(prefetch), trace:
             while k < steps:
                 batch = prefetch.get(self.batch_index(k), [self.batch_index(k + j) for j in range(1, depth + 1)])
+                last_time += trace.before(k + 1)  # tracing's own time is no step's
                 self.state, metrics = self.compiled_step(self.state, batch)
                 # Judge the previous step only now, so the host never waits for the step it just dispatched.
                 if pending is not None and self._guard(*pending):
@@ -212,6 +225,7 @@ class Trainer:
                     last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
                     continue
                 k = done = k + 1
+                last_time += trace.after(done)
                 pending = (done, metrics)
                 if done % t.log_every == 0 or done == steps:
                     metrics = jax.device_get(metrics)  # waits for the step
@@ -268,6 +282,7 @@ class Trainer:
         util = mfu(tokens_per_sec, flops, n, self.peak)
         if util is not None:
             record.update(mfu=util, tflops_per_device=tokens_per_sec * flops / n / 1e12)
+        record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
         return record
 
     def _save_due(self, step: int) -> bool:
