@@ -1,0 +1,120 @@
+"""`python -m meshtrain.report RUN [RUN ...] [--out PNG]`: compare training runs.
+
+Reads each run's metrics.jsonl (RUN is a run folder, the --out of a training run, or the file
+itself), draws train loss, eval loss and tokens/s against the step, one color per run, into one PNG
+(default report.png in the current folder), and prints a table: steps, final loss, best eval loss
+and the step it was reached at, median tokens/s (the median: the first steps' warm-up does not
+count).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshtrain.errors import UserError
+
+
+@dataclass
+class Run:
+    name: str
+    train: list[dict]  # records with a loss, by step
+    evals: list[dict]  # records with an eval_loss, by step
+
+    def series(self, records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+        return np.array([r["step"] for r in records]), np.array([r[key] for r in records], float)
+
+
+def load_run(path: str) -> Run:
+    file = Path(path)
+    if file.is_dir():
+        file = file / "metrics.jsonl"
+    if not file.is_file():
+        raise UserError(f"{path}: no metrics.jsonl there; pass a run folder (the --out of a training run) "
+                        f"or its metrics.jsonl")
+    records = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{file} line {number} is not JSON; is it a meshtrain metrics.jsonl?") from None
+    train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+    if not train:
+        raise UserError(f"{file} holds no training records yet; pass a run that has logged a step")
+    evals = sorted((r for r in records if "eval_loss" in r), key=lambda r: r["step"])
+    return Run(path.rstrip("/"), train, evals)
+
+
+def figure(runs: list[Run]):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import StrMethodFormatter
+
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    panels = fig.subplots(1, 3)
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        panels[0].plot(*run.series(run.train, "loss"), color=color, label=run.name, linewidth=1.2)
+        if run.evals:
+            panels[1].plot(*run.series(run.evals, "eval_loss"), color=color, marker="o", markersize=3,
+                           label=run.name, linewidth=1.2)
+        panels[2].plot(*run.series(run.train, "tokens_per_sec"), color=color, label=run.name, linewidth=1.2)
+    titles = ("train loss", "eval loss", "tokens/s")
+    for ax, title in zip(panels, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if not any(run.evals for run in runs):
+        panels[1].text(0.5, 0.5, "no eval records\n(train.eval_every)", ha="center", va="center",
+                       transform=panels[1].transAxes, color="grey")
+    panels[2].set_ylim(bottom=0)
+    panels[2].yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    panels[0].legend(fontsize=8)
+    return fig
+
+
+def table(runs: list[Run]) -> str:
+    width = max(len("run"), *(len(run.name) for run in runs))
+    lines = [f"{'run':<{width}}  {'steps':>6}  {'final loss':>10}  {'best eval (step)':>18}  {'tokens/s':>10}"]
+    for run in runs:
+        last = run.train[-1]
+        if run.evals:
+            best = min(run.evals, key=lambda r: r["eval_loss"])
+            best_text = f"{best['eval_loss']:.4f} ({best['step']})"
+        else:
+            best_text = "-"
+        rate = float(np.median([r["tokens_per_sec"] for r in run.train]))
+        lines.append(f"{run.name:<{width}}  {last['step']:>6}  {last['loss']:>10.4f}  {best_text:>18}  {rate:>10,.0f}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meshtrain.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (--out of a training run) or its metrics.jsonl")
+    p.add_argument("--out", default="report.png", metavar="PNG", help="where to write the plot (default report.png)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        runs = [load_run(path) for path in args.runs]
+        out = Path(args.out)
+        if not out.parent.is_dir():
+            raise UserError(f"--out {args.out}: folder {out.parent} does not exist; create it or pass another --out")
+        figure(runs).savefig(out, dpi=100)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(runs))
+    print(f"plot written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
