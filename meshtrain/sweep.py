@@ -188,7 +188,7 @@ def device_slots(parallel: int, devices: int | None, gpus: list[str]) -> list[Sl
     return slots
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """In the child, before exec: SIGTERM (meshtrain checkpoints and exits) when the sweep dies."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -289,7 +289,7 @@ class TrialRun:
             self.proc = subprocess.Popen(
                 self.command, env={**os.environ, **self.slot.env}, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=err, start_new_session=True, pass_fds=(self.lock,),
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+                preexec_fn=functools.partial(die_with_parent, os.getpid()))
         return True
 
     def read_evals(self) -> list[tuple[int, float]]:
@@ -618,7 +618,7 @@ def main(argv=None) -> int:
     sweep = Sweep(args, space, base, slots, storage, study)
     finished = sum(t.state.is_finished() for t in counted(study.get_trials(deepcopy=False)))
     print(f"study {args.study} in {shown_url(args.storage)}: {finished} of {args.trials} trials finished; "
-          f"{args.parallel} at a time on {slots[0].label} each", flush=True)
+          f"{args.parallel} at a time, each on {slots[0].label}", flush=True)
 
     def stop(signum, frame):
         sweep.stopping = True
@@ -637,7 +637,7 @@ def main(argv=None) -> int:
         print("stopped: rerun the same command to finish the study (stopped trials resume from their checkpoints)")
     if best is None:
         if not sweep.stopping:
-            print(f"error: no trial of study {args.study} completed; see the notes above", file=sys.stderr)
+            print(f"error: no trial of study {args.study} completed; see the table above", file=sys.stderr)
         return 0 if sweep.stopping else 1
     path = Path(args.out) / "best.json"
     tmp = path.with_suffix(".json.tmp")

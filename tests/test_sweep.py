@@ -1,21 +1,26 @@
-"""python -m meshtrain.sweep: a 4-trial study on the tiny config (2 trials at a time, one CPU device
-each) prunes the trial with an absurd learning rate and names the best in best.json; a sweep killed
-with SIGKILL during a trial and run again retries that trial in its own folder (resuming its
-checkpoint) and never reruns a finished one; a bad space file is one `error:` line, exit 2, nothing
-written.
+"""python -m meshtrain.sweep on the tiny config. One 4-trial study, 2 trials at a time on one CPU
+device each, is killed (SIGKILL) while a trial trains and then run again with the same command; the
+two tests read its results: it prunes the trial with an absurd learning rate and names the best in
+best.json; the rerun retries the killed trial(s) in their own folders, resuming the checkpoint their
+runs saved, and never reruns a finished trial. A failed run fails its trial with its `error:` line;
+a bad space file or flag is one `error:` line, exit 2, nothing written.
 
 Determinism: the trials are enqueued in the study before the sweep starts (Optuna runs WAITING trials
-first, in order), so trial 2 always has lr=3.0, whose eval_loss at step 10 is about 50 against 5.5 for
-the others. The median pruner with --startup-trials 1 compares it with the complete trials, and with
-2 slots trial 2 starts only after trial 0 or 1 has completed: it is pruned at its first eval.
-The other trials differ in train.seed only: the learning rate is a constant of the compiled step, so
-they share one program (and the session's compilation cache), which keeps the file near a minute."""
+first, in order), so trial 2 always has lr=3.0, whose eval_loss at its first eval (step 100) is far
+above the others' (6.0 against 3.5). The median pruner with --startup-trials 1 compares it with
+the complete trials, and with 2 slots trial 2 starts only after trial 0 or 1 has completed, so it is
+pruned at its first eval, as is its retry if the kill comes first. Trial 3 is a good run that may
+complete or be pruned by the median rule; either way it finishes. The sweep is killed as soon as
+trial 3 logs its first loss, 100 steps before its first eval (which alone could prune it).
+The trials other than 2 differ in train.seed only: the learning rate is a constant of the compiled
+step, so they share one program (and the session's compilation cache), which keeps the file fast."""
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -25,7 +30,7 @@ from meshtrain.sweep import main
 
 TRIALS = [{"optim.lr": 1e-2, "train.seed": 0}, {"optim.lr": 1e-2, "train.seed": 1},
           {"optim.lr": 3.0, "train.seed": 0}, {"optim.lr": 1e-2, "train.seed": 2}]
-SETS = ["train.steps=100", "train.eval_every=10", "train.eval_batches=1", "parallel.mesh=1"]
+SETS = ["train.steps=200", "train.eval_every=100", "train.eval_batches=1", "parallel.mesh=1"]
 SPACE = "optim.lr: {type: float, low: 1.0e-4, high: 3.0, log: true}\ntrain.seed: {type: int, low: 0, high: 1000}\n"
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}  # trials on simulated CPU devices, also where GPUs are
 
@@ -34,7 +39,7 @@ def command(tmp_path, out, *flags):
     space = tmp_path / "space.yaml"
     space.write_text(SPACE)
     return [sys.executable, "-m", "meshtrain.sweep", "--config", TINY, "--space", str(space), "--trials", "4",
-            "--out", str(out), "--heartbeat", "2", *flags, *(a for s in SETS for a in ("--set", s))]
+            "--out", str(out), "--heartbeat", "2", *(a for s in SETS for a in ("--set", s)), *flags]
 
 
 def enqueued_study(out, trials):
@@ -47,83 +52,104 @@ def enqueued_study(out, trials):
 
 
 def records(run, key):
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
+    path = run / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if key in r] if path.is_file() else []
 
 
-def test_sweep_prunes_the_absurd_lr_and_names_the_best(tmp_path):
-    out = tmp_path / "sweep"
-    study = enqueued_study(out, TRIALS)
-    done = subprocess.run(command(tmp_path, out, "--parallel", "2", "--devices", "2", "--startup-trials", "1"),
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    print(done.stdout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    trials = study.get_trials()
-    states = [t.state.name for t in trials]
-    assert len(trials) == 4 and [t.params for t in trials] == TRIALS
-    # Trial 2 (lr 3.0) is pruned at its first eval; 0 and 1 complete; 3 may go either way.
-    assert states[:3] == ["COMPLETE", "COMPLETE", "PRUNED"] and states[3] in ("COMPLETE", "PRUNED")
-    assert max(trials[2].intermediate_values) == 10 and trials[2].intermediate_values[10] > 10
-    assert "trial 2 pruned at step 10" in done.stdout
-    # Two at a time, each on one CPU device: trial 1 started before trial 0 completed.
-    assert trials[1].datetime_start < trials[0].datetime_complete
-    for t in trials:
-        assert t.user_attrs["devices"] == "1 CPU device(s)"
-        assert " on 1 x " in (out / f"trial-{t.number}" / "config.yaml").read_text().splitlines()[0]
-
-    # The value of a complete trial is its run's final eval_loss; best.json names the lowest.
-    for t in trials:
-        if t.state.name == "COMPLETE":
-            final = records(out / f"trial-{t.number}", "eval_loss")[-1]
-            assert final["step"] == 100 and final["eval_loss"] == pytest.approx(t.value, rel=1e-12)
-    complete = [t for t in trials if t.state.name == "COMPLETE"]
-    best = min(complete, key=lambda t: t.value)
-    saved = json.loads((out / "best.json").read_text())
-    assert saved["trial"] == best.number and saved["eval_loss"] == best.value
-    assert saved["params"] == best.params and saved["run"] == str(out / f"trial-{best.number}")
-    assert f"best: trial {best.number}, eval_loss {best.value:.4f}" in done.stdout
-    assert done.stdout.count(" COMPLETE ") == len(complete)  # the table, one row per trial
+def standing(trials):
+    """Each original trial's number -> the trial that stands for it now (itself, or its last retry)."""
+    return {t.system_attrs.get("failed_trial", t.number): t for t in trials
+            if t.number not in {n for u in trials for n in u.system_attrs.get("retry_history", [])}}
 
 
-def test_killed_sweep_resumes_without_repeating_finished_trials(tmp_path):
-    out = tmp_path / "sweep"
-    enqueued_study(out, [{"optim.lr": 1e-2, "train.seed": seed} for seed in range(4)])
-    argv = command(tmp_path, out, "--pruner", "none", "--devices", "1")
-    first = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=open(tmp_path / "first.out", "w"), stderr=subprocess.STDOUT)
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    out = tmp / "sweep"
+    enqueued_study(out, TRIALS)
+    argv = command(tmp, out, "--parallel", "2", "--devices", "2", "--startup-trials", "1")
+    first = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=open(tmp / "first.out", "w"), stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 240
-        while not ((out / "trial-2" / "metrics.jsonl").is_file() and records(out / "trial-2", "loss")):
-            assert first.poll() is None and time.time() < deadline, (tmp_path / "first.out").read_text()[-3000:]
-            time.sleep(0.05)
-        first.send_signal(signal.SIGKILL)  # during trial 2's training
+        deadline = time.time() + 300
+        while not records(out / "trial-3", "loss"):
+            assert first.poll() is None and time.time() < deadline, (tmp / "first.out").read_text()[-3000:]
+            time.sleep(0.02)
+        first.send_signal(signal.SIGKILL)  # while trial 3 trains (its run gets SIGTERM and checkpoints)
         first.wait()
     finally:
         first.kill()
-    finished = {n: (out / f"trial-{n}" / "metrics.jsonl").read_bytes() for n in (0, 1)}
-    checkpoints = {n: sorted(p.name for p in (out / f"trial-{n}" / "checkpoints").iterdir()) for n in (0, 1)}
-    before = optuna.load_study(study_name=out.name, storage=f"sqlite:///{out}/study.db").get_trials()
-    assert [t.state.name for t in before] == ["COMPLETE", "COMPLETE", "RUNNING", "WAITING"]
-
+    study = optuna.load_study(study_name=out.name, storage=f"sqlite:///{out}/study.db")
+    before = study.get_trials()
+    finished = {n: ((out / f"trial-{n}" / "metrics.jsonl").read_bytes(),
+                    sorted(p.name for p in (out / f"trial-{n}" / "checkpoints").iterdir())) for n in (0, 1)}
     again = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    print((tmp_path / "first.out").read_text(), again.stdout)
+    print((tmp / "first.out").read_text(), again.stdout, again.stderr)
     assert again.returncode == 0, again.stderr[-3000:]
-    trials = optuna.load_study(study_name=out.name, storage=f"sqlite:///{out}/study.db").get_trials()
-    # 0 and 1 untouched; 2, left RUNNING, failed as stale and retried as 4 in trial-2/; 3 ran once.
-    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
-    assert [(t.value, t.datetime_complete) for t in trials[:2]] == [(t.value, t.datetime_complete) for t in before[:2]]
-    assert trials[4].system_attrs["failed_trial"] == 2 and trials[4].params == trials[2].params
-    assert trials[4].user_attrs["run_dir"] == str(out / "trial-2") and not (out / "trial-4").exists()
-    assert sorted(t.params["train.seed"] for t in trials if t.state.name == "COMPLETE") == [0, 1, 2, 3]
-    # Finished runs were not retrained; the retried one resumed from the checkpoint its run saved
-    # when the killed sweep's SIGTERM reached it, and finished its 100 steps.
-    assert {n: (out / f"trial-{n}" / "metrics.jsonl").read_bytes() for n in (0, 1)} == finished
-    assert {n: sorted(p.name for p in (out / f"trial-{n}" / "checkpoints").iterdir()) for n in (0, 1)} == checkpoints
-    assert "preempted at step" in (out / "logs" / "trial-2.out").read_text()
-    assert "resumed from step" in (out / "logs" / "trial-4.out").read_text()
-    steps = [r["step"] for r in records(out / "trial-2", "loss")]
-    assert steps == sorted(set(steps)) and steps[-1] == 100
-    assert "trial 4 started: optim.lr=0.01 train.seed=2 -> " in again.stdout and "retry of trial 2" in again.stdout
-    assert json.loads((out / "best.json").read_text())["trial"] == min(
-        (t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value).number
+    return SimpleNamespace(out=out, before=before, finished=finished, stdout=again.stdout, trials=study.get_trials())
+
+
+def test_sweep_prunes_the_absurd_lr_and_names_the_best(sweep):
+    now = standing(sweep.trials)
+    assert sorted(now) == [0, 1, 2, 3] and [now[n].params for n in range(4)] == TRIALS
+    assert all(t.state.is_finished() and t.state.name != "FAIL" for t in now.values())
+    # Trial 2 (lr 3.0), or its retry, is pruned at its first eval; 0 and 1 complete.
+    assert now[2].state.name == "PRUNED" and list(now[2].intermediate_values) == [100]
+    assert now[2].intermediate_values[100] > 1.5 * max(now[n].intermediate_values[100] for n in (0, 1))
+    assert now[0].state.name == now[1].state.name == "COMPLETE"
+    # Two at a time, each on one CPU device: trial 1 started before trial 0 completed.
+    assert now[1].datetime_start < now[0].datetime_complete
+    for n, t in now.items():
+        assert t.user_attrs["devices"] == "1 CPU device(s)" and t.user_attrs["run_dir"] == str(sweep.out / f"trial-{n}")
+        assert " on 1 x " in (sweep.out / f"trial-{n}" / "config.yaml").read_text().splitlines()[0]
+    # A complete trial's value is its run's final eval_loss; best.json names the lowest.
+    complete = [t for t in now.values() if t.state.name == "COMPLETE"]
+    for t in complete:
+        final = records(sweep.out / f"trial-{t.system_attrs.get('failed_trial', t.number)}", "eval_loss")[-1]
+        assert final["step"] == 200 and final["eval_loss"] == pytest.approx(t.value, rel=1e-12)
+    best = min(complete, key=lambda t: t.value)
+    saved = json.loads((sweep.out / "best.json").read_text())
+    assert saved["trial"] == best.number and saved["eval_loss"] == best.value and saved["params"] == best.params
+    assert saved["run"] == best.user_attrs["run_dir"]
+    assert f"best: trial {best.number}, eval_loss {best.value:.4f}" in sweep.stdout
+    assert len([line for line in sweep.stdout.splitlines() if " COMPLETE " in line]) == len(complete)  # the table
+
+
+def test_a_killed_sweep_resumes_without_repeating_finished_trials(sweep):
+    before = {t.number: t for t in sweep.before}
+    assert before[0].state.name == before[1].state.name == "COMPLETE" and before[3].state.name == "RUNNING"
+    # Finished trials stay as they were: same records, runs not retrained, no retry of them.
+    for t in sweep.trials[:2]:
+        assert (t.state, t.value, t.datetime_complete) == (before[t.number].state, before[t.number].value,
+                                                           before[t.number].datetime_complete)
+    assert {n: ((sweep.out / f"trial-{n}" / "metrics.jsonl").read_bytes(),
+                sorted(p.name for p in (sweep.out / f"trial-{n}" / "checkpoints").iterdir()))
+            for n in (0, 1)} == sweep.finished
+    retries = [t for t in sweep.trials if "failed_trial" in t.system_attrs]
+    assert {t.system_attrs["failed_trial"] for t in retries} <= {2, 3}
+    assert all(before[t.system_attrs["failed_trial"]].state.name == "RUNNING" for t in retries)
+    # Trial 3 was left RUNNING, failed as stale and retried in trial-3/, resuming its checkpoint, to the end.
+    [retry] = [t for t in retries if t.system_attrs["failed_trial"] == 3]
+    assert sweep.trials[3].state.name == "FAIL" and retry.params == TRIALS[3]
+    assert not (sweep.out / f"trial-{retry.number}").exists()
+    assert "preempted at step" in (sweep.out / "logs" / "trial-3.out").read_text()
+    assert "resumed from step" in (sweep.out / "logs" / f"trial-{retry.number}.out").read_text()
+    assert f"trial {retry.number} started: optim.lr=0.01 train.seed=2 -> " in sweep.stdout
+    assert f"-> retry of trial 3, resuming {sweep.out / 'trial-3'}" in sweep.stdout
+    steps = [r["step"] for r in records(sweep.out / "trial-3", "loss")]  # each step once, none skipped
+    assert steps == list(range(1, len(steps) + 1)) and (steps[-1] == 200 or retry.state.name == "PRUNED")
+    # 4 trials stand for the study's 4: nothing more was started.
+    assert len(sweep.trials) == 4 + len(retries) and len(standing(sweep.trials)) == 4
+
+
+def test_a_failed_run_fails_its_trial_with_its_error_line(tmp_path):
+    out = tmp_path / "sweep"
+    argv = command(tmp_path, out, "--trials", "1", "--set", "parallel.mesh=2x2")  # 4 devices; a trial sees 8
+    done = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    line = "error: mesh 2x2x1 needs 4 devices, found 8; change --mesh or --devices"
+    assert done.returncode == 1 and f"trial 0 failed (exit 2): {line}" in done.stdout, done.stdout + done.stderr
+    assert done.stderr == "error: no trial of study sweep completed; see the table above\n"
+    [trial] = optuna.load_study(study_name="sweep", storage=f"sqlite:///{out}/study.db").get_trials()
+    assert trial.state.name == "FAIL" and trial.user_attrs["error"] == line and not (out / "best.json").exists()
 
 
 @pytest.mark.parametrize("space, message", [
