@@ -276,10 +276,12 @@ class StageProgram:
         return metrics, g_blocks, g_outer
 
 
-def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs):
+def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None):
     """(params, tokens [B, L+1]) -> (metrics, grads): one step's forward and backward, pipelined as
     `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
-    own rows, and the gradients are reduced over it once per step (meshtrain/data_parallel.py)."""
+    own rows, and the gradients are reduced over it once per step (meshtrain/data_parallel.py). With
+    a `compressor` (meshtrain/compression.py) the function is (params, tokens, errors[, scale]) ->
+    (metrics, grads, new errors), `errors` the state's `grad_error` laid out as `error_specs`."""
     stages = mesh.shape["pipeline"]
     schedule, residuals, micro = plan.schedule, plan.residuals, plan.num_microbatches(stages)
     virtual = plan.virtual_stages
@@ -291,34 +293,39 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs):
     split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
     outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))
     outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
+    errors_local = [data_parallel.local_specs(error_specs, manual)] if compressor else []
     layer = remat_lib.apply(model.block, plan.remat, model.saveable)
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, *scale):
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, *rest):
+        errors, scale = (rest[0], rest[1:]) if compressor else (None, rest)
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             if data_manual:  # ZeRO-3: whole over data once per step
                 blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
                                  blocks, outer, inputs_MxbxL, targets_MxbxL, *scale)
             metrics, g_blocks, g_outer = stage.run(phases)
-            if data_manual:  # the data-parallel reduction, once per step
-                metrics = jax.lax.pmean(metrics, data_parallel.AXIS)
-                g_blocks = data_parallel.reduce_mean(g_blocks, blocks_out)
-                g_outer = data_parallel.reduce_mean(g_outer, outer_out)
-            return metrics, g_blocks, g_outer
+            if not data_manual:
+                return metrics, g_blocks, g_outer
+            metrics = jax.lax.pmean(metrics, data_parallel.AXIS)  # the data-parallel reduction, once per step
+            if compressor:  # one compressed exchange for all the gradients
+                grads, errors = compressor.reduce_mean({**g_outer, "blocks": g_blocks}, errors, manual, *scale)
+                return metrics, *split(grads)[::-1], errors
+            return metrics, data_parallel.reduce_mean(g_blocks, blocks_out), data_parallel.reduce_mean(g_outer, outer_out)
 
     tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
     staged = lambda *args: jax.shard_map(
-        per_stage, mesh=mesh, in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, *[P()] * (len(args) - 4)),
-        out_specs=(P(), blocks_out, outer_out), axis_names=manual, check_vma=False)(*args)
+        per_stage, mesh=mesh, out_specs=(P(), blocks_out, outer_out, *errors_local), axis_names=manual,
+        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, *errors_local,
+                  *[P()] * (len(args) - 4 - len(errors_local))), check_vma=False)(*args)
 
-    def metrics_and_grads(params, tokens_BxL1, *scale):
+    def metrics_and_grads(params, tokens_BxL1, *rest):
         compute = cast_for_compute(params, plan.precision)
         outer = {k: v for k, v in compute.items() if k != "blocks"}
         # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
         # resharding collective would wait for the stages that skip the branch.
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-        metrics, g_blocks, g_outer = staged(compute["blocks"], outer, split_microbatches(inputs, micro),
-                                            split_microbatches(targets, micro), *scale)
-        return metrics, {**g_outer, "blocks": g_blocks}  # fp32 sums; the step casts to the params' dtype
+        metrics, g_blocks, g_outer, *errors = staged(compute["blocks"], outer, split_microbatches(inputs, micro),
+                                                     split_microbatches(targets, micro), *rest)
+        return metrics, {**g_outer, "blocks": g_blocks}, *errors  # fp32 sums; the step casts to the params' dtype
 
     return metrics_and_grads

@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshtrain import compression
 from meshtrain.attention import BACKENDS
 from meshtrain.context_parallel import load_balanced_order
 from meshtrain.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import flops_per_token
 from meshtrain.pipeline import layer_order
 from meshtrain.precision import initial_loss_scale
-from meshtrain.sharding import activation_rules, check_replication, make_rules, spec_for, state_shardings
+from meshtrain.sharding import activation_rules, check_replication, make_rules, owned_specs, spec_for, state_shardings
 from meshtrain.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.step import lr_schedule, make_optimizer, make_train_step
 from meshtrain.validate import check_layout
@@ -48,13 +49,16 @@ class TrainProgram:
         self.schedule = lr_schedule(optim, t.steps)
         self.tx = make_optimizer(optim, t.steps, self.logical_axes)
 
+        self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh)
         stages = self.sizes["pipeline"]
         self.layer_order = layer_order(model.num_layers, stages, plan.virtual_stages if stages > 1 else 1)
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, plan.zero, self.tx)
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
-                 "grads": self.grad_specs, "batch": self.batch_sharding.spec}
+                 "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs}
+        if "grad_error" in self.state_shardings:
+            specs["grad_error"] = jax.tree.map(lambda s: s.spec, self.state_shardings["grad_error"])
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs)
         self.num_params = self.model.num_params(abstract_params)
         self.flops_per_token = flops_per_token(self.model.active_matmul_params(abstract_params), model.num_layers,
@@ -70,18 +74,30 @@ class TrainProgram:
         return self.state_from_params(self.model.init(key))
 
     def state_from_params(self, params):
-        """Step 0 with these parameters (in model order) and a fresh optimizer state."""
+        """Step 0 with these parameters (in model order), a fresh optimizer state, and zero residuals
+        where int8 gradient compression applies (meshtrain/compression.py)."""
         params = dict(params)
         params["blocks"] = self.reorder_blocks(params["blocks"], self.layer_order)  # storage order
         zero = jnp.zeros((), jnp.int32)
-        return {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero,
-                "loss_scale": initial_loss_scale(self.plan)}
+        state = {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero,
+                 "loss_scale": initial_loss_scale(self.plan)}
+        if compression.applies(self.plan, self.sizes):
+            state["grad_error"] = self.fresh_grad_error(params)
+        return state
+
+    def fresh_grad_error(self, params):
+        return compression.init_error(params, self.owned_specs, self.sizes, self.plan.zero)
 
     def optional_state(self) -> dict:
         """State entries a checkpoint may lack (meshtrain/checkpoint.py `restore`): a function making
-        each afresh, in its sharding."""
+        each afresh, in its sharding. Compression's residuals are per data shard: a checkpoint of
+        another data size (or without compression) resumes with zeros."""
         make = lambda fn, key: lambda: jax.jit(fn, out_shardings=self.state_shardings[key])()
-        return {"loss_scale": make(lambda: initial_loss_scale(self.plan), "loss_scale")}
+        optional = {"loss_scale": make(lambda: initial_loss_scale(self.plan), "loss_scale")}
+        if "grad_error" in self.abstract_state:
+            params = self.abstract_state["params"]
+            optional["grad_error"] = make(lambda: self.fresh_grad_error(params), "grad_error")
+        return optional
 
     @staticmethod
     def reorder_blocks(blocks, rows):

@@ -148,9 +148,15 @@ def param_shardings(model, mesh, rules=None, check: bool = False):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def owned_specs(params, logical_axes, rules, mesh):
+    """The gradients' ZeRO-2 layout at any stage: which slice of each gradient every data shard
+    reduces (meshtrain/compression.py reduce-scatters into it, and gathers from it at zero 0/1)."""
+    return tree_specs(params, logical_axes, rules, mesh, zero_axes(2, "grads"))
+
+
 def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
-    """NamedShardings for the train state (params, opt_state and replicated scalar counters) and the
-    PartitionSpecs for gradients."""
+    """NamedShardings for the train state (params, opt_state, gradient compression's residuals
+    `grad_error` when present, and replicated scalar counters) and the PartitionSpecs for gradients."""
     params = abstract_state["params"]
     param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "params"))
     opt_param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "opt_state"))
@@ -164,6 +170,11 @@ def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
     replicated = NamedSharding(mesh, P())
     shardings = {key: jax.tree.map(lambda _: replicated, value) for key, value in abstract_state.items()}  # scalars
     shardings.update(params=named(param_specs), opt_state=named(opt_specs))
+    if "grad_error" in abstract_state:
+        from meshtrain.compression import error_shapes_and_specs
+
+        owned = owned_specs(params, logical_axes, rules, mesh)
+        shardings["grad_error"] = named(error_shapes_and_specs(params, owned, mesh.shape, zero)[1])
     return shardings, grad_specs
 
 

@@ -1,13 +1,14 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
-nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'};
-the batch is [batch, seq_len + 1] tokens."""
+nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'},
+and 'grad_error' under int8 gradient compression (meshtrain/compression.py); the batch is
+[batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain import data_parallel
+from meshtrain import compression, data_parallel
 from meshtrain import remat as remat_lib
 from meshtrain.batching import accumulate, inputs_and_targets
 from meshtrain.pipeline import make_pipeline_grads
@@ -75,20 +76,28 @@ def metrics_and_grads(loss_fn):
 
 def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
     """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
-    (pytrees) and 'batch'. With a `pipeline` axis > 1 the stacked layers run as pipeline stages
-    (meshtrain/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
+    (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
+    'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
+    stages (meshtrain/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
     computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
-    are reduced over `data` once per step. Otherwise XLA partitions the step from the shardings.
+    are reduced over `data` once per step (in int8 with error feedback under compression, which
+    keeps the residuals of a skipped step). Otherwise XLA partitions the step from the shardings.
     Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/precision.py)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
     micro = plan.num_microbatches(stages)
+    compressor = None
+    if compression.applies(plan, mesh.shape):
+        compressor = compression.Int8Reduction(mesh, grad_specs, specs["owned"], plan.compression_block, plan.zero)
+    compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
     if stages > 1:
-        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs)
-    elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero):
+        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, **compressed)
+    elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
+                                 compressed=compressor is not None):
         others = set(mesh.axis_names) - {data_parallel.AXIS}
         local = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro,
                            data_parallel.local_specs(grad_specs, others))
-        per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"])
+        per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
+                                                **compressed)
         # the gathers move compute-dtype parameters
         grad_fn = lambda params, *args: per_shard(cast_for_compute(params, plan.precision), *args)
     else:
@@ -97,7 +106,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
     def train_step(state, tokens_BxL1):
         params, loss_scale = state["params"], state["loss_scale"]
         scale = (loss_scale["scale"],) if scales_loss(plan) else ()
-        model_metrics, grads = grad_fn(params, tokens_BxL1, *scale)
+        errors = (state["grad_error"],) if compressor else ()
+        model_metrics, grads, *new_errors = grad_fn(params, tokens_BxL1, *errors, *scale)
         loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
         unscale = (lambda g: g / scale[0]) if scale else (lambda g: g)
@@ -115,6 +125,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
                      "params": keep_if_skipped(optax.apply_updates(params, updates), params),
                      "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
+        if compressor:  # a skipped step's residuals may hold its NaN/Inf: they are dropped with it
+            new_state["grad_error"] = keep_if_skipped(new_errors[0], state["grad_error"])
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
                    "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
         if scales_loss(plan):
