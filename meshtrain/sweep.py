@@ -1,6 +1,7 @@
 """`python -m meshtrain.sweep`: hyperparameter search in which every trial is an ordinary meshtrain run.
 
-An Optuna study (TPE sampler, seeded) minimizes the final `eval_loss` of runs started as
+An Optuna study (TPE sampler, seeded with --seed plus the number of trials already in the study, so
+that a rerun draws new values) minimizes the final `eval_loss` of runs started as
 `python -m meshtrain.train --config CFG --set <user's --set> --set <sampled keys> --out <out>/trial-<n>`.
 The sweep reads each run's metrics.jsonl as it trains, reports every eval_loss to the pruner (median
 or Hyperband) and stops a pruned run with SIGTERM (meshtrain checkpoints it and exits 0).
@@ -210,11 +211,15 @@ def open_study(url: str, name: str, seed: int, pruner, heartbeat: int):
             url, engine_kwargs=engine, heartbeat_interval=heartbeat,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES))
         study = optuna.create_study(storage=storage, study_name=name, direction="minimize", pruner=pruner,
-                                    sampler=optuna.samplers.TPESampler(seed=seed), load_if_exists=True)
+                                    load_if_exists=True)
     except (ImportError, ValueError, sqlalchemy.exc.SQLAlchemyError) as e:
         raise UserError(f"--storage {shown_url(url)}: {str(e).splitlines()[0]}") from None
+    # Seeded by --seed and the trials already in the study: a fresh study samples the same trials
+    # every time, and a rerun (or a second process) does not draw again the values drawn before it.
+    study.sampler = optuna.samplers.TPESampler(seed=seed + len(study.get_trials(deepcopy=False)))
     if study.direction != optuna.study.StudyDirection.MINIMIZE:
-        raise UserError(f"study {name} in {shown_url(url)} maximizes; the sweep minimizes eval_loss; pass a new --study")
+        raise UserError(f"study {name} in {shown_url(url)} maximizes; the sweep minimizes eval_loss; "
+                        f"pass a new --study")
     return storage, study
 
 
@@ -258,7 +263,8 @@ class TrialRun:
     lock: int | None = None
     proc: subprocess.Popen | None = None
     reported: set = field(default_factory=set)
-    last: tuple | None = None  # (step, eval_loss) of the newest record
+    last: tuple | None = None  # (step, eval_loss) of the newest eval record
+    step: int = 0  # the newest record's step
     pruned_at: int | None = None
     offset: int = 0
     inode: int | None = None
@@ -310,6 +316,7 @@ class TrialRun:
         for line in whole.splitlines():
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
+                self.step = record.get("step", self.step)
                 if "eval_loss" in record:
                     evals.append((int(record["step"]), float(record["eval_loss"])))
         return evals
@@ -408,8 +415,9 @@ class Sweep:
             print(f"trial {trial.number} failed: {shown}: error: {e}", flush=True)
             self.free.append(slot)
             return
-        command = [sys.executable, "-m", "meshtrain.train", *(["--config", self.args.config] if self.args.config else []),
-                   *(a for item in sets for a in ("--set", item)), "--out", str(run_dir), *slot.args]
+        config = ["--config", self.args.config] if self.args.config else []
+        command = [sys.executable, "-m", "meshtrain.train", *config, *(a for item in sets for a in ("--set", item)),
+                   "--out", str(run_dir), *slot.args]
         trial.set_user_attr("devices", slot.label)
         note = f"retry of trial {retry_of}, resuming {shown_path(run_dir)}" if retry_of is not None else \
             shown_path(run_dir)
@@ -453,11 +461,10 @@ class Sweep:
                 self.study.tell(run.trial, run.last[1])
                 print(f"trial {run.number} complete: eval_loss {run.last[1]:.4f} at step {run.last[0]}", flush=True)
             else:  # stopped before its last step (this sweep's stop, or a SIGTERM from outside): resume later
-                at = f"at step {run.last[0]}" if run.last else "before its first eval"
                 self.study.tell(run.trial, state=state.FAIL)
                 self.retry(run.trial._trial_id)
-                print(f"trial {run.number} stopped {at}; it resumes from its checkpoint when the sweep runs again",
-                      flush=True)
+                print(f"trial {run.number} stopped at step {run.step}; it resumes from its checkpoint when the sweep "
+                      f"runs again", flush=True)
         except optuna.exceptions.UpdateFinishedTrialError:
             print(f"warning: trial {run.number} was retried by another sweep process (its heartbeat was late)",
                   file=sys.stderr, flush=True)
@@ -552,7 +559,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-trials", type=int, default=5,
                    help="median pruner: complete trials before any is pruned (default 5)")
     p.add_argument("--warmup-steps", type=int, default=0, help="median pruner: no pruning before this step")
-    p.add_argument("--seed", type=int, default=0, help="TPE sampler seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="TPE sampler seed (plus the number of trials already in the study)")
     p.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",
                    help="a running trial heartbeats this often; one silent for twice as long is retried")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every trial")

@@ -55,5 +55,6 @@ def test_launcher_flags_are_checked_before_ray_starts(capsys):
     assert main(["--nodes", "2", "--config", TINY]) == 2
     assert main(["--nodes", "2", "--", "--config", TINY, "--process-id", "1"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == ["error: pass the meshtrain.train arguments after --, e.g. ... --nodes 2 -- --config configs/tiny.yaml",
-                   "error: --process-id is set by the launcher for each process; leave it out of the meshtrain arguments"]
+    assert err == [
+        "error: pass the meshtrain.train arguments after --, e.g. ... --nodes 2 -- --config configs/tiny.yaml",
+        "error: --process-id is set by the launcher for each process; leave it out of the meshtrain arguments"]

@@ -152,6 +152,27 @@ def test_a_failed_run_fails_its_trial_with_its_error_line(tmp_path):
     assert trial.state.name == "FAIL" and trial.user_attrs["error"] == line and not (out / "best.json").exists()
 
 
+def test_a_rerun_draws_new_values(tmp_path):
+    """The sampler is seeded with --seed plus the trials already in the study: a fresh study draws
+    the same values every time, a rerun on a study with trials draws others."""
+    from meshtrain.sweep import distribution, open_study, suggest
+
+    space = {"optim.lr": distribution("optim.lr", {"type": "float", "low": 1e-4, "high": 1e-2, "log": True})}
+
+    def draw(name, trials):
+        _, study = open_study(f"sqlite:///{tmp_path}/study.db", name, 0, optuna.pruners.NopPruner(), 10)
+        drawn = []
+        for _ in range(trials):
+            trial = study.ask()
+            drawn.append(suggest(trial, "optim.lr", space["optim.lr"]))
+            study.tell(trial, 1.0)
+        return drawn
+
+    first = draw("a", 2)
+    assert draw("b", 2) == first  # a fresh study: the same draws
+    assert not set(draw("a", 2)) & set(first)  # the rerun of "a" does not repeat them
+
+
 @pytest.mark.parametrize("space, message", [
     ("optim.lrr: {type: float, low: 1.0e-4, high: 1.0e-2}", "unknown config key 'optim.lrr'"),
     ("optim.lr: {type: gaussian, low: 0, high: 1}", "optim.lr: type 'gaussian' is not one of float, int, categorical"),
