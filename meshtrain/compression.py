@@ -9,14 +9,18 @@ local fp32 gradient, c = g + e, sends q and keeps e' = c - deq(q) for the next s
 the values sent telescope: sum_k deq(q_k) = sum_k g_k - e_K, so nothing is lost, only delayed.
 
 The reduction, inside `jax.shard_map` over `data` (N shards), on each device's local slice:
-1. reduce-scatter as an all-to-all: each shard's c is cut into N rows, row i being what shard i
-   owns (the ZeRO-2 gradient layout); rows are quantized and exchanged (int8 + scales), so each
-   shard receives every shard's row of its own, dequantizes and sums them in fp32, and divides by N.
-   Under zero 2/3 (gradients sharded over `data`) that mean is the result.
+1. reduce-scatter as an all-to-all: each shard's c is cut into N rows, row i being the slice shard
+   i owns (sharding.owned_specs); rows are quantized and exchanged (int8 + scales), so each shard
+   receives every shard's row of its own, dequantizes and sums them in fp32, and divides by N.
+   Under zero 2/3 (gradients sharded over `data`, data-major as ZeRO-2 lays them out) that mean is
+   the result.
 2. zero 0/1 (gradients replicated over `data`): the owned mean m is quantized again, with a second
    residual on the owned slice (1-bit Adam's "server" error: c2 = m + e2, e2' = c2 - deq(q2);
    without it a value below half a step of its block would be rounded away on every step), and
-   all-gathered as int8 + scales; every shard dequantizes the same bytes.
+   all-gathered as int8 + scales; every shard dequantizes the same bytes. Here `data` is the minor
+   factor of the owned dimension, so rows are cut from each device's slice where it lies and
+   nothing moves over `fsdp`/`tensor`. (Zero 2/3's data-major layout asks XLA to move the fp32
+   gradient over those axes first, as the fp32 reduce-scatter does.)
 Bytes per device for G bytes of fp32 gradient (G/4 values): each exchange moves G/4 int8 + G/b of
 scales, (N-1)/N of it over the links: the all-to-all replaces the fp32 reduce-scatter's
 (N-1)/N x G, all-to-all + all-gather replace the all-reduce's 2(N-1)/N x G, a ratio of
@@ -34,12 +38,14 @@ unscaling is exact. An overflowing step (inf in c makes its block's scale inf, s
 gradient is NaN/Inf and the step is skipped) keeps the previous residuals (meshtrain/step.py).
 
 State (`grad_error`, a top-level train-state entry when int8 applies, i.e. data > 1): 'shards',
-per gradient [N, *shape with its data-split dimension written (before, N, after)], sharded over
-`data` on the leading dimension and like the ZeRO-2 gradient elsewhere: shard j's residual for
-the values row i of it goes to; and, at zero 0/1, 'owned', per gradient in the ZeRO-2 gradient's
-shape and layout (each shard holds the residual of its own slice of the mean). Both read per
-element of the gradient, so a checkpoint resumes them on any mesh that keeps these shapes; another
-data size (or split of the data-split dimension) starts them at zero (program.optional_state).
+per gradient [N, *its shape with the data-split dimension written (before, N, after)], sharded
+over `data` on the leading dimension and like the owned slice elsewhere: shard j's residual of
+the values it sends to shard i; and, at zero 0/1, 'owned', per gradient in that split shape with
+`data` on the N dimension: each shard's residual of its slice of the mean. Both are reshapes of
+the gradient's own elements, so a checkpoint resumes them on any mesh that keeps these shapes;
+another data size (or split of the data-split dimension) starts them at zero
+(program.optional_state). Memory: 'shards' is the local gradient's fp32 bytes again on every
+device (not divided by N, even at zero 3), 'owned' 1/N of it.
 With data = 1 there is no data-parallel reduction to compress and the setting does nothing.
 """
 from __future__ import annotations
@@ -98,14 +104,13 @@ def from_blocks(x_KxB, size: int):
 
 # ---- layouts ----
 def data_dim(spec: P):
-    """(dimension the spec splits over `data`, entry axes before data, entry axes after), or None.
-    Only a dimension with nothing but `pipeline` (manual where it is used) before `data` counts:
-    there, in the view where `data` is manual, the dimension is [N, rest] as psum_scatter cuts it."""
+    """(the dimension a spec splits over `data`, the entry's axes before `data`, those after), or None.
+    `pipeline`, manual where it is used, must come first in its entry."""
     for d, entry in enumerate(spec):
         axes = entry_axes(entry)
         if AXIS in axes:
             i = axes.index(AXIS)
-            return (d, axes[:i], axes[i + 1:]) if set(axes[:i]) <= {"pipeline"} else None
+            return None if "pipeline" in axes[1:] else (d, axes[:i], axes[i + 1:])
     return None
 
 
@@ -118,25 +123,36 @@ def _without(spec: P, axes) -> P:
     return P(*[_entry(a for a in entry_axes(e) if a not in axes) for e in spec])
 
 
+def _split_layout(shape, spec, found, sizes: dict, data_entry):
+    """Dimension d of (shape, spec) written as (before, N, after), split as the entry's axes are."""
+    d, before, after = found
+    b, n = math.prod(sizes[a] for a in before), sizes[AXIS]
+    return ((*shape[:d], b, n, shape[d] // (b * n), *shape[d + 1:]),
+            (*spec[:d], _entry(before), data_entry, _entry(after), *spec[d + 1:]))
+
+
 def error_shapes_and_specs(params, owned_specs, sizes: dict, zero: int):
     """The `grad_error` state's (ShapeDtypeStructs, PartitionSpecs) for parameters `params`
-    (arrays or ShapeDtypeStructs), their ZeRO-2 gradient specs `owned_specs` and the mesh sizes."""
+    (arrays or ShapeDtypeStructs), the slices each data shard reduces (`owned_specs`,
+    sharding.owned_specs) and the mesh sizes: each gradient's shape with its data-split dimension
+    written (before, N, after), so that `data` sits on a dimension of its own (a shard_map over
+    `data` then cuts nothing else), led by [N] in 'shards'."""
     n = sizes[AXIS]
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
 
     def shard_error(x, spec):
         found = data_dim(spec)
         if found is None:  # averaged in fp32: a placeholder keeps the tree's structure
-            return jax.ShapeDtypeStruct((n,), jnp.float32), P(AXIS)
-        d, before, after = found
-        b = math.prod(sizes[a] for a in before)
-        shape = (n, *x.shape[:d], b, n, x.shape[d] // (b * n), *x.shape[d + 1:])
-        return jax.ShapeDtypeStruct(shape, jnp.float32), P(AXIS, *spec[:d], _entry(before), None, _entry(after),
-                                                            *spec[d + 1:])
+            return f32((n,)), P(AXIS)
+        shape, split = _split_layout(x.shape, spec, found, sizes, None)
+        return f32((n, *shape)), P(AXIS, *split)
 
     def owned_error(x, spec):
-        if data_dim(spec) is None:
-            return jax.ShapeDtypeStruct((), jnp.float32), P()
-        return jax.ShapeDtypeStruct(x.shape, jnp.float32), spec
+        found = data_dim(spec)
+        if found is None:
+            return f32(()), P()
+        shape, split = _split_layout(x.shape, spec, found, sizes, AXIS)
+        return f32(shape), P(*split)
 
     def split(fn):
         pairs = jax.tree.map(fn, params, owned_specs, is_leaf=_is_spec)
@@ -157,10 +173,21 @@ def init_error(params, owned_specs, sizes: dict, zero: int):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def _to_rows(x, d: int):
+    """[..., B, N, after, ...] (B, N, after at d, d+1, d+2) -> rows [N, ..., B x after, ...]."""
+    x = jnp.moveaxis(x, d + 1, 0)
+    return x.reshape(*x.shape[:d + 1], -1, *x.shape[d + 3:])
+
+
+def _from_rows(rows, d: int, b: int):
+    rows = rows.reshape(*rows.shape[:d + 1], b, -1, *rows.shape[d + 2:])
+    return jnp.moveaxis(rows, 0, d + 1)
+
+
 class Int8Reduction:
     """The compressed mean over `data` of every data shard's gradients, for one program: `grad_specs`
-    (the gradients' layout after the step's reduction), `owned_specs` (their ZeRO-2 layout: which
-    slice each data shard reduces), `block` values per scale."""
+    (the gradients' layout after the step's reduction), `owned_specs` (the slice each data shard
+    reduces: sharding.owned_specs), `block` values per scale."""
 
     def __init__(self, mesh, grad_specs, owned_specs, block: int, zero: int):
         self.mesh, self.block, self.gathers = mesh, block, zero <= 1
@@ -182,26 +209,32 @@ class Int8Reduction:
         new_shards, new_servers = list(shards), list(servers)
         if packed:
             n = jax.lax.axis_size(AXIS)
-            # rows [N, *owned slice]: row i is what data shard i owns (psum_scatter's tiled cut)
+            sizes = dict(self.mesh.shape)
+            # Dimension d of a local gradient as (B, N, after): B the compiler-managed axes before
+            # `data` in its entry (none for zero 2/3's data-major layout: psum_scatter's cut),
+            # which then stay where they are. Row i: what data shard i owns.
             dims = [found[i][0] for i in packed]
-            rows = [jnp.moveaxis(_split(leaves[i], d, n), d, 0) for i, d in zip(packed, dims)]
-            e_rows = [jnp.moveaxis(shards[i][0].reshape(_split(leaves[i], d, n).shape), d, 0)
-                      for i, d in zip(packed, dims)]
+            bs = [math.prod(sizes[a] for a in found[i][1] if a not in manual) for i in packed]
+            split = lambda x, d, b: x.reshape(*x.shape[:d], b, n, -1, *x.shape[d + 1:])
+            rows = [_to_rows(split(leaves[i], d, b), d) for i, d, b in zip(packed, dims, bs)]
+            e_rows = [_to_rows(shards[i][0], d) for i, d in zip(packed, dims)]
+            owned_in = [servers[i].reshape(r.shape[1:]) for i, r in zip(packed, rows)] if self.gathers else []
             compiler = set(self.mesh.axis_names) - set(manual)
             local = [_without(owned[i], set(manual)) for i in packed]  # the owned slice over the other axes
             row_specs = [P(None, *spec) for spec in local]
-            args = (rows, e_rows, [servers[i] for i in packed] if self.gathers else [], s)
             in_specs = (row_specs, row_specs, local if self.gathers else [], P())
             out_specs = (row_specs if self.gathers else local, row_specs, local if self.gathers else [])
-            reduced, e_rows, owned_e = jax.shard_map(
+            reduced, e_rows, owned_out = jax.shard_map(
                 self._local, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=out_specs,
-                axis_names=compiler, check_vma=False)(*args)
-            for k, (i, d) in enumerate(zip(packed, dims)):
-                merge = lambda x: x.reshape(leaves[i].shape)
-                results[i] = merge(jnp.moveaxis(reduced[k], 0, d)) if self.gathers else reduced[k]
-                new_shards[i] = jnp.moveaxis(e_rows[k], 0, d).reshape(shards[i].shape)
+                axis_names=compiler, check_vma=False)(rows, e_rows, owned_in, s)
+            for k, (i, d, b) in enumerate(zip(packed, dims, bs)):
                 if self.gathers:
-                    new_servers[i] = owned_e[k]
+                    results[i] = _from_rows(reduced[k], d, b).reshape(leaves[i].shape)
+                    new_servers[i] = owned_out[k].reshape(servers[i].shape)
+                else:
+                    assert b == 1, owned[i]  # the reduce-scatter's layout: data-major
+                    results[i] = reduced[k]
+                new_shards[i] = _from_rows(e_rows[k], d, b)[None]
         new_errors = {"shards": tree.unflatten(new_shards)}
         if self.gathers:
             new_errors["owned"] = tree.unflatten(new_servers)
@@ -237,7 +270,3 @@ class Int8Reduction:
         full = split_like(from_blocks(dequantize(q_NxKxB, s_NxK), total), rows, (n,))
         return full, new_e_rows, split_like(from_blocks(e2_KxB, total), owned_e, ())
 
-
-def _split(x, d: int, n: int):
-    """Dimension d of x cut into [n, rest] (the tiled reduce-scatter's rows)."""
-    return x.reshape(*x.shape[:d], n, x.shape[d] // n, *x.shape[d + 1:])

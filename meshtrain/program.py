@@ -49,7 +49,7 @@ class TrainProgram:
         self.schedule = lr_schedule(optim, t.steps)
         self.tx = make_optimizer(optim, t.steps, self.logical_axes)
 
-        self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh)
+        self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
         stages = self.sizes["pipeline"]
         self.layer_order = layer_order(model.num_layers, stages, plan.virtual_stages if stages > 1 else 1)
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))

@@ -148,10 +148,22 @@ def param_shardings(model, mesh, rules=None, check: bool = False):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def owned_specs(params, logical_axes, rules, mesh):
-    """The gradients' ZeRO-2 layout at any stage: which slice of each gradient every data shard
-    reduces (meshtrain/compression.py reduce-scatters into it, and gathers from it at zero 0/1)."""
-    return tree_specs(params, logical_axes, rules, mesh, zero_axes(2, "grads"))
+def owned_specs(params, logical_axes, rules, mesh, zero: int):
+    """The slice of each gradient every data shard reduces under gradient compression
+    (meshtrain/compression.py): the ZeRO-2 gradient layout, which zero 2/3 keep after the step. At
+    zero 0/1 the mean is gathered whole again, so `data` is made the minor factor of its dimension:
+    each device's slice over the other axes is then cut into data rows where it lies, and nothing
+    moves over those axes."""
+    specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(2, "grads"))
+    if zero >= 2:
+        return specs
+
+    def minor(entry):
+        axes = entry_axes(entry)
+        axes = tuple(a for a in axes if a != "data") + (("data",) if "data" in axes else ())
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return jax.tree.map(lambda spec: P(*[minor(e) for e in spec]), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
@@ -173,7 +185,7 @@ def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx):
     if "grad_error" in abstract_state:
         from meshtrain.compression import error_shapes_and_specs
 
-        owned = owned_specs(params, logical_axes, rules, mesh)
+        owned = owned_specs(params, logical_axes, rules, mesh, zero)
         shardings["grad_error"] = named(error_shapes_and_specs(params, owned, mesh.shape, zero)[1])
     return shardings, grad_specs
 
