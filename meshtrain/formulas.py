@@ -34,6 +34,24 @@ def ring_traffic(kind: str, payload: float, n: int) -> float:
     return 0.0 if n <= 1 else RING_FACTOR[kind](n) * payload
 
 
+def int8_bytes(fp32_bytes: float, block: int) -> float:
+    """fp32 values sent as int8 with one fp32 scale per `block` of them: B/4 + B/block."""
+    return fp32_bytes / 4 + fp32_bytes / block
+
+
+def compressed_reduction_traffic(grad_bytes: float, n: int, block: int, gathered: bool) -> dict[str, float]:
+    """The int8 data-parallel gradient mean (meshtrain/compression.py) of `grad_bytes` fp32 bytes
+    per device over n devices: an all-to-all of the int8 rows and scales, (N-1)/N x (B/4 + B/block),
+    in place of the reduce-scatter's (N-1)/N x B; with `gathered` (zero 0/1) also an all-gather of
+    the int8 mean, the same volume again, in place of the all-reduce's second half. Padding each
+    row to whole blocks is left out (at most one block per row: N blocks per device)."""
+    payload = int8_bytes(grad_bytes, block)
+    out = {"all-to-all": ring_traffic("all-to-all", payload, n)}
+    if gathered:
+        out["all-gather"] = ring_traffic("all-gather", payload, n)
+    return out
+
+
 # ---- pipeline bubble (Narayanan et al. 2021, eq. 1-2; Qi et al. 2023 for ZB-H1) ----
 def bubble_terms(schedule: str, stages: int, micro: int, virtual: int = 1) -> tuple[int, int]:
     """The idle fraction as (numerator, denominator): (S-1)/(V*M+S-1) for GPipe, 1F1B and

@@ -1,6 +1,7 @@
 """Collective traffic of a compiled program, read from its HLO text.
 
-Each collective's payload is its output size per device; instructions inside a `while` body run
+Each collective's payload is its output size per device (`dtypes`: the same, by element type, e.g.
+int8 gradients and their fp32 scales under compression); instructions inside a `while` body run
 `known_trip_count` times (the layer scan, the pipeline ticks), so they are counted that often.
 Branches of a conditional are counted as if taken, an upper bound. Link traffic per device uses
 the ring algorithms' volumes for the group's size (meshtrain/formulas.py).
@@ -23,13 +24,14 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 
 
-def array_bytes(shape: str) -> list[int]:
+def typed_array_bytes(shape: str) -> list[tuple[str, int]]:
+    """(element type, bytes) of each array in an HLO shape (a tuple holds several)."""
     out = []
     for dtype, dims in _ARRAY.findall(shape):
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        out.append(n * DTYPE_BYTES[dtype])
+        out.append((dtype, n * DTYPE_BYTES[dtype]))
     return out
 
 
@@ -61,7 +63,8 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
 
 
 def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
-    """Per kind: executions per step, payload bytes and ring link traffic bytes, per device."""
+    """Per kind: executions per step, payload bytes and ring link traffic bytes, per device, and
+    `dtypes`: payload bytes by element type."""
     comps, entry = _computations(hlo_text)
     times: dict[str, float] = defaultdict(float)
 
@@ -79,19 +82,26 @@ def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
                     visit(callee.strip().lstrip("%"), factor, depth + 1)
 
     visit(entry, 1.0)
-    result = {k: {"count": 0.0, "payload_bytes": 0.0, "traffic_bytes": 0.0} for k in KINDS}
+    result = {k: {"count": 0.0, "payload_bytes": 0.0, "traffic_bytes": 0.0, "dtypes": defaultdict(float)}
+              for k in KINDS}
     for name, factor in times.items():
         for line in comps[name]:
             op = _OP.search(line)
             if not op:
                 continue
             shape, kind, started = op.groups()
-            sizes = array_bytes(shape)
-            payload = max(sizes) if started else sum(sizes)
+            arrays = typed_array_bytes(shape)
+            if started:  # (operands, outputs, ...): the largest array is the payload
+                arrays = [max(arrays, key=lambda a: a[1])]
+            payload = sum(nbytes for _, nbytes in arrays)
             r = result[kind]
             r["count"] += factor
             r["payload_bytes"] += factor * payload
+            for dtype, nbytes in arrays:
+                r["dtypes"][dtype] += factor * nbytes
             r["traffic_bytes"] += factor * ring_traffic(kind, payload, group_size(line, num_devices))
+    for r in result.values():
+        r["dtypes"] = dict(r["dtypes"])
     return result
 
 

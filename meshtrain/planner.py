@@ -6,7 +6,10 @@ Formulas (per device; meshtrain/formulas.py; D, F, T, P, E, C the data, fsdp, te
 expert, context sizes); a reduce-scatter of an X-byte tensor moves the all-gather's (N-1)/N x X:
 - ZeRO memory, fp32 Adam: `formulas.zero_bytes`.
 - Data parallelism (zero <= 1): one gradient all-reduce over D per step, also with microbatches
-  (meshtrain/data_parallel.py). ZeRO 1/2: the updated parameter shards are all-gathered over D;
+  (meshtrain/data_parallel.py). With `parallel.grad_compression=int8` (meshtrain/compression.py)
+  the gradient reduction over D is an all-to-all of int8 values and fp32 block scales (and at zero
+  0/1 an all-gather of the same volume): (1/4 + 1/block) of the fp32 bytes,
+  `formulas.compressed_reduction_traffic`. ZeRO 1/2: the updated parameter shards are all-gathered over D;
   ZeRO 2 reduce-scatters gradients over D once per step; ZeRO 3 with microbatches or a pipeline
   gathers parameters and reduce-scatters gradients over D once per step.
 - FSDP (over F, and D at zero 3 without microbatches or a pipeline): weights all-gathered for
@@ -32,7 +35,7 @@ import math
 import jax
 from jax.sharding import NamedSharding
 
-from meshtrain import data_parallel, formulas
+from meshtrain import compression, data_parallel, formulas
 from meshtrain.config import load_config
 from meshtrain.formulas import ring_traffic
 from meshtrain.hlo import KINDS, collectives
@@ -65,19 +68,27 @@ def expected_traffic(program) -> dict[str, dict]:
             out[kind]["terms"].append(term)
 
     over_data = lambda kind, nbytes: ring_traffic(kind, nbytes, D)
-    if zero <= 1:
-        add("all-reduce", over_data("all-reduce", slice_bytes / F), "data-parallel gradient all-reduce 2(D-1)/D x grads")
+    compressed = compression.applies(plan, sizes)
+    grads = slice_bytes / F  # the fp32 gradient bytes a device reduces over data
+    if compressed:
+        for kind, value in formulas.compressed_reduction_traffic(grads, D, plan.compression_block, zero <= 1).items():
+            add(kind, value, f"int8 data-parallel gradient {'all-to-all' if kind == 'all-to-all' else 'mean all-gather'}"
+                             f" (int8 + a scale per {plan.compression_block}), once per step")
+    if zero <= 1 and not compressed:
+        add("all-reduce", over_data("all-reduce", grads), "data-parallel gradient all-reduce 2(D-1)/D x grads")
     if zero in (1, 2):
-        add("all-gather", over_data("all-gather", slice_bytes / F), "ZeRO-1/2 all-gather of updated parameter shards")
-    if zero == 2:
-        add("reduce-scatter", over_data("all-gather", slice_bytes / F), "ZeRO-2 gradient reduce-scatter over data")
+        add("all-gather", over_data("all-gather", grads), "ZeRO-1/2 all-gather of updated parameter shards")
+    if zero == 2 and not compressed:
+        add("reduce-scatter", over_data("all-gather", grads), "ZeRO-2 gradient reduce-scatter over data")
     micro = plan.num_microbatches(P)  # FSDP gathers again for every microbatch
-    data_once = data_parallel.is_manual(D, microbatches=micro, pipelined=P > 1, zero=zero)  # reduced once per step
+    data_once = data_parallel.is_manual(D, microbatches=micro, pipelined=P > 1, zero=zero,
+                                        compressed=compressed)  # reduced once per step
     if zero >= 3 and data_once:  # the compute-dtype copy gathered once per step
-        add("all-gather", over_data("all-gather", slice_bytes / F * act / 4),
+        add("all-gather", over_data("all-gather", grads * act / 4),
             "ZeRO-3 parameter all-gather over data, once per step")
-        add("reduce-scatter", over_data("all-gather", slice_bytes / F),
-            "ZeRO-3 gradient reduce-scatter over data, once per step")
+        if not compressed:
+            add("reduce-scatter", over_data("all-gather", grads),
+                "ZeRO-3 gradient reduce-scatter over data, once per step")
     A = F * (D if zero >= 3 and not data_once else 1)
     gathers = 3 if plan.remat == "full" else 2  # forward, backward (and the recomputed forward)
     add("all-gather", gathers * micro * ring_traffic("all-gather", slice_bytes * act / 4, A),
@@ -111,6 +122,19 @@ def expected_traffic(program) -> dict[str, dict]:
     return out
 
 
+def data_parallel_traffic(program) -> dict:
+    """The gradient reduction over `data` per device per step, by formula: fp32 (all-reduce at zero
+    0/1, reduce-scatter at 2/3) and int8 (meshtrain/compression.py), whichever the plan uses."""
+    plan, sizes = program.plan, program.sizes
+    D, zero = sizes["data"], plan.zero
+    grads = 4 * program.num_params / math.prod(sizes[a] for a in ("fsdp", "tensor", "pipeline", "expert"))
+    fp32 = ring_traffic("all-reduce", grads, D) if zero <= 1 else ring_traffic("all-gather", grads, D)  # RS = AG
+    int8 = sum(formulas.compressed_reduction_traffic(grads, D, plan.compression_block, zero <= 1).values())
+    return {"compression": plan.grad_compression if compression.applies(plan, sizes) else "none",
+            "block": plan.compression_block, "fp32_bytes": fp32, "int8_bytes": int8,
+            "ratio": int8 / fp32 if fp32 else 0.0}
+
+
 def plan(cfg, profile: dict, device_memory: float) -> dict:
     program = TrainProgram.from_config(cfg)
     compiled = program.lower().compile()
@@ -124,7 +148,8 @@ def plan(cfg, profile: dict, device_memory: float) -> dict:
     memory = {"parameters": shard_bytes(state["params"], shardings["params"]),
               "optimizer_state": shard_bytes(state["opt_state"], shardings["opt_state"]),
               "gradients": shard_bytes(state["params"], grad_shardings),
-              "temporaries": temporaries, "total": total, "device_memory": device_memory}
+              "temporaries": temporaries, "total": total, "device_memory": device_memory,
+              "grad_error": shard_bytes(state["grad_error"], shardings["grad_error"]) if "grad_error" in state else 0}
     consumers = {"parameters": memory["parameters"], "optimizer state": memory["optimizer_state"],
                  "activations and temporaries (gradients included)": temporaries}
     memory["largest"] = max(consumers, key=consumers.get)
@@ -153,9 +178,11 @@ def plan(cfg, profile: dict, device_memory: float) -> dict:
                 "tokens_per_s": t.batch_size * t.seq_len / step_s}
     return {"config": {"model": dataclasses.asdict(program.model.cfg), "batch_size": t.batch_size, "seq_len": t.seq_len,
                        "precision": par.precision, "zero": par.zero, "remat": par.remat,
-                       "attention": par.attention, "sequence_parallel": par.sequence_parallel},
+                       "attention": par.attention, "sequence_parallel": par.sequence_parallel,
+                       "grad_compression": par.grad_compression},
             "mesh": describe(sizes), "devices": n, "params": program.num_params, "memory": memory,
             "zero_formula": formulas.zero_bytes(program.num_params, sizes, par.zero), "collectives": comms,
+            "data_parallel": data_parallel_traffic(program),
             "flops": flops, "roofline": roofline}
 
 
@@ -176,12 +203,21 @@ def format_plan(r: dict) -> str:
              "", "memory per device    measured      formula (ZeRO, 16 bytes/param)"]
     for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"), ("gradients", "gradients")):
         lines.append(f"  {label:<18} {gb(mem[key]):>12}  {gb(zf[key]):>12}")
+    if mem["grad_error"]:
+        lines.append(f"  {'int8 residuals':<18} {gb(mem['grad_error']):>12}  (error feedback: the local gradient's "
+                     f"fp32 bytes, + 1/D of them at zero 0/1)")
     lines += [f"  {'temporaries':<18} {gb(mem['temporaries']):>12}  (activations and gradients, from the compiled step)",
               f"  {'total':<18} {gb(mem['total']):>12}  -> {verdict}", "",
               "collectives per device per step   count    payload   link traffic   formula traffic"]
     for kind, c in r["collectives"].items():
         lines.append(f"  {kind:<30} {c['count']:>7.0f} {gb(c['payload_bytes']):>12} {gb(c['traffic_bytes']):>12} "
                      f"{gb(c['formula_traffic_bytes']):>12}  {'; '.join(c['formula'])}")
+    dp = r["data_parallel"]
+    if dp["fp32_bytes"]:
+        used = "int8 (in use)" if dp["compression"] == "int8" else "int8 (parallel.grad_compression=int8)"
+        lines.append(f"  data-parallel gradient reduction (formula): fp32 {gb(dp['fp32_bytes'])}"
+                     f"{' (in use)' if dp['compression'] == 'none' else ''}, {used} {gb(dp['int8_bytes'])}, "
+                     f"{dp['ratio']:.3f}x with a scale per {dp['block']} values")
     if r["config"]["precision"] == "bf16":
         lines.append("  (XLA's CPU backend widens bf16 collectives to f32: their payload reads 2x what a GPU/TPU moves)")
     f = r["flops"]

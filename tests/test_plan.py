@@ -30,11 +30,12 @@ def test_collectives_are_parsed_with_loop_trip_counts():
     arg = jax.ShapeDtypeStruct((8 * 64,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
     found = collectives(fn.lower(arg).compile().as_text(), 8)
     local = 64 * 4  # bytes of each device's f32[64] block
-    assert found["all-reduce"] == {"count": 4, "payload_bytes": 4 * local, "traffic_bytes": 4 * local * 2 * 7 / 8}
-    assert found["all-gather"] == {"count": 1, "payload_bytes": 8 * local, "traffic_bytes": 8 * local * 7 / 8}
-    assert found["reduce-scatter"] == {"count": 1, "payload_bytes": local / 8, "traffic_bytes": local / 8 * 7}
-    assert found["collective-permute"] == {"count": 1, "payload_bytes": local, "traffic_bytes": local}
-    assert found["all-to-all"] == {"count": 1, "payload_bytes": local, "traffic_bytes": local * 7 / 8}
+    f32 = lambda payload: {"dtypes": {"f32": payload}, "payload_bytes": payload}  # payload by element type too
+    assert found["all-reduce"] == {"count": 4, **f32(4 * local), "traffic_bytes": 4 * local * 2 * 7 / 8}
+    assert found["all-gather"] == {"count": 1, **f32(8 * local), "traffic_bytes": 8 * local * 7 / 8}
+    assert found["reduce-scatter"] == {"count": 1, **f32(local / 8), "traffic_bytes": local / 8 * 7}
+    assert found["collective-permute"] == {"count": 1, **f32(local), "traffic_bytes": local}
+    assert found["all-to-all"] == {"count": 1, **f32(local), "traffic_bytes": local * 7 / 8}
 
 
 def plan_json(capsys, *extra):
@@ -54,7 +55,7 @@ def test_plan_reports_zero_bytes_within_5_percent_of_the_formula(capsys):
 def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     report = plan_json(capsys, "--mesh", "2x2x2", "--device-memory", "100KB")
     assert set(report) == {"config", "mesh", "devices", "params", "memory", "zero_formula", "collectives", "flops",
-                           "roofline"}
+                           "roofline", "data_parallel"}
     assert set(report["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
     assert {"count", "payload_bytes", "traffic_bytes", "formula_traffic_bytes", "formula"} <= set(report["collectives"]["all-gather"])
     assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers weights
