@@ -18,6 +18,8 @@ from meshtrain.schedules import check_residuals
 from meshtrain.spec import MAX_SIMULATED_DEVICES, settings
 from meshtrain.tokenizer import check_vocab, load as load_tokenizer
 
+MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
+
 
 def check_config(cfg) -> None:
     for key, f, value in settings(cfg):
@@ -41,6 +43,10 @@ def check_config(cfg) -> None:
     if par.loss_scale_min > par.loss_scale_initial:
         raise UserError(f"parallel.loss_scale_min={par.loss_scale_min} exceeds parallel.loss_scale_initial="
                         f"{par.loss_scale_initial}; lower the minimum or raise the initial scale")
+    if par.grad_compression == "int8" and par.compression_block < MIN_COMPRESSION_BLOCK:
+        raise UserError(f"parallel.compression_block={par.compression_block} sends a 4-byte scale per "
+                        f"{par.compression_block} int8 values, {0.25 + 1 / par.compression_block:.2f}x the fp32 "
+                        f"bytes; use at least {MIN_COMPRESSION_BLOCK} (the default 256 sends 0.254x)")
     if par.microbatches and t.batch_size % par.microbatches:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
                         f"parallel.microbatches={par.microbatches}")
