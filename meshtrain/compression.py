@@ -256,7 +256,8 @@ class Int8Reduction:
             return out
 
         total = sum(sizes)
-        q_NxKxB, s_NxK, e_NxKxB = with_feedback(to_blocks(flat(rows, (n,)), b), to_blocks(flat(e_rows, (n,)), b), scale)
+        c_NxKxB, e_NxKxB = to_blocks(flat(rows, (n,)), b), to_blocks(flat(e_rows, (n,)), b)
+        q_NxKxB, s_NxK, e_NxKxB = with_feedback(c_NxKxB, e_NxKxB, scale)
         new_e_rows = split_like(from_blocks(e_NxKxB, total), rows, (n,))
         # each shard receives every shard's row of its own: [N senders, K, b]
         q_NxKxB = jax.lax.all_to_all(q_NxKxB, AXIS, 0, 0, tiled=True)
