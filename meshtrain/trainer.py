@@ -120,7 +120,10 @@ class Trainer:
                                               transform_non_params=lambda x: x, is_leaf=is_names)
             return {**state, "params": params, "opt_state": opt_state}
 
-        return jax.jit(reorder, out_shardings=p.state_shardings)(state)
+        state = jax.jit(reorder, out_shardings=p.state_shardings)(state)
+        if "grad_error" in state:  # compression residuals of the old order: they start fresh
+            state["grad_error"] = p.optional_state()["grad_error"]()
+        return state
 
     def in_model_order(self, params):
         """Stacked layers from storage order back to model order (a no-op order unless interleaved)."""
