@@ -33,6 +33,7 @@ import json
 import math
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from meshtrain import compression, data_parallel, formulas
@@ -41,6 +42,7 @@ from meshtrain.formulas import ring_traffic
 from meshtrain.hlo import KINDS, collectives
 from meshtrain.mesh import describe, simulate_cpu_devices
 from meshtrain.metrics import DEVICE_PROFILES
+from meshtrain.precision import COMPUTE_DTYPES
 from meshtrain.program import TrainProgram
 from meshtrain.schedules import executor_tables, sends_per_step, timetable
 from models.moe import capacity
@@ -58,7 +60,7 @@ def expected_traffic(program) -> dict[str, dict]:
     plan, sizes = program.plan, program.sizes
     D, F, T, P, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context"))
     m, t, zero = program.model.cfg, program.train, plan.zero
-    act = 2 if plan.precision == "bf16" else 4
+    act = np.dtype(COMPUTE_DTYPES[plan.precision]).itemsize  # activation bytes: 2 under bf16 and fp16
     slice_bytes = 4 * program.num_params / (T * P * E)  # fp32 bytes of this device's slice (experts split E ways)
     out = {k: {"traffic_bytes": 0.0, "terms": []} for k in KINDS}
 
