@@ -84,12 +84,12 @@ def test_two_processes_match_one_then_survivor_exits_when_peer_dies(tmp_path):
 READ_FAILS_ON_THIS_PROCESS = """
 import sys
 import orbax.checkpoint as ocp
-real_restore = ocp.StandardCheckpointHandler.restore
+real_restore = ocp.PyTreeCheckpointHandler.restore
 def restore(self, directory, args=None):
     if directory.parent.name == "4":
         raise ValueError("injected: cannot decode this process's shard")
     return real_restore(self, directory, args=args)
-ocp.StandardCheckpointHandler.restore = restore
+ocp.PyTreeCheckpointHandler.restore = restore
 from meshtrain.train import main
 sys.exit(main(sys.argv[1:]))
 """
