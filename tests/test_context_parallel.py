@@ -6,6 +6,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import context_parallel
 from meshtrain.config import UserError
 from meshtrain.context_parallel import load_balanced_order, ring_attention
 
@@ -100,9 +101,38 @@ def test_ring_in_sub_blocks_matches_reference(parts, monkeypatch):
     check(mesh, load_balanced_order(L, parts))
 
 
-def test_ring_contiguous_layout():
-    """Any layout is correct: contiguous slots, where whole blocks are masked (the skip path)."""
-    check(mesh_of((4,), ("context",)), np.arange(L))
+def test_ring_refuses_another_layout():
+    """The causal skipping assumes the load-balanced layout: a contiguous one is refused."""
+    with pytest.raises(ValueError, match="load-balanced layout"):
+        check(mesh_of((4,), ("context",)), np.arange(L))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_schedule_visits_each_visible_score_once(cp, monkeypatch):
+    """Ring steps x chunk pairs x sub-blocks, in true positions: every (query, key) with key <= query
+    exactly once, nothing hidden (the diagonal sub-blocks' lower triangle only), so the work is the
+    share `computed_fraction` says: half the [L, L] scores plus the diagonal sub-blocks."""
+    monkeypatch.setattr(context_parallel, "RING_BLOCK", 8)
+    seq = 48 * cp
+    positions = load_balanced_order(seq, cp).reshape(cp, 1 if cp == 1 else 2, -1)  # [device, chunk, Lc]
+    Lc = positions.shape[-1]
+    S = context_parallel.sub_block(Lc)
+    computed, visited = 0, np.zeros((seq, seq), int)
+    for me in range(cp):
+        for t in range(cp):
+            src = (me - t) % cp
+            for qc, kc, causal in context_parallel.step_pairs(me, t, cp):
+                for i, j, diagonal in context_parallel.sub_block_pairs(Lc // S, causal):
+                    q = positions[me, qc, i * S:(i + 1) * S][:, None]
+                    k = positions[src, kc, j * S:(j + 1) * S][None, :]
+                    shown = np.tril(np.ones((S, S), bool)) if diagonal else np.ones((S, S), bool)
+                    assert (q >= k)[shown].all() and not (q >= k)[~shown].any()
+                    np.add.at(visited, (np.broadcast_to(q, (S, S))[shown], np.broadcast_to(k, (S, S))[shown]), 1)
+                    computed += S * S
+    assert (visited == np.tril(np.ones((seq, seq), int))).all()
+    assert computed / seq**2 == pytest.approx(context_parallel.computed_fraction(seq, cp))
+    n = Lc // S
+    assert context_parallel.computed_fraction(seq, cp) == pytest.approx(0.5 + 1 / (4 * n * cp if cp > 1 else 2 * n))
 
 
 def test_ring_with_batch_and_heads_sharded():
