@@ -23,11 +23,12 @@ def zero_split(bytes_per_param: dict[str, float], psi: float, data: int, zero: i
 def zero_bytes(psi: float, sizes: dict[str, int], zero: int,
                stage_replicated: float = 0, experts: float = 0) -> dict[str, float]:
     """Per device: fp32 parameters 4Psi, gradients 4Psi, Adam moments 8Psi, each divided by
-    F x T x P and also by D from stage 3, 2 and 1 respectively. `stage_replicated`: the parameters
-    every pipeline stage holds whole (embedding, final norm, head: those outside the stacked
-    layers), divided by F x T only; `experts`: the MoE experts' parameters, each expert-parallel
-    device holding its own, divided by E too."""
-    split = sizes["fsdp"] * sizes["tensor"]
+    F x C x T x P and also by D from stage 3, 2 and 1 respectively (the `embed` rule shards weights
+    over fsdp and context). `stage_replicated`: the parameters every pipeline stage holds whole
+    (embedding, final norm, head: those outside the stacked layers), divided by F x C x T only;
+    `experts`: the MoE experts' parameters, each expert-parallel device holding its own, divided
+    by E too."""
+    split = sizes["fsdp"] * sizes.get("context", 1) * sizes["tensor"]
     staged = psi - stage_replicated - experts
     per_device = (staged / (split * sizes["pipeline"]) + stage_replicated / split
                   + experts / (split * sizes["pipeline"] * sizes.get("expert", 1)))

@@ -29,7 +29,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("expert", "data", "fsdp"),
     "seq": ("context",),  # context parallelism splits the sequence
     "residual_seq": ("context",),  # the residual stream and norms; + tensor under sequence parallelism
-    "embed": ("fsdp",),
+    # Weights are sharded over `context` too (FSDP over fsdp x context, as torchtitan and Megatron-CP
+    # do): context devices hold different tokens, so their gradients are reduce-scattered, not
+    # all-reduced, and parameters, gradients and optimizer state shrink with C like activations.
+    "embed": ("fsdp", "context"),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
