@@ -15,12 +15,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import compression
 from meshtrain.attention import BACKENDS
+from meshtrain.batching import split_microbatches
 from meshtrain.context_parallel import load_balanced_order
 from meshtrain.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import flops_per_token
 from meshtrain.pipeline import layer_order
 from meshtrain.precision import initial_loss_scale
-from meshtrain.sharding import activation_rules, check_replication, make_rules, owned_specs, spec_for, state_shardings
+from meshtrain.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
+                                state_shardings)
 from meshtrain.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
 from meshtrain.validate import check_layout
@@ -116,10 +118,20 @@ class TrainProgram:
 
     def eval_step(self):
         """The jitted eval step: (params in storage order, tokens) -> the mean loss, replicated. The
-        trainer runs it; the planner compiles it for its memory."""
+        batch is cut into the train step's microbatches and their losses summed in a scan (equal
+        sizes: the mean of the means is the batch's mean), so an evaluation never holds more
+        activations than a training microbatch. The trainer runs it; the planner compiles it."""
         eval_loss = make_loss_fn(self.model, self.plan.precision)
-        return jax.jit(lambda params, tokens: eval_loss(self.in_model_order(params), tokens)[1]["loss"],
-                       in_shardings=(self.state_shardings["params"], self.batch_sharding),
+        micro = self.plan.num_microbatches(self.sizes["pipeline"])
+
+        def mean_loss(params, tokens_BxL1):
+            params = self.in_model_order(params)
+            if micro == 1:
+                return eval_loss(params, tokens_BxL1)[1]["loss"]
+            add = lambda total, tokens: (total + eval_loss(params, constrain(tokens, ("batch", None)))[1]["loss"], None)
+            return jax.lax.scan(add, jnp.zeros((), jnp.float32), split_microbatches(tokens_BxL1, micro))[0] / micro
+
+        return jax.jit(mean_loss, in_shardings=(self.state_shardings["params"], self.batch_sharding),
                        out_shardings=NamedSharding(self.mesh, P()))
 
     def lower(self):
