@@ -10,7 +10,8 @@
   query attends to cache positions <= its own). Every row's positions start at 0, as in training,
   so a row's tokens never depend on the other rows (left padding would shift them).
 - One jitted program: prefill, then a `jax.lax.while_loop` of one-token steps that ends when every
-  row has produced `eos_id` or after max_new_tokens.
+  row has produced `eos_id` or after max_new_tokens. Prompts longer than PREFILL_CHUNK positions
+  are prefilled a chunk at a time, so the prefill's scores are [B, H, chunk, T], not [B, H, P, T].
 - Sampling: greedy (temperature 0), or softmax(logits / temperature) restricted to the top k and to
   the nucleus (Holtzman et al. 2020); step t draws with `fold_in(key(seed), t)`, so a seed
   reproduces its tokens, on any mesh.
@@ -61,22 +62,50 @@ def sample(logits_BxV, key, temperature, top_k, top_p):
     return jnp.where(hot, drawn_B, jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
 
 
+PREFILL_CHUNK = 512  # prompt positions per prefill step: its scores are [B, H, chunk, T], never [B, H, P, T]
+
+
 @functools.lru_cache(maxsize=32)
-def _program(model, max_new: int, mesh, rules):
+def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
     """The jitted generation of max_new tokens (jit caches the compiled shapes; the sampling
     settings, eos and window are traced, so changing them compiles nothing); traced under `rules`
-    (a tuple of items) on `mesh` when one is given."""
+    (a tuple of items) on `mesh` when one is given. Prompts longer than `chunk` are prefilled
+    `chunk` positions at a time (`prefill`)."""
     from meshtrain.sharding import activation_rules
 
     def run(params, prompts_BxP, lengths_B, key, settings):
         with activation_rules(dict(rules), mesh) if mesh is not None else contextlib.nullcontext():
             return tokens(params, prompts_BxP, lengths_B, key, **settings)
 
-    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, window):
+    def prefill(params, prompts_BxP, lengths_B, window):
+        """The prompts through the cached forward, `chunk` positions at a time (each chunk's queries
+        see the cache its predecessors wrote, as one pass would): the cache, and each row's hidden
+        state at its last prompt position. Rows are right-padded to whole chunks; the padding's
+        keys lie beyond each row's end, where new tokens overwrite them before any query reads."""
         B, P = prompts_BxP.shape
-        cache = model.init_cache(B, P + max_new - 1)
-        x_BxPxD, cache = model.decode(params, prompts_BxP, cache, jnp.zeros(B, jnp.int32), window)
-        x_BxD = jnp.take_along_axis(x_BxPxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        n = -(-P // chunk)
+        cache = model.init_cache(B, max(n * chunk, P + max_new - 1))
+        if n == 1:
+            x_BxPxD, cache = model.decode(params, prompts_BxP, cache, jnp.zeros(B, jnp.int32), window)
+            return cache, jnp.take_along_axis(x_BxPxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        padded_BxNC = jnp.pad(prompts_BxP, ((0, 0), (0, n * chunk - P)))
+        last_B = lengths_B - 1
+
+        def step(carry, xs):
+            cache, x_BxD = carry
+            i, chunk_BxC = xs
+            x_BxCxD, cache = model.decode(params, chunk_BxC, cache, jnp.full(B, i * chunk, jnp.int32), window)
+            picked_BxD = jnp.take_along_axis(x_BxCxD, (last_B % chunk)[:, None, None], axis=1)[:, 0]
+            return (cache, jnp.where((last_B // chunk == i)[:, None], picked_BxD, x_BxD)), None
+
+        x_BxD = jnp.zeros((B, model.cfg.d_model), params["embedding"].dtype)
+        chunks_NxBxC = padded_BxNC.reshape(B, n, chunk).swapaxes(0, 1)
+        (cache, x_BxD), _ = jax.lax.scan(step, (cache, x_BxD), (jnp.arange(n), chunks_NxBxC))
+        return cache, x_BxD
+
+    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, window):
+        B = prompts_BxP.shape[0]
+        cache, x_BxD = prefill(params, prompts_BxP, lengths_B, window)
 
         def next_token(x_BxD, t, done_B):  # a finished row repeats eos_id (-1: none)
             logits_BxV = model.head(params, x_BxD[:, None])[:, 0]
@@ -102,28 +131,26 @@ def _program(model, max_new: int, mesh, rules):
 
 def generate(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
-             mesh=None, rules=None) -> list[np.ndarray]:
+             mesh=None, rules=None, prefill_chunk: int = PREFILL_CHUNK) -> list[np.ndarray]:
     """The new token ids of each prompt (a list of 1-D int arrays): max_new_tokens of them, or up to
     (not including) the row's first `eos_id`. temperature 0 is greedy; top_k 0 and top_p 1 keep every
     token. With `mesh`, runs there under the logical `rules` (default: meshtrain's), `params` placed
     by `place`; rows are padded to a multiple of the batch axes and the padding dropped."""
-    from meshtrain.sharding import make_rules, spec_for
+    from meshtrain.sharding import make_rules
 
     check_settings(max_new_tokens, temperature, top_k, top_p)
     lengths = [len(p) for p in prompts]
     if not prompts or min(lengths) == 0:
         raise UserError("every prompt needs at least one token; pass a non-empty prompt")
-    rows = len(prompts)
-    if mesh is not None:
-        rules = rules or make_rules()
-        multiple = math.prod(mesh.shape[a] for a in rules["batch"])
-        rows = -(-rows // multiple) * multiple
+    rules = rules or make_rules()
+    rows = padded_rows(len(prompts), mesh, rules)
     prompts_BxP = np.zeros((rows, max(lengths)), np.int32)
     lengths_B = np.full(rows, lengths[0], np.int32)
     for b, p in enumerate(prompts):
         prompts_BxP[b, :len(p)], lengths_B[b] = p, len(p)
     prompts_BxP[len(prompts):, :lengths[0]] = prompts[0]  # padding rows repeat the first prompt
-    program = _program(model, max_new_tokens, mesh, None if mesh is None else tuple(sorted(rules.items())))
+    program = _program(model, max_new_tokens, mesh, None if mesh is None else tuple(sorted(rules.items())),
+                       prefill_chunk)
     settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
                 "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
                 "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens)}
@@ -131,13 +158,48 @@ def generate(model, params, prompts, max_new_tokens: int, *, temperature: float 
     if mesh is None:
         out_BxN = program(params, *args, jax.random.key(seed), settings)
     else:
-        by_row = lambda a: NamedSharding(mesh, spec_for(("batch",) + (None,) * (a.ndim - 1), rules, mesh))
         with jax.set_mesh(mesh):
-            args = [jax.device_put(a, by_row(a)) for a in args]
+            args = [jax.device_put(a, row_sharding(a.ndim, mesh, rules)) for a in args]
             out_BxN = program(params, *args, jax.random.key(seed), settings)
     out_BxN = np.asarray(jax.device_get(out_BxN))[:len(prompts)]
     return [row[:np.argmax(row == eos_id)] if eos_id is not None and (row == eos_id).any() else row
             for row in out_BxN]
+
+
+def padded_rows(rows: int, mesh, rules) -> int:
+    """Rows padded to a multiple of the batch axes' product (one size for every data shard)."""
+    if mesh is None:
+        return rows
+    multiple = math.prod(mesh.shape[a] for a in rules["batch"])
+    return -(-rows // multiple) * multiple
+
+
+def row_sharding(ndim: int, mesh, rules):
+    from meshtrain.sharding import spec_for
+
+    return NamedSharding(mesh, spec_for(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=None):
+    """The generation program `generate` runs, lowered on `mesh` from abstract inputs (nothing
+    materialised; the planner compiles it for its memory): `batch` prompts of `prompt_len` tokens
+    (rows padded as `generate` pads them), the parameters laid out by `place`, a KV cache of
+    prompt_len + max_new_tokens - 1 positions."""
+    from meshtrain.sharding import make_rules
+
+    rules = rules or make_rules()
+    rows = padded_rows(batch, mesh, rules)
+    abstract = lambda tree, shardings: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    params = abstract(jax.eval_shape(model.init, jax.random.key(0)), place(model, mesh, rules))
+    prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=row_sharding(2, mesh, rules))
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, mesh, rules))
+    settings = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "eos_id": jnp.int32,
+                "window": jnp.int32}
+    settings = {k: jax.ShapeDtypeStruct((), dtype) for k, dtype in settings.items()}
+    program = _program(model, max_new_tokens, mesh, tuple(sorted(rules.items())))
+    with jax.set_mesh(mesh):
+        return program.lower(params, prompts, lengths, jax.eval_shape(jax.random.key, 0), settings)
 
 
 def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
@@ -205,7 +267,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="the training run's --out folder")
     p.add_argument("--prompt", action="append", required=True,
                    help="text to continue (repeatable: a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per prompt (default: the run's generate.max_new_tokens, 200 unless set)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = all")
@@ -224,6 +287,8 @@ def main(argv=None) -> int:
 
     args = parser().parse_args(argv)
     try:
+        if args.max_new_tokens is None:
+            args.max_new_tokens = run_config(args.run).generate.max_new_tokens
         check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
         if args.devices is not None:
             if not 1 <= args.devices <= MAX_SIMULATED_DEVICES:

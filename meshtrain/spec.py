@@ -181,6 +181,15 @@ class TrainConfig:
 
 
 @dataclass
+class GenerateConfig:
+    batch_size: int = setting(8, "prompts generated together (`python -m meshtrain.generate`); the planner sizes "
+                                 "generation's KV cache for this many rows", min=1)
+    max_new_tokens: int = setting(200, "tokens generated per prompt (the generate command's default for "
+                                       "--max-new-tokens); the KV cache holds train.seq_len + this - 1 positions",
+                                  min=1)
+
+
+@dataclass
 class CheckpointConfig:
     every: int = setting(0, "save every N steps (async); 0 = by time only, at the end and on preemption", min=0)
     every_minutes: float = setting(10.0, "also save when this many minutes passed since the last save; "
@@ -223,6 +232,7 @@ class Config:
     optim: OptimSpec = setting(OptimSpec(), "how it learns: AdamW, warmup + cosine decay, clipping")
     data: DataConfig = setting(DataConfig(), "where tokens come from")
     train: TrainConfig = setting(TrainConfig(), "the loop")
+    generate: GenerateConfig = setting(GenerateConfig(), "text generation from a run: batch and length")
     checkpoint: CheckpointConfig = setting(CheckpointConfig(), "saving and resuming")
     guard: GuardConfig = setting(GuardConfig(), "the NaN/Inf guard")
     logging: LoggingConfig = setting(LoggingConfig(), "console, TensorBoard, W&B and profiler output")

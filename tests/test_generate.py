@@ -65,6 +65,18 @@ def test_cached_greedy_equals_full_forward_argmax(model_and_params):
         np.testing.assert_array_equal(a, b)
 
 
+def test_chunked_prefill_equals_one_pass():
+    """Prompts longer than the prefill chunk (9 positions in chunks of 4, the last chunk padded) are
+    prefilled chunk by chunk and decode exactly as the full forward does; a sliding window too."""
+    model, params = tiny("llama")
+    rows = prompts()
+    for a, b in zip(generate(model, params, rows, NEW, prefill_chunk=4), full_forward_greedy(model, params, rows, NEW)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(generate(model, params, rows, NEW, window=3, prefill_chunk=4),
+                    generate(model, params, rows, NEW, window=3)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_moe_decodes_dropless_whatever_the_capacity():
     model, params = tiny("moe")
     capped = FAMILIES["moe"](tiny_config("model.capacity_factor=0.5", config=MOE_TINY).model)
