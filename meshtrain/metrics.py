@@ -29,6 +29,7 @@ PEAK_BF16_FLOPS = {
 # bytes/s, and the two links a device's collectives run on, in bytes/s per device and direction:
 # `in_node_bw` among the `devices_per_node` devices of one node (NVLink through NVSwitch; a TPU
 # slice's ICI), `cross_node_bw` between nodes (the node's NICs / the data-center network, DCN).
+# `preallocates`: JAX's GPU allocator takes a fraction of the memory (meshtrain/budget.py); TPUs use it all.
 # Sources (vendor datasheets and user guides):
 # - H100 SXM5 80GB: HBM3 3.35 TB/s; NVLink 4 900 GB/s per GPU, both directions together (18 links
 #   x 50 GB/s) -> 450 GB/s each way. DGX/HGX H100: 8 GPUs on NVSwitch, one 400 Gb/s ConnectX-7
@@ -48,7 +49,8 @@ DEVICE_PROFILES = {
     "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "hbm_bw": 2.039e12, "memory": 80e9,
              "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8},
     "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.765e12,
-                "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144},
+                "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144,
+                "preallocates": False},
 }
 
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 
+from meshtrain.budget import HEADROOM
 from meshtrain.drawing import save_timeline
 from meshtrain.errors import UserError
 from meshtrain.formulas import bubble_expression, bubble_terms
@@ -72,6 +73,18 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--devices-per-node", type=int, default=None, metavar="N",
                      help="devices sharing the fast in-node links (NVLink; a TPU slice): collectives over axes that "
                           "span nodes run at the network's bandwidth (default: the profile's, 8 for GPUs)")
+    run.add_argument("--mem-fraction", type=float, default=None, metavar="F",
+                     help="share of the device's memory the runtime may use (default: XLA_CLIENT_MEM_FRACTION, or "
+                          "JAX's 0.75 on GPUs)")
+    run.add_argument("--headroom", type=float, default=HEADROOM, metavar="F",
+                     help=f"share of the usable memory kept free for fragmentation and collective buffers "
+                          f"(default {HEADROOM})")
+    run.add_argument("--fit", action="store_true",
+                     help="search microbatches, remat, ZeRO, attention and the mesh for the fastest layout that fits "
+                          "(compiling each candidate) and print the command that trains it")
+    run.add_argument("--search-budget", type=int, default=12, metavar="N",
+                     help="at most N compiles for --fit and for the search a plan that does not fit runs (default 12; 0: "
+                          "no search)")
     run.add_argument("--compare", nargs="+", metavar="MESH", help="rank these meshes for the same model and devices")
     run.add_argument("--zero-table", action="store_true", help="ZeRO stages 0-3 side by side, measured vs formula")
     sched = p.add_argument_group("look at a pipeline schedule")
@@ -93,6 +106,10 @@ def main(argv=None) -> int:
             return schedule_main(args)
         if not (args.config and args.devices):
             raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
+        if not 0 <= args.headroom < 1:
+            raise UserError(f"--headroom {args.headroom}: keep a share in [0, 1) of the usable memory free, e.g. 0.1")
+        if args.search_budget < 0:
+            raise UserError(f"--search-budget {args.search_budget}: allow 0 (no search) or more compiles")
         from meshtrain import planner
 
         print(planner.run(args))

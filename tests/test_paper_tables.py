@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import MOE_TINY, tiny_config
 from meshtrain import formulas
-from meshtrain.planner import shard_bytes
+from meshtrain.planner import CPU_F32_COPIES, shard_bytes
 from meshtrain.traffic import expert_params, stage_replicated_params
 from meshtrain.program import TrainProgram
 from meshtrain.schedules import action_costs, timetable
@@ -92,8 +92,8 @@ S, B, H, A, K, MLP = 256, 1024, 128, 8, 16, 512
 LAYERS = (2, 10)  # one layer compiles differently; 2 and 10 layers: within 3% of the accounting (2 and 34: 0.3%)
 # XLA's CPU backend widens bf16 arithmetic to f32, and while-loop-invariant code motion then hoists
 # an f32 copy of every stacked bf16 residual out of the backward loop (+50% here); GPUs and TPUs
-# compute in bf16 and make no such copies. The pass is turned off for these compiles.
-CPU_ONLY_COPIES = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# compute in bf16 and make no such copies. The pass is turned off for these compiles, as the
+# planner turns it off for its memory figures.
 
 
 @functools.cache
@@ -109,7 +109,7 @@ def per_layer_bytes(tensor: int, *overrides: str) -> float:
                           f"model.mlp_dim={MLP}", f"train.seq_len={S}", f"train.batch_size={B}",
                           "parallel.precision=bf16", *overrides)
         program = TrainProgram.from_config(cfg, devices=jax.devices()[:tensor])
-        compiled = program.lower().compile(compiler_options=CPU_ONLY_COPIES)
+        compiled = program.lower().compile(compiler_options=CPU_F32_COPIES)
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
     return (temps[1] - temps[0]) / (LAYERS[1] - LAYERS[0])
 

@@ -2,6 +2,7 @@
 a config that does not fit, the pipeline bubble; the model FLOPs formula against XLA's count; the
 device peak table."""
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +54,17 @@ def test_plan_reports_zero_bytes_within_5_percent_of_the_formula(capsys):
 
 
 def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
-    report = plan_json(capsys, "--mesh", "2x2x2", "--device-memory", "100KB")
+    report = plan_json(capsys, "--mesh", "2x2x2", "--device-memory", "100KB", "--search-budget", "0")
     assert set(report) == {"config", "mesh", "devices", "params", "memory", "zero_formula", "collectives", "flops",
-                           "roofline", "data_parallel", "corrections", "eval_step"}
+                           "roofline", "data_parallel", "corrections", "eval_step", "generation", "steps", "budget",
+                           "verdict"}
     assert 0 < report["eval_step"]["temporaries"] < report["memory"]["temporaries"]  # no gradients, no optimizer
+    # one verdict for the run: the largest of the three compiled programs against the usable memory
+    steps = report["steps"]
+    assert steps == {"train": report["memory"]["total"], "eval": report["eval_step"]["total"],
+                     "generation": report["generation"]["total"]}
+    assert report["verdict"]["peak"] == max(steps.values()) and report["verdict"]["status"] == "does not fit"
+    assert report["budget"]["usable"] == pytest.approx(100e3 * 0.75)  # JAX's default GPU preallocation
     assert set(report["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
     assert {"count", "payload_bytes", "traffic_bytes", "formula_traffic_bytes", "formula"} <= set(report["collectives"]["all-gather"])
     assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers weights
@@ -65,13 +73,20 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     memory = report["memory"]
     assert memory["fits"] is False and memory["total"] > 100e3
     assert memory["largest"] == "activations and temporaries (gradients included)"
-    assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--device-memory", "100KB"]) == 0
-    assert ("DOES NOT FIT in 100.00 KB: the largest consumer is activations and temporaries"
-            in capsys.readouterr().out)
+    assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--device-memory", "100KB",
+                 "--search-budget", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"verdict: DOES NOT FIT in 75.00 KB: peak [\d.]+ MB \((train step|eval step|generation)\)", out)
+    assert "the train step's largest consumer is activations and temporaries" in out
 
 
 def test_plan_compare_sees_the_pipeline_bubble_and_its_permutes(capsys):
-    rows = plan_json(capsys, "--compare", "data=8", "2x1x1x4")
+    """--compare ranks the meshes it can plan and skips the others with their one-line reason."""
+    compared = plan_json(capsys, "--compare", "data=8", "2x1x1x4", "3x1x1", "tensor=8")
+    assert [s["mesh"] for s in compared["skipped"]] == ["3x1x1", "tensor=8"]
+    assert "needs 3 devices, found 8" in compared["skipped"][0]["reason"]
+    assert "num_kv_heads=4 is not divisible by tensor=8" in compared["skipped"][1]["reason"]
+    rows = compared["plans"]
     assert sorted(r["mesh"] for r in rows) == ["data=2,fsdp=1,tensor=1,pipeline=4", "data=8,fsdp=1,tensor=1,pipeline=1"]
     piped = next(r for r in rows if r["mesh"].endswith("pipeline=4"))
     flat = next(r for r in rows if r["mesh"].endswith("pipeline=1"))
@@ -115,3 +130,45 @@ def test_model_flops_formula_matches_the_compiled_step(tied):
 def test_peak_table_resolves_real_device_kinds(device_kind, peak):
     """jax's device_kind strings; the PCIe H100 must not match the SXM figure first."""
     assert peak_flops(device_kind) == peak
+
+
+def test_budget_is_the_runtime_share_less_the_headroom(monkeypatch):
+    """usable = memory x fraction (XLA_CLIENT_MEM_FRACTION, its old name, --mem-fraction, JAX's 0.75 on GPUs,
+    all of a TPU's); budget = usable x (1 - headroom); FITS within the budget, TIGHT within the usable memory."""
+    from meshtrain.budget import budget, memory_fraction, verdict
+    from meshtrain.errors import UserError
+    from meshtrain.metrics import DEVICE_PROFILES
+
+    h100, tpu = DEVICE_PROFILES["h100"], DEVICE_PROFILES["tpu-v5p"]
+    assert memory_fraction(h100, env={})[0] == 0.75
+    assert memory_fraction(h100, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) == (0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert memory_fraction(h100, env={"XLA_CLIENT_MEM_FRACTION": ".95", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})[0] == 0.95
+    assert memory_fraction(h100, 0.8, env={"XLA_CLIENT_MEM_FRACTION": ".95"})[0] == 0.8
+    assert memory_fraction(tpu, env={"XLA_CLIENT_MEM_FRACTION": ".5"})[0] == 1.0
+    for bad in ("1.5", "0", "most"):
+        with pytest.raises(UserError, match="not a fraction"):
+            memory_fraction(h100, env={"XLA_CLIENT_MEM_FRACTION": bad})
+    b = budget(80e9, 0.75, 0.1)
+    assert (b["usable"], b["budget"]) == (60e9, pytest.approx(54e9))
+    assert [verdict(peak, b)["status"] for peak in (50e9, 57e9, 61e9)] == ["fits", "tight", "does not fit"]
+    assert verdict(50e9, b)["margin"] == pytest.approx(4e9)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "2")
+    assert main(["--config", TINY, "--devices", "8"]) == 2  # one line, no traceback
+
+
+def test_fit_searches_compiled_layouts_for_one_that_fits(capsys):
+    """A memory too small for data=8 (a full replica of the state on every device): the search compiles
+    neighbouring layouts and names the fastest that fits, with the command that trains it; that layout,
+    planned by itself, fits."""
+    small = ["--mesh", "data=8", "--set", "parallel.zero=0", "--device-memory", "2MB"]
+    report = plan_json(capsys, *small, "--search-budget", "3")
+    assert report["verdict"]["status"] != "fits"
+    found = report["search"]
+    assert 1 <= len(found["compiled"]) <= 3 and found["path"]
+    best = found["best"]
+    assert best["fits"] and best["peak"] <= report["budget"]["budget"] < report["memory"]["total"]
+    assert best["command"].startswith(f"python -m meshtrain.train --config {TINY} --mesh ")
+    sets = [f"{k}={v}" for k, v in best["settings"].items() if k != "parallel.mesh"]
+    again = plan_json(capsys, "--mesh", best["settings"]["parallel.mesh"], "--device-memory", "2MB",
+                      "--search-budget", "0", *[x for s in sets for x in ("--set", s)])
+    assert again["memory"]["total"] == best["peak"]
