@@ -87,16 +87,18 @@ def simulate_cpu_devices(count: int) -> None:
 def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
     """A jax Mesh with all six axes Auto (compiler-managed; see DESIGN.md).
 
-    `devices` picks a subset (e.g. one device for a reference run). With several processes on
-    GPUs, `dcn` gives the across-host factor of each axis (default: the data axis spans hosts) and
-    the mesh is hybrid: fast in-host links carry the inner axes, the network the outer ones.
+    `devices` picks a subset (e.g. one device for a reference run). With several processes (one
+    per host), `dcn` gives the across-host factor of each axis (default: the data axis spans hosts)
+    and the mesh is hybrid: fast in-host links carry the inner axes, the network the outer ones.
+    CPU processes (the multi-host tests and benchmarks/multihost_plan.py) take the same path as
+    GPU hosts; TPUs keep jax.make_mesh, which knows their slices' topology.
     """
     import jax
     from jax.sharding import AxisType, Mesh
 
     shape = tuple(sizes.get(a, 1) for a in AXES)
     axis_types = (AxisType.Auto,) * len(AXES)
-    if devices is None and jax.process_count() > 1 and jax.default_backend() == "gpu":
+    if devices is None and jax.process_count() > 1 and jax.default_backend() in ("cpu", "gpu"):
         from jax.experimental import mesh_utils
 
         dcn = dcn or {"data": jax.process_count()}
