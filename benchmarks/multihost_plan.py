@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -187,7 +188,9 @@ def launch(args) -> dict:
         text = (logs / f"p{failed}.err").read_text().splitlines()
         sys.exit(f"error: process {failed} exited with {codes[failed]}: "
                  f"{last_error(text, f'no output after {args.timeout} s')} (logs in {logs})")
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    shutil.rmtree(logs)
+    return result
 
 
 def main() -> None:
