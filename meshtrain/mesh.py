@@ -87,19 +87,22 @@ def simulate_cpu_devices(count: int) -> None:
 def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):
     """A jax Mesh with all six axes Auto (compiler-managed; see DESIGN.md).
 
-    `devices` picks a subset (e.g. one device for a reference run). With several processes on
-    GPUs, `dcn` gives the across-host factor of each axis (default: the data axis spans hosts) and
-    the mesh is hybrid: fast in-host links carry the inner axes, the network the outer ones.
+    `devices` picks a subset (e.g. one device for a reference run). With several processes (one
+    per host), the mesh is hybrid: fast in-host links carry the inner axes, the network the outer
+    ones; `dcn` gives the across-host factor of each axis (default `across_hosts`: the outermost
+    axes, so host g holds mesh positions g*k .. g*k+k-1, the layout the planner's roofline
+    assumes). CPU processes (the multi-host tests, benchmarks/multihost_plan.py) take the same
+    path as GPU hosts; TPUs keep jax.make_mesh, which knows their slices' topology.
     """
     import jax
     from jax.sharding import AxisType, Mesh
 
     shape = tuple(sizes.get(a, 1) for a in AXES)
     axis_types = (AxisType.Auto,) * len(AXES)
-    if devices is None and jax.process_count() > 1 and jax.default_backend() == "gpu":
+    if devices is None and jax.process_count() > 1 and jax.default_backend() in ("cpu", "gpu"):
         from jax.experimental import mesh_utils
 
-        dcn = dcn or {"data": jax.process_count()}
+        dcn = dcn or across_hosts(sizes, jax.process_count())
         dcn_shape = tuple(dcn.get(a, 1) for a in AXES)
         if any(s % d for s, d in zip(shape, dcn_shape)):
             raise UserError(f"mesh {describe(sizes)} is not divisible by the across-host factors {dcn}")
@@ -110,3 +113,22 @@ def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None =
     if len(devices) != math.prod(shape):
         raise UserError(f"mesh {describe(sizes)} needs {math.prod(shape)} devices, found {len(devices)}")
     return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=devices)
+
+
+def across_hosts(sizes: dict[str, int], hosts: int) -> dict[str, int]:
+    """The across-host factor of each axis when `hosts` hosts split the mesh in mesh order: the
+    outermost axes whole while the host count divides by them, then a factor of the next one
+    (data=16 on 2 hosts: data 2; fsdp=16,tensor=8 on 16: fsdp 16; data=2,fsdp=8 on 4: data 2,
+    fsdp 2)."""
+    dcn, left = {}, hosts
+    for a in AXES:
+        size = sizes.get(a, 1)
+        if left == 1 or size == 1:
+            continue
+        if left % size and size % left:
+            raise UserError(f"mesh {describe(sizes)} cannot be split across {hosts} hosts in mesh order: the {a} "
+                            f"axis ({size}) and the {left} hosts left for it do not divide one another; change "
+                            f"--mesh, e.g. make data a multiple of {hosts}")
+        dcn[a] = min(size, left)
+        left //= dcn[a]
+    return dcn
