@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshtrain.context_parallel import ring_attention
+from meshtrain.context_parallel import computed_fraction, ring_attention
 
 ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel, at most
 MIN_ATTENTION_BLOCK = 128  # smaller blocks run too many serial steps: refused (meshtrain/validate.py)
@@ -101,3 +101,34 @@ def context_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None):
 
 BACKENDS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention,
             "ring": context_attention}
+
+# Score-sized matmuls (QK^T, PV or one of their four gradients: 2 x H x K FLOPs per query and key)
+# a backend runs per query-key pair it computes, (forward, backward): the textbook 2 + 4, which the
+# model FLOPs count (12·L·H·K·S per token, meshtrain/metrics.py); a flash-style backward (ring's
+# custom VJP, cuDNN's) recomputes the scores first (+1); the blockwise kernel's two nested
+# checkpoints rerun a query block's forward and then each key block's (+2 +2).
+ATTENTION_MATMULS = {"xla": (2, 4), "blockwise": (2, 8), "cudnn": (2, 5), "ring": (2, 5)}
+CUDNN_TILE = 128  # positions per causal tile assumed for cuDNN's kernel (not compiled on CPU)
+
+
+def causal_share(n: int) -> float:
+    """Blocks on and below the diagonal of an n x n grid: (n + 1) / (2n)."""
+    return (n + 1) / (2 * n)
+
+
+def executed_attention(backend: str, seq_len: int, context: int = 1) -> tuple[tuple[int, int], float]:
+    """((forward, backward) score-sized matmuls, the share of the [L, L] scores computed) of a
+    backend: xla all of them; blockwise the blocks on and below the diagonal; ring (context > 1)
+    context_parallel.computed_fraction, and blockwise without a context axis; cudnn's causal
+    kernel about half (CUDNN_TILE-position tiles)."""
+    if backend == "ring" and context == 1:
+        backend = "blockwise"
+    if backend == "xla":
+        share = 1.0
+    elif backend == "blockwise":
+        share = causal_share(seq_len // attention_block(seq_len))
+    elif backend == "ring":
+        share = computed_fraction(seq_len, context)
+    else:
+        share = causal_share(max(1, seq_len // CUDNN_TILE))
+    return ATTENTION_MATMULS[backend], share

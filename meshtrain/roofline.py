@@ -18,13 +18,15 @@ ZeRO-3 gather over data and fsdp).
 
 Times, per device per step (each a lower bound; the step is the largest when all of it overlaps
 perfectly, the sum when none does):
-- compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model FLOPs
-  (meshtrain/metrics.py: 6N + 12·L·H·K·S per token) plus the forward the backward reruns: a second
-  forward of the blocks, 2·N_blocks + 4·L·H·K·S per token, under `parallel.remat=full` or a
-  pipeline's `parallel.residuals=recompute` (`save_matmuls` and `offload` keep every matmul output,
-  attention's included, so they rerun no matmul). From the formula, not from XLA's cost analysis,
-  which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the lockstep
-  timetable's (meshtrain/schedules.py), a tick costing its slowest stage.
+- compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model's dense
+  6N per token (meshtrain/metrics.py), plus the forward the backward reruns, 2·N_blocks, under
+  `parallel.remat=full` or a pipeline's `parallel.residuals=recompute` (`save_matmuls` and
+  `offload` keep every matmul output, attention's included, so they rerun no matmul), plus
+  attention as its kernel runs it: the share of the causal scores it computes (blockwise and ring
+  skip the hidden blocks: about half) times its matmuls (flash-style backwards recompute the
+  scores; meshtrain/attention.py `executed_attention`). From the formula, not from XLA's cost
+  analysis, which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the
+  lockstep timetable's (meshtrain/schedules.py), a tick costing its slowest stage.
 - communication = sum over axis sets of ring link traffic (meshtrain/hlo.py) / that set's link
   bandwidth.
 - memory = (argument + output + temporary bytes of the compiled step) / HBM bandwidth: every
@@ -40,6 +42,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from meshtrain.attention import executed_attention
 from meshtrain.mesh import AXES
 from meshtrain.schedules import timetable
 
@@ -127,12 +130,18 @@ def recomputes(remat: str, residuals: str, stages: int) -> bool:
 
 
 def hardware_flops_per_token(model_flops_per_token: float, block_params: float, num_layers: int,
-                             attention_width: int, seq_len: int, recompute: bool) -> float:
-    """Model FLOPs plus, when the forward is rerun, one more forward of the blocks:
-    2·N_blocks + 4·L·H·K·S (the embedding and the head are not rerun)."""
-    if not recompute:
-        return model_flops_per_token
-    return model_flops_per_token + 2.0 * block_params + 4.0 * num_layers * attention_width * seq_len
+                             attention_width: int, seq_len: int, recompute: bool,
+                             attention: tuple[tuple[int, int], float] = ((2, 4), 1.0)) -> float:
+    """The FLOPs a step executes per token: the model's dense 6N, plus one more forward of the
+    blocks' matmuls, 2·N_blocks, when the forward is rerun (the embedding and the head are not),
+    and attention as its kernel runs it (`attention`: meshtrain.attention.executed_attention's
+    (forward, backward) score-sized matmuls and share of the scores): 2·L·H·K·S per matmul x share
+    x (forward + backward, + forward again when rerun). The model's 12·L·H·K·S is xla's 2 + 4 x 1."""
+    (forward, backward), share = attention
+    per_matmul = 2.0 * num_layers * attention_width * seq_len
+    dense = model_flops_per_token - 6 * per_matmul
+    rerun = 2.0 * block_params if recompute else 0.0
+    return dense + rerun + per_matmul * share * (forward + backward + (forward if recompute else 0))
 
 
 def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes: float, profile: dict,
@@ -168,8 +177,9 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     matmul_params = program.model.active_matmul_params(program.abstract_state["params"])
     block_params = matmul_params - m.vocab_size * m.d_model  # the head is not rerun
     model_flops = program.flops_per_token * tokens
+    attention = executed_attention(plan.attention, t.seq_len, sizes.get("context", 1))
     hardware_flops = hardware_flops_per_token(program.flops_per_token, block_params, m.num_layers, width,
-                                              t.seq_len, recompute) * tokens
+                                              t.seq_len, recompute, attention) * tokens
     traffic = traffic_by_axes(((c.groups, c.times * c.traffic) for c in collectives), sizes)
     links = comm_times(traffic, sizes, profile, per_node)
     bubble = 0.0
@@ -181,6 +191,7 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile, bubble)
     return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),
-            "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops, "recompute": recompute},
+            "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops, "recompute": recompute,
+                      "attention_share": attention[1]},
             "links": {_label(axes): v for axes, v in links.items()}, "memory_bytes": memory_bytes,
             **roofs, "tokens_per_s": t.batch_size * t.seq_len / roofs["step_s"] if roofs["step_s"] else 0.0}

@@ -1,4 +1,6 @@
 """Ring attention (meshtrain.context_parallel) against a plain causal attention in true order."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +8,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import context_parallel
+from meshtrain import context_parallel, hlo
+from meshtrain.attention import executed_attention
 from meshtrain.config import UserError
 from meshtrain.context_parallel import load_balanced_order, ring_attention
 
@@ -190,3 +193,40 @@ def test_hlo_passes_blocks_round_the_ring():
             hlo = jax.jit(f).lower(q, k, v).compile().as_text()
             assert "collective-permute" in hlo
             assert "all-gather" not in hlo and "all-to-all" not in hlo  # K/V never gathered
+
+
+def executed_dot_flops(text: str) -> float:
+    """FLOPs of the dots a compiled program runs per call, loop bodies counted by their trip counts:
+    2 x output elements x contracted size."""
+    module = hlo.Module(text)
+    total = 0.0
+    for comp, times in module.execution_counts().items():
+        for ins in module.comps[comp].values():
+            if ins.op != "dot":
+                continue
+            lhs = [int(d) for d in re.search(r"\[([\d,]*)\]", module.comps[comp][ins.operands[0]].shape).group(1).split(",")]
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1).split(",")
+            total += times * 2 * hlo.typed_array_elements(ins.shape)[0][1] * np.prod([lhs[int(i)] for i in contracted])
+    return total
+
+
+def test_compiled_ring_runs_the_matmuls_the_roofline_counts(monkeypatch):
+    """Forward and backward of the ring on context=2, read from the compiled program with loop trip
+    counts: 2 + 5 score-sized matmuls (the backward recomputes the scores) over the computed share of
+    the [L, L] scores, as meshtrain.attention.executed_attention tells the roofline (the backward's
+    delta = rowsum(dO x O) compiles to a reduction, not a dot)."""
+    monkeypatch.setattr(context_parallel, "RING_BLOCK", 8)
+    seq, cp, heads, k = 64, 2, 4, 8
+    mesh = mesh_of((cp,), ("context",))
+    positions = load_balanced_order(seq, cp)
+    shard = NamedSharding(mesh, P(None, "context"))
+    args = [jax.ShapeDtypeStruct((B, seq, n, k), jnp.float32, sharding=shard) for n in (heads, G, G)]
+
+    def loss(q, kk, v):
+        return jnp.sum(ring_attention(q, kk, v, positions))
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    (forward, backward), share = executed_attention("ring", seq, cp)
+    per_matmul = 2 * B * heads * k * seq * seq / cp  # one score-sized matmul over the whole [L, L], per device
+    assert executed_dot_flops(text) == pytest.approx(per_matmul * share * (forward + backward), rel=1e-9)
+    assert (forward, backward) == (2, 5) and share == pytest.approx(0.5 + 1 / (4 * 2 * cp))
