@@ -1,0 +1,37 @@
+"""Every shipped config on the pod its comment documents (`# pod: --devices N --mesh M`): the
+planner's one verdict for the run (train step, eval step, generation, each compiled for the pod's
+mesh on simulated CPU devices) FITS the memory the runtime can use, with its margin, and the
+collective traffic it prints matches its formula per kind (or the plan flags the kind). One plan
+per config, in a subprocess with the pod's device count."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def pod(config: Path) -> list[str]:
+    """The plan flags of the config's `# pod:` comment."""
+    found = re.search(r"^# pod[^:]*: (.+)$", config.read_text(), re.MULTILINE)
+    assert found, f"{config.name} documents no pod: add a '# pod: --devices N --mesh M' comment"
+    return found.group(1).split()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_shipped_config_fits_its_pod(config):
+    cmd = [sys.executable, "-m", "meshtrain.plan", "--config", str(config.relative_to(ROOT)), *pod(config), "--json",
+           "--search-budget", "0"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    verdict, steps = report["verdict"], report["steps"]
+    assert verdict["status"] == "fits" and verdict["margin"] >= 0, (verdict, steps)
+    assert verdict["peak"] == max(steps.values()) <= report["budget"]["budget"]
+    assert steps["eval"] <= steps["train"]  # the eval step runs the train step's microbatches, forward only
+    assert report["generation"]["kv_cache_formula"] > 0 and steps["generation"] > report["generation"]["kv_cache_formula"]
