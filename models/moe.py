@@ -47,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.sharding import constrain, manual_axes_rules, mesh_axis
+from meshtrain.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
 from models.transformer import PARAM_AXES, Block, LanguageModel, Transformer, _init
 
 
@@ -148,6 +148,197 @@ def expert_parallel(buf_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, axis: s
                          check_vma=False)(buf_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
 
 
+def capacity_experts(x_BxLxD, expert_BxKL, C: int, weights, axis: str, ep: int):
+    """Capacity routing: the [B, E, C, D] slot buffer through the experts; per assignment its
+    output (0 when dropped) [B, K*L, D], whether it was kept, and the per-row counts [B, E]."""
+    B, L, D = x_BxLxD.shape
+    E, KL = weights[0].shape[0], expert_BxKL.shape[1]
+    slot_BxKL, kept_BxKL, count_BxE = slots(expert_BxKL, E, C)
+    token_BxKL = jnp.broadcast_to(jnp.tile(jnp.arange(L), KL // L), (B, KL))
+
+    # Dispatch: the token id of every slot (L where empty), then gather the rows of x.
+    token_of_slot_BxS = jax.vmap(lambda s, t: jnp.full((E * C,), L).at[s].set(t, mode="drop"))(
+        slot_BxKL, token_BxKL)
+    buf_BxSxD = jax.vmap(lambda x, t: jnp.take(x, t, axis=0, mode="fill", fill_value=0))(
+        x_BxLxD, token_of_slot_BxS)
+    buf_BxExCxD = buf_BxSxD.reshape(B, E, C, D)
+    if ep > 1:
+        out_BxExCxD = expert_parallel(buf_BxExCxD, *weights, axis, ep)
+    else:
+        out_BxExCxD = swiglu_experts(buf_BxExCxD[:, None], *weights)[:, 0]
+    out_BxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
+        out_BxExCxD.reshape(B, E * C, D), slot_BxKL)
+    return out_BxKLxD, kept_BxKL, count_BxE
+
+
+# ---- dropless: assignments sorted by expert, the experts as a grouped matmul ----
+
+GMM_TILE = 128  # rows of the sorted buffer per grouped-matmul step
+
+
+def _schedule(group_M, groups: int, tile: int):
+    """The grouped matmul's (tile, group) steps, megablox-style: tile t of the sorted rows meets
+    groups first_t..last_t, so the nt + G - 1 steps (nt = ceil(M / tile)) cover every pair; the
+    spare steps get group -1 (they match no row). Rows with group >= G (padding) join no pair."""
+    nt = -(-group_M.shape[0] // tile)
+    g_R = jnp.pad(jnp.minimum(group_M, groups - 1), (0, nt * tile - group_M.shape[0]), mode="edge")
+    first_T, last_T = g_R[::tile], g_R[tile - 1::tile]
+    pairs_T = last_T - first_T + 1
+    end_T = jnp.cumsum(pairs_T)
+    step_S = jnp.arange(nt + groups - 1)
+    tile_S = jnp.minimum(jnp.searchsorted(end_T, step_S, side="right"), nt - 1)
+    group_S = first_T[tile_S] + step_S - (end_T - pairs_T)[tile_S]
+    return tile_S, jnp.where(step_S < end_T[-1], group_S, -1)
+
+
+def _tiles(a_MxX, tile: int):
+    pad = -a_MxX.shape[0] % tile
+    fill = jnp.iinfo(a_MxX.dtype).max if jnp.issubdtype(a_MxX.dtype, jnp.integer) else 0  # no group
+    return jnp.pad(a_MxX, ((0, pad),) + ((0, 0),) * (a_MxX.ndim - 1), constant_values=fill)
+
+
+def _gmm_loop(a_RxA, w_GxXxY, group_R, steps, tile: int, out_cols: int, transpose: bool):
+    """out[r] = a[r] @ w[group[r]] (w[group[r]].T when `transpose`), a step per (tile, group)."""
+    tile_S, group_S = steps
+
+    def step(i, out_RxO):
+        t, g = tile_S[i] * tile, group_S[i]
+        a_TxA = jax.lax.dynamic_slice_in_dim(a_RxA, t, tile)
+        w_XxY = jax.lax.dynamic_index_in_dim(w_GxXxY, jnp.maximum(g, 0), keepdims=False)
+        y_TxO = a_TxA @ (w_XxY.T if transpose else w_XxY)
+        mine_T = jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g
+        old_TxO = jax.lax.dynamic_slice_in_dim(out_RxO, t, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out_RxO, jnp.where(mine_T[:, None], y_TxO, old_TxO), t, 0)
+
+    out = jnp.zeros((a_RxA.shape[0], out_cols), a_RxA.dtype)
+    return jax.lax.fori_loop(0, tile_S.shape[0], step, out)
+
+
+@jax.custom_vjp
+def grouped_matmul(x_MxK, w_GxKxN, group_M):
+    """y[m] = x[m] @ w[group[m]] for rows sorted by group (group >= G: padding, y = 0), in
+    O(M x N) memory: a loop over (tile, group) steps (`_schedule`). XLA:CPU expands
+    jax.lax.ragged_dot densely into [G, M, N] (JAX 0.10), which this avoids."""
+    return _gmm_fwd(x_MxK, w_GxKxN, group_M)[0]
+
+
+def _gmm_fwd(x_MxK, w_GxKxN, group_M):
+    M, (G, _, N) = x_MxK.shape[0], w_GxKxN.shape
+    tile = min(GMM_TILE, M)
+    steps = _schedule(group_M, G, tile)
+    group_R = _tiles(group_M, tile)
+    y = _gmm_loop(_tiles(x_MxK, tile), w_GxKxN, group_R, steps, tile, N, False)[:M]
+    return y, (x_MxK, w_GxKxN, group_M, steps)
+
+
+def _gmm_bwd(res, dy_MxN):
+    """dx = dy @ w[g].T per row; dw[g] = sum over g's rows of x^T dy, accumulated in fp32."""
+    x_MxK, w_GxKxN, group_M, (tile_S, group_S) = res
+    M, K = x_MxK.shape
+    tile = min(GMM_TILE, M)
+    x_RxK, dy_RxN, group_R = _tiles(x_MxK, tile), _tiles(dy_MxN, tile), _tiles(group_M, tile)
+    dx_RxK = _gmm_loop(dy_RxN, w_GxKxN, group_R, (tile_S, group_S), tile, K, True)
+
+    def step(i, dw_GxKxN):
+        t, g = tile_S[i] * tile, group_S[i]
+        mine_T = jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g
+        x_TxK = jnp.where(mine_T[:, None], jax.lax.dynamic_slice_in_dim(x_RxK, t, tile), 0)
+        dw_KxN = jnp.einsum("tk,tn->kn", x_TxK, jax.lax.dynamic_slice_in_dim(dy_RxN, t, tile),
+                            preferred_element_type=jnp.float32)
+        g = jnp.maximum(g, 0)
+        old = jax.lax.dynamic_index_in_dim(dw_GxKxN, g, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(dw_GxKxN, old + dw_KxN, g, 0)
+
+    dw = jax.lax.fori_loop(0, tile_S.shape[0], step, jnp.zeros(w_GxKxN.shape, jnp.float32))
+    return dx_RxK[:M], dw.astype(w_GxKxN.dtype), None
+
+
+grouped_matmul.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def sorted_swiglu(x_MxD, group_M, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+    """Each row's expert SwiGLU, rows in any order: sorted by group (stable), a grouped matmul per
+    projection, unsorted. Rows with group >= G get 0. In x's dtype."""
+    dtype = x_MxD.dtype
+    order_M = jnp.argsort(group_M, stable=True)
+    xs_MxD, gs_M = x_MxD[order_M], group_M[order_M]
+    gate = grouped_matmul(xs_MxD, w_gate_GxDxF.astype(dtype), gs_M)
+    up = grouped_matmul(xs_MxD, w_up_GxDxF.astype(dtype), gs_M)
+    h_MxF = jax.nn.silu(checkpoint_name(gate, "mlp_gate")) * checkpoint_name(up, "mlp_up")
+    h_MxF = constrain(h_MxF, (None, "mlp"))
+    out_MxD = checkpoint_name(grouped_matmul(h_MxF, w_down_GxFxD.astype(dtype), gs_M), "mlp_out")
+    inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))
+    return out_MxD[inverse_M]
+
+
+def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, axis: str, ep: int):
+    """This device's assignments [b, K*L] through their experts, dropless; [b, K*L, D] out.
+    ep == 1: the b*L*K assignments sorted by expert. ep > 1 (inside a shard_map manual over
+    `axis`): device n gets this device's assignments of its E/ep experts, in expert order, in a
+    buffer of A = b*L*min(K, E/ep) rows (the most a token can send it), plus their counts per
+    expert; it sorts all it received by expert, runs them, and sends the results back."""
+    b, L, D = x_bxLxD.shape
+    KL = expert_bxKL.shape[1]
+    x_TxD = x_bxLxD.reshape(b * L, D)
+    token_bxKL = jnp.arange(b)[:, None] * L + jnp.arange(KL)[None, :] % L
+    expert_N, token_N = expert_bxKL.reshape(-1), token_bxKL.reshape(-1)
+    weights = (w_gate_exDxF, w_up_exDxF, w_down_exFxD)
+    if ep == 1:
+        return sorted_swiglu(x_TxD[token_N], expert_N, *weights).reshape(b, KL, D)
+
+    e = w_gate_exDxF.shape[0]  # local experts
+    A = b * L * min(KL // L, e)
+    count_E = jnp.zeros((ep * e,), jnp.int32).at[expert_N].add(1)
+    order_N = jnp.argsort(expert_N, stable=True)
+    dest_N = expert_N[order_N] // e
+    sent_before_ep = jnp.cumsum(count_E.reshape(ep, e).sum(1)) - count_E.reshape(ep, e).sum(1)
+    slot_sorted_N = dest_N * A + jnp.arange(order_N.shape[0]) - sent_before_ep[dest_N]
+    slot_N = jnp.zeros_like(slot_sorted_N).at[order_N].set(slot_sorted_N)
+    token_of_slot = jnp.full((ep * A,), b * L).at[slot_N].set(token_N)
+    send_epxAxD = jnp.take(x_TxD, token_of_slot, axis=0, mode="fill", fill_value=0).reshape(ep, A, D)
+    swap = lambda t: jax.lax.all_to_all(t, axis, 0, 0, tiled=True)
+    recv_epxAxD, recv_count_epxe = swap(send_epxAxD), swap(count_E.reshape(ep, e))
+    # a received row's local expert: how many of its sender's groups end at or before it
+    group_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right"))(
+        jnp.cumsum(recv_count_epxe, axis=1))
+    out_MxD = sorted_swiglu(recv_epxAxD.reshape(ep * A, D), group_epxA.reshape(-1), *weights)
+    back_MxD = swap(out_MxD.reshape(ep, A, D)).reshape(ep * A, D)
+    return back_MxD[slot_N].reshape(b, KL, D)
+
+
+def row_axes(rows: int, axis: str, ep: int) -> list[str]:
+    """The compiler-managed mesh axes that split the batch (rules' `batch` order, `axis` first
+    under expert parallelism) and divide `rows`: the dropless shard_map makes them manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    names = ([axis] if ep > 1 else []) + [a for a in rule_axes("batch") if a != axis or ep == 1]
+    chosen, n = [], 1
+    for a in names:
+        if sizes.get(a, 1) > 1 and kinds[a] != jax.sharding.AxisType.Manual and rows % (n * sizes[a]) == 0:
+            chosen.append(a)
+            n *= sizes[a]
+    return chosen
+
+
+def dropless_experts(x_BxLxD, expert_BxKL, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, axis: str, ep: int):
+    """dropless_local in a shard_map manual over the batch's axes (see row_axes): each device sorts
+    its own rows' assignments, and the expert weights enter whole (split on E over `axis` under
+    expert parallelism), as the compiler would gather them for the matmuls anyway."""
+    rows = row_axes(x_BxLxD.shape[0], axis, ep)
+    weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    if not rows:
+        return dropless_local(x_BxLxD, expert_BxKL, *weights, axis, ep)
+
+    def local(*args):
+        with manual_axes_rules(set(rows)):
+            return dropless_local(*args, axis, ep)
+
+    spec, w_spec = P(tuple(rows)), P(axis if ep > 1 else None)
+    return jax.shard_map(local, in_specs=(spec, spec) + (w_spec,) * 3, out_specs=spec,
+                         axis_names=set(rows), check_vma=False)(x_BxLxD, expert_BxKL, *weights)
+
+
 def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
             experts_per_token: int, capacity_factor: float, axis: str = "expert"):
     """The experts' output [B, L, D] in x's dtype and the routing stats (see the module doc)."""
@@ -164,25 +355,15 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
 
     logits_BxLxE, probs_BxLxE, expert_BxLxK, gate_BxLxK = route(x_BxLxD, router_DxE, K)
     expert_BxKL = expert_BxLxK.swapaxes(1, 2).reshape(B, K * L)  # choice-major
-    slot_BxKL, kept_BxKL, count_BxE = slots(expert_BxKL, E, C)
-    token_BxKL = jnp.broadcast_to(jnp.tile(jnp.arange(L), K), (B, K * L))
-
-    # Dispatch: the token id of every slot (L where empty), then gather the rows of x.
-    token_of_slot_BxS = jax.vmap(lambda s, t: jnp.full((E * C,), L).at[s].set(t, mode="drop"))(
-        slot_BxKL, token_BxKL)
-    buf_BxSxD = jax.vmap(lambda x, t: jnp.take(x, t, axis=0, mode="fill", fill_value=0))(
-        x_BxLxD, token_of_slot_BxS)
-    buf_BxExCxD = buf_BxSxD.reshape(B, E, C, D)
-
     weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    if ep > 1:
-        out_BxExCxD = expert_parallel(buf_BxExCxD, *weights, axis, ep)
+    if capacity_factor == 0:
+        count_BxE = jax.vmap(lambda e: jnp.zeros((E,), jnp.int32).at[e].add(1))(expert_BxKL)
+        kept_BxKL = jnp.ones((B, K * L), jnp.bool_)
+        out_BxKLxD = dropless_experts(x_BxLxD, expert_BxKL, *weights, axis, ep)
     else:
-        out_BxExCxD = swiglu_experts(buf_BxExCxD[:, None], *weights)[:, 0]
+        out_BxKLxD, kept_BxKL, count_BxE = capacity_experts(x_BxLxD, expert_BxKL, C, weights, axis, ep)
 
-    # Combine: each assignment reads its slot (0 when dropped), weighted by its gate, in fp32.
-    out_BxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
-        out_BxExCxD.reshape(B, E * C, D), slot_BxKL)
+    # Combine: each assignment (0 when dropped) weighted by its gate, in fp32.
     gate_BxKxL = gate_BxLxK.swapaxes(1, 2)
     y_BxLxD = jnp.einsum("bkld,bkl->bld", out_BxKLxD.reshape(B, K, L, D).astype(jnp.float32),
                          gate_BxKxL)
