@@ -58,6 +58,21 @@ def capacity(seq_len: int, num_experts: int, experts_per_token: int, capacity_fa
     return min(seq_len, math.ceil(capacity_factor * seq_len * experts_per_token / num_experts))
 
 
+def dispatch_bytes(rows: float, seq_len: int, num_experts: int, experts_per_token: int, capacity_factor: float,
+                   width: int, act_bytes: int, expert_axis: int = 1) -> dict:
+    """One MoE layer's dispatch buffer per device, `rows` sequence rows held: capacity routing's
+    slots rows x E x C x D; dropless, the sorted assignments rows x L x K x D, or under expert
+    parallelism (N = expert_axis) the per-destination worst case N x rows x L x min(K, E/N) x D.
+    `slot_buffer_bytes`: the dropless E-slot buffer rows x E x L x D (C = L) that sorting replaced."""
+    L, E, K = seq_len, num_experts, experts_per_token
+    slot_buffer = rows * E * L * width * act_bytes
+    if capacity_factor:
+        C = capacity(L, E, K, capacity_factor)
+        return {"bytes": rows * E * C * width * act_bytes, "capacity": C, "slot_buffer_bytes": slot_buffer}
+    sent = expert_axis * min(K, E // expert_axis)  # a token's rows in the buffer (K without EP)
+    return {"bytes": rows * L * sent * width * act_bytes, "capacity": 0, "slot_buffer_bytes": slot_buffer}
+
+
 def expert_parallel_size(axis: str) -> int:
     """Size of mesh axis `axis` if the active mesh has it and it is not manual already, else 1."""
     size, manual = mesh_axis(axis)

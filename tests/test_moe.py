@@ -44,10 +44,11 @@ def test_dropped_tokens_are_counted_and_layout_independent():
 
 
 def test_all_to_alls_carry_the_tokens():
-    """Per MoE layer: dispatch and return in the forward, and both again in the backward."""
+    """Per MoE layer: dispatch and return in the forward, both again in the backward, and (dropless)
+    the int32 counts per expert the receiving devices sort by, once in the forward."""
     program = TrainProgram.from_config(tiny_config("parallel.mesh=data=2,expert=4", config=MOE_TINY))
     found = hlo.collectives(program.lower().compile().as_text(), 8)
-    assert found["all-to-all"]["count"] == 4 * program.spec.num_layers
+    assert found["all-to-all"]["count"] == 5 * program.spec.num_layers
     assert found["all-to-all"]["payload_bytes"] > 0
 
 

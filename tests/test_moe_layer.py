@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from meshtrain.config import UserError
+import models.moe as moe_module
 from models.moe import capacity, moe_mlp
 
 B, L, D, F, K = 8, 8, 16, 32, 2
@@ -203,3 +204,41 @@ def test_errors():
         x, *weights = make_inputs(E=8)
         with pytest.raises(UserError, match="batch rows"):
             jax.jit(moe(0.0))(x[:2], *weights)
+
+
+def test_grouped_matmul_matches_per_row_products(monkeypatch):
+    """Small tiles so that tiles straddle groups, empty groups, a ragged last tile and padding rows
+    (group >= G, output 0): y and the gradients equal the per-row products."""
+    monkeypatch.setattr(moe_module, "GMM_TILE", 4)
+    rng = np.random.default_rng(0)
+    G, M, Kd, N = 5, 23, 6, 7
+    group = np.sort(rng.choice([0, 1, 3, 3, 4, G], size=M)).astype(np.int32)
+    x = rng.normal(size=(M, Kd)).astype(np.float32)
+    w = rng.normal(size=(G, Kd, N)).astype(np.float32)
+    ct = rng.normal(size=(M, N)).astype(np.float32)
+
+    def reference(x, w):
+        y = jnp.einsum("mk,mkn->mn", x, jnp.take(w, jnp.minimum(group, G - 1), axis=0))
+        return jnp.where((group < G)[:, None], y, 0)
+
+    got = jax.value_and_grad(lambda x, w: jnp.sum(moe_module.grouped_matmul(x, w, group) * ct), (0, 1))
+    want = jax.value_and_grad(lambda x, w: jnp.sum(reference(x, w) * ct), (0, 1))
+    assert_close(jax.jit(got)(x, w), want(x, w))
+
+
+def test_dropless_memory_is_flat_in_experts():
+    """Dropless temporaries (forward and backward, weights as arguments) barely grow from 8 to 32
+    experts at top-2: the sorted buffer holds B*L*K rows, not B*E*L (main: 4.0x, 40 -> 161 MiB
+    at B, L, D, F = 4, 256, 256, 64; now 15.6 -> 15.7 MiB)."""
+    Bm, Lm, Dm, Fm = 2, 128, 128, 32
+
+    def temp(E):
+        def loss(x, *weights):
+            y, stats = moe(0.0)(x, *weights)
+            return jnp.sum(y) + stats["aux_loss"]
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        compiled = jax.jit(jax.grad(loss, argnums=range(5))).lower(
+            f32(Bm, Lm, Dm), f32(Dm, E), f32(E, Dm, Fm), f32(E, Dm, Fm), f32(E, Fm, Dm)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp(32) < 1.3 * temp(8)
