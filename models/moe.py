@@ -338,20 +338,27 @@ def row_axes(rows: int, axis: str, ep: int) -> list[str]:
 
 def dropless_experts(x_BxLxD, expert_BxKL, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, axis: str, ep: int):
     """dropless_local in a shard_map manual over the batch's axes (see row_axes): each device sorts
-    its own rows' assignments, and the expert weights enter whole (split on E over `axis` under
-    expert parallelism), as the compiler would gather them for the matmuls anyway."""
+    its own rows' assignments. The expert weights enter as one copy per row shard, [R, E, ...]
+    split on R (and on E over `axis` under expert parallelism): the broadcast outside is the
+    compiler's gather of the weights for the matmuls (FSDP's), its transpose the compiler's
+    gradient reduction. (Entering unsplit instead makes shard_map psum the weights' cotangent,
+    and XLA:CPU aborts on a bf16 psum there, JAX 0.10: "Invalid binary instruction opcode copy".)"""
     rows = row_axes(x_BxLxD.shape[0], axis, ep)
     weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     if not rows:
         return dropless_local(x_BxLxD, expert_BxKL, *weights, axis, ep)
+    mesh = jax.sharding.get_abstract_mesh()
+    copies = tuple(a for a in rows if a != axis)
+    R = math.prod(mesh.shape[a] for a in copies)
+    weights_R = tuple(jnp.broadcast_to(w[None], (R,) + w.shape) for w in weights)
 
-    def local(*args):
+    def local(x_bxLxD, expert_bxKL, *weights_1):
         with manual_axes_rules(set(rows)):
-            return dropless_local(*args, axis, ep)
+            return dropless_local(x_bxLxD, expert_bxKL, *(w[0] for w in weights_1), axis, ep)
 
-    spec, w_spec = P(tuple(rows)), P(axis if ep > 1 else None)
+    spec, w_spec = P(tuple(rows)), P(copies or None, axis if ep > 1 else None)
     return jax.shard_map(local, in_specs=(spec, spec) + (w_spec,) * 3, out_specs=spec,
-                         axis_names=set(rows), check_vma=False)(x_BxLxD, expert_BxKL, *weights)
+                         axis_names=set(rows), check_vma=False)(x_BxLxD, expert_BxKL, *weights_R)
 
 
 def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
