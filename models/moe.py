@@ -6,22 +6,35 @@ caller's: y is the experts' contribution only, and a token whose assignments are
 
 - Routing (Mixtral, Jiang et al. 2024): fp32 softmax over the E router logits; each token goes to
   its top-k experts, weighted by those k probabilities renormalised to sum 1.
-- Capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): every sequence row is its
-  own routing group, so what is dropped never depends on how the batch is sharded or split into
-  microbatches. Each (row, expert) has C slots: C = L when capacity_factor == 0 (dropless: a token
-  picks an expert at most once), else C = min(L, ceil(capacity_factor * L * k / E)). Assignments
-  claim slots choice-major (every token's first choice in position order, then every second
-  choice, ...); those beyond C are dropped.
-- Dispatch and combine are a scatter of token ids into slots plus gathers by slot index, never a
-  [B, L, E, C] one-hot mask. Expert matmuls run in x's dtype; the combine accumulates in fp32.
-- Expert parallelism: when the active mesh has a compiler-managed axis `axis` of size ep > 1, the
-  expert part runs in `jax.shard_map` over that axis only: the dispatch buffer [B, E, C, D] enters
-  split on B (this device's rows), the expert weights split on E; an all_to_all sends each
-  expert's slots to the device holding it, the local experts run, a second all_to_all returns the
-  results. The router, top-k and combine stay outside, under the compiler's sharding. The
-  shard_map makes `axis` the major factor of the rows, so a batch sharded with `axis` first among
-  its axes enters and leaves without a reshuffle (any other order costs a collective-permute of
-  the buffer each way). Raises UserError when E or B is not divisible by the axis size.
+- Capacity routing (capacity_factor > 0; GShard, Lepikhin et al. 2020; Switch, Fedus et al.
+  2021): every sequence row is its own routing group, so what is dropped never depends on how the
+  batch is sharded or split into microbatches. Each (row, expert) has
+  C = min(L, ceil(capacity_factor * L * k / E)) slots. Assignments claim slots choice-major (every
+  token's first choice in position order, then every second choice, ...); those beyond C are
+  dropped. Dispatch and combine are a scatter of token ids into slots plus gathers by slot index,
+  never a [B, L, E, C] one-hot mask: the buffer is [B, E, C, D].
+- Dropless (capacity_factor == 0, as Mixtral; also what decoding uses): nothing is dropped, and
+  the dispatch memory is proportional to tokens x k, not tokens x E: each device sorts its rows'
+  B*L*K assignments by expert (stable), gathers their rows of x into a [B*L*K, D] buffer, runs the
+  SwiGLU experts as grouped matmuls (`grouped_matmul`: a loop over (tile, expert) steps, O(rows x
+  width) memory, since XLA expands jax.lax.ragged_dot densely into [E, rows, width], on CPU in JAX
+  0.10 and on an H100 in JAX 0.11.2) and unsorts. This runs in a shard_map manual over the batch's
+  mesh axes (`row_axes`), so the sort never spans devices.
+- Expert matmuls run in x's dtype; the combine (each assignment's output times its gate) is fp32.
+- Expert parallelism: when the active mesh has a compiler-managed axis `axis` of size ep > 1, each
+  device holds E/ep experts. Capacity routing: the expert part runs in `jax.shard_map` over `axis`
+  only: the buffer [B, E, C, D] enters split on B (this device's rows), the expert weights split on
+  E; an all_to_all sends each expert's slots to the device holding it, the local experts run, a
+  second all_to_all returns the results (`exchange` keeps the other axes' rows local). Dropless:
+  inside the shard_map over the batch's axes (`axis` first), a device sends device n its
+  assignments of n's experts, sorted by expert, in a worst-case buffer of b*L*min(K, E/ep) rows per
+  destination (a token picks at most min(K, E/ep) of n's experts; all_to_all needs static shapes),
+  and the counts per expert; device n sorts what it received by expert, runs its experts and sends
+  the results back. Per device [ep, b*L*min(K, E/ep), D], against [b, E, L, D] for E slots of L:
+  ep*min(K, E/ep)/E of it, so the same at E/ep = 1, K/(E/ep) of it at E/ep >= K (`dispatch_bytes`). The router, top-k and
+  combine stay outside, under the compiler's sharding. `axis` is the batch's major factor (the
+  default rules put it first), so the rows enter without a reshuffle. Raises UserError when E or
+  B is not divisible by the axis size.
 
 stats (fp32): `aux_loss` the sequence-wise balance loss (DeepSeek-V3, 2024; Switch's loss per
 row), mean over rows of E * sum_e f_e * P_e, where f_e is the row's share of assignments routed to
@@ -33,7 +46,9 @@ assignments dropped; `load` [E] each expert's share of assignments before capaci
 Gradients reach the router (and x) through the gate weights, aux_loss and z_loss.
 
 Names carry their shapes: B batch, L sequence, D width, E experts, F expert mlp width,
-K experts per token, C capacity (slots per row and expert), S = E * C slots per row.
+K experts per token, C capacity (slots per row and expert), S = E * C slots per row; in the
+dropless path N = b*K*L this device's assignments, M rows of a grouped matmul, G its groups,
+A = b*L*min(K, E/ep) rows sent to each expert-parallel device, e = E/ep local experts.
 """
 from __future__ import annotations
 
