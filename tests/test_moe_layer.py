@@ -89,10 +89,16 @@ def assert_close(got, want, tol=1e-5):
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=tol, rtol=tol), got, want)
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Grouped-matmul tiles of 8 rows: several tiles per expert, and tiles that straddle experts."""
+    monkeypatch.setattr(moe_module, "GMM_TILE", 8)
+
+
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-def test_matches_dense_reference(capacity_factor):
-    """Dropless equals the dense top-k mixture; with capacity, the dense mixture of the kept
-    assignments, with `dropped` as counted in numpy."""
+def test_matches_dense_reference(capacity_factor, small_tiles):
+    """Dropless (sorted, grouped matmuls) equals the dense top-k mixture; with capacity, the dense
+    mixture of the kept assignments, with `dropped` as counted in numpy."""
     E = 4
     args = make_inputs(E)
     ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
@@ -145,7 +151,7 @@ def collectives(hlo):
     ((2, 2, 2), ("data", "fsdp", "expert"), P("expert", "fsdp")),
 ])
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-def test_expert_parallel_matches_one_device(shape, names, weight_spec, capacity_factor):
+def test_expert_parallel_matches_one_device(shape, names, weight_spec, capacity_factor, small_tiles):
     args = make_inputs(E=8)
     ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
     (_, (y, stats)), grads = jax.jit(objective(moe(capacity_factor), ct))(*args)
@@ -175,15 +181,16 @@ def test_expert_parallel_hlo_has_all_to_all():
             assert not ops.get("all-gather") and not ops.get("collective-permute"), ops
 
 
-def test_expert_parallel_inside_a_data_shard_map():
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_expert_parallel_inside_a_data_shard_map(capacity_factor):
     """moe_mlp called where 'data' is already manual (as in the data-parallel and pipeline
     executors): the expert shard_map nests inside."""
     args = make_inputs(E=8)
     ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
-    (_, (y, _)), grads = jax.jit(objective(moe(0.5), ct))(*args)
+    (_, (y, _)), grads = jax.jit(objective(moe(capacity_factor), ct))(*args)
 
     def per_shard(x, router, w_gate, w_up, w_down, ct):
-        (_, (y, _)), g = objective(moe(0.5), ct, shards=2)(x, router, w_gate, w_up, w_down)
+        (_, (y, _)), g = objective(moe(capacity_factor), ct, shards=2)(x, router, w_gate, w_up, w_down)
         return y, g[0], jax.tree.map(lambda t: jax.lax.psum(t, "data"), g[1:])
 
     rows = P("data")
