@@ -203,7 +203,11 @@ def capacity_experts(x_BxLxD, expert_BxKL, C: int, weights, axis: str, ep: int):
 
 # ---- dropless: assignments sorted by expert, the experts as a grouped matmul ----
 
-GMM_TILE = 128  # rows of the sorted buffer per grouped-matmul step
+# Rows of the sorted buffer per grouped-matmul step. On an H100 (JAX 0.11.2, bf16, 16384 x 4096 @
+# [G, 4096, 14336]) the loop ran 102/178/243 TFLOP/s at 128/256/512 rows with G = 8 (ragged_dot:
+# 101, with 9x the temporaries) and 87/135/154 with G = 32 (ragged_dot: 25); a step spent on a
+# tile's share of a group costs a whole tile, up to G - 1 extra tiles per matmul.
+GMM_TILE = 256
 
 
 def _schedule(group_M, groups: int, tile: int):
