@@ -323,11 +323,12 @@ def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD,
     e = w_gate_exDxF.shape[0]  # local experts
     A = b * L * min(KL // L, e)
     count_E = jnp.zeros((ep * e,), jnp.int32).at[expert_N].add(1)
+    # slot of an assignment: its destination's block of A, then its rank among those it sends there
     order_N = jnp.argsort(expert_N, stable=True)
-    dest_N = expert_N[order_N] // e
-    sent_before_ep = jnp.cumsum(count_E.reshape(ep, e).sum(1)) - count_E.reshape(ep, e).sum(1)
-    slot_sorted_N = dest_N * A + jnp.arange(order_N.shape[0]) - sent_before_ep[dest_N]
-    slot_N = jnp.zeros_like(slot_sorted_N).at[order_N].set(slot_sorted_N)
+    dest_sorted_N = expert_N[order_N] // e
+    sent_ep = count_E.reshape(ep, e).sum(1)
+    rank_sorted_N = jnp.arange(order_N.shape[0]) - (jnp.cumsum(sent_ep) - sent_ep)[dest_sorted_N]
+    slot_N = jnp.zeros_like(order_N).at[order_N].set(dest_sorted_N * A + rank_sorted_N)
     token_of_slot = jnp.full((ep * A,), b * L).at[slot_N].set(token_N)
     send_epxAxD = jnp.take(x_TxD, token_of_slot, axis=0, mode="fill", fill_value=0).reshape(ep, A, D)
     swap = lambda t: jax.lax.all_to_all(t, axis, 0, 0, tiled=True)
