@@ -105,17 +105,17 @@ def generation_memory(cfg, program) -> dict:
             "kv_cache_formula": cache}
 
 
-def moe_dispatch(program) -> dict | None:
-    """One MoE layer's dispatch buffer per device (models/moe.py `dispatch_bytes`) for this
-    layout's rows per microbatch; None for a model without routed experts."""
+def moe_dispatch(program) -> dict:
+    """{"moe": one MoE layer's dispatch buffer per device (models/moe.py `dispatch_bytes`) for
+    this layout's rows per microbatch}; {} for a model without routed experts."""
     m, sizes = program.model.cfg, program.sizes
     if not getattr(m, "num_experts", 0):
-        return None
+        return {}
     rows = program.train.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"]
                                        * program.plan.num_microbatches(sizes["pipeline"]))
     act = np.dtype(COMPUTE_DTYPES[program.plan.precision]).itemsize
-    return dispatch_bytes(rows, program.train.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor,
-                          m.d_model, act, sizes["expert"])
+    return {"moe": dispatch_bytes(rows, program.train.seq_len, m.num_experts, m.experts_per_token,
+                                  m.capacity_factor, m.d_model, act, sizes["expert"])}
 
 
 def format_moe(r: dict) -> list[str]:
@@ -174,7 +174,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
                                                 experts=traffic.expert_params(program)),
             "collectives": comms,
             "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
-            "flops": flops, "roofline": roofline, "moe": moe_dispatch(program), "_program": program}
+            "flops": flops, "roofline": roofline, "_program": program, **moe_dispatch(program)}
 
 
 def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None) -> dict:
