@@ -22,19 +22,18 @@ caller's: y is the experts' contribution only, and a token whose assignments are
   mesh axes (`row_axes`), so the sort never spans devices.
 - Expert matmuls run in x's dtype; the combine (each assignment's output times its gate) is fp32.
 - Expert parallelism: when the active mesh has a compiler-managed axis `axis` of size ep > 1, each
-  device holds E/ep experts. Capacity routing: the expert part runs in `jax.shard_map` over `axis`
-  only: the buffer [B, E, C, D] enters split on B (this device's rows), the expert weights split on
-  E; an all_to_all sends each expert's slots to the device holding it, the local experts run, a
-  second all_to_all returns the results (`exchange` keeps the other axes' rows local). Dropless:
-  inside the shard_map over the batch's axes (`axis` first), a device sends device n its
-  assignments of n's experts, sorted by expert, in a worst-case buffer of b*L*min(K, E/ep) rows per
-  destination (a token picks at most min(K, E/ep) of n's experts; all_to_all needs static shapes),
-  and the counts per expert; device n sorts what it received by expert, runs its experts and sends
-  the results back. Per device [ep, b*L*min(K, E/ep), D], against [b, E, L, D] for E slots of L:
-  ep*min(K, E/ep)/E of it, so the same at E/ep = 1, K/(E/ep) of it at E/ep >= K (`dispatch_bytes`). The router, top-k and
-  combine stay outside, under the compiler's sharding. `axis` is the batch's major factor (the
-  default rules put it first), so the rows enter without a reshuffle. Raises UserError when E or
-  B is not divisible by the axis size.
+  device holds E/ep experts. Both routings run in one shard_map manual over the batch's mesh axes
+  (`in_row_shards`; `axis` first, the batch's major factor under the default rules, so the rows
+  enter without a reshuffle): each device routes its own rows and an all_to_all over `axis` sends
+  device n what its E/ep experts need, they run, and a second all_to_all returns the results.
+  Capacity: the [b, E, C, D] slot buffer, expert chunk n to device n. Dropless: a device sends
+  device n its assignments of n's experts, sorted by expert, in a worst-case buffer of
+  b*L*min(K, E/ep) rows per destination (a token picks at most min(K, E/ep) of n's experts;
+  all_to_all needs static shapes), and the counts per expert; device n sorts what it received by
+  expert, runs its experts and sends the results back. Per device [ep, b*L*min(K, E/ep), D],
+  against [b, E, L, D] for E slots of L: ep*min(K, E/ep)/E of it, so the same at E/ep = 1,
+  K/(E/ep) of it at E/ep >= K (`dispatch_bytes`). The router, top-k and combine stay outside,
+  under the compiler's sharding. Raises UserError when E or B is not divisible by the axis size.
 
 stats (fp32): `aux_loss` the sequence-wise balance loss (DeepSeek-V3, 2024; Switch's loss per
 row), mean over rows of E * sum_e f_e * P_e, where f_e is the row's share of assignments routed to
@@ -53,6 +52,7 @@ A = b*L*min(K, E/ep) rows sent to each expert-parallel device, e = E/ep local ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -141,64 +141,29 @@ def swiglu_experts(buf_BxNxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     return checkpoint_name(out, "mlp_out")
 
 
-def exchange(buf_bxNxexCxD, axis: str):
-    """all_to_all over `axis` on dim N: slice n goes to device n, and what device n sends lands
-    at n. Inside a partial-manual shard_map XLA partitions an all_to_all by first gathering its
-    compiler-managed dims (every data replica would then send the same slots); so the exchange
-    alone runs with the rows also split, manually, over the other axes that divide them."""
-    b = buf_bxNxexCxD.shape[0]
-    mesh = jax.sharding.get_abstract_mesh()
-    rows, n = [], 1
-    for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types):
-        if kind != jax.sharding.AxisType.Manual and size > 1 and b % (n * size) == 0:
-            rows.append(name)
-            n *= size
-    swap = lambda t: jax.lax.all_to_all(t, axis, 1, 1, tiled=True)
-    if not rows:
-        return swap(buf_bxNxexCxD)
-    spec = P(tuple(rows))
-    return jax.shard_map(swap, in_specs=spec, out_specs=spec, axis_names=set(rows),
-                         check_vma=False)(buf_bxNxexCxD)
-
-
-def expert_parallel(buf_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, axis: str, ep: int):
-    """swiglu_experts with rows and experts split over `axis` (N = ep devices): each device sends
-    its slots of expert chunk n to device n, runs its E/N experts on the slots of all N devices,
-    and sends the results back."""
-
-    def local(buf_bxExCxD, w_gate_exDxF, w_up_exDxF, w_down_exFxD):
-        b, E, C, D = buf_bxExCxD.shape
-        with manual_axes_rules({axis}):
-            buf_bxNxexCxD = exchange(buf_bxExCxD.reshape(b, ep, E // ep, C, D), axis)
-            out_bxNxexCxD = swiglu_experts(buf_bxNxexCxD, w_gate_exDxF, w_up_exDxF, w_down_exFxD)
-            return exchange(out_bxNxexCxD, axis).reshape(b, E, C, D)
-
-    spec = P(axis)
-    return jax.shard_map(local, in_specs=(spec,) * 4, out_specs=spec, axis_names={axis},
-                         check_vma=False)(buf_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-
-
-def capacity_experts(x_BxLxD, expert_BxKL, C: int, weights, axis: str, ep: int):
-    """Capacity routing: the [B, E, C, D] slot buffer through the experts; per assignment its
-    output (0 when dropped) [B, K*L, D], whether it was kept, and the per-row counts [B, E]."""
-    B, L, D = x_BxLxD.shape
-    E, KL = weights[0].shape[0], expert_BxKL.shape[1]
-    slot_BxKL, kept_BxKL, count_BxE = slots(expert_BxKL, E, C)
-    token_BxKL = jnp.broadcast_to(jnp.tile(jnp.arange(L), KL // L), (B, KL))
+def capacity_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, C: int, axis: str, ep: int):
+    """Capacity routing of this device's rows: the [b, E, C, D] slot buffer through the experts;
+    per assignment its output (0 when dropped) [b, K*L, D], whether it was kept, and the per-row
+    counts [b, E]. ep > 1 (inside a shard_map manual over `axis`): each device sends its slots of
+    expert chunk n to device n (an all_to_all on dim N), runs its E/ep experts on the slots of all
+    ep devices, and sends the results back."""
+    b, L, D = x_bxLxD.shape
+    e, KL = w_gate_exDxF.shape[0], expert_bxKL.shape[1]
+    E = e * ep
+    slot_bxKL, kept_bxKL, count_bxE = slots(expert_bxKL, E, C)
+    token_bxKL = jnp.broadcast_to(jnp.tile(jnp.arange(L), KL // L), (b, KL))
 
     # Dispatch: the token id of every slot (L where empty), then gather the rows of x.
-    token_of_slot_BxS = jax.vmap(lambda s, t: jnp.full((E * C,), L).at[s].set(t, mode="drop"))(
-        slot_BxKL, token_BxKL)
-    buf_BxSxD = jax.vmap(lambda x, t: jnp.take(x, t, axis=0, mode="fill", fill_value=0))(
-        x_BxLxD, token_of_slot_BxS)
-    buf_BxExCxD = buf_BxSxD.reshape(B, E, C, D)
-    if ep > 1:
-        out_BxExCxD = expert_parallel(buf_BxExCxD, *weights, axis, ep)
-    else:
-        out_BxExCxD = swiglu_experts(buf_BxExCxD[:, None], *weights)[:, 0]
-    out_BxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
-        out_BxExCxD.reshape(B, E * C, D), slot_BxKL)
-    return out_BxKLxD, kept_BxKL, count_BxE
+    token_of_slot_bxS = jax.vmap(lambda s, t: jnp.full((E * C,), L).at[s].set(t, mode="drop"))(
+        slot_bxKL, token_bxKL)
+    buf_bxSxD = jax.vmap(lambda x, t: jnp.take(x, t, axis=0, mode="fill", fill_value=0))(
+        x_bxLxD, token_of_slot_bxS)
+    buf_bxNxexCxD = buf_bxSxD.reshape(b, ep, e, C, D)
+    swap = lambda t: jax.lax.all_to_all(t, axis, 1, 1, tiled=True) if ep > 1 else t
+    out_bxNxexCxD = swap(swiglu_experts(swap(buf_bxNxexCxD), w_gate_exDxF, w_up_exDxF, w_down_exFxD))
+    out_bxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
+        out_bxNxexCxD.reshape(b, E * C, D), slot_bxKL)
+    return out_bxKLxD, kept_bxKL, count_bxE
 
 
 # ---- dropless: assignments sorted by expert, the experts as a grouped matmul ----
@@ -305,7 +270,7 @@ def sorted_swiglu(x_MxD, group_M, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
     return out_MxD[inverse_M]
 
 
-def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, axis: str, ep: int):
+def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, axis: str, ep: int):
     """This device's assignments [b, K*L] through their experts, dropless; [b, K*L, D] out.
     ep == 1: the b*L*K assignments sorted by expert. ep > 1 (inside a shard_map manual over
     `axis`): device n gets this device's assignments of its E/ep experts, in expert order, in a
@@ -343,7 +308,7 @@ def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD,
 
 def row_axes(rows: int, axis: str, ep: int) -> list[str]:
     """The compiler-managed mesh axes that split the batch (rules' `batch` order, `axis` first
-    under expert parallelism) and divide `rows`: the dropless shard_map makes them manual."""
+    under expert parallelism) and divide `rows`: in_row_shards makes them manual."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     kinds = dict(zip(mesh.axis_names, mesh.axis_types))
@@ -356,28 +321,30 @@ def row_axes(rows: int, axis: str, ep: int) -> list[str]:
     return chosen
 
 
-def dropless_experts(x_BxLxD, expert_BxKL, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, axis: str, ep: int):
-    """dropless_local in a shard_map manual over the batch's axes (see row_axes): each device sorts
-    its own rows' assignments. The expert weights enter as one copy per row shard, [R, E, ...]
-    split on R (and on E over `axis` under expert parallelism): the broadcast outside is the
-    compiler's gather of the weights for the matmuls (FSDP's), its transpose the compiler's
-    gradient reduction. (Entering unsplit instead makes shard_map psum the weights' cotangent,
-    and XLA:CPU aborts on a bf16 psum there, JAX 0.10: "Invalid binary instruction opcode copy".)"""
+def in_row_shards(local, x_BxLxD, expert_BxKL, weights, axis: str, ep: int):
+    """`local(x_bxLxD, expert_bxKL, *weights)` in one shard_map manual over the batch's axes (see
+    row_axes): each device routes its own rows, and under expert parallelism the all_to_alls over
+    `axis` inside `local` send each device only its rows' assignments. One shard_map, not one
+    nested in another: XLA (JAX 0.11) requires a program's manual axes in mesh order. The expert
+    weights enter as one copy per row shard, [R, E, ...] split on R (and on E over `axis` under
+    expert parallelism): the broadcast outside is the compiler's gather of the weights for the
+    matmuls (FSDP's), its transpose the compiler's gradient reduction. (Entering unsplit instead
+    makes shard_map psum the weights' cotangent, and XLA:CPU aborts on a bf16 psum there, JAX 0.10:
+    "Invalid binary instruction opcode copy".) Every output is split on its first dim (rows)."""
     rows = row_axes(x_BxLxD.shape[0], axis, ep)
-    weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     if not rows:
-        return dropless_local(x_BxLxD, expert_BxKL, *weights, axis, ep)
+        return local(x_BxLxD, expert_BxKL, *weights)
     mesh = jax.sharding.get_abstract_mesh()
     copies = tuple(a for a in rows if a != axis)
     R = math.prod(mesh.shape[a] for a in copies)
     weights_R = tuple(jnp.broadcast_to(w[None], (R,) + w.shape) for w in weights)
 
-    def local(x_bxLxD, expert_bxKL, *weights_1):
+    def body(x_bxLxD, expert_bxKL, *weights_1):
         with manual_axes_rules(set(rows)):
-            return dropless_local(x_bxLxD, expert_bxKL, *(w[0] for w in weights_1), axis, ep)
+            return local(x_bxLxD, expert_bxKL, *(w[0] for w in weights_1))
 
     spec, w_spec = P(tuple(rows)), P(copies or None, axis if ep > 1 else None)
-    return jax.shard_map(local, in_specs=(spec, spec) + (w_spec,) * 3, out_specs=spec,
+    return jax.shard_map(body, in_specs=(spec, spec) + (w_spec,) * 3, out_specs=spec,
                          axis_names=set(rows), check_vma=False)(x_BxLxD, expert_BxKL, *weights_R)
 
 
@@ -401,9 +368,11 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
     if capacity_factor == 0:
         count_BxE = jax.vmap(lambda e: jnp.zeros((E,), jnp.int32).at[e].add(1))(expert_BxKL)
         kept_BxKL = jnp.ones((B, K * L), jnp.bool_)
-        out_BxKLxD = dropless_experts(x_BxLxD, expert_BxKL, *weights, axis, ep)
+        out_BxKLxD = in_row_shards(functools.partial(dropless_local, axis=axis, ep=ep), x_BxLxD, expert_BxKL,
+                                   weights, axis, ep)
     else:
-        out_BxKLxD, kept_BxKL, count_BxE = capacity_experts(x_BxLxD, expert_BxKL, C, weights, axis, ep)
+        out_BxKLxD, kept_BxKL, count_BxE = in_row_shards(functools.partial(capacity_local, C=C, axis=axis, ep=ep),
+                                                         x_BxLxD, expert_BxKL, weights, axis, ep)
 
     # Combine: each assignment (0 when dropped) weighted by its gate, in fp32.
     gate_BxKxL = gate_BxLxK.swapaxes(1, 2)
