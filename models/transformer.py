@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.attention import xla_attention
 from meshtrain.loss import cross_entropy
-from meshtrain.sharding import constrain
+from meshtrain.sharding import constrain, shard_count
 
 # Logical axes of every parameter, by its name (stacked block parameters get a leading "layers").
 PARAM_AXES = {
@@ -237,11 +237,21 @@ class LanguageModel:
         return nnx.to_pure_dict(nnx.state(self.module(self.cfg, nnx.Rngs(key)), nnx.Param))
 
     def embed(self, params, tokens_BxL):
-        # Gather the table over its `embed` shards first; the lookup then stays vocab-parallel
-        # (each tensor shard looks up its own rows, then one all-reduce), as in Megatron.
-        table_VxD = constrain(params["embedding"], ("vocab", None))
-        x = jnp.take(table_VxD, tokens_BxL, axis=0)
-        return constrain(x, RESIDUAL)
+        # Megatron's vocab-parallel lookup, written out: the table (gathered over its `embed`
+        # shards) as [S, V/S, D] split over its S vocab shards; each shard looks up the ids in its
+        # range (zeros elsewhere) and the sum over shards is one all-reduce. A plain jnp.take from
+        # the vocab-split table crashes XLA's SPMD gather partitioning in JAX 0.11 on data x fsdp x
+        # tensor meshes ("Check failed: partition_group_list.num_replica_groups() * ...").
+        table_VxD = params["embedding"]
+        (V, D), S = table_VxD.shape, shard_count("vocab")
+        if S == 1 or V % S:  # unsplit, or split unevenly (XLA pads): the gather as it is
+            return constrain(jnp.take(constrain(table_VxD, ("vocab", None)), tokens_BxL, axis=0), RESIDUAL)
+        table_SxVsxD = constrain(table_VxD.reshape(S, V // S, D), ("vocab", None, None))
+        local_SxBxL = constrain(tokens_BxL[None] - (jnp.arange(S) * (V // S))[:, None, None], ("vocab", "batch", None))
+        mine_SxBxL = (local_SxBxL >= 0) & (local_SxBxL < V // S)
+        rows_SxBxLxD = jax.vmap(lambda t, i: jnp.take(t, i, axis=0))(table_SxVsxD, jnp.where(mine_SxBxL, local_SxBxL, 0))
+        x_BxLxD = jnp.sum(jnp.where(mine_SxBxL[..., None], rows_SxBxLxD, 0), axis=0)
+        return constrain(x_BxLxD, RESIDUAL)
 
     def block(self, params_i, x_BxLxD):
         return nnx.merge(self._block_graphdef, params_i)(x_BxLxD, self.attention, self.sequence_order)
