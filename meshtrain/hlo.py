@@ -258,13 +258,19 @@ class Module:
         return [u.name for u in self.users(comp, ins.name)
                 if u.op == "get-tuple-element" and int(_INDEX.search(u.line).group(1)) == index]
 
+    def only_layout(self, ins: Instr) -> bool:
+        """A fusion that only converts or lays out its one operand anew (`wrapped_convert`)."""
+        callee = self.callee(ins) if ins.op == "fusion" and len(ins.operands) == 1 else None
+        return callee in self.comps and all(i.op in _SAME_VALUES or i.op == "parameter"
+                                            for i in self.comps[callee].values())
+
     def summed_into(self, comp: str, values: list[str]) -> str | None:
-        """The one instruction these values all flow into (through converts, bitcasts and copies)
-        when it adds: an `add`, or a fusion with an `add` inside."""
+        """The one instruction these values all flow into (through converts, bitcasts and copies,
+        alone or fused) when it adds: an `add`, or a fusion with an `add` inside."""
         sinks = set()
         for value in values:
             for use in self.users(comp, value):
-                if use.op in _SAME_VALUES:
+                if use.op in _SAME_VALUES or self.only_layout(use):
                     sink = self.summed_into(comp, [use.name])
                     if sink is None:
                         return None
