@@ -130,9 +130,11 @@ def expected_traffic(program) -> dict[str, dict]:
     # The layers' weights in the compute dtype, forward and backward (under remat=full the
     # recomputed forward uses the backward's gather); the embedding and head in fp32, once: the
     # forward's gather stays live for the backward (outside the layer loop).
-    add("all-gather", micro * ring_traffic("all-gather", 2 * slices["blocks"] * act + slices["outer"] * 4, A),
-        f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype, forward and "
-        f"backward; the embedding's and head's in fp32, once")
+    add("all-gather", micro * ring_traffic("all-gather", 2 * slices["blocks"] * act, A),
+        f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype, forward and backward")
+    add("all-gather", ring_traffic("all-gather", slices["outer"] * 4, A),
+        "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
+        "change them: XLA hoists it), 4 bytes/param (fp32 table; head in the compute dtype twice)")
     add("reduce-scatter", micro * ring_traffic("all-gather", slices["blocks"] * act + slices["outer"] * 4, A),
         f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the "
         f"embedding's and head's in fp32")
@@ -187,3 +189,42 @@ def data_parallel_traffic(program) -> dict:
     return {"compression": plan.grad_compression if compression.applies(plan, sizes) else "none",
             "block": plan.compression_block, "fp32_bytes": fp32, "int8_bytes": int8,
             "ratio": int8 / fp32 if fp32 else 0.0}
+
+
+TOLERANCE = 0.10  # measured within 10% of the formula per kind (tests/test_traffic.py)
+SCALARS = 1e4  # bytes per step below which a kind carries only scalars (the loss, the norm, the guard)
+ROOFLINE_USES = "measured"  # meshtrain/roofline.py times the corrected HLO records, not the formulas
+
+
+def known_gaps(program) -> dict[str, str]:
+    """Per kind, what the compiled step moves that no formula above models, for the layouts where
+    it is known (the plan prints it beside a flagged row)."""
+    sizes, plan = program.sizes, program.plan
+    gaps = {}
+    if plan.zero == 1 and sizes["data"] > 1 and (sizes["tensor"] > 1 or sizes["fsdp"] > 1):
+        gaps["collective-permute"] = ("ZeRO-1's update reshards the fp32 parameter shards between the data-sharded "
+                                      "optimizer layout and the tensor/fsdp layout: permutes with no formula")
+    if plan.remat == "full" and sizes["fsdp"] * sizes["context"] > 1:
+        gaps["all-gather"] = ("remat=full: XLA may gather a layer's MLP gate and up weights twice in the backward "
+                              "(the recomputed forward's and the weight gradient's), 4/3 of the MLP's formula")
+    return gaps
+
+
+def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | None = None) -> dict[str, dict]:
+    """Per kind: measured and formula link bytes, `ratio` measured/formula (None without a
+    formula), `within` tol, and `flag`: None, or why the two differ (a known gap, or 'no formula')
+    and which figure the roofline uses. A kind with measured bytes but no formula is always
+    flagged; one carrying scalars only (< SCALARS bytes) and no formula is not."""
+    gaps = gaps or {}
+    out = {}
+    for kind in KINDS:
+        m, f = measured[kind]["traffic_bytes"], formula[kind]["traffic_bytes"]
+        ratio = m / f if f else None
+        within = (abs(ratio - 1) <= tol) if f else m < SCALARS
+        flag = None
+        if not within:
+            what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
+            why = gaps.get(kind, "not modelled")
+            flag = f"{what}: {why}; the roofline uses the {ROOFLINE_USES} bytes"
+        out[kind] = {"measured_bytes": m, "formula_bytes": f, "ratio": ratio, "within": within, "flag": flag}
+    return out
