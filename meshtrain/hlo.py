@@ -265,8 +265,9 @@ class Module:
                                             for i in self.comps[callee].values())
 
     def summed_into(self, comp: str, values: list[str]) -> str | None:
-        """The one instruction these values all flow into (through converts, bitcasts and copies,
-        alone or fused) when it adds: an `add`, or a fusion with an `add` inside."""
+        """The instructions these values all flow into (through converts, bitcasts and copies, alone
+        or fused) when each of them adds: an `add`, or a fusion with an `add` inside (the CPU fuses
+        the sum into each of its consumers), named together; None if any does not add."""
         sinks = set()
         for value in values:
             for use in self.users(comp, value):
@@ -277,12 +278,13 @@ class Module:
                     sinks.add(sink)
                 else:
                     sinks.add(use.name)
-        if len(sinks) != 1:
+        if not sinks or not all(self._adds(self.comps[comp][name]) for name in sinks if name in self.comps[comp]):
             return None
-        sink = self.comps[comp][sinks.pop()]
-        adds = sink.op == "add" or (sink.op == "fusion" and any(
-            i.op == "add" for i in self.comps.get(self.callee(sink), {}).values()))
-        return sink.name if adds else None
+        return "+".join(sorted(sinks))
+
+    def _adds(self, ins: Instr) -> bool:
+        return ins.op == "add" or (ins.op == "fusion" and any(
+            i.op == "add" for i in self.comps.get(self.callee(ins), {}).values()))
 
     def execution_counts(self) -> dict[str, float]:
         """How often each computation runs per call of the entry: while bodies by their trip count."""

@@ -72,14 +72,20 @@ def expert_params(program) -> int:
     return sum(leaf.size for leaf, _, axes in _params_with_axes(program) if "experts" in axes)
 
 
-def param_slices(program) -> dict[str, float]:
-    """Parameters in this device's slice, as split over tensor, pipeline and expert (data and fsdp
-    are the axes gathered and reduced over): `blocks` (the layer stack) and `outer` (the
-    stage-replicated embedding, head and final norm)."""
+GATHERED_AXES = ("data", "fsdp", "context")  # the axes a parameter slice is gathered and reduced over
+
+
+def param_slices(program, experts: bool = True) -> dict[str, float]:
+    """Parameters in this device's slice, as split over tensor, pipeline and expert (data, fsdp and
+    context, which the `embed` rule shards weights over, are the axes gathered and reduced over):
+    `blocks` (the layer stack) and `outer` (the stage-replicated embedding, head and final norm).
+    `experts=False`: the parameters outside the experts only (those the expert axis replicates)."""
     out = {"blocks": 0.0, "outer": 0.0}
     for leaf, sharding, axes in _params_with_axes(program):
+        if not experts and "experts" in axes:
+            continue
         split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
-                          if a not in ("data", "fsdp"))
+                          if a not in GATHERED_AXES)
         out["outer" if stage_replicated(axes) else "blocks"] += leaf.size / split
     return out
 
@@ -109,24 +115,24 @@ def expected_traffic(program) -> dict[str, dict]:
     # XLA's reductions carry the layers' gradients in the compute dtype, the embedding's and head's
     # in fp32 (the lookup's scatter-add and the fp32 logits); the manual executors sum fp32.
     grad_bytes = 4 * slice_params if data_once else slices["blocks"] * act + slices["outer"] * 4
-    grads = slice_params / F  # the gradient elements a device reduces over data
+    grads = slice_params / (F * C)  # the gradient elements a device reduces over data
     if compressed:
         for kind, value in formulas.compressed_reduction_traffic(4 * grads, D, plan.compression_block,
                                                                   zero <= 1).items():
             add(kind, value, f"int8 data-parallel gradient {'all-to-all' if kind == 'all-to-all' else 'mean all-gather'}"
                              f" (int8 + a scale per {plan.compression_block}), once per step")
     if zero <= 1 and not compressed:
-        add("all-reduce", over_data("all-reduce", grad_bytes / F), "data-parallel gradient all-reduce 2(D-1)/D x grads")
+        add("all-reduce", over_data("all-reduce", grad_bytes / (F * C)), "data-parallel gradient all-reduce 2(D-1)/D x grads")
     if zero in (1, 2):
         add("all-gather", over_data("all-gather", 4 * grads), "ZeRO-1/2 all-gather of updated fp32 parameter shards")
     if zero == 2 and not compressed:
-        add("reduce-scatter", over_data("all-gather", grad_bytes / F), "ZeRO-2 gradient reduce-scatter over data")
+        add("reduce-scatter", over_data("all-gather", grad_bytes / (F * C)), "ZeRO-2 gradient reduce-scatter over data")
     if zero >= 3 and data_once:  # the compute-dtype copy gathered once per step
         add("all-gather", over_data("all-gather", grads * act), "ZeRO-3 parameter all-gather over data, once per step")
         if not compressed:
             add("reduce-scatter", over_data("all-gather", 4 * grads),
                 "ZeRO-3 gradient reduce-scatter over data, once per step")
-    A = F * (D if zero >= 3 and not data_once else 1)
+    A = F * C * (D if zero >= 3 and not data_once else 1)  # FSDP's group: the `embed` rule shards over fsdp, context
     # The layers' weights in the compute dtype, forward and backward (under remat=full the
     # recomputed forward uses the backward's gather); the embedding and head in fp32, once: the
     # forward's gather stays live for the backward (outside the layer loop).
@@ -138,8 +144,13 @@ def expected_traffic(program) -> dict[str, dict]:
     add("reduce-scatter", micro * ring_traffic("all-gather", slices["blocks"] * act + slices["outer"] * 4, A),
         f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the "
         f"embedding's and head's in fp32")
+    if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
+        shared = param_slices(program, experts=False)  # per microbatch, the layers' in the compute dtype
+        add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4) / A, E),
+            f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
+            f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro}")
     if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
-        add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / F, P),
+        add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
     # Megatron: 2 forward, 2 backward; the recomputed forward (remat=full) redoes the attention
     # output's but not the MLP output's, whose only use is the next layer's (saved) input.
@@ -166,10 +177,14 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-to-all", formulas.moe_all_to_all_bytes(rows, m.num_experts, cap, m.d_model, E, m.num_layers / P, act,
                                                         passes),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer")
-    if C > 1:
-        kv = tokens * 2 * m.num_kv_heads * m.head_dim * act  # this device's keys and values
-        add("collective-permute", 3 * (C - 1) * kv * m.num_layers / P,
-            f"ring attention: K/V passed {C - 1} times per layer forward, twice that backward")
+    if C > 1:  # meshtrain/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
+        kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
+        # forward and backward pass K/V round the ring; remat=full's recomputed forward again, but its
+        # first send is the forward's own (the same permute of the same K/V: XLA keeps one)
+        kv_sends = 2 * (C - 1) + (C - 2 if plan.remat == "full" else 0)
+        add("collective-permute", (kv_sends * kv + C * kv * 4 / act) * m.num_layers / P,
+            f"ring attention per layer: {kv_sends} K/V sends (forward, backward"
+            f"{', recomputed forward' if plan.remat == 'full' else ''}), {C} sends of the fp32 dK/dV sums")
     if P > 1:
         tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
         sends = sends_per_step(tables)
@@ -183,7 +198,7 @@ def data_parallel_traffic(program) -> dict:
     0/1, reduce-scatter at 2/3) and int8 (meshtrain/compression.py), whichever the plan uses."""
     plan, sizes = program.plan, program.sizes
     D, zero = sizes["data"], plan.zero
-    grads = 4 * sum(param_slices(program).values()) / sizes["fsdp"]  # fp32 bytes reduced over data
+    grads = 4 * sum(param_slices(program).values()) / (sizes["fsdp"] * sizes["context"])  # fp32 bytes reduced over data
     fp32 = ring_traffic("all-reduce", grads, D) if zero <= 1 else ring_traffic("all-gather", grads, D)  # RS = AG
     int8 = sum(formulas.compressed_reduction_traffic(grads, D, plan.compression_block, zero <= 1).values())
     return {"compression": plan.grad_compression if compression.applies(plan, sizes) else "none",
@@ -196,18 +211,53 @@ SCALARS = 1e4  # bytes per step below which a kind carries only scalars (the los
 ROOFLINE_USES = "measured"  # meshtrain/roofline.py times the corrected HLO records, not the formulas
 
 
-def known_gaps(program) -> dict[str, str]:
-    """Per kind, what the compiled step moves that no formula above models, for the layouts where
-    it is known (the plan prints it beside a flagged row)."""
+def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
+    """Per kind, what the compiled step moves that the formulas above do not model, where it is
+    known, as (why, lowest ratio, highest ratio): `compare` gives the reason to a flagged row whose
+    measured/formula ratio lies in that range, and calls any other 'not modelled'. Each was read in
+    the compiled HLO (meshtrain/hlo.py `read` lists the collectives with their groups)."""
     sizes, plan = program.sizes, program.plan
-    gaps = {}
-    if plan.zero == 1 and sizes["data"] > 1 and (sizes["tensor"] > 1 or sizes["fsdp"] > 1):
-        gaps["collective-permute"] = ("ZeRO-1's update reshards the fp32 parameter shards between the data-sharded "
-                                      "optimizer layout and the tensor/fsdp layout: permutes with no formula")
-    if plan.remat == "full" and sizes["fsdp"] * sizes["context"] > 1:
-        gaps["all-gather"] = ("remat=full: XLA may gather a layer's MLP gate and up weights twice in the backward "
-                              "(the recomputed forward's and the weight gradient's), 4/3 of the MLP's formula")
-    return gaps
+    D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
+    micro = plan.num_microbatches(sizes["pipeline"])
+    manual = data_parallel.is_manual(D, microbatches=micro, pipelined=sizes["pipeline"] > 1, zero=plan.zero,
+                                     compressed=compression.applies(plan, sizes))
+    gaps: dict[str, list] = {k: [] for k in KINDS}
+    if plan.zero == 1 and D > 1 and (T > 1 or F > 1):
+        gaps["collective-permute"].append((
+            "ZeRO-1's update reshards the fp32 parameter shards between the data-sharded optimizer layout and "
+            "the tensor/fsdp layout: permutes with no formula", 0, math.inf))
+    if manual and plan.zero >= 2 and T > 1:
+        why = ("ZeRO-2/3 under the manual data executor beside tensor: inside its data-manual shard_map XLA runs "
+               "the once-per-step gather/reduce-scatter over data by first gathering the parameters/gradients "
+               "whole over tensor (data is the major factor of dimensions tensor splits too), about T x the "
+               "formula; a fix needs data as the minor factor and a shard_map entry that keeps that layout")
+        gaps["all-gather"].append((why, 1, math.inf))
+        gaps["reduce-scatter"].append((why, 1, math.inf))
+    if manual and plan.zero >= 3 and F * C > 1 and micro > 1:
+        why = ("ZeRO-3 with microbatches beside fsdp: the data-gathered parameters do not change within the step, "
+               "so XLA hoists the per-layer FSDP gathers (and reduces) out of the microbatch loop: once per step, "
+               "partly in fp32, where the formula counts them per microbatch")
+        gaps["all-gather"].append((why, 0, 1))
+        gaps["reduce-scatter"].append((why, 0, 1))
+    if (E > 1 or C > 1) and F * C > 1:
+        why = ("the embedding's gradient (a scatter-add fed by every batch and sequence shard) is all-reduced "
+               "whole over the batch axes (fsdp with expert or context) and then sliced to this device's shard, "
+               "where the formula reduce-scatters it over fsdp x context (a GPU's AllReduceSplitter may split it "
+               "so; meshtrain/hlo.py does not undo it)")
+        gaps["all-reduce"].append((why, 1, math.inf))
+        gaps["reduce-scatter"].append((why, 0, 1))
+    if plan.remat == "full" and F * C > 1:
+        gaps["all-gather"].append((
+            "remat=full: XLA may gather a layer's MLP gate and up weights again in the backward (the recomputed "
+            "forward's gather and the weight gradient's stay two collectives; seen on llama2_70b's pod), up to "
+            "4/3 of the layers' formula", 1, 1.5))
+    if plan.sequence_parallel:
+        why = ("sequence parallelism: besides the Megatron-SP reduce-scatter/all-gather pairs XLA reshards q, k, v "
+               "and the fp32 softmax/RMSNorm statistics between the sequence- and head-split layouts (all-to-alls, "
+               "all-gathers, small all-reduces and permutes over tensor): not modelled")
+        for kind in KINDS:
+            gaps[kind].append((why, 0, math.inf))
+    return {k: v for k, v in gaps.items() if v}
 
 
 def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | None = None) -> dict[str, dict]:
@@ -224,7 +274,8 @@ def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | 
         flag = None
         if not within:
             what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
-            why = gaps.get(kind, "not modelled")
+            why = next((w for w, lo, hi in gaps.get(kind, ()) if lo * (1 - tol) <= (ratio or math.inf) <= hi * (1 + tol)),
+                       "not modelled")
             flag = f"{what}: {why}; the roofline uses the {ROOFLINE_USES} bytes"
         out[kind] = {"measured_bytes": m, "formula_bytes": f, "ratio": ratio, "within": within, "flag": flag}
     return out

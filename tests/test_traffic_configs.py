@@ -27,7 +27,7 @@ CASES = {  # name: (config, overrides); the pod's axes on 8 devices, then the is
     "sequence parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "parallel.sequence_parallel=true",
                                         "train.batch_size=32")),
     "context parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=2,context=2", "train.batch_size=32",
-                                       "train.seq_len=64")),
+                                       "train.seq_len=64", "parallel.attention=ring")),
     "zero1 data x tensor": ("llama3_8b", ("parallel.mesh=data=2,tensor=4", "parallel.zero=1", "parallel.microbatches=1",
                                           "train.batch_size=4")),
     "zero1 data x fsdp": ("llama3_8b", ("parallel.mesh=data=2,fsdp=4", "parallel.zero=1", "parallel.microbatches=1",
