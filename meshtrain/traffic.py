@@ -233,13 +233,13 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
                "formula; a fix needs data as the minor factor and a shard_map entry that keeps that layout")
         gaps["all-gather"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 1, math.inf))
-    if manual and plan.zero >= 3 and F * C > 1 and micro > 1:
-        why = ("ZeRO-3 with microbatches beside fsdp: the data-gathered parameters do not change within the step, "
-               "so XLA hoists the per-layer FSDP gathers (and reduces) out of the microbatch loop: once per step, "
-               "partly in fp32, where the formula counts them per microbatch")
+    if manual and F * C > 1:
+        why = ("the manual data executor (a shard_map over data) beside fsdp: the parameters do not change within "
+               "the step, so XLA hoists loop-invariant FSDP gathers (and moves reduce-scatters) out of the "
+               "microbatch and layer loops: fewer, partly fp32, where the formula counts them per microbatch")
         gaps["all-gather"].append((why, 0, 1))
         gaps["reduce-scatter"].append((why, 0, 1))
-    if (E > 1 or C > 1) and F * C > 1:
+    if (E > 1 or C > 1 or manual) and F * C > 1:
         why = ("the embedding's gradient (a scatter-add fed by every batch and sequence shard) is all-reduced "
                "whole over the batch axes (fsdp with expert or context) and then sliced to this device's shard, "
                "where the formula reduce-scatters it over fsdp x context (a GPU's AllReduceSplitter may split it "
@@ -248,9 +248,17 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         gaps["reduce-scatter"].append((why, 0, 1))
     if plan.remat == "full" and F * C > 1:
         gaps["all-gather"].append((
-            "remat=full: XLA may gather a layer's MLP gate and up weights again in the backward (the recomputed "
-            "forward's gather and the weight gradient's stay two collectives; seen on llama2_70b's pod), up to "
-            "4/3 of the layers' formula", 1, 1.5))
+            "remat=full: XLA may gather a layer's MLP (or experts') weights again in the backward (the recomputed "
+            "forward's gather and the weight gradient's stay two collectives; llama2_70b's gate and up, "
+            "mixtral's experts), up to 3/2 of the layers' formula", 1, 1.5))
+    if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
+        gaps["all-gather"].append((
+            "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
+            "backward) where the formula counts one gather", 1, 4))
+    if E > 1:
+        gaps["all-gather"].append((
+            "the MoE routing (models/moe.py) gathers token positions and router statistics over expert: not "
+            "modelled", 1, 1.5))
     if plan.sequence_parallel:
         why = ("sequence parallelism: besides the Megatron-SP reduce-scatter/all-gather pairs XLA reshards q, k, v "
                "and the fp32 softmax/RMSNorm statistics between the sequence- and head-split layouts (all-to-alls, "

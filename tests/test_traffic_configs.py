@@ -11,8 +11,8 @@ from meshtrain import hlo, traffic
 from meshtrain.program import TrainProgram
 
 # Tiny Llama-shaped dims: every layer's structure (GQA, SwiGLU, untied or tied head) kept.
-SHRINK = ("model.num_layers=2", "model.d_model=64", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=8",
-          "model.mlp_dim=128", "model.vocab_size=512", "train.seq_len=32")
+SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",
+          "model.mlp_dim=512", "model.vocab_size=1024", "train.seq_len=64")
 CASES = {  # name: (config, overrides); the pod's axes on 8 devices, then the layouts
     "llama3_8b pod axes": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "train.batch_size=32")),
     "llama2_70b pod axes": ("llama2_70b", ("parallel.mesh=fsdp=2,tensor=4", "train.batch_size=64")),
@@ -27,7 +27,7 @@ CASES = {  # name: (config, overrides); the pod's axes on 8 devices, then the is
     "sequence parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "parallel.sequence_parallel=true",
                                         "train.batch_size=32")),
     "context parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=2,context=2", "train.batch_size=32",
-                                       "train.seq_len=64", "parallel.attention=ring")),
+                                       "train.seq_len=128", "parallel.attention=ring")),
     "zero1 data x tensor": ("llama3_8b", ("parallel.mesh=data=2,tensor=4", "parallel.zero=1", "parallel.microbatches=1",
                                           "train.batch_size=4")),
     "zero1 data x fsdp": ("llama3_8b", ("parallel.mesh=data=2,fsdp=4", "parallel.zero=1", "parallel.microbatches=1",
