@@ -209,12 +209,13 @@ def data_parallel_traffic(program) -> dict:
 TOLERANCE = 0.10  # measured within 10% of the formula per kind (tests/test_traffic.py)
 SCALARS = 1e4  # bytes per step below which a kind carries only scalars (the loss, the norm, the guard)
 ROOFLINE_USES = "measured"  # meshtrain/roofline.py times the corrected HLO records, not the formulas
+UNEXPLAINED = "no known cause (meshtrain/hlo.py `read` lists the collectives to look at)"
 
 
 def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
     """Per kind, what the compiled step moves that the formulas above do not model, where it is
     known, as (why, lowest ratio, highest ratio): `compare` gives the reason to a flagged row whose
-    measured/formula ratio lies in that range, and calls any other 'not modelled'. Each was read in
+    measured/formula ratio lies in that range, and UNEXPLAINED to any other. Each was read in
     the compiled HLO (meshtrain/hlo.py `read` lists the collectives with their groups)."""
     sizes, plan = program.sizes, program.plan
     D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
@@ -270,8 +271,8 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
 
 def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | None = None) -> dict[str, dict]:
     """Per kind: measured and formula link bytes, `ratio` measured/formula (None without a
-    formula), `within` tol, and `flag`: None, or why the two differ (a known gap, or 'no formula')
-    and which figure the roofline uses. A kind with measured bytes but no formula is always
+    formula), `within` tol, and `flag`: None, or why the two differ (a known gap, `known_gaps`, or
+    UNEXPLAINED) and which figure the roofline uses. A kind with measured bytes but no formula is always
     flagged; one carrying scalars only (< SCALARS bytes) and no formula is not."""
     gaps = gaps or {}
     out = {}
@@ -283,7 +284,7 @@ def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | 
         if not within:
             what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
             why = next((w for w, lo, hi in gaps.get(kind, ()) if lo * (1 - tol) <= (ratio or math.inf) <= hi * (1 + tol)),
-                       "not modelled")
+                       UNEXPLAINED)
             flag = f"{what}: {why}; the roofline uses the {ROOFLINE_USES} bytes"
         out[kind] = {"measured_bytes": m, "formula_bytes": f, "ratio": ratio, "within": within, "flag": flag}
     return out
