@@ -4,7 +4,8 @@ what each term stands for: what the planner prints beside the bytes read from th
 Formulas (per device; meshtrain/formulas.py; D, F, T, P, E, C the data, fsdp, tensor, pipeline,
 expert, context sizes); a reduce-scatter of an X-byte tensor moves the all-gather's (N-1)/N x X.
 Parameters count as this device's slice over T, P and E (`param_slices`): the layers split over
-P, the embedding, head and final norm held whole by every pipeline stage.
+P, the embedding, head and final norm held whole by every pipeline stage; data, fsdp and context
+(the `embed` rule shards weights over fsdp x context) are the axes they are gathered and reduced over.
 - Data parallelism (zero <= 1): one gradient all-reduce over D per step. The manual executors
   (meshtrain/data_parallel.py: zero 0/1, microbatches, a pipeline) sum and reduce fp32 gradients;
   XLA's own reductions (zero 2/3 with one microbatch) reduce the compute-dtype copy's gradient in
@@ -14,23 +15,36 @@ P, the embedding, head and final norm held whole by every pipeline stage.
   all-gather the updated fp32 parameter shards over D; ZeRO 2 reduce-scatters gradients over D;
   ZeRO 3 with microbatches or a pipeline gathers parameters and reduce-scatters gradients over D
   once per step.
-- FSDP (over F, and D at zero 3 without microbatches or a pipeline), per microbatch: the layers'
-  weights all-gathered in the compute dtype in the forward and again in the backward (remat=full
-  recomputes with the backward's gather), their gradients reduce-scattered in the compute dtype;
-  the embedding and head gathered once and reduced in fp32.
+- FSDP (over F x C, and D at zero 3 without microbatches or a pipeline), per microbatch: the
+  layers' weights all-gathered in the compute dtype in the forward and again in the backward
+  (remat=full recomputes with the backward's gather), their gradients reduce-scattered in the
+  compute dtype; the embedding, head and final norm gathered once per step (XLA hoists the gather
+  out of the microbatch loop: 4 bytes/param, the fp32 table and the head twice in bf16) and
+  reduced in fp32 per microbatch (the loss sums the head's gradient over its chunks per batch
+  shard, meshtrain/loss.py, so once).
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
   when remat=full recomputes the forward (the attention output's; the MLP output's only use is the
   saved next-layer input); under sequence parallelism each becomes a reduce-scatter and an
   all-gather. The vocab-parallel embedding and head add one fp32 all-reduce of [b, s, h] each.
 - Pipeline: one activation forward and one cotangent back per send of the executor's tables;
   the stage-replicated parameters' gradients all-reduced over P.
-- Expert parallelism: 4 all-to-alls of the dispatch buffer per MoE layer.
-- Context parallelism: each device's keys and values go C-1 steps around the ring per layer in the
-  forward, and again twice in the backward (the keys/values and their gradients).
+- Expert parallelism: 4 all-to-alls of the dispatch buffer per MoE layer. Outside the experts
+  the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
+  are all-reduced over E per microbatch, the layers' in the compute dtype.
+- Context parallelism (meshtrain/context_parallel.py's ring), per layer: 2(C-1) sends of this
+  device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
+  forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
+  sums (C-1 round the ring, one home); K/V heads split over T.
 
-These are checked against the compiled programs (tests/test_traffic.py) within 10% for data
-(zero 1 and 3), fsdp, tensor (with fsdp, under remat), pipeline, in bf16 (fsdp in fp32 too), after meshtrain/hlo.py's
-corrections of the CPU backend's rewrites.
+`compare` sets measured (meshtrain/hlo.py, corrected) beside these per kind: the ratio, and a
+flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
+knows for that layout and ratio (else UNEXPLAINED) and that the roofline (meshtrain/roofline.py)
+times the measured bytes. Checked within 10% (tests/test_traffic.py, tests/test_traffic_configs.py,
+tests/test_shipped_configs.py) for data (zero 1 and 3), fsdp, tensor (with fsdp, under remat),
+pipeline, expert parallelism's all-to-all, the ring's permutes, int8 compression and each shipped
+pod's main kinds; flagged with their reasons: see `known_gaps`. On the shipped pods
+(`python -m meshtrain.plan --config configs/C.yaml` with the config's `# pod:` flags) the
+README's planner section lists measured/formula per kind.
 """
 from __future__ import annotations
 
@@ -241,12 +255,13 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         gaps["all-gather"].append((why, 0, 1))
         gaps["reduce-scatter"].append((why, 0, 1))
     if (E > 1 or C > 1 or manual) and F * C > 1:
-        why = ("the embedding's gradient (a scatter-add fed by every batch and sequence shard) is all-reduced "
-               "whole over the batch axes (fsdp with expert or context) and then sliced to this device's shard, "
-               "where the formula reduce-scatters it over fsdp x context (a GPU's AllReduceSplitter may split it "
-               "so; meshtrain/hlo.py does not undo it)")
+        why = ("the embedding's and head's gradients (summed over every batch and sequence shard) are "
+               "all-reduced whole over the batch axes (fsdp with expert, context or data) and then sliced to this "
+               "device's shard, where the formula reduce-scatters them over fsdp x context and all-reduces the "
+               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/hlo.py does not undo it)")
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
+        gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, 2))
     if plan.remat == "full" and F * C > 1:
         gaps["all-gather"].append((
             "remat=full: XLA may gather a layer's MLP (or experts') weights again in the backward (the recomputed "
@@ -283,8 +298,8 @@ def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | 
         flag = None
         if not within:
             what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
-            why = next((w for w, lo, hi in gaps.get(kind, ()) if lo * (1 - tol) <= (ratio or math.inf) <= hi * (1 + tol)),
-                       UNEXPLAINED)
+            explains = lambda lo, hi: lo * (1 - tol) <= (ratio or math.inf) <= hi * (1 + tol)
+            why = next((w for w, lo, hi in gaps.get(kind, ()) if explains(lo, hi)), UNEXPLAINED)
             flag = f"{what}: {why}; the roofline uses the {ROOFLINE_USES} bytes"
         out[kind] = {"measured_bytes": m, "formula_bytes": f, "ratio": ratio, "within": within, "flag": flag}
     return out

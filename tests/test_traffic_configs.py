@@ -23,8 +23,9 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
     "data x fsdp": ("llama3_8b", ("parallel.mesh=data=2,fsdp=4", "train.batch_size=128"), set()),
     "sequence parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "parallel.sequence_parallel=true",
                                         "train.batch_size=32"), {"reduce-scatter"}),
-    "context parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=2,context=2", "train.batch_size=32",
-                                       "train.seq_len=128", "parallel.attention=ring"), {"collective-permute"}),
+    "context parallel": ("llama3_8b", ("parallel.mesh=tensor=4,context=2", "train.batch_size=32", "train.seq_len=128",
+                                       "parallel.attention=ring"),
+                         {"all-reduce", "all-gather", "reduce-scatter", "collective-permute"}),
     "int8 compression": ("gpt2_124m", ("parallel.mesh=data=8", "parallel.grad_compression=int8", "train.batch_size=16"),
                          {"all-gather", "all-to-all"}),
 }
