@@ -292,9 +292,9 @@ def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | 
     gaps = gaps or {}
     out = {}
     for kind in KINDS:
-        m, f = measured[kind]["traffic_bytes"], formula[kind]["traffic_bytes"]
+        m, f = float(measured[kind]["traffic_bytes"]), float(formula[kind]["traffic_bytes"])
         ratio = m / f if f else None
-        within = (abs(ratio - 1) <= tol) if f else m < SCALARS
+        within = bool(abs(ratio - 1) <= tol) if f else m < SCALARS
         flag = None
         if not within:
             what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
