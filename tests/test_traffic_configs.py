@@ -48,3 +48,16 @@ def test_each_kind_within_10_percent_or_flagged_with_its_reason(name):
             (kind, row)
         if kind in matching:
             assert row["ratio"] and row["flag"] is None, (kind, row)
+
+
+def test_compare_flags_what_is_outside_10_percent_or_has_no_formula():
+    kinds = lambda **b: {k: {"traffic_bytes": b.get(k.replace("-", "_"), 0.0)} for k in hlo.KINDS}
+    measured = kinds(all_reduce=105.0, all_gather=150.0, reduce_scatter=50.0, all_to_all=2e6, collective_permute=10.0)
+    formula = kinds(all_reduce=100.0, all_gather=100.0, reduce_scatter=100.0)
+    rows = traffic.compare(measured, formula, gaps={"all-gather": [("regathered", 1, 1.5)],
+                                                    "reduce-scatter": [("regathered", 1, 1.5)]})
+    assert rows["all-reduce"]["within"] and rows["all-reduce"]["flag"] is None and rows["all-reduce"]["ratio"] == 1.05
+    assert rows["all-gather"]["flag"].startswith("measured 1.50x the formula: regathered; the roofline uses the measured")
+    assert traffic.UNEXPLAINED in rows["reduce-scatter"]["flag"]  # 0.5x: outside the known gap's range
+    assert rows["all-to-all"]["ratio"] is None and "no formula" in rows["all-to-all"]["flag"]
+    assert rows["collective-permute"]["within"]  # scalars only
