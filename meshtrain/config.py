@@ -152,6 +152,18 @@ def _renamed(key: str, value) -> list[tuple[str, object]]:
     return [(key, value)]
 
 
+POD_COMMENT = re.compile(r"^# pod[^:]*: (.+)$", re.MULTILINE)
+
+
+def documented_pod(path) -> list[str]:
+    """The `python -m meshtrain.plan` flags of the pod a shipped config documents in its
+    `# pod: --devices N --mesh M` comment (tests/test_shipped_configs.py plans each one)."""
+    found = POD_COMMENT.search(Path(path).read_text())
+    if not found:
+        raise UserError(f"{path} documents no pod: add a '# pod: --devices N --mesh M' comment")
+    return found.group(1).split()
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     cfg = Config()
     if path:

@@ -159,11 +159,12 @@ def megatron_allreduce_bytes(tokens_per_device: float, width: int, tensor: int, 
     return per_layer * layers * ring_traffic("all-reduce", tokens_per_device * width * act_bytes, tensor)
 
 
-def moe_all_to_all_bytes(rows_per_device: float, experts: int, capacity: int, width: int, expert_axis: int,
-                         moe_layers: float, act_bytes: int, passes: int = 4) -> float:
-    """Expert parallelism: per MoE layer the dispatch buffer [rows, E, C, h] goes to the experts'
-    devices and back, in the forward and again in the backward (4 all-to-alls; 6 when remat
-    reruns the forward), each
-    (N-1)/N x rows x E x C x h bytes over the expert axis (N = its size)."""
-    payload = rows_per_device * experts * capacity * width * act_bytes
-    return passes * moe_layers * ring_traffic("all-to-all", payload, expert_axis)
+def moe_all_to_all_bytes(buffer_bytes: float, expert_axis: int, moe_layers: float, passes: int = 4,
+                         count_bytes: float = 0) -> float:
+    """Expert parallelism: per MoE layer the dispatch buffer (models/moe.py `dispatch_bytes`) goes
+    to the experts' devices and back, in the forward and again in the backward (4 all-to-alls; 6
+    when remat reruns the forward), each (N-1)/N x its bytes over the expert axis (N = its size);
+    dropless routing also sends `count_bytes` (an int32 count per expert) once per forward run."""
+    forward_runs = passes // 2 - 1
+    return moe_layers * (passes * ring_traffic("all-to-all", buffer_bytes, expert_axis)
+                         + forward_runs * ring_traffic("all-to-all", count_bytes, expert_axis))

@@ -54,8 +54,8 @@ def _shape(sizes: dict[str, int]) -> tuple[int, ...]:
 
 def device_grid(sizes: dict[str, int]) -> np.ndarray:
     """Device ids in mesh order, shaped like the mesh: `arange(n).reshape(sizes)`. It is also
-    build_mesh's multi-process GPU layout, whose across-node factor is the data axis (the major
-    one): node g holds ids g*k .. g*k + k-1 either way (tests/test_roofline.py checks it against
+    build_mesh's multi-process layout, whose hosts split the outermost axes, `data` first
+    (mesh.across_hosts): node g holds ids g*k .. g*k + k-1 either way (tests/test_roofline.py checks it against
     jax's create_hybrid_device_mesh)."""
     shape = _shape(sizes)
     return np.arange(math.prod(shape)).reshape(shape)

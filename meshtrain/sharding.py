@@ -238,6 +238,12 @@ def mesh_axis(axis: str) -> tuple[int, bool]:
     return size, size > 1 and axis in mesh.manual_axes
 
 
+def rule_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the active rules (else the default ones) give logical dimension `name`."""
+    active = _ACTIVE.get()
+    return (active[0] if active else DEFAULT_RULES).get(name, ())
+
+
 def shard_count(name: str) -> int:
     """How many ways the active rules split logical dimension `name` (1 outside `activation_rules`;
     inside a `shard_map`, the compiler-managed axes only: the manual ones are already local)."""

@@ -59,7 +59,7 @@ from meshtrain.hlo import KINDS
 from meshtrain.precision import COMPUTE_DTYPES
 from meshtrain.schedules import executor_tables, sends_per_step, timetable
 from meshtrain.sharding import entry_axes
-from models.moe import capacity
+from models.moe import dispatch_bytes
 
 
 def _params_with_axes(program):
@@ -187,10 +187,12 @@ def expected_traffic(program) -> dict[str, dict]:
     if E > 1:
         rows = t.batch_size / (D * F * E)
         passes = 6 if plan.remat == "full" else 4  # the recomputed forward exchanges again
-        cap = capacity(t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor)
-        add("all-to-all", formulas.moe_all_to_all_bytes(rows, m.num_experts, cap, m.d_model, E, m.num_layers / P, act,
-                                                        passes),
-            f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer")
+        buffer = dispatch_bytes(rows, t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor, m.d_model,
+                                act, E)
+        counts = 0 if m.capacity_factor else 4 * m.num_experts
+        add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
+            f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
+            + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
     if C > 1:  # meshtrain/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
         kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
         # forward and backward pass K/V round the ring; remat=full's recomputed forward again, but its

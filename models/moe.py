@@ -6,22 +6,34 @@ caller's: y is the experts' contribution only, and a token whose assignments are
 
 - Routing (Mixtral, Jiang et al. 2024): fp32 softmax over the E router logits; each token goes to
   its top-k experts, weighted by those k probabilities renormalised to sum 1.
-- Capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): every sequence row is its
-  own routing group, so what is dropped never depends on how the batch is sharded or split into
-  microbatches. Each (row, expert) has C slots: C = L when capacity_factor == 0 (dropless: a token
-  picks an expert at most once), else C = min(L, ceil(capacity_factor * L * k / E)). Assignments
-  claim slots choice-major (every token's first choice in position order, then every second
-  choice, ...); those beyond C are dropped.
-- Dispatch and combine are a scatter of token ids into slots plus gathers by slot index, never a
-  [B, L, E, C] one-hot mask. Expert matmuls run in x's dtype; the combine accumulates in fp32.
-- Expert parallelism: when the active mesh has a compiler-managed axis `axis` of size ep > 1, the
-  expert part runs in `jax.shard_map` over that axis only: the dispatch buffer [B, E, C, D] enters
-  split on B (this device's rows), the expert weights split on E; an all_to_all sends each
-  expert's slots to the device holding it, the local experts run, a second all_to_all returns the
-  results. The router, top-k and combine stay outside, under the compiler's sharding. The
-  shard_map makes `axis` the major factor of the rows, so a batch sharded with `axis` first among
-  its axes enters and leaves without a reshuffle (any other order costs a collective-permute of
-  the buffer each way). Raises UserError when E or B is not divisible by the axis size.
+- Capacity routing (capacity_factor > 0; GShard, Lepikhin et al. 2020; Switch, Fedus et al.
+  2021): every sequence row is its own routing group, so what is dropped never depends on how the
+  batch is sharded or split into microbatches. Each (row, expert) has
+  C = min(L, ceil(capacity_factor * L * k / E)) slots. Assignments claim slots choice-major (every
+  token's first choice in position order, then every second choice, ...); those beyond C are
+  dropped. Dispatch and combine are a scatter of token ids into slots plus gathers by slot index,
+  never a [B, L, E, C] one-hot mask: the buffer is [B, E, C, D].
+- Dropless (capacity_factor == 0, as Mixtral; also what decoding uses): nothing is dropped, and
+  the dispatch memory is proportional to tokens x k, not tokens x E: each device sorts its rows'
+  B*L*K assignments by expert (stable), gathers their rows of x into a [B*L*K, D] buffer, runs the
+  SwiGLU experts as grouped matmuls (`grouped_matmul`: a loop over (tile, expert) steps, O(rows x
+  width) memory, since XLA expands jax.lax.ragged_dot densely into [E, rows, width], on CPU in JAX
+  0.10 and on an H100 in JAX 0.11.2) and unsorts. This runs in a shard_map manual over the batch's
+  mesh axes (`row_axes`), so the sort never spans devices.
+- Expert matmuls run in x's dtype; the combine (each assignment's output times its gate) is fp32.
+- Expert parallelism: when the active mesh has a compiler-managed axis `axis` of size ep > 1, each
+  device holds E/ep experts. Both routings run in one shard_map manual over the batch's mesh axes
+  (`in_row_shards`; `axis` first, the batch's major factor under the default rules, so the rows
+  enter without a reshuffle): each device routes its own rows and an all_to_all over `axis` sends
+  device n what its E/ep experts need, they run, and a second all_to_all returns the results.
+  Capacity: the [b, E, C, D] slot buffer, expert chunk n to device n. Dropless: a device sends
+  device n its assignments of n's experts, sorted by expert, in a worst-case buffer of
+  b*L*min(K, E/ep) rows per destination (a token picks at most min(K, E/ep) of n's experts;
+  all_to_all needs static shapes), and the counts per expert; device n sorts what it received by
+  expert, runs its experts and sends the results back. Per device [ep, b*L*min(K, E/ep), D],
+  against [b, E, L, D] for E slots of L: ep*min(K, E/ep)/E of it, so the same at E/ep = 1,
+  K/(E/ep) of it at E/ep >= K (`dispatch_bytes`). The router, top-k and combine stay outside,
+  under the compiler's sharding. Raises UserError when E or B is not divisible by the axis size.
 
 stats (fp32): `aux_loss` the sequence-wise balance loss (DeepSeek-V3, 2024; Switch's loss per
 row), mean over rows of E * sum_e f_e * P_e, where f_e is the row's share of assignments routed to
@@ -33,11 +45,14 @@ assignments dropped; `load` [E] each expert's share of assignments before capaci
 Gradients reach the router (and x) through the gate weights, aux_loss and z_loss.
 
 Names carry their shapes: B batch, L sequence, D width, E experts, F expert mlp width,
-K experts per token, C capacity (slots per row and expert), S = E * C slots per row.
+K experts per token, C capacity (slots per row and expert), S = E * C slots per row; in the
+dropless path N = b*K*L this device's assignments, M rows of a grouped matmul, G its groups,
+A = b*L*min(K, E/ep) rows sent to each expert-parallel device, e = E/ep local experts.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -47,7 +62,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.sharding import constrain, manual_axes_rules, mesh_axis
+from meshtrain.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
 from models.transformer import PARAM_AXES, Block, LanguageModel, Transformer, _init
 
 
@@ -56,6 +71,21 @@ def capacity(seq_len: int, num_experts: int, experts_per_token: int, capacity_fa
     if capacity_factor == 0:
         return seq_len
     return min(seq_len, math.ceil(capacity_factor * seq_len * experts_per_token / num_experts))
+
+
+def dispatch_bytes(rows: float, seq_len: int, num_experts: int, experts_per_token: int, capacity_factor: float,
+                   width: int, act_bytes: int, expert_axis: int = 1) -> dict:
+    """One MoE layer's dispatch buffer per device, `rows` sequence rows held: capacity routing's
+    slots rows x E x C x D; dropless, the sorted assignments rows x L x K x D, or under expert
+    parallelism (N = expert_axis) the per-destination worst case N x rows x L x min(K, E/N) x D.
+    `slot_buffer_bytes`: the dropless E-slot buffer rows x E x L x D (C = L) that sorting replaced."""
+    L, E, K = seq_len, num_experts, experts_per_token
+    slot_buffer = rows * E * L * width * act_bytes
+    if capacity_factor:
+        C = capacity(L, E, K, capacity_factor)
+        return {"bytes": rows * E * C * width * act_bytes, "capacity": C, "slot_buffer_bytes": slot_buffer}
+    sent = expert_axis * min(K, E // expert_axis)  # a token's rows in the buffer (K without EP)
+    return {"bytes": rows * L * sent * width * act_bytes, "capacity": 0, "slot_buffer_bytes": slot_buffer}
 
 
 def expert_parallel_size(axis: str) -> int:
@@ -111,41 +141,211 @@ def swiglu_experts(buf_BxNxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     return checkpoint_name(out, "mlp_out")
 
 
-def exchange(buf_bxNxexCxD, axis: str):
-    """all_to_all over `axis` on dim N: slice n goes to device n, and what device n sends lands
-    at n. Inside a partial-manual shard_map XLA partitions an all_to_all by first gathering its
-    compiler-managed dims (every data replica would then send the same slots); so the exchange
-    alone runs with the rows also split, manually, over the other axes that divide them."""
-    b = buf_bxNxexCxD.shape[0]
+def capacity_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, C: int, axis: str, ep: int):
+    """Capacity routing of this device's rows: the [b, E, C, D] slot buffer through the experts;
+    per assignment its output (0 when dropped) [b, K*L, D], whether it was kept, and the per-row
+    counts [b, E]. ep > 1 (inside a shard_map manual over `axis`): each device sends its slots of
+    expert chunk n to device n (an all_to_all on dim N), runs its E/ep experts on the slots of all
+    ep devices, and sends the results back."""
+    b, L, D = x_bxLxD.shape
+    e, KL = w_gate_exDxF.shape[0], expert_bxKL.shape[1]
+    E = e * ep
+    slot_bxKL, kept_bxKL, count_bxE = slots(expert_bxKL, E, C)
+    token_bxKL = jnp.broadcast_to(jnp.tile(jnp.arange(L), KL // L), (b, KL))
+
+    # Dispatch: the token id of every slot (L where empty), then gather the rows of x.
+    token_of_slot_bxS = jax.vmap(lambda s, t: jnp.full((E * C,), L).at[s].set(t, mode="drop"))(
+        slot_bxKL, token_bxKL)
+    buf_bxSxD = jax.vmap(lambda x, t: jnp.take(x, t, axis=0, mode="fill", fill_value=0))(
+        x_bxLxD, token_of_slot_bxS)
+    buf_bxNxexCxD = buf_bxSxD.reshape(b, ep, e, C, D)
+    swap = lambda t: jax.lax.all_to_all(t, axis, 1, 1, tiled=True) if ep > 1 else t
+    out_bxNxexCxD = swap(swiglu_experts(swap(buf_bxNxexCxD), w_gate_exDxF, w_up_exDxF, w_down_exFxD))
+    out_bxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
+        out_bxNxexCxD.reshape(b, E * C, D), slot_bxKL)
+    return out_bxKLxD, kept_bxKL, count_bxE
+
+
+# ---- dropless: assignments sorted by expert, the experts as a grouped matmul ----
+
+# Rows of the sorted buffer per grouped-matmul step. On an H100 (JAX 0.11.2, bf16, 16384 x 4096 @
+# [G, 4096, 14336]) the loop ran 102/178/243 TFLOP/s at 128/256/512 rows with G = 8 (ragged_dot:
+# 101, with 9x the temporaries) and 87/135/154 with G = 32 (ragged_dot: 25); a step spent on a
+# tile's share of a group costs a whole tile, up to G - 1 extra tiles per matmul.
+GMM_TILE = 256
+
+
+def _schedule(group_M, groups: int, tile: int):
+    """The grouped matmul's (tile, group) steps, megablox-style: tile t of the sorted rows meets
+    groups first_t..last_t, so the nt + G - 1 steps (nt = ceil(M / tile)) cover every pair; the
+    spare steps get group -1 (they match no row). Rows with group >= G (padding) join no pair."""
+    nt = -(-group_M.shape[0] // tile)
+    g_R = jnp.pad(jnp.minimum(group_M, groups - 1), (0, nt * tile - group_M.shape[0]), mode="edge")
+    first_T, last_T = g_R[::tile], g_R[tile - 1::tile]
+    pairs_T = last_T - first_T + 1
+    end_T = jnp.cumsum(pairs_T)
+    step_S = jnp.arange(nt + groups - 1)
+    tile_S = jnp.minimum(jnp.searchsorted(end_T, step_S, side="right"), nt - 1)
+    group_S = first_T[tile_S] + step_S - (end_T - pairs_T)[tile_S]
+    return tile_S, jnp.where(step_S < end_T[-1], group_S, -1)
+
+
+def _tiles(a_MxX, tile: int):
+    pad = -a_MxX.shape[0] % tile
+    fill = jnp.iinfo(a_MxX.dtype).max if jnp.issubdtype(a_MxX.dtype, jnp.integer) else 0  # no group
+    return jnp.pad(a_MxX, ((0, pad),) + ((0, 0),) * (a_MxX.ndim - 1), constant_values=fill)
+
+
+def _gmm_loop(a_RxA, w_GxXxY, group_R, steps, tile: int, out_cols: int, transpose: bool):
+    """out[r] = a[r] @ w[group[r]] (w[group[r]].T when `transpose`), a step per (tile, group)."""
+    tile_S, group_S = steps
+
+    def step(i, out_RxO):
+        t, g = tile_S[i] * tile, group_S[i]
+        a_TxA = jax.lax.dynamic_slice_in_dim(a_RxA, t, tile)
+        w_XxY = jax.lax.dynamic_index_in_dim(w_GxXxY, jnp.maximum(g, 0), keepdims=False)
+        y_TxO = a_TxA @ (w_XxY.T if transpose else w_XxY)
+        mine_T = jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g
+        old_TxO = jax.lax.dynamic_slice_in_dim(out_RxO, t, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out_RxO, jnp.where(mine_T[:, None], y_TxO, old_TxO), t, 0)
+
+    out = jnp.zeros((a_RxA.shape[0], out_cols), a_RxA.dtype)
+    return jax.lax.fori_loop(0, tile_S.shape[0], step, out)
+
+
+@jax.custom_vjp
+def grouped_matmul(x_MxK, w_GxKxN, group_M):
+    """y[m] = x[m] @ w[group[m]] for rows sorted by group (group >= G: padding, y = 0), in
+    O(M x N) memory: a loop over (tile, group) steps (`_schedule`). XLA:CPU expands
+    jax.lax.ragged_dot densely into [G, M, N] (JAX 0.10), which this avoids."""
+    return _gmm_fwd(x_MxK, w_GxKxN, group_M)[0]
+
+
+def _gmm_fwd(x_MxK, w_GxKxN, group_M):
+    M, (G, _, N) = x_MxK.shape[0], w_GxKxN.shape
+    tile = min(GMM_TILE, M)
+    steps = _schedule(group_M, G, tile)
+    group_R = _tiles(group_M, tile)
+    y = _gmm_loop(_tiles(x_MxK, tile), w_GxKxN, group_R, steps, tile, N, False)[:M]
+    return y, (x_MxK, w_GxKxN, group_M, steps)
+
+
+def _gmm_bwd(res, dy_MxN):
+    """dx = dy @ w[g].T per row; dw[g] = sum over g's rows of x^T dy, accumulated in fp32."""
+    x_MxK, w_GxKxN, group_M, (tile_S, group_S) = res
+    M, K = x_MxK.shape
+    tile = min(GMM_TILE, M)
+    x_RxK, dy_RxN, group_R = _tiles(x_MxK, tile), _tiles(dy_MxN, tile), _tiles(group_M, tile)
+    dx_RxK = _gmm_loop(dy_RxN, w_GxKxN, group_R, (tile_S, group_S), tile, K, True)
+
+    def step(i, dw_GxKxN):
+        t, g = tile_S[i] * tile, group_S[i]
+        mine_T = jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g
+        x_TxK = jnp.where(mine_T[:, None], jax.lax.dynamic_slice_in_dim(x_RxK, t, tile), 0)
+        dw_KxN = jnp.einsum("tk,tn->kn", x_TxK, jax.lax.dynamic_slice_in_dim(dy_RxN, t, tile),
+                            preferred_element_type=jnp.float32)
+        g = jnp.maximum(g, 0)
+        old = jax.lax.dynamic_index_in_dim(dw_GxKxN, g, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(dw_GxKxN, old + dw_KxN, g, 0)
+
+    dw = jax.lax.fori_loop(0, tile_S.shape[0], step, jnp.zeros(w_GxKxN.shape, jnp.float32))
+    return dx_RxK[:M], dw.astype(w_GxKxN.dtype), None
+
+
+grouped_matmul.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def sorted_swiglu(x_MxD, group_M, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+    """Each row's expert SwiGLU, rows in any order: sorted by group (stable), a grouped matmul per
+    projection, unsorted. Rows with group >= G get 0. In x's dtype."""
+    dtype = x_MxD.dtype
+    order_M = jnp.argsort(group_M, stable=True)
+    xs_MxD, gs_M = x_MxD[order_M], group_M[order_M]
+    gate = grouped_matmul(xs_MxD, w_gate_GxDxF.astype(dtype), gs_M)
+    up = grouped_matmul(xs_MxD, w_up_GxDxF.astype(dtype), gs_M)
+    h_MxF = jax.nn.silu(checkpoint_name(gate, "mlp_gate")) * checkpoint_name(up, "mlp_up")
+    h_MxF = constrain(h_MxF, (None, "mlp"))
+    out_MxD = checkpoint_name(grouped_matmul(h_MxF, w_down_GxFxD.astype(dtype), gs_M), "mlp_out")
+    inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))
+    return out_MxD[inverse_M]
+
+
+def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, axis: str, ep: int):
+    """This device's assignments [b, K*L] through their experts, dropless; [b, K*L, D] out.
+    ep == 1: the b*L*K assignments sorted by expert. ep > 1 (inside a shard_map manual over
+    `axis`): device n gets this device's assignments of its E/ep experts, in expert order, in a
+    buffer of A = b*L*min(K, E/ep) rows (the most a token can send it), plus their counts per
+    expert; it sorts all it received by expert, runs them, and sends the results back."""
+    b, L, D = x_bxLxD.shape
+    KL = expert_bxKL.shape[1]
+    x_TxD = x_bxLxD.reshape(b * L, D)
+    token_bxKL = jnp.arange(b)[:, None] * L + jnp.arange(KL)[None, :] % L
+    expert_N, token_N = expert_bxKL.reshape(-1), token_bxKL.reshape(-1)
+    weights = (w_gate_exDxF, w_up_exDxF, w_down_exFxD)
+    if ep == 1:
+        return sorted_swiglu(x_TxD[token_N], expert_N, *weights).reshape(b, KL, D)
+
+    e = w_gate_exDxF.shape[0]  # local experts
+    A = b * L * min(KL // L, e)
+    count_E = jnp.zeros((ep * e,), jnp.int32).at[expert_N].add(1)
+    # slot of an assignment: its destination's block of A, then its rank among those it sends there
+    order_N = jnp.argsort(expert_N, stable=True)
+    dest_sorted_N = expert_N[order_N] // e
+    sent_ep = count_E.reshape(ep, e).sum(1)
+    rank_sorted_N = jnp.arange(order_N.shape[0]) - (jnp.cumsum(sent_ep) - sent_ep)[dest_sorted_N]
+    slot_N = jnp.zeros_like(order_N).at[order_N].set(dest_sorted_N * A + rank_sorted_N)
+    token_of_slot = jnp.full((ep * A,), b * L).at[slot_N].set(token_N)
+    send_epxAxD = jnp.take(x_TxD, token_of_slot, axis=0, mode="fill", fill_value=0).reshape(ep, A, D)
+    swap = lambda t: jax.lax.all_to_all(t, axis, 0, 0, tiled=True)
+    recv_epxAxD, recv_count_epxe = swap(send_epxAxD), swap(count_E.reshape(ep, e))
+    # a received row's local expert: how many of its sender's groups end at or before it
+    group_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right"))(
+        jnp.cumsum(recv_count_epxe, axis=1))
+    out_MxD = sorted_swiglu(recv_epxAxD.reshape(ep * A, D), group_epxA.reshape(-1), *weights)
+    back_MxD = swap(out_MxD.reshape(ep, A, D)).reshape(ep * A, D)
+    return back_MxD[slot_N].reshape(b, KL, D)
+
+
+def row_axes(rows: int, axis: str, ep: int) -> list[str]:
+    """The compiler-managed mesh axes that split the batch (rules' `batch` order, `axis` first
+    under expert parallelism) and divide `rows`: in_row_shards makes them manual."""
     mesh = jax.sharding.get_abstract_mesh()
-    rows, n = [], 1
-    for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types):
-        if kind != jax.sharding.AxisType.Manual and size > 1 and b % (n * size) == 0:
-            rows.append(name)
-            n *= size
-    swap = lambda t: jax.lax.all_to_all(t, axis, 1, 1, tiled=True)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    names = ([axis] if ep > 1 else []) + [a for a in rule_axes("batch") if a != axis or ep == 1]
+    chosen, n = [], 1
+    for a in names:
+        if sizes.get(a, 1) > 1 and kinds[a] != jax.sharding.AxisType.Manual and rows % (n * sizes[a]) == 0:
+            chosen.append(a)
+            n *= sizes[a]
+    return chosen
+
+
+def in_row_shards(local, x_BxLxD, expert_BxKL, weights, axis: str, ep: int):
+    """`local(x_bxLxD, expert_bxKL, *weights)` in one shard_map manual over the batch's axes (see
+    row_axes): each device routes its own rows, and under expert parallelism the all_to_alls over
+    `axis` inside `local` send each device only its rows' assignments. One shard_map, not one
+    nested in another: XLA (JAX 0.11) requires a program's manual axes in mesh order. The expert
+    weights enter as one copy per row shard, [R, E, ...] split on R (and on E over `axis` under
+    expert parallelism): the broadcast outside is the compiler's gather of the weights for the
+    matmuls (FSDP's), its transpose the compiler's gradient reduction. (Entering unsplit instead
+    makes shard_map psum the weights' cotangent, and XLA:CPU aborts on a bf16 psum there, JAX 0.10:
+    "Invalid binary instruction opcode copy".) Every output is split on its first dim (rows)."""
+    rows = row_axes(x_BxLxD.shape[0], axis, ep)
     if not rows:
-        return swap(buf_bxNxexCxD)
-    spec = P(tuple(rows))
-    return jax.shard_map(swap, in_specs=spec, out_specs=spec, axis_names=set(rows),
-                         check_vma=False)(buf_bxNxexCxD)
+        return local(x_BxLxD, expert_BxKL, *weights)
+    mesh = jax.sharding.get_abstract_mesh()
+    copies = tuple(a for a in rows if a != axis)
+    R = math.prod(mesh.shape[a] for a in copies)
+    weights_R = tuple(jnp.broadcast_to(w[None], (R,) + w.shape) for w in weights)
 
+    def body(x_bxLxD, expert_bxKL, *weights_1):
+        with manual_axes_rules(set(rows)):
+            return local(x_bxLxD, expert_bxKL, *(w[0] for w in weights_1))
 
-def expert_parallel(buf_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, axis: str, ep: int):
-    """swiglu_experts with rows and experts split over `axis` (N = ep devices): each device sends
-    its slots of expert chunk n to device n, runs its E/N experts on the slots of all N devices,
-    and sends the results back."""
-
-    def local(buf_bxExCxD, w_gate_exDxF, w_up_exDxF, w_down_exFxD):
-        b, E, C, D = buf_bxExCxD.shape
-        with manual_axes_rules({axis}):
-            buf_bxNxexCxD = exchange(buf_bxExCxD.reshape(b, ep, E // ep, C, D), axis)
-            out_bxNxexCxD = swiglu_experts(buf_bxNxexCxD, w_gate_exDxF, w_up_exDxF, w_down_exFxD)
-            return exchange(out_bxNxexCxD, axis).reshape(b, E, C, D)
-
-    spec = P(axis)
-    return jax.shard_map(local, in_specs=(spec,) * 4, out_specs=spec, axis_names={axis},
-                         check_vma=False)(buf_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    spec, w_spec = P(tuple(rows)), P(copies or None, axis if ep > 1 else None)
+    return jax.shard_map(body, in_specs=(spec, spec) + (w_spec,) * 3, out_specs=spec,
+                         axis_names=set(rows), check_vma=False)(x_BxLxD, expert_BxKL, *weights_R)
 
 
 def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
@@ -164,25 +364,17 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
 
     logits_BxLxE, probs_BxLxE, expert_BxLxK, gate_BxLxK = route(x_BxLxD, router_DxE, K)
     expert_BxKL = expert_BxLxK.swapaxes(1, 2).reshape(B, K * L)  # choice-major
-    slot_BxKL, kept_BxKL, count_BxE = slots(expert_BxKL, E, C)
-    token_BxKL = jnp.broadcast_to(jnp.tile(jnp.arange(L), K), (B, K * L))
-
-    # Dispatch: the token id of every slot (L where empty), then gather the rows of x.
-    token_of_slot_BxS = jax.vmap(lambda s, t: jnp.full((E * C,), L).at[s].set(t, mode="drop"))(
-        slot_BxKL, token_BxKL)
-    buf_BxSxD = jax.vmap(lambda x, t: jnp.take(x, t, axis=0, mode="fill", fill_value=0))(
-        x_BxLxD, token_of_slot_BxS)
-    buf_BxExCxD = buf_BxSxD.reshape(B, E, C, D)
-
     weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    if ep > 1:
-        out_BxExCxD = expert_parallel(buf_BxExCxD, *weights, axis, ep)
+    if capacity_factor == 0:
+        count_BxE = jax.vmap(lambda e: jnp.zeros((E,), jnp.int32).at[e].add(1))(expert_BxKL)
+        kept_BxKL = jnp.ones((B, K * L), jnp.bool_)
+        out_BxKLxD = in_row_shards(functools.partial(dropless_local, axis=axis, ep=ep), x_BxLxD, expert_BxKL,
+                                   weights, axis, ep)
     else:
-        out_BxExCxD = swiglu_experts(buf_BxExCxD[:, None], *weights)[:, 0]
+        out_BxKLxD, kept_BxKL, count_BxE = in_row_shards(functools.partial(capacity_local, C=C, axis=axis, ep=ep),
+                                                         x_BxLxD, expert_BxKL, weights, axis, ep)
 
-    # Combine: each assignment reads its slot (0 when dropped), weighted by its gate, in fp32.
-    out_BxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
-        out_BxExCxD.reshape(B, E * C, D), slot_BxKL)
+    # Combine: each assignment (0 when dropped) weighted by its gate, in fp32.
     gate_BxKxL = gate_BxLxK.swapaxes(1, 2)
     y_BxLxD = jnp.einsum("bkld,bkl->bld", out_BxKLxD.reshape(B, K, L, D).astype(jnp.float32),
                          gate_BxKxL)

@@ -7,7 +7,7 @@ import pytest
 
 import jax
 from conftest import MOE_TINY, max_param_diff, run_tiny, tiny_config
-from meshtrain import hlo
+from meshtrain import hlo, traffic
 from meshtrain.config import UserError
 from meshtrain.program import TrainProgram
 
@@ -44,11 +44,15 @@ def test_dropped_tokens_are_counted_and_layout_independent():
 
 
 def test_all_to_alls_carry_the_tokens():
-    """Per MoE layer: dispatch and return in the forward, and both again in the backward."""
+    """Per MoE layer: dispatch and return in the forward, both again in the backward, and (dropless)
+    the int32 counts per expert the receiving devices sort by, once in the forward; their link
+    bytes are traffic.py's (models/moe.py dispatch_bytes: 4 x rows x L x min(K, E/4) x D)."""
     program = TrainProgram.from_config(tiny_config("parallel.mesh=data=2,expert=4", config=MOE_TINY))
-    found = hlo.collectives(program.lower().compile().as_text(), 8)
-    assert found["all-to-all"]["count"] == 4 * program.spec.num_layers
-    assert found["all-to-all"]["payload_bytes"] > 0
+    text = program.lower().compile().as_text()
+    found = hlo.collectives(text, 8)
+    assert found["all-to-all"]["count"] == 5 * program.spec.num_layers
+    measured = hlo.by_kind(hlo.read(text, 8))["all-to-all"]["traffic_bytes"]
+    assert measured == pytest.approx(traffic.expected_traffic(program)["all-to-all"]["traffic_bytes"], rel=0.1)
 
 
 def test_auxiliary_losses_reach_the_router():

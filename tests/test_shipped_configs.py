@@ -4,28 +4,20 @@ mesh on simulated CPU devices) FITS the memory the runtime can use, with its mar
 collective traffic it prints matches its formula per kind (or the plan flags the kind). One plan
 per config, in a subprocess with the pod's device count."""
 import json
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
+from meshtrain.config import documented_pod
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
-def pod(config: Path) -> list[str]:
-    """The plan flags of the config's `# pod:` comment."""
-    found = re.search(r"^# pod[^:]*: (.+)$", config.read_text(), re.MULTILINE)
-    assert found, f"{config.name} documents no pod: add a '# pod: --devices N --mesh M' comment"
-    return found.group(1).split()
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
 def test_shipped_config_fits_its_pod(config):
-    cmd = [sys.executable, "-m", "meshtrain.plan", "--config", str(config.relative_to(ROOT)), *pod(config), "--json",
+    cmd = [sys.executable, "-m", "meshtrain.plan", "--config", str(config.relative_to(ROOT)), *documented_pod(config), "--json",
            "--search-budget", "0"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
