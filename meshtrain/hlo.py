@@ -258,25 +258,33 @@ class Module:
         return [u.name for u in self.users(comp, ins.name)
                 if u.op == "get-tuple-element" and int(_INDEX.search(u.line).group(1)) == index]
 
+    def only_layout(self, ins: Instr) -> bool:
+        """A fusion that only converts or lays out its one operand anew (`wrapped_convert`)."""
+        callee = self.callee(ins) if ins.op == "fusion" and len(ins.operands) == 1 else None
+        return callee in self.comps and all(i.op in _SAME_VALUES or i.op == "parameter"
+                                            for i in self.comps[callee].values())
+
     def summed_into(self, comp: str, values: list[str]) -> str | None:
-        """The one instruction these values all flow into (through converts, bitcasts and copies)
-        when it adds: an `add`, or a fusion with an `add` inside."""
+        """The instructions these values all flow into (through converts, bitcasts and copies, alone
+        or fused) when each of them adds: an `add`, or a fusion with an `add` inside (the CPU fuses
+        the sum into each of its consumers), named together; None if any does not add."""
         sinks = set()
         for value in values:
             for use in self.users(comp, value):
-                if use.op in _SAME_VALUES:
+                if use.op in _SAME_VALUES or self.only_layout(use):
                     sink = self.summed_into(comp, [use.name])
                     if sink is None:
                         return None
                     sinks.add(sink)
                 else:
                     sinks.add(use.name)
-        if len(sinks) != 1:
+        if not sinks or not all(self._adds(self.comps[comp][name]) for name in sinks if name in self.comps[comp]):
             return None
-        sink = self.comps[comp][sinks.pop()]
-        adds = sink.op == "add" or (sink.op == "fusion" and any(
-            i.op == "add" for i in self.comps.get(self.callee(sink), {}).values()))
-        return sink.name if adds else None
+        return "+".join(sorted(sinks))
+
+    def _adds(self, ins: Instr) -> bool:
+        return ins.op == "add" or (ins.op == "fusion" and any(
+            i.op == "add" for i in self.comps.get(self.callee(ins), {}).values()))
 
     def execution_counts(self) -> dict[str, float]:
         """How often each computation runs per call of the entry: while bodies by their trip count."""

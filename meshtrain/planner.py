@@ -152,7 +152,9 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
     records = hlo.read(compiled.as_text(), n)
     measured = hlo.by_kind(records)
     expected = traffic.expected_traffic(program)
-    comms = {k: {**measured[k], "formula_traffic_bytes": expected[k]["traffic_bytes"], "formula": expected[k]["terms"]}
+    compared = traffic.compare(measured, expected, gaps=traffic.known_gaps(program))
+    comms = {k: {**measured[k], "formula_traffic_bytes": expected[k]["traffic_bytes"], "formula": expected[k]["terms"],
+                 "ratio": compared[k]["ratio"], "within": compared[k]["within"], "flag": compared[k]["flag"]}
              for k in KINDS}
 
     cost = compiled.cost_analysis()
@@ -216,10 +218,15 @@ def format_plan(r: dict) -> str:
                      f"fp32 bytes, + 1/D of them at zero 0/1)")
     lines.append(f"  {'temporaries':<30} {gb(mem['temporaries']):>12}  (activations and gradients, from the compiled step)")
     lines += format_moe(r)
-    lines += ["", *format_run_memory(r), "", "collectives per device per step   count    payload   link traffic   formula traffic"]
+    lines += ["", *format_run_memory(r), "", "collectives per device per step   count    payload   link traffic   formula traffic"
+              "  measured/formula"]
     for kind, c in r["collectives"].items():
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}x"
         lines.append(f"  {kind:<30} {c['count']:>7.0f} {gb(c['payload_bytes']):>12} {gb(c['traffic_bytes']):>12} "
-                     f"{gb(c['formula_traffic_bytes']):>12}  {'; '.join(c['formula'])}")
+                     f"{gb(c['formula_traffic_bytes']):>12} {ratio:>8}{'  FLAGGED' if c['flag'] else ''}  "
+                     f"{'; '.join(c['formula'])}")
+        if c["flag"]:
+            lines.append(f"  {'':<30} FLAGGED: {c['flag']}")
     dp = r["data_parallel"]
     if dp["fp32_bytes"]:
         used = "int8 (in use)" if dp["compression"] == "int8" else "int8 (parallel.grad_compression=int8)"

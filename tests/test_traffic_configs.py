@@ -1,0 +1,63 @@
+"""The shipped configs' layouts (configs/*.yaml), shrunk to tiny shapes on 8 simulated devices:
+measured collective traffic per kind (meshtrain/hlo.py, corrected) within 10% of
+meshtrain/traffic.py's formula, or flagged with the reason `traffic.compare` gives. Compile-only;
+each program compiled once (module cache). The pods themselves: tests/test_shipped_configs.py."""
+import functools
+
+import pytest
+
+from conftest import ROOT, tiny_config
+from meshtrain import hlo, traffic
+from meshtrain.program import TrainProgram
+
+# Tiny Llama-shaped dims: every layer's structure (GQA, SwiGLU, untied or tied head) kept.
+SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",
+          "model.mlp_dim=512", "model.vocab_size=1024", "train.seq_len=64")
+CASES = {  # name: (config, overrides, the kinds that must match within 10%; any other is flagged with its reason)
+    "llama3_8b pod axes": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "train.batch_size=32"),
+                           {"all-reduce", "all-gather", "reduce-scatter"}),
+    "mixtral_8x7b pod axes (expert parallel)": ("mixtral_8x7b", ("parallel.mesh=fsdp=2,expert=4", "train.batch_size=32"),
+                                                {"all-to-all"}),
+    "tiny pod (ZeRO-1, data x fsdp x tensor)": ("tiny", ("parallel.mesh=2x2x2",), {"all-reduce", "reduce-scatter"}),
+    "data x tensor": ("llama3_8b", ("parallel.mesh=data=2,tensor=4", "train.batch_size=32"), {"all-reduce"}),
+    "data x fsdp": ("llama3_8b", ("parallel.mesh=data=2,fsdp=4", "train.batch_size=128"), set()),
+    "sequence parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "parallel.sequence_parallel=true",
+                                        "train.batch_size=32"), {"reduce-scatter"}),
+    "context parallel": ("llama3_8b", ("parallel.mesh=tensor=4,context=2", "train.batch_size=32", "train.seq_len=128",
+                                       "parallel.attention=ring"),
+                         {"all-reduce", "all-gather", "reduce-scatter", "collective-permute"}),
+    "int8 compression": ("gpt2_124m", ("parallel.mesh=data=8", "parallel.grad_compression=int8", "train.batch_size=16"),
+                         {"all-gather", "all-to-all"}),
+}
+
+
+@functools.cache
+def compared(name):
+    config, overrides, _ = CASES[name]
+    shrink = SHRINK if config not in ("tiny", "moe_tiny", "shakespeare_char") else ()
+    program = TrainProgram.from_config(tiny_config(*shrink, *overrides, config=str(ROOT / "configs" / f"{config}.yaml")))
+    measured = hlo.collectives(program.lower().compile().as_text(), program.mesh.size)
+    return traffic.compare(measured, traffic.expected_traffic(program), gaps=traffic.known_gaps(program))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_each_kind_within_10_percent_or_flagged_with_its_reason(name):
+    rows, matching = compared(name), CASES[name][2]
+    for kind, row in rows.items():
+        assert row["within"] or (kind not in matching and row["flag"] and traffic.UNEXPLAINED not in row["flag"]), \
+            (kind, row)
+        if kind in matching:
+            assert row["ratio"] and row["flag"] is None, (kind, row)
+
+
+def test_compare_flags_what_is_outside_10_percent_or_has_no_formula():
+    kinds = lambda **b: {k: {"traffic_bytes": b.get(k.replace("-", "_"), 0.0)} for k in hlo.KINDS}
+    measured = kinds(all_reduce=105.0, all_gather=150.0, reduce_scatter=50.0, all_to_all=2e6, collective_permute=10.0)
+    formula = kinds(all_reduce=100.0, all_gather=100.0, reduce_scatter=100.0)
+    rows = traffic.compare(measured, formula, gaps={"all-gather": [("regathered", 1, 1.5)],
+                                                    "reduce-scatter": [("regathered", 1, 1.5)]})
+    assert rows["all-reduce"]["within"] and rows["all-reduce"]["flag"] is None and rows["all-reduce"]["ratio"] == 1.05
+    assert rows["all-gather"]["flag"].startswith("measured 1.50x the formula: regathered; the roofline uses the measured")
+    assert traffic.UNEXPLAINED in rows["reduce-scatter"]["flag"]  # 0.5x: outside the known gap's range
+    assert rows["all-to-all"]["ratio"] is None and "no formula" in rows["all-to-all"]["flag"]
+    assert rows["collective-permute"]["within"]  # scalars only
