@@ -8,13 +8,14 @@ worst measured/formula traffic ratio over the collective kinds (meshtrain/traffi
 """
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 from meshtrain.config import documented_pod
+from meshtrain.planner import human_bytes
 
-GB = 1e9
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,13 +30,15 @@ def plan(config: Path) -> tuple[list[str], dict]:
 
 
 def worst_traffic(report: dict) -> str:
-    """The kind whose measured traffic is furthest from its formula, as measured/formula."""
-    rows = [(k, row) for k, row in report.get("traffic_check", {}).items() if row.get("measured")]
+    """The collective kind furthest from its formula, as measured/formula (meshtrain/traffic.py's
+    compare; a flagged kind with bytes but no formula counts as furthest; scalars with no formula,
+    which compare does not flag, are left out), and whether the plan flags it."""
+    rows = [(kind, c) for kind, c in report["collectives"].items() if c["ratio"] is not None or c["flag"]]
     if not rows:
         return "-"
-    kind, row = max(rows, key=lambda kr: abs(kr[1]["ratio"] - 1) if kr[1]["ratio"] is not None else float("inf"))
-    ratio = "no formula" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-    return f"{kind} {ratio}{' (flagged)' if row.get('flagged') else ''}"
+    kind, c = max(rows, key=lambda kc: math.inf if kc[1]["ratio"] is None else abs(kc[1]["ratio"] - 1))
+    ratio = "bytes, no formula" if c["ratio"] is None else f"{c['ratio']:.2f}x"
+    return f"{kind} {ratio}{' (flagged)' if c['flag'] else ''}"
 
 
 def main():
@@ -47,9 +50,10 @@ def main():
     for config in args.configs:
         flags, r = plan(config.resolve())
         s, b, v = r["steps"], r["budget"], r["verdict"]
-        print(f"| {config.stem} | {' '.join(flags)} | {s['train'] / GB:.2f} GB | {s['eval'] / GB:.2f} GB | "
-              f"{s['generation'] / GB:.2f} GB | {b['usable'] / GB:.2f} GB | {b['budget'] / GB:.2f} GB | "
-              f"{v['status']} | {v['margin'] / GB:.2f} GB | {worst_traffic(r)} |", flush=True)
+        gb = human_bytes
+        print(f"| {config.stem} | {' '.join(flags)} | {gb(s['train'])} | {gb(s['eval'])} | {gb(s['generation'])} | "
+              f"{gb(b['usable'])} | {gb(b['budget'])} | {v['status']} | {gb(v['margin'])} | {worst_traffic(r)} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from meshtrain import traffic
 from meshtrain.config import documented_pod
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -28,4 +29,5 @@ def test_shipped_config_fits_its_pod(config):
     assert steps["eval"] <= steps["train"]  # the eval step runs the train step's microbatches, forward only
     assert report["generation"]["kv_cache_formula"] > 0 and steps["generation"] > report["generation"]["kv_cache_formula"]
     for kind, c in report["collectives"].items():  # within 10% of the formula, or flagged with its reason
-        assert c["within"] or (c["flag"] and "roofline uses the measured" in c["flag"]), (kind, c["ratio"], c["flag"])
+        assert c["within"] or (c["flag"] and "roofline uses the measured" in c["flag"]
+                               and traffic.UNEXPLAINED not in c["flag"]), (kind, c["ratio"], c["flag"])
