@@ -19,7 +19,7 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   layers' weights all-gathered in the compute dtype in the forward and again in the backward
   (remat=full recomputes with the backward's gather), their gradients reduce-scattered in the
   compute dtype; the embedding, head and final norm gathered once per step (XLA hoists the gather
-  out of the microbatch loop: 4 bytes/param, the fp32 table and the head twice in bf16) and
+  out of the microbatch loop: an untied table in the compute dtype, the head twice in it) and
   reduced in fp32 per microbatch (the loss sums the head's gradient over its chunks per batch
   shard, meshtrain/loss.py, so once).
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
@@ -93,14 +93,19 @@ def param_slices(program, experts: bool = True) -> dict[str, float]:
     """Parameters in this device's slice, as split over tensor, pipeline and expert (data, fsdp and
     context, which the `embed` rule shards weights over, are the axes gathered and reduced over):
     `blocks` (the layer stack) and `outer` (the stage-replicated embedding, head and final norm).
-    `experts=False`: the parameters outside the experts only (those the expert axis replicates)."""
-    out = {"blocks": 0.0, "outer": 0.0}
+    `experts=False`: the parameters outside the experts only (those the expert axis replicates).
+    `table`: of `outer`, an untied embedding table's slice (the lookup gathers it in the compute
+    dtype; a tied table is the head too)."""
+    out = {"blocks": 0.0, "outer": 0.0, "table": 0.0}
+    tied = program.model.cfg.tie_embeddings
     for leaf, sharding, axes in _params_with_axes(program):
         if not experts and "experts" in axes:
             continue
         split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
                           if a not in GATHERED_AXES)
         out["outer" if stage_replicated(axes) else "blocks"] += leaf.size / split
+        if axes[:1] == ("vocab",) and not tied:
+            out["table"] += leaf.size / split
     return out
 
 
@@ -152,9 +157,10 @@ def expected_traffic(program) -> dict[str, dict]:
     # forward's gather stays live for the backward (outside the layer loop).
     add("all-gather", micro * ring_traffic("all-gather", 2 * slices["blocks"] * act, A),
         f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype, forward and backward")
-    add("all-gather", ring_traffic("all-gather", slices["outer"] * 4, A),
+    add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4 + slices["table"] * act, A),
         "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
-        "change them: XLA hoists it), 4 bytes/param (fp32 table; head in the compute dtype twice)")
+        "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
+        "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
     add("reduce-scatter", micro * ring_traffic("all-gather", slices["blocks"] * act + slices["outer"] * 4, A),
         f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the "
         f"embedding's and head's in fp32")
@@ -214,7 +220,8 @@ def data_parallel_traffic(program) -> dict:
     0/1, reduce-scatter at 2/3) and int8 (meshtrain/compression.py), whichever the plan uses."""
     plan, sizes = program.plan, program.sizes
     D, zero = sizes["data"], plan.zero
-    grads = 4 * sum(param_slices(program).values()) / (sizes["fsdp"] * sizes["context"])  # fp32 bytes reduced over data
+    slices = param_slices(program)
+    grads = 4 * (slices["blocks"] + slices["outer"]) / (sizes["fsdp"] * sizes["context"])  # fp32 bytes reduced over data
     fp32 = ring_traffic("all-reduce", grads, D) if zero <= 1 else ring_traffic("all-gather", grads, D)  # RS = AG
     int8 = sum(formulas.compressed_reduction_traffic(grads, D, plan.compression_block, zero <= 1).values())
     return {"compression": plan.grad_compression if compression.applies(plan, sizes) else "none",
