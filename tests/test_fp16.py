@@ -22,10 +22,10 @@ def quiet_fit(trainer, steps=None):
 
 
 def final_eval(precision):
-    """The Shakespeare model's shape (configs/shakespeare_char.yaml) on standard-library text, 200
+    """The Shakespeare model's shape (configs/shakespeare_char.yaml) on standard-library text, 100
     steps at batch 8, one device."""
     cfg = tiny_config(f"parallel.precision={precision}", "parallel.mesh=1", "data.kind=stdlib", "data.path=",
-                      "train.steps=200", "train.batch_size=8", "train.log_every=50", "train.eval_every=200",
+                      "train.steps=100", "train.batch_size=8", "train.log_every=50", "train.eval_every=100",
                       "train.eval_batches=8", "optim.lr=3e-3", config=str(ROOT / "configs" / "shakespeare_char.yaml"))
     trainer = Trainer(cfg, devices=jax.devices()[:1])
     history = quiet_fit(trainer)
@@ -35,9 +35,9 @@ def final_eval(precision):
 def test_fp16_tracks_fp32_on_the_shakespeare_model():
     fp32, _ = final_eval("fp32")
     fp16, history = final_eval("fp16")
-    # Measured: fp32 2.3972, fp16 2.4102 (+0.54%), one overflow at step 1 (65536 -> 32768).
+    # Measured at 100 steps: fp32 2.6601, fp16 2.6669 (+0.26%); at 200: 2.3972, 2.4102 (+0.54%).
     assert abs(fp16 - fp32) / fp32 < 0.02, (fp16, fp32)
-    assert fp32 < 2.6  # both learned: the first loss is ~5.5
+    assert fp32 < 2.8  # both learned: the first loss is ~5.5
     scales = [r["loss_scale"] for r in history if "loss" in r]
     assert all(1 <= s <= 65536 for s in scales)
 

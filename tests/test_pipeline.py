@@ -170,12 +170,12 @@ def temp_bytes(schedule, micro):
 
 def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
     """1F1B holds at most 2S-1 = 7 microbatches' residuals (reached from M = 7 on), GPipe all M."""
-    one_f_one_b = {m: temp_bytes("1f1b", m) for m in (8, 16)}
-    gpipe = {m: temp_bytes("gpipe", m) for m in (8, 16)}
+    one_f_one_b = {m: temp_bytes("1f1b", m) for m in (8, 12)}
+    gpipe = {m: temp_bytes("gpipe", m) for m in (8, 12)}
     print(f"temp bytes per device: 1f1b {one_f_one_b}, gpipe {gpipe}")
-    assert one_f_one_b[16] <= 1.05 * one_f_one_b[8]
-    # GPipe keeps every microbatch's residuals: 8 more microbatches, at least 8 more [2, 64, 64] fp32 inputs
-    assert gpipe[16] - gpipe[8] >= 8 * 2 * 64 * 64 * 4
+    assert one_f_one_b[12] <= 1.05 * one_f_one_b[8]
+    # GPipe keeps every microbatch's residuals: 4 more microbatches, at least 4 more [2, 64, 64] fp32 inputs
+    assert gpipe[12] - gpipe[8] >= 4 * 2 * 64 * 64 * 4
 
 
 def test_cli_trains_a_1f1b_pipeline(tmp_path):
