@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 
 from meshtrain import formulas, traffic
@@ -30,9 +29,7 @@ from meshtrain.errors import UserError
 from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import DEVICE_PROFILES
 from meshtrain.program import TrainProgram
-from meshtrain.precision import COMPUTE_DTYPES
 from meshtrain.sharding import make_rules
-from models.moe import dispatch_bytes
 
 GB = 1e9
 # XLA's CPU backend widens bf16 arithmetic to f32 and while-loop-invariant code motion then hoists
@@ -105,19 +102,6 @@ def generation_memory(cfg, program) -> dict:
             "kv_cache_formula": cache}
 
 
-def moe_dispatch(program) -> dict:
-    """{"moe": one MoE layer's dispatch buffer per device (models/moe.py `dispatch_bytes`) for
-    this layout's rows per microbatch}; {} for a model without routed experts."""
-    m, sizes = program.model.cfg, program.sizes
-    if not getattr(m, "num_experts", 0):
-        return {}
-    rows = program.train.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"]
-                                       * program.plan.num_microbatches(sizes["pipeline"]))
-    act = np.dtype(COMPUTE_DTYPES[program.plan.precision]).itemsize
-    return {"moe": dispatch_bytes(rows, program.train.seq_len, m.num_experts, m.experts_per_token,
-                                  m.capacity_factor, m.d_model, act, sizes["expert"])}
-
-
 def format_moe(r: dict) -> list[str]:
     moe = r.get("moe")
     if not moe:
@@ -176,7 +160,8 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
                                                 experts=traffic.expert_params(program)),
             "collectives": comms,
             "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
-            "flops": flops, "roofline": roofline, "_program": program, **moe_dispatch(program)}
+            "flops": flops, "roofline": roofline, "_program": program,
+            **({"moe": moe} if (moe := traffic.moe_dispatch(program)) else {})}
 
 
 def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None) -> dict:

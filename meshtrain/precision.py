@@ -24,6 +24,11 @@ import jax.numpy as jnp
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
+def compute_bytes(precision: str) -> int:
+    """Bytes per activation (and compute-dtype parameter copy): 2 under bf16 and fp16, 4 under fp32."""
+    return jnp.dtype(COMPUTE_DTYPES[precision]).itemsize
+
+
 def cast_for_compute(params, precision: str):
     dtype = COMPUTE_DTYPES[precision]
     if dtype == jnp.float32:

@@ -51,12 +51,11 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
 
 from meshtrain import compression, data_parallel, formulas
 from meshtrain.formulas import ring_traffic
 from meshtrain.hlo import KINDS
-from meshtrain.precision import COMPUTE_DTYPES
+from meshtrain.precision import compute_bytes
 from meshtrain.schedules import executor_tables, sends_per_step, timetable
 from meshtrain.sharding import entry_axes
 from models.moe import dispatch_bytes
@@ -109,12 +108,24 @@ def param_slices(program, experts: bool = True) -> dict[str, float]:
     return out
 
 
+def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
+    """One MoE layer's dispatch buffer per device (models/moe.py `dispatch_bytes`) for this layout's
+    rows per microbatch (`microbatches`: the plan's unless given); None without routed experts."""
+    m, sizes, t = program.model.cfg, program.sizes, program.train
+    if not getattr(m, "num_experts", 0):
+        return None
+    micro = microbatches or program.plan.num_microbatches(sizes["pipeline"])
+    rows = t.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro)
+    return dispatch_bytes(rows, t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor, m.d_model,
+                          compute_bytes(program.plan.precision), sizes["expert"])
+
+
 def expected_traffic(program) -> dict[str, dict]:
     """Analytical link traffic per device per step, by collective kind, with what it stands for."""
     plan, sizes = program.plan, program.sizes
     D, F, T, P, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context"))
     m, t, zero = program.model.cfg, program.train, plan.zero
-    act = np.dtype(COMPUTE_DTYPES[plan.precision]).itemsize  # activation bytes: 2 under bf16 and fp16
+    act = compute_bytes(plan.precision)
     slices = param_slices(program)
     slice_params = slices["blocks"] + slices["outer"]
     out = {k: {"traffic_bytes": 0.0, "terms": []} for k in KINDS}
@@ -191,10 +202,8 @@ def expected_traffic(program) -> dict[str, dict]:
         else:
             add("all-reduce", vocab, kind)
     if E > 1:
-        rows = t.batch_size / (D * F * E)
         passes = 6 if plan.remat == "full" else 4  # the recomputed forward exchanges again
-        buffer = dispatch_bytes(rows, t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor, m.d_model,
-                                act, E)
+        buffer = moe_dispatch(program, microbatches=1)  # the step's rows: the microbatches' buffers summed
         counts = 0 if m.capacity_factor else 4 * m.num_experts
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
