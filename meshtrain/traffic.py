@@ -28,7 +28,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   all-gather. The vocab-parallel embedding and head add one fp32 all-reduce of [b, s, h] each.
 - Pipeline: one activation forward and one cotangent back per send of the executor's tables;
   the stage-replicated parameters' gradients all-reduced over P.
-- Expert parallelism: 4 all-to-alls of the dispatch buffer per MoE layer. Outside the experts
+- Expert parallelism: 4 all-to-alls of the dispatch buffer (`moe_dispatch`) per MoE layer (6 under
+  remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
   are all-reduced over E per microbatch, the layers' in the compute dtype.
 - Context parallelism (meshtrain/context_parallel.py's ring), per layer: 2(C-1) sends of this
