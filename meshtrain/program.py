@@ -48,8 +48,9 @@ class TrainProgram:
         abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))
         self.logical_axes = self.model.logical_axes(abstract_params)
         check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
-        self.schedule = lr_schedule(optim, t.steps)
-        self.tx = make_optimizer(optim, t.steps, self.logical_axes)
+        horizon = optim.schedule_steps or t.steps  # the trainer sets it from the run's record
+        self.schedule = lr_schedule(optim, horizon)
+        self.tx = make_optimizer(optim, horizon, self.logical_axes)
 
         self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
         stages = self.sizes["pipeline"]

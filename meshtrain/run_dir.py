@@ -1,20 +1,119 @@
-"""The run's output folder (`--out`): checked before anything is built, written only by a run
-that starts training (config.yaml here, metrics.jsonl in loggers.py, checkpoints/ in checkpoint.py)."""
+"""The run's output folder (`--out`): checked before anything is built, owned by one run at a time
+(run.lock, meshtrain/lock.py), and written only by a run that starts training (config.yaml and
+run.json here, metrics.jsonl in loggers.py, checkpoints/ in checkpoint.py).
+
+run.json records what defines the run: the model's architecture, the data's fingerprint, the seed
+and the learning-rate schedule's horizon. A later start in the same folder continues that run; one
+that would change any of them is refused (a new run needs a new --out), unless the user says
+`--allow-change`, which records the change as a new phase."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
+import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
-from meshtrain.config import Config, UserError, default_out, to_dict
+from meshtrain.config import Config, ModelSpec, UserError, default_out, to_dict
 from meshtrain.folders import writable
+from meshtrain.lock import LOCK_FILE
+
+RUN_RECORD = "run.json"
+RUN_SIGNS = (RUN_RECORD, "config.yaml", "checkpoints")  # a folder holding one of these is a run's
 
 
 def checked(out: str) -> Path:
-    """The output folder, once it is known that it can be created or written; nothing is written."""
-    return writable(Path(out or default_out()), "--out")
+    """The output folder, once it is known that it can be created or written and is new, empty or a
+    run's; nothing is written."""
+    path = writable(Path(out or default_out()), "--out")
+    if path.is_dir() and not any((path / sign).exists() for sign in RUN_SIGNS):
+        foreign = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
+        if foreign:
+            raise UserError(f"--out {path} is a folder that is not a meshtrain run (it holds {foreign[0]}"
+                            f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); pick a new or "
+                            f"empty folder")
+    return path
+
+
+def data_fingerprint(tokens) -> str:
+    """The token stream's identity, cheap at any size: its length and 64 windows of 1024 tokens spread
+    over it, hashed. Another file with the same tokens has the same fingerprint (a moved dataset)."""
+    if tokens is None:
+        return "synthetic"
+    n = len(tokens)
+    width = min(1024, n)
+    starts = np.unique(np.linspace(0, n - width, 64).astype(np.int64))
+    digest = hashlib.sha256(str(n).encode())
+    digest.update(tokens.windows(starts, width).astype("<i4").tobytes())
+    return f"{n}:{digest.hexdigest()[:16]}"
+
+
+def identity(cfg: Config, data: str) -> dict:
+    """What defines a run (`data`: its fingerprint): what run.json records and a later start compares."""
+    return {"model": cfg.model.architecture(), "data": data, "seed": cfg.train.seed,
+            "schedule_steps": cfg.optim.schedule_steps or cfg.train.steps}
+
+
+def read_record(out: Path) -> dict | None:
+    path = out / RUN_RECORD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        record["identity"]["schedule_steps"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{path} is unreadable; it records what defines this run: restore it, or use a new --out "
+                        f"for a new run") from None
+    return record
+
+
+def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[dict, list[str]]:
+    """(this start's identity, what changes from the recorded run). `cfg.optim.schedule_steps` is set
+    to the run's horizon: the recorded one unless the config sets one. A change is refused unless
+    `allow_change`."""
+    record = read_record(out)
+    recorded = record["identity"] if record else None
+    if not cfg.optim.schedule_steps:
+        cfg.optim.schedule_steps = recorded["schedule_steps"] if recorded else cfg.train.steps
+    mine = identity(cfg, data)
+    if recorded is None:
+        return mine, []
+    changes = []
+    model_change = cfg.model.architecture_difference(
+        ModelSpec(**{k: v for k, v in recorded["model"].items() if hasattr(ModelSpec, k)}), "this start",
+        f"the run in {out}")
+    if model_change:
+        changes.append(model_change)
+    if recorded["data"] != mine["data"]:
+        changes.append(f"the run in {out} trained on other data (fingerprint {recorded['data']}, from "
+                       f"{record.get('data_source')}), this start's is {mine['data']} (from {data_source(cfg, mine)})")
+    for key, name in (("seed", "train.seed"), ("schedule_steps", "optim.schedule_steps")):
+        if recorded[key] != mine[key]:
+            changes.append(f"the run in {out} has {name}={recorded[key]}, this start {mine[key]}")
+    if changes and not allow_change:
+        raise UserError(f"{changes[0]}{f' (and {len(changes) - 1} more)' if len(changes) > 1 else ''}; use a new "
+                        f"--out for a new run, or pass --allow-change to continue this one with the change")
+    return mine, changes
+
+
+def data_source(cfg: Config, mine: dict) -> str:
+    return cfg.data.path or ("synthetic data" if mine["data"] == "synthetic" else "the Python standard library")
+
+
+def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[str]) -> None:
+    """run.json: the run's identity and one entry per start (the step it started at, the changes it
+    was allowed to make). Written whole (tmp + rename)."""
+    record = read_record(out) or {"starts": []}
+    record.update(identity=mine, data_source=data_source(cfg, mine))
+    record["starts"].append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "steps": cfg.train.steps,
+                             "changes": changes})
+    tmp = out / f"{RUN_RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, out / RUN_RECORD)
 
 
 def version() -> str:

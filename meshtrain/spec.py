@@ -143,7 +143,11 @@ class ParallelPlan:
 @dataclass
 class OptimSpec:
     lr: float = setting(1e-3, "peak learning rate (AdamW)", min=0.0)
-    min_lr_ratio: float = setting(0.1, "cosine decays to lr x min_lr_ratio at the last step", min=0.0)
+    min_lr_ratio: float = setting(0.1, "cosine decays to lr x min_lr_ratio at the schedule's last step", min=0.0)
+    schedule_steps: int = setting(0, "the schedule's horizon: warmup + cosine span this many steps, then lr stays "
+                                     "at lr x min_lr_ratio; 0 = train.steps of the run's first start (recorded in "
+                                     "<out>/run.json, so resuming with more --steps continues the same curve)",
+                                  min=0)
     warmup_steps: int = setting(20, "linear warmup steps", min=0)
     weight_decay: float = setting(0.1, "decoupled weight decay on matrices (not norms)", min=0.0)
     b1: float = setting(0.9, "Adam beta1", min=0.0)

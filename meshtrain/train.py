@@ -12,7 +12,7 @@ from meshtrain.config import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, 
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
-             "seq_len": "train.seq_len", "data": "data.path", "out": "out",
+             "seq_len": "train.seq_len", "data": "data.path", "text_field": "data.text_field", "out": "out",
              "resume": "checkpoint.resume", "init_from": "checkpoint.init_from", "profile": "logging.profile"}
 
 
@@ -29,9 +29,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--data", help="text file or folder, .jsonl, Parquet, datasets save_to_disk folder, .bin token "
                                   "file, or a prepared folder (python -m meshtrain.data prepare)")
+    p.add_argument("--text-field", help="the jsonl field / Parquet or datasets column holding the text "
+                                        "(data.text_field, default text)")
     p.add_argument("--out", help="output folder for config.yaml, metrics.jsonl, tensorboard/ and checkpoints/ "
                                  "(default runs/<config file name>)")
     p.add_argument("--resume", help="auto (default: latest checkpoint under --out), never, or a checkpoint path")
+    p.add_argument("--allow-change", action="store_true",
+                   help="continue the run in --out although this start changes what defines it (its data, seed, "
+                        "schedule horizon or model; recorded in <out>/run.json as a new phase)")
     p.add_argument("--init-from", help="start from these weights when there is no checkpoint to resume: "
                                        "hf:DIR (a Hugging Face checkpoint) or a meshtrain run folder")
     p.add_argument("--profile", metavar="START:STOP",
@@ -102,7 +107,7 @@ def run(cfg, args, interrupted: threading.Event) -> None:
     from meshtrain.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, allow_change=args.allow_change)
         if interrupted.is_set():  # a Ctrl-C that a library callback swallowed while starting up
             raise KeyboardInterrupt
         trainer.fit()

@@ -3,11 +3,14 @@ compiled step, trains, and returns the metric history. The CLI is a thin layer o
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -20,6 +23,7 @@ from meshtrain import loggers, run_dir
 from meshtrain import tokenizer as tokenizer_lib
 from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.config import Config, ModelSpec, UserError, to_dict
+from meshtrain.lock import LOCK_FILE, FolderLock
 from meshtrain.mesh import describe
 from meshtrain.metrics import mfu, peak_flops
 from meshtrain.multihost import agree_with_process_0, preemption_reached
@@ -34,13 +38,32 @@ class Trainer:
     `devices` restricts the mesh to a subset of jax.devices() (e.g. one device for a reference run).
     """
 
-    def __init__(self, cfg: Config, devices=None):
+    def __init__(self, cfg: Config, devices=None, allow_change: bool = False):
         self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
         self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
-        self.cfg = cfg
-        self.program = program = TrainProgram.from_config(cfg, devices)
+        self.lock, created = FolderLock(self.out), not self.out.exists()
+        weakref.finalize(self, self.lock.release)  # a Trainer dropped without fit() or close()
+        self._own_folder()  # a second run on this --out stops here, at once
+        try:
+            self._build(copy.deepcopy(cfg), devices, allow_change)
+        except BaseException:
+            self.close()
+            if created and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:  # nothing else was written
+                shutil.rmtree(self.out, ignore_errors=True)
+            raise
+
+    def _build(self, cfg: Config, devices, allow_change: bool):
         t = cfg.train
         self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        # What defines the run, checked against the folder's record; sets the schedule's horizon.
+        self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.data_fingerprint(self.corpus.tokens),
+                                                        allow_change)
+        if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
+            print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
+                  f"{cfg.optim.schedule_steps}): lr stays at optim.lr x min_lr_ratio from there; to decay over a new "
+                  f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
+        self.cfg = cfg
+        self.program = program = TrainProgram.from_config(cfg, devices)
         train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
         batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
                                                        program.batch_sharding, cfg.model.vocab_size)
@@ -72,6 +95,25 @@ class Trainer:
             self.eval_step = program.eval_step()
         self.peak = peak_flops(program.mesh.devices.flat[0].device_kind)
         self.local_devices = program.mesh.local_devices
+
+    def _own_folder(self) -> None:
+        """Lock --out for this run (process 0 holds the lock for every process of a multi-host run)."""
+        error = None
+        if jax.process_index() == 0:
+            try:
+                self.lock.acquire()
+            except UserError as e:
+                error = e
+        if not agree_with_process_0(error is None):
+            raise error or UserError(f"--out {self.out} is in use by another run (process 0 could not lock it); "
+                                     f"pick another --out")
+        notice = self.lock.stale_notice()
+        if notice:
+            print(notice, flush=True)
+
+    def close(self) -> None:
+        """Give --out back (fit() does at its end; a Trainer that never trains should be closed)."""
+        self.lock.release()
 
     def _restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
         """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
@@ -159,6 +201,7 @@ class Trainer:
             if primary:
                 print(f"already at step {first} of {steps}: nothing to train (raise --steps, or use a new --out)",
                       flush=True)
+            self.close()
             return []
         # From before the first write on, a signal finishes the step, checkpoints and exits 0.
         signalled = threading.Event()
@@ -170,10 +213,12 @@ class Trainer:
             else:  # JAX's runtime notes SIGTERM for the preemption sync point; Ctrl-C becomes one
                 handlers[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         self.preempted = False
+        self._own_folder()  # held since __init__, or again for a second fit()
         try:
             if primary:  # only a run that trains writes into --out
-                self.out.mkdir(parents=True, exist_ok=True)
                 run_dir.write_config(self.out, cfg, self.program.mesh)
+                run_dir.record_start(self.out, self.identity, cfg, first, self.changes)
+                self.changes = []
                 tokenizer_lib.record(self.out, self.corpus.tokenizer)  # so the run's tokens can be decoded
             if primary:
                 print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
@@ -187,6 +232,7 @@ class Trainer:
                 signal.signal(sig, handler)
             if log is not None:
                 log.close()
+            self.close()
         if primary:
             saved = self.checkpointer.steps()
             newest = str(self.checkpointer.path(max(saved))) if saved else None

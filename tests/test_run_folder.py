@@ -1,0 +1,218 @@
+"""A run folder belongs to one run: the lock (meshtrain/lock.py), the record of what defines the run
+(run.json, meshtrain/run_dir.py), the schedule's horizon, and folders that are not runs."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import run_dir
+from meshtrain.config import UserError
+from meshtrain.data.tokens import Tokens
+from meshtrain.lock import LOCK_FILE, FolderLock
+from meshtrain.testing import ROOT, tiny_config
+
+HOLD = ("import sys, time; from meshtrain.lock import FolderLock; FolderLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(60)")
+
+
+@pytest.fixture
+def holder_process(tmp_path):
+    """Another process holding the lock on tmp_path/run (imports no JAX: starts in a fraction of a second)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "held"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def write_lock(folder, **holder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LOCK_FILE).write_text(json.dumps(holder) if holder else "")
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid  # exited and reaped: no process has it (until the kernel reuses it)
+
+
+# (case, lock file before, outcome): None = acquired silently, "notice" = stale lock taken over, "error" = refused
+LOCK_CASES = [
+    ("fresh folder", None, None),
+    ("released lock (empty file)", {}, None),
+    ("killed holder (pid gone)", "dead", "notice"),
+    ("holder on another host, no flock held", {"host": "elsewhere", "pid": 1, "since": "then", "epoch": 0}, "notice"),
+    ("unreadable lock file", "garbage", "notice"),
+    ("live holder on this host, flock not shared (network fs)", "alive", "error"),
+]
+
+
+@pytest.mark.parametrize("case,before,outcome", LOCK_CASES, ids=[c[0] for c in LOCK_CASES])
+def test_lock_takes_over_only_what_no_process_holds(tmp_path, case, before, outcome):
+    folder = tmp_path / "run"
+    if before == "dead":
+        write_lock(folder, host=socket.gethostname(), pid=dead_pid(), since="then", epoch=time.time())
+    elif before == "alive":
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        write_lock(folder, host=socket.gethostname(), pid=sleeper.pid, since="then", epoch=time.time())
+    elif before == "garbage":
+        folder.mkdir()
+        (folder / LOCK_FILE).write_bytes(b"\xff\x00 not json")
+    elif before is not None:
+        write_lock(folder, **before)
+    lock = FolderLock(folder)
+    try:
+        if outcome == "error":
+            with pytest.raises(UserError, match=rf"^--out {folder} is in use by pid {sleeper.pid} on "
+                                                rf"{socket.gethostname()} \(since then\); wait for that run"):
+                lock.acquire()
+            return
+        lock.acquire()
+        notice = lock.stale_notice()
+        assert (notice is not None) == (outcome == "notice"), notice
+        if notice:
+            assert notice.startswith(f"notice: --out {folder} was locked by pid ") and "lock taken over" in notice
+        assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+        if before == "alive":
+            sleeper.kill()
+    assert (folder / LOCK_FILE).read_text() == ""  # released: no holder named
+
+
+def test_a_second_process_is_refused_at_once_and_one_process_shares_its_lock(tmp_path, holder_process):
+    with pytest.raises(UserError, match=rf"^--out {tmp_path / 'run'} is in use by pid {holder_process.pid} on "):
+        FolderLock(tmp_path / "run").acquire()
+    holder_process.kill()
+    holder_process.wait()  # killed: the kernel dropped its flock, the file still names it
+    first, second = FolderLock(tmp_path / "run").acquire(), FolderLock(tmp_path / "run").acquire()
+    assert "no longer runs" in first.stale_notice() and second.stale_notice() is None
+    first.release()
+    assert json.loads((tmp_path / "run" / LOCK_FILE).read_text())["pid"] == os.getpid()  # second holds it
+    second.release()
+
+
+def test_trainer_refuses_a_locked_out_before_building_anything(tmp_path, holder_process):
+    from meshtrain.trainer import Trainer
+
+    out = tmp_path / "run"
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n' * 300)
+    started = time.perf_counter()
+    with pytest.raises(UserError, match="is in use by pid"):
+        Trainer(tiny_config(out=str(out)))
+    assert time.perf_counter() - started < 2  # no data, no compile
+    assert (out / "metrics.jsonl").read_text().count("\n") == 300  # the running run's records intact
+
+
+# ---- what is not a run folder ----
+FOLDER_CASES = [
+    ("new folder", [], None),
+    ("empty folder", ["."], None),
+    ("only a lock file", [LOCK_FILE], None),
+    ("a run (run.json)", ["run.json", "notes.txt"], None),
+    ("a run of an earlier version (config.yaml)", ["config.yaml", "metrics.jsonl"], None),
+    ("a user's folder", ["thesis.tex", "data.csv"], "is a folder that is not a meshtrain run (it holds data.csv and 1 more)"),
+    ("metrics alone", ["metrics.jsonl"], "is a folder that is not a meshtrain run (it holds metrics.jsonl)"),
+]
+
+
+@pytest.mark.parametrize("case,files,error", FOLDER_CASES, ids=[c[0] for c in FOLDER_CASES])
+def test_out_must_be_new_empty_or_a_run(tmp_path, case, files, error):
+    out = tmp_path / "out"
+    for name in files:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        if name != ".":
+            (out / name).write_text("x")
+    if error:
+        with pytest.raises(UserError, match=rf"^--out {out} {error}; pick a new or empty folder$"):
+            run_dir.checked(str(out))
+    else:
+        assert run_dir.checked(str(out)) == out
+    assert sorted(p.name for p in out.iterdir()) == sorted(f for f in files if f != ".") if out.exists() else True
+
+
+# ---- what defines a run ----
+def test_fingerprint_follows_the_tokens_not_the_file():
+    a = Tokens([np.arange(5000) % 251])
+    assert run_dir.data_fingerprint(a) == run_dir.data_fingerprint(Tokens([np.arange(2000) % 251,
+                                                                           np.arange(2000, 5000) % 251]))
+    changed = np.arange(5000) % 251
+    changed[4321] += 1
+    assert run_dir.data_fingerprint(Tokens([changed])) != run_dir.data_fingerprint(a)
+    assert run_dir.data_fingerprint(Tokens([np.arange(5001) % 251])) != run_dir.data_fingerprint(a)
+    assert run_dir.data_fingerprint(None) == "synthetic"
+
+
+# (change at the second start, config overrides, data fingerprint, the refusal's first words)
+IDENTITY_CASES = [
+    ("nothing", [], "fp", None),
+    ("more steps (the horizon stays)", ["train.steps=50"], "fp", None),
+    ("how it runs and learns", ["parallel.mesh=fsdp=2", "optim.lr=0.01", "train.batch_size=4"], "fp", None),
+    ("other data", [], "other", "the run in {out} trained on other data (fingerprint fp, from synthetic data), "
+                                "this start's is other"),
+    ("seed", ["train.seed=7"], "fp", "the run in {out} has train.seed=0, this start 7"),
+    ("schedule horizon", ["optim.schedule_steps=50"], "fp", "the run in {out} has optim.schedule_steps=20, "
+                                                            "this start 50"),
+    ("model", ["model.d_model=64", "model.head_dim=0"], "fp", "the run in {out} has model.d_model=32, this start "
+                                                              "has 64"),
+    ("seed and data", ["train.seed=7"], "other", "the run in {out} trained on other data .* \\(and 1 more\\)"),
+]
+
+
+@pytest.mark.parametrize("case,overrides,data,refusal", IDENTITY_CASES, ids=[c[0] for c in IDENTITY_CASES])
+def test_a_start_that_changes_what_defines_the_run_is_refused(tmp_path, case, overrides, data, refusal):
+    out = tmp_path / "run"
+    out.mkdir()
+    first = tiny_config("train.steps=20", out=str(out))
+    mine, changes = run_dir.continued(out, first, "fp", allow_change=False)
+    assert first.optim.schedule_steps == 20 and changes == []
+    run_dir.record_start(out, mine, first, 0, changes)
+    again = tiny_config("train.steps=20", *overrides, out=str(out))
+    if refusal is None:
+        assert run_dir.continued(out, again, data, allow_change=False)[1] == []
+        assert again.optim.schedule_steps == 20  # a resume with more --steps continues the recorded curve
+        return
+    with pytest.raises(UserError, match="^" + refusal.format(out=out) + ".*; use a new --out for a new run, "
+                                        "or pass --allow-change to continue this one with the change$"):
+        run_dir.continued(out, again, data, allow_change=False)
+    allowed = tiny_config("train.steps=20", *overrides, out=str(out))
+    mine, changes = run_dir.continued(out, allowed, data, allow_change=True)
+    assert changes and run_dir.record_start(out, mine, allowed, 10, changes) is None
+    record = json.loads((out / "run.json").read_text())
+    assert record["identity"] == mine and record["starts"][-1]["changes"] == changes  # the new phase, recorded
+    assert run_dir.continued(out, tiny_config("train.steps=20", *overrides, out=str(out)), data, False)[1] == []
+
+
+def test_an_unreadable_record_is_an_error(tmp_path):
+    (tmp_path / "run.json").write_text('{"identity": ')
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'run.json'} is unreadable; it records what defines this "
+                                        r"run: restore it, or use a new --out for a new run$"):
+        run_dir.continued(tmp_path, tiny_config(out=str(tmp_path)), "fp", False)
+
+
+def test_more_steps_on_resume_continue_the_schedule_instead_of_rescaling_it(tmp_path):
+    """The bug: --steps 8 on a 4-step run rescaled the schedule already applied (warmup cut). Now the
+    horizon is the first start's, and steps 5-8 run at the end value of that curve."""
+    from meshtrain.loggers import MetricsLog
+    from meshtrain.trainer import Trainer
+
+    one = jax.devices()[:1]
+    overrides = ("parallel.mesh=1", "checkpoint.resume=auto", "train.log_every=1", "train.eval_every=0",
+                 "optim.warmup_steps=1")
+    first = Trainer(tiny_config(*overrides, "train.steps=4", out=str(tmp_path)), devices=one)
+    first.fit(log=MetricsLog(tmp_path, primary=False))
+    extended = Trainer(tiny_config(*overrides, "train.steps=8", out=str(tmp_path)), devices=one)
+    assert extended.cfg.optim.schedule_steps == 4
+    more = [r["lr"] for r in extended.fit(log=MetricsLog(tmp_path, primary=False))]
+    ocfg = extended.cfg.optim
+    np.testing.assert_allclose(more, [ocfg.lr * ocfg.min_lr_ratio] * 4, rtol=1e-6)
+    starts = json.loads((tmp_path / "run.json").read_text())["starts"]
+    assert [(s["step"], s["steps"]) for s in starts] == [(0, 4), (4, 8)]
+    assert (tmp_path / LOCK_FILE).read_text() == ""  # fit() gave the folder back
