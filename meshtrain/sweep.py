@@ -23,7 +23,6 @@ through CUDA_VISIBLE_DEVICES, and `--devices D` (simulated CPU devices) gives ea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import functools
 import json
@@ -36,6 +35,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshtrain import jsonl
 from meshtrain.config import default_out, load_config, parse_yaml, split_override, to_dict
 from meshtrain.errors import UserError
 from meshtrain.multihost import die_with_parent, last_error
@@ -268,8 +268,10 @@ class TrialRun:
     last: tuple | None = None  # (step, eval_loss) of the newest eval record
     step: int = 0  # the newest record's step
     pruned_at: int | None = None
-    offset: int = 0
+    offset: int = 0  # metrics.jsonl read up to here (whole lines)
+    lines: int = 0
     inode: int | None = None
+    error: str | None = None  # its metrics.jsonl is damaged: the trial fails with this
     err_from: int = 0
     beat: float = 0.0  # when its heartbeat was last recorded
     taken: bool = False  # another sweep process failed it as stale and retries it: report nothing more
@@ -308,26 +310,32 @@ class TrialRun:
         except FileNotFoundError:
             return []
         if st.st_ino != self.inode or st.st_size < self.offset:
-            self.inode, self.offset = st.st_ino, 0
+            self.inode, self.offset, self.lines = st.st_ino, 0, 0
         with open(path, "rb") as f:
             f.seek(self.offset)
             chunk = f.read()
-        whole = chunk[:chunk.rfind(b"\n") + 1]
-        self.offset += len(whole)
+        whole = chunk[:chunk.rfind(b"\n") + 1]  # a record still being written is read next time
+        records, _ = jsonl.parse(whole, path, self.lines + 1, tail_may_be_torn=False)
+        self.offset, self.lines = self.offset + len(whole), self.lines + whole.count(b"\n")
         evals = []
-        for line in whole.splitlines():
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                self.step = record.get("step", self.step)
-                if "eval_loss" in record:
-                    evals.append((int(record["step"]), float(record["eval_loss"])))
+        for record in records:
+            self.step = record.get("step", self.step)
+            if "eval_loss" in record:
+                evals.append((int(record["step"]), float(record["eval_loss"])))
         return evals
 
     def watch(self) -> None:
         """Report new eval losses; SIGTERM the run when the pruner says so."""
         import optuna
 
-        for step, value in self.read_evals():
+        try:
+            evals = self.read_evals()
+        except UserError as e:  # a damaged line: the run's results cannot be trusted
+            if self.error is None and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            self.error = self.error or f"error: {e}"
+            return
+        for step, value in evals:
             self.last = (step, value)
             if step in self.reported or self.taken or self.pruned_at is not None:
                 continue
@@ -451,8 +459,8 @@ class Sweep:
                 raise optuna.exceptions.UpdateFinishedTrialError
             if run.pruned_at is not None:
                 self.study.tell(run.trial, state=state.PRUNED)
-            elif code != 0:
-                error = run.error_line()
+            elif code != 0 or run.error:
+                error = run.error or run.error_line()
                 run.trial.set_user_attr("error", error)
                 self.study.tell(run.trial, state=state.FAIL)
                 print(f"trial {run.number} failed (exit {code}): {error} (log {shown_path(run.logs('err'))})",

@@ -48,7 +48,7 @@ class Trainer:
         has_val = cfg.data.val_fraction > 0 or self.corpus.tokens is None
         self.val_batches = batches(val_tokens, 1) if has_val else None
 
-        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
         self.resumed_from = None
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
