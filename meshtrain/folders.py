@@ -42,7 +42,8 @@ def check_new(path: str | Path, flag: str) -> Path:
     return path
 
 
-FULL_DISK = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+FULL_DISK_TEXTS = ("No space left on device", "Disk quota exceeded", "database or disk is full")  # the last: SQLite
 
 
 def is_full_disk(error: BaseException | None) -> bool:
@@ -50,7 +51,7 @@ def is_full_disk(error: BaseException | None) -> bool:
     (TensorStore's, under Orbax), anywhere in the chain of causes."""
     while error is not None:
         if isinstance(error, OSError) and error.errno in FULL_DISK or any(
-                text in str(error) for text in FULL_DISK.values()):
+                text in str(error) for text in FULL_DISK_TEXTS):
             return True
         error = error.__cause__ or error.__context__
     return False
