@@ -182,6 +182,11 @@ class Trainer:
             log = log or loggers.for_run(self.out, cfg, primary, first, steps)
             started = time.perf_counter()
             self._loop(first, steps, log, signalled)
+        except UserError:  # a full disk, say: the saves already started still become durable
+            if jax.process_count() == 1:
+                with contextlib.suppress(Exception):
+                    self.checkpointer.wait()
+            raise
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
