@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -34,8 +35,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshtrain.errors import UserError
+from meshtrain.folders import full_disk_is_user_error, is_full_disk
 
 MANIFEST = "meshtrain_manifest.json"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
 
 
 @jax.jit
@@ -53,9 +56,28 @@ def state_checksums(state) -> list[int]:
     return [int(c) for c in jax.device_get(checksums(state))]
 
 
+class _FullDiskEchoes(logging.Filter):
+    """Orbax logs a failed background save with its traceback, once per thread that sees it; a full
+    disk is reported once, as the UserError of `Checkpointer._full_disk`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (is_full_disk(record.exc_info[1] if record.exc_info else None)
+                    or is_full_disk(OSError(record.getMessage())))
+
+
+logging.getLogger("absl").addFilter(_FullDiskEchoes())
+
+
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int):
+    """`owner`: the training run that saves here; it removes the temporary folders of saves that a
+    crash or a full disk interrupted (readers leave them: the run may be saving right now)."""
+
+    def __init__(self, directory: str | Path, keep: int, owner: bool = False):
         self.directory = Path(directory).absolute()
+        if owner and jax.process_index() == 0:
+            for tmp in sorted(self.directory.glob(f"*{TMP_SUFFIX}*")):
+                shutil.rmtree(tmp, ignore_errors=True)
+                print(f"notice: removed {tmp}, a checkpoint save that was interrupted", flush=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, create=False,  # made by the first save
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests))
@@ -80,13 +102,21 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return
         metadata = {**metadata, "checksums": state_checksums(state)}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        metadata=ocp.args.JsonSave(metadata)), force=True)
+        with self._full_disk():  # this save's start, or the previous one's end
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            metadata=ocp.args.JsonSave(metadata)), force=True)
 
     def wait(self) -> None:
         """Block until every started save is durable on disk."""
-        self.manager.wait_until_finished()
-        self._write_manifests()
+        with self._full_disk():
+            self.manager.wait_until_finished()
+            self._write_manifests()
+
+    def _full_disk(self):
+        """A full disk fails a save: one UserError; the complete steps before it stay as they were."""
+        done = complete_steps(self.directory)
+        return full_disk_is_user_error(self.directory, "a checkpoint", then="rerun the same command: it resumes "
+                                       + (f"from step {done[0]}" if done else "from the start"))
 
     def restore(self, step: int, abstract_state, check_metadata=lambda meta, folder: None, optional=None):
         """Restore `step` into the shardings carried by `abstract_state` (jax.ShapeDtypeStructs).

@@ -1,11 +1,15 @@
-"""Output folders, checked before any work and written whole or not at all: a run's `--out`
-(meshtrain/run_dir.py), and the outputs of convert, quantize and prepare. No JAX here: prepare's
-worker processes import it."""
+"""Output folders and files, checked before any work and written whole or not at all: a run's
+`--out` (meshtrain/run_dir.py), and the outputs of convert, quantize and prepare; and the one
+`UserError` a full disk becomes wherever meshtrain writes. No JAX here: prepare's workers import it."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import glob
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -38,19 +42,90 @@ def check_new(path: str | Path, flag: str) -> Path:
     return path
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+FULL_DISK_TEXTS = ("No space left on device", "Disk quota exceeded", "database or disk is full")  # the last: SQLite
+
+
+def is_full_disk(error: BaseException | None) -> bool:
+    """A full disk or quota: an OSError with its errno, or a library's error that quotes one
+    (TensorStore's, under Orbax), anywhere in the chain of causes."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in FULL_DISK or any(
+                text in str(error) for text in FULL_DISK_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextlib.contextmanager
+def full_disk_is_user_error(path: str | Path, what: str, then: str = "rerun"):
+    """A full disk while the block writes `what` under `path` becomes one UserError naming the disk
+    and the fix (`then`: what to do once there is space)."""
+    try:
+        yield
+    except Exception as e:
+        if not is_full_disk(e):
+            raise
+        raise UserError(f"the disk holding {path} is full (writing {what}); free space there or pick "
+                        f"another folder, then {then}") from None
+
+
+def replace_file(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or keeps what it held: written beside it, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+WRITING = ".writing"  # flocked in a temporary folder while its process writes it
+
+
 @contextlib.contextmanager
 def writing_whole(path: str | Path, flag: str):
     """Yield a hidden folder beside `path` to write into; it becomes `path` when the block succeeds
-    and is removed when it fails, so the output is there whole or not at all."""
+    and is removed when it fails (an error, Ctrl-C, a full disk: one UserError), so the output is
+    there whole or not at all. A hidden folder that a killed process left for `path` is removed."""
     path = check_new(path, flag)
     parent = next(p for p in path.absolute().parents if p.is_dir())  # nothing is created before the end
+    remove_abandoned(parent, path.name)
     tmp = parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()  # not mkdtemp: the folder gets the umask's permissions, not 0700
+    lock = None
     try:
-        yield tmp
-        if path.exists():
-            path.rmdir()  # empty (checked)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, path)
+        with full_disk_is_user_error(path, f"{flag} {path}"):
+            tmp.mkdir()  # not mkdtemp: the folder gets the umask's permissions, not 0700
+            lock = os.open(tmp / WRITING, os.O_CREAT | os.O_RDWR)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield tmp
+            os.unlink(tmp / WRITING)
+            if path.exists():
+                path.rmdir()  # empty (checked)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
     finally:
+        if lock is not None:
+            os.close(lock)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_abandoned(parent: Path, name: str) -> None:
+    """Remove the temporary folders of `writing_whole(parent / name)` whose process is gone (their
+    lock is free); those of a live process are left alone, those without a lock are reported."""
+    for tmp in parent.glob(f".{glob.escape(name)}.tmp-*"):
+        try:
+            lock = os.open(tmp / WRITING, os.O_RDWR)
+        except OSError:  # a process killed before it took its lock, or one finishing right now
+            print(f"warning: {tmp} was left by an interrupted write of {parent / name}; delete it once no "
+                  f"process writes there", file=sys.stderr, flush=True)
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its process is still writing
+        finally:
+            os.close(lock)
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"notice: removed {tmp}, left by an interrupted write of {parent / name}", file=sys.stderr,
+              flush=True)

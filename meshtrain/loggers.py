@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from meshtrain import jsonl
 from meshtrain.errors import UserError
+from meshtrain.folders import full_disk_is_user_error, replace_file
 
 
 class Logger(Protocol):
@@ -129,32 +131,36 @@ class ProgressBar:
 
 # ---- files ----
 class Jsonl:
-    """<out>/metrics.jsonl, one JSON object per record. A run that resumes from step k (or starts
-    fresh: k = 0) first drops the file's records past k, written by the attempt it replaces, so the
-    file holds each step once; a rewind drops them again."""
+    """<out>/metrics.jsonl, one JSON object per record, appended as meshtrain/jsonl.py says (a crash
+    or a full disk tears at most the last record; a torn one is dropped at the next open). A run that
+    resumes from step k (or starts fresh: k = 0) first drops the file's records past k, written by
+    the attempt it replaces, so the file holds each step once; a rewind drops them again. A full disk
+    is one UserError: the run stops, its earlier checkpoints intact."""
 
     def __init__(self, out_dir: str | Path, keep_through: int | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if keep_through is not None and self.path.exists():
-            self._drop_records_after(keep_through)
-        self._file = open(self.path, "a")
+        with self._full_disk():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if keep_through is not None and self.path.exists():
+                self._drop_records_after(keep_through)
+            self._file = jsonl.Appender(self.path)
+
+    def _full_disk(self):
+        return full_disk_is_user_error(self.path, "a metrics record", then="rerun the same command to resume")
 
     def _drop_records_after(self, step: int) -> None:
-        kept = [line for line in self.path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
+        kept = [r for r in jsonl.read(self.path) if r.get("step", 0) <= step]
+        replace_file(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with self._full_disk():
+            self._file.append(record)
 
     def rewind(self, step: int) -> None:
         self._file.close()
-        self._drop_records_after(step)
-        self._file = open(self.path, "a")
+        with self._full_disk():
+            self._drop_records_after(step)
+            self._file = jsonl.Appender(self.path)
 
     def close(self) -> None:
         self._file.close()

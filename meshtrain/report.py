@@ -1,7 +1,7 @@
 """`python -m meshtrain.report RUN [RUN ...] [--out PNG]`: compare training runs.
 
 Reads each run's metrics.jsonl (RUN is a run folder, the --out of a training run, or the file
-itself), draws train loss, eval loss and tokens/s against the step, one color per run, into one PNG
+itself; a torn last record is dropped with a warning, see meshtrain/jsonl.py), draws train loss, eval loss and tokens/s against the step, one color per run, into one PNG
 (default report.png in the current folder), and prints a table: steps, final loss, best eval loss
 and the step it was reached at, median tokens/s (the median: the first steps' warm-up does not
 count).
@@ -9,13 +9,13 @@ count).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from meshtrain import jsonl
 from meshtrain.errors import UserError
 
 
@@ -36,14 +36,7 @@ def load_run(path: str) -> Run:
     if not file.is_file():
         raise UserError(f"{path}: no metrics.jsonl there; pass a run folder (the --out of a training run) "
                         f"or its metrics.jsonl")
-    records = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise UserError(f"{file} line {number} is not JSON; is it a meshtrain metrics.jsonl?") from None
+    records = jsonl.read(file)  # a torn last record is dropped with a warning
     train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
     if not train:
         raise UserError(f"{file} holds no training records yet; pass a run that has logged a step")

@@ -23,7 +23,6 @@ through CUDA_VISIBLE_DEVICES, and `--devices D` (simulated CPU devices) gives ea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import functools
 import json
@@ -36,8 +35,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshtrain import jsonl, sweep_folder
 from meshtrain.config import default_out, load_config, parse_yaml, split_override, to_dict
 from meshtrain.errors import UserError
+from meshtrain.folders import full_disk_is_user_error, replace_file
 from meshtrain.multihost import die_with_parent, last_error
 
 FIELDS = {"float": ("low", "high", "log", "step"), "int": ("low", "high", "log", "step"), "categorical": ("choices",)}
@@ -201,7 +202,9 @@ def device_slots(parallel: int, devices: int | None, gpus: list[str]) -> list[Sl
 
 
 # ---- the study ----
-def open_study(url: str, name: str, seed: int, pruner, heartbeat: int):
+def open_study(url: str, name: str, seed: int, pruner, heartbeat: int, out: Path | None = None):
+    """The study `name` in `url`, created if new; with `out`, the study of that sweep folder
+    (meshtrain/sweep_folder.py: a folder holds one study's trials, a database must be whole)."""
     import optuna
     import sqlalchemy
 
@@ -209,12 +212,19 @@ def open_study(url: str, name: str, seed: int, pruner, heartbeat: int):
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    sweep_folder.check_database(url, out)  # before RDBStorage, which would make an empty file a new database
     try:
         storage = optuna.storages.RDBStorage(
             url, engine_kwargs=engine, heartbeat_interval=heartbeat,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES))
-        study = optuna.create_study(storage=storage, study_name=name, direction="minimize", pruner=pruner,
-                                    load_if_exists=True)
+        create = lambda: optuna.create_study(storage=storage, study_name=name, direction="minimize", pruner=pruner,
+                                             load_if_exists=True)
+        if out is None:
+            study = create()
+        else:
+            study = sweep_folder.claim(out, name, shown_url(url), lambda: name in optuna.get_all_study_names(storage),
+                                       lambda: optuna.load_study(study_name=name, storage=storage, pruner=pruner),
+                                       create)
     except (ImportError, ValueError, sqlalchemy.exc.SQLAlchemyError) as e:
         raise UserError(f"--storage {shown_url(url)}: {str(e).splitlines()[0]}") from None
     # Seeded by --seed and the trials already in the study: a fresh study samples the same trials
@@ -268,8 +278,10 @@ class TrialRun:
     last: tuple | None = None  # (step, eval_loss) of the newest eval record
     step: int = 0  # the newest record's step
     pruned_at: int | None = None
-    offset: int = 0
+    offset: int = 0  # metrics.jsonl read up to here (whole lines)
+    lines: int = 0
     inode: int | None = None
+    error: str | None = None  # its metrics.jsonl is damaged: the trial fails with this
     err_from: int = 0
     beat: float = 0.0  # when its heartbeat was last recorded
     taken: bool = False  # another sweep process failed it as stale and retries it: report nothing more
@@ -308,26 +320,32 @@ class TrialRun:
         except FileNotFoundError:
             return []
         if st.st_ino != self.inode or st.st_size < self.offset:
-            self.inode, self.offset = st.st_ino, 0
+            self.inode, self.offset, self.lines = st.st_ino, 0, 0
         with open(path, "rb") as f:
             f.seek(self.offset)
             chunk = f.read()
-        whole = chunk[:chunk.rfind(b"\n") + 1]
-        self.offset += len(whole)
+        whole = chunk[:chunk.rfind(b"\n") + 1]  # a record still being written is read next time
+        records, _ = jsonl.parse(whole, path, self.lines + 1, tail_may_be_torn=False)
+        self.offset, self.lines = self.offset + len(whole), self.lines + whole.count(b"\n")
         evals = []
-        for line in whole.splitlines():
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                self.step = record.get("step", self.step)
-                if "eval_loss" in record:
-                    evals.append((int(record["step"]), float(record["eval_loss"])))
+        for record in records:
+            self.step = record.get("step", self.step)
+            if "eval_loss" in record:
+                evals.append((int(record["step"]), float(record["eval_loss"])))
         return evals
 
     def watch(self) -> None:
         """Report new eval losses; SIGTERM the run when the pruner says so."""
         import optuna
 
-        for step, value in self.read_evals():
+        try:
+            evals = self.read_evals()
+        except UserError as e:  # a damaged line: the run's results cannot be trusted
+            if self.error is None and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            self.error = self.error or f"error: {e}"
+            return
+        for step, value in evals:
             self.last = (step, value)
             if step in self.reported or self.taken or self.pruned_at is not None:
                 continue
@@ -363,11 +381,20 @@ class Sweep:
         self.running: list[TrialRun] = []
         self.stopping = False
         self.last_stale_check = 0.0
+        self.process = sweep_folder.ProcessLock(self.out)  # named in the trials it runs
+
+    def retry_orphans(self) -> None:
+        """Trials a killed sweep process left RUNNING: failed, and queued to resume in their folders."""
+        for t in sweep_folder.orphans(self.study.get_trials(deepcopy=False), self.out):
+            self.fail_for_retry(t.number, t._trial_id)
+            print(f"notice: trial {t.number} was left RUNNING by a sweep that is gone; failed, and queued to "
+                  f"resume in {shown_path(t.user_attrs.get('run_dir', self.out / f'trial-{t.number}'))}", flush=True)
 
     def run(self) -> None:
         import optuna
 
         waiting_note = None
+        self.retry_orphans()
         while True:
             if self.stopping:
                 self.stop_all()
@@ -406,6 +433,7 @@ class Sweep:
         retry_of = self.storage.get_trial(trial._trial_id).system_attrs.get("failed_trial")
         run_dir = Path(trial.user_attrs.get("run_dir") or self.out / f"trial-{trial.number}")  # a retry inherits it
         trial.set_user_attr("run_dir", str(run_dir))
+        trial.set_user_attr(sweep_folder.PROCESS_ATTR, self.process.name)
         params = {key: suggest(trial, key, dist) for key, dist in self.space.items()}
         chosen = param_sets(params)
         shown, sets = " ".join(chosen), [*self.args.set, *chosen]
@@ -451,8 +479,8 @@ class Sweep:
                 raise optuna.exceptions.UpdateFinishedTrialError
             if run.pruned_at is not None:
                 self.study.tell(run.trial, state=state.PRUNED)
-            elif code != 0:
-                error = run.error_line()
+            elif code != 0 or run.error:
+                error = run.error or run.error_line()
                 run.trial.set_user_attr("error", error)
                 self.study.tell(run.trial, state=state.FAIL)
                 print(f"trial {run.number} failed (exit {code}): {error} (log {shown_path(run.logs('err'))})",
@@ -461,19 +489,19 @@ class Sweep:
                 self.study.tell(run.trial, run.last[1])
                 print(f"trial {run.number} complete: eval_loss {run.last[1]:.4f} at step {run.last[0]}", flush=True)
             else:  # stopped before its last step (this sweep's stop, or a SIGTERM from outside): resume later
-                self.fail_for_retry(run.trial)
+                self.fail_for_retry(run.number, run.trial._trial_id)
                 print(f"trial {run.number} stopped at step {run.step}; it resumes from its checkpoint when the sweep "
                       f"runs again", flush=True)
         except optuna.exceptions.UpdateFinishedTrialError:
             print(f"warning: trial {run.number} was retried by another sweep process (its heartbeat was late)",
                   file=sys.stderr, flush=True)
 
-    def fail_for_retry(self, trial) -> None:
+    def fail_for_retry(self, number: int, trial_id: int) -> None:
         """Fail the trial and queue its retry, as a stale heartbeat does (the storage's callback)."""
         import optuna
 
-        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        self.storage.get_heartbeat_stale_trial_callback()(self.study, self.storage.get_trial(trial._trial_id))
+        self.study.tell(number, state=optuna.trial.TrialState.FAIL)
+        self.storage.get_heartbeat_stale_trial_callback()(self.study, self.storage.get_trial(trial_id))
 
     def stop_all(self) -> None:
         """SIGINT/SIGTERM: stop every run (each checkpoints) and leave its trial to be retried."""
@@ -481,7 +509,7 @@ class Sweep:
             if run.proc is None:
                 self.running.remove(run)
                 run.release()
-                self.fail_for_retry(run.trial)
+                self.fail_for_retry(run.number, run.trial._trial_id)
             else:
                 run.proc.send_signal(signal.SIGTERM)
         while self.running:
@@ -531,6 +559,12 @@ def best_record(study, url: str, config: str | None, sets: list[str]) -> dict | 
     return {"study": study.study_name, "storage": shown_url(url), "trial": best.number, "eval_loss": best.value,
             "step": max(best.intermediate_values, default=None), "params": best.params, "run": run,
             "command": " ".join(command)}
+
+
+def write_best(path: Path, best: dict) -> None:
+    """best.json, whole or as it was."""
+    with full_disk_is_user_error(path, "best.json", then="rerun the same command (it reruns no trial)"):
+        replace_file(path, json.dumps(best, indent=2) + "\n")
 
 
 # ---- the CLI ----
@@ -602,7 +636,8 @@ def main(argv=None) -> int:
         space, base, slots = prepare(args)
         pruner = make_pruner(args, base, space)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        storage, study = open_study(args.storage, args.study, args.seed, pruner, args.heartbeat)
+        storage, study = open_study(args.storage, args.study, args.seed, pruner, args.heartbeat,
+                                    Path(args.out).absolute())
         from optuna.distributions import distribution_to_json
 
         base_dict = to_dict(base)
@@ -624,8 +659,13 @@ def main(argv=None) -> int:
 
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        sweep.run()
+        with full_disk_is_user_error(args.out, "the study's results", then="rerun the same command"):
+            sweep.run()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
+        sweep.process.release()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     trials = study.get_trials(deepcopy=False)
@@ -638,9 +678,11 @@ def main(argv=None) -> int:
             print(f"error: no trial of study {args.study} completed; see the table above", file=sys.stderr)
         return 0 if sweep.stopping else 1
     path = Path(args.out) / "best.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(best, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        write_best(path, best)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     params = " ".join(param_sets(best["params"]))
     print(f"best: trial {best['trial']}, eval_loss {best['eval_loss']:.4f}, {params}, run {shown_path(best['run'])} "
           f"(written to {shown_path(path)})", flush=True)

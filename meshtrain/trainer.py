@@ -71,7 +71,7 @@ class Trainer:
         has_val = cfg.data.val_fraction > 0 or self.corpus.tokens is None
         self.val_batches = batches(val_tokens, 1) if has_val else None
 
-        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
         self.resumed_from = None
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
@@ -227,6 +227,11 @@ class Trainer:
             log = log or loggers.for_run(self.out, cfg, primary, first, steps)
             started = time.perf_counter()
             self._loop(first, steps, log, signalled)
+        except UserError:  # a full disk, say: the saves already started still become durable
+            if jax.process_count() == 1:
+                with contextlib.suppress(Exception):
+                    self.checkpointer.wait()
+            raise
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
