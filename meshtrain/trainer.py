@@ -25,6 +25,7 @@ from meshtrain.metrics import mfu, peak_flops
 from meshtrain.multihost import agree_with_process_0, preemption_reached
 from meshtrain.prefetch import Prefetcher
 from meshtrain.program import TrainProgram
+from meshtrain.validate import check_train_size
 
 
 class Trainer:
@@ -39,6 +40,7 @@ class Trainer:
         self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
         self.cfg = cfg
         self.program = program = TrainProgram.from_config(cfg, devices)
+        check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         t = cfg.train
         self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
         train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
