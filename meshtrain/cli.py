@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import traceback
 
@@ -22,6 +23,7 @@ from meshtrain.errors import UserError
 from meshtrain.bounds import Bounds
 
 EXIT_USER_ERROR, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
+INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it"
 
 
 def command(main):
@@ -34,7 +36,7 @@ def command(main):
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
         except KeyboardInterrupt:
-            print("interrupted (Ctrl-C); run the command again to redo it", file=sys.stderr)
+            print(INTERRUPTED, file=sys.stderr)
             return EXIT_INTERRUPTED
         except Exception:  # noqa: BLE001 - a bug: shown whole, with where to report it
             traceback.print_exc()
@@ -66,3 +68,16 @@ def number(kind: type, **bounds):
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def interrupt_exits_quietly() -> None:
+    """For `python -m meshtrain.<command>` (meshtrain/__init__.py): a Ctrl-C while the command's
+    imports load, before `main` runs, is the same one line and exit 130, not a traceback."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, tb)
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+    sys.excepthook = hook
