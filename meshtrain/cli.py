@@ -33,7 +33,8 @@ def command(main):
         try:
             return main(argv)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
+            shown = str(e).replace("\r", "\\r").replace("\n", "\\n")  # user text may hold line breaks
+            print(f"error: {shown}", file=sys.stderr)
             return EXIT_USER_ERROR
         except KeyboardInterrupt:
             print(INTERRUPTED, file=sys.stderr)
