@@ -132,8 +132,6 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, train = split_argv(argv)
     args = parser().parse_args(own)
-    if args.nodes < 1:
-        raise UserError(f"--nodes {args.nodes} must be >= 1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every process's lines, not "[repeated 2x]"
     import ray
 
