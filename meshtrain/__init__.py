@@ -1,4 +1,10 @@
 """meshtrain: train transformer language models on a named device mesh with JAX SPMD."""
+import sys
+
+if sys.argv[:1] == ["-m"]:  # `python -m meshtrain.<command>` is starting: a Ctrl-C now is one line too
+    from meshtrain.cli import interrupt_exits_quietly
+
+    interrupt_exits_quietly()
 
 __all__ = ["Config", "UserError", "load_config", "Trainer", "TrainProgram", "simulate_cpu_devices"]
 

@@ -18,13 +18,15 @@ import sys
 from pathlib import Path
 
 from meshtrain import hf, run_dir, tokenizer
+from meshtrain.cli import Parser, command, number
 from meshtrain.config import Config, UserError, commented_yaml
+from meshtrain.spec import MAX_SIMULATED_DEVICES
 from meshtrain.folders import check_new, writing_whole
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.convert", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.convert", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--from-hf", metavar="DIR", help="a Hugging Face checkpoint folder to fine-tune (with --out)")
     mode.add_argument("--to-hf", nargs=2, metavar=("RUN", "DIR"), help="export a run's newest checkpoint")
@@ -32,37 +34,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="--from-hf: the run folder to create")
     p.add_argument("--dtype", default="float32", choices=tuple(hf.DTYPE_NAMES),
                    help="--to-hf: the dtype written")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: largest safetensors file (> 0)")
+    p.add_argument("--max-shard-gb", type=number(float, above=0.0), default=5.0, help="--to-hf: largest safetensors file (> 0)")
     p.add_argument("--scheme", default="symmetric", help="--quantize: symmetric or affine")
     p.add_argument("--mesh", default="fsdp=-1",
                    help="--to-hf: the mesh the weights are read onto (default: split over every device)")
-    p.add_argument("--devices", type=int, help="simulate this many CPU devices")
+    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
+                   help="simulate this many CPU devices")
     return p
 
 
+@command
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        if args.devices:
-            from meshtrain.mesh import simulate_cpu_devices
+    if args.devices:
+        from meshtrain.mesh import simulate_cpu_devices
 
-            simulate_cpu_devices(args.devices)
-        if args.from_hf:
-            from_hf(args.from_hf, args.out)
-        elif args.to_hf:
-            if args.max_shard_gb <= 0:
-                raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (Hugging Face uses 5)")
-            to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh)
-        else:
-            from meshtrain import quantize
+        simulate_cpu_devices(args.devices)
+    if args.from_hf:
+        from_hf(args.from_hf, args.out)
+    elif args.to_hf:
+        if args.max_shard_gb <= 0:
+            raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (Hugging Face uses 5)")
+        to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh)
+    else:
+        from meshtrain import quantize
 
-            kind, run, out = args.quantize
-            if kind != "int8":
-                raise UserError(f"--quantize {kind}: only int8 is implemented")
-            quantize.cli(run, out, args.scheme)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        kind, run, out = args.quantize
+        if kind != "int8":
+            raise UserError(f"--quantize {kind}: only int8 is implemented")
+        quantize.cli(run, out, args.scheme)
     return 0
 
 

@@ -6,7 +6,6 @@ parameters; N devices in a collective's group; B bytes.
 """
 from __future__ import annotations
 
-import math
 
 # ---- memory: ZeRO (Rajbhandari et al. 2020), with fp32 in place of their fp16 copies ----
 ADAM_BYTES = {"parameters": 4, "gradients": 4, "optimizer_state": 8}  # fp32 Adam: 16 bytes/param
@@ -100,6 +99,13 @@ def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, he
             "softmax exp (fp32), probabilities": split((fp32 + c) * n * heads * s),
             "softmax row statistics (fp32)": split(2 * fp32 * n * heads),
             "SwiGLU gate, up, silu (3), gate x up": split(6 * c * n * mlp)}
+
+
+def kv_cache_bytes(layers: int, rows: int, positions: int, kv_heads: int, head_dim: int, split: int = 1,
+                   value_bytes: int = 4) -> float:
+    """Generation's KV cache per device: keys and values [layers, rows, positions, kv heads, head dim]
+    (fp32), split `split` ways (the batch axes x tensor)."""
+    return 2 * layers * rows * positions * kv_heads * head_dim * value_bytes / split
 
 
 # ---- collectives: ring algorithms (Patarasuk & Yuan 2009), link bytes per device ----

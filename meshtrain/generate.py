@@ -23,7 +23,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import math
@@ -35,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from meshtrain.cli import Parser, command, number
 from meshtrain.errors import UserError
 from meshtrain.spec import MAX_SIMULATED_DEVICES
+from meshtrain.validate import check_generation_size
 
 
 def filter_logits(logits_BxV, top_k=0, top_p=1.0):
@@ -261,50 +262,46 @@ def encode_prompts(run: str, texts: list[str], tokenizer_spec: str | None = None
     return tok, prompts
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.generate",
-                                description="Generate text from a training run's newest checkpoint.")
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.generate",
+               description="Generate text from a training run's newest checkpoint.")
     p.add_argument("--run", required=True, help="the training run's --out folder")
     p.add_argument("--prompt", action="append", required=True,
                    help="text to continue (repeatable: a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=number(int, min=1), default=None,
                    help="tokens per prompt (default: the run's generate.max_new_tokens, 200 unless set)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = all")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=number(float, min=0.0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=number(int, min=0), default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=number(float, above=0.0, max=1.0), default=1.0, help="nucleus sampling mass; 1 = all")
+    p.add_argument("--seed", type=number(int, min=0), default=0)
     p.add_argument("--mesh", help="shard over this mesh ('tensor=2', 'data=2,tensor=2'; 'run' = the run's "
                                   "own); default: one device")
-    p.add_argument("--devices", type=int,
+    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
                    help=f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}), no accelerator")
     p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the one the run recorded)")
     return p
 
 
+@command
 def main(argv=None) -> int:
     from meshtrain.mesh import simulate_cpu_devices
     from meshtrain.run_dir import run_config
 
     args = parser().parse_args(argv)
-    try:
-        if args.max_new_tokens is None:
-            args.max_new_tokens = run_config(args.run).generate.max_new_tokens
-        check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-        if args.devices is not None:
-            if not 1 <= args.devices <= MAX_SIMULATED_DEVICES:
-                raise UserError(f"--devices {args.devices}: simulate 1 to {MAX_SIMULATED_DEVICES} CPU "
-                                f"devices, or omit --devices to use the machine's own")
-            simulate_cpu_devices(args.devices)
-        tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
-        model, params, mesh = load(args.run, args.mesh)
-        start = time.perf_counter()
-        out = generate(model, params, prompts, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
-                       window=run_config(args.run).train.seq_len, mesh=mesh)
-        seconds = time.perf_counter() - start
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.max_new_tokens is None:
+        args.max_new_tokens = run_config(args.run).generate.max_new_tokens
+    check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if args.devices is not None:
+        simulate_cpu_devices(args.devices)
+    tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
+    check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
+                          args.max_new_tokens, jax.devices())
+    model, params, mesh = load(args.run, args.mesh)
+    start = time.perf_counter()
+    out = generate(model, params, prompts, args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
+                   window=run_config(args.run).train.seq_len, mesh=mesh)
+    seconds = time.perf_counter() - start
     for text, ids in zip(args.prompt, out):
         print(text + tok.decode(ids), end="\n\n" if len(out) > 1 else "\n")
     print(f"{sum(map(len, out))} tokens in {seconds:.1f} s, compile included", file=sys.stderr)

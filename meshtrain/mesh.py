@@ -22,10 +22,14 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
     spec = spec.replace(" ", "")
     sizes = dict.fromkeys(AXES, 1)
     if "=" in spec:
+        named = set()
         for part in spec.split(","):
             name, _, value = part.partition("=")
             if name not in AXES:
                 raise UserError(f"unknown mesh axis '{name}' in --mesh {spec}; axes are {', '.join(AXES)}")
+            if name in named:
+                raise UserError(f"--mesh {spec} names axis '{name}' twice; give each axis once")
+            named.add(name)
             sizes[name] = _axis_size(value, spec)
     else:
         parts = spec.lower().split("x")

@@ -48,6 +48,9 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         return
     if explicit and (num_processes is None or process_id is None):
         raise UserError("--coordinator needs --num-processes and --process-id too")
+    if explicit and not 0 <= process_id < num_processes:
+        raise UserError(f"--process-id {process_id} is not one of the {num_processes} processes; give each "
+                        f"process its own id from 0 to {num_processes - 1}")
     # On CPU the cross-process collectives go through gloo (a real multi-host test on one machine).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:  # a dead peer is reported to the survivors rather than aborting them (the watcher exits)

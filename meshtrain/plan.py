@@ -20,16 +20,19 @@ optionally draws the timeline as a PNG.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from meshtrain.budget import HEADROOM
+from meshtrain.cli import Parser, command, number
 from meshtrain.drawing import save_timeline
 from meshtrain.errors import UserError
 from meshtrain.formulas import bubble_expression, bubble_terms
 from meshtrain.metrics import DEVICE_PROFILES
 from meshtrain.schedules import SCHEDULES, executor_tables, timetable
+from meshtrain.spec import MAX_SIMULATED_DEVICES
+
+MAX_SCHEDULE_CELLS = 2**16  # stages x microbatches x virtual stages: 64 x 512 simulates in ~4 s
 
 
 def schedule_report(schedule: str, stages: int, micro: int, virtual: int, residuals: str = "save") -> dict:
@@ -60,38 +63,38 @@ def format_schedule(r: dict) -> str:
     return "\n".join(lines)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n\n")[0])
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.plan", description=__doc__.split("\n\n")[0])
     run = p.add_argument_group("plan a training run on a target mesh")
     run.add_argument("--config", help="YAML config (see configs/)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    run.add_argument("--devices", type=int, help="target device count (simulated on this machine's CPU)")
+    run.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES), help="target device count (simulated on this machine's CPU)")
     run.add_argument("--mesh", help="target mesh, e.g. fsdp=8,tensor=8 or 8x8x4")
     run.add_argument("--device", default="h100", choices=sorted(DEVICE_PROFILES), help="device profile for the roofline")
     run.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
                      help="memory per device, e.g. 80GB (default: the profile's)")
-    run.add_argument("--devices-per-node", type=int, default=None, metavar="N",
+    run.add_argument("--devices-per-node", type=number(int, min=1), default=None, metavar="N",
                      help="devices sharing the fast in-node links (NVLink; a TPU slice): collectives over axes that "
                           "span nodes run at the network's bandwidth (default: the profile's, 8 for GPUs)")
-    run.add_argument("--mem-fraction", type=float, default=None, metavar="F",
+    run.add_argument("--mem-fraction", type=number(float, above=0.0, max=1.0), default=None, metavar="F",
                      help="share of the device's memory the runtime may use (default: XLA_CLIENT_MEM_FRACTION, or "
                           "JAX's 0.75 on GPUs)")
-    run.add_argument("--headroom", type=float, default=HEADROOM, metavar="F",
+    run.add_argument("--headroom", type=number(float, min=0.0, below=1.0), default=HEADROOM, metavar="F",
                      help=f"share of the usable memory kept free for fragmentation and collective buffers "
                           f"(default {HEADROOM})")
     run.add_argument("--fit", action="store_true",
                      help="search microbatches, remat, ZeRO, attention and the mesh for the fastest layout that fits "
                           "(compiling each candidate) and print the command that trains it")
-    run.add_argument("--search-budget", type=int, default=12, metavar="N",
+    run.add_argument("--search-budget", type=number(int, min=0), default=12, metavar="N",
                      help="at most N compiles for --fit and for the search a plan that does not fit runs (default 12; 0: "
                           "no search)")
     run.add_argument("--compare", nargs="+", metavar="MESH", help="rank these meshes for the same model and devices")
     run.add_argument("--zero-table", action="store_true", help="ZeRO stages 0-3 side by side, measured vs formula")
     sched = p.add_argument_group("look at a pipeline schedule")
     sched.add_argument("--schedule", choices=SCHEDULES)
-    sched.add_argument("--stages", type=int)
-    sched.add_argument("--microbatches", type=int)
-    sched.add_argument("--virtual-stages", type=int, default=1)
+    sched.add_argument("--stages", type=number(int, min=1))
+    sched.add_argument("--microbatches", type=number(int, min=1))
+    sched.add_argument("--virtual-stages", type=number(int, min=1), default=1)
     sched.add_argument("--residuals", default="save", choices=("save", "recompute"),
                        help="what a stage keeps for the backward (sets the backward's cost)")
     sched.add_argument("--draw", metavar="PNG", help="write the timeline (stages x ticks) as a PNG image")
@@ -99,29 +102,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        if args.schedule:
-            return schedule_main(args)
-        if not (args.config and args.devices):
-            raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
-        if not 0 <= args.headroom < 1:
-            raise UserError(f"--headroom {args.headroom}: keep a share in [0, 1) of the usable memory free, e.g. 0.1")
-        if args.search_budget < 0:
-            raise UserError(f"--search-budget {args.search_budget}: allow 0 (no search) or more compiles")
-        from meshtrain import planner
+    if args.schedule:
+        return schedule_main(args)
+    if not (args.config and args.devices):
+        raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
+    from meshtrain import planner
 
-        print(planner.run(args))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    print(planner.run(args))
     return 0
 
 
 def schedule_main(args) -> int:
-    if args.stages is None or args.microbatches is None or args.stages < 1:
-        raise UserError("--schedule needs --stages >= 1 and --microbatches")
+    if args.stages is None or args.microbatches is None:
+        raise UserError("--schedule needs --stages and --microbatches")
+    if args.stages * args.microbatches * args.virtual_stages > MAX_SCHEDULE_CELLS:
+        raise UserError(f"--stages {args.stages} x --microbatches {args.microbatches} x --virtual-stages "
+                        f"{args.virtual_stages} is over the {MAX_SCHEDULE_CELLS:,} the simulator takes in seconds; "
+                        f"look at a smaller schedule (its bubble formula holds for any size)")
     report = schedule_report(args.schedule, args.stages, args.microbatches, args.virtual_stages, args.residuals)
     table = report.pop("_table")
     print(json.dumps(report) if args.json else format_schedule(report))
@@ -133,11 +133,11 @@ def schedule_main(args) -> int:
 
 
 def parse_bytes(text: str) -> float:
+    """'80GB' -> 8e10: a size with an optional unit; an argparse `type` (finite, > 0)."""
     units = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}
-    for unit, scale in units.items():
-        if text.upper().endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text)
+    unit = next((u for u in units if text.upper().endswith(u)), "")
+    size = number(float, above=0.0)(text[:len(text) - len(unit)])
+    return size * units.get(unit, 1)
 
 
 if __name__ == "__main__":

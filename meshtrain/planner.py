@@ -97,7 +97,7 @@ def generation_memory(cfg, program) -> dict:
     m = model.cfg
     positions = prompt + new - 1
     split = math.prod(sizes[a] for a in rules["batch"]) * sizes["tensor"]
-    cache = 2 * m.num_layers * rows * positions * m.num_kv_heads * m.head_dim * 4 / split
+    cache = formulas.kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split)
     return {**out, "mesh": describe(sizes), "rows": rows, "prompt_len": prompt, "max_new_tokens": new,
             "kv_cache_formula": cache}
 

@@ -15,12 +15,12 @@ Ray instance on this machine instead of joining a cluster.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
 import time
 
+from meshtrain.cli import Parser, command, number
 from meshtrain.errors import UserError
 from meshtrain.multihost import EXIT_PEER_LOST, die_with_parent, last_error
 
@@ -29,17 +29,17 @@ FORWARDED_ENV = ("JAX_", "XLA_", "TF_CPP_", "NCCL_")  # this shell's settings fo
 TAIL_LINES = 40
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.ray_launch",
-                                description="Run one meshtrain process per Ray node: ... -- <meshtrain.train args>")
-    p.add_argument("--nodes", type=int, required=True, help="processes, one per node (bundle)")
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.ray_launch",
+               description="Run one meshtrain process per Ray node: ... -- <meshtrain.train args>")
+    p.add_argument("--nodes", type=number(int, min=1), required=True, help="processes, one per node (bundle)")
     p.add_argument("--address", default="auto",
                    help="Ray cluster address (default auto: the running cluster); local: start one here")
     p.add_argument("--strategy", default="STRICT_SPREAD", choices=("STRICT_SPREAD", "SPREAD", "PACK"),
                    help="placement of the bundles (STRICT_SPREAD: one per node)")
-    p.add_argument("--cpus-per-node", type=float, default=1, help="CPUs each bundle reserves")
-    p.add_argument("--gpus-per-node", type=float, default=0, help="GPUs each bundle reserves (CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--timeout", type=int, default=300, metavar="SECONDS",
+    p.add_argument("--cpus-per-node", type=number(float, above=0.0), default=1, help="CPUs each bundle reserves")
+    p.add_argument("--gpus-per-node", type=number(float, min=0.0), default=0, help="GPUs each bundle reserves (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--timeout", type=number(int, min=1), default=300, metavar="SECONDS",
                    help="how long to wait for the cluster to place every bundle")
     return p
 
@@ -127,32 +127,27 @@ def launch(nodes: int, train_argv: list[str], strategy: str = "STRICT_SPREAD", c
         remove_placement_group(group)
 
 
+@command
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        own, train = split_argv(argv)
-        args = parser().parse_args(own)
-        if args.nodes < 1:
-            raise UserError(f"--nodes {args.nodes} must be >= 1")
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every process's lines, not "[repeated 2x]"
-        import ray
+    own, train = split_argv(argv)
+    args = parser().parse_args(own)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every process's lines, not "[repeated 2x]"
+    import ray
 
-        started = time.time()
-        if args.address == "local":
-            ray.init(num_cpus=max(2, int(args.nodes * args.cpus_per_node)), include_dashboard=False)
-        else:
-            try:
-                ray.init(address=args.address)
-            except ConnectionError as e:
-                raise UserError(f"no Ray cluster at --address {args.address} ({str(e).splitlines()[0]}); start one "
-                                f"with ray start --head, or pass --address local") from None
+    started = time.time()
+    if args.address == "local":
+        ray.init(num_cpus=max(2, int(args.nodes * args.cpus_per_node)), include_dashboard=False)
+    else:
         try:
-            results = launch(args.nodes, train, args.strategy, args.cpus_per_node, args.gpus_per_node, args.timeout)
-        finally:
-            ray.shutdown()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            ray.init(address=args.address)
+        except ConnectionError as e:
+            raise UserError(f"no Ray cluster at --address {args.address} ({str(e).splitlines()[0]}); start one "
+                            f"with ray start --head, or pass --address local") from None
+    try:
+        results = launch(args.nodes, train, args.strategy, args.cpus_per_node, args.gpus_per_node, args.timeout)
+    finally:
+        ray.shutdown()
     return summarize(results, time.time() - started)
 
 

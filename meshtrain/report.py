@@ -8,7 +8,6 @@ count).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain import jsonl
+from meshtrain.cli import Parser, command
 from meshtrain.errors import UserError
 
 
@@ -86,24 +86,21 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.report", description=__doc__.split("\n\n")[0])
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.report", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (--out of a training run) or its metrics.jsonl")
     p.add_argument("--out", default="report.png", metavar="PNG", help="where to write the plot (default report.png)")
     return p
 
 
+@command
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        runs = [load_run(path) for path in args.runs]
-        out = Path(args.out)
-        if not out.parent.is_dir():
-            raise UserError(f"--out {args.out}: folder {out.parent} does not exist; create it or pass another --out")
-        figure(runs).savefig(out, dpi=100)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    runs = [load_run(path) for path in args.runs]
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise UserError(f"--out {args.out}: folder {out.parent} does not exist; create it or pass another --out")
+    figure(runs).savefig(out, dpi=100)
     print(table(runs))
     print(f"plot written to {out}")
     return 0

@@ -71,14 +71,20 @@ def read_record(out: Path) -> dict | None:
     return record
 
 
+def set_horizon(out: Path, cfg: Config) -> None:
+    """optim.schedule_steps = the run's recorded horizon, or this first start's train.steps, unless the
+    config sets one."""
+    if not cfg.optim.schedule_steps:
+        record = read_record(out)
+        cfg.optim.schedule_steps = record["identity"]["schedule_steps"] if record else cfg.train.steps
+
+
 def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[dict, list[str]]:
-    """(this start's identity, what changes from the recorded run). `cfg.optim.schedule_steps` is set
-    to the run's horizon: the recorded one unless the config sets one. A change is refused unless
-    `allow_change`."""
+    """(this start's identity, what changes from the recorded run); a change is refused unless
+    `allow_change`. Sets the schedule's horizon (`set_horizon`) if the config does not."""
     record = read_record(out)
     recorded = record["identity"] if record else None
-    if not cfg.optim.schedule_steps:
-        cfg.optim.schedule_steps = recorded["schedule_steps"] if recorded else cfg.train.steps
+    set_horizon(out, cfg)
     mine = identity(cfg, data)
     if recorded is None:
         return mine, []

@@ -56,10 +56,15 @@ def make_rules(overrides: dict | None = None, sequence_parallel: bool = False) -
     for name, axes in (overrides or {}).items():
         if name not in DEFAULT_RULES:
             raise UserError(f"unknown logical axis '{name}' in parallel.rules; known: {', '.join(DEFAULT_RULES)}")
-        axes = () if axes in (None, "", []) else (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = () if axes in (None, "", []) else (axes,) if isinstance(axes, str) else axes
+        if not isinstance(axes, (list, tuple)):
+            raise UserError(f"parallel.rules.{name}={axes!r} is not a list of mesh axes; e.g. [tensor, fsdp]")
         for a in axes:
             if a not in AXES:
-                raise UserError(f"parallel.rules.{name}: unknown mesh axis '{a}'; axes are {', '.join(AXES)}")
+                raise UserError(f"parallel.rules.{name}: unknown mesh axis {a!r}; axes are {', '.join(AXES)}")
+        if len(set(axes)) < len(axes):
+            raise UserError(f"parallel.rules.{name}={list(axes)} names a mesh axis twice; name each once")
+        axes = tuple(axes)
         rules[name] = axes
     return rules
 

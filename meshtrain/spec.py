@@ -8,8 +8,8 @@
 - `OptimSpec` (`optim:`): how it learns (AdamW, schedule, clipping).
 The loop, data, checkpoint, guard and logging sections complete `Config`.
 
-Each setting is declared once, with its default, its meaning (`help`), its allowed values or lower
-bound; the parser, the reference (docs/config.md) and the resume check all read that. The checks
+Each setting is declared once, with its default, its meaning (`help`), its allowed values or range
+(`Bounds`); the parser, the reference (docs/config.md) and the resume check all read that. The checks
 that involve several settings or the mesh live in meshtrain/validate.py.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshtrain.attention import BACKENDS as ATTENTION_BACKENDS
+from meshtrain.bounds import Bounds
 from meshtrain.data.sources import KINDS as DATA_KINDS
 from meshtrain.remat import POLICIES as REMAT_POLICIES
 from meshtrain.schedules import SCHEDULES
@@ -26,10 +27,13 @@ from models import FAMILIES
 MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
 
 
-def setting(default, help: str, *, choices=(), min=None, architecture: bool = True):
-    """A config field. `architecture=False`: a model setting that does not define the weights
-    (a loss weight, a routing capacity), so it may differ on resume."""
-    meta = {"help": help, "choices": tuple(choices), "min": min, "architecture": architecture}
+def setting(default, help: str, *, choices=(), min=None, max=None, above=None, below=None,
+            architecture: bool = True):
+    """A config field. `min`/`max` (inclusive), `above`/`below` (exclusive): its range (`Bounds`).
+    `architecture=False`: a model setting that does not define the weights (a loss weight, a routing
+    capacity), so it may differ on resume."""
+    meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
+            "architecture": architecture}
     if dataclasses.is_dataclass(default) or isinstance(default, dict):
         return field(default_factory=lambda: type(default)(), metadata=meta)
     return field(default=default, metadata=meta)
@@ -52,11 +56,11 @@ class ModelSpec:
                                         "3.1+: the rope_* keys below)", choices=("none", "llama3"))
     rope_factor: float = setting(8.0, "llama3 rope scaling: low frequencies are divided by this", min=1.0)
     rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original_max_len / "
-                                               "this are scaled", min=0.0)
+                                               "this are scaled", above=0.0)
     rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original_max_len / "
-                                                "this are kept", min=0.0)
+                                                "this are kept", above=0.0)
     rope_original_max_len: int = setting(8192, "llama3 rope scaling: the context length of pre-training", min=1)
-    norm_eps: float = setting(1e-5, "RMSNorm epsilon", min=0.0)
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon", above=0.0)
     tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
     num_experts: int = setting(0, "moe: routed SwiGLU experts per block; 0 = a dense MLP (the llama block)",
                                min=0)
@@ -109,7 +113,7 @@ class ParallelPlan:
     loss_scale_window: int = setting(1000, "fp16: the scale doubles after this many steps in a row without "
                                            "overflow (Megatron/DeepSpeed: 1000)", min=1)
     loss_scale_min: float = setting(1.0, "fp16: the scale never falls below this; at it an overflow is a "
-                                         "NaN/Inf step for the guard", min=0.0)
+                                         "NaN/Inf step for the guard", above=0.0)
     grad_compression: str = setting("none", "the data-parallel gradient reduction: none (fp32), or int8 (blockwise "
                                             "int8 with a scale per block and error feedback, carried over the "
                                             "network as int8)", choices=("none", "int8"))
@@ -143,16 +147,17 @@ class ParallelPlan:
 @dataclass
 class OptimSpec:
     lr: float = setting(1e-3, "peak learning rate (AdamW)", min=0.0)
-    min_lr_ratio: float = setting(0.1, "cosine decays to lr x min_lr_ratio at the schedule's last step", min=0.0)
+    min_lr_ratio: float = setting(0.1, "cosine decays to lr x min_lr_ratio at the schedule's last step", min=0.0,
+                                  max=1.0)
     schedule_steps: int = setting(0, "the schedule's horizon: warmup + cosine span this many steps, then lr stays "
                                      "at lr x min_lr_ratio; 0 = train.steps of the run's first start (recorded in "
                                      "<out>/run.json, so resuming with more --steps continues the same curve)",
                                   min=0)
     warmup_steps: int = setting(20, "linear warmup steps", min=0)
     weight_decay: float = setting(0.1, "decoupled weight decay on matrices (not norms)", min=0.0)
-    b1: float = setting(0.9, "Adam beta1", min=0.0)
-    b2: float = setting(0.95, "Adam beta2", min=0.0)
-    eps: float = setting(1e-8, "Adam epsilon", min=0.0)
+    b1: float = setting(0.9, "Adam beta1", min=0.0, below=1.0)
+    b2: float = setting(0.95, "Adam beta2", min=0.0, below=1.0)
+    eps: float = setting(1e-8, "Adam epsilon", above=0.0)
     clip_norm: float = setting(1.0, "global gradient-norm clipping; 0 disables it", min=0.0)
 
 
@@ -168,9 +173,9 @@ class DataConfig:
     text_field: str = setting("text", "jsonl field / Parquet or datasets column holding each document's text")
     tokenizer: str = setting("auto", "byte, or a tokenizer.json (or a folder holding one); auto = the data's "
                                      "own (a prepared folder's, a token file's sidecar's), byte for raw text")
-    val_fraction: float = setting(0.05, "tail of the token stream held out for eval_loss", min=0.0)
+    val_fraction: float = setting(0.05, "tail of the token stream held out for eval_loss", min=0.0, below=1.0)
     prefetch: int = setting(1, "batches built ahead in a background thread while the device computes; "
-                               "0 builds each one in the loop", min=0)
+                               "0 builds each one in the loop", min=0, max=64)
 
 
 @dataclass
@@ -178,7 +183,7 @@ class TrainConfig:
     steps: int = setting(200, "optimizer steps", min=1)
     batch_size: int = setting(32, "global batch, in sequences", min=1)
     seq_len: int = setting(64, "tokens per sequence", min=1)
-    seed: int = setting(0, "seeds the initial weights and the data order")
+    seed: int = setting(0, "seeds the initial weights and the data order", min=0)
     log_every: int = setting(10, "steps between log lines and metrics.jsonl records", min=1)
     eval_every: int = setting(50, "steps between eval_loss measurements; 0 disables them", min=0)
     eval_batches: int = setting(4, "batches per evaluation", min=1)
@@ -241,7 +246,7 @@ class Config:
     guard: GuardConfig = setting(GuardConfig(), "the NaN/Inf guard")
     logging: LoggingConfig = setting(LoggingConfig(), "console, TensorBoard, W&B and profiler output")
     devices: int = setting(0, f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) when no "
-                              "accelerator is present; 0 = the machine's devices", min=0)
+                              "accelerator is present; 0 = the machine's devices", min=0, max=MAX_SIMULATED_DEVICES)
     out: str = setting("", "output folder; '' = runs/<config file name> (runs/default without --config)")
 
 

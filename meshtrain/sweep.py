@@ -22,7 +22,6 @@ through CUDA_VISIBLE_DEVICES, and `--devices D` (simulated CPU devices) gives ea
 """
 from __future__ import annotations
 
-import argparse
 import fcntl
 import functools
 import json
@@ -37,8 +36,10 @@ from pathlib import Path
 
 from meshtrain import jsonl, sweep_folder
 from meshtrain.config import default_out, load_config, parse_yaml, split_override, to_dict
+from meshtrain.cli import Parser, command, number
 from meshtrain.errors import UserError
 from meshtrain.folders import full_disk_is_user_error, replace_file
+from meshtrain.spec import MAX_SIMULATED_DEVICES
 from meshtrain.multihost import die_with_parent, last_error
 
 FIELDS = {"float": ("low", "high", "log", "step"), "int": ("low", "high", "log", "step"), "categorical": ("choices",)}
@@ -568,8 +569,8 @@ def write_best(path: Path, best: dict) -> None:
 
 
 # ---- the CLI ----
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.sweep",
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.sweep",
                                 description="Hyperparameter search with Optuna; every trial is a meshtrain run.")
     p.add_argument("--config", help="YAML config every trial starts from")
     p.add_argument("--space", required=True, help="YAML file: config key -> {type: float|int|categorical, ...}")
@@ -579,12 +580,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--study", help="study name (default: the --out folder's name)")
     p.add_argument("--out", help="sweep folder: trial-<n>/ runs, logs/, best.json (default runs/<config>-sweep)")
     p.add_argument("--parallel", type=int, default=1, metavar="K", help="trials at once, each on 1/K of the devices")
-    p.add_argument("--devices", type=int, help="simulated CPU devices in all; each trial gets devices/K")
+    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
+                   help="simulated CPU devices in all; each trial gets devices/K")
     p.add_argument("--pruner", choices=("median", "hyperband", "none"), default="median")
-    p.add_argument("--startup-trials", type=int, default=5,
+    p.add_argument("--startup-trials", type=number(int, min=0), default=5,
                    help="median pruner: complete trials before any is pruned (default 5)")
-    p.add_argument("--warmup-steps", type=int, default=0, help="median pruner: no pruning before this step")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--warmup-steps", type=number(int, min=0), default=0, help="median pruner: no pruning before this step")
+    p.add_argument("--seed", type=number(int, min=0), default=0,
                    help="TPE sampler seed (plus the number of trials already in the study)")
     p.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",
                    help="a running trial heartbeats this often; one silent for twice as long is retried")
@@ -630,24 +632,21 @@ def prepare(args):
     return space, base, slots
 
 
+@command
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        space, base, slots = prepare(args)
-        pruner = make_pruner(args, base, space)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        storage, study = open_study(args.storage, args.study, args.seed, pruner, args.heartbeat,
-                                    Path(args.out).absolute())
-        from optuna.distributions import distribution_to_json
+    space, base, slots = prepare(args)
+    pruner = make_pruner(args, base, space)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    storage, study = open_study(args.storage, args.study, args.seed, pruner, args.heartbeat,
+                                Path(args.out).absolute())
+    from optuna.distributions import distribution_to_json
 
-        base_dict = to_dict(base)
-        base_dict.pop("out")
-        base_dict.pop("devices", None)
-        adopt(study, {"config": args.config, "base": base_dict,
-                      "space": {k: json.loads(distribution_to_json(d)) for k, d in space.items()}}, args.storage)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    base_dict = to_dict(base)
+    base_dict.pop("out")
+    base_dict.pop("devices", None)
+    adopt(study, {"config": args.config, "base": base_dict,
+                  "space": {k: json.loads(distribution_to_json(d)) for k, d in space.items()}}, args.storage)
     sweep = Sweep(args, space, slots, storage, study)
     finished = sum(t.state.is_finished() for t in counted(study.get_trials(deepcopy=False)))
     print(f"study {args.study} in {shown_url(args.storage)}: {finished} of {args.trials} trials finished; "
@@ -661,9 +660,6 @@ def main(argv=None) -> int:
     try:
         with full_disk_is_user_error(args.out, "the study's results", then="rerun the same command"):
             sweep.run()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     finally:
         sweep.process.release()
         for sig, handler in handlers.items():
@@ -678,11 +674,7 @@ def main(argv=None) -> int:
             print(f"error: no trial of study {args.study} completed; see the table above", file=sys.stderr)
         return 0 if sweep.stopping else 1
     path = Path(args.out) / "best.json"
-    try:
-        write_best(path, best)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    write_best(path, best)
     params = " ".join(param_sets(best["params"]))
     print(f"best: trial {best['trial']}, eval_loss {best['eval_loss']:.4f}, {params}, run {shown_path(best['run'])} "
           f"(written to {shown_path(path)})", flush=True)

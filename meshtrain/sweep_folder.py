@@ -47,7 +47,7 @@ def check_database(url: str, out: Path | None = None) -> None:
         if out is not None and holds_trials(out):
             raise UserError(NO_STUDY.format(out=out))
         return
-    fix = f"move it away to start a new study, or restore it from a backup"
+    fix = "move it away to start a new study, or restore it from a backup"
     with open(path, "rb") as f:
         header = f.read(len(SQLITE_HEADER))
     if not header:

@@ -1,12 +1,12 @@
 """`python -m meshtrain.train`: parse flags, build a Trainer, run. All logic lives in importable modules."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import signal
 import sys
 import threading
 
+from meshtrain.cli import Parser, command, number
 from meshtrain.config import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
                               split_override)
 
@@ -16,8 +16,8 @@ FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.step
              "resume": "checkpoint.resume", "init_from": "checkpoint.init_from", "profile": "logging.profile"}
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.train", description="Train a transformer on a named mesh.")
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.train", description="Train a transformer on a named mesh.")
     p.add_argument("--config", help="YAML config (see configs/ and docs/config.md)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value by dotted path, e.g. --set model.num_layers=8 (repeatable)")
@@ -46,11 +46,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config-reference", action="store_true",
                    help="print every config key, its default and meaning (docs/config.md) and exit")
     p.add_argument("--coordinator", help="multi-host: coordinator host:port (else SLURM/Open MPI/K8s env)")
-    p.add_argument("--num-processes", type=int)
-    p.add_argument("--process-id", type=int)
-    p.add_argument("--heartbeat-timeout", type=int, default=100, metavar="SECONDS",
+    p.add_argument("--num-processes", type=number(int, min=1))
+    p.add_argument("--process-id", type=number(int, min=0), help="0 to --num-processes - 1")
+    p.add_argument("--heartbeat-timeout", type=number(int, min=1), default=100, metavar="SECONDS",
                    help="multi-host: when a process dies, the others stop with an error after this long")
-    p.add_argument("--init-timeout", type=int, default=300, metavar="SECONDS",
+    p.add_argument("--init-timeout", type=number(int, min=1), default=300, metavar="SECONDS",
                    help="multi-host: how long to wait for every process to join")
     return p
 
@@ -75,24 +75,20 @@ def overrides(args) -> list[str]:
     return list(args.set) + flags
 
 
+@command
 def main(argv=None) -> int:
+    """Ctrl-C during training saves a checkpoint and returns 0 (Trainer.fit); before it, the
+    wrapper's one line and 130: nothing was written yet."""
     args = parser().parse_args(argv)
     if args.config_reference:
         print(reference_markdown(), end="")
         return 0
     with noting_interrupts() as interrupted:
-        try:
             cfg = load_config(args.config, overrides(args))
             if args.print_config:
                 print(commented_yaml(cfg), end="")
                 return 0
             run(cfg, args, interrupted)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:  # Ctrl-C before training started: nothing was written
-            print("interrupted before training started; nothing was written", file=sys.stderr)
-            return 130
     return 0
 
 

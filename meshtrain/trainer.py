@@ -29,6 +29,7 @@ from meshtrain.metrics import mfu, peak_flops
 from meshtrain.multihost import agree_with_process_0, preemption_reached
 from meshtrain.prefetch import Prefetcher
 from meshtrain.program import TrainProgram
+from meshtrain.validate import check_train_size
 
 
 class Trainer:
@@ -54,16 +55,18 @@ class Trainer:
 
     def _build(self, cfg: Config, devices, allow_change: bool):
         t = cfg.train
+        run_dir.set_horizon(self.out, cfg)  # the schedule's, as the run recorded it
+        self.cfg = cfg
+        self.program = program = TrainProgram.from_config(cfg, devices)
+        check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
-        # What defines the run, checked against the folder's record; sets the schedule's horizon.
+        # What defines the run, checked against the folder's record.
         self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.data_fingerprint(self.corpus.tokens),
                                                         allow_change)
         if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
             print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
                   f"{cfg.optim.schedule_steps}): lr stays at optim.lr x min_lr_ratio from there; to decay over a new "
                   f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
-        self.cfg = cfg
-        self.program = program = TrainProgram.from_config(cfg, devices)
         train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
         batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
                                                        program.batch_sharding, cfg.model.vocab_size)

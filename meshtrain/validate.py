@@ -5,30 +5,41 @@ key and the fix.
   run when a config is loaded.
 - `check_layout(model, plan, train, sizes, rules, backend)`: what depends on the mesh and the device kind; run by
   the program before anything is traced.
+- `check_train_size(program)`, `check_generation_size(...)`: sizes no device can hold (a sequence of
+  10^8 tokens, 10^9 new tokens), refused before compiling: a lower bound per device from the
+  planner's formulas (meshtrain/formulas.py) against ABSURD_FACTOR x the device's memory. Near
+  misses are the planner's to judge (`python -m meshtrain.plan`), with the compiled figure.
 """
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from meshtrain.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.errors import UserError
+from meshtrain.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
+from meshtrain.precision import compute_bytes
 from meshtrain.schedules import check as check_schedule
+from meshtrain.sharding import make_rules
 from meshtrain.schedules import check_residuals
-from meshtrain.spec import MAX_SIMULATED_DEVICES, settings
+from meshtrain.bounds import INT_LIMIT
+from meshtrain.spec import settings
 from meshtrain.tokenizer import check_vocab, load as load_tokenizer
 
+ABSURD_FACTOR = 4  # a step whose lower bound needs this many times a device's memory is refused
 MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
 
 
 def check_config(cfg) -> None:
     for key, f, value in settings(cfg):
-        choices, low = f.metadata["choices"], f.metadata["min"]
+        choices = f.metadata["choices"]
         if choices and value not in choices:
             raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
-        if low is not None and value < low:
-            raise UserError(f"{key}={value} must be >= {low}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            f.metadata["bounds"].check(key, value)
     m, t, par = cfg.model, cfg.train, cfg.parallel
+    make_rules(par.rules, par.sequence_parallel)  # its own checks: logical axes, mesh axes, each once
     if m.num_heads % m.num_kv_heads:
         raise UserError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
     if not m.head_dim and m.d_model % m.num_heads:
@@ -50,13 +61,8 @@ def check_config(cfg) -> None:
     if par.microbatches and t.batch_size % par.microbatches:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
                         f"parallel.microbatches={par.microbatches}")
-    if cfg.devices > MAX_SIMULATED_DEVICES:
-        raise UserError(f"devices={cfg.devices}: at most {MAX_SIMULATED_DEVICES} CPU devices can be simulated "
-                        f"(XLA takes minutes to start more); plan a smaller mesh")
     if cfg.data.kind == "synthetic" and cfg.data.path:
         raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
-    if not cfg.data.val_fraction < 1:
-        raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be below 1")
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
@@ -131,3 +137,55 @@ def _check_kernels(par, seq_len: int, backend: str) -> None:
     if par.remat == "offload" and backend == "cpu":
         raise UserError("parallel.remat=offload moves activations to host memory and needs a GPU/TPU; "
                         "use full or save_matmuls on CPU")
+
+
+def device_memory(devices) -> tuple[float, str]:
+    """(bytes one device has, who has them): an accelerator's own memory; on CPU the host's memory,
+    which its local devices share."""
+    device = devices[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"one {device.device_kind} has"
+    local = sum(d.process_index == device.process_index for d in devices)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / local, f"each of {local} CPU device(s) has of this host's memory"
+
+
+def _refuse_beyond_memory(what: str, need: float, figure: str, devices, fix: str) -> None:
+    have, who = device_memory(devices)
+    if need > ABSURD_FACTOR * have:
+        raise UserError(f"{what} needs at least {need / 1e9:,.1f} GB per device ({figure}), over {ABSURD_FACTOR}x "
+                        f"the {have / 1e9:,.1f} GB {who}; {fix}")
+
+
+def check_train_size(program) -> None:
+    """A train step's activations (one microbatch, formulas.llama_activation_terms) and model states
+    (formulas.zero_bytes) per device, a lower bound, against the devices' memory."""
+    m, par, t, sizes = program.model.cfg, program.plan, program.train, program.sizes
+    stages = sizes["pipeline"]
+    rows = t.batch_size / math.prod(sizes[a] for a in program.rules["batch"]) / par.num_microbatches(stages)
+    remat = par.remat if par.remat in ("none", "save_matmuls", "full") else "full"  # offload: on the host
+    terms = llama_activation_terms(t.seq_len / sizes["context"], rows, m.d_model, m.num_heads, m.num_kv_heads,
+                                   m.head_dim, m.mlp_dim, compute_bytes(par.precision), sizes["tensor"],
+                                   par.sequence_parallel, remat)
+    formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
+    activations = sum(formed.values()) * m.num_layers / stages
+    states = sum(zero_bytes(program.num_params, sizes, par.zero).values())
+    _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
+                          f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
+                          f"meshtrain/formulas.py", list(program.mesh.devices.flat),
+                          "lower train.seq_len or train.batch_size, or add devices; python -m meshtrain.plan "
+                          "shows the compiled figure")
+
+
+def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, devices) -> None:
+    """Generation's KV cache (formulas.kv_cache_bytes; `m` a resolved ModelSpec) for `rows` prompts of
+    up to `prompt_len` tokens, split over every device at best, against their memory."""
+    positions = prompt_len + max_new_tokens - 1
+    what = f"--max-new-tokens {max_new_tokens}"
+    if positions > INT_LIMIT:
+        raise UserError(f"{what}: {positions:,} positions exceed the 2^31 - 1 a position id holds; "
+                        f"generate fewer tokens")
+    need = kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split=len(devices))
+    _refuse_beyond_memory(what, need, f"the KV cache of {rows} row(s) x {positions:,} positions, "
+                          f"meshtrain/formulas.py", devices, "generate fewer tokens or fewer prompts at once")

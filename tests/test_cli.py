@@ -1,11 +1,14 @@
-"""`python -m meshtrain.train` end to end on the default corpus (the Python standard library)."""
+"""`python -m meshtrain.train` end to end on the default corpus (the Python standard library); every
+command's failures through meshtrain/cli.py."""
 import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, TINY as TINY_PATH
+from meshtrain.errors import UserError
 
 
 def test_cli_trains_on_default_corpus_and_writes_metrics(tmp_path):
@@ -31,3 +34,140 @@ def test_cli_trains_on_default_corpus_and_writes_metrics(tmp_path):
 
     resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert resolved["parallel"]["mesh"] == "data=2,fsdp=2,tensor=2" and resolved["train"]["steps"] == 60
+
+
+# ---- every command's main through meshtrain/cli.py: one line per failure, the exit status it means ----
+# (command, argv with its required arguments, the function its main calls once the arguments are parsed)
+COMMANDS = {
+    "train": ("meshtrain.train", ["--config", "configs/tiny.yaml"], "run"),
+    "plan": ("meshtrain.plan", ["--config", "configs/tiny.yaml", "--devices", "8"], "meshtrain.planner.run"),
+    "generate": ("meshtrain.generate", ["--run", "runs/none", "--prompt", "a", "--max-new-tokens", "1"],
+                 "encode_prompts"),
+    "convert": ("meshtrain.convert", ["--from-hf", "hf", "--out", "run"], "from_hf"),
+    "quantize": ("meshtrain.convert", ["--quantize", "int8", "run", "out"], "meshtrain.quantize.cli"),
+    "sweep": ("meshtrain.sweep", ["--space", "space.yaml", "--trials", "1"], "prepare"),
+    "report": ("meshtrain.report", ["run"], "load_run"),
+    "prepare": ("meshtrain.data.__main__", ["prepare", "src", "--out", "out"], "detect"),
+    "train-tokenizer": ("meshtrain.data.__main__", ["train-tokenizer", "src", "--vocab-size", "300", "--out", "t.json"],
+                        "detect"),
+    "ray_launch": ("meshtrain.ray_launch", ["--nodes", "1", "--", "--config", "configs/tiny.yaml"], "launch"),
+}
+
+
+def stubbed_main(monkeypatch, command: str, work):
+    """The command's main, with the work after parsing replaced by `work`."""
+    import importlib
+
+    module_name, argv, target = COMMANDS[command]
+    module = importlib.import_module(module_name)
+    owner, _, name = target.rpartition(".")
+    monkeypatch.setattr(importlib.import_module(owner) if owner else module, name, work)
+    if command == "ray_launch":
+        monkeypatch.setitem(sys.modules, "ray", type(sys)("ray"))  # no cluster: launch() is the work
+        sys.modules["ray"].init = sys.modules["ray"].shutdown = lambda *a, **k: None
+    return module.main, argv
+
+
+def raising(error):
+    def work(*args, **kwargs):
+        raise error
+    return work
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("error,code,last_line", [
+    (KeyboardInterrupt(), 130, "interrupted (Ctrl-C); run the command again to redo it"),
+    (UserError("bad input; fix it"), 2, "error: bad input; fix it"),
+    (RuntimeError("a bug"), 1, "internal error: a bug in meshtrain, not in your input; please report it with the "
+                               "traceback above and the command you ran"),
+], ids=["ctrl-c", "user-error", "bug"])
+def test_every_command_reports_a_failure_in_one_line(command, error, code, last_line, monkeypatch, capsys):
+    main, argv = stubbed_main(monkeypatch, command, raising(error))
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == last_line
+    if code == 1:  # a bug keeps its traceback, to be reported
+        assert err[0] == "Traceback (most recent call last):" and "RuntimeError: a bug" in err
+    else:
+        assert len(err) == 1
+
+
+@pytest.mark.parametrize("command,flags,message", [
+    ("generate", ["--temperature", "nan"], "argument --temperature: nan must be a finite number >= 0"),
+    ("generate", ["--top-p", "0"], "argument --top-p: 0 must be in (0, 1]"),
+    ("generate", ["--max-new-tokens", "0"], "argument --max-new-tokens: 0 must be >= 1"),
+    ("generate", ["--devices", "99999"], "argument --devices: 99999 must be in [1, 4096]"),
+    ("plan", ["--headroom", "1"], "argument --headroom: 1 must be in [0, 1)"),
+    ("plan", ["--device-memory", "0GB"], "argument --device-memory: 0 must be > 0"),
+    ("plan", ["--device-memory", "infGB"], "argument --device-memory: inf must be a finite number > 0"),
+    ("plan", ["--mem-fraction", "nan"], "argument --mem-fraction: nan must be a finite number in (0, 1]"),
+    ("convert", ["--max-shard-gb", "0"], "argument --max-shard-gb: 0 must be > 0"),
+    ("prepare", ["--workers", "0"], "argument --workers: 0 must be in [1, 1024]"),
+    ("train-tokenizer", ["--vocab-size", "x"], "argument --vocab-size: 'x' is not a valid int"),
+    ("ray_launch", ["--cpus-per-node", "-1"], "argument --cpus-per-node: -1 must be > 0"),
+    ("train", ["--init-timeout", "0"], "argument --init-timeout: 0 must be >= 1"),
+    ("sweep", ["--devices", "0"], "argument --devices: 0 must be in [1, 4096]"),
+    ("report", ["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_flags_out_of_range_are_one_line_errors(command, flags, message, monkeypatch, capsys):
+    main, argv = stubbed_main(monkeypatch, command, raising(AssertionError("the work must not start")))
+    if command == "ray_launch":
+        argv = [*flags, *argv]
+    else:
+        argv = [*argv, *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.endswith(" --help\n") and err.count("\n") == 1, err
+
+
+def test_generate_refuses_an_absurd_length_before_loading(tmp_path, capsys):
+    """--max-new-tokens 10^9: the KV cache by formula, against the device's memory; no weights are read."""
+    import time
+
+    from meshtrain.generate import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((ROOT / "configs" / "tiny.yaml").read_text())
+    started = time.perf_counter()
+    code = main(["--run", str(run), "--prompt", "hello", "--tokenizer", "byte", "--max-new-tokens", "1000000000"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.perf_counter() - started < 2, err
+    assert err.startswith("error: --max-new-tokens 1000000000 needs at least ") and "the KV cache of 1 row(s) x " \
+        "1,000,000,004 positions" in err and err.endswith("generate fewer tokens or fewer prompts at once\n")
+    assert main(["--run", str(run), "--prompt", "hi", "--tokenizer", "byte", "--max-new-tokens", "2147483647"]) == 2
+    assert "2,147,483,648 positions exceed the 2^31 - 1 a position id holds" in capsys.readouterr().err
+
+
+def test_a_pipeline_of_100000_stages_is_refused_before_tracing():
+    """10^5 stages need 10^5 devices; at any device count, the layers must divide into the stages."""
+    from meshtrain.config import load_config
+    from meshtrain.mesh import parse_mesh
+    from meshtrain.sharding import make_rules
+    from meshtrain.validate import check_layout
+
+    with pytest.raises(UserError, match="mesh 1x1x1x100000 needs 100000 devices, found 8"):
+        parse_mesh("1x1x1x100000", 8)
+    cfg = load_config(TINY_PATH, ["parallel.microbatches=200000", "train.batch_size=200000"])
+    sizes = parse_mesh("1x1x1x100000", 100000)
+    with pytest.raises(UserError, match=r"model.num_layers=4 is not divisible by pipeline stages \(100000\)"):
+        check_layout(cfg.model, cfg.parallel, cfg.train, sizes, make_rules(), "cpu")
+
+
+def test_ctrl_c_while_a_real_process_starts_is_one_line(tmp_path):
+    """SIGINT at start-up (JAX importing, the program building): 130 and one line; once training
+    runs, it saves and exits 0. Never a traceback, never a half-written run."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.train", "--config", TINY_PATH, "--out",
+                             str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert "Traceback" not in stderr, stderr[-2000:]
+    if proc.returncode in (130, -signal.SIGINT):
+        assert stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C); run the command again to redo it"
+    else:  # it was already training: saved, exit 0
+        assert proc.returncode == 0 and list((tmp_path / "run" / "checkpoints").iterdir()), stderr[-2000:]

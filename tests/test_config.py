@@ -73,9 +73,27 @@ def test_overrides_coerce_types_and_nest():
     ("model=3", "is a section"),
     ("model.num_layers=0", "model.num_layers=0 must be >= 1"),
     ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),
-    ("checkpoint.every_minutes=-5", "checkpoint.every_minutes=-5.0 must be >= 0.0"),
-    ("devices=8192", "devices=8192: at most 4096 CPU devices"),
-    ("data.val_fraction=1", "data.val_fraction=1.0 must be below 1"),
+    ("checkpoint.every_minutes=-5", "checkpoint.every_minutes=-5.0 must be >= 0$"),
+    ("devices=8192", r"devices=8192 must be in \[0, 4096\]"),
+    ("data.val_fraction=1", r"data.val_fraction=1.0 must be in \[0, 1\)"),
+    ("optim.b1=1", r"optim.b1=1.0 must be in \[0, 1\)"),
+    ("optim.b2=-0.5", r"optim.b2=-0.5 must be in \[0, 1\)"),
+    ("optim.eps=0", "optim.eps=0.0 must be > 0"),
+    ("model.norm_eps=0", "model.norm_eps=0.0 must be > 0"),
+    ("optim.clip_norm=.inf", "optim.clip_norm=inf must be a finite number >= 0"),
+    ("optim.lr=.nan", "optim.lr=nan must be a finite number >= 0"),
+    ("optim.min_lr_ratio=1.5", r"optim.min_lr_ratio=1.5 must be in \[0, 1\]"),
+    ("parallel.loss_scale_min=0", "parallel.loss_scale_min=0.0 must be > 0"),
+    ("train.seed=-1", "train.seed=-1 must be >= 0"),
+    ("train.seq_len=4294967296", r"train.seq_len=4294967296 is too large: integers here are at most 2\^31 - 1"),
+    ("train.steps=1e400", "train.steps=inf is not a valid int"),
+    ("train.steps=2.5", "train.steps=2.5 is not a valid int"),
+    ("train.steps=[1, 2]", r"train.steps=\[1, 2\] is not a valid int"),
+    ("optim.lr={a: 1}", r"optim.lr=\{'a': 1\} is not a valid float"),
+    ("optim.lr=1e999", "optim.lr=inf must be a finite number >= 0"),
+    ("data.prefetch=1000", r"data.prefetch=1000 must be in \[0, 64\]"),
+    ("parallel.rules.mlp=[tensor, tensor]", "names a mesh axis twice; name each once"),
+    ("parallel.rules.mlp=3", "parallel.rules.mlp=3 is not a list of mesh axes"),
     ("parallel.rules.seq=[tensor", "--set parallel.rules.seq line 1, column 8: .*fix the YAML syntax"),
     ("parallel.remat=some", "parallel.remat='some' is not one of none, full, save_matmuls, offload"),
     ("train.steps.x=1", "has no field 'x'"),
@@ -123,3 +141,59 @@ def test_renamed_keys_still_work_with_a_notice(tmp_path, capsys):
     assert "notice: config key 'model.remat' is now 'parallel.remat' (docs/config.md)" in notices
     assert len(notices) == 9 and all(line.startswith("notice: config key '") for line in notices)
     assert load_config(None, ["train.microbatches=4"]).parallel.microbatches == 4
+
+
+@pytest.mark.parametrize("text,message", [
+    (b"train: {steps: \xff}\n", r"is not UTF-8 text \(byte 15: b'\\xff'\); save it as UTF-8$"),
+    (b"optim: {lr: [1, 2]}\n", r"optim.lr=\[1, 2\] is not a valid float"),
+    (b"out: [a, b]\n", r"out=\['a', 'b'\] is a list, not text; give one value"),
+    (b"data: {path: }\n", "data.path has no value; give one or remove the key"),
+    (b"train: {steps: .inf}\n", "train.steps=inf is not a valid int"),
+    (b"optim: {b1: .nan}\n", r"optim.b1=nan must be a finite number in \[0, 1\)"),
+    (b"train: 3\n", "config key 'train' is a section"),
+    (b"- a list\n", "must hold a mapping of sections"),
+    (b"parallel: {rules: {mlp: {tensor: 1}}}\n", r"parallel.rules.mlp=\{'tensor': 1\} is not a list of mesh axes"),
+], ids=["non-utf8", "list-for-number", "list-for-text", "empty-value", "inf-int", "nan-beta", "section-scalar",
+        "not-a-mapping", "rules-mapping"])
+def test_malformed_config_files_fail_clearly(text, message, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text)
+    with pytest.raises(UserError, match=message):
+        load_config(str(path))
+
+
+def test_a_folder_or_unreadable_file_as_config(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_config(str(tmp_path))
+    from meshtrain.config import read_text
+    with pytest.raises(UserError, match=rf"config file {tmp_path} cannot be read \(Is a directory\)"):
+        read_text(tmp_path, "config file")
+
+
+@pytest.mark.parametrize("bounds,inside,outside,shown", [
+    (dict(min=1), [1, 2**31 - 1], [0, -5, 2**31], ">= 1"),
+    (dict(min=0.0, below=1.0), [0.0, 0.999], [1.0, -0.1, float("nan"), float("inf")], "in [0, 1)"),
+    (dict(above=0.0), [1e-30, 1e300], [0.0, -1.0, float("inf")], "> 0"),
+    (dict(above=0.0, max=1.0), [1.0, 0.5], [0.0, 1.5], "in (0, 1]"),
+    (dict(max=4096), [-1, 4096], [4097], "<= 4096"),
+    (dict(), [0.0, -1e300, 2**31 - 1], [float("-inf"), float("nan"), -2**31 - 1], "a finite number"),
+])
+def test_bounds(bounds, inside, outside, shown):
+    from meshtrain.bounds import Bounds
+    b = Bounds(**bounds)
+    assert str(b) == shown
+    assert [b.problem(v) for v in inside] == [None] * len(inside)
+    assert all(b.problem(v) for v in outside)
+    with pytest.raises(UserError, match=r"^x=.* (must be|is too large)"):
+        b.check("x", outside[0])
+
+
+def test_every_number_key_has_a_range_in_the_reference():
+    """Each int/float key declares its range, and docs/config.md shows it."""
+    from meshtrain.bounds import Bounds
+    from meshtrain.spec import settings
+    numbers = [(key, f) for key, f, value in settings() if type(value) in (int, float) and not f.metadata["choices"]]
+    assert numbers and all(f.metadata["bounds"] != Bounds() for key, f in numbers), \
+        [key for key, f in numbers if f.metadata["bounds"] == Bounds()]
+    reference = reference_markdown()
+    assert all(f"| `{key}` |" in reference and str(f.metadata["bounds"]) in reference for key, f in numbers)

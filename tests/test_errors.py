@@ -11,6 +11,7 @@ from conftest import ROOT, TINY
 from meshtrain.train import main
 
 SHAKESPEARE = str(ROOT / "configs" / "shakespeare_char.yaml")
+INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it\n"
 
 BAD_INPUTS = [
     (["--mesh", "2x2x4"], "mesh 2x2x4 needs 16 devices, found 8; change --mesh or --devices"),
@@ -32,6 +33,16 @@ BAD_INPUTS = [
     (["--set", "parallel.precision=fp8"], "parallel.precision='fp8' is not one of fp32, bf16"),
     (["--set", "train.steps=many"], "train.steps='many' is not a valid int"),
     (["--config", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
+    (["--mesh", "data=2,data=4"], "--mesh data=2,data=4 names axis 'data' twice; give each axis once"),
+    (["--set", "parallel.rules.mlp=[tensor, tensor]"], "parallel.rules.mlp=['tensor', 'tensor'] names a mesh axis twice"),
+    (["--set", "optim.lr=nan"], "optim.lr=nan must be a finite number >= 0"),
+    (["--steps", "1e3"], "argument --steps: invalid int value: '1e3'; see python -m meshtrain.train --help"),
+    (["--process-id", "-1"], "argument --process-id: -1 must be >= 0"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id 2 is not one of the 2 processes; give each process its own id from 0 to 1"),
+    (["--seq-len", "100000000", "--set", "parallel.attention=blockwise"],  # linear in L, yet terabytes
+     "train.seq_len=100000000 x train.batch_size=16 needs at least"),
+    (["--seq-len", "1048576"], "train.seq_len=1048576 x train.batch_size=16 needs at least"),  # [L, L] scores
 ]
 
 
@@ -86,7 +97,7 @@ def test_ctrl_c_before_training_exits_quietly_and_writes_nothing(capsys, tmp_pat
         raise KeyboardInterrupt
     monkeypatch.setattr(meshtrain.trainer.Trainer, "__init__", interrupted_compile)
     assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
-    assert capsys.readouterr().err == "interrupted before training started; nothing was written\n"
+    assert capsys.readouterr().err == INTERRUPTED
     assert not (tmp_path / "run").exists()
 
 
@@ -105,7 +116,7 @@ def test_ctrl_c_swallowed_by_a_library_still_stops_before_training(capsys, tmp_p
     monkeypatch.setattr(meshtrain.trainer.Trainer, "__init__", swallowed_interrupt)
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN when the suite runs as a background job
     assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
-    assert capsys.readouterr().err == "interrupted before training started; nothing was written\n"
+    assert capsys.readouterr().err == INTERRUPTED
     assert not (tmp_path / "run").exists()
     assert signal.getsignal(signal.SIGINT) == before  # handler restored
 

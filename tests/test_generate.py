@@ -157,7 +157,7 @@ def test_cli_prints_text_and_errors(reference_run, capsys):
     out = capsys.readouterr().out.split("\n\n")
     assert out[0].startswith("ab") and out[1].startswith("hello")
     for argv, message in [(["--mesh", "data=-1,pipeline=2"], "--mesh tensor=2"),
-                          (["--top-p", "0"], "--top-p 0.0"),
+                          (["--top-p", "0"], "argument --top-p: 0 must be in (0, 1]"),
                           (["--prompt", "x" * 17], "longer than the run's context (train.seq_len=16)"),
                           (["--run", run + "/nowhere"], "no config.yaml")]:
         assert main(["--run", run, "--prompt", "ab", "--tokenizer", "byte", *argv]) == 2

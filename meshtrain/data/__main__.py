@@ -5,22 +5,21 @@
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
 import time
 
 from meshtrain import tokenizer as tokenizer_lib
+from meshtrain.cli import Parser, command, number
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
 from meshtrain.data.sources import RAW_KINDS, detect, read, units
-from meshtrain.errors import UserError
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.data", description=__doc__.splitlines()[0])
+def parser() -> Parser:
+    p = Parser(prog="python -m meshtrain.data", description=__doc__.splitlines()[0])
     commands = p.add_subparsers(dest="command", required=True)
-    source = argparse.ArgumentParser(add_help=False)
+    source = Parser(add_help=False)
     source.add_argument("src", help="text file or folder, .jsonl file or folder, Parquet file or folder "
                                     "(part-*.parquet), or a datasets save_to_disk folder")
     kinds = ("auto",) + tuple(k for k in RAW_KINDS if k != "stdlib")
@@ -29,34 +28,31 @@ def parser() -> argparse.ArgumentParser:
     prep = commands.add_parser("prepare", parents=[source], help="tokenize SRC into shards + manifest.json")
     prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json (or its folder)")
     prep.add_argument("--out", required=True, help="new (or empty) folder for the shards")
-    prep.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes")
-    prep.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard file")
+    prep.add_argument("--workers", type=number(int, min=1, max=1024), default=os.cpu_count(), help="tokenizing processes")
+    prep.add_argument("--shard-tokens", type=number(int, min=1), default=SHARD_TOKENS, help="tokens per shard file")
     train = commands.add_parser("train-tokenizer", parents=[source], help="train a byte-level BPE on SRC")
-    train.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, EOS included")
+    train.add_argument("--vocab-size", type=number(int, min=1), required=True, help="ids in the vocabulary, EOS included")
     train.add_argument("--out", required=True, help="the tokenizer.json to write")
     train.add_argument("--eos", default="<|endoftext|>", help="the end-of-document special token")
     return p
 
 
+@command
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        kind = detect(args.src, args.kind)
-        started = time.perf_counter()
-        if args.command == "prepare":
-            tok = tokenizer_lib.load(args.tokenizer)
-            m = prepare(args.src, tok, args.out, args.workers, args.text_field, args.shard_tokens, kind)
-            seconds = time.perf_counter() - started
-            print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) from {m['documents']:,} documents in "
-                  f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s)")
-        else:
-            texts = itertools.chain.from_iterable(read(u, args.text_field) for u in units(kind, args.src))
-            tok = tokenizer_lib.train_bpe(texts, args.vocab_size, args.out, eos=args.eos)
-            print(f"{args.out}: byte-level BPE, {tok.vocab_size:,} ids, EOS {args.eos!r} = {tok.eos_id}, "
-                  f"{time.perf_counter() - started:.1f} s")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    kind = detect(args.src, args.kind)
+    started = time.perf_counter()
+    if args.command == "prepare":
+        tok = tokenizer_lib.load(args.tokenizer)
+        m = prepare(args.src, tok, args.out, args.workers, args.text_field, args.shard_tokens, kind)
+        seconds = time.perf_counter() - started
+        print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) from {m['documents']:,} documents in "
+              f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s)")
+    else:
+        texts = itertools.chain.from_iterable(read(u, args.text_field) for u in units(kind, args.src))
+        tok = tokenizer_lib.train_bpe(texts, args.vocab_size, args.out, eos=args.eos)
+        print(f"{args.out}: byte-level BPE, {tok.vocab_size:,} ids, EOS {args.eos!r} = {tok.eos_id}, "
+              f"{time.perf_counter() - started:.1f} s")
     return 0
 
 
