@@ -106,7 +106,7 @@ def exports(tiny, tmp_path_factory):
 def test_export_loads_back_and_stays_close(tiny, exports, scheme):
     trainer, params = tiny
     out, report = exports[scheme]
-    files = ["config.yaml", "model.safetensors", "quantization.json", "tokenizer.txt"]
+    files = ["SHA256SUMS", "config.yaml", "model.safetensors", "quantization.json", "tokenizer.txt"]
     assert sorted(p.name for p in out.iterdir()) == files
     assert isinstance(tokenizer.for_run(out), tokenizer.ByteTokenizer)
     qtree, info = qz.load(out)  # the tree quantize() makes, bit for bit
