@@ -18,9 +18,9 @@ NEW = 6
 
 
 @functools.cache
-def tiny(family):
+def tiny(family, *overrides):
     """One model object per family for the whole module, so the jitted programs are reused."""
-    cfg = tiny_config(config={"llama": TINY, "moe": MOE_TINY}[family]).model
+    cfg = tiny_config(*overrides, config={"llama": TINY, "moe": MOE_TINY}[family]).model
     model = FAMILIES[family](cfg)
     rng = np.random.default_rng(0)  # host-side weights: compiling the initializers takes seconds here
 
@@ -134,6 +134,23 @@ def test_eos_stops_each_row():
         stop = np.flatnonzero(row == eos)
         np.testing.assert_array_equal(cut, row[:stop[0]] if len(stop) else row)
     assert len(generate(model, params, rows, NEW, eos_id=eos)[0]) == np.flatnonzero(free[0] == eos)[0] < NEW
+
+
+def test_ids_beyond_the_tokenizer_are_never_produced():
+    """A model vocabulary padded past its tokenizer's (320 ids, the byte tokenizer's 256): ids from
+    `vocab` up get logit -inf, greedy or sampled; greedy picks the argmax over the tokenizer's ids."""
+    model, params = tiny("llama", "model.vocab_size=320")
+    params = {**params, "embedding": params["embedding"].at[256:].multiply(5.0)}  # (tied head) padding ids win
+    rows = prompts()
+    assert (np.concatenate(generate(model, params, rows, NEW)) >= 256).any()  # unrestricted, they are produced
+    greedy = generate(model, params, rows, NEW, vocab=256)
+    sampled = generate(model, params, rows, NEW, vocab=256, temperature=1.0, seed=1)
+    assert all((row < 256).all() for row in greedy + sampled)
+    buf = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for b, row in enumerate(rows):
+        buf[b, :len(row)] = row
+    logits = np.asarray(jax.jit(model.apply)(params, buf))
+    assert [int(row[0]) for row in greedy] == [int(logits[b, len(r) - 1, :256].argmax()) for b, r in enumerate(rows)]
 
 
 @pytest.mark.parametrize("family,mesh", [("llama", "data=2,tensor=2"), ("moe", "expert=2,tensor=2")])
