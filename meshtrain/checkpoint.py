@@ -17,6 +17,9 @@ processes, all agree on the verdict before any of them renames anything or loads
 
 Restoring reads each array straight into the shardings of the current mesh (resharding on load),
 so a run saved on fsdp=8 continues on data=2,tensor=2 with 4 devices.
+
+Readers of weights (export, generate, quantize, init_from) go through `read_params`: the same
+checks on the parameters alone; a damaged checkpoint is skipped with a warning, never renamed.
 """
 from __future__ import annotations
 

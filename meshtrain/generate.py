@@ -231,8 +231,8 @@ def place(model, mesh, rules=None, params=None):
 
 
 def load(run: str, mesh_spec: str | None = None, step: int | None = None):
-    """(model, params, mesh) of a run's newest intact checkpoint, or of `step`: on the first device,
-    or sharded over `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
+    """(model, params, mesh, step) of a run's newest intact checkpoint, or of `step`: on the first
+    device, or sharded over `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
     from meshtrain.mesh import build_mesh, parse_mesh
     from meshtrain.run_dir import newest_params, run_config
     from models import FAMILIES
@@ -240,7 +240,8 @@ def load(run: str, mesh_spec: str | None = None, step: int | None = None):
     cfg = run_config(run)
     model = FAMILIES[cfg.model.family](cfg.model)
     if mesh_spec is None:
-        return model, newest_params(run, model, step=step)[0], None
+        params, step = newest_params(run, model, step=step)
+        return model, params, None, step
     spec = cfg.parallel.mesh if mesh_spec == "run" else mesh_spec
     sizes = parse_mesh(spec, jax.device_count())
     for axis in ("pipeline", "context"):
@@ -248,7 +249,8 @@ def load(run: str, mesh_spec: str | None = None, step: int | None = None):
             raise UserError(f"mesh {spec} has {axis}={sizes[axis]}, which decoding does not use; pass "
                             f"--mesh without it, e.g. --mesh tensor=2 (the parameters are resharded on load)")
     mesh = build_mesh(sizes)
-    return model, newest_params(run, model, place(model, mesh), step)[0], mesh
+    params, step = newest_params(run, model, place(model, mesh), step)
+    return model, params, mesh, step
 
 
 def encode_prompts(run: str, texts: list[str], tokenizer_spec: str | None = None):
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
                                 f"devices, or omit --devices to use the machine's own")
             simulate_cpu_devices(args.devices)
         tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
-        model, params, mesh = load(args.run, args.mesh, args.step)
+        model, params, mesh, step = load(args.run, args.mesh, args.step)
         start = time.perf_counter()
         out = generate(model, params, prompts, args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
@@ -316,7 +318,7 @@ def main(argv=None) -> int:
         return 2
     for text, ids in zip(args.prompt, out):
         print(text + tok.decode(ids), end="\n\n" if len(out) > 1 else "\n")
-    print(f"{sum(map(len, out))} tokens in {seconds:.1f} s, compile included", file=sys.stderr)
+    print(f"{sum(map(len, out))} tokens from step {step} in {seconds:.1f} s, compile included", file=sys.stderr)
     return 0
 
 

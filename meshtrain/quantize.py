@@ -1,6 +1,7 @@
-"""INT8 export: per-channel weight quantization of a run's newest checkpoint, saved as safetensors,
-with the eval loss of the quantized model beside the fp32 one. `python -m meshtrain.convert
---quantize int8 RUN OUT [--scheme symmetric|affine]` calls `cli`.
+"""INT8 export: per-channel weight quantization of a run's newest intact checkpoint (or --step N,
+read verified: meshtrain.checkpoint.read_params), saved as safetensors with a SHA256SUMS, with the
+eval loss of the quantized model beside the fp32 one. `python -m meshtrain.convert --quantize int8
+RUN OUT [--scheme symmetric|affine] [--step N]` calls `cli`.
 
 Formulas (Jacob et al. 2018, "Quantization and Training of Neural Networks for Efficient
 Integer-Arithmetic-Only Inference"): w ~ (q - Z) * S, q = clip(round(w / S) + Z), per channel.

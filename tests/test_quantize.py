@@ -135,7 +135,7 @@ def test_bad_input_is_a_user_error_and_writes_nothing(tiny, exports, tmp_path):
         qz.cli(trainer.out, tmp_path / "new", "int4")
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.yaml").write_text((trainer.out / "config.yaml").read_text())
-    with pytest.raises(UserError, match="holds no checkpoint; train it first"):
+    with pytest.raises(UserError, match="holds no checkpoint; train first"):
         qz.cli(tmp_path / "fresh", tmp_path / "new", "symmetric")
     with pytest.raises(UserError, match="not a meshtrain run folder"):
         qz.cli(tmp_path / "nowhere", tmp_path / "new", "symmetric")
