@@ -349,7 +349,7 @@ def read_params(root: Path, abstract_params, step: int | None = None):
                 damaged.append(candidate)
                 if jax.process_index() == 0:
                     print(f"warning: checkpoint {reader.path(candidate)} is damaged ({e}); skipped (left in "
-                          f"place), reading the previous one", file=sys.stderr, flush=True)
+                          f"place), trying the previous one", file=sys.stderr, flush=True)
     finally:
         reader.close()
     raise UserError(f"no intact checkpoint in {root} (damaged: {', '.join(map(str, damaged))}); train again, "

@@ -192,7 +192,7 @@ def test_readers_fall_back_or_fail_clearly_and_touch_no_checkpoint(base, tmp_pat
         warnings = [line for line in err.splitlines() if line.startswith("warning:")]
         assert len(warnings) == 1 and re.fullmatch(
             rf"warning: checkpoint {re.escape(str(ckpts / '6'))} is damaged \({REASONS[damage]}\); skipped "
-            rf"\(left in place\), reading the previous one", warnings[0]), err
+            rf"\(left in place\), trying the previous one", warnings[0]), err
     assert snapshot(run) == before and sorted(p.name for p in ckpts.iterdir()) == ["5", "6"]
     if outcome == 2:
         assert not (tmp_path / "out").exists()
