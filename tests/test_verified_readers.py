@@ -224,6 +224,11 @@ def test_exports_carry_sums_that_sha256sum_verifies_and_the_users_file_mode(expo
     assert oct(folder.stat().st_mode & 0o777) == oct(0o777 & ~umask)
 
 
+def edit(path, old, new):
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+
+
 def flip_a_byte(folder, name):
     data = bytearray((folder / name).read_bytes())
     data[-1] ^= 1
@@ -234,7 +239,7 @@ CHANGES = {  # what is done to a copy of the export -> the error the importer gi
     "flipped byte": (lambda f: flip_a_byte(f, "model-00002-of-00004.safetensors"),
                      r"\S+/model-00002-of-00004.safetensors does not match its SHA256SUMS entry \(damaged or changed "
                      r"since it was written\)"),
-    "edited config": (lambda f: (f / "config.json").write_text((f / "config.json").read_text().replace("1e-05", "1e-06")),
+    "edited config": (lambda f: edit(f / "config.json", "1e-05", "2e-05"),
                       r"\S+/config.json does not match its SHA256SUMS entry"),
     "missing file": (lambda f: (f / "model-00004-of-00004.safetensors").unlink(),
                      r"\S+/model-00004-of-00004.safetensors is listed in \S+/SHA256SUMS but missing"),
