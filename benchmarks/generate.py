@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     if args.run:
-        (model, params, _), cfg = load(args.run), run_config(args.run)
+        (model, params, _, _), cfg = load(args.run), run_config(args.run)
     else:
         cfg = load_config(args.config)
         model = FAMILIES[cfg.model.family](cfg.model)

@@ -17,6 +17,9 @@ processes, all agree on the verdict before any of them renames anything or loads
 
 Restoring reads each array straight into the shardings of the current mesh (resharding on load),
 so a run saved on fsdp=8 continues on data=2,tensor=2 with 4 devices.
+
+Readers of weights (export, generate, quantize, init_from) go through `read_params`: the same
+checks on the parameters alone; a damaged checkpoint is skipped with a warning, never renamed.
 """
 from __future__ import annotations
 
@@ -118,7 +121,8 @@ class Checkpointer:
         return full_disk_is_user_error(self.directory, "a checkpoint", then="rerun the same command: it resumes "
                                        + (f"from step {done[0]}" if done else "from the start"))
 
-    def restore(self, step: int, abstract_state, check_metadata=lambda meta, folder: None, optional=None):
+    def restore(self, step: int, abstract_state, check_metadata=lambda meta, folder: None, optional=None,
+                note_unused: bool = True):
         """Restore `step` into the shardings carried by `abstract_state` (jax.ShapeDtypeStructs).
         Raises `Damaged` on proof of damage, `UserError` when the checkpoint is of another model or
         state layout (`check_metadata` may raise it too), and anything else as it is.
@@ -126,7 +130,8 @@ class Checkpointer:
         `optional`: top-level state entries -> a function making a fresh one. Such an entry is read
         when the checkpoint holds it in this run's layout and made fresh otherwise (a checkpoint of an
         earlier version, or of another data-parallel size). A top-level entry the checkpoint holds and
-        this run does not use (int8 compression's residuals, resumed without it) is not read.
+        this run does not use (int8 compression's residuals, resumed without it) is not read, with a
+        notice unless `note_unused` is False.
 
         Reads go through Orbax's handlers, which hold no barrier: whatever fails on one process,
         every process reaches the one `agree` below, so collectives never pair up wrongly."""
@@ -164,35 +169,19 @@ class Checkpointer:
             state[k] = optional[k]()
             if jax.process_index() == 0:
                 print(f"notice: checkpoint {folder} has no '{k}' in this run's layout; it starts fresh", flush=True)
-        if unused and jax.process_index() == 0:
+        if unused and note_unused and jax.process_index() == 0:
             print(f"notice: checkpoint {folder} holds {', '.join(map(repr, unused))}, which this run does not use; "
                   f"not read", flush=True)
         return {k: state[k] for k in abstract_state}, meta
 
     def restore_params(self, step: int, abstract_params):
         """Only the parameters of `step` (no optimizer state is read), into the shardings carried by
-        `abstract_params`, in the checkpoint's storage order; and the checkpoint's metadata. Another
-        layout is a UserError; so is damage (manifest or decode), named, with nothing renamed (a
-        reader of weights leaves setting checkpoints aside to the training run)."""
-        folder = self.path(step)
-        try:
-            check_manifest(folder)
-            meta = ocp.JsonCheckpointHandler().restore(folder / "metadata", args=ocp.args.JsonRestore())
-            saved = ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree
-            check_same_layout(folder, leaf_specs(saved["params"]), leaf_specs(abstract_params))
-            item = {"params": abstract_params}
-            restored = ocp.PyTreeCheckpointHandler().restore(
-                folder / "state", args=ocp.args.PyTreeRestore(
-                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - damage is named in one line, anything else raised as it is
-            failure = _as_damage(e)
-            if isinstance(failure, Damaged):
-                raise UserError(f"checkpoint {folder} cannot be read ({failure}); resume its run once (which sets "
-                                f"it aside and falls back), or pass an earlier checkpoint") from None
-            raise
-        return restored["params"], meta
+        `abstract_params`, in the checkpoint's storage order; and the checkpoint's metadata. Verified
+        as a resume is (manifest, decode, the parameters' recorded checksums): `Damaged` on proof of
+        damage, `UserError` for another layout. Readers go through `read_params`, which chooses the
+        step."""
+        state, meta = self.restore(step, {"params": abstract_params}, note_unused=False)
+        return state["params"], meta
 
     def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta, folder: None,
                               optional=None):
@@ -238,7 +227,13 @@ class Checkpointer:
 
 
 class Damaged(Exception):
-    """Proof that a checkpoint's files are damaged: it is set aside and the previous one tried."""
+    """Proof that a checkpoint's files are damaged: it is set aside and the previous one tried.
+    `while_reading`: Orbax's concurrent reads failed (their echoes need muting), rather than one of
+    our own checks (manifest, checksums)."""
+
+    def __init__(self, reason: str, while_reading: bool = False):
+        super().__init__(reason)
+        self.while_reading = while_reading
 
 
 # Failures that prove nothing about the files: the same read may succeed later or elsewhere.
@@ -258,7 +253,7 @@ def _as_damage(error: Exception) -> Exception:
         root, (FileNotFoundError, IsADirectoryError, NotADirectoryError)))
     if transient or any(m.lower() in str(root).lower() for m in TRANSIENT_MESSAGES):
         return error
-    return Damaged(_first_line(error))
+    return Damaged(_first_line(error), while_reading=True)
 
 
 def agree(failure: Exception | None) -> Exception | None:
@@ -336,9 +331,10 @@ def _quiet_async_failures():
         yield
     except UserError:
         raise
-    except Exception:
-        time.sleep(1.0)  # let the other reads of the damaged checkpoint fail while muted
-        hooks = _drop_read_echoes(hooks[0]), hooks[1]  # their coroutines may be finalised at exit
+    except Exception as e:
+        if getattr(e, "while_reading", True):  # our own checks (manifest, checksums) start no reads
+            time.sleep(1.0)  # let the other reads of the damaged checkpoint fail while muted
+            hooks = _drop_read_echoes(hooks[0]), hooks[1]  # their coroutines may be finalised at exit
         raise
     finally:
         sys.unraisablehook, threading.excepthook = hooks
@@ -355,6 +351,39 @@ def _drop_read_echoes(hook):
 
     filtered.drops_read_echoes = True
     return filtered
+
+
+def read_params(root: Path, abstract_params, step: int | None = None):
+    """The one loader of weights for every reader (export, generate, quantize, init_from, Python):
+    (params in storage order, metadata, step) of `step`, or of the newest intact checkpoint under
+    `root`, verified as a resume is. A damaged checkpoint is skipped with a one-line warning naming
+    it; it is left in place (setting it aside is its run's job, on resume). A chosen `step` that is
+    damaged or absent, or no intact checkpoint at all, is a UserError listing the steps there are."""
+    root = Path(root)
+    steps = complete_steps(root)
+    if not steps:
+        raise UserError(f"{root} holds no checkpoint; train first (python -m meshtrain.train --out {root.parent})")
+    there = f"choose another --step (there: {', '.join(map(str, steps))})"
+    if step is not None and step not in steps:
+        raise UserError(f"{root} has no checkpoint of step {step}; {there}")
+    reader, damaged = Checkpointer(root, keep=len(steps) + 1), []
+    try:
+        for candidate in [step] if step is not None else steps:
+            try:
+                with _quiet_async_failures():
+                    return (*reader.restore_params(candidate, abstract_params), candidate)
+            except Damaged as e:
+                if step is not None:
+                    raise UserError(f"checkpoint {reader.path(step)} is damaged ({e}); {there}, or omit --step "
+                                    f"for the newest intact one") from None
+                damaged.append(candidate)
+                if jax.process_index() == 0:
+                    print(f"warning: checkpoint {reader.path(candidate)} is damaged ({e}); skipped (left in "
+                          f"place), trying the previous one", file=sys.stderr, flush=True)
+    finally:
+        reader.close()
+    raise UserError(f"no intact checkpoint in {root} (damaged: {', '.join(map(str, damaged))}); train again, "
+                    f"or restore its checkpoints from a copy")
 
 
 def abstract_like(state_shapes, shardings):

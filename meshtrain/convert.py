@@ -4,12 +4,15 @@
                             with the checkpoint's model section and checkpoint.init_from=hf:DIR (the
                             weights are read straight into their shards when training starts);
                             every tensor's name and shape is checked now
-  --to-hf RUN DIR           the newest checkpoint of a run as a Hugging Face folder (config.json +
-                            safetensors), loadable by transformers' from_pretrained
+  --to-hf RUN DIR           the newest intact checkpoint of a run (or --step N) as a Hugging Face
+                            folder (config.json + safetensors), loadable by transformers'
+                            from_pretrained
   --quantize int8 RUN OUT   per-channel INT8 weights for deployment, with their eval loss against
                             the run's fp32 model (meshtrain/quantize.py)
 
-Nothing is written unless the whole output could be: outputs go to a temporary folder first.
+Checkpoints are read verified (meshtrain.checkpoint.read_params): a damaged one is skipped with a
+warning, a damaged --step is an error. Nothing is written unless the whole output could be: outputs
+go to a temporary folder first, and carry a SHA256SUMS of their files.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ def parser() -> Parser:
     p.add_argument("--scheme", default="symmetric", help="--quantize: symmetric or affine")
     p.add_argument("--mesh", default="fsdp=-1",
                    help="--to-hf: the mesh the weights are read onto (default: split over every device)")
+    p.add_argument("--step", type=number(int, min=0), help="--to-hf, --quantize: read this checkpoint step "
+                                                         "(default: the newest intact one)")
     p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
                    help="simulate this many CPU devices")
     return p
@@ -51,18 +56,20 @@ def main(argv=None) -> int:
 
         simulate_cpu_devices(args.devices)
     if args.from_hf:
+        if args.step is not None:
+            raise UserError("--step chooses the checkpoint --to-hf or --quantize reads; --from-hf has none")
         from_hf(args.from_hf, args.out)
     elif args.to_hf:
         if args.max_shard_gb <= 0:
             raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (Hugging Face uses 5)")
-        to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh)
+        to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh, args.step)
     else:
         from meshtrain import quantize
 
         kind, run, out = args.quantize
         if kind != "int8":
             raise UserError(f"--quantize {kind}: only int8 is implemented")
-        quantize.cli(run, out, args.scheme)
+        quantize.cli(run, out, args.scheme, step=args.step)
     return 0
 
 
@@ -87,7 +94,9 @@ def from_hf(folder: str, out: str | None) -> Path:
     return Path(out)
 
 
-def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: str) -> list[Path]:
+def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: str,
+          step: int | None = None) -> list[Path]:
+    """RUN's checkpoint of `step` (default: the newest intact one) as a Hugging Face folder."""
     import jax
 
     from meshtrain.mesh import build_mesh, parse_mesh
@@ -102,12 +111,13 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     model = FAMILIES[cfg.model.family](cfg.model)
     hf.hf_config(cfg.model, dtype)  # refuses what has no Hugging Face form before anything is read
     mesh = build_mesh(parse_mesh(mesh_spec, jax.device_count()))
-    params, step = run_dir.newest_params(run, model, param_shardings(model, mesh))
+    params, step = run_dir.newest_params(run, model, param_shardings(model, mesh), step)
     with writing_whole(folder, "--to-hf DIR") as tmp:
         files = hf.save_params(params, cfg.model, tmp, dtype, max_shard_bytes)
         tok = tokenizer.recorded(Path(run))
         if isinstance(tok, tokenizer.HFTokenizer):  # byte-level runs have no Hugging Face tokenizer to ship
             tokenizer.record(tmp, tok)
+        hf.write_sums(tmp)
     size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
     print(f"wrote {folder}: step {step} of {run}, {len(files)} safetensors file(s), {size / 1e6:.1f} MB {dtype}")
     return [Path(folder) / f.name for f in files]

@@ -20,6 +20,10 @@
   context axes.
 - `window` (the CLI: the run's train.seq_len): a query attends to the latest `window` positions at
   most, so text longer than the trained length keeps every query-key distance a trained one.
+- `vocab` (the CLI: the tokenizer's size): ids from `vocab` up (a model vocabulary padded past its
+  tokenizer's) get logit -inf before sampling, greedy included, so no id the tokenizer cannot
+  decode is ever produced.
+- The CLI reads the newest intact checkpoint, or `--step N`, verified (checkpoint.read_params).
 """
 from __future__ import annotations
 
@@ -104,12 +108,13 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
         (cache, x_BxD), _ = jax.lax.scan(step, (cache, x_BxD), (jnp.arange(n), chunks_NxBxC))
         return cache, x_BxD
 
-    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, window):
+    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, window, vocab):
         B = prompts_BxP.shape[0]
         cache, x_BxD = prefill(params, prompts_BxP, lengths_B, window)
 
         def next_token(x_BxD, t, done_B):  # a finished row repeats eos_id (-1: none)
             logits_BxV = model.head(params, x_BxD[:, None])[:, 0]
+            logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab, logits_BxV, -jnp.inf)
             token_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
             return jnp.where(done_B, eos_id, token_B), done_B | (token_B == eos_id)
 
@@ -132,11 +137,13 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
 
 def generate(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
-             mesh=None, rules=None, prefill_chunk: int = PREFILL_CHUNK) -> list[np.ndarray]:
+             vocab: int | None = None, mesh=None, rules=None,
+             prefill_chunk: int = PREFILL_CHUNK) -> list[np.ndarray]:
     """The new token ids of each prompt (a list of 1-D int arrays): max_new_tokens of them, or up to
     (not including) the row's first `eos_id`. temperature 0 is greedy; top_k 0 and top_p 1 keep every
-    token. With `mesh`, runs there under the logical `rules` (default: meshtrain's), `params` placed
-    by `place`; rows are padded to a multiple of the batch axes and the padding dropped."""
+    token; ids >= `vocab` (the tokenizer's size, when the model's vocabulary is larger) are never
+    produced. With `mesh`, runs there under the logical `rules` (default: meshtrain's), `params`
+    placed by `place`; rows are padded to a multiple of the batch axes and the padding dropped."""
     from meshtrain.sharding import make_rules
 
     check_settings(max_new_tokens, temperature, top_k, top_p)
@@ -154,7 +161,8 @@ def generate(model, params, prompts, max_new_tokens: int, *, temperature: float 
                        prefill_chunk)
     settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
                 "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
-                "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens)}
+                "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens),
+                "vocab": np.int32(vocab or model.cfg.vocab_size)}
     args = [prompts_BxP, lengths_B]
     if mesh is None:
         out_BxN = program(params, *args, jax.random.key(seed), settings)
@@ -196,7 +204,7 @@ def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=N
     prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=row_sharding(2, mesh, rules))
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, mesh, rules))
     settings = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "eos_id": jnp.int32,
-                "window": jnp.int32}
+                "window": jnp.int32, "vocab": jnp.int32}
     settings = {k: jax.ShapeDtypeStruct((), dtype) for k, dtype in settings.items()}
     program = _program(model, max_new_tokens, mesh, tuple(sorted(rules.items())))
     with jax.set_mesh(mesh):
@@ -223,9 +231,9 @@ def place(model, mesh, rules=None, params=None):
     return shardings if params is None else jax.device_put(params, shardings)
 
 
-def load(run: str, mesh_spec: str | None = None):
-    """(model, params, mesh) of a run's newest checkpoint: on the first device, or sharded over
-    `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
+def load(run: str, mesh_spec: str | None = None, step: int | None = None):
+    """(model, params, mesh, step) of a run's newest intact checkpoint, or of `step`: on the first
+    device, or sharded over `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
     from meshtrain.mesh import build_mesh, parse_mesh
     from meshtrain.run_dir import newest_params, run_config
     from models import FAMILIES
@@ -233,7 +241,8 @@ def load(run: str, mesh_spec: str | None = None):
     cfg = run_config(run)
     model = FAMILIES[cfg.model.family](cfg.model)
     if mesh_spec is None:
-        return model, newest_params(run, model)[0], None
+        params, step = newest_params(run, model, step=step)
+        return model, params, None, step
     spec = cfg.parallel.mesh if mesh_spec == "run" else mesh_spec
     sizes = parse_mesh(spec, jax.device_count())
     for axis in ("pipeline", "context"):
@@ -241,7 +250,8 @@ def load(run: str, mesh_spec: str | None = None):
             raise UserError(f"mesh {spec} has {axis}={sizes[axis]}, which decoding does not use; pass "
                             f"--mesh without it, e.g. --mesh tensor=2 (the parameters are resharded on load)")
     mesh = build_mesh(sizes)
-    return model, newest_params(run, model, place(model, mesh))[0], mesh
+    params, step = newest_params(run, model, place(model, mesh), step)
+    return model, params, mesh, step
 
 
 def encode_prompts(run: str, texts: list[str], tokenizer_spec: str | None = None):
@@ -264,7 +274,7 @@ def encode_prompts(run: str, texts: list[str], tokenizer_spec: str | None = None
 
 def parser() -> Parser:
     p = Parser(prog="python -m meshtrain.generate",
-               description="Generate text from a training run's newest checkpoint.")
+               description="Generate text from a training run's newest intact checkpoint.")
     p.add_argument("--run", required=True, help="the training run's --out folder")
     p.add_argument("--prompt", action="append", required=True,
                    help="text to continue (repeatable: a batch)")
@@ -274,6 +284,7 @@ def parser() -> Parser:
     p.add_argument("--top-k", type=number(int, min=0), default=0, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=number(float, above=0.0, max=1.0), default=1.0, help="nucleus sampling mass; 1 = all")
     p.add_argument("--seed", type=number(int, min=0), default=0)
+    p.add_argument("--step", type=number(int, min=0), help="read this checkpoint step (default: the newest intact one)")
     p.add_argument("--mesh", help="shard over this mesh ('tensor=2', 'data=2,tensor=2'; 'run' = the run's "
                                   "own); default: one device")
     p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
@@ -296,15 +307,15 @@ def main(argv=None) -> int:
     tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
     check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
                           args.max_new_tokens, jax.devices())
-    model, params, mesh = load(args.run, args.mesh)
+    model, params, mesh, step = load(args.run, args.mesh, args.step)
     start = time.perf_counter()
     out = generate(model, params, prompts, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
-                   window=run_config(args.run).train.seq_len, mesh=mesh)
+                   window=run_config(args.run).train.seq_len, vocab=tok.vocab_size, mesh=mesh)
     seconds = time.perf_counter() - start
     for text, ids in zip(args.prompt, out):
         print(text + tok.decode(ids), end="\n\n" if len(out) > 1 else "\n")
-    print(f"{sum(map(len, out))} tokens in {seconds:.1f} s, compile included", file=sys.stderr)
+    print(f"{sum(map(len, out))} tokens from step {step} in {seconds:.1f} s, compile included", file=sys.stderr)
     return 0
 
 

@@ -15,12 +15,16 @@ family (`LlamaForCausalLM`: GQA, tied or untied head, Llama 3.x rope scaling) an
   time and written file by file, each of at most `max_shard_bytes` (the most the host holds), with
   `model.safetensors.index.json`, as `save_pretrained` does. One process writes: export reads a
   checkpoint onto one host's devices (meshtrain/convert.py).
+- `write_sums(dir)` / `check_sums(dir)`: an export's `SHA256SUMS` (`sha256sum` format, so
+  `sha256sum -c SHA256SUMS` in the folder verifies it too); `read_spec` checks it when present.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -58,13 +62,16 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 DTYPE_NAMES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX = "model.safetensors.index.json"
+SUMS = "SHA256SUMS"
 
 
 # ---- config.json <-> ModelSpec ----
 
 def read_spec(folder: str | Path) -> ModelSpec:
-    """The ModelSpec of a Hugging Face checkpoint folder (its config.json)."""
+    """The ModelSpec of a Hugging Face checkpoint folder (its config.json), once the folder's files
+    match its SHA256SUMS (when it has one: meshtrain's exports do)."""
     path = Path(folder) / "config.json"
+    check_sums(folder)
     if not path.is_file():
         raise UserError(f"{folder} has no config.json; pass a Hugging Face checkpoint folder "
                         f"(save_pretrained's output, or a download of one)")
@@ -284,6 +291,7 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
         tensors = {name: np.ascontiguousarray(to_hf(path, _fetch(x, index)).astype(DTYPE_NAMES[dtype]))
                    for name, path, x, index in group}
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        user_mode(folder / file)
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     if len(names) > 1:
@@ -303,3 +311,48 @@ def _fetch(x, index) -> np.ndarray:
 @jax.jit
 def _take(x, *index):
     return x[index]
+
+
+def user_mode(path: Path) -> None:
+    """Give a file the mode any file the user creates gets (0666 less the umask): safetensors writes
+    through a private temporary file (0600)."""
+    mask = os.umask(0o022)  # reading the umask means setting it; restored at once
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
+# ---- checksums of an export ----
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_sums(folder: str | Path) -> None:
+    """SHA256SUMS: a line `<sha256>  <file>` per file of the folder (its subfolders' too), the format
+    `sha256sum -c` reads."""
+    folder = Path(folder)
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name != SUMS)
+    (folder / SUMS).write_text("".join(f"{_sha256(f)}  {f.relative_to(folder).as_posix()}\n" for f in files))
+
+
+def check_sums(folder: str | Path) -> None:
+    """Every file the folder's SHA256SUMS lists is there with that digest (nothing to check without
+    one); else a UserError naming the file."""
+    folder = Path(folder)
+    sums = folder / SUMS
+    if not sums.is_file():
+        return
+    fix = f"export or download it again (or delete {sums} if you changed the file on purpose)"
+    for line in sums.read_text().splitlines():
+        digest, mark, name = line[:64], line[64:66], line[66:]
+        if len(digest) != 64 or mark not in ("  ", " *") or not name:
+            raise UserError(f"{sums} has a line that is not '<sha256>  <file>': {line[:80]!r}; {fix}")
+        if not (folder / name).is_file():
+            raise UserError(f"{folder / name} is listed in {sums} but missing; {fix}")
+        if _sha256(folder / name) != digest.lower():
+            raise UserError(f"{folder / name} does not match its SHA256SUMS entry (damaged or changed since "
+                            f"it was written); {fix}")

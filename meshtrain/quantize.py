@@ -1,6 +1,7 @@
-"""INT8 export: per-channel weight quantization of a run's newest checkpoint, saved as safetensors,
-with the eval loss of the quantized model beside the fp32 one. `python -m meshtrain.convert
---quantize int8 RUN OUT [--scheme symmetric|affine]` calls `cli`.
+"""INT8 export: per-channel weight quantization of a run's newest intact checkpoint (or --step N,
+read verified: meshtrain.checkpoint.read_params), saved as safetensors with a SHA256SUMS, with the
+eval loss of the quantized model beside the fp32 one. `python -m meshtrain.convert --quantize int8
+RUN OUT [--scheme symmetric|affine] [--step N]` calls `cli`.
 
 Formulas (Jacob et al. 2018, "Quantization and Training of Neural Networks for Efficient
 Integer-Arithmetic-Only Inference"): w ~ (q - Z) * S, q = clip(round(w / S) + Z), per channel.
@@ -130,9 +131,12 @@ def describe(qtree, logical_axes, scheme: str) -> dict:
 
 
 def load(out: str | Path):
-    """(quantized tree, quantization.json) of an export folder."""
+    """(quantized tree, quantization.json) of an export folder, once its files match its SHA256SUMS."""
     from safetensors.numpy import load_file
 
+    from meshtrain.hf import check_sums
+
+    check_sums(out)
     info = json.loads((Path(out) / INFO_FILE).read_text())
     stored = load_file(str(Path(out) / MODEL_FILE))
     one = lambda name, e: (QTensor(stored[name], stored[f"{name}_scale"], stored.get(f"{name}_zero_point"))
@@ -157,26 +161,38 @@ def evaluate_with(trainer, params) -> float | None:
         trainer.state = own
 
 
-def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=None) -> dict:
-    """Export RUN's newest checkpoint as int8 into OUT (made whole or not at all); print and return
-    the eval losses and sizes. `devices` as for Trainer (default: all, with the run's mesh)."""
+def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=None, step: int | None = None) -> dict:
+    """Export RUN's checkpoint of `step` (default: the newest intact one, read verified) as int8 into
+    OUT (made whole or not at all, with a SHA256SUMS); print and return the eval losses and sizes.
+    `devices` as for Trainer (default: all, with the run's mesh)."""
+    import shutil
+    import tempfile
+
+    import jax
     from safetensors.numpy import save
 
     from meshtrain import tokenizer
-    from meshtrain.checkpoint import complete_steps
+    from meshtrain.hf import write_sums
     from meshtrain.trainer import Trainer
+    from models import FAMILIES
 
     check_scheme(scheme)
     cfg = run_dir.run_config(run)
-    if not complete_steps(Path(run) / "checkpoints"):
-        raise UserError(f"{run} holds no checkpoint; train it first (python -m meshtrain.train --out {run})")
     out = check_new(out, "OUT")
-    cfg.checkpoint.resume = "auto"  # the newest checkpoint, whatever the run was started with
-    trainer = Trainer(cfg, devices=devices)  # restores it; writes nothing until fit
-    params = trainer.unpermuted_params()
-    axes = trainer.program.model.logical_axes(params)
-    qtree = quantize(params, axes, scheme)
-    fp32, int8 = trainer.evaluate(), evaluate_with(trainer, dequantize(qtree))
+    model = FAMILIES[cfg.model.family](cfg.model)
+    params, step = run_dir.newest_params(run, model, step=step)  # before any compile: damage is found first
+    params = jax.device_get(params)
+    # The run's own evaluation (its data, mesh and eval step), on a Trainer that reads no checkpoint
+    # (the weights are the ones read above) and owns a throwaway folder: the run's is never written.
+    scratch = tempfile.mkdtemp(prefix="meshtrain-quantize-")
+    cfg.out, cfg.checkpoint.resume, cfg.checkpoint.init_from = scratch, "never", ""
+    try:
+        trainer = Trainer(cfg, devices=devices)
+        axes = model.logical_axes(params)
+        qtree = quantize(params, axes, scheme)
+        fp32, int8 = evaluate_with(trainer, params), evaluate_with(trainer, dequantize(qtree))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
     blob = save(tensors(qtree), metadata={"format": "meshtrain-int8"})
     sizes = {path: np.size(w) for path, w in flat(params).items()}
@@ -186,7 +202,7 @@ def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=Non
               "delta": None if fp32 is None else int8 / fp32 - 1,
               "bytes_fp32": fp32_bytes, "bytes_int8": len(blob), "ratio": fp32_bytes / len(blob),
               "quantized_fraction": quantized / sum(sizes.values())}
-    info = {**describe(qtree, axes, scheme), "step": int(trainer.state["step"]),
+    info = {**describe(qtree, axes, scheme), "step": step,
             "run": str(Path(run).absolute()), "report": report}
     files = {MODEL_FILE: blob, INFO_FILE: json.dumps(info, indent=1).encode() + b"\n",
              "config.yaml": (Path(run) / "config.yaml").read_bytes()}
@@ -194,6 +210,7 @@ def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=Non
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         tokenizer.record(tmp, tokenizer.recorded(run))  # None: the run recorded none
+        write_sums(tmp)
     print(table(info), flush=True)
     return report
 

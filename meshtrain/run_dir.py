@@ -153,37 +153,31 @@ def run_config(run: str | Path) -> Config:
     return load_config(str(path), [f"out={run}"])
 
 
-def newest_params(run: str | Path, model, shardings=None):
-    """(params in model order, step) of the newest checkpoint under <run>/checkpoints, read straight
-    into `shardings` (a tree like the params, or one sharding for all; default: the first device).
-    Only the parameters are read, never the optimizer state."""
+def newest_params(run: str | Path, model, shardings=None, step: int | None = None):
+    """(params in model order, step) of the newest intact checkpoint under <run>/checkpoints, or of
+    `step`, verified (meshtrain.checkpoint.read_params), read straight into `shardings` (a tree like
+    the params, or one sharding for all; default: the first device). Only the parameters are read,
+    never the optimizer state."""
     import jax
     import numpy as np
 
-    from meshtrain.checkpoint import Checkpointer, complete_steps
+    from meshtrain.checkpoint import read_params
     from meshtrain.program import TrainProgram
 
-    root = Path(run) / "checkpoints"
-    steps = complete_steps(root)
-    if not steps:
-        raise UserError(f"{root} holds no checkpoint; train first (python -m meshtrain.train --out {run})")
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     if shardings is None or not isinstance(shardings, dict):
         one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, shapes)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    reader = Checkpointer(root, keep=1000)
-    try:
-        params, meta = reader.restore_params(steps[0], abstract)
-    finally:
-        reader.close()
+    params, meta, step = read_params(Path(run) / "checkpoints", abstract, step)
     order = np.asarray(meta.get("layer_order", range(model.cfg.num_layers)))  # interleaved: permuted
-    return {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}, steps[0]
+    return {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}, step
 
 
 def initial_params(source: str, model, shardings):
     """checkpoint.init_from: the parameters (model order, in `shardings`) of a Hugging Face folder
-    (`hf:DIR`) or of a meshtrain run's newest checkpoint, whose architecture must be this model's."""
+    (`hf:DIR`, verified against its SHA256SUMS when it has one) or of a meshtrain run's newest intact
+    checkpoint, whose architecture must be this model's."""
     from meshtrain import hf
 
     if source.startswith("hf:"):

@@ -84,11 +84,11 @@ def main(argv=None) -> int:
         print(reference_markdown(), end="")
         return 0
     with noting_interrupts() as interrupted:
-            cfg = load_config(args.config, overrides(args))
-            if args.print_config:
-                print(commented_yaml(cfg), end="")
-                return 0
-            run(cfg, args, interrupted)
+        cfg = load_config(args.config, overrides(args))
+        if args.print_config:
+            print(commented_yaml(cfg), end="")
+            return 0
+        run(cfg, args, interrupted)
     return 0
 
 

@@ -136,6 +136,25 @@ def test_eos_stops_each_row():
     assert len(generate(model, params, rows, NEW, eos_id=eos)[0]) == np.flatnonzero(free[0] == eos)[0] < NEW
 
 
+def test_ids_beyond_the_tokenizer_are_never_produced():
+    """A model vocabulary larger than its tokenizer's (a byte tokenizer's 256 ids padded to 320 is the
+    common case; here the tiny model's 256 over a 200-id tokenizer, reusing its compiled program):
+    ids from `vocab` up get logit -inf, greedy or sampled; greedy picks the argmax over the rest."""
+    model, params = tiny("llama")
+    vocab = 200
+    params = {**params, "embedding": params["embedding"].at[vocab:].multiply(5.0)}  # (tied head) they win
+    rows = prompts()
+    assert (np.concatenate(generate(model, params, rows, NEW)) >= vocab).any()  # unrestricted: produced
+    greedy = generate(model, params, rows, NEW, vocab=vocab)
+    sampled = generate(model, params, rows, NEW, vocab=vocab, temperature=1.0, seed=1)
+    assert all((row < vocab).all() for row in greedy + sampled)
+    buf = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for b, row in enumerate(rows):
+        buf[b, :len(row)] = row
+    logits = np.asarray(jax.jit(model.apply)(params, buf))
+    assert [int(row[0]) for row in greedy] == [int(logits[b, len(r) - 1, :vocab].argmax()) for b, r in enumerate(rows)]
+
+
 @pytest.mark.parametrize("family,mesh", [("llama", "data=2,tensor=2"), ("moe", "expert=2,tensor=2")])
 def test_sharded_generation_equals_one_device(family, mesh):
     model, params = tiny(family)

@@ -175,3 +175,6 @@ def test_errors_name_the_problem(tmp_path, capsys):
     assert convert.main(["--from-hf", str(folder), "--out", str(tmp_path / "taken")]) == 2
     assert capsys.readouterr().err.startswith("error: ") and sorted(Path(tmp_path / "taken").iterdir()) == \
         [tmp_path / "taken" / "x"]
+    assert convert.main(["--from-hf", str(folder), "--out", str(tmp_path / "new"), "--step", "3"]) == 2
+    assert capsys.readouterr().err == "error: --step chooses the checkpoint --to-hf or --quantize reads; --from-hf " \
+                                      "has none\n" and not (tmp_path / "new").exists()

@@ -106,7 +106,7 @@ def exports(tiny, tmp_path_factory):
 def test_export_loads_back_and_stays_close(tiny, exports, scheme):
     trainer, params = tiny
     out, report = exports[scheme]
-    files = ["config.yaml", "model.safetensors", "quantization.json", "tokenizer.txt"]
+    files = ["SHA256SUMS", "config.yaml", "model.safetensors", "quantization.json", "tokenizer.txt"]
     assert sorted(p.name for p in out.iterdir()) == files
     assert isinstance(tokenizer.for_run(out), tokenizer.ByteTokenizer)
     qtree, info = qz.load(out)  # the tree quantize() makes, bit for bit
@@ -135,7 +135,7 @@ def test_bad_input_is_a_user_error_and_writes_nothing(tiny, exports, tmp_path):
         qz.cli(trainer.out, tmp_path / "new", "int4")
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.yaml").write_text((trainer.out / "config.yaml").read_text())
-    with pytest.raises(UserError, match="holds no checkpoint; train it first"):
+    with pytest.raises(UserError, match="holds no checkpoint; train first"):
         qz.cli(tmp_path / "fresh", tmp_path / "new", "symmetric")
     with pytest.raises(UserError, match="not a meshtrain run folder"):
         qz.cli(tmp_path / "nowhere", tmp_path / "new", "symmetric")
