@@ -80,7 +80,6 @@ def replace_file(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-WRITING = ".writing"  # flocked in a temporary folder while its process writes it
 
 
 @contextlib.contextmanager
@@ -96,10 +95,9 @@ def writing_whole(path: str | Path, flag: str):
     try:
         with full_disk_is_user_error(path, f"{flag} {path}"):
             tmp.mkdir()  # not mkdtemp: the folder gets the umask's permissions, not 0700
-            lock = os.open(tmp / WRITING, os.O_CREAT | os.O_RDWR)
+            lock = os.open(tmp, os.O_RDONLY)  # the folder itself is flocked while this process writes it
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield tmp
-            os.unlink(tmp / WRITING)
             if path.exists():
                 path.rmdir()  # empty (checked)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,13 +110,11 @@ def writing_whole(path: str | Path, flag: str):
 
 def remove_abandoned(parent: Path, name: str) -> None:
     """Remove the temporary folders of `writing_whole(parent / name)` whose process is gone (their
-    lock is free); those of a live process are left alone, those without a lock are reported."""
+    lock, the folder's flock, is free); those of a live process are left alone."""
     for tmp in parent.glob(f".{glob.escape(name)}.tmp-*"):
         try:
-            lock = os.open(tmp / WRITING, os.O_RDWR)
-        except OSError:  # a process killed before it took its lock, or one finishing right now
-            print(f"warning: {tmp} was left by an interrupted write of {parent / name}; delete it once no "
-                  f"process writes there", file=sys.stderr, flush=True)
+            lock = os.open(tmp, os.O_RDONLY)
+        except OSError:  # renamed or removed by its process right now
             continue
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -96,7 +96,7 @@ def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[di
         changes.append(model_change)
     if recorded["data"] != mine["data"]:
         changes.append(f"the run in {out} trained on other data (fingerprint {recorded['data']}, from "
-                       f"{record.get('data_source')}), this start's is {mine['data']} (from {data_source(cfg, mine)})")
+                       f"{record.get('data_source')}), this start's is {mine['data']} (from {data_source(cfg)})")
     for key, name in (("seed", "train.seed"), ("schedule_steps", "optim.schedule_steps")):
         if recorded[key] != mine[key]:
             changes.append(f"the run in {out} has {name}={recorded[key]}, this start {mine[key]}")
@@ -106,15 +106,15 @@ def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[di
     return mine, changes
 
 
-def data_source(cfg: Config, mine: dict) -> str:
-    return cfg.data.path or ("synthetic data" if mine["data"] == "synthetic" else "the Python standard library")
+def data_source(cfg: Config) -> str:
+    return cfg.data.path or ("synthetic data" if cfg.data.kind == "synthetic" else "the Python standard library")
 
 
 def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[str]) -> None:
     """run.json: the run's identity and one entry per start (the step it started at, the changes it
     was allowed to make). Written whole (tmp + rename)."""
     record = read_record(out) or {"starts": []}
-    record.update(identity=mine, data_source=data_source(cfg, mine))
+    record.update(identity=mine, data_source=data_source(cfg))
     record["starts"].append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "steps": cfg.train.steps,
                              "changes": changes})
     tmp = out / f"{RUN_RECORD}.tmp"

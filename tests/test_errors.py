@@ -93,7 +93,7 @@ def test_explicit_data_kind_wins_over_data_flag(capsys, tmp_path):
 def test_ctrl_c_before_training_exits_quietly_and_writes_nothing(capsys, tmp_path, monkeypatch):
     import meshtrain.trainer
 
-    def interrupted_compile(self, cfg, devices=None):
+    def interrupted_compile(self, cfg, devices=None, allow_change=False):
         raise KeyboardInterrupt
     monkeypatch.setattr(meshtrain.trainer.Trainer, "__init__", interrupted_compile)
     assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
@@ -108,7 +108,7 @@ def test_ctrl_c_swallowed_by_a_library_still_stops_before_training(capsys, tmp_p
 
     import meshtrain.trainer
 
-    def swallowed_interrupt(self, cfg, devices=None):
+    def swallowed_interrupt(self, cfg, devices=None, allow_change=False):
         try:
             os.kill(os.getpid(), signal.SIGINT)
         except KeyboardInterrupt:

@@ -24,7 +24,7 @@ from conftest import TINY
 from meshtrain import jsonl, loggers, report, sweep_folder
 from meshtrain.checkpoint import complete_steps
 from meshtrain.errors import UserError
-from meshtrain.folders import WRITING, writing_whole
+from meshtrain.folders import writing_whole
 from meshtrain.sweep import Sweep, TrialRun, open_study, write_best
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
@@ -194,23 +194,20 @@ def test_writing_whole_leaves_nothing_when_the_block_fails(tmp_path, failure, ra
 
 
 @pytest.mark.parametrize("left, stays, says", [
-    ("killed", False, "notice: removed"),  # its lock file is free: the process is gone
-    ("writing", True, ""),  # another process holds its lock
-    ("unlocked", True, "warning: "),  # killed before it took its lock (or finishing): reported
+    ("killed", False, "notice: removed"),  # its flock is free: the process is gone
+    ("writing", True, ""),  # another process holds its flock
 ])
 def test_temporary_folders_left_by_a_killed_process_go_at_the_next_write(tmp_path, capsys, left, stays, says):
     old = tmp_path / ".out.tmp-0badf00d"
     old.mkdir()
-    holder = None
-    if left != "unlocked":
-        holder = os.open(old / WRITING, os.O_CREAT | os.O_RDWR)
-        if left == "writing":
-            fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: as another process's lock
-        else:
-            os.close(holder)
+    holder = os.open(old, os.O_RDONLY)
+    if left == "writing":
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: as another process's lock
+    else:
+        os.close(holder)
     with writing_whole(tmp_path / "out", "--out") as tmp:
         (tmp / "done").write_text("yes")
-    assert (tmp_path / "out" / "done").read_text() == "yes" and not (tmp_path / "out" / WRITING).exists()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["done"]
     assert old.exists() == stays and (says in capsys.readouterr().err)
     if left == "writing":
         os.close(holder)
