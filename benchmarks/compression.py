@@ -53,14 +53,19 @@ def gradient_bytes(found, mode: str) -> float:
 
 
 def main(argv=None):
+    from meshtrain.testing import benchmark_text
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--data", default=benchmark_text(),
+                   help="a text file (default: ../shared/data/tinyshakespeare.txt where it exists, else the Python "
+                        "standard library)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
     p.add_argument("--data-size", type=int, default=8, help="the data axis (the mesh is data=N)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices; 0 = the machine's own")
     args = p.parse_args(argv)
+    print(f"data: {args.data or 'the Python standard library'}", flush=True)
     results = {mode: run(mode, args) for mode in MODES}
     total = {m: sum(k["traffic_bytes"] for k in results[m][0].values()) for m in MODES}
     grads = {m: gradient_bytes(results[m][0], m) for m in MODES}

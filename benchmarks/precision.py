@@ -36,12 +36,17 @@ def run(precision: str, args):
 
 
 def main(argv=None):
+    from meshtrain.testing import benchmark_text
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--data", default=benchmark_text(),
+                   help="a text file (default: ../shared/data/tinyshakespeare.txt where it exists, else the Python "
+                        "standard library)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--devices", type=int, default=1, help="simulated CPU devices; 0 = the machine's own")
     args = p.parse_args(argv)
+    print(f"data: {args.data or 'the Python standard library'}", flush=True)
     results = {prec: run(prec, args) for prec in PRECISIONS}
     steps = sorted(results["fp32"][0])
     print("| step | " + " | ".join(f"eval {p}" for p in PRECISIONS) + " | fp16 vs fp32 | bf16 vs fp32 | fp16 loss scale |")

@@ -74,3 +74,10 @@ def timeline_figure(tt) -> Figure:
 def save_timeline(tt, path: str | Path) -> None:
     """Write the timeline of a schedules.Timetable as a PNG."""
     timeline_figure(tt).savefig(path, dpi=DPI)
+
+
+def figure_suffixes() -> tuple[str, ...]:
+    """The file types matplotlib writes a figure as (a figure's type follows its file's suffix)."""
+    from matplotlib.figure import Figure
+
+    return tuple(f".{kind}" for kind in Figure().canvas.get_supported_filetypes())

@@ -70,6 +70,32 @@ def full_disk_is_user_error(path: str | Path, what: str, then: str = "rerun"):
                         f"another folder, then {then}") from None
 
 
+@contextlib.contextmanager
+def writing_file(path: str | Path, flag: str, force: bool = False, suffixes: tuple[str, ...] = ()):
+    """Yield a hidden path beside `path`, with its suffix, to write one file into; it replaces `path`
+    when the block succeeds and is removed when it fails, so `path` is whole or as it was. An existing
+    `path` may be a file of the user's: refused unless `force` (--force). `suffixes`: the formats the
+    writer knows (a file's type follows its suffix)."""
+    path = Path(path)
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise UserError(f"{flag} {path}: unknown file type {path.suffix or '(no suffix)'}; use one of "
+                        f"{', '.join(suffixes)}")
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name a file")
+    if path.exists() and not force:
+        raise UserError(f"{flag} {path} already exists; pass --force to overwrite it, or pick another {flag}")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: folder {path.parent} does not exist; create it or pick another {flag}")
+    writable(path.parent, flag)
+    tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}{path.suffix}")
+    try:
+        with full_disk_is_user_error(path, f"{flag} {path}"):
+            yield tmp
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def replace_file(path: Path, text: str) -> None:
     """`path` holds `text` whole, or keeps what it held: written beside it, then renamed over it."""
     tmp = path.with_name(path.name + ".tmp")

@@ -20,13 +20,15 @@ optionally draws the timeline as a PNG.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
 from meshtrain.budget import HEADROOM
 from meshtrain.cli import Parser, command, number
-from meshtrain.drawing import save_timeline
+from meshtrain.drawing import figure_suffixes, save_timeline
 from meshtrain.errors import UserError
+from meshtrain.folders import writing_file
 from meshtrain.formulas import bubble_expression, bubble_terms
 from meshtrain.metrics import DEVICE_PROFILES
 from meshtrain.schedules import SCHEDULES, executor_tables, timetable
@@ -97,7 +99,9 @@ def parser() -> Parser:
     sched.add_argument("--virtual-stages", type=number(int, min=1), default=1)
     sched.add_argument("--residuals", default="save", choices=("save", "recompute"),
                        help="what a stage keeps for the backward (sets the backward's cost)")
-    sched.add_argument("--draw", metavar="PNG", help="write the timeline (stages x ticks) as a PNG image")
+    sched.add_argument("--draw", metavar="PNG", help="write the timeline (stages x ticks) as a PNG image (its "
+                                                     "suffix picks the format)")
+    sched.add_argument("--force", action="store_true", help="overwrite --draw if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -122,13 +126,15 @@ def schedule_main(args) -> int:
         raise UserError(f"--stages {args.stages} x --microbatches {args.microbatches} x --virtual-stages "
                         f"{args.virtual_stages} is over the {MAX_SCHEDULE_CELLS:,} the simulator takes in seconds; "
                         f"look at a smaller schedule (its bubble formula holds for any size)")
-    report = schedule_report(args.schedule, args.stages, args.microbatches, args.virtual_stages, args.residuals)
-    table = report.pop("_table")
-    print(json.dumps(report) if args.json else format_schedule(report))
-    if args.draw:
-        save_timeline(table, args.draw)
-        if not args.json:
-            print(f"timeline drawn to {args.draw}")
+    with writing_file(args.draw, "--draw", args.force, figure_suffixes()) if args.draw else \
+            contextlib.nullcontext() as drawing:  # checked before the simulation; written whole
+        report = schedule_report(args.schedule, args.stages, args.microbatches, args.virtual_stages, args.residuals)
+        table = report.pop("_table")
+        print(json.dumps(report) if args.json else format_schedule(report))
+        if args.draw:
+            save_timeline(table, drawing)
+    if args.draw and not args.json:
+        print(f"timeline drawn to {args.draw}")
     return 0
 
 

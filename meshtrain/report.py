@@ -16,6 +16,8 @@ import numpy as np
 
 from meshtrain import jsonl
 from meshtrain.cli import Parser, command
+from meshtrain.drawing import figure_suffixes
+from meshtrain.folders import writing_file
 from meshtrain.errors import UserError
 
 
@@ -89,18 +91,18 @@ def table(runs: list[Run]) -> str:
 def parser() -> Parser:
     p = Parser(prog="python -m meshtrain.report", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (--out of a training run) or its metrics.jsonl")
-    p.add_argument("--out", default="report.png", metavar="PNG", help="where to write the plot (default report.png)")
+    p.add_argument("--out", default="report.png", metavar="PNG", help="where to write the plot (default report.png; its suffix picks the format)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     return p
 
 
 @command
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    runs = [load_run(path) for path in args.runs]
+    with writing_file(args.out, "--out", args.force, figure_suffixes()) as tmp:
+        runs = [load_run(path) for path in args.runs]
+        figure(runs).savefig(tmp, dpi=100)
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise UserError(f"--out {args.out}: folder {out.parent} does not exist; create it or pass another --out")
-    figure(runs).savefig(out, dpi=100)
     print(table(runs))
     print(f"plot written to {out}")
     return 0

@@ -12,6 +12,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 MOE_TINY = str(ROOT / "configs" / "moe_tiny.yaml")
+SHAKESPEARE_TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"  # beside the clone, where there is one
+
+
+def benchmark_text() -> str:
+    """The benchmarks' default --data: tinyshakespeare.txt where ../shared/data holds it, else ''
+    (the Python standard library's source, which every machine has)."""
+    return str(SHAKESPEARE_TEXT) if SHAKESPEARE_TEXT.is_file() else ""
 _RUNS: dict = {}
 
 

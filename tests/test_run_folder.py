@@ -219,3 +219,53 @@ def test_more_steps_on_resume_continue_the_schedule_instead_of_rescaling_it(tmp_
     starts = json.loads((tmp_path / "run.json").read_text())["starts"]
     assert [(s["step"], s["steps"]) for s in starts] == [(0, 4), (4, 8)]
     assert (tmp_path / LOCK_FILE).read_text() == ""  # fit() gave the folder back
+
+
+# ---- files a command writes: never over one it did not create, unless --force ----
+def report_args(tmp_path, target):
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": {5 - s / 10}, "lr": 0.001, "grad_norm": 1.0, '
+                                               f'"tokens_per_sec": 100.0}}\n' for s in range(1, 4)))
+    return ["meshtrain.report", [str(run), "--out", str(target)]]
+
+
+def draw_args(tmp_path, target):
+    return ["meshtrain.plan", ["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--draw", str(target)]]
+
+
+def tokenizer_args(tmp_path, target):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    return ["meshtrain.data.__main__", ["train-tokenizer", str(text), "--vocab-size", "300", "--out", str(target)]]
+
+
+WRITERS = {"report --out": (report_args, "plot.png"), "plan --draw": (draw_args, "timeline.png"),
+           "data train-tokenizer --out": (tokenizer_args, "tok.json")}
+OUTPUT_CASES = [  # (case, what is at the target before, extra flags, error or None)
+    ("new file", None, [], None),
+    ("a file of the user's", "mine", [], "already exists; pass --force to overwrite it"),
+    ("a file of the user's, --force", "mine", ["--force"], None),
+    ("unknown file type", "suffix", [], "unknown file type .xyz; use one of"),
+    ("a folder that is not there", "nofolder", [], "does not exist; create it or pick another"),
+]
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+@pytest.mark.parametrize("case,before,flags,error", OUTPUT_CASES, ids=[c[0] for c in OUTPUT_CASES])
+def test_no_command_overwrites_a_file_without_force(tmp_path, capsys, writer, case, before, flags, error):
+    import importlib
+
+    make_args, name = WRITERS[writer]
+    target = tmp_path / {"suffix": "out.xyz", "nofolder": f"missing/{name}"}.get(before, name)
+    if before == "mine":
+        target.write_text("the user's own file")
+    module, argv = make_args(tmp_path, target)
+    rc = importlib.import_module(module).main(argv + flags)
+    err = capsys.readouterr().err
+    if error:
+        assert rc == 2 and err.startswith("error: ") and error in err and err.count("\n") == 1, err
+        assert (target.read_text() == "the user's own file") if before == "mine" else not target.exists()
+    else:
+        assert rc == 0 and target.stat().st_size > 0 and target.read_bytes() != b"the user's own file"
+    assert not [p for p in target.parent.glob(".*tmp*")] if target.parent.exists() else True  # no leftovers

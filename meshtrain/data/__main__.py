@@ -14,6 +14,7 @@ from meshtrain import tokenizer as tokenizer_lib
 from meshtrain.cli import Parser, command, number
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
 from meshtrain.data.sources import RAW_KINDS, detect, read, units
+from meshtrain.folders import writing_file
 
 
 def parser() -> Parser:
@@ -33,6 +34,7 @@ def parser() -> Parser:
     train = commands.add_parser("train-tokenizer", parents=[source], help="train a byte-level BPE on SRC")
     train.add_argument("--vocab-size", type=number(int, min=1), required=True, help="ids in the vocabulary, EOS included")
     train.add_argument("--out", required=True, help="the tokenizer.json to write")
+    train.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     train.add_argument("--eos", default="<|endoftext|>", help="the end-of-document special token")
     return p
 
@@ -50,7 +52,9 @@ def main(argv=None) -> int:
               f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s)")
     else:
         texts = itertools.chain.from_iterable(read(u, args.text_field) for u in units(kind, args.src))
-        tok = tokenizer_lib.train_bpe(texts, args.vocab_size, args.out, eos=args.eos)
+        with writing_file(args.out, "--out", args.force, (".json",)) as tmp:  # checked before training
+            tokenizer_lib.train_bpe(texts, args.vocab_size, tmp, eos=args.eos)
+        tok = tokenizer_lib.HFTokenizer(args.out, eos=args.eos)
         print(f"{args.out}: byte-level BPE, {tok.vocab_size:,} ids, EOS {args.eos!r} = {tok.eos_id}, "
               f"{time.perf_counter() - started:.1f} s")
     return 0
