@@ -54,9 +54,10 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{message}; see {self.prog} --help")
 
 
-def number(kind: type, **bounds):
-    """An argparse `type` for a numeric flag: `kind` (int or float), finite, within `Bounds(**bounds)`."""
-    allowed = Bounds(**bounds)
+def number(kind: type, allowed: Bounds | None = None, **bounds):
+    """An argparse `type` for a numeric flag: `kind` (int or float), finite, within `allowed` (or
+    `Bounds(**bounds)`)."""
+    allowed = allowed or Bounds(**bounds)
 
     def parse(text: str):
         try:

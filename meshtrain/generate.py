@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from meshtrain.bounds import Bounds
 from meshtrain.cli import Parser, command, number
 from meshtrain.errors import UserError
 from meshtrain.spec import MAX_SIMULATED_DEVICES
@@ -211,15 +212,16 @@ def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=N
         return program.lower(params, prompts, lengths, jax.eval_shape(jax.random.key, 0), settings)
 
 
+SAMPLING = {"max_new_tokens": Bounds(min=1), "temperature": Bounds(min=0.0), "top_k": Bounds(min=0),
+            "top_p": Bounds(above=0.0, max=1.0)}  # ranges of the sampling settings, for the API and the flags
+
+
 def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {max_new_tokens}: generate at least 1 token")
-    if temperature < 0:
-        raise UserError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
-    if top_k < 0:
-        raise UserError(f"--top-k {top_k}: must be >= 0 (0 = no top-k filter)")
-    if not 0 < top_p <= 1:
-        raise UserError(f"--top-p {top_p}: must be in (0, 1] (1 = no nucleus filter)")
+    """The sampling settings within SAMPLING's ranges (finite): 0 temperature = greedy, 0 top_k and 1
+    top_p = no filter."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
+                        ("top_p", top_p)):
+        SAMPLING[name].check(f"--{name.replace('_', '-')}", value)
 
 
 def place(model, mesh, rules=None, params=None):
@@ -278,11 +280,12 @@ def parser() -> Parser:
     p.add_argument("--run", required=True, help="the training run's --out folder")
     p.add_argument("--prompt", action="append", required=True,
                    help="text to continue (repeatable: a batch)")
-    p.add_argument("--max-new-tokens", type=number(int, min=1), default=None,
+    p.add_argument("--max-new-tokens", type=number(int, SAMPLING["max_new_tokens"]), default=None,
                    help="tokens per prompt (default: the run's generate.max_new_tokens, 200 unless set)")
-    p.add_argument("--temperature", type=number(float, min=0.0), default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=number(int, min=0), default=0, help="sample among the k most likely tokens; 0 = all")
-    p.add_argument("--top-p", type=number(float, above=0.0, max=1.0), default=1.0, help="nucleus sampling mass; 1 = all")
+    p.add_argument("--temperature", type=number(float, SAMPLING["temperature"]), default=0.0,
+                   help="0 = greedy")
+    p.add_argument("--top-k", type=number(int, SAMPLING["top_k"]), default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=number(float, SAMPLING["top_p"]), default=1.0, help="nucleus sampling mass; 1 = all")
     p.add_argument("--seed", type=number(int, min=0), default=0)
     p.add_argument("--step", type=number(int, min=0), help="read this checkpoint step (default: the newest intact one)")
     p.add_argument("--mesh", help="shard over this mesh ('tensor=2', 'data=2,tensor=2'; 'run' = the run's "

@@ -38,6 +38,7 @@ from meshtrain import jsonl, sweep_folder
 from meshtrain.config import default_out, load_config, parse_yaml, split_override, to_dict
 from meshtrain.cli import Parser, command, number
 from meshtrain.errors import UserError
+from meshtrain.bounds import Bounds
 from meshtrain.folders import full_disk_is_user_error, replace_file
 from meshtrain.spec import MAX_SIMULATED_DEVICES
 from meshtrain.multihost import die_with_parent, last_error
@@ -90,6 +91,9 @@ def distribution(where: str, spec):
         if name in spec and (isinstance(value, bool) or not isinstance(value, number)):
             raise UserError(f"{where}: {name}={value!r} is not {noun}")
     low, high, step, log = spec["low"], spec["high"], spec.get("step"), spec.get("log", False)
+    for name in ("low", "high", "step"):
+        if name in spec:
+            Bounds().check(f"{where}: {name}", spec[name])  # finite (and an integer within int32)
     if not isinstance(log, bool):
         raise UserError(f"{where}: log={log!r} must be true or false")
     if low > high:

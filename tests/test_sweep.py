@@ -182,6 +182,8 @@ def test_a_rerun_draws_new_values(tmp_path):
     ("optim.lr: {type: gaussian, low: 0, high: 1}", "optim.lr: type 'gaussian' is not one of float, int, categorical"),
     ("optim.lr: {type: float, low: 1.0e-2, high: 1.0e-4}", "optim.lr: low=0.01 is above high=0.0001"),
     ("optim.lr: {type: float, low: 0, high: 1, log: true}", "optim.lr: log needs low > 0, got 0"),
+    ("optim.lr: {type: float, low: .nan, high: 1}", "optim.lr: low=nan must be a finite number"),
+    ("optim.lr: {type: float, low: 0, high: .inf}", "optim.lr: high=inf must be a finite number"),
     ("optim.lr: {type: float, low: -1, high: 1}", "optim.lr=-1.0 must be >= 0"),
     ("optim.lr: {type: float, lo: 0, high: 1}", "optim.lr: unknown field 'lo'; float takes low, high, log, step"),
     ("train.steps: {type: int, low: 10, high: 20.5}", "train.steps: high=20.5 is not an integer"),
