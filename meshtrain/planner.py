@@ -29,6 +29,7 @@ from meshtrain.errors import UserError
 from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.metrics import DEVICE_PROFILES
 from meshtrain.program import TrainProgram
+from meshtrain.validate import check_train_size
 from meshtrain.sharding import make_rules
 
 GB = 1e9
@@ -115,6 +116,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
     """The train step compiled for the config's mesh: memory, collectives beside their formulas,
     FLOPs and the roofline (`plan` adds the eval step, generation and the verdict)."""
     program = TrainProgram.from_config(cfg)
+    check_train_size(program, (profile["memory"], f"one {profile['name']} has"))  # before an endless compile
     lowered = program.lower()
     compiled = lowered.compile()
     widened = cfg.parallel.precision != "fp32"

@@ -151,16 +151,18 @@ def device_memory(devices) -> tuple[float, str]:
     return host / local, f"each of {local} CPU device(s) has of this host's memory"
 
 
-def _refuse_beyond_memory(what: str, need: float, figure: str, devices, fix: str) -> None:
-    have, who = device_memory(devices)
+def _refuse_beyond_memory(what: str, need: float, figure: str, memory: tuple[float, str], fix: str) -> None:
+    """`memory`: (bytes one device has, who has them), as `device_memory` gives them."""
+    have, who = memory
     if need > ABSURD_FACTOR * have:
         raise UserError(f"{what} needs at least {need / 1e9:,.1f} GB per device ({figure}), over {ABSURD_FACTOR}x "
                         f"the {have / 1e9:,.1f} GB {who}; {fix}")
 
 
-def check_train_size(program) -> None:
+def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
     """A train step's activations (one microbatch, formulas.llama_activation_terms) and model states
-    (formulas.zero_bytes) per device, a lower bound, against the devices' memory."""
+    (formulas.zero_bytes) per device, a lower bound, against the devices' memory (`memory`: (bytes,
+    who has them) of the device planned for; default the program's own devices)."""
     m, par, t, sizes = program.model.cfg, program.plan, program.train, program.sizes
     stages = sizes["pipeline"]
     rows = t.batch_size / math.prod(sizes[a] for a in program.rules["batch"]) / par.num_microbatches(stages)
@@ -173,9 +175,9 @@ def check_train_size(program) -> None:
     states = sum(zero_bytes(program.num_params, sizes, par.zero).values())
     _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
                           f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
-                          f"meshtrain/formulas.py", list(program.mesh.devices.flat),
-                          "lower train.seq_len or train.batch_size, or add devices; python -m meshtrain.plan "
-                          "shows the compiled figure")
+                          f"meshtrain/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),
+                          "lower train.seq_len or train.batch_size, or add devices" +
+                          ("" if memory else "; python -m meshtrain.plan shows the compiled figure"))
 
 
 def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, devices) -> None:
@@ -188,4 +190,4 @@ def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, de
                         f"generate fewer tokens")
     need = kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split=len(devices))
     _refuse_beyond_memory(what, need, f"the KV cache of {rows} row(s) x {positions:,} positions, "
-                          f"meshtrain/formulas.py", devices, "generate fewer tokens or fewer prompts at once")
+                          f"meshtrain/formulas.py", device_memory(devices), "generate fewer tokens or fewer prompts at once")

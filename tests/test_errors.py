@@ -2,7 +2,7 @@
 import os
 import subprocess
 import sys
-
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +44,19 @@ BAD_INPUTS = [
      "train.seq_len=100000000 x train.batch_size=16 needs at least"),
     (["--seq-len", "1048576"], "train.seq_len=1048576 x train.batch_size=16 needs at least"),  # [L, L] scores
 ]
+
+
+def test_plan_refuses_an_absurd_size_before_compiling(capsys):
+    """A compile of a 10^8-token step runs for minutes; the formula refuses it in a second."""
+    from meshtrain import plan
+
+    started = time.perf_counter()
+    assert plan.main(["--config", TINY, "--devices", "8", "--mesh", "fsdp=8", "--set", "train.seq_len=100000000",
+                      "--set", "parallel.attention=blockwise"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.seq_len=100000000 x train.batch_size=16 needs at least ") and \
+        "GB one H100 SXM has; lower train.seq_len or train.batch_size, or add devices\n" in err, err
+    assert time.perf_counter() - started < 10
 
 
 def run_main(argv, capsys, out):
