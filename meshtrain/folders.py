@@ -75,7 +75,7 @@ def writing_file(path: str | Path, flag: str, force: bool = False, suffixes: tup
     """Yield a hidden path beside `path`, with its suffix, to write one file into; it replaces `path`
     when the block succeeds and is removed when it fails, so `path` is whole or as it was. An existing
     `path` may be a file of the user's: refused unless `force` (--force). `suffixes`: the formats the
-    writer knows (a file's type follows its suffix)."""
+    writer knows (a file's type follows its suffix). Missing folders are made once the file is whole."""
     path = Path(path)
     if suffixes and path.suffix.lower() not in suffixes:
         raise UserError(f"{flag} {path}: unknown file type {path.suffix or '(no suffix)'}; use one of "
@@ -84,13 +84,13 @@ def writing_file(path: str | Path, flag: str, force: bool = False, suffixes: tup
         raise UserError(f"{flag} {path} is a folder; name a file")
     if path.exists() and not force:
         raise UserError(f"{flag} {path} already exists; pass --force to overwrite it, or pick another {flag}")
-    if not path.parent.is_dir():
-        raise UserError(f"{flag} {path}: folder {path.parent} does not exist; create it or pick another {flag}")
     writable(path.parent, flag)
-    tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}{path.suffix}")
+    parent = next(p for p in path.absolute().parents if p.is_dir())  # folders are made at the end
+    tmp = parent / f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}{path.suffix}"
     try:
         with full_disk_is_user_error(path, f"{flag} {path}"):
             yield tmp
+            path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -5,7 +5,8 @@ run.json here, metrics.jsonl in loggers.py, checkpoints/ in checkpoint.py).
 run.json records what defines the run: the model's architecture, the data's fingerprint, the seed
 and the learning-rate schedule's horizon. A later start in the same folder continues that run; one
 that would change any of them is refused (a new run needs a new --out), unless the user says
-`--allow-change`, which records the change as a new phase."""
+`--allow-change`, which records the change as a new phase (the model never changes: its
+checkpoints hold its weights)."""
 from __future__ import annotations
 
 import hashlib
@@ -88,12 +89,13 @@ def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[di
     mine = identity(cfg, data)
     if recorded is None:
         return mine, []
-    changes = []
     model_change = cfg.model.architecture_difference(
         ModelSpec(**{k: v for k, v in recorded["model"].items() if hasattr(ModelSpec, k)}), "this start",
         f"the run in {out}")
-    if model_change:
-        changes.append(model_change)
+    if model_change:  # other weights: no phase of this run can continue from its checkpoints
+        raise UserError(f"{model_change}; use a new --out for a new run, or the model section of "
+                        f"{out / 'config.yaml'}")
+    changes = []
     if recorded["data"] != mine["data"]:
         changes.append(f"the run in {out} trained on other data (fingerprint {recorded['data']}, from "
                        f"{record.get('data_source')}), this start's is {mine['data']} (from {data_source(cfg)})")

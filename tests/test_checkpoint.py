@@ -133,8 +133,8 @@ def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch
     assert sorted(p.name for p in ckpts.iterdir()) == saved
 
     # What defines the weights may not: a one-line error naming the key, nothing renamed.
-    with pytest.raises(UserError, match=rf"^checkpoint {ckpts / '24'} has model.d_model=32, this run has 64; "
-                                        r"use a new --out for a new run, or use the checkpoint's model config$"):
+    with pytest.raises(UserError, match=rf"^the run in {full} has model.d_model=32, this start has 64; use a new --out "
+                                        rf"for a new run, or the model section of {full / 'config.yaml'}$"):
         tiny_run(full, "model.d_model=64", "model.head_dim=0")
     assert sorted(p.name for p in ckpts.iterdir()) == saved
 

@@ -162,8 +162,6 @@ IDENTITY_CASES = [
     ("seed", ["train.seed=7"], "fp", "the run in {out} has train.seed=0, this start 7"),
     ("schedule horizon", ["optim.schedule_steps=50"], "fp", "the run in {out} has optim.schedule_steps=20, "
                                                             "this start 50"),
-    ("model", ["model.d_model=64", "model.head_dim=0"], "fp", "the run in {out} has model.d_model=32, this start "
-                                                              "has 64"),
     ("seed and data", ["train.seed=7"], "other", "the run in {out} trained on other data .* (and 1 more)"),
 ]
 
@@ -191,6 +189,17 @@ def test_a_start_that_changes_what_defines_the_run_is_refused(tmp_path, case, ov
     record = json.loads((out / "run.json").read_text())
     assert record["identity"] == mine and record["starts"][-1]["changes"] == changes  # the new phase, recorded
     assert run_dir.continued(out, tiny_config("train.steps=20", *overrides, out=str(out)), data, False)[1] == []
+
+
+@pytest.mark.parametrize("allow_change", [False, True])
+def test_another_model_is_another_run_even_with_allow_change(tmp_path, allow_change):
+    first = tiny_config(out=str(tmp_path))
+    run_dir.record_start(tmp_path, run_dir.continued(tmp_path, first, "fp", False)[0], first, 0, [])
+    wider = tiny_config("model.d_model=64", "model.head_dim=0", out=str(tmp_path))
+    with pytest.raises(UserError, match="^" + re.escape(f"the run in {tmp_path} has model.d_model=32, this start has "
+                                                        f"64; use a new --out for a new run, or the model section of "
+                                                        f"{tmp_path / 'config.yaml'}") + "$"):
+        run_dir.continued(tmp_path, wider, "fp", allow_change)
 
 
 def test_an_unreadable_record_is_an_error(tmp_path):
@@ -247,7 +256,8 @@ OUTPUT_CASES = [  # (case, what is at the target before, extra flags, error or N
     ("a file of the user's", "mine", [], "already exists; pass --force to overwrite it"),
     ("a file of the user's, --force", "mine", ["--force"], None),
     ("unknown file type", "suffix", [], "unknown file type .xyz; use one of"),
-    ("a folder that is not there", "nofolder", [], "does not exist; create it or pick another"),
+    ("in a folder that is not there yet", "nofolder", [], None),
+    ("a folder in the way", "folder", [], "is a folder; name a file"),
 ]
 
 
@@ -260,12 +270,15 @@ def test_no_command_overwrites_a_file_without_force(tmp_path, capsys, writer, ca
     target = tmp_path / {"suffix": "out.xyz", "nofolder": f"missing/{name}"}.get(before, name)
     if before == "mine":
         target.write_text("the user's own file")
+    elif before == "folder":
+        target.mkdir()
     module, argv = make_args(tmp_path, target)
     rc = importlib.import_module(module).main(argv + flags)
     err = capsys.readouterr().err
     if error:
         assert rc == 2 and err.startswith("error: ") and error in err and err.count("\n") == 1, err
-        assert (target.read_text() == "the user's own file") if before == "mine" else not target.exists()
+        assert (target.read_text() == "the user's own file") if before == "mine" else \
+            target.is_dir() if before == "folder" else not target.exists()
     else:
         assert rc == 0 and target.stat().st_size > 0 and target.read_bytes() != b"the user's own file"
-    assert not [p for p in target.parent.glob(".*tmp*")] if target.parent.exists() else True  # no leftovers
+    assert not list(tmp_path.rglob(".*tmp*"))  # no leftovers
