@@ -37,6 +37,8 @@ class Trainer:
     plan and optimizer compiled for the mesh) and adds data, state, checkpoints and the loop.
 
     `devices` restricts the mesh to a subset of jax.devices() (e.g. one device for a reference run).
+    It owns `cfg.out` (run.lock) from construction to the end of `fit()`, or until `close()`;
+    `allow_change` continues a run whose data, seed or schedule horizon this config changes.
     """
 
     def __init__(self, cfg: Config, devices=None, allow_change: bool = False):
@@ -49,7 +51,7 @@ class Trainer:
             self._build(copy.deepcopy(cfg), devices, allow_change)
         except BaseException:
             self.close()
-            if created and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:  # nothing else was written
+            if created and self.out.is_dir() and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:  # nothing else
                 shutil.rmtree(self.out, ignore_errors=True)
             raise
 
