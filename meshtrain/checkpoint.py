@@ -235,8 +235,14 @@ def _write_replicas_from_one_process() -> None:
     it; with a single process there is nothing to spread, and slicing costs a small compiled
     program per array and sharding (6 s of a 7 s save of the tiny MoE model on data=2,expert=4)."""
     if jax.process_count() == 1:
-        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
-                                                override=True)
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        absl_log.setLevel(logging.ERROR)  # Orbax warns that the override overrides
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        finally:
+            absl_log.setLevel(level)
 
 
 class Damaged(Exception):

@@ -173,12 +173,15 @@ def cli(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=Non
 
     from meshtrain import tokenizer
     from meshtrain.hf import write_sums
+    from meshtrain.mesh import simulate_cpu_devices
     from meshtrain.trainer import Trainer
     from models import FAMILIES
 
     check_scheme(scheme)
     cfg = run_dir.run_config(run)
     out = check_new(out, "OUT")
+    if cfg.devices and devices is None:  # the run's simulated devices, before reading starts JAX
+        simulate_cpu_devices(cfg.devices)
     model = FAMILIES[cfg.model.family](cfg.model)
     params, step = run_dir.newest_params(run, model, step=step)  # before any compile: damage is found first
     params = jax.device_get(params)

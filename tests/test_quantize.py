@@ -1,6 +1,7 @@
 """INT8 export (meshtrain/quantize.py): the round-trip error bound per element for both schemes, the
 stored tensors, a saved folder loading back, and the quantized tiny model's eval loss and size."""
 import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ from meshtrain import tokenizer
 from meshtrain.config import load_config
 from meshtrain.errors import UserError
 from meshtrain.folders import writing_whole
-from meshtrain.testing import MOE_TINY, run_tiny
+from meshtrain.testing import MOE_TINY, TINY, run_tiny
 from models import FAMILIES
 from models.moe import MOE_PARAM_AXES
 from models.transformer import PARAM_AXES
@@ -148,3 +149,23 @@ def test_a_failed_write_leaves_no_folder(tmp_path):
             (tmp / "model.safetensors").write_bytes(b"x")
             (tmp / "no" / "such").write_bytes(b"y")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_on_simulated_devices_gets_them_before_its_weights_are_read(tmp_path, monkeypatch):
+    """Reading the weights starts JAX; a run trained with --devices 8 must have its 8 CPU devices
+    asked for first (a fresh `convert --quantize` process failed: 'it already has 1 CPU devices')."""
+    from meshtrain import mesh, run_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(Path(TINY).read_text() + "devices: 8\n")
+    calls = []
+    monkeypatch.setattr(mesh, "simulate_cpu_devices", lambda n: calls.append(f"simulate {n}"))
+
+    def read(*args, **kwargs):
+        calls.append("read")
+        raise KeyboardInterrupt  # stop there: the order is the point
+
+    monkeypatch.setattr(run_dir, "newest_params", read)
+    with pytest.raises(KeyboardInterrupt):
+        qz.cli(tmp_path / "run", tmp_path / "int8")
+    assert calls == ["simulate 8", "read"]
