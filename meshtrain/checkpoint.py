@@ -27,7 +27,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import shutil
 import sys
 import threading
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshtrain.errors import UserError
-from meshtrain.folders import full_disk_is_user_error, is_full_disk
+from meshtrain.folders import full_disk_is_user_error, is_full_disk, replace_file
 
 MANIFEST = "meshtrain_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
@@ -97,9 +96,7 @@ class Checkpointer:
             folder = self.path(step)
             if not (folder / MANIFEST).exists():
                 sizes = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
-                tmp = folder / f"{MANIFEST}.tmp"
-                tmp.write_text(json.dumps(sizes))
-                os.replace(tmp, folder / MANIFEST)
+                replace_file(folder / MANIFEST, json.dumps(sizes))
 
     def save(self, state, metadata: dict) -> None:
         """Start an async save of `state` at its step; returns once the arrays are copied off-device."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 import yaml
 
 from meshtrain.config import Config, ModelSpec, UserError, default_out, to_dict
-from meshtrain.folders import writable
+from meshtrain.folders import replace_file, writable
 from meshtrain.lock import LOCK_FILE
 
 RUN_RECORD = "run.json"
@@ -114,14 +113,12 @@ def data_source(cfg: Config) -> str:
 
 def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[str]) -> None:
     """run.json: the run's identity and one entry per start (the step it started at, the changes it
-    was allowed to make). Written whole (tmp + rename)."""
+    was allowed to make). Written whole."""
     record = read_record(out) or {"starts": []}
     record.update(identity=mine, data_source=data_source(cfg))
     record["starts"].append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "steps": cfg.train.steps,
                              "changes": changes})
-    tmp = out / f"{RUN_RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, out / RUN_RECORD)
+    replace_file(out / RUN_RECORD, json.dumps(record, indent=1) + "\n")
 
 
 def version() -> str:
@@ -140,9 +137,7 @@ def write_config(out: Path, cfg: Config, mesh) -> None:
     header = (f"# written by meshtrain {version()} at the start of training on {mesh.size} x "
               f"{device.device_kind} ({device.platform}), {len({d.process_index for d in mesh.devices.flat})} "
               f"process(es)\n")
-    tmp = out / "config.yaml.tmp"
-    tmp.write_text(header + yaml.safe_dump(resolved, sort_keys=False))
-    os.replace(tmp, out / "config.yaml")
+    replace_file(out / "config.yaml", header + yaml.safe_dump(resolved, sort_keys=False))
 
 
 def run_config(run: str | Path) -> Config:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.errors import UserError
+from meshtrain.folders import replace_file
 
 MANIFEST = "manifest.json"
 PLAIN_DTYPE = np.dtype(np.uint16)  # a token file without a sidecar, as nanoGPT writes them
@@ -39,9 +40,7 @@ def file_meta(tok, tokens: int, documents: int) -> dict:
 
 def write_json(path: Path, obj: dict) -> None:
     """Written whole or not at all (a reader never sees half a manifest)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
+    replace_file(path, json.dumps(obj, indent=1) + "\n")
 
 
 def _read_json(path: Path) -> dict:
