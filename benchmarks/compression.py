@@ -6,7 +6,7 @@ step from the compiled HLO, and the eval loss of one run each (same seed, data a
 
 Trains configs/shakespeare_char.yaml on data=8 simulated CPU devices (pass --devices 0 to use a
 machine's own accelerators) with parallel.grad_compression=none and int8. The bytes are the
-link traffic per device of every collective in the compiled step (meshtrain/hlo.py); on data=8
+link traffic per device of every collective in the compiled step (meshtrain/planner/hlo.py); on data=8
 alone they are all over `data`: the gradient reduction, and at zero 1/2 the gather of the updated
 parameter shards, which compression leaves in fp32 (the "gradient reduction" column leaves it out).
 """
@@ -24,10 +24,10 @@ MODES = ("none", "int8")
 
 
 def run(mode: str, args):
-    from meshtrain import hlo
-    from meshtrain.config import load_config
-    from meshtrain.loggers import MetricsLog
-    from meshtrain.trainer import Trainer
+    from meshtrain.planner.aot import hlo
+    from meshtrain.config.loader import load_config
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
 
     overrides = [f"parallel.grad_compression={mode}", f"parallel.mesh=data={args.data_size}",
                  f"parallel.zero={args.zero}", f"train.steps={args.steps}", f"train.eval_every={args.eval_every}",

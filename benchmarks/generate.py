@@ -18,10 +18,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshtrain.config import load_config  # noqa: E402
-from meshtrain.generate import generate, load  # noqa: E402
-from meshtrain.run_dir import run_config  # noqa: E402
-from models import FAMILIES  # noqa: E402
+from meshtrain.config.loader import load_config  # noqa: E402
+from meshtrain.engine.decode import generate  # noqa: E402
+from meshtrain.generate import load  # noqa: E402
+from meshtrain.run.run_dir import run_config  # noqa: E402
+from meshtrain.models import FAMILIES  # noqa: E402
 
 
 def best_seconds(fn, reps: int) -> float:

@@ -1,5 +1,5 @@
 """One device's training speed and memory for a config: tokens/s, TFLOP/s and MFU (the PaLM
-convention of meshtrain/metrics.py), compiled temporaries and peak device memory of the real
+convention of meshtrain/core/metrics.py), compiled temporaries and peak device memory of the real
 train step, for several variants side by side from one run. Each variant runs in its own process,
 so its peak memory is its own. Runs on CPU at tiny size and on a GPU at full size:
 
@@ -27,9 +27,9 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from meshtrain.config import load_config
-    from meshtrain.metrics import peak_flops
-    from meshtrain.program import TrainProgram
+    from meshtrain.config.loader import load_config
+    from meshtrain.core.metrics import peak_flops
+    from meshtrain.engine.program import TrainProgram
 
     cfg = load_config(config, ["parallel.mesh=1", "devices=0", *overrides])
     device = jax.devices()[0]
@@ -87,7 +87,7 @@ def main():
     if args.one is not None:
         if args.engine == "torch":
             from torch_baseline import measure as measure_torch  # beside this file
-            from meshtrain.config import load_config
+            from meshtrain.config.loader import load_config
 
             result = measure_torch(load_config(args.config, ["parallel.mesh=1", *json.loads(args.one)]), args.steps)
         else:

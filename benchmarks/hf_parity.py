@@ -22,9 +22,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from meshtrain import hf  # noqa: E402
-from meshtrain.mesh import build_mesh, parse_mesh  # noqa: E402
-from meshtrain.sharding import param_shardings  # noqa: E402
-from models import FAMILIES  # noqa: E402
+from meshtrain.parallel.mesh import build_mesh, parse_mesh  # noqa: E402
+from meshtrain.parallel.sharding import param_shardings  # noqa: E402
+from meshtrain.models import FAMILIES  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

@@ -1,7 +1,7 @@
-"""What meshtrain/hlo.py's corrections of the CPU backend change in a plan: link traffic per device
+"""What meshtrain/planner/hlo.py's corrections of the CPU backend change in a plan: link traffic per device
 per step by collective kind, read from the same compiled step as XLA's CPU program runs it and as
 a GPU would (bf16 not widened, all-reduce + slice as reduce-scatter, summed all-reduces once),
-beside the formula (meshtrain/traffic.py). Compiles on simulated CPU devices, like the planner.
+beside the formula (meshtrain/planner/traffic.py). Compiles on simulated CPU devices, like the planner.
 
     python benchmarks/hlo_corrections.py                      # llama2-70b on fsdp=16,tensor=8
     python benchmarks/hlo_corrections.py --config configs/llama3_8b.yaml --devices 64 --mesh fsdp=8,tensor=8
@@ -10,10 +10,10 @@ import argparse
 
 import jax
 
-from meshtrain import hlo, traffic
-from meshtrain.config import load_config
-from meshtrain.mesh import simulate_cpu_devices
-from meshtrain.program import TrainProgram
+from meshtrain.planner.aot import hlo, traffic
+from meshtrain.config.loader import load_config
+from meshtrain.parallel.mesh import simulate_cpu_devices
+from meshtrain.engine.program import TrainProgram
 
 
 def main():

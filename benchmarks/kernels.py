@@ -1,7 +1,7 @@
 """Temporaries of the loss and attention kernels, forward + backward, from compiled programs on one
 CPU device (fp32): the plain head + cross-entropy (full [B, L, V] logits) vs the vocab-tiled one
-(meshtrain/loss.py), and XLA attention ([B, H, L, L] scores) vs the blockwise kernel
-(meshtrain/attention.py), over sequence lengths.
+(meshtrain/ops/loss.py), and XLA attention ([B, H, L, L] scores) vs the blockwise kernel
+(meshtrain/ops/attention.py), over sequence lengths.
 
     python benchmarks/kernels.py
 """
@@ -13,8 +13,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from meshtrain.loss import cross_entropy  # noqa: E402
-from meshtrain.attention import BACKENDS  # noqa: E402
+from meshtrain.ops.loss import cross_entropy  # noqa: E402
+from meshtrain.ops.attention import BACKENDS  # noqa: E402
 
 
 def temp_bytes(fn, *shapes) -> int:

@@ -16,7 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshtrain.formulas import zero_bytes  # noqa: E402
+from meshtrain.core.formulas import zero_bytes  # noqa: E402
 from meshtrain.testing import MOE_TINY, TINY, max_param_diff, run_tiny  # noqa: E402
 
 LAYOUTS = [("data=8", z) for z in range(4)] + [("fsdp=8", 1), ("data=2,tensor=4", 1), ("2x2x2", 0), ("2x2x2", 3),
@@ -78,8 +78,8 @@ def context_table():
 def sequence_parallel_memory():
     """Compiled temporaries per device of the tiny step on data=4 x tensor=2, without and with
     sequence parallelism, and the all-gathers it adds."""
-    from meshtrain import hlo
-    from meshtrain.program import TrainProgram
+    from meshtrain.planner.aot import hlo
+    from meshtrain.engine.program import TrainProgram
     from meshtrain.testing import tiny_config
 
     print("| sequence parallel | temporaries/device | all-gathers | all-reduce payload |")

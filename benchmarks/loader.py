@@ -28,7 +28,7 @@ def loader_rate(path: str, batch_size: int, seq_len: int, batches: int) -> dict:
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from meshtrain.config import DataConfig
+    from meshtrain.config.loader import DataConfig
     from meshtrain.data import Batches, load_corpus
 
     started = time.perf_counter()
@@ -54,8 +54,8 @@ def step_rate(metrics: str | None, config: str | None, batch_size: int, seq_len:
             raise SystemExit(f"{metrics} logs no tokens_per_sec; pass a training run's metrics.jsonl")
         rates = rates[1:] or rates  # the first record's interval holds the compile
         return statistics.median(rates), f"median of {metrics}, at that run's batch and seq_len"
-    from meshtrain.config import load_config
-    from meshtrain.trainer import Trainer
+    from meshtrain.config.loader import load_config
+    from meshtrain.run.trainer import Trainer
 
     cfg = load_config(config, ["parallel.mesh=1", "data.kind=synthetic", f"train.batch_size={batch_size}",
                                f"train.seq_len={seq_len}", "train.steps=12", "train.log_every=4",
@@ -94,7 +94,7 @@ def write_sources(text_file: str, repeat: int, folder: Path) -> dict[str, tuple[
 
 
 def prepare_rates(args) -> None:
-    from meshtrain import tokenizer
+    from meshtrain.data import tokenizer
     from meshtrain.data import prepare
 
     folder = Path(tempfile.mkdtemp(prefix="meshtrain-prepare-bench-"))

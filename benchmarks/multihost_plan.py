@@ -1,7 +1,7 @@
 """The train step compiled ahead of time for a multi-host topology: P processes x K CPU devices each,
 one job on 127.0.0.1 (jax.distributed, gloo), so the program's devices really belong to several
 processes, as on a pod. Per collective kind, the link traffic per device per step on in-node and
-cross-node links as the planner's roofline attributes it (meshtrain/roofline.py: node = mesh
+cross-node links as the planner's roofline attributes it (meshtrain/planner/roofline.py: node = mesh
 position // K) beside the truth of the compiled program: a collective crosses hosts when one of
 its replica groups holds devices of two processes (their `process_index`).
 
@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def facts(compiled, mesh, sizes: dict) -> dict:
     """What the comparison needs of one compiled program: its mesh's devices in mesh order (global
     id, process), the devices this process runs in the executable's partition order, and every
-    collective (meshtrain/hlo.py) with its replica groups as the HLO names them."""
-    from meshtrain import hlo
+    collective (meshtrain/planner/hlo.py) with its replica groups as the HLO names them."""
+    from meshtrain.planner.aot import hlo
 
     return {"sizes": sizes,
             "mesh_device_ids": [d.id for d in mesh.devices.flat],
@@ -47,10 +47,10 @@ def facts(compiled, mesh, sizes: dict) -> dict:
 def train_step_facts(config: str, mesh: str, overrides: list[str], per_node: int) -> dict:
     """The real TrainProgram for `mesh` over every process's devices, lowered and compiled (no
     training), and the roofline's per-link traffic for it (H100 profile, `per_node` per node)."""
-    from meshtrain import hlo, roofline
-    from meshtrain.config import load_config
-    from meshtrain.metrics import DEVICE_PROFILES
-    from meshtrain.program import TrainProgram
+    from meshtrain.planner.aot import hlo, roofline
+    from meshtrain.config.loader import load_config
+    from meshtrain.core.metrics import DEVICE_PROFILES
+    from meshtrain.engine.program import TrainProgram
 
     cfg = load_config(config, [f"parallel.mesh={mesh}", *overrides])
     cfg.devices = 0
@@ -73,7 +73,7 @@ def control_facts(per_node: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from meshtrain.mesh import build_mesh
+    from meshtrain.parallel.mesh import build_mesh
 
     processes = jax.process_count()
     local = [[d for d in jax.devices() if d.process_index == p] for p in range(processes)]
@@ -91,7 +91,7 @@ def verdicts(program: dict, per_node: int) -> list[dict]:
     """Per collective: its link traffic per step, the roofline's verdict (the axes its groups span
     cross nodes of `per_node` consecutive positions) and the truth (a group holds devices of two
     processes, the group's ids read as mesh positions)."""
-    from meshtrain import roofline
+    from meshtrain.planner.aot import roofline
 
     sizes, owner = program["sizes"], program["mesh_processes"]
     return [{"kind": c["kind"], "bytes": c["times"] * c["traffic"],
@@ -102,7 +102,7 @@ def verdicts(program: dict, per_node: int) -> list[dict]:
 
 def table(program: dict, per_node: int) -> str:
     """Per kind: link MB per device per step on each link by the roofline and by the processes."""
-    from meshtrain.hlo import KINDS
+    from meshtrain.planner.hlo import KINDS
 
     rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
     disagree = 0
@@ -133,9 +133,9 @@ def table(program: dict, per_node: int) -> str:
 def worker(args) -> None:
     import jax
 
-    from meshtrain.errors import UserError
-    from meshtrain.mesh import simulate_cpu_devices
-    from meshtrain.multihost import init_distributed, leave_together, run_over
+    from meshtrain.core.errors import UserError
+    from meshtrain.parallel.mesh import simulate_cpu_devices
+    from meshtrain.run.multihost import init_distributed, leave_together, run_over
 
     jax.config.update("jax_platforms", "cpu")
     simulate_cpu_devices(args.devices_per_process)
@@ -182,7 +182,7 @@ def launch(args) -> dict:
             p.kill()
     codes = [p.wait() for p in procs]
     if any(codes):
-        from meshtrain.multihost import last_error
+        from meshtrain.run.multihost import last_error
 
         failed = next((i for i, c in enumerate(codes) if c > 0), 0)  # one that exited itself, not a killed one
         text = (logs / f"p{failed}.err").read_text().splitlines()

@@ -21,11 +21,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from meshtrain.config import load_config  # noqa: E402
+from meshtrain.config.loader import load_config  # noqa: E402
 from meshtrain.data import synthetic_rows  # noqa: E402
-from meshtrain.loggers import MetricsLog  # noqa: E402
-from meshtrain.trainer import Trainer  # noqa: E402
-from models import LanguageModel  # noqa: E402
+from meshtrain.run.loggers import MetricsLog  # noqa: E402
+from meshtrain.run.trainer import Trainer  # noqa: E402
+from meshtrain.models import LanguageModel  # noqa: E402
 
 
 def config(steps, prefetch=1):

@@ -20,9 +20,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def run(precision: str, args):
-    from meshtrain.config import load_config
-    from meshtrain.loggers import MetricsLog
-    from meshtrain.trainer import Trainer
+    from meshtrain.config.loader import load_config
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
 
     overrides = [f"parallel.precision={precision}", "parallel.mesh=1", f"train.steps={args.steps}",
                  f"train.eval_every={args.eval_every}", f"train.log_every={args.eval_every}",

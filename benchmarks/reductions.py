@@ -2,7 +2,7 @@
 train step (tiny config, 8 CPU devices, data=8, global batch 32): count and payload bytes of the
 all-reduces, all-gathers and reduce-scatters per step, for each ZeRO stage at 1, 2 and 4
 microbatches. Each data shard accumulates locally and reduces once per step
-(meshtrain/data_parallel.py), so the figures must not grow with the microbatches.
+(meshtrain/parallel/data_parallel.py), so the figures must not grow with the microbatches.
 
     python benchmarks/reductions.py
 """
@@ -13,8 +13,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from meshtrain import hlo  # noqa: E402
-from meshtrain.config import load_config  # noqa: E402
-from meshtrain.program import TrainProgram  # noqa: E402
+from meshtrain.config.loader import load_config  # noqa: E402
+from meshtrain.engine.program import TrainProgram  # noqa: E402
 
 MICROBATCHES = (1, 2, 4)
 

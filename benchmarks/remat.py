@@ -10,8 +10,8 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from meshtrain.config import load_config  # noqa: E402
-from meshtrain.program import TrainProgram  # noqa: E402
+from meshtrain.config.loader import load_config  # noqa: E402
+from meshtrain.engine.program import TrainProgram  # noqa: E402
 
 POLICIES = ("none", "save_matmuls", "full")
 

@@ -1,6 +1,6 @@
 """Every shipped config planned on the pod its `# pod:` comment documents: the run's peak per step
 (train, eval, generation), the usable memory and budget, the verdict with its margin, and the
-worst measured/formula traffic ratio over the collective kinds (meshtrain/traffic.py), one
+worst measured/formula traffic ratio over the collective kinds (meshtrain/planner/traffic.py), one
 `python -m meshtrain.plan` process per config (what tests/test_shipped_configs.py asserts).
 
     python benchmarks/shipped_configs.py            # all of configs/*.yaml (about 2 minutes)
@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from meshtrain.config import documented_pod
-from meshtrain.planner import human_bytes
+from meshtrain.config.loader import documented_pod
+from meshtrain.planner.aot import human_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def plan(config: Path) -> tuple[list[str], dict]:
 
 
 def worst_traffic(report: dict) -> str:
-    """The collective kind furthest from its formula, as measured/formula (meshtrain/traffic.py's
+    """The collective kind furthest from its formula, as measured/formula (meshtrain/planner/traffic.py's
     compare; a flagged kind with bytes but no formula counts as furthest; scalars with no formula,
     which compare does not flag, are left out), and whether the plan flags it."""
     rows = [(kind, c) for kind, c in report["collectives"].items() if c["ratio"] is not None or c["flag"]]

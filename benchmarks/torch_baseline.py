@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.metrics import flops_per_token, peak_flops
+from meshtrain.core.metrics import flops_per_token, peak_flops
 
 
 def rotary(x_BxLxNxK, cos_LxK2, sin_LxK2):

@@ -2,15 +2,15 @@
 import sys
 
 if sys.argv[:1] == ["-m"]:  # `python -m meshtrain.<command>` is starting: a Ctrl-C now is one line too
-    from meshtrain.cli import interrupt_exits_quietly
+    from meshtrain.core.cli import interrupt_exits_quietly
 
     interrupt_exits_quietly()
 
 __all__ = ["Config", "UserError", "load_config", "Trainer", "TrainProgram", "simulate_cpu_devices"]
 
-_WHERE = {"Config": "meshtrain.config", "UserError": "meshtrain.errors", "load_config": "meshtrain.config",
-          "Trainer": "meshtrain.trainer", "TrainProgram": "meshtrain.program",
-          "simulate_cpu_devices": "meshtrain.mesh"}
+_WHERE = {"Config": "meshtrain.config.loader", "UserError": "meshtrain.core.errors", "load_config": "meshtrain.config.loader",
+          "Trainer": "meshtrain.run.trainer", "TrainProgram": "meshtrain.engine.program",
+          "simulate_cpu_devices": "meshtrain.parallel.mesh"}
 
 
 def __getattr__(name):

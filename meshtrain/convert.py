@@ -8,9 +8,9 @@
                             folder (config.json + safetensors), loadable by transformers'
                             from_pretrained
   --quantize int8 RUN OUT   per-channel INT8 weights for deployment, with their eval loss against
-                            the run's fp32 model (meshtrain/quantize.py)
+                            the run's fp32 model (meshtrain/run/int8_export.py)
 
-Checkpoints are read verified (meshtrain.checkpoint.read_params): a damaged one is skipped with a
+Checkpoints are read verified (meshtrain.run.checkpoint.read_params): a damaged one is skipped with a
 warning, a damaged --step is an error. Nothing is written unless the whole output could be: outputs
 go to a temporary folder first, and carry a SHA256SUMS of their files.
 """
@@ -20,11 +20,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshtrain import hf, run_dir, tokenizer
-from meshtrain.cli import Parser, command, number
-from meshtrain.config import Config, UserError, commented_yaml
-from meshtrain.spec import MAX_SIMULATED_DEVICES
-from meshtrain.folders import check_new, writing_whole
+from meshtrain.interop import hf
+from meshtrain.run import run_dir
+from meshtrain.data import tokenizer
+from meshtrain.core.cli import Parser, command, number
+from meshtrain.config.loader import Config, UserError, commented_yaml
+from meshtrain.config.spec import MAX_SIMULATED_DEVICES
+from meshtrain.core.folders import check_new, writing_whole
 
 
 def parser() -> Parser:
@@ -52,7 +54,7 @@ def parser() -> Parser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.devices:
-        from meshtrain.mesh import simulate_cpu_devices
+        from meshtrain.parallel.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(args.devices)
     if args.from_hf:
@@ -64,17 +66,17 @@ def main(argv=None) -> int:
             raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (Hugging Face uses 5)")
         to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh, args.step)
     else:
-        from meshtrain import quantize
+        from meshtrain.run.int8_export import export_int8
 
         kind, run, out = args.quantize
         if kind != "int8":
             raise UserError(f"--quantize {kind}: only int8 is implemented")
-        quantize.cli(run, out, args.scheme, step=args.step)
+        export_int8(run, out, args.scheme, step=args.step)
     return 0
 
 
 def from_hf(folder: str, out: str | None) -> Path:
-    from models import FAMILIES
+    from meshtrain.models import FAMILIES
 
     if not out:
         raise UserError("--from-hf needs --out RUN: the run folder to fine-tune in")
@@ -99,9 +101,9 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     """RUN's checkpoint of `step` (default: the newest intact one) as a Hugging Face folder."""
     import jax
 
-    from meshtrain.mesh import build_mesh, parse_mesh
-    from meshtrain.sharding import param_shardings
-    from models import FAMILIES
+    from meshtrain.parallel.mesh import build_mesh, parse_mesh
+    from meshtrain.parallel.sharding import param_shardings
+    from meshtrain.models import FAMILIES
 
     if jax.process_count() > 1:
         raise UserError("--to-hf runs in one process: it reads the checkpoint onto one host's devices "

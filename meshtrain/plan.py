@@ -24,15 +24,15 @@ import contextlib
 import json
 import sys
 
-from meshtrain.budget import HEADROOM
-from meshtrain.cli import Parser, command, number
-from meshtrain.drawing import figure_suffixes, save_timeline
-from meshtrain.errors import UserError
-from meshtrain.folders import writing_file
-from meshtrain.formulas import bubble_expression, bubble_terms
-from meshtrain.metrics import DEVICE_PROFILES
-from meshtrain.schedules import SCHEDULES, executor_tables, timetable
-from meshtrain.spec import MAX_SIMULATED_DEVICES
+from meshtrain.planner.budget import HEADROOM
+from meshtrain.core.cli import Parser, command, number
+from meshtrain.planner.drawing import figure_suffixes, save_timeline
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_file
+from meshtrain.core.formulas import bubble_expression, bubble_terms
+from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.parallel.schedules import SCHEDULES, executor_tables, timetable
+from meshtrain.config.spec import MAX_SIMULATED_DEVICES
 
 MAX_SCHEDULE_CELLS = 2**16  # stages x microbatches x virtual stages: 64 x 512 simulates in ~4 s
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         return schedule_main(args)
     if not (args.config and args.devices):
         raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
-    from meshtrain import planner
+    from meshtrain.planner import aot as planner
 
     print(planner.run(args))
     return 0

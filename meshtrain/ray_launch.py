@@ -20,9 +20,9 @@ import os
 import sys
 import time
 
-from meshtrain.cli import Parser, command, number
-from meshtrain.errors import UserError
-from meshtrain.multihost import EXIT_PEER_LOST, die_with_parent, last_error
+from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.errors import UserError
+from meshtrain.run.multihost import EXIT_PEER_LOST, die_with_parent, last_error
 
 SET_BY_LAUNCHER = ("--coordinator", "--num-processes", "--process-id")
 FORWARDED_ENV = ("JAX_", "XLA_", "TF_CPP_", "NCCL_")  # this shell's settings for the processes

@@ -1,7 +1,7 @@
 """`python -m meshtrain.report RUN [RUN ...] [--out PNG]`: compare training runs.
 
 Reads each run's metrics.jsonl (RUN is a run folder, the --out of a training run, or the file
-itself; a torn last record is dropped with a warning, see meshtrain/jsonl.py), draws train loss, eval loss and tokens/s against the step, one color per run, into one PNG
+itself; a torn last record is dropped with a warning, see meshtrain/core/jsonl.py), draws train loss, eval loss and tokens/s against the step, one color per run, into one PNG
 (default report.png in the current folder), and prints a table: steps, final loss, best eval loss
 and the step it was reached at, median tokens/s (the median: the first steps' warm-up does not
 count).
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtrain import jsonl
-from meshtrain.cli import Parser, command
-from meshtrain.drawing import figure_suffixes
-from meshtrain.folders import writing_file
-from meshtrain.errors import UserError
+from meshtrain.core import jsonl
+from meshtrain.core.cli import Parser, command
+from meshtrain.planner.drawing import figure_suffixes
+from meshtrain.core.folders import writing_file
+from meshtrain.core.errors import UserError
 
 
 @dataclass

@@ -34,14 +34,15 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshtrain import jsonl, sweep_folder
-from meshtrain.config import default_out, load_config, parse_yaml, split_override, to_dict
-from meshtrain.cli import Parser, command, number
-from meshtrain.errors import UserError
-from meshtrain.bounds import Bounds
-from meshtrain.folders import full_disk_is_user_error, replace_file
-from meshtrain.spec import MAX_SIMULATED_DEVICES
-from meshtrain.multihost import die_with_parent, last_error
+from meshtrain import sweep_folder
+from meshtrain.core import jsonl
+from meshtrain.config.loader import default_out, load_config, parse_yaml, split_override, to_dict
+from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.errors import UserError
+from meshtrain.core.bounds import Bounds
+from meshtrain.core.folders import full_disk_is_user_error, replace_file
+from meshtrain.config.spec import MAX_SIMULATED_DEVICES
+from meshtrain.run.multihost import die_with_parent, last_error
 
 FIELDS = {"float": ("low", "high", "log", "step"), "int": ("low", "high", "log", "step"), "categorical": ("choices",)}
 SWEEP_KEYS = {"out": "--out", "devices": "--devices", "checkpoint.resume": "(trials resume automatically)"}
@@ -612,8 +613,8 @@ def make_pruner(args, base, space: dict):
 
 def prepare(args):
     """Every check before anything is written: the space, the config, the devices, the folder."""
-    from meshtrain.folders import writable
-    from meshtrain.mesh import parse_mesh
+    from meshtrain.core.folders import writable
+    from meshtrain.parallel.mesh import parse_mesh
 
     for flag, value in (("--trials", args.trials), ("--parallel", args.parallel), ("--heartbeat", args.heartbeat)):
         if value < 1:

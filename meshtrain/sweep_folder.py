@@ -23,8 +23,8 @@ import sqlite3
 import uuid
 from pathlib import Path
 
-from meshtrain.errors import UserError
-from meshtrain.folders import replace_file
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import replace_file
 
 RECORD = "sweep.json"
 STUDY_ATTR = "meshtrain_folder"

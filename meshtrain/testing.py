@@ -24,7 +24,7 @@ _RUNS: dict = {}
 
 def tiny_config(*overrides, out=None, config=TINY):
     """The config in a fresh output folder (never resuming another run's checkpoint)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.loader import load_config
 
     out = out or tempfile.mkdtemp(prefix="meshtrain-tiny-")
     return load_config(config, [f"out={out}", "checkpoint.resume=never", *overrides])
@@ -33,8 +33,8 @@ def tiny_config(*overrides, out=None, config=TINY):
 def run_tiny(*overrides, devices=None, config=TINY):
     """Train and return (trainer, per-step losses, final params); `trainer.history` holds the
     records and `trainer.grad_norms` the per-step gradient norms. Memoized: callers share runs."""
-    from meshtrain.loggers import MetricsLog
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
 
     key = (overrides, None if devices is None else len(devices), config)
     if key not in _RUNS:

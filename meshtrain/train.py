@@ -6,8 +6,8 @@ import signal
 import sys
 import threading
 
-from meshtrain.cli import Parser, command, number
-from meshtrain.config import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
+from meshtrain.core.cli import Parser, command, number
+from meshtrain.config.loader import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
                               split_override)
 
 # Shortcut flags -> config keys.
@@ -93,14 +93,14 @@ def main(argv=None) -> int:
 
 
 def run(cfg, args, interrupted: threading.Event) -> None:
-    from meshtrain import multihost
-    from meshtrain.mesh import simulate_cpu_devices
+    from meshtrain.run import multihost
+    from meshtrain.parallel.mesh import simulate_cpu_devices
 
     if cfg.devices:
         simulate_cpu_devices(cfg.devices)
     multihost.init_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
                                args.init_timeout)
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.trainer import Trainer
 
     try:
         trainer = Trainer(cfg, allow_change=args.allow_change)

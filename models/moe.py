@@ -61,9 +61,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.errors import UserError
-from meshtrain.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
-from models.transformer import PARAM_AXES, Block, LanguageModel, Transformer, _init
+from meshtrain.core.errors import UserError
+from meshtrain.parallel.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
+from meshtrain.models.transformer import PARAM_AXES, Block, LanguageModel, Transformer, _init
 
 
 def capacity(seq_len: int, num_experts: int, experts_per_token: int, capacity_factor: float) -> int:

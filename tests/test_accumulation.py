@@ -17,7 +17,7 @@ def test_microbatches_match_one_large_batch():
 
 
 def test_microbatch_split_spans_every_data_shard():
-    from meshtrain.batching import split_microbatches
+    from meshtrain.parallel.batching import split_microbatches
 
     tokens = np.arange(8)[:, None].repeat(3, axis=1)  # row i holds i
     micro = split_microbatches(tokens, 4)

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import meshtrain.attention as attention_lib
+import meshtrain.ops.attention as attention_lib
 from conftest import tiny_config
-from meshtrain.attention import BACKENDS, blockwise_attention, xla_attention
-from meshtrain.config import UserError
+from meshtrain.ops.attention import BACKENDS, blockwise_attention, xla_attention
+from meshtrain.config.loader import UserError
 
 
 def qkv(B=2, L=24, H=4, G=2, K=8):
@@ -31,8 +31,8 @@ def test_blockwise_equals_xla_values_and_gradients(block):
 
 
 def test_blockwise_model_matches_xla_model(monkeypatch):
-    from meshtrain.step import make_loss_fn
-    from models import LanguageModel
+    from meshtrain.engine.step import make_loss_fn
+    from meshtrain.models import LanguageModel
 
     monkeypatch.setattr(attention_lib, "ATTENTION_BLOCK", 4)  # 4 blocks over the tiny model's 16 positions
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 256)
@@ -61,7 +61,7 @@ def test_blockwise_never_forms_the_scores():
 
 
 def test_cudnn_needs_a_gpu_and_bf16():
-    from meshtrain.program import TrainProgram
+    from meshtrain.engine.program import TrainProgram
 
     build = lambda *overrides: TrainProgram.from_config(tiny_config("parallel.mesh=1", "parallel.attention=cudnn", *overrides),
                                             devices=jax.devices()[:1])
@@ -75,7 +75,7 @@ def test_cudnn_needs_a_gpu_and_bf16():
 
 
 def test_blockwise_refuses_a_sequence_it_would_split_into_tiny_blocks():
-    from meshtrain.program import TrainProgram
+    from meshtrain.engine.program import TrainProgram
 
     with pytest.raises(UserError, match=r"splits train.seq_len=1031 into blocks of 1 positions .*e.g. a multiple of 128"):
         TrainProgram.from_config(tiny_config("parallel.mesh=1", "parallel.attention=blockwise", "train.seq_len=1031"), devices=jax.devices()[:1])

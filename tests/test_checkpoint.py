@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY, tiny_config
-from meshtrain.checkpoint import Checkpointer, resolve_resume
-from meshtrain.config import UserError
-from meshtrain.loggers import MetricsLog
-from meshtrain.trainer import Trainer
+from meshtrain.run.checkpoint import Checkpointer, resolve_resume
+from meshtrain.config.loader import UserError
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.run.trainer import Trainer
 
 STEPS = 24  # checkpoints every 4 steps, all kept
 

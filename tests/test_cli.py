@@ -1,5 +1,5 @@
 """`python -m meshtrain.train` end to end on the default corpus (the Python standard library); every
-command's failures through meshtrain/cli.py."""
+command's failures through meshtrain/core/cli.py."""
 import json
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY as TINY_PATH
-from meshtrain.errors import UserError
+from meshtrain.core.errors import UserError
 
 
 def test_cli_trains_on_default_corpus_and_writes_metrics(tmp_path):
@@ -36,15 +36,15 @@ def test_cli_trains_on_default_corpus_and_writes_metrics(tmp_path):
     assert resolved["parallel"]["mesh"] == "data=2,fsdp=2,tensor=2" and resolved["train"]["steps"] == 60
 
 
-# ---- every command's main through meshtrain/cli.py: one line per failure, the exit status it means ----
+# ---- every command's main through meshtrain/core/cli.py: one line per failure, the exit status it means ----
 # (command, argv with its required arguments, the function its main calls once the arguments are parsed)
 COMMANDS = {
     "train": ("meshtrain.train", ["--config", "configs/tiny.yaml"], "run"),
-    "plan": ("meshtrain.plan", ["--config", "configs/tiny.yaml", "--devices", "8"], "meshtrain.planner.run"),
+    "plan": ("meshtrain.plan", ["--config", "configs/tiny.yaml", "--devices", "8"], "meshtrain.planner.aot.run"),
     "generate": ("meshtrain.generate", ["--run", "runs/none", "--prompt", "a", "--max-new-tokens", "1"],
                  "encode_prompts"),
     "convert": ("meshtrain.convert", ["--from-hf", "hf", "--out", "run"], "from_hf"),
-    "quantize": ("meshtrain.convert", ["--quantize", "int8", "run", "out"], "meshtrain.quantize.cli"),
+    "quantize": ("meshtrain.convert", ["--quantize", "int8", "run", "out"], "meshtrain.run.int8_export.export_int8"),
     "sweep": ("meshtrain.sweep", ["--space", "space.yaml", "--trials", "1"], "prepare"),
     "report": ("meshtrain.report", ["run"], "load_run"),
     "prepare": ("meshtrain.data.__main__", ["prepare", "src", "--out", "out"], "detect"),
@@ -141,10 +141,10 @@ def test_generate_refuses_an_absurd_length_before_loading(tmp_path, capsys):
 
 def test_a_pipeline_of_100000_stages_is_refused_before_tracing():
     """10^5 stages need 10^5 devices; at any device count, the layers must divide into the stages."""
-    from meshtrain.config import load_config
-    from meshtrain.mesh import parse_mesh
-    from meshtrain.sharding import make_rules
-    from meshtrain.validate import check_layout
+    from meshtrain.config.loader import load_config
+    from meshtrain.parallel.mesh import parse_mesh
+    from meshtrain.parallel.sharding import make_rules
+    from meshtrain.config.validate import check_layout
 
     with pytest.raises(UserError, match="mesh 1x1x1x100000 needs 100000 devices, found 8"):
         parse_mesh("1x1x1x100000", 8)

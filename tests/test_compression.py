@@ -1,4 +1,4 @@
-"""int8 gradient compression (meshtrain/compression.py): quantization within half a step, error
+"""int8 gradient compression (meshtrain/parallel/compression.py): quantization within half a step, error
 feedback telescopes, the compressed mean inside shard_map matches fp32 within the quantization
 bound (zero 0/1 and 2/3 layouts, fp16's scale) and feeds its residuals back, the compiled step
 moves int8 over `data` at under 0.3x the fp32 bytes, an fp16 overflow keeps the residuals, runs are
@@ -11,11 +11,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, run_tiny, tiny_config
-from meshtrain import compression, hlo, traffic
-from meshtrain.mesh import build_mesh, parse_mesh
-from meshtrain.loggers import MetricsLog
-from meshtrain.sharding import activation_rules
-from meshtrain.trainer import Trainer
+from meshtrain.parallel import compression
+from meshtrain.planner import hlo, traffic
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.parallel.sharding import activation_rules
+from meshtrain.run.trainer import Trainer
 
 # The Shakespeare model's byte-level shape (configs/shakespeare_char.yaml), narrowed to train in
 # seconds: standard-library text, data=8, zero 0 (so every byte over `data` is the gradient mean).
@@ -176,7 +177,7 @@ def test_int8_trains_like_fp32():
 
 def test_an_fp16_overflow_keeps_the_residuals():
     """An overflowing step's residuals hold its Inf/NaN: the skipped step keeps the previous ones
-    (meshtrain/step.py), and an applied one moves them on."""
+    (meshtrain/engine/step.py), and an applied one moves them on."""
     trainer, _, _ = run_tiny("parallel.precision=fp16", INT8, "parallel.mesh=data=8")
     batch = trainer.train_batches(0)
     state = jax.tree.map(jnp.copy, trainer.state)  # the step donates its input: the shared run's state stays
@@ -231,8 +232,8 @@ def test_resume_restores_the_residuals_bitwise_and_another_data_size_starts_them
 
 
 def test_tiny_blocks_are_refused_and_one_data_shard_compresses_nothing():
-    from meshtrain.config import UserError
-    from meshtrain.program import TrainProgram
+    from meshtrain.config.loader import UserError
+    from meshtrain.engine.program import TrainProgram
 
     with pytest.raises(UserError, match=r"^parallel.compression_block=4 sends a 4-byte scale per 4 int8 values, "
                                         r"0.50x the fp32 bytes; use at least 16"):

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import ROOT
-from meshtrain.config import (Config, ModelSpec, OptimSpec, UserError, apply_overrides, commented_yaml,
+from meshtrain.config.loader import (Config, ModelSpec, OptimSpec, UserError, apply_overrides, commented_yaml,
                               load_config, reference_markdown)
-from meshtrain.mesh import parse_mesh
-from meshtrain.step import make_optimizer
+from meshtrain.parallel.mesh import parse_mesh
+from meshtrain.engine.step import make_optimizer
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
@@ -125,7 +125,7 @@ def test_mesh_specs(spec, expected):
 
 
 def test_renamed_keys_still_work_with_a_notice(tmp_path, capsys):
-    import meshtrain.config as config
+    import meshtrain.config.loader as config
 
     config._NOTICED.clear()
     old = tmp_path / "old.yaml"
@@ -165,7 +165,7 @@ def test_malformed_config_files_fail_clearly(text, message, tmp_path):
 def test_a_folder_or_unreadable_file_as_config(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_config(str(tmp_path))
-    from meshtrain.config import read_text
+    from meshtrain.config.loader import read_text
     with pytest.raises(UserError, match=rf"config file {tmp_path} cannot be read \(Is a directory\)"):
         read_text(tmp_path, "config file")
 
@@ -179,7 +179,7 @@ def test_a_folder_or_unreadable_file_as_config(tmp_path):
     (dict(), [0.0, -1e300, 2**31 - 1], [float("-inf"), float("nan"), -2**31 - 1], "a finite number"),
 ])
 def test_bounds(bounds, inside, outside, shown):
-    from meshtrain.bounds import Bounds
+    from meshtrain.core.bounds import Bounds
     b = Bounds(**bounds)
     assert str(b) == shown
     assert [b.problem(v) for v in inside] == [None] * len(inside)
@@ -190,8 +190,8 @@ def test_bounds(bounds, inside, outside, shown):
 
 def test_every_number_key_has_a_range_in_the_reference():
     """Each int/float key declares its range, and docs/config.md shows it."""
-    from meshtrain.bounds import Bounds
-    from meshtrain.spec import settings
+    from meshtrain.core.bounds import Bounds
+    from meshtrain.config.spec import settings
     numbers = [(key, f) for key, f, value in settings() if type(value) in (int, float) and not f.metadata["choices"]]
     assert numbers and all(f.metadata["bounds"] != Bounds() for key, f in numbers), \
         [key for key, f in numbers if f.metadata["bounds"] == Bounds()]

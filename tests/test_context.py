@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import max_param_diff, run_tiny, tiny_config
-from meshtrain import hlo
-from meshtrain.config import UserError
-from meshtrain.program import TrainProgram
+from meshtrain.planner import hlo
+from meshtrain.config.loader import UserError
+from meshtrain.engine.program import TrainProgram
 
 LAYOUTS = [
     ("data=4,context=2", False),

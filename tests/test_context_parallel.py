@@ -1,4 +1,4 @@
-"""Ring attention (meshtrain.context_parallel) against a plain causal attention in true order."""
+"""Ring attention (meshtrain.parallel.context_parallel) against a plain causal attention in true order."""
 import re
 
 import jax
@@ -8,10 +8,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import context_parallel, hlo
-from meshtrain.attention import executed_attention
-from meshtrain.config import UserError
-from meshtrain.context_parallel import load_balanced_order, ring_attention
+from meshtrain.parallel import context_parallel
+from meshtrain.planner import hlo
+from meshtrain.ops.attention import executed_attention
+from meshtrain.config.loader import UserError
+from meshtrain.parallel.context_parallel import load_balanced_order, ring_attention
 
 B, L, H, G, K = 2, 16, 4, 2, 8
 
@@ -97,7 +98,7 @@ def test_ring_matches_reference(shape, names, parts):
 @pytest.mark.parametrize("parts", [1, 2])
 def test_ring_in_sub_blocks_matches_reference(parts, monkeypatch):
     """Each ring step in S x S sub-blocks (S = 4 here), as at long sequences; one device too."""
-    import meshtrain.context_parallel as context_parallel
+    import meshtrain.parallel.context_parallel as context_parallel
 
     monkeypatch.setattr(context_parallel, "RING_BLOCK", 4)
     mesh = mesh_of((4, 2), ("data", "context")) if parts == 2 else mesh_of((1,), ("context",))
@@ -213,7 +214,7 @@ def executed_dot_flops(text: str) -> float:
 def test_compiled_ring_runs_the_matmuls_the_roofline_counts(monkeypatch):
     """Forward and backward of the ring on context=2, read from the compiled program with loop trip
     counts: 2 + 5 score-sized matmuls (the backward recomputes the scores) over the computed share of
-    the [L, L] scores, as meshtrain.attention.executed_attention tells the roofline (the backward's
+    the [L, L] scores, as meshtrain.ops.attention.executed_attention tells the roofline (the backward's
     delta = rowsum(dO x O) compiles to a reduction, not a dot)."""
     monkeypatch.setattr(context_parallel, "RING_BLOCK", 8)
     seq, cp, heads, k = 64, 2, 4, 8

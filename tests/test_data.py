@@ -5,9 +5,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import data
-from meshtrain.config import DataConfig, UserError
-from meshtrain.tokenizer import ByteTokenizer
-from meshtrain.mesh import build_mesh, parse_mesh
+from meshtrain.config.loader import DataConfig, UserError
+from meshtrain.data.tokenizer import ByteTokenizer
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
 
 
 def batches(tokens, sharding, seed=0, split=0):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from conftest import run_tiny, tiny_config
-from meshtrain import hlo
-from meshtrain.program import TrainProgram
+from meshtrain.planner import hlo
+from meshtrain.engine.program import TrainProgram
 
 
 def reductions(zero: int, microbatches: int) -> tuple[float, float]:
@@ -21,7 +21,7 @@ def test_data_parallel_collectives_do_not_grow_with_microbatches(zero):
     print(f"parallel.zero={zero}: 1 microbatch {count_1:.0f} collectives {bytes_1:,.0f} B; 4: {count_4:.0f}, {bytes_4:,.0f} B")
     assert bytes_4 <= 1.1 * bytes_1
     # zero 2 at one microbatch is XLA's reduction: the CPU backend combines the gradients into a
-    # few all-reduces + slices (read as reduce-scatters, meshtrain/hlo.py; a combined one whose
+    # few all-reduces + slices (read as reduce-scatters, meshtrain/planner/hlo.py; a combined one whose
     # elements are not all sliced counts once per kind), where the once-per-step path issues one
     # reduce-scatter per gradient: the counts differ, the bytes do not
     assert count_4 <= 1.1 * count_1 or (zero == 2 and bytes_4 == pytest.approx(bytes_1, rel=0.1))

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from conftest import MOE_TINY, TINY, run_tiny, tiny_config
-from meshtrain.loggers import MetricsLog
-from meshtrain.trainer import Trainer
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.run.trainer import Trainer
 
 CASES = [
     (MOE_TINY, ("parallel.mesh=data=2,expert=4",), ("parallel.mesh=expert=2,data=2,fsdp=2", "parallel.remat=full")),

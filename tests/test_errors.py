@@ -104,11 +104,11 @@ def test_explicit_data_kind_wins_over_data_flag(capsys, tmp_path):
 
 
 def test_ctrl_c_before_training_exits_quietly_and_writes_nothing(capsys, tmp_path, monkeypatch):
-    import meshtrain.trainer
+    import meshtrain.run.trainer
 
     def interrupted_compile(self, cfg, devices=None, allow_change=False):
         raise KeyboardInterrupt
-    monkeypatch.setattr(meshtrain.trainer.Trainer, "__init__", interrupted_compile)
+    monkeypatch.setattr(meshtrain.run.trainer.Trainer, "__init__", interrupted_compile)
     assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
     assert capsys.readouterr().err == INTERRUPTED
     assert not (tmp_path / "run").exists()
@@ -119,14 +119,14 @@ def test_ctrl_c_swallowed_by_a_library_still_stops_before_training(capsys, tmp_p
     import os
     import signal
 
-    import meshtrain.trainer
+    import meshtrain.run.trainer
 
     def swallowed_interrupt(self, cfg, devices=None, allow_change=False):
         try:
             os.kill(os.getpid(), signal.SIGINT)
         except KeyboardInterrupt:
             pass
-    monkeypatch.setattr(meshtrain.trainer.Trainer, "__init__", swallowed_interrupt)
+    monkeypatch.setattr(meshtrain.run.trainer.Trainer, "__init__", swallowed_interrupt)
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN when the suite runs as a background job
     assert main(["--config", TINY, "--out", str(tmp_path / "run")]) == 130
     assert capsys.readouterr().err == INTERRUPTED

@@ -1,4 +1,4 @@
-"""fp16 with dynamic loss scaling (meshtrain/precision.py): it tracks fp32, an overflow skips the
+"""fp16 with dynamic loss scaling (meshtrain/ops/precision.py): it tracks fp32, an overflow skips the
 step and halves the scale, good steps double it, every executor scales the same objective, and the
 scale state resumes bitwise (also on another mesh, and fresh from a checkpoint without one)."""
 import jax
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_tiny, tiny_config
-from meshtrain.checkpoint import Checkpointer
-from meshtrain.config import to_dict
-from meshtrain.loggers import MetricsLog
-from meshtrain.precision import update_loss_scale
-from meshtrain.spec import ParallelPlan
-from meshtrain.trainer import Trainer
+from meshtrain.run.checkpoint import Checkpointer
+from meshtrain.config.loader import to_dict
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.ops.precision import update_loss_scale
+from meshtrain.config.spec import ParallelPlan
+from meshtrain.run.trainer import Trainer
 
 FP16 = "parallel.precision=fp16"
 

@@ -7,8 +7,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from meshtrain.config import Config, UserError, load_config
-from meshtrain.spec import settings as config_settings
+from meshtrain.config.loader import Config, UserError, load_config
+from meshtrain.config.spec import settings as config_settings
 from test_cli import COMMANDS, stubbed_main
 
 KEYS = [key for key, _, _ in config_settings()]

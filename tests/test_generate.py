@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import MOE_TINY, TINY, tiny_config
-from meshtrain.generate import filter_logits, generate, main, place
-from meshtrain.mesh import build_mesh, parse_mesh
-from models import FAMILIES
+from meshtrain.engine.decode import filter_logits, generate, place
+from meshtrain.generate import main
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.models import FAMILIES
 
 NEW = 6
 

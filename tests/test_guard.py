@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from meshtrain.config import UserError
-from meshtrain.loggers import MetricsLog
-from meshtrain.trainer import Trainer
+from meshtrain.config.loader import UserError
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.run.trainer import Trainer
 
 STEPS, BAD = 10, (5, 6)  # batches 5 and 6 (steps 6 and 7) are poisoned
 

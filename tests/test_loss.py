@@ -8,9 +8,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain.loss import chunk_positions, cross_entropy
-from meshtrain.mesh import build_mesh
-from meshtrain.sharding import activation_rules, make_rules
+from meshtrain.ops.loss import chunk_positions, cross_entropy
+from meshtrain.parallel.mesh import build_mesh
+from meshtrain.parallel.sharding import activation_rules, make_rules
 
 
 def plain_loss(x_BxLxD, w_DxV, targets_BxL):

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from meshtrain.step import make_loss_fn
-from models import LanguageModel
-from meshtrain.attention import xla_attention
+from meshtrain.engine.step import make_loss_fn
+from meshtrain.models import LanguageModel
+from meshtrain.ops.attention import xla_attention
 
 
 @pytest.fixture(scope="module")

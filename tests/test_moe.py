@@ -7,9 +7,9 @@ import pytest
 
 import jax
 from conftest import MOE_TINY, max_param_diff, run_tiny, tiny_config
-from meshtrain import hlo, traffic
-from meshtrain.config import UserError
-from meshtrain.program import TrainProgram
+from meshtrain.planner import hlo, traffic
+from meshtrain.config.loader import UserError
+from meshtrain.engine.program import TrainProgram
 
 STATS = ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max")
 LAYOUTS = ["data=2,expert=4", "expert=2,data=2,fsdp=2", "data=2,pipeline=2,expert=2", "expert=2,tensor=2,data=2"]

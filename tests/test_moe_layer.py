@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from meshtrain.config import UserError
-import models.moe as moe_module
-from models.moe import capacity, moe_mlp
+from meshtrain.config.loader import UserError
+import meshtrain.models.moe as moe_module
+from meshtrain.models.moe import capacity, moe_mlp
 
 B, L, D, F, K = 8, 8, 16, 32, 2
 

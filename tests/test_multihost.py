@@ -14,9 +14,9 @@ import jax
 import numpy as np
 
 from conftest import ROOT, TINY, tiny_config
-from meshtrain.checkpoint import Checkpointer, abstract_like
-from meshtrain.loggers import MetricsLog
-from meshtrain.trainer import Trainer
+from meshtrain.run.checkpoint import Checkpointer, abstract_like
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.run.trainer import Trainer
 
 LAYOUT = ("parallel.mesh=2x2x2", "parallel.zero=0")
 OVERRIDES = (*LAYOUT, "train.steps=1000")

@@ -1,7 +1,7 @@
 """An ahead-of-time compile of a multi-host topology: benchmarks/multihost_plan.py starts 2 processes
 x 8 CPU devices on 127.0.0.1 (jax.distributed, gloo) and compiles the real train step for
 data=2,fsdp=4,tensor=2 over their 16 devices, as a pod's hosts would (no training). For every
-collective, the link the planner's roofline gives it (meshtrain/roofline.py, 8 devices per node)
+collective, the link the planner's roofline gives it (meshtrain/planner/roofline.py, 8 devices per node)
 must be the truth of the compiled program's devices: whether one of its replica groups holds
 devices of two processes. A control on a mesh that interleaves the processes shows the check
 tells the two apart."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from meshtrain import roofline
+from meshtrain.planner import roofline
 
 PROCESSES, PER_PROCESS = 2, 8
 N = PROCESSES * PER_PROCESS
@@ -106,7 +106,7 @@ def test_build_mesh_splits_the_outer_axes_across_hosts_as_the_roofline_assumes(m
 
     from jax.experimental import mesh_utils
 
-    from meshtrain.mesh import AXES, across_hosts, parse_mesh
+    from meshtrain.parallel.mesh import AXES, across_hosts, parse_mesh
 
     sizes = parse_mesh(mesh, 16 * 8 if hosts == 16 else 16)
     assert across_hosts(sizes, hosts) == dcn
@@ -120,8 +120,8 @@ def test_build_mesh_splits_the_outer_axes_across_hosts_as_the_roofline_assumes(m
 
 
 def test_a_mesh_the_hosts_cannot_split_in_mesh_order_is_one_line():
-    from meshtrain.errors import UserError
-    from meshtrain.mesh import across_hosts, parse_mesh
+    from meshtrain.core.errors import UserError
+    from meshtrain.parallel.mesh import across_hosts, parse_mesh
 
     with pytest.raises(UserError, match=r"mesh data=6,fsdp=2,tensor=1,pipeline=1 cannot be split across 4 hosts in "
                                         r"mesh order: the data axis \(6\) and the 4 hosts left for it do not divide "

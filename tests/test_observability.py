@@ -14,7 +14,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TINY, tiny_config
-from meshtrain import drawing, loggers, report
+from meshtrain import report
+from meshtrain.planner import drawing
+from meshtrain.run import loggers
 from meshtrain.train import main
 
 STEPS, EVAL_EVERY = 6, 3

@@ -1,4 +1,4 @@
-"""The planner's formulas (meshtrain/formulas.py) against published tables and compiled programs:
+"""The planner's formulas (meshtrain/core/formulas.py) against published tables and compiled programs:
 ZeRO memory with pipeline stages (Rajbhandari et al. 2020), activation memory per layer
 (Korthikanti et al. 2022), pipeline bubbles (Narayanan et al. 2021; Qi et al. 2023)."""
 import functools
@@ -8,11 +8,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import MOE_TINY, tiny_config
-from meshtrain import formulas
-from meshtrain.planner import CPU_F32_COPIES, shard_bytes
-from meshtrain.traffic import expert_params, stage_replicated_params
-from meshtrain.program import TrainProgram
-from meshtrain.schedules import action_costs, timetable
+from meshtrain.core import formulas
+from meshtrain.planner.aot import CPU_F32_COPIES, shard_bytes
+from meshtrain.planner.traffic import expert_params, stage_replicated_params
+from meshtrain.engine.program import TrainProgram
+from meshtrain.parallel.schedules import action_costs, timetable
 
 GB = 1e9
 

@@ -24,8 +24,8 @@ def test_layout_matches_single_device(mesh, zero, reference_run):
 
 
 def test_fixed_seed_is_deterministic(reference_run):
-    from meshtrain.loggers import MetricsLog
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
     from conftest import tiny_config
 
     _, ref_losses, _ = reference_run

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY, run_tiny
-from meshtrain.config import UserError
-from meshtrain.schedules import Action, executor_tables, timetable
+from meshtrain.config.loader import UserError
+from meshtrain.parallel.schedules import Action, executor_tables, timetable
 
 # ---- tables ----
 TABLES = [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
@@ -64,7 +64,7 @@ def test_1f1b_buffers_do_not_grow_with_microbatches():
 
 
 def test_phases_leave_out_what_their_ticks_do_not_use():
-    from meshtrain.schedules import tick_phases
+    from meshtrain.parallel.schedules import tick_phases
 
     phases = tick_phases(executor_tables(timetable("1f1b", 4, 8)))
     assert [uses for _, _, uses in phases] == [{"F", "recv_f"}, {"F", "B", "recv_f", "recv_b"}, {"B", "recv_b"}]
@@ -108,8 +108,8 @@ def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, more, ref
 def test_compiled_sends_are_the_timetables(schedule):
     """The compiled program's collective-permutes, counted per execution, are exactly the sends its
     phases need: no cotangent goes back in the warm-up, no activation forward in the cool-down."""
-    from meshtrain import hlo
-    from meshtrain.schedules import sends_per_step
+    from meshtrain.planner import hlo
+    from meshtrain.parallel.schedules import sends_per_step
 
     trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}", "parallel.microbatches=4",
                              "parallel.virtual_stages=1")  # the parity run's compiled program
@@ -129,7 +129,7 @@ def test_bf16_pipeline_tracks_fp32(reference_run):
 def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
     """Interleaved runs store layers in pipeline order; a checkpoint restores in model order elsewhere."""
     from conftest import tiny_config
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.trainer import Trainer
 
     interleaved, _, _ = run_tiny("parallel.mesh=1x2x2x2", "parallel.zero=1", "parallel.schedule=interleaved",
                                  "parallel.microbatches=4", "parallel.virtual_stages=2")
@@ -144,7 +144,7 @@ def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
 
 
 def test_bad_pipeline_configs_fail_clearly():
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.trainer import Trainer
     from conftest import tiny_config
 
     with pytest.raises(UserError, match="model.num_layers=6 is not divisible by pipeline stages"):
@@ -160,7 +160,7 @@ def test_bad_pipeline_configs_fail_clearly():
 # ---- memory: compiled temp bytes per device vs microbatches (same microbatch size) ----
 def temp_bytes(schedule, micro):
     from conftest import tiny_config
-    from meshtrain.program import TrainProgram
+    from meshtrain.engine.program import TrainProgram
 
     cfg = tiny_config("parallel.mesh=1x1x1x4", f"parallel.schedule={schedule}", f"parallel.microbatches={micro}",
                       f"train.batch_size={2 * micro}", "model.d_model=64", "model.mlp_dim=256", "train.seq_len=64")

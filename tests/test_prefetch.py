@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from meshtrain.prefetch import Prefetcher
+from meshtrain.data.prefetch import Prefetcher
 
 
 def recording_build(log):

@@ -6,8 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meshtrain import data, tokenizer
-from meshtrain.config import DataConfig, UserError
+from meshtrain import data
+from meshtrain.data import tokenizer
+from meshtrain.config.loader import DataConfig, UserError
 from meshtrain.data import prepare, sources
 from meshtrain.data.__main__ import main
 

@@ -1,4 +1,4 @@
-"""INT8 export (meshtrain/quantize.py): the round-trip error bound per element for both schemes, the
+"""INT8 export (meshtrain/interop/quantize.py): the round-trip error bound per element for both schemes, the
 stored tensors, a saved folder loading back, and the quantized tiny model's eval loss and size."""
 import shutil
 from pathlib import Path
@@ -7,15 +7,16 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import quantize as qz
-from meshtrain import tokenizer
-from meshtrain.config import load_config
-from meshtrain.errors import UserError
-from meshtrain.folders import writing_whole
+from meshtrain.interop import quantize as qz
+from meshtrain.run.int8_export import export_int8
+from meshtrain.data import tokenizer
+from meshtrain.config.loader import load_config
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_whole
 from meshtrain.testing import MOE_TINY, TINY, run_tiny
-from models import FAMILIES
-from models.moe import MOE_PARAM_AXES
-from models.transformer import PARAM_AXES
+from meshtrain.models import FAMILIES
+from meshtrain.models.moe import MOE_PARAM_AXES
+from meshtrain.models.transformer import PARAM_AXES
 
 SCHEMES = qz.SCHEMES
 
@@ -100,7 +101,7 @@ def exports(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("int8")
     run = shutil.copytree(trainer.out, root / "run")
     tokenizer.record(run, tokenizer.ByteTokenizer())
-    return {s: (root / s, qz.cli(run, root / s, s, devices=jax.devices()[:1])) for s in SCHEMES}
+    return {s: (root / s, export_int8(run, root / s, s, devices=jax.devices()[:1])) for s in SCHEMES}
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -131,15 +132,15 @@ def test_bad_input_is_a_user_error_and_writes_nothing(tiny, exports, tmp_path):
     trainer, _ = tiny
     taken, _ = exports["symmetric"]
     with pytest.raises(UserError, match="OUT .* already exists and is not empty; pick a new folder"):
-        qz.cli(trainer.out, taken, "symmetric", devices=jax.devices()[:1])
+        export_int8(trainer.out, taken, "symmetric", devices=jax.devices()[:1])
     with pytest.raises(UserError, match="scheme 'int4'; pass --scheme symmetric or affine"):
-        qz.cli(trainer.out, tmp_path / "new", "int4")
+        export_int8(trainer.out, tmp_path / "new", "int4")
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.yaml").write_text((trainer.out / "config.yaml").read_text())
     with pytest.raises(UserError, match="holds no checkpoint; train first"):
-        qz.cli(tmp_path / "fresh", tmp_path / "new", "symmetric")
+        export_int8(tmp_path / "fresh", tmp_path / "new", "symmetric")
     with pytest.raises(UserError, match="not a meshtrain run folder"):
-        qz.cli(tmp_path / "nowhere", tmp_path / "new", "symmetric")
+        export_int8(tmp_path / "nowhere", tmp_path / "new", "symmetric")
     assert not (tmp_path / "new").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["fresh"]
 
 
@@ -154,7 +155,8 @@ def test_a_failed_write_leaves_no_folder(tmp_path):
 def test_a_run_on_simulated_devices_gets_them_before_its_weights_are_read(tmp_path, monkeypatch):
     """Reading the weights starts JAX; a run trained with --devices 8 must have its 8 CPU devices
     asked for first (a fresh `convert --quantize` process failed: 'it already has 1 CPU devices')."""
-    from meshtrain import mesh, run_dir
+    from meshtrain.parallel import mesh
+    from meshtrain.run import run_dir
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(Path(TINY).read_text() + "devices: 8\n")
@@ -167,5 +169,5 @@ def test_a_run_on_simulated_devices_gets_them_before_its_weights_are_read(tmp_pa
 
     monkeypatch.setattr(run_dir, "newest_params", read)
     with pytest.raises(KeyboardInterrupt):
-        qz.cli(tmp_path / "run", tmp_path / "int8")
+        export_int8(tmp_path / "run", tmp_path / "int8")
     assert calls == ["simulate 8", "read"]

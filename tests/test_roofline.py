@@ -1,4 +1,4 @@
-"""The machine-aware roofline (meshtrain/roofline.py): which mesh axes cross nodes, which axes a
+"""The machine-aware roofline (meshtrain/planner/roofline.py): which mesh axes cross nodes, which axes a
 collective's replica groups span, the timing arithmetic, and the FLOPs convention behind MFU."""
 from types import SimpleNamespace
 
@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import roofline
-from meshtrain.mesh import AXES
-from meshtrain.metrics import DEVICE_PROFILES, flops_per_token
-from meshtrain.schedules import timetable
+from meshtrain.planner import roofline
+from meshtrain.parallel.mesh import AXES
+from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
+from meshtrain.parallel.schedules import timetable
 
 H100 = DEVICE_PROFILES["h100"]
 
@@ -135,7 +135,7 @@ def test_roofs_overlapped_and_serial():
 # ---- the FLOPs convention and recompute ----
 def _program(*overrides, devices=1):
     from conftest import tiny_config
-    from meshtrain.program import TrainProgram
+    from meshtrain.engine.program import TrainProgram
 
     cfg = tiny_config(f"parallel.mesh={devices}", *overrides)
     return TrainProgram.from_config(cfg, devices=jax.devices()[:devices])
@@ -204,7 +204,7 @@ def test_pipeline_recompute_counts_a_rerun_forward_and_the_bubble():
 
 
 def test_estimate_times_collectives_on_the_links_they_cross():
-    """Records as meshtrain/hlo.py gives them: 2 executions of 1 GB over data (cross-node on two
+    """Records as meshtrain/planner/hlo.py gives them: 2 executions of 1 GB over data (cross-node on two
     8-GPU nodes) and 1 of 4.5 GB over fsdp: 2 GB / 50 GB/s + 4.5 GB / 450 GB/s = 50 ms."""
     mesh = sizes(data=2, fsdp=8)
     program = SimpleNamespace(

@@ -1,5 +1,5 @@
-"""A run folder belongs to one run: the lock (meshtrain/lock.py), the record of what defines the run
-(run.json, meshtrain/run_dir.py), the schedule's horizon, and folders that are not runs."""
+"""A run folder belongs to one run: the lock (meshtrain/run/lock.py), the record of what defines the run
+(run.json, meshtrain/run/run_dir.py), the schedule's horizon, and folders that are not runs."""
 import json
 import re
 import os
@@ -12,13 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import run_dir
-from meshtrain.config import UserError
+from meshtrain.run import run_dir
+from meshtrain.config.loader import UserError
 from meshtrain.data.tokens import Tokens
-from meshtrain.lock import LOCK_FILE, FolderLock
+from meshtrain.run.lock import LOCK_FILE, FolderLock
 from meshtrain.testing import ROOT, tiny_config
 
-HOLD = ("import sys, time; from meshtrain.lock import FolderLock; FolderLock(sys.argv[1]).acquire(); "
+HOLD = ("import sys, time; from meshtrain.run.lock import FolderLock; FolderLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(60)")
 
 
@@ -101,7 +101,7 @@ def test_a_second_process_is_refused_at_once_and_one_process_shares_its_lock(tmp
 
 
 def test_trainer_refuses_a_locked_out_before_building_anything(tmp_path, holder_process):
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.trainer import Trainer
 
     out = tmp_path / "run"
     (out / "config.yaml").write_text("out: run\n")  # the running run's files
@@ -212,8 +212,8 @@ def test_an_unreadable_record_is_an_error(tmp_path):
 def test_more_steps_on_resume_continue_the_schedule_instead_of_rescaling_it(tmp_path):
     """The bug: --steps 8 on a 4-step run rescaled the schedule already applied (warmup cut). Now the
     horizon is the first start's, and steps 5-8 run at the end value of that curve."""
-    from meshtrain.loggers import MetricsLog
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
 
     one = jax.devices()[:1]
     overrides = ("parallel.mesh=1", "checkpoint.resume=auto", "train.log_every=1", "train.eval_every=0",

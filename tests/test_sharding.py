@@ -4,10 +4,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import run_tiny, tiny_config
-from meshtrain.config import UserError
-from meshtrain.formulas import zero_bytes
-from meshtrain.mesh import build_mesh, parse_mesh
-from meshtrain.sharding import DEFAULT_RULES, make_rules, spec_for
+from meshtrain.config.loader import UserError
+from meshtrain.core.formulas import zero_bytes
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.parallel.sharding import DEFAULT_RULES, make_rules, spec_for
 
 D, F = "fsdp", "tensor"
 
@@ -19,7 +19,7 @@ def specs_of(tree, name_filter):
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_param_and_opt_state_specs_on_2x2x2(zero):
-    from meshtrain.program import TrainProgram
+    from meshtrain.engine.program import TrainProgram
 
     program = TrainProgram.from_config(tiny_config("parallel.mesh=2x2x2", f"parallel.zero={zero}"))  # shardings only: nothing compiled
     params = program.state_shardings["params"]
@@ -44,7 +44,7 @@ def test_param_and_opt_state_specs_on_2x2x2(zero):
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_argument_bytes_follow_zero_formula(zero):
     """fp32 Adam, N = |data| = 8: params 4Psi (/N at stage 3), moments 8Psi (/N from stage 1)
-    (meshtrain/formulas.py); the step's arguments hold no gradients."""
+    (meshtrain/core/formulas.py); the step's arguments hold no gradients."""
     trainer, _, _ = run_tiny("parallel.mesh=data=8", f"parallel.zero={zero}")
     formula = zero_bytes(trainer.program.num_params, trainer.program.sizes, zero)
     t = trainer.cfg.train
@@ -83,7 +83,7 @@ def test_rules_are_overridable_from_config():
 
 
 def test_mostly_replicated_parameters_are_an_error():
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.trainer import Trainer
 
     cfg = tiny_config("parallel.mesh=fsdp=8", "model.d_model=36", "model.mlp_dim=36")  # 36 is not divisible by 8
     with pytest.raises(UserError, match="stay replicated"):

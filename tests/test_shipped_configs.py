@@ -11,8 +11,8 @@ import jax
 import pytest
 
 from conftest import ROOT
-from meshtrain import traffic
-from meshtrain.config import documented_pod
+from meshtrain.planner import traffic
+from meshtrain.config.loader import documented_pod
 from meshtrain.plan import main as plan_main
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -225,7 +225,7 @@ def test_cli_errors_exit_2_before_writing(tmp_path, capsys, monkeypatch):
 
 def test_parallel_trials_split_the_visible_gpus(monkeypatch):
     """Without a GPU here, the split of --parallel over GPUs is checked on a listed set of them."""
-    from meshtrain.errors import UserError
+    from meshtrain.core.errors import UserError
     from meshtrain.sweep import device_slots, visible_gpus
 
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)

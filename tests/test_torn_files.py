@@ -1,6 +1,6 @@
 """Files torn by a crash or a full disk, and sweep folders: what survives and what is said.
 
-- metrics.jsonl (meshtrain/jsonl.py): a torn last record is dropped with one warning by every reader
+- metrics.jsonl (meshtrain/core/jsonl.py): a torn last record is dropped with one warning by every reader
   (report, resume, sweep); an undecodable line before it is an error; a failed append is cut off.
 - A full disk at each point that writes (metrics, checkpoint, prepare's output, the sweep's best.json)
   is one `error:` line, leaves the earlier checkpoints resumable and no temporary folder behind.
@@ -21,10 +21,12 @@ import optuna
 import pytest
 
 from conftest import TINY
-from meshtrain import jsonl, loggers, report, sweep_folder
-from meshtrain.checkpoint import complete_steps
-from meshtrain.errors import UserError
-from meshtrain.folders import writing_whole
+from meshtrain import report, sweep_folder
+from meshtrain.core import jsonl
+from meshtrain.run import loggers
+from meshtrain.run.checkpoint import complete_steps
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_whole
 from meshtrain.sweep import Sweep, TrialRun, open_study, write_best
 
 FULL = OSError(errno.ENOSPC, "No space left on device")

@@ -1,6 +1,6 @@
-"""Collective traffic: meshtrain/hlo.py's reading of compiled programs (the CPU backend's rewrites
+"""Collective traffic: meshtrain/planner/hlo.py's reading of compiled programs (the CPU backend's rewrites
 undone: bf16 collectives widened to f32, reduce-scatters run as all-reduce + dynamic slice,
-all-reduces of values it then adds) on hand-built programs, and meshtrain/traffic.py's formulas
+all-reduces of values it then adds) on hand-built programs, and meshtrain/planner/traffic.py's formulas
 against the compiled train step, per collective kind, within 10%."""
 import jax
 import jax.numpy as jnp
@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from conftest import tiny_config
-from meshtrain import hlo, traffic
-from meshtrain.hlo import KINDS, replica_groups
-from meshtrain.program import TrainProgram
+from meshtrain.planner import hlo, traffic
+from meshtrain.planner.hlo import KINDS, replica_groups
+from meshtrain.engine.program import TrainProgram
 
 
 def compiled_text(fn, mesh, *args):

@@ -1,6 +1,6 @@
 """The shipped configs' layouts (configs/*.yaml), shrunk to tiny shapes on 8 simulated devices:
-measured collective traffic per kind (meshtrain/hlo.py, corrected) within 10% of
-meshtrain/traffic.py's formula, or flagged with the reason `traffic.compare` gives. Compile-only;
+measured collective traffic per kind (meshtrain/planner/hlo.py, corrected) within 10% of
+meshtrain/planner/traffic.py's formula, or flagged with the reason `traffic.compare` gives. Compile-only;
 each program compiled once (module cache). The pods themselves (llama3-8b's fsdp x tensor, every kind
 within 10%): tests/test_shipped_configs.py; fsdp x tensor at tiny shapes: tests/test_traffic.py."""
 import functools
@@ -8,8 +8,8 @@ import functools
 import pytest
 
 from conftest import ROOT, tiny_config
-from meshtrain import hlo, traffic
-from meshtrain.program import TrainProgram
+from meshtrain.planner import hlo, traffic
+from meshtrain.engine.program import TrainProgram
 
 # Tiny Llama-shaped dims: every layer's structure (GQA, SwiGLU, untied or tied head) kept.
 SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",

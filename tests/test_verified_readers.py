@@ -17,12 +17,15 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import convert, generate, hf, run_dir
-from meshtrain import quantize as qz
-from meshtrain.checkpoint import Checkpointer
-from meshtrain.config import UserError
+from meshtrain import convert, generate
+from meshtrain.interop import hf
+from meshtrain.run import run_dir
+from meshtrain.interop import quantize as qz
+from meshtrain.run.int8_export import export_int8
+from meshtrain.run.checkpoint import Checkpointer
+from meshtrain.config.loader import UserError
 from meshtrain.testing import run_tiny
-from models import FAMILIES
+from meshtrain.models import FAMILIES
 
 OLD, NEW = 5, 6
 
@@ -131,7 +134,7 @@ def read_generate(run, step, out, base, capsys):
 def read_quantize(run, step, out, base, capsys):
     if step is not None:  # the CLI; the fallback below runs on one device, as the run did
         return convert.main(["--quantize", "int8", str(run), str(out), *step_flag(step)])
-    qz.cli(run, out, devices=jax.devices()[:1])
+    export_int8(run, out, devices=jax.devices()[:1])
     return json.loads((out / qz.INFO_FILE).read_text())["step"]
 
 
@@ -206,7 +209,7 @@ def exports(base, tmp_path_factory):
     run, _ = base
     root = tmp_path_factory.mktemp("exports")
     convert.to_hf(str(run), str(root / "hf"), "float32", 60_000, "fsdp=-1", step=OLD)  # several files + index
-    qz.cli(run, root / "int8", devices=jax.devices()[:1], step=OLD)
+    export_int8(run, root / "int8", devices=jax.devices()[:1], step=OLD)
     return {"hf": root / "hf", "int8": root / "int8"}
 
 

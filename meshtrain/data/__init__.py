@@ -6,7 +6,8 @@
 - prepare.py: `python -m meshtrain.data prepare`: tokenize once, in parallel, into shards.
 - corpus.py: `load_corpus(data config)` -> the token stream and its tokenizer, for training.
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
-The tokenizers themselves live in meshtrain/tokenizer.py.
+- tokenizer.py: byte-level and Hugging Face tokenizers, training one, recording it in a run.
+- prefetch.py: the next batches built on a background thread while the step runs.
 """
 from meshtrain.data.corpus import RAW_LIMIT_BYTES, Corpus, load_corpus
 from meshtrain.data.prepare import prepare

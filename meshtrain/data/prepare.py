@@ -14,11 +14,11 @@ from typing import Iterator
 
 import numpy as np
 
-from meshtrain import tokenizer as tokenizer_lib
+from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
 from meshtrain.data.tokens import MANIFEST, file_meta, sidecar, token_dtype, write_json
-from meshtrain.errors import UserError
-from meshtrain.folders import writing_whole
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_whole
 
 SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 

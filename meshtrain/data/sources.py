@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from meshtrain.data.tokens import MANIFEST
-from meshtrain.errors import UserError
+from meshtrain.core.errors import UserError
 
 # data.kind's values; auto detects one from the path (`detect`).
 KINDS = ("auto", "text", "jsonl", "parquet", "hf_datasets", "tokens", "prepared", "synthetic", "stdlib")

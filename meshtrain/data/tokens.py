@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtrain.errors import UserError
-from meshtrain.folders import replace_file
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import replace_file
 
 MANIFEST = "manifest.json"
 PLAIN_DTYPE = np.dtype(np.uint16)  # a token file without a sidecar, as nanoGPT writes them

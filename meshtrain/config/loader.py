@@ -1,0 +1,268 @@
+"""Config files and overrides: YAML loading, dotted `--set` overrides, renamed keys, the reference.
+
+The sections are declared in meshtrain/config/spec.py (`ModelSpec`, `ParallelPlan`, `OptimSpec`, ...);
+their checks in meshtrain/config/validate.py. Every user-facing mistake raises `UserError` with a
+one-line message that names the problem and the fix; the CLI prints it as `error: ...` and exits 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+
+from meshtrain.core.errors import UserError
+from meshtrain.core.bounds import Bounds
+from meshtrain.config.spec import (MAX_SIMULATED_DEVICES, RENAMED, CheckpointConfig, Config, DataConfig,  # noqa: F401
+                            GuardConfig, ModelSpec, OptimSpec, ParallelPlan, TrainConfig, settings)
+from meshtrain.config.validate import check_config
+
+DEFAULT_RUN = "default"  # the run folder's name without --config: runs/default
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def default_out(config_path: str | None = None) -> str:
+    """runs/<config file name>: the README's commands, each with its own config, never collide."""
+    return str(Path("runs") / (Path(config_path).stem if config_path else DEFAULT_RUN))
+
+
+# ---- parsing: YAML 1.2-style scalars, so '0x8' or '2:30' stays text and 1e-3 is a float ----
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_INT, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?[0-9]+[eE][-+]?[0-9]+$"
+                       r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
+
+
+def parse_yaml(text: str, source: str):
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{source}{where}: {problem}; fix the YAML syntax") from None
+
+
+class _Typed(str):
+    """A `--set` value as the user typed it: text for text settings, YAML for the others."""
+
+
+def _value(raw, key: str):
+    return parse_yaml(raw, f"--set {key}") if isinstance(raw, _Typed) and raw.strip() else raw
+
+
+def _coerce(value, typ, key: str):
+    """Convert a YAML/CLI value to the field's declared type, or fail naming the key."""
+    if typ is str and isinstance(value, _Typed):
+        return str(value)  # never YAML-typed: --mesh 0x8 stays '0x8'
+    value = _value(value, key)
+    if value is None:
+        raise UserError(f"{key} has no value; give one or remove the key")
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise UserError(f"{key}={value!r} is a {type(value).__name__}, not text; give one value")
+        return str(value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
+            return str(value).lower() in ("true", "1", "yes")
+        raise UserError(f"{key}={value!r} is not a boolean; use true or false")
+    if typ is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    return _number(value, typ, key)
+
+
+def _number(value, typ, key: str):
+    """An int or float setting from YAML or text ('1_0' is 10); range and finiteness are checked by
+    meshtrain/config/validate.py."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        if typ is float:
+            return float(value)
+        if isinstance(value, str):
+            value = float(value) if any(c in value for c in ".eEnN") else int(value)
+        if isinstance(value, float) and not value.is_integer():  # also NaN and infinity
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):
+        raise UserError(f"{key}={value!r} is not a valid {typ.__name__}") from None
+
+
+def _set(obj, dotted: str, value, prefix: str = "") -> None:
+    head, _, rest = dotted.partition(".")
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    key = prefix + head
+    if head not in names:
+        raise UserError(f"unknown config key '{key}'; valid keys here: {', '.join(names)}")
+    current = getattr(obj, head)
+    if dataclasses.is_dataclass(current):
+        if rest:
+            return _set(current, rest, value, key + ".")
+        value = _value(value, key)
+        if not isinstance(value, dict):
+            raise UserError(f"config key '{key}' is a section; set one of its fields, "
+                            f"e.g. {key}.{dataclasses.fields(current)[0].name}=...")
+        for k, v in value.items():
+            _set(current, k, v, key + ".")
+    elif hints[head] is dict and rest:
+        current[rest] = _value(value, f"{key}.{rest}")
+    elif rest:
+        raise UserError(f"config key '{key}' has no field '{rest}'")
+    else:
+        setattr(obj, head, _coerce(value, hints[head], key))
+
+
+def split_override(item: str) -> tuple[str, str]:
+    key, eq, raw = item.partition("=")
+    if not eq or not key.strip():
+        raise UserError(f"--set {item!r} needs the form key=value, e.g. --set train.steps=100")
+    return key.strip(), raw
+
+
+def apply_overrides(cfg: Config, overrides: dict | list[str]) -> Config:
+    """Apply a mapping (from YAML) or a list of `a.b=value` strings (from `--set`)."""
+    if isinstance(overrides, dict):
+        pairs = [(str(k), v) for k, v in overrides.items()]
+    else:
+        pairs = [(key, _Typed(raw.strip())) for key, raw in map(split_override, overrides)]
+    for key, value in pairs:
+        for new_key, new_value in _renamed(key, value):
+            _set(cfg, new_key, new_value)
+    return cfg
+
+
+_NOTICED: set[str] = set()
+
+
+def _renamed(key: str, value) -> list[tuple[str, object]]:
+    """[(key, value)] with an earlier version's key replaced by today's (spec.RENAMED), noting it once
+    on stderr; a mapping given for a section that holds renamed keys is split into its keys."""
+    for old, new in RENAMED.items():
+        if key == old or key.startswith(old + "."):
+            if old not in _NOTICED:
+                _NOTICED.add(old)
+                print(f"notice: config key '{old}' is now '{new}' (docs/config.md)", file=sys.stderr)
+            if old == "train.microbatches" and _value(value, key) == 1:
+                return []  # the old default, which a pipeline ignored: leaves parallel.microbatches as it is
+            return [(new + key[len(old):], value)]
+    if any(old.startswith(key + ".") for old in RENAMED):
+        mapping = _value(value, key)
+        if isinstance(mapping, dict):
+            return [pair for k, v in mapping.items() for pair in _renamed(f"{key}.{k}", v)]
+    return [(key, value)]
+
+
+POD_COMMENT = re.compile(r"^# pod[^:]*: (.+)$", re.MULTILINE)
+
+
+def documented_pod(path) -> list[str]:
+    """The `python -m meshtrain.plan` flags of the pod a shipped config documents in its
+    `# pod: --devices N --mesh M` comment (tests/test_shipped_configs.py plans each one)."""
+    found = POD_COMMENT.search(Path(path).read_text())
+    if not found:
+        raise UserError(f"{path} documents no pod: add a '# pod: --devices N --mesh M' comment")
+    return found.group(1).split()
+
+
+def read_text(path: Path, what: str) -> str:
+    """A user-given text file's contents, or a UserError naming it (unreadable, not UTF-8)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                        f"save it as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"{what} {path} cannot be read ({e.strerror}); check the path and its permissions") from None
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file {path} not found; see configs/ for the shipped ones")
+        data = parse_yaml(read_text(p, "config file"), str(path)) or {}
+        if not isinstance(data, dict):
+            raise UserError(f"config file {path} must hold a mapping of sections")
+        apply_overrides(cfg, data)
+    apply_overrides(cfg, list(overrides))
+    cfg.out = cfg.out or default_out(path)
+    check_config(cfg)
+    return cfg
+
+
+def reference_markdown() -> str:
+    """docs/config.md: every key, its type, default and meaning."""
+    lines = ["# Configuration reference", "",
+             "Generated by `python -m meshtrain.train --config-reference > docs/config.md` from `meshtrain/config/spec.py`",
+             "(a test keeps it in sync). Set any key in a YAML file (`section: {key: value}`) or with",
+             "`--set section.key=value`; `python -m meshtrain.train --print-config` prints the resolved",
+             "values of a command. Numbers must be finite (no NaN or infinity) and integers at most",
+             "2^31 - 1; a value outside its range is an error naming the key, the value and the range.", ""]
+    for section in dataclasses.fields(Config):
+        default = getattr(Config(), section.name)
+        if not dataclasses.is_dataclass(default):
+            continue
+        lines += [f"## `{section.name}`: {section.metadata['help']}", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [_reference_row(key, f, value) for key, f, value in settings(default, f"{section.name}.")]
+        lines.append("")
+    lines += ["## Top-level keys", "", "| key | default | meaning |", "|---|---|---|"]
+    lines += [_reference_row(key, f, value) for key, f, value in settings() if "." not in key]
+    lines += ["", "## Resuming", "",
+              "A checkpoint resumes only into the same model: the `model` keys that define the weights must",
+              "match it (compared after resolving `head_dim` and `mlp_dim`). Model keys marked *may change on",
+              "resume*, and every `parallel`, `optim`, `data`, `train`, `checkpoint`, `guard` and top-level key,",
+              "may differ: a run moves to another mesh, remat policy or attention backend freely.", "",
+              "## Renamed keys", "",
+              "Keys of earlier versions still work; each prints a one-line notice naming its new place.", "",
+              "| earlier key | today |", "|---|---|"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in RENAMED.items()]
+    lines += ["", "`train.microbatches: 1`, the earlier default (which a pipeline ignored), leaves "
+              "`parallel.microbatches` as it is.", ""]
+    return "\n".join(lines)
+
+
+def _reference_row(key: str, f, value) -> str:
+    notes = [f.metadata["help"]]
+    if f.metadata["choices"]:
+        notes.append("one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]))
+    if f.metadata["bounds"] != Bounds() and not f.metadata["choices"]:
+        notes.append(str(f.metadata["bounds"]))
+    if not f.metadata["architecture"] and key.startswith("model."):
+        notes.append("*may change on resume*")
+    return f"| `{key}` | `{_flow_yaml(value)}` | {'; '.join(notes)} |"
+
+
+def _flow_yaml(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def commented_yaml(cfg: Config) -> str:
+    """The config as YAML, each key followed by its meaning (`--print-config`)."""
+    lines, section = [], None
+    for key, f, value in settings(cfg):
+        head, _, name = key.rpartition(".")
+        if head != section and head:
+            lines.append(f"{head}:")
+        section = head
+        lines.append(f"{'  ' if head else ''}{name}: {_flow_yaml(value)}  # {f.metadata['help']}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,269 @@
+"""What is trained, how it runs, how it learns: the config's sections as dataclasses.
+
+- `ModelSpec` (`model:`): the model family and its architecture. Its architecture keys define the
+  weights; a checkpoint resumes only into the same ones (`architecture()`).
+- `ParallelPlan` (`parallel:`): how the run executes on the devices: mesh axes, logical-axis
+  rules, ZeRO stage, precision, remat policy, attention backend, microbatches, pipeline schedule,
+  sequence parallelism. Any of it may change on resume.
+- `OptimSpec` (`optim:`): how it learns (AdamW, schedule, clipping).
+The loop, data, checkpoint, guard and logging sections complete `Config`.
+
+Each setting is declared once, with its default, its meaning (`help`), its allowed values or range
+(`Bounds`); the parser, the reference (docs/config.md) and the resume check all read that. The checks
+that involve several settings or the mesh live in meshtrain/config/validate.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
+from meshtrain.core.bounds import Bounds
+from meshtrain.data.sources import KINDS as DATA_KINDS
+from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
+from meshtrain.parallel.schedules import SCHEDULES
+from meshtrain.models import FAMILIES
+
+MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
+
+
+def setting(default, help: str, *, choices=(), min=None, max=None, above=None, below=None,
+            architecture: bool = True):
+    """A config field. `min`/`max` (inclusive), `above`/`below` (exclusive): its range (`Bounds`).
+    `architecture=False`: a model setting that does not define the weights (a loss weight, a routing
+    capacity), so it may differ on resume."""
+    meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
+            "architecture": architecture}
+    if dataclasses.is_dataclass(default) or isinstance(default, dict):
+        return field(default_factory=lambda: type(default)(), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelSpec:
+    family: str = setting("llama", "model family: llama (dense decoder), moe (mixture-of-experts "
+                                   "MLPs, Mixtral/DeepSeek style)", choices=tuple(FAMILIES))
+    vocab_size: int = setting(256, "vocabulary size (256 for byte-level text)", min=1)
+    num_layers: int = setting(4, "transformer blocks", min=1)
+    d_model: int = setting(128, "model width", min=1)
+    num_heads: int = setting(4, "query heads", min=1)
+    num_kv_heads: int = setting(4, "key/value heads (fewer than num_heads: grouped-query attention)", min=1)
+    head_dim: int = setting(0, "width of one head; 0 = d_model / num_heads", min=0)
+    mlp_dim: int = setting(0, "SwiGLU hidden width (of each expert under moe); 0 = 8/3 x d_model rounded "
+                              "up to a multiple of 64", min=0)
+    rope_theta: float = setting(10000.0, "rotary embedding base", min=1.0)
+    rope_scaling: str = setting("none", "rotary frequency rescaling for long context: none, or llama3 (Llama "
+                                        "3.1+: the rope_* keys below)", choices=("none", "llama3"))
+    rope_factor: float = setting(8.0, "llama3 rope scaling: low frequencies are divided by this", min=1.0)
+    rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original_max_len / "
+                                               "this are scaled", above=0.0)
+    rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original_max_len / "
+                                                "this are kept", above=0.0)
+    rope_original_max_len: int = setting(8192, "llama3 rope scaling: the context length of pre-training", min=1)
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon", above=0.0)
+    tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
+    num_experts: int = setting(0, "moe: routed SwiGLU experts per block; 0 = a dense MLP (the llama block)",
+                               min=0)
+    experts_per_token: int = setting(2, "moe: experts each token is routed to (top-k)", min=1)
+    num_shared_experts: int = setting(0, "moe: experts every token passes through besides its routed ones "
+                                         "(DeepSeek)", min=0)
+    capacity_factor: float = setting(0.0, "moe: slots per expert and sequence = factor x seq_len x "
+                                          "experts_per_token / num_experts; assignments beyond them are "
+                                          "dropped (and counted); 0 = dropless", min=0.0, architecture=False)
+    router_aux_loss: float = setting(0.01, "moe: weight of the load-balancing loss (sequence-wise)", min=0.0,
+                                     architecture=False)
+    router_z_loss: float = setting(0.001, "moe: weight of the router z-loss (mean squared logsumexp of the "
+                                          "router logits)", min=0.0, architecture=False)
+
+    def resolved(self) -> "ModelSpec":
+        head_dim = self.head_dim or self.d_model // self.num_heads
+        mlp_dim = self.mlp_dim or -(-(8 * self.d_model // 3) // 64) * 64
+        return dataclasses.replace(self, head_dim=head_dim, mlp_dim=mlp_dim)
+
+    def architecture(self) -> dict:
+        """What defines the weights (resolved): a checkpoint resumes only into the same one."""
+        resolved = self.resolved()
+        unused = {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
+            if self.rope_scaling == "none" else set()
+        return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self)
+                if f.metadata["architecture"] and f.name not in unused}
+
+    def architecture_difference(self, other: "ModelSpec", here: str, there: str) -> str | None:
+        """'<there> has model.d_model=32, <here> has 64 (and 2 more keys differ)', or None when both
+        define the same weights."""
+        mine, theirs = self.architecture(), other.architecture()
+        differ = [k for k in mine if theirs.get(k) != mine[k]]
+        if not differ:
+            return None
+        more = f" (and {len(differ) - 1} more keys differ)" if len(differ) > 1 else ""
+        return f"{there} has model.{differ[0]}={theirs[differ[0]]}, {here} has {mine[differ[0]]}{more}"
+
+
+@dataclass
+class ParallelPlan:
+    mesh: str = setting("data=-1", "'8x8x4' (data x fsdp x tensor [x pipeline]) or named axes "
+                                   "'data=2,expert=4' (data, fsdp, tensor, pipeline, expert, context); "
+                                   "-1 = the rest")
+    zero: int = setting(1, "what the data axis shards: 0 nothing, 1 optimizer state, 2 + gradients, "
+                           "3 + parameters", choices=(0, 1, 2, 3))
+    precision: str = setting("fp32", "fp32, or bf16 / fp16 compute with fp32 master weights (fp16 with dynamic "
+                                     "loss scaling: the loss_scale_* keys)", choices=("fp32", "bf16", "fp16"))
+    loss_scale_initial: float = setting(65536.0, "fp16: the loss scale at step 0 (2^16, DeepSpeed's default); an "
+                                                 "overflowing step is skipped and halves it", min=1.0)
+    loss_scale_window: int = setting(1000, "fp16: the scale doubles after this many steps in a row without "
+                                           "overflow (Megatron/DeepSpeed: 1000)", min=1)
+    loss_scale_min: float = setting(1.0, "fp16: the scale never falls below this; at it an overflow is a "
+                                         "NaN/Inf step for the guard", above=0.0)
+    grad_compression: str = setting("none", "the data-parallel gradient reduction: none (fp32), or int8 (blockwise "
+                                            "int8 with a scale per block and error feedback, carried over the "
+                                            "network as int8)", choices=("none", "int8"))
+    compression_block: int = setting(256, "grad_compression=int8: values per quantization block (one fp32 scale "
+                                          "each)", min=1)
+    rules: dict = setting({}, "logical axis -> mesh axes overrides, e.g. {mlp: [tensor, fsdp]}")
+    remat: str = setting("none", "activation rematerialisation policy for each block",
+                         choices=tuple(REMAT_POLICIES))
+    attention: str = setting("xla", "attention backend: xla (forms [B, H, L, L] scores), blockwise (online "
+                                    "softmax over blocks of positions, any device), cudnn (fused, GPU, bf16), "
+                                    "ring (context parallelism: keys/values passed around the context axis)",
+                             choices=tuple(ATTENTION_BACKENDS))
+    microbatches: int = setting(0, "microbatches per step: gradient accumulation, or the pipeline's "
+                                   "microbatches (>= stages); 0 = 1 without a pipeline, 2 x stages with one",
+                                min=0)
+    sequence_parallel: bool = setting(False, "Megatron sequence parallelism: norms and residuals split along "
+                                             "the sequence over the tensor axis (all-gather and reduce-scatter "
+                                             "in place of all-reduce)")
+    schedule: str = setting("1f1b", "pipeline schedule when the mesh's pipeline axis is > 1 (zb: zero-bubble "
+                                    "ZB-H1, weight gradients deferred into the bubbles)", choices=SCHEDULES)
+    virtual_stages: int = setting(1, "chunks of layers per device (interleaved only)", min=1)
+    residuals: str = setting("save", "pipeline stages keep each chunk's backward residuals from its forward "
+                                     "(save: what parallel.remat lets them keep) or only its input, rerunning "
+                                     "the forward in the backward (recompute)", choices=("save", "recompute"))
+
+    def num_microbatches(self, stages: int) -> int:
+        """`microbatches`, where 0 means 1 without a pipeline and twice the stages with one."""
+        return self.microbatches or (2 * stages if stages > 1 else 1)
+
+
+@dataclass
+class OptimSpec:
+    lr: float = setting(1e-3, "peak learning rate (AdamW)", min=0.0)
+    min_lr_ratio: float = setting(0.1, "cosine decays to lr x min_lr_ratio at the schedule's last step", min=0.0,
+                                  max=1.0)
+    schedule_steps: int = setting(0, "the schedule's horizon: warmup + cosine span this many steps, then lr stays "
+                                     "at lr x min_lr_ratio; 0 = train.steps of the run's first start (recorded in "
+                                     "<out>/run.json, so resuming with more --steps continues the same curve)",
+                                  min=0)
+    warmup_steps: int = setting(20, "linear warmup steps", min=0)
+    weight_decay: float = setting(0.1, "decoupled weight decay on matrices (not norms)", min=0.0)
+    b1: float = setting(0.9, "Adam beta1", min=0.0, below=1.0)
+    b2: float = setting(0.95, "Adam beta2", min=0.0, below=1.0)
+    eps: float = setting(1e-8, "Adam epsilon", above=0.0)
+    clip_norm: float = setting(1.0, "global gradient-norm clipping; 0 disables it", min=0.0)
+
+
+@dataclass
+class DataConfig:
+    path: str = setting("", "text file or folder, .jsonl, Parquet file or folder (part-*.parquet), datasets "
+                            "save_to_disk folder, .bin token file, or a prepared folder (python -m "
+                            "meshtrain.data prepare); '' = the Python standard library's .py files")
+    kind: str = setting("auto", "auto detects it: a file by its suffix (.bin tokens, .jsonl, .parquet, else "
+                                "text), a folder by its contents (manifest.json: prepared; state.json: "
+                                "hf_datasets; else jsonl, Parquet or text files); stdlib without a path",
+                        choices=DATA_KINDS)
+    text_field: str = setting("text", "jsonl field / Parquet or datasets column holding each document's text")
+    tokenizer: str = setting("auto", "byte, or a tokenizer.json (or a folder holding one); auto = the data's "
+                                     "own (a prepared folder's, a token file's sidecar's), byte for raw text")
+    val_fraction: float = setting(0.05, "tail of the token stream held out for eval_loss", min=0.0, below=1.0)
+    prefetch: int = setting(1, "batches built ahead in a background thread while the device computes; "
+                               "0 builds each one in the loop", min=0, max=64)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = setting(200, "optimizer steps", min=1)
+    batch_size: int = setting(32, "global batch, in sequences", min=1)
+    seq_len: int = setting(64, "tokens per sequence", min=1)
+    seed: int = setting(0, "seeds the initial weights and the data order", min=0)
+    log_every: int = setting(10, "steps between log lines and metrics.jsonl records", min=1)
+    eval_every: int = setting(50, "steps between eval_loss measurements; 0 disables them", min=0)
+    eval_batches: int = setting(4, "batches per evaluation", min=1)
+
+
+@dataclass
+class GenerateConfig:
+    batch_size: int = setting(8, "prompts generated together (`python -m meshtrain.generate`); the planner sizes "
+                                 "generation's KV cache for this many rows", min=1)
+    max_new_tokens: int = setting(200, "tokens generated per prompt (the generate command's default for "
+                                       "--max-new-tokens); the KV cache holds train.seq_len + this - 1 positions",
+                                  min=1)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = setting(0, "save every N steps (async); 0 = by time only, at the end and on preemption", min=0)
+    every_minutes: float = setting(10.0, "also save when this many minutes passed since the last save; "
+                                         "0 disables it", min=0.0)
+    keep: int = setting(3, "keep the newest N checkpoints", min=1)
+    resume: str = setting("auto", "auto (newest under <out>/checkpoints), never, or a checkpoint folder")
+    init_from: str = setting("", "weights to start from when there is no checkpoint to resume (fine-tuning): "
+                                 "hf:DIR (a Hugging Face checkpoint folder) or a meshtrain run folder; the "
+                                 "optimizer starts fresh; '' = random initialisation")
+
+
+@dataclass
+class GuardConfig:
+    max_consecutive_bad: int = setting(3, "NaN/Inf steps in a row before rolling back to the last checkpoint",
+                                       min=1)
+    max_rollbacks: int = setting(3, "rollbacks before stopping with an error", min=0)
+
+
+@dataclass
+class LoggingConfig:
+    progress: str = setting("auto", "console output while training: lines (a line per train.log_every steps), "
+                                    "bar (the same lines above a live progress bar with ETA), none (only the "
+                                    "first and the summary line); auto = bar on a terminal, lines otherwise",
+                            choices=("auto", "bar", "lines", "none"))
+    tensorboard: bool = setting(True, "write TensorBoard event files to <out>/tensorboard, one scalar per metric "
+                                      "(train/loss, eval/loss, perf/tokens_per_sec, memory/..., moe/...)")
+    wandb: bool = setting(False, "also log to Weights & Biases (needs pip install wandb)")
+    wandb_project: str = setting("meshtrain", "logging.wandb: the W&B project")
+    wandb_mode: str = setting("offline", "logging.wandb: offline (files under <out>/wandb; wandb sync uploads "
+                                         "them) or online", choices=("offline", "online"))
+    profile: str = setting("", "START:STOP: trace these steps (as logged, both included) with jax.profiler "
+                               "into <out>/profile, for TensorBoard's profile plugin and Perfetto; '' = none")
+
+
+@dataclass
+class Config:
+    model: ModelSpec = setting(ModelSpec(), "what is trained: the family and its architecture")
+    parallel: ParallelPlan = setting(ParallelPlan(), "how it runs: mesh, sharding, precision, remat, attention, "
+                                                     "microbatches, pipeline")
+    optim: OptimSpec = setting(OptimSpec(), "how it learns: AdamW, warmup + cosine decay, clipping")
+    data: DataConfig = setting(DataConfig(), "where tokens come from")
+    train: TrainConfig = setting(TrainConfig(), "the loop")
+    generate: GenerateConfig = setting(GenerateConfig(), "text generation from a run: batch and length")
+    checkpoint: CheckpointConfig = setting(CheckpointConfig(), "saving and resuming")
+    guard: GuardConfig = setting(GuardConfig(), "the NaN/Inf guard")
+    logging: LoggingConfig = setting(LoggingConfig(), "console, TensorBoard, W&B and profiler output")
+    devices: int = setting(0, f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) when no "
+                              "accelerator is present; 0 = the machine's devices", min=0, max=MAX_SIMULATED_DEVICES)
+    out: str = setting("", "output folder; '' = runs/<config file name> (runs/default without --config)")
+
+
+def settings(cfg=None, prefix: str = ""):
+    """(dotted key, dataclasses.Field, value) for every leaf setting, in declaration order."""
+    cfg = Config() if cfg is None else cfg
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from settings(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, f, value
+
+
+# Keys of earlier versions, still accepted with a one-line notice (docs/config.md lists them).
+RENAMED = {"mesh": "parallel.mesh", "zero": "parallel.zero", "precision": "parallel.precision",
+           "rules": "parallel.rules", "model.remat": "parallel.remat", "model.attention": "parallel.attention",
+           "train.microbatches": "parallel.microbatches", "pipeline.microbatches": "parallel.microbatches",
+           "pipeline.schedule": "parallel.schedule", "pipeline.virtual_stages": "parallel.virtual_stages",
+           "pipeline.residuals": "parallel.residuals"}

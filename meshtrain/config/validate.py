@@ -1,0 +1,193 @@
+"""Every check of a config, in one place, each failing with a one-line `UserError` that names the
+key and the fix.
+
+- `check_config(cfg)`: what needs no devices (allowed values, bounds, settings that must agree);
+  run when a config is loaded.
+- `check_layout(model, plan, train, sizes, rules, backend)`: what depends on the mesh and the device kind; run by
+  the program before anything is traced.
+- `check_train_size(program)`, `check_generation_size(...)`: sizes no device can hold (a sequence of
+  10^8 tokens, 10^9 new tokens), refused before compiling: a lower bound per device from the
+  planner's formulas (meshtrain/core/formulas.py) against ABSURD_FACTOR x the device's memory. Near
+  misses are the planner's to judge (`python -m meshtrain.plan`), with the compiled figure.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
+from meshtrain.core.errors import UserError
+from meshtrain.core.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
+from meshtrain.ops.precision import compute_bytes
+from meshtrain.parallel.schedules import check as check_schedule
+from meshtrain.parallel.sharding import make_rules
+from meshtrain.parallel.schedules import check_residuals
+from meshtrain.core.bounds import INT_LIMIT
+from meshtrain.config.spec import settings
+from meshtrain.data.tokenizer import check_vocab, load as load_tokenizer
+
+ABSURD_FACTOR = 4  # a step whose lower bound needs this many times a device's memory is refused
+MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
+
+
+def check_config(cfg) -> None:
+    for key, f, value in settings(cfg):
+        choices = f.metadata["choices"]
+        if choices and value not in choices:
+            raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            f.metadata["bounds"].check(key, value)
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    make_rules(par.rules, par.sequence_parallel)  # its own checks: logical axes, mesh axes, each once
+    if m.num_heads % m.num_kv_heads:
+        raise UserError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+    if not m.head_dim and m.d_model % m.num_heads:
+        raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+                        f"set model.head_dim")
+    if m.resolved().head_dim % 2:
+        raise UserError(f"rotary embeddings need an even head_dim, got {m.resolved().head_dim}; set model.head_dim")
+    if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                        f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
+    _check_experts(m)
+    if par.loss_scale_min > par.loss_scale_initial:
+        raise UserError(f"parallel.loss_scale_min={par.loss_scale_min} exceeds parallel.loss_scale_initial="
+                        f"{par.loss_scale_initial}; lower the minimum or raise the initial scale")
+    if par.grad_compression == "int8" and par.compression_block < MIN_COMPRESSION_BLOCK:
+        raise UserError(f"parallel.compression_block={par.compression_block} sends a 4-byte scale per "
+                        f"{par.compression_block} int8 values, {0.25 + 1 / par.compression_block:.2f}x the fp32 "
+                        f"bytes; use at least {MIN_COMPRESSION_BLOCK} (the default 256 sends 0.254x)")
+    if par.microbatches and t.batch_size % par.microbatches:
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
+                        f"parallel.microbatches={par.microbatches}")
+    if cfg.data.kind == "synthetic" and cfg.data.path:
+        raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
+    spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
+    if spec == "byte" or (spec != "auto" and Path(spec).exists()):
+        check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
+
+
+def _check_experts(m) -> None:
+    if m.family != "moe":
+        if m.num_experts or m.num_shared_experts:
+            raise UserError(f"model.num_experts={m.num_experts}, model.num_shared_experts={m.num_shared_experts}: "
+                            f"experts belong to the moe family; set model.family=moe")
+        return
+    if m.num_experts and m.experts_per_token > m.num_experts:
+        raise UserError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts={m.num_experts}; "
+                        f"route each token to at most num_experts experts")
+
+
+def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) -> None:
+    """Checks that need the mesh's axis sizes, the resolved logical rules and the device backend:
+    `m` the ModelSpec, `par` the ParallelPlan, `t` the TrainConfig."""
+    _check_kernels(par, t.seq_len, backend)
+    stages = sizes["pipeline"]
+    micro = par.num_microbatches(stages)
+    if stages > 1:
+        check_schedule(par.schedule, stages, micro, par.virtual_stages)
+        check_residuals(par.schedule, par.residuals, par.remat)
+        if m.num_layers % (stages * par.virtual_stages):
+            raise UserError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
+                            f"parallel.virtual_stages ({par.virtual_stages})")
+    context = sizes["context"]
+    if context > 1:
+        if par.attention != "ring":
+            raise UserError(f"mesh context={context} splits the sequence, which parallel.attention={par.attention} "
+                            f"cannot attend across; set parallel.attention=ring")
+        if t.seq_len % (2 * context):
+            raise UserError(f"train.seq_len={t.seq_len} is not divisible by 2 x context ({2 * context}): each "
+                            f"device holds an early and a late chunk; use a multiple of {2 * context}")
+    for name in ("seq", "residual_seq"):
+        shards = math.prod(sizes[a] for a in rules[name])
+        if t.seq_len % shards:
+            raise UserError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which does not "
+                            f"divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
+    tp = sizes["tensor"]
+    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+        if value % tp:
+            raise UserError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
+    experts = sizes["expert"]
+    if experts > 1 and not (m.family == "moe" and m.num_experts):
+        raise UserError(f"mesh expert={experts} splits experts, and this model has none; set model.family=moe and "
+                        f"model.num_experts, or drop the expert axis")
+    if experts > 1 and m.num_experts % experts:
+        raise UserError(f"model.num_experts={m.num_experts} is not divisible by expert={experts}; use an expert "
+                        f"axis size that divides it")
+    batch_axes = list(rules["batch"])
+    dp = math.prod(sizes[a] for a in batch_axes)
+    if t.batch_size % (dp * micro):
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by the batch axes "
+                        f"{' x '.join(f'{a} ({sizes[a]})' for a in batch_axes)} x parallel.microbatches ({micro}); "
+                        f"use a multiple of {dp * micro}")
+
+
+def _check_kernels(par, seq_len: int, backend: str) -> None:
+    if par.attention == "cudnn" and backend != "gpu":
+        raise UserError("parallel.attention=cudnn needs an NVIDIA GPU; use parallel.attention=blockwise or xla here")
+    if par.attention == "cudnn" and par.precision == "fp32":
+        raise UserError("parallel.attention=cudnn runs in bf16/fp16 only; set parallel.precision=bf16, or use "
+                        "parallel.attention=blockwise for fp32")
+    if par.attention == "blockwise" and attention_block(seq_len) < min(seq_len, MIN_ATTENTION_BLOCK):
+        raise UserError(f"parallel.attention=blockwise splits train.seq_len={seq_len} into blocks of "
+                        f"{attention_block(seq_len)} positions (its largest divisor up to {ATTENTION_BLOCK}); "
+                        f"use a seq_len with a divisor from {MIN_ATTENTION_BLOCK} to {ATTENTION_BLOCK}, "
+                        f"e.g. a multiple of {MIN_ATTENTION_BLOCK}")
+    if par.remat == "offload" and backend == "cpu":
+        raise UserError("parallel.remat=offload moves activations to host memory and needs a GPU/TPU; "
+                        "use full or save_matmuls on CPU")
+
+
+def device_memory(devices) -> tuple[float, str]:
+    """(bytes one device has, who has them): an accelerator's own memory; on CPU the host's memory,
+    which its local devices share."""
+    device = devices[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"one {device.device_kind} has"
+    local = sum(d.process_index == device.process_index for d in devices)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / local, f"each of {local} CPU device(s) has of this host's memory"
+
+
+def _refuse_beyond_memory(what: str, need: float, figure: str, memory: tuple[float, str], fix: str) -> None:
+    """`memory`: (bytes one device has, who has them), as `device_memory` gives them."""
+    have, who = memory
+    if need > ABSURD_FACTOR * have:
+        raise UserError(f"{what} needs at least {need / 1e9:,.1f} GB per device ({figure}), over {ABSURD_FACTOR}x "
+                        f"the {have / 1e9:,.1f} GB {who}; {fix}")
+
+
+def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
+    """A train step's activations (one microbatch, formulas.llama_activation_terms) and model states
+    (formulas.zero_bytes) per device, a lower bound, against the devices' memory (`memory`: (bytes,
+    who has them) of the device planned for; default the program's own devices)."""
+    m, par, t, sizes = program.model.cfg, program.plan, program.train, program.sizes
+    stages = sizes["pipeline"]
+    rows = t.batch_size / math.prod(sizes[a] for a in program.rules["batch"]) / par.num_microbatches(stages)
+    remat = par.remat if par.remat in ("none", "save_matmuls", "full") else "full"  # offload: on the host
+    terms = llama_activation_terms(t.seq_len / sizes["context"], rows, m.d_model, m.num_heads, m.num_kv_heads,
+                                   m.head_dim, m.mlp_dim, compute_bytes(par.precision), sizes["tensor"],
+                                   par.sequence_parallel, remat)
+    formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
+    activations = sum(formed.values()) * m.num_layers / stages
+    states = sum(zero_bytes(program.num_params, sizes, par.zero).values())
+    _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
+                          f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
+                          f"meshtrain/core/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),
+                          "lower train.seq_len or train.batch_size, or add devices" +
+                          ("" if memory else "; python -m meshtrain.plan shows the compiled figure"))
+
+
+def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, devices) -> None:
+    """Generation's KV cache (formulas.kv_cache_bytes; `m` a resolved ModelSpec) for `rows` prompts of
+    up to `prompt_len` tokens, split over every device at best, against their memory."""
+    positions = prompt_len + max_new_tokens - 1
+    what = f"--max-new-tokens {max_new_tokens}"
+    if positions > INT_LIMIT:
+        raise UserError(f"{what}: {positions:,} positions exceed the 2^31 - 1 a position id holds; "
+                        f"generate fewer tokens")
+    need = kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split=len(devices))
+    _refuse_beyond_memory(what, need, f"the KV cache of {rows} row(s) x {positions:,} positions, "
+                          f"meshtrain/core/formulas.py", device_memory(devices), "generate fewer tokens or fewer prompts at once")

@@ -1,0 +1,46 @@
+"""The range a number may take, for config keys (meshtrain/config/spec.py) and command flags
+(meshtrain/core/cli.py `number`) alike: every number finite, every integer at most INT_LIMIT, and within
+its own bounds. No JAX here: light commands import it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtrain.core.errors import UserError
+
+INT_LIMIT = 2**31 - 1  # an int32 on the device, an array dimension XLA indexes
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """`min`/`max` inclusive, `above`/`below` exclusive; None = unbounded on that side."""
+    min: float | None = None
+    max: float | None = None
+    above: float | None = None
+    below: float | None = None
+
+    def __str__(self) -> str:
+        show = lambda x: f"{x:g}" if isinstance(x, float) else str(x)
+        low = f"[{show(self.min)}" if self.min is not None else f"({show(self.above)}" if self.above is not None else ""
+        high = f"{show(self.max)}]" if self.max is not None else f"{show(self.below)})" if self.below is not None else ""
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f"{'>=' if low[0] == '[' else '>'} {low[1:]}"
+        return f"{'<=' if high[-1] == ']' else '<'} {high[:-1]}" if high else "a finite number"
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value` ('must be a finite number >= 0', ...), or None."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number {self}" if self != Bounds() else "must be a finite number"
+        if isinstance(value, int) and abs(value) > INT_LIMIT:
+            return f"is too large: integers here are at most 2^31 - 1 ({INT_LIMIT})"
+        inside = ((self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+                  and (self.above is None or value > self.above) and (self.below is None or value < self.below))
+        return None if inside else f"must be {self}"
+
+    def check(self, name: str, value) -> None:
+        """A UserError naming `name`, the value and the range when `value` is outside it."""
+        problem = self.problem(value)
+        if problem:
+            raise UserError(f"{name}={value} {problem}")

@@ -1,0 +1,85 @@
+"""What every command's `main(argv)` shares: one line per failure, the exit status it means.
+
+    @command
+    def main(argv=None) -> int: ...
+
+- `UserError` (bad input; each is raised where the input is read and names the file or flag and
+  the fix) -> `error: ...` on stderr, exit 2. argparse's usage errors become one such line too
+  (`Parser`), and numeric flags take their range from `number` (the config keys' `Bounds`).
+- Ctrl-C (KeyboardInterrupt) where the command has nothing to save -> one line, exit 130. Training
+  catches it itself, saves, and exits 0.
+- Any other exception is a bug, not bad input: its traceback is kept and a last line asks for a
+  report, exit 1; it is never dressed up as a one-line `error:`.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import traceback
+
+from meshtrain.core.errors import UserError
+from meshtrain.core.bounds import Bounds
+
+EXIT_USER_ERROR, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
+INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it"
+
+
+def command(main):
+    """Wrap a command's `main(argv) -> int` (see the module doc)."""
+    @functools.wraps(main)
+    def wrapped(argv=None) -> int:
+        try:
+            return main(argv)
+        except UserError as e:
+            shown = str(e).replace("\r", "\\r").replace("\n", "\\n")  # user text may hold line breaks
+            print(f"error: {shown}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            print(INTERRUPTED, file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception:  # noqa: BLE001 - a bug: shown whole, with where to report it
+            traceback.print_exc()
+            print("internal error: a bug in meshtrain, not in your input; please report it with the traceback "
+                  "above and the command you ran", file=sys.stderr)
+            return EXIT_BUG
+    return wrapped
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error raised as a UserError: one `error:` line, exit 2."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see {self.prog} --help")
+
+
+def number(kind: type, allowed: Bounds | None = None, **bounds):
+    """An argparse `type` for a numeric flag: `kind` (int or float), finite, within `allowed` (or
+    `Bounds(**bounds)`)."""
+    allowed = allowed or Bounds(**bounds)
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        problem = allowed.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text} {problem}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def interrupt_exits_quietly() -> None:
+    """For `python -m meshtrain.<command>` (meshtrain/__init__.py): a Ctrl-C while the command's
+    imports load, before `main` runs, is the same one line and exit 130, not a traceback."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, tb)
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+    sys.excepthook = hook

@@ -1,0 +1,72 @@
+"""FLOPs model, device peak table, MFU. (The metric writers: meshtrain/run/loggers.py.)
+
+Model FLOPs per token (training, forward + backward = 3 x forward), the PaLM convention (Chowdhery
+et al. 2022, appendix B):
+    6 * N  +  12 * L * H * K * S
+N counts the parameters used in matmuls (the embedding table only when it doubles as the tied
+output head; a MoE token's active experts only); the second term is attention's QK^T and AV over
+L layers, H query heads of width K (the attention width H x K, which need not be d_model), S the
+sequence length: 2 x 2HKS forward per token and layer, x3 with the backward, causal masking not
+halved. Recomputed work (remat, a pipeline's recompute) is not model FLOPs: MFU counts the model's
+work once, whatever the run spends (hardware FLOPs, HFU: meshtrain/planner/roofline.py). MFU = achieved
+model FLOP/s divided by the device's dense bf16 peak (not the 2x "sparse" figure).
+"""
+from __future__ import annotations
+
+# Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind (first match wins).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v4": 275e12,
+}
+
+# The planner's device profiles (meshtrain/planner/roofline.py): dense bf16 peak FLOP/s, HBM bytes and
+# bytes/s, and the two links a device's collectives run on, in bytes/s per device and direction:
+# `in_node_bw` among the `devices_per_node` devices of one node (NVLink through NVSwitch; a TPU
+# slice's ICI), `cross_node_bw` between nodes (the node's NICs / the data-center network, DCN).
+# `preallocates`: JAX's GPU allocator takes a fraction of the memory (meshtrain/planner/budget.py); TPUs use it all.
+# Sources (vendor datasheets and user guides):
+# - H100 SXM5 80GB: HBM3 3.35 TB/s; NVLink 4 900 GB/s per GPU, both directions together (18 links
+#   x 50 GB/s) -> 450 GB/s each way. DGX/HGX H100: 8 GPUs on NVSwitch, one 400 Gb/s ConnectX-7
+#   (InfiniBand NDR) per GPU for the compute fabric -> 50 GB/s each way.
+# - H200 SXM 141GB: HBM3e 4.8 TB/s; NVLink 4 and the DGX/HGX H200 network as the H100's.
+# - A100 SXM4 80GB: HBM2e 2,039 GB/s; NVLink 3 600 GB/s per GPU both ways (12 x 50) -> 300 GB/s.
+#   DGX A100: 8 GPUs, one 200 Gb/s ConnectX-6 (InfiniBand HDR) per GPU -> 25 GB/s.
+# - TPU v5p (cloud.google.com/tpu/docs/v5p): 95 GiB HBM2e at 2,765 GB/s; ICI 1,200 GB/s per chip
+#   bidirectional -> 600 GB/s each way; DCN 50 Gb/s per chip -> 6.25 GB/s. A "node" is a slice (one
+#   ICI domain): 6,144 chips is the largest slice a job can have (16x16x24), so any mesh up to that
+#   is one node unless --devices-per-node says otherwise.
+DEVICE_PROFILES = {
+    "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "hbm_bw": 3.35e12, "memory": 80e9,
+             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8},
+    "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "hbm_bw": 4.8e12, "memory": 141e9,
+             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8},
+    "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "hbm_bw": 2.039e12, "memory": 80e9,
+             "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8},
+    "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.765e12,
+                "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144,
+                "preallocates": False},
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in device_kind:
+            return flops
+    return None
+
+
+def flops_per_token(matmul_params: int, num_layers: int, attention_width: int, seq_len: int) -> float:
+    """6N + 12 L (H K) S: `attention_width` is num_heads x head_dim (see the module docstring)."""
+    return 6.0 * matmul_params + 12.0 * num_layers * attention_width * seq_len
+
+
+def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float | None) -> float | None:
+    if not peak:
+        return None
+    return tokens_per_sec * flops_token / (num_devices * peak)

@@ -1,0 +1,227 @@
+"""Text generation with a KV cache: `generate(model, params, prompts, max_new_tokens, ...)`; the
+command `python -m meshtrain.generate --run RUN --prompt "ROMEO:"` is meshtrain/generate.py.
+
+- The cached forward is the model's (`LanguageModel.decode`): the prompt (prefill) and each new
+  token go through one function, which writes their keys and values into a cache [layers, B, T, G, K]
+  and attends over it.
+- Prompts of different lengths: each row keeps its own length. The prompts are right-padded to the
+  longest and prefilled together; row b's first new token comes from position len_b - 1 and its t-th
+  is written at position len_b + t, over the padding's keys, which no query of the row has read (a
+  query attends to cache positions <= its own). Every row's positions start at 0, as in training,
+  so a row's tokens never depend on the other rows (left padding would shift them).
+- One jitted program: prefill, then a `jax.lax.while_loop` of one-token steps that ends when every
+  row has produced `eos_id` or after max_new_tokens. Prompts longer than PREFILL_CHUNK positions
+  are prefilled a chunk at a time, so the prefill's scores are [B, H, chunk, T], not [B, H, P, T].
+- Sampling: greedy (temperature 0), or softmax(logits / temperature) restricted to the top k and to
+  the nucleus (Holtzman et al. 2020); step t draws with `fold_in(key(seed), t)`, so a seed
+  reproduces its tokens, on any mesh.
+- On a mesh (`place`): parameters sharded by the logical rules over fsdp/tensor/expert (replicated
+  over data, whatever ZeRO stage trained them), prompt rows over the batch axes. No pipeline or
+  context axes.
+- `window` (the CLI: the run's train.seq_len): a query attends to the latest `window` positions at
+  most, so text longer than the trained length keeps every query-key distance a trained one.
+- `vocab` (the CLI: the tokenizer's size): ids from `vocab` up (a model vocabulary padded past its
+  tokenizer's) get logit -inf before sampling, greedy included, so no id the tokenizer cannot
+  decode is ever produced.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshtrain.core.bounds import Bounds
+from meshtrain.core.errors import UserError
+
+
+def filter_logits(logits_BxV, top_k=0, top_p=1.0):
+    """Logits outside the k largest (top_k > 0) and outside the nucleus (top_p < 1: the smallest set
+    of most likely tokens whose probabilities, renormalised over the top k, sum to >= top_p) set to
+    -inf; ties at the boundary stay in. top_k and top_p may be traced: one sort serves both."""
+    V = logits_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)
+    in_top_k_V = jnp.arange(V) < jnp.where(top_k > 0, top_k, V)
+    probs_BxV = jax.nn.softmax(jnp.where(in_top_k_V, sorted_BxV, -jnp.inf), axis=-1)
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # the mass of the more likely tokens
+    kept_Bx1 = jnp.sum(in_top_k_V & (before_BxV < top_p), axis=-1, keepdims=True)
+    cut_Bx1 = jnp.take_along_axis(sorted_BxV, kept_Bx1 - 1, axis=-1)
+    return jnp.where(logits_BxV < cut_Bx1, -jnp.inf, logits_BxV)
+
+
+def sample(logits_BxV, key, temperature, top_k, top_p):
+    """One token per row: the argmax at temperature 0, else a draw from the filtered softmax of
+    logits / temperature."""
+    hot = temperature > 0
+    filtered_BxV = filter_logits(logits_BxV / jnp.where(hot, temperature, 1.0), top_k, top_p)
+    drawn_B = jax.random.categorical(key, filtered_BxV, axis=-1)
+    return jnp.where(hot, drawn_B, jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
+
+
+PREFILL_CHUNK = 512  # prompt positions per prefill step: its scores are [B, H, chunk, T], never [B, H, P, T]
+
+
+@functools.lru_cache(maxsize=32)
+def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
+    """The jitted generation of max_new tokens (jit caches the compiled shapes; the sampling
+    settings, eos and window are traced, so changing them compiles nothing); traced under `rules`
+    (a tuple of items) on `mesh` when one is given. Prompts longer than `chunk` are prefilled
+    `chunk` positions at a time (`prefill`)."""
+    from meshtrain.parallel.sharding import activation_rules
+
+    def run(params, prompts_BxP, lengths_B, key, settings):
+        with activation_rules(dict(rules), mesh) if mesh is not None else contextlib.nullcontext():
+            return tokens(params, prompts_BxP, lengths_B, key, **settings)
+
+    def prefill(params, prompts_BxP, lengths_B, window):
+        """The prompts through the cached forward, `chunk` positions at a time (each chunk's queries
+        see the cache its predecessors wrote, as one pass would): the cache, and each row's hidden
+        state at its last prompt position. Rows are right-padded to whole chunks; the padding's
+        keys lie beyond each row's end, where new tokens overwrite them before any query reads."""
+        B, P = prompts_BxP.shape
+        n = -(-P // chunk)
+        cache = model.init_cache(B, max(n * chunk, P + max_new - 1))
+        if n == 1:
+            x_BxPxD, cache = model.decode(params, prompts_BxP, cache, jnp.zeros(B, jnp.int32), window)
+            return cache, jnp.take_along_axis(x_BxPxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        padded_BxNC = jnp.pad(prompts_BxP, ((0, 0), (0, n * chunk - P)))
+        last_B = lengths_B - 1
+
+        def step(carry, xs):
+            cache, x_BxD = carry
+            i, chunk_BxC = xs
+            x_BxCxD, cache = model.decode(params, chunk_BxC, cache, jnp.full(B, i * chunk, jnp.int32), window)
+            picked_BxD = jnp.take_along_axis(x_BxCxD, (last_B % chunk)[:, None, None], axis=1)[:, 0]
+            return (cache, jnp.where((last_B // chunk == i)[:, None], picked_BxD, x_BxD)), None
+
+        x_BxD = jnp.zeros((B, model.cfg.d_model), params["embedding"].dtype)
+        chunks_NxBxC = padded_BxNC.reshape(B, n, chunk).swapaxes(0, 1)
+        (cache, x_BxD), _ = jax.lax.scan(step, (cache, x_BxD), (jnp.arange(n), chunks_NxBxC))
+        return cache, x_BxD
+
+    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, window, vocab):
+        B = prompts_BxP.shape[0]
+        cache, x_BxD = prefill(params, prompts_BxP, lengths_B, window)
+
+        def next_token(x_BxD, t, done_B):  # a finished row repeats eos_id (-1: none)
+            logits_BxV = model.head(params, x_BxD[:, None])[:, 0]
+            logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab, logits_BxV, -jnp.inf)
+            token_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
+            return jnp.where(done_B, eos_id, token_B), done_B | (token_B == eos_id)
+
+        first_B, done_B = next_token(x_BxD, 0, jnp.zeros(B, bool))
+        out_BxN = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first_B)
+
+        def step(state):
+            t, out_BxN, cache, done_B = state
+            last_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxN, t - 1, 1, axis=1)
+            x_Bx1xD, cache = model.decode(params, last_Bx1, cache, lengths_B + t - 1, window)
+            token_B, done_B = next_token(x_Bx1xD[:, 0], t, done_B)
+            return t + 1, jax.lax.dynamic_update_slice_in_dim(out_BxN, token_B[:, None], t, 1), cache, done_B
+
+        going = lambda state: (state[0] < max_new) & ~jnp.all(state[3])
+        _, out_BxN, _, _ = jax.lax.while_loop(going, step, (1, out_BxN, cache, done_B))
+        return out_BxN
+
+    return jax.jit(run)
+
+
+def generate(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
+             vocab: int | None = None, mesh=None, rules=None,
+             prefill_chunk: int = PREFILL_CHUNK) -> list[np.ndarray]:
+    """The new token ids of each prompt (a list of 1-D int arrays): max_new_tokens of them, or up to
+    (not including) the row's first `eos_id`. temperature 0 is greedy; top_k 0 and top_p 1 keep every
+    token; ids >= `vocab` (the tokenizer's size, when the model's vocabulary is larger) are never
+    produced. With `mesh`, runs there under the logical `rules` (default: meshtrain's), `params`
+    placed by `place`; rows are padded to a multiple of the batch axes and the padding dropped."""
+    from meshtrain.parallel.sharding import make_rules
+
+    check_settings(max_new_tokens, temperature, top_k, top_p)
+    lengths = [len(p) for p in prompts]
+    if not prompts or min(lengths) == 0:
+        raise UserError("every prompt needs at least one token; pass a non-empty prompt")
+    rules = rules or make_rules()
+    rows = padded_rows(len(prompts), mesh, rules)
+    prompts_BxP = np.zeros((rows, max(lengths)), np.int32)
+    lengths_B = np.full(rows, lengths[0], np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BxP[b, :len(p)], lengths_B[b] = p, len(p)
+    prompts_BxP[len(prompts):, :lengths[0]] = prompts[0]  # padding rows repeat the first prompt
+    program = _program(model, max_new_tokens, mesh, None if mesh is None else tuple(sorted(rules.items())),
+                       prefill_chunk)
+    settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
+                "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
+                "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens),
+                "vocab": np.int32(vocab or model.cfg.vocab_size)}
+    args = [prompts_BxP, lengths_B]
+    if mesh is None:
+        out_BxN = program(params, *args, jax.random.key(seed), settings)
+    else:
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, row_sharding(a.ndim, mesh, rules)) for a in args]
+            out_BxN = program(params, *args, jax.random.key(seed), settings)
+    out_BxN = np.asarray(jax.device_get(out_BxN))[:len(prompts)]
+    return [row[:np.argmax(row == eos_id)] if eos_id is not None and (row == eos_id).any() else row
+            for row in out_BxN]
+
+
+def padded_rows(rows: int, mesh, rules) -> int:
+    """Rows padded to a multiple of the batch axes' product (one size for every data shard)."""
+    if mesh is None:
+        return rows
+    multiple = math.prod(mesh.shape[a] for a in rules["batch"])
+    return -(-rows // multiple) * multiple
+
+
+def row_sharding(ndim: int, mesh, rules):
+    from meshtrain.parallel.sharding import spec_for
+
+    return NamedSharding(mesh, spec_for(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=None):
+    """The generation program `generate` runs, lowered on `mesh` from abstract inputs (nothing
+    materialised; the planner compiles it for its memory): `batch` prompts of `prompt_len` tokens
+    (rows padded as `generate` pads them), the parameters laid out by `place`, a KV cache of
+    prompt_len + max_new_tokens - 1 positions."""
+    from meshtrain.parallel.sharding import make_rules
+
+    rules = rules or make_rules()
+    rows = padded_rows(batch, mesh, rules)
+    abstract = lambda tree, shardings: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    params = abstract(jax.eval_shape(model.init, jax.random.key(0)), place(model, mesh, rules))
+    prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=row_sharding(2, mesh, rules))
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, mesh, rules))
+    settings = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "eos_id": jnp.int32,
+                "window": jnp.int32, "vocab": jnp.int32}
+    settings = {k: jax.ShapeDtypeStruct((), dtype) for k, dtype in settings.items()}
+    program = _program(model, max_new_tokens, mesh, tuple(sorted(rules.items())))
+    with jax.set_mesh(mesh):
+        return program.lower(params, prompts, lengths, jax.eval_shape(jax.random.key, 0), settings)
+
+
+SAMPLING = {"max_new_tokens": Bounds(min=1), "temperature": Bounds(min=0.0), "top_k": Bounds(min=0),
+            "top_p": Bounds(above=0.0, max=1.0)}  # ranges of the sampling settings, for the API and the flags
+
+
+def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """The sampling settings within SAMPLING's ranges (finite): 0 temperature = greedy, 0 top_k and 1
+    top_p = no filter."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
+                        ("top_p", top_p)):
+        SAMPLING[name].check(f"--{name.replace('_', '-')}", value)
+
+
+def place(model, mesh, rules=None, params=None):
+    """The parameters' shardings on `mesh` (no ZeRO: replicated over data); with `params`, those
+    parameters placed there."""
+    from meshtrain.parallel.sharding import param_shardings
+
+    shardings = param_shardings(model, mesh, rules, check=True)
+    return shardings if params is None else jax.device_put(params, shardings)

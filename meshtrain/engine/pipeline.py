@@ -1,0 +1,331 @@
+"""The SPMD pipeline executor: one program, run by every stage inside `jax.shard_map` over the
+`pipeline` axis, steps through a schedule's timetable (meshtrain/parallel/schedules.py) tick by tick.
+
+In a tick a stage runs the actions of its slot, each behind a `lax.cond` on its own table entry
+(so an idle stage computes nothing): the forward of one chunk of one microbatch, its backward,
+and under zero-bubble a deferred weight gradient. Then stages exchange what the timetable sends:
+activations to the next model stage, cotangents to the previous one (`ppermute`, circular so that
+interleaved chunks wrap from the last device to the first). The ticks run as up to three scans
+(warm-up, steady, cool-down), each holding only the actions and sends its ticks use: the warm-up
+sends no cotangents, the cool-down no activations.
+
+Residuals (`parallel.residuals`):
+- `save` (default): the forward runs each layer under `jax.vjp` and keeps the residuals its
+  backward needs (with `parallel.remat`, only what the remat policy saves; the parameters are read
+  again, never copied); the backward applies them, so no forward is run twice.
+- `recompute`: a stage keeps only each chunk's input and reruns the chunk's forward in its
+  backward (less memory, a third more compute).
+Under zero-bubble (`zb`) the backward computes only the input gradient, layer by layer, and keeps
+each layer's output cotangent; the weight gradient (W) runs later from those and the residuals.
+
+The embedding and the head are not split into stages: the first stage embeds each microbatch as
+it enters (and adds the embedding gradient in its backward), the last stage applies the head and
+the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
+reads that cotangent like any other stage). Received tensors wait in ring buffers sized from the
+timetable. Gradients accumulate locally over microbatches; they are summed over the pipeline axis
+(embedding, final norm, head) and reduced over `data` (a manual axis too when data > 1, at every
+ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.parallel import data_parallel
+from meshtrain.ops import remat as remat_lib
+from meshtrain.parallel.batching import inputs_and_targets, split_microbatches
+from meshtrain.ops.precision import cast_for_compute
+from meshtrain.parallel.schedules import executor_tables, tick_phases, timetable
+from meshtrain.parallel.sharding import constrain, manual_axes_rules
+from meshtrain.models.transformer import scan_blocks
+
+
+def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
+    """Storage row r of the stacked layers holds model layer order[r]. Device s stores its chunks
+    v = 0..V-1 in consecutive rows (so the `layers` axis shards over `pipeline` in plain blocks);
+    chunk v of stage s is model stage v * stages + s. The identity unless virtual > 1."""
+    per_chunk = num_layers // (stages * virtual)
+    return np.array([(v * stages + s) * per_chunk + j
+                     for s in range(stages) for v in range(virtual) for j in range(per_chunk)])
+
+
+class LayerResiduals:
+    """One layer's backward as data: the function `jax.vjp` returns for the layer (x -> (y, stats))
+    is a pytree whose leaves are its residuals (integer ones too, e.g. MoE routing decisions:
+    `jax.closure_convert` would bake those in from a retrace instead). `forward` keeps the leaves
+    that are not parameters; `pullback` rebuilds the vjp from them and the parameters (retracing the
+    layer for the vjp's structure only: that forward is dead code, removed by XLA). `g_stats`: the
+    objective's constant derivative by the layer's statistics (the auxiliary losses' weights),
+    pulled back with every output cotangent."""
+
+    def __init__(self, layer, g_stats):
+        self.layer, self.g_stats = layer, g_stats
+
+    def _vjp(self, p_layer, x):
+        out, vjp = jax.vjp(self.layer, p_layer, x)
+        leaves, structure = jax.tree.flatten(vjp)
+        params = jax.tree.leaves(p_layer)
+        is_param = [next((i for i, p in enumerate(params) if leaf is p), None) for leaf in leaves]
+        return out, leaves, structure, is_param
+
+    def forward(self, p_layer, x):
+        """(y, (residuals, stats))."""
+        (y, stats), leaves, _, is_param = self._vjp(p_layer, x)
+        return y, ([leaf for leaf, i in zip(leaves, is_param) if i is None], stats)
+
+    def pullback(self, p_layer, saved, g_y):
+        """(d p_layer, d x) for the output cotangent g_y."""
+        _, _, structure, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype))
+        params, saved = jax.tree.leaves(p_layer), iter(saved)
+        vjp = jax.tree.unflatten(structure, [params[i] if i is not None else next(saved) for i in is_param])
+        return vjp((g_y, self.g_stats))
+
+
+# Dynamic slices, not gathers: XLA partitions them inside the manual region.
+def _take(x, i):
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _put(x, value, i):
+    return jax.lax.dynamic_update_index_in_dim(x, value, i, 0)
+
+
+def _read(buffer, m, v, slots: int):
+    """Microbatch m's entry for chunk v of a ring buffer [slots, V, ...] (a pytree of them)."""
+    return jax.tree.map(lambda b: _take(_take(b, m % slots), v), buffer)
+
+
+def _write(buffer, value, m, v, slots: int):
+    return jax.tree.map(lambda b, x: _put(b, _put(_take(b, m % slots), x.astype(b.dtype), v), m % slots),
+                        buffer, value)
+
+
+def _zeros(like, *lead):
+    return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), like)
+
+
+class StageProgram:
+    """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
+    method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
+    timetable (meshtrain/parallel/schedules.py)."""
+
+    def __init__(self, model, layer, schedule: str, residuals: str, stages: int, micro: int,
+                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None):
+        self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
+        self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
+        self.save, self.zero_bubble = residuals == "save", schedule == "zb"
+        self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
+        self.s = jax.lax.axis_index("pipeline")
+        self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
+        self.outer, self.inputs, self.targets = outer, inputs_MxbxL, targets_MxbxL
+        x_like = jax.eval_shape(self.embed, outer, 0)
+        self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
+        # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro)
+        stats_like = jax.eval_shape(layer, jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x)[1]
+        g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
+        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * self.scale / (model.cfg.num_layers * micro),
+                                                         g_stats))
+
+    # ---- pieces ----
+    def chunk(self, v):
+        return jax.tree.map(lambda p: _take(p, v), self.chunks)
+
+    def is_first(self, v):  # the model stage that embeds
+        return (self.s == 0) & (v == 0)
+
+    def is_last(self, v):  # the one that applies the head and the loss
+        return (self.s == self.stages - 1) & (v == self.virtual - 1)
+
+    def embed(self, p_outer, m):
+        return self.model.embed(p_outer, _take(self.inputs, m))
+
+    def microbatch_loss(self, p_outer, y, m):
+        return self.model.loss(p_outer, y, _take(self.targets, m))
+
+    def scaled_loss(self, p_outer, y, m):
+        """(the loss x scale, to differentiate; the loss)."""
+        loss = self.microbatch_loss(p_outer, y, m)
+        return loss * self.scale, loss
+
+    def forward_saving(self, p_chunk, x):
+        """(y, (each layer's residuals stacked, the chunk's statistics summed))."""
+        y, (saved, stats) = jax.lax.scan(lambda x, p: self.layers.forward(p, x), x, p_chunk)
+        return y, (saved, jax.tree.map(lambda s: s.sum(axis=0), stats))
+
+    def initial_carry(self) -> dict:
+        f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
+        n, V = self.slots, self.virtual
+        carry = {"inputs": _zeros(self.zeros_x, n["input_slots"], V),
+                 "cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
+                 "g_chunks": f32_zeros(self.chunks), "g_outer": f32_zeros(self.outer),
+                 "loss": jnp.zeros((), jnp.float32)}
+        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.zeros_x)[1]
+        carry["stats"] = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like)
+        if self.save:
+            carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
+        if self.zero_bubble:
+            per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
+            carry["deferred"] = _zeros(self.zeros_x, n["deferred_slots"], V, per_chunk)
+        return carry
+
+    def add_outer(self, c, g_outer):
+        return {**c, "g_outer": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["g_outer"], g_outer)}
+
+    def add_chunk(self, c, g_chunk, v):
+        return {**c, "g_chunks": jax.tree.map(lambda a, g: _put(a, _take(a, v) + g.astype(jnp.float32), v),
+                                              c["g_chunks"], g_chunk)}
+
+    def chunk_input(self, c, m, v):
+        """The first model stage embeds the microbatch; the others read what they received (with
+        the embedding's sharding: both branches of a cond must agree)."""
+        received = lambda: constrain(_read(c["inputs"], m, v, self.slots["input_slots"]), ("batch", "seq", "embed"))
+        return jax.lax.cond(self.is_first(v), lambda: self.embed(self.outer, m), received)
+
+    # ---- actions ----
+    def forward(self, c, m, v):
+        x = self.chunk_input(c, m, v)
+        if self.save:
+            y, (saved, stats) = self.forward_saving(self.chunk(v), x)
+            c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
+        else:
+            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x)
+        c = {**c, "stats": jax.tree.map(lambda a, s: a + s.astype(jnp.float32), c["stats"], stats)}
+
+        def head_and_loss(c):
+            """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
+            (_, loss), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
+                self.outer, y, m)
+            c = self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer))
+            return {**c, "loss": c["loss"] + loss,
+                    "cotangents": _write(c["cotangents"], g_y / self.micro, m, v, self.slots["cotangent_slots"])}
+
+        return jax.lax.cond(self.is_last(v), head_and_loss, lambda c: c, c), y
+
+    def backward(self, c, m, v):
+        """The input gradient (sent back) and, except under zb, the chunk's weight gradient."""
+        g_y = _read(c["cotangents"], m, v, self.slots["cotangent_slots"])
+        if self.save:
+            def layer_back(g, xs):
+                p_layer, saved = xs
+                g_p, g_x = self.layers.pullback(p_layer, saved, g)
+                return g_x, (g if self.zero_bubble else g_p)  # zb: keep each layer's output cotangent for W
+
+            saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
+            g_x, per_layer = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved), reverse=True)
+            if self.zero_bubble:
+                c = {**c, "deferred": _write(c["deferred"], per_layer, m, v, self.slots["deferred_slots"])}
+            else:
+                c = self.add_chunk(c, per_layer, v)
+        else:
+            x = self.chunk_input(c, m, v)
+            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x)
+            g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.layers.g_stats))
+            c = self.add_chunk(c, g_chunk, v)
+
+        def embedding_grad(c):
+            return self.add_outer(c, jax.vjp(lambda o: self.embed(o, m), self.outer)[1](g_x)[0])
+
+        return jax.lax.cond(self.is_first(v), embedding_grad, lambda c: c, c), g_x
+
+    def weight_grad(self, c, m, v):
+        """zb's deferred W: each layer's parameter gradient from its residuals and output cotangent."""
+        def layer_w(_, xs):
+            p_layer, saved, g = xs
+            return None, self.layers.pullback(p_layer, saved, g)[0]
+
+        xs = (self.chunk(v), _read(c["residuals"], m, v, self.slots["residual_slots"]),
+              _read(c["deferred"], m, v, self.slots["deferred_slots"]))
+        return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
+
+    # ---- ticks ----
+    def tick(self, uses: frozenset):
+        """One tick of a phase: the actions and sends in `uses`, each action behind its own cond."""
+        idle_send = lambda c, m, v: (c, self.zeros_x)
+        actions = (("F", self.forward, idle_send), ("B", self.backward, idle_send),
+                   ("W", lambda c, m, v: (self.weight_grad(c, m, v), None), lambda c, m, v: (c, None)))
+        sends = (("recv_f", "inputs", "input_slots", 1, "F"), ("recv_b", "cotangents", "cotangent_slots", -1, "B"))
+
+        def tick(c, t):
+            at = lambda name: self.tables[name][t, self.s]
+            sent = {}
+            for kind, run, idle in actions:
+                if kind in uses:
+                    c, sent[kind] = jax.lax.cond(at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
+            for name, buffer, slots, shift, kind in sends:
+                if name in uses:
+                    ring = [(i, (i + shift) % self.stages) for i in range(self.stages)]
+                    got = jax.lax.ppermute(sent.get(kind, self.zeros_x), "pipeline", ring)
+                    store = lambda b: _write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), self.slots[slots])
+                    c = {**c, buffer: jax.lax.cond(at(name) > 0, store, lambda b: b, c[buffer])}
+            return c, None
+
+        return tick
+
+    def run(self, phases):
+        """All ticks, phase by phase; then the step's loss and gradient sums over the pipeline."""
+        carry = self.initial_carry()
+        for start, end, uses in phases:
+            carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
+        loss = jax.lax.psum(carry["loss"], "pipeline") / self.micro
+        stats = jax.lax.psum(carry["stats"], "pipeline")
+        metrics = {"loss": loss, **jax.tree.map(lambda s: s / (self.micro * self.model.cfg.num_layers), stats)}
+        g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
+        g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
+        return metrics, g_blocks, g_outer
+
+
+def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None):
+    """(params, tokens [B, L+1]) -> (metrics, grads): one step's forward and backward, pipelined as
+    `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
+    own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py). With
+    a `compressor` (meshtrain/parallel/compression.py) the function is (params, tokens, errors[, scale]) ->
+    (metrics, grads, new errors), `errors` the state's `grad_error` laid out as `error_specs`."""
+    stages = mesh.shape["pipeline"]
+    schedule, residuals, micro = plan.schedule, plan.residuals, plan.num_microbatches(stages)
+    virtual = plan.virtual_stages
+    tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
+    slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
+    phases = tick_phases(tables)
+    data_manual = data_parallel.is_manual(mesh.shape[data_parallel.AXIS], pipelined=True)
+    manual = {"pipeline", data_parallel.AXIS} if data_manual else {"pipeline"}
+    split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
+    outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))
+    outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
+    errors_local = [data_parallel.local_specs(error_specs, manual)] if compressor else []
+    layer = remat_lib.apply(model.block, plan.remat, model.saveable)
+
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, *rest):
+        errors, scale = (rest[0], rest[1:]) if compressor else (None, rest)
+        with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
+            if data_manual:  # ZeRO-3: whole over data once per step
+                blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
+            stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
+                                 blocks, outer, inputs_MxbxL, targets_MxbxL, *scale)
+            metrics, g_blocks, g_outer = stage.run(phases)
+            if not data_manual:
+                return metrics, g_blocks, g_outer
+            metrics = jax.lax.pmean(metrics, data_parallel.AXIS)  # the data-parallel reduction, once per step
+            if compressor:  # one compressed exchange for all the gradients
+                grads, errors = compressor.reduce_mean({**g_outer, "blocks": g_blocks}, errors, manual, *scale)
+                return metrics, *split(grads)[::-1], errors
+            return metrics, data_parallel.reduce_mean(g_blocks, blocks_out), data_parallel.reduce_mean(g_outer, outer_out)
+
+    tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
+    staged = lambda *args: jax.shard_map(
+        per_stage, mesh=mesh, out_specs=(P(), blocks_out, outer_out, *errors_local), axis_names=manual,
+        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, *errors_local,
+                  *[P()] * (len(args) - 4 - len(errors_local))), check_vma=False)(*args)
+
+    def metrics_and_grads(params, tokens_BxL1, *rest):
+        compute = cast_for_compute(params, plan.precision)
+        outer = {k: v for k, v in compute.items() if k != "blocks"}
+        # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
+        # resharding collective would wait for the stages that skip the branch.
+        inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
+        metrics, g_blocks, g_outer, *errors = staged(compute["blocks"], outer, split_microbatches(inputs, micro),
+                                                     split_microbatches(targets, micro), *rest)
+        return metrics, {**g_outer, "blocks": g_blocks}, *errors  # fp32 sums; the step casts to the params' dtype
+
+    return metrics_and_grads

@@ -1,0 +1,151 @@
+"""The compile unit: what is trained (`ModelSpec`), how it runs (`ParallelPlan`) and how it learns
+(`OptimSpec`), for one batch shape (`TrainConfig`), on one mesh: the sharding rules, the model of
+its family with the plan's attention backend and sequence layout, the abstract state, its
+shardings and the step function. Nothing is materialised and no data is loaded. The Trainer has
+one to train; the planner (`python -m meshtrain.plan`) lowers and compiles one for a target mesh
+ahead of time."""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain.parallel import compression
+from meshtrain.ops.attention import BACKENDS
+from meshtrain.parallel.batching import split_microbatches
+from meshtrain.parallel.context_parallel import load_balanced_order
+from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
+from meshtrain.core.metrics import flops_per_token
+from meshtrain.engine.pipeline import layer_order
+from meshtrain.ops.precision import initial_loss_scale
+from meshtrain.parallel.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
+                                state_shardings)
+from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
+from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
+from meshtrain.config.validate import check_layout
+from meshtrain.models import FAMILIES
+
+
+class TrainProgram:
+    def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None):
+        self.spec, self.plan, self.optim, self.train = model, plan, optim, train
+        t = train
+        self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
+        self.rules = make_rules(plan.rules, plan.sequence_parallel)
+        check_layout(model, plan, t, self.sizes, self.rules, jax.default_backend())
+        self.mesh = build_mesh(self.sizes, devices)
+        context = self.sizes["context"]
+        order = load_balanced_order(t.seq_len, context) if context > 1 else None
+        self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order)
+        # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
+        # activations take the `seq` rule.
+        self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
+        self.batch_shape = (t.batch_size, t.seq_len + 1)
+
+        abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))
+        self.logical_axes = self.model.logical_axes(abstract_params)
+        check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
+        horizon = optim.schedule_steps or t.steps  # the trainer sets it from the run's record
+        self.schedule = lr_schedule(optim, horizon)
+        self.tx = make_optimizer(optim, horizon, self.logical_axes)
+
+        self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
+        stages = self.sizes["pipeline"]
+        self.layer_order = layer_order(model.num_layers, stages, plan.virtual_stages if stages > 1 else 1)
+        self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
+        other = {}  # state entries laid out beside params and opt_state
+        if "grad_error" in self.abstract_state:
+            other["grad_error"] = compression.error_shapes_and_specs(abstract_params, self.owned_specs, self.sizes,
+                                                                     plan.zero)[1]
+        self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
+                                                                self.mesh, plan.zero, self.tx, other)
+        specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
+                 "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
+        self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs)
+        self.num_params = self.model.num_params(abstract_params)
+        m = self.model.cfg  # resolved: head_dim set
+        self.flops_per_token = flops_per_token(self.model.active_matmul_params(abstract_params), m.num_layers,
+                                               m.num_heads * m.head_dim, t.seq_len)
+
+    @classmethod
+    def from_config(cls, cfg, devices=None) -> "TrainProgram":
+        if cfg.devices:
+            simulate_cpu_devices(cfg.devices)
+        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices)
+
+    def init_state(self, key):
+        return self.state_from_params(self.model.init(key))
+
+    def state_from_params(self, params):
+        """Step 0 with these parameters (in model order), a fresh optimizer state, and zero residuals
+        where int8 gradient compression applies (meshtrain/parallel/compression.py)."""
+        params = dict(params)
+        params["blocks"] = self.reorder_blocks(params["blocks"], self.layer_order)  # storage order
+        zero = jnp.zeros((), jnp.int32)
+        state = {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero,
+                 "loss_scale": initial_loss_scale(self.plan)}
+        if compression.applies(self.plan, self.sizes):
+            state["grad_error"] = self.fresh_grad_error(params)
+        return state
+
+    def fresh_grad_error(self, params):
+        return compression.init_error(params, self.owned_specs, self.sizes, self.plan.zero)
+
+    def optional_state(self) -> dict:
+        """State entries a checkpoint may lack (meshtrain/run/checkpoint.py `restore`): a function making
+        each afresh, in its sharding. Compression's residuals are per data shard: a checkpoint of
+        another data size (or without compression) resumes with zeros."""
+        make = lambda fn, key: lambda: jax.jit(fn, out_shardings=self.state_shardings[key])()
+        optional = {"loss_scale": make(lambda: initial_loss_scale(self.plan), "loss_scale")}
+        if "grad_error" in self.abstract_state:
+            params = self.abstract_state["params"]
+            optional["grad_error"] = make(lambda: self.fresh_grad_error(params), "grad_error")
+        return optional
+
+    @staticmethod
+    def reorder_blocks(blocks, rows):
+        """blocks[rows] on the stacked layers axis; no gather at all when `rows` is the identity
+        (every layout except interleaved pipelines)."""
+        if np.array_equal(rows, np.arange(len(rows))):
+            return blocks
+        return jax.tree.map(lambda p: p[rows], blocks)
+
+    def in_model_order(self, params):
+        """Stacked layers from storage order back to model order (a no-op order unless interleaved)."""
+        return {**params, "blocks": self.reorder_blocks(params["blocks"], np.argsort(self.layer_order))}
+
+    def eval_step(self):
+        """The jitted eval step: (params in storage order, tokens) -> the mean loss, replicated. The
+        batch is cut into the train step's microbatches and their losses summed in a scan (equal
+        sizes: the mean of the means is the batch's mean), so an evaluation never holds more
+        activations than a training microbatch. The trainer runs it; the planner compiles it."""
+        eval_loss = make_loss_fn(self.model, self.plan.precision)
+        micro = self.plan.num_microbatches(self.sizes["pipeline"])
+
+        def mean_loss(params, tokens_BxL1):
+            params = self.in_model_order(params)
+            if micro == 1:
+                return eval_loss(params, tokens_BxL1)[1]["loss"]
+            add = lambda total, tokens: (total + eval_loss(params, constrain(tokens, ("batch", None)))[1]["loss"], None)
+            return jax.lax.scan(add, jnp.zeros((), jnp.float32), split_microbatches(tokens_BxL1, micro))[0] / micro
+
+        return jax.jit(mean_loss, in_shardings=(self.state_shardings["params"], self.batch_sharding),
+                       out_shardings=NamedSharding(self.mesh, P()))
+
+    def lower(self):
+        """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs."""
+        batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        with self.context():
+            return jax.jit(self.step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                           out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
+                           donate_argnums=0).lower(self.abstract_state, batch)
+
+    def context(self):
+        """Mesh and activation rules in force while tracing and running."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(activation_rules(self.rules, self.mesh))
+        return stack

@@ -1,0 +1,136 @@
+"""Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
+nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'},
+and 'grad_error' under int8 gradient compression (meshtrain/parallel/compression.py); the batch is
+[batch, seq_len + 1] tokens."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.ops import remat as remat_lib
+from meshtrain.parallel.batching import accumulate, inputs_and_targets
+from meshtrain.engine.pipeline import make_pipeline_grads
+from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
+from meshtrain.models.transformer import scan_blocks
+
+
+def lr_schedule(ocfg, total_steps: int):
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    warmup = min(ocfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(total_steps, warmup + 1),
+                                              end_value=ocfg.lr * ocfg.min_lr_ratio)
+
+
+def make_optimizer(ocfg, total_steps: int, logical_axes):
+    """Global-norm clipping, then AdamW; weight decay only on matrices (not norms). The state's tree
+    does not depend on any hyperparameter (clip_norm=0 is an identity in the clipping slot), so a
+    checkpoint resumes with other optimizer settings."""
+    decay_mask = jax.tree.map(lambda names: len([n for n in names if n != "layers"]) >= 2, logical_axes,
+                              is_leaf=lambda n: isinstance(n, tuple))
+    adamw = optax.adamw(lr_schedule(ocfg, total_steps), b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
+                        weight_decay=ocfg.weight_decay, mask=decay_mask)
+    clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, adamw)
+
+
+def applied_lr(schedule, opt_state):
+    """The learning rate an update applies: the schedule at the optimizer's own count, which
+    skipped (NaN/Inf) steps do not advance."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    count = next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s))
+    return schedule(count)
+
+
+def make_loss_fn(model, precision: str, remat: str = "none"):
+    """(params, tokens [B, L+1]) -> (objective, metrics): the mean cross-entropy plus the model's
+    auxiliary losses, and the metrics (meshtrain/parallel/batching.py). The blocks run under the plan's remat
+    policy; their statistics are reported as means over layers."""
+    layer = remat_lib.apply(model.block, remat, model.saveable)
+
+    def loss_fn(params, tokens_BxL1):
+        compute = cast_for_compute(params, precision)
+        inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
+        x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs))
+        stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
+        loss = model.loss(compute, x_BxLxD, targets)
+        return loss + model.auxiliary_loss(stats), {"loss": loss, **stats}
+
+    return loss_fn
+
+
+def metrics_and_grads(loss_fn):
+    """`loss_fn` -> (params, tokens[, scale]) -> (metrics, gradients of the objective, times `scale`
+    when one is given: fp16's loss scale, meshtrain/ops/precision.py)."""
+    def fn(params, tokens_BxL1, *scale):
+        def objective(p):
+            value, metrics = loss_fn(p, tokens_BxL1)
+            return (value * scale[0] if scale else value), metrics
+
+        (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return metrics, grads
+
+    return fn
+
+
+def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
+    """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
+    (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
+    'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
+    stages (meshtrain/engine/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
+    computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
+    are reduced over `data` once per step (in int8 with error feedback under compression, which
+    keeps the residuals of a skipped step). Otherwise XLA partitions the step from the shardings.
+    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py)."""
+    grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
+    micro = plan.num_microbatches(stages)
+    compressor = None
+    if compression.applies(plan, mesh.shape):
+        compressor = compression.Int8Reduction(mesh, grad_specs, specs["owned"], plan.compression_block, plan.zero)
+    compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
+    if stages > 1:
+        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, **compressed)
+    elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
+                                 compressed=compressor is not None):
+        others = set(mesh.axis_names) - {data_parallel.AXIS}
+        local = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro,
+                           data_parallel.local_specs(grad_specs, others))
+        per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
+                                                **compressed)
+        # the gathers move compute-dtype parameters
+        grad_fn = lambda params, *args: per_shard(cast_for_compute(params, plan.precision), *args)
+    else:
+        grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro, grad_specs)
+
+    def train_step(state, tokens_BxL1):
+        params, loss_scale = state["params"], state["loss_scale"]
+        scale = (loss_scale["scale"],) if scales_loss(plan) else ()
+        errors = (state["grad_error"],) if compressor else ()
+        model_metrics, grads, *new_errors = grad_fn(params, tokens_BxL1, *errors, *scale)
+        loss = model_metrics["loss"]
+        # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
+        unscale = (lambda g: g / scale[0]) if scale else (lambda g: g)
+        grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
+                             grads, params, grad_specs)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
+        # if any gradient element is), but the step still advances so the next batch is new. Under
+        # fp16 a NaN/Inf gradient is first an overflow: skipped too, but it halves the loss scale.
+        loss_scale, overflow, bad = update_loss_scale(plan, loss_scale, jnp.isfinite(loss), jnp.isfinite(grad_norm))
+        applied = ~(bad | overflow)
+        keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+        new_state = {"step": state["step"] + 1,
+                     "params": keep_if_skipped(optax.apply_updates(params, updates), params),
+                     "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
+                     "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
+        if compressor:  # a skipped step's residuals may hold its NaN/Inf: they are dropped with it
+            new_state["grad_error"] = keep_if_skipped(new_errors[0], state["grad_error"])
+        metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
+                   "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
+        if scales_loss(plan):
+            metrics.update(loss_scale=state["loss_scale"]["scale"], overflows=loss_scale["overflows"])
+        return new_state, metrics
+
+    return train_step

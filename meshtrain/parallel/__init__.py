@@ -1,0 +1,9 @@
+"""The named mesh and how arrays and collectives live on it.
+
+- mesh.py: the axes (data, fsdp, tensor, pipeline, expert, context), `--mesh` parsing, simulated CPU
+  devices; sharding.py: logical-axis rules, ZeRO shardings, activation constraints.
+- data_parallel.py: the once-per-step gradient reduction; compression.py: its int8 form.
+- batching.py: microbatches and accumulation; schedules.py: pipeline schedules as tables (GPipe,
+  1F1B, interleaved, zero-bubble) and their timetables.
+- context_parallel.py: ring attention over the `context` axis (load-balanced order, pairs, exchanges).
+"""

@@ -1,0 +1,59 @@
+"""How a step's batch is cut: into microbatches (gradient accumulation, pipeline microbatches) and
+into the model's inputs and targets in the plan's sequence layout.
+
+Every executor (meshtrain/engine/step.py, meshtrain/parallel/data_parallel.py, meshtrain/engine/pipeline.py) computes
+`(metrics, grads)` for (params, tokens): `metrics` a dict of fp32 scalars, the cross-entropy
+`loss` first, then the model's block statistics (e.g. the MoE router's), each a mean over the
+step's tokens; `grads` the gradients of the training objective (loss + the model's auxiliary
+losses), a mean over the step's microbatches.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain.parallel.sharding import constrain
+
+
+def inputs_and_targets(tokens_BxL1, sequence_order=None):
+    """tokens [B, L+1] -> (inputs [B, L], targets [B, L]), the sequence stored in `sequence_order`
+    (context parallelism keeps each device's early and late chunk together). The loss is a mean
+    over positions, so the order changes nothing but the layout."""
+    inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+    if sequence_order is not None:
+        inputs, targets = inputs[:, sequence_order], targets[:, sequence_order]
+    return constrain(inputs, ("batch", "seq")), constrain(targets, ("batch", "seq"))
+
+
+
+def split_microbatches(tokens_BxL1, num_micro: int):
+    """[B, L+1] -> [M, B/M, L+1] with microbatch m = rows i*M + m, so that every microbatch spans
+    all data-parallel shards (a contiguous split would leave most devices idle)."""
+    B = tokens_BxL1.shape[0]
+    return tokens_BxL1.reshape(B // num_micro, num_micro, -1).swapaxes(0, 1)
+
+
+def accumulate(grad_fn, microbatches: int, accumulator_specs):
+    """(params, tokens[, scale]) -> (mean metrics, mean gradients) over `microbatches` slices of the batch,
+    summed in a scan. The accumulator is pinned to `accumulator_specs` (PartitionSpecs over the
+    axes that are not manual here), so the sum is kept sharded and never reduced inside the loop."""
+    if microbatches == 1:
+        return grad_fn
+    pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
+
+    def metrics_and_grads(params, tokens_BxL1, *scale):
+        def add(carry, micro_tokens):
+            metric_sums, grad_sums = carry
+            metrics, grads = grad_fn(params, constrain(micro_tokens, ("batch", None)), *scale)
+            grad_sums = pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sums, grads))
+            return (jax.tree.map(jnp.add, metric_sums, metrics), grad_sums), None
+
+        tokens_MxbxL1 = split_microbatches(tokens_BxL1, microbatches)
+        metrics_like = jax.eval_shape(grad_fn, params, tokens_MxbxL1[0], *scale)[0]
+        zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metrics_like),
+                 pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))  # fp32 sums
+        (metrics, grads), _ = jax.lax.scan(add, zeros, tokens_MxbxL1)
+        mean = lambda tree: jax.tree.map(lambda x: x / microbatches, tree)
+        return mean(metrics), mean(grads)
+
+    return metrics_and_grads

@@ -1,0 +1,367 @@
+"""The planner behind `python -m meshtrain.plan --config ...`: compile the real train step for a
+target mesh on simulated CPU devices and report memory, collectives, FLOPs and a roofline, each
+next to its analytical formula.
+
+Formulas: meshtrain/planner/traffic.py (collectives), meshtrain/core/formulas.py (ZeRO memory, bubble).
+Collectives are read from the compiled HLO as a GPU runs them (meshtrain/planner/hlo.py corrects the CPU
+backend's rewrites). Roofline: meshtrain/planner/roofline.py (each mesh axis's traffic on the in-node or
+cross-node link it crosses, compute with recompute and the lockstep bubble, an HBM floor).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from meshtrain.core import formulas
+from meshtrain.planner import traffic
+from meshtrain.planner import roofline as roof
+from meshtrain.config.loader import load_config
+from meshtrain.planner import hlo
+from meshtrain.planner.hlo import KINDS
+from meshtrain.planner import fit
+from meshtrain.planner.budget import budget, memory_fraction, verdict
+from meshtrain.core.errors import UserError
+from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
+from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.engine.program import TrainProgram
+from meshtrain.config.validate import check_train_size
+from meshtrain.parallel.sharding import make_rules
+
+GB = 1e9
+# XLA's CPU backend widens bf16 arithmetic to f32 and while-loop-invariant code motion then hoists
+# f32 copies of the stacked bf16 residuals (and the layer inputs remat keeps) out of the backward
+# loop: +25-50% temporaries that GPUs and TPUs, computing in bf16, never allocate. Memory is read
+# from a compile with that pass off; collectives from the default compile (the pass also hoists
+# loop-invariant gathers, as a GPU's does).
+CPU_F32_COPIES = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def shard_bytes(tree, shardings) -> int:
+    return int(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))))
+
+
+def compiled_memory(lowered, widened: bool, default=None) -> dict:
+    """Temporaries and the total per device (arguments + outputs - donated aliases + temporaries)
+    of a lowered program; with `widened` (bf16/fp16 compute), compiled without the CPU-only f32
+    copies (CPU_F32_COPIES), and `cpu_copies` the bytes the default compile (`default`, a compiled
+    program, when given) holds more."""
+    compiled = lowered.compile(compiler_options=CPU_F32_COPIES) if widened else (default or lowered.compile())
+    ma = compiled.memory_analysis()
+    temporaries = int(ma.temp_size_in_bytes)
+    out = {"temporaries": temporaries, "arguments": int(ma.argument_size_in_bytes),
+           "outputs": int(ma.output_size_in_bytes),
+           "total": int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + temporaries),
+           "cpu_copies": 0}
+    if widened and default is not None:
+        out["cpu_copies"] = max(0, int(default.memory_analysis().temp_size_in_bytes) - temporaries)
+    return out
+
+
+def eval_step_memory(program) -> dict:
+    """The trainer's eval step (TrainProgram.eval_step: the train step's microbatches, forward
+    only) compiled on the same mesh, its parameters included."""
+    batch = jax.ShapeDtypeStruct(program.batch_shape, jnp.int32, sharding=program.batch_sharding)
+    with program.context():
+        lowered = program.eval_step().lower(program.abstract_state["params"], batch)
+    return {**compiled_memory(lowered, program.plan.precision != "fp32"),
+            "microbatches": program.plan.num_microbatches(program.sizes["pipeline"])}
+
+
+def generation_sizes(sizes: dict[str, int]) -> dict[str, int]:
+    """The mesh generation runs on: the plan's, with `pipeline` and `context` (which decoding does
+    not use, meshtrain/generate.py) folded into `data`."""
+    folded = {**sizes, "pipeline": 1, "context": 1}
+    folded["data"] = sizes["data"] * sizes["pipeline"] * sizes["context"]
+    return folded
+
+
+def generation_memory(cfg, program) -> dict:
+    """`python -m meshtrain.generate` for generate.batch_size prompts of train.seq_len tokens (the
+    longest it takes) and generate.max_new_tokens new ones, on the plan's devices
+    (`generation_sizes`), compiled: its total per device, and the KV cache by formula, keys and
+    values [layers, rows, positions, kv heads, head dim] fp32, split over the batch axes and tensor."""
+    from meshtrain.engine import decode
+    from meshtrain.models import FAMILIES
+
+    sizes = generation_sizes(program.sizes)
+    model = FAMILIES[cfg.model.family](cfg.model)
+    mesh = build_mesh(sizes, list(program.mesh.devices.flat))
+    prompt, new, rules = cfg.train.seq_len, cfg.generate.max_new_tokens, make_rules()
+    rows = decode.padded_rows(cfg.generate.batch_size, mesh, rules)
+    out = compiled_memory(decode.lower(model, mesh, cfg.generate.batch_size, prompt, new, rules), False)
+    m = model.cfg
+    positions = prompt + new - 1
+    split = math.prod(sizes[a] for a in rules["batch"]) * sizes["tensor"]
+    cache = formulas.kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split)
+    return {**out, "mesh": describe(sizes), "rows": rows, "prompt_len": prompt, "max_new_tokens": new,
+            "kv_cache_formula": cache}
+
+
+def format_moe(r: dict) -> list[str]:
+    moe = r.get("moe")
+    if not moe:
+        return []
+    how = (f"capacity C={moe['capacity']} slots per expert" if moe["capacity"] else
+           f"sorted dropless; E-slot buffer would be {human_bytes(moe['slot_buffer_bytes'])}")
+    return [f"  MoE dispatch buffer per layer: {human_bytes(moe['bytes'])} ({how})"]
+
+
+def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> dict:
+    """The train step compiled for the config's mesh: memory, collectives beside their formulas,
+    FLOPs and the roofline (`plan` adds the eval step, generation and the verdict)."""
+    program = TrainProgram.from_config(cfg)
+    check_train_size(program, (profile["memory"], f"one {profile['name']} has"))  # before an endless compile
+    lowered = program.lower()
+    compiled = lowered.compile()
+    widened = cfg.parallel.precision != "fp32"
+    train_memory = compiled_memory(lowered, widened, default=compiled)
+    mesh, sizes, n = program.mesh, program.sizes, program.mesh.size
+    state, shardings = program.abstract_state, program.state_shardings
+    grad_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), program.grad_specs,
+                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    memory = {"parameters": shard_bytes(state["params"], shardings["params"]),
+              "optimizer_state": shard_bytes(state["opt_state"], shardings["opt_state"]),
+              "gradients": shard_bytes(state["params"], grad_shardings),
+              "temporaries": train_memory["temporaries"], "total": train_memory["total"],
+              "cpu_copies": train_memory["cpu_copies"],
+              "grad_error": shard_bytes(state["grad_error"], shardings["grad_error"]) if "grad_error" in state else 0}
+    consumers = {"parameters": memory["parameters"], "optimizer state": memory["optimizer_state"],
+                 "activations and temporaries (gradients included)": memory["temporaries"]}
+    memory["largest"] = max(consumers, key=consumers.get)
+
+    records = hlo.read(compiled.as_text(), n)
+    measured = hlo.by_kind(records)
+    expected = traffic.expected_traffic(program)
+    compared = traffic.compare(measured, expected, gaps=traffic.known_gaps(program))
+    comms = {k: {**measured[k], "formula_traffic_bytes": expected[k]["traffic_bytes"], "formula": expected[k]["terms"],
+                 "ratio": compared[k]["ratio"], "within": compared[k]["within"], "flag": compared[k]["flag"]}
+             for k in KINDS}
+
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    t, par = cfg.train, cfg.parallel
+    read_once = SimpleNamespace(argument_size_in_bytes=train_memory["arguments"], temp_size_in_bytes=memory["temporaries"],
+                                output_size_in_bytes=train_memory["outputs"])  # the HBM floor's bytes
+    roofline = roof.estimate(program, read_once, records, profile, devices_per_node)
+    flops = {"compiled_per_device": float(cost.get("flops", 0.0)),
+             "model_per_device": roofline["flops"]["model_per_device"],
+             "hardware_per_device": roofline["flops"]["hardware_per_device"]}
+    return {"config": {"model": dataclasses.asdict(program.model.cfg), "batch_size": t.batch_size, "seq_len": t.seq_len,
+                       "precision": par.precision, "zero": par.zero, "remat": par.remat,
+                       "attention": par.attention, "sequence_parallel": par.sequence_parallel,
+                       "grad_compression": par.grad_compression, "microbatches": par.num_microbatches(sizes["pipeline"])},
+            "mesh": describe(sizes), "devices": n, "params": program.num_params, "memory": memory,
+            "zero_formula": formulas.zero_bytes(program.num_params, sizes, par.zero,
+                                                stage_replicated=traffic.stage_replicated_params(program),
+                                                experts=traffic.expert_params(program)),
+            "collectives": comms,
+            "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
+            "flops": flops, "roofline": roofline, "_program": program,
+            **({"moe": moe} if (moe := traffic.moe_dispatch(program)) else {})}
+
+
+def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None) -> dict:
+    """One verdict for the run: the train step (`train_step_plan`), the eval step and generation,
+    compiled on the same devices, the largest of the three against the budget (meshtrain/planner/budget.py)."""
+    report = train_step_plan(cfg, profile, devices_per_node)
+    program = report.pop("_program")
+    ev, gen = eval_step_memory(program), generation_memory(cfg, program)
+    steps = {"train": report["memory"]["total"], "eval": ev["total"], "generation": gen["total"]}
+    peak_of = max(steps, key=steps.get)
+    run_verdict = {**verdict(steps[peak_of], memory_budget), "peak_of": peak_of}
+    report["memory"].update(device_memory=memory_budget["device_memory"], fits=run_verdict["status"] != "does not fit")
+    return {**report, "eval_step": ev, "generation": gen, "steps": steps, "budget": memory_budget,
+            "verdict": run_verdict}
+
+
+def human_seconds(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s >= 1e-3 else f"{s * 1e6:,.1f} us"
+
+
+def human_bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:,.2f} {unit}"
+    return f"{b:,.0f} B"
+
+
+def format_plan(r: dict) -> str:
+    mem, zf, roof = r["memory"], r["zero_formula"], r["roofline"]
+    gb = human_bytes
+    lines = [f"plan: {r['params'] / 1e6:,.1f}M params on {r['devices']} devices, mesh {r['mesh']}, "
+             f"zero={r['config']['zero']}, {r['config']['precision']}, remat={r['config']['remat']}, "
+             f"{r['config']['microbatches']} microbatch(es)",
+             "", "train step memory per device    measured      formula (ZeRO, 16 bytes/param)"]
+    for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"), ("gradients", "gradients")):
+        lines.append(f"  {label:<30} {gb(mem[key]):>12}  {gb(zf[key]):>12}")
+    if mem["grad_error"]:
+        lines.append(f"  {'int8 residuals':<30} {gb(mem['grad_error']):>12}  (error feedback: the local gradient's "
+                     f"fp32 bytes, + 1/D of them at zero 0/1)")
+    lines.append(f"  {'temporaries':<30} {gb(mem['temporaries']):>12}  (activations and gradients, from the compiled step)")
+    lines += format_moe(r)
+    lines += ["", *format_run_memory(r), "", "collectives per device per step   count    payload   link traffic   formula traffic"
+              "  measured/formula"]
+    for kind, c in r["collectives"].items():
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}x"
+        lines.append(f"  {kind:<30} {c['count']:>7.0f} {gb(c['payload_bytes']):>12} {gb(c['traffic_bytes']):>12} "
+                     f"{gb(c['formula_traffic_bytes']):>12} {ratio:>8}{'  FLAGGED' if c['flag'] else ''}  "
+                     f"{'; '.join(c['formula'])}")
+        if c["flag"]:
+            lines.append(f"  {'':<30} FLAGGED: {c['flag']}")
+    dp = r["data_parallel"]
+    if dp["fp32_bytes"]:
+        used = "int8 (in use)" if dp["compression"] == "int8" else "int8 (parallel.grad_compression=int8)"
+        lines.append(f"  data-parallel gradient reduction (formula): fp32 {gb(dp['fp32_bytes'])}"
+                     f"{' (in use)' if dp['compression'] == 'none' else ''}, {used} {gb(dp['int8_bytes'])}, "
+                     f"{dp['ratio']:.3f}x with a scale per {dp['block']} values")
+    fix = r["corrections"]
+    if any(fix.values()):
+        lines.append(f"  corrected for the CPU backend (counted as a GPU runs them): {gb(fix['bf16_widened_bytes'])} "
+                     f"widened bf16->f32 counted at bf16; {fix['all_reduce_as_reduce_scatter']:,.0f} all-reduce + "
+                     f"slice as reduce-scatters; {gb(fix['all_reduce_reassociated_bytes'])} of all-reduces summed "
+                     f"after reduction counted once")
+    f = r["flops"]
+    lines += ["", f"FLOPs per device per step: model (6N + 12·L·H·K·S per token, MFU's) {f['model_per_device']:.3e}; "
+                  f"executed (recompute included, HFU's) {f['hardware_per_device']:.3e}; XLA cost analysis "
+                  f"{f['compiled_per_device']:.3e} (it counts a loop body once, not per layer)",
+              f"roofline on {roof['device']} ({roof['devices_per_node']} per node, {roof['nodes']} node(s)):"]
+    for axes, link in roof["links"].items():
+        if link["traffic_bytes"]:
+            lines.append(f"  over {axes:<22} {gb(link['traffic_bytes']):>12} at {link['bandwidth'] / 1e9:,.0f} GB/s "
+                         f"({'cross-node' if link['cross_node'] else 'in-node'}): {link['seconds'] * 1e3:,.1f} ms")
+    lines.append(f"  compute {roof['compute_s'] * 1e3:,.1f} ms"
+                 + (f" (bubble {roof['pipeline_bubble']:.1%})" if roof["pipeline_bubble"] else "")
+                 + f", communication {roof['comm_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms -> "
+                   f"step >= {roof['step_s'] * 1e3:,.1f} ms ({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms "
+                   f"without overlap), MFU ceiling {roof['mfu_ceiling']:.1%}, {roof['tokens_per_s']:,.0f} tokens/s")
+    lines += ["", format_verdict(r), *format_search(r)]
+    return "\n".join(lines)
+
+
+def format_search(r: dict) -> list[str]:
+    """What the search found (meshtrain/planner/fit.py): the fastest fitting layout and its command."""
+    found = r.get("search")
+    if not found:
+        return []
+    tried = [c for c in found["compiled"] if "invalid" not in c]
+    lines = [f"search: {len(tried)} layout(s) compiled (at most {found['budget']}: --search-budget), moves "
+             f"{' -> '.join(found['path']) or 'none'}"]
+    for c in sorted(tried, key=lambda c: (not c["fits"], c["step_s"]))[:8]:
+        lines.append(f"  {'fits' if c['fits'] else 'over'}  peak {human_bytes(c['peak']):>11}  step >= "
+                     f"{human_seconds(c['step_s']):>10}  {c['layout']}")
+    best = found["best"]
+    if best is None:
+        lines.append("no layout searched fits; raise --search-budget, add devices, or shrink the batch or sequence")
+    else:
+        lines += [f"fastest that fits: {best['layout']} (step >= {human_seconds(best['step_s'])}, MFU ceiling "
+                  f"{best['mfu_ceiling']:.1%})", f"  {best['command']}"]
+    return lines
+
+
+def format_run_memory(r: dict) -> list[str]:
+    """The run's three programs, compiled, and the memory they run against."""
+    gb, mem, ev, gen, b = human_bytes, r["memory"], r["eval_step"], r["generation"], r["budget"]
+    copies = (f"; XLA:CPU's f32 copies of bf16 loop values, {gb(mem['cpu_copies'])} more there, left out: GPUs "
+              f"compute in bf16" if mem["cpu_copies"] else "")
+    return ["run memory per device (compiled)",
+            f"  train step   {gb(mem['total']):>12}  (parameters, optimizer state, gradients and temporaries{copies})",
+            f"  eval step    {gb(ev['total']):>12}  (forward only, {ev['microbatches']} microbatch(es) as training)",
+            f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
+            f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; KV cache {gb(gen['kv_cache_formula'])} by formula)",
+            f"usable: {gb(b['device_memory'])} x {b['fraction']:.2f} ({b['fraction_source']}) = {gb(b['usable'])}; "
+            f"{b['headroom']:.0%} kept free for fragmentation and collective buffers -> budget {gb(b['budget'])}"]
+
+
+def format_verdict(r: dict) -> str:
+    v, b, gb = r["verdict"], r["budget"], human_bytes
+    peak = f"peak {gb(v['peak'])} ({v['peak_of']} step)" if v["peak_of"] != "generation" else f"peak {gb(v['peak'])} (generation)"
+    if v["status"] == "fits":
+        return f"verdict: FITS in {gb(b['budget'])}: {peak}, margin {gb(v['margin'])}"
+    if v["status"] == "tight":
+        return (f"verdict: TIGHT: {peak} fits the usable {gb(b['usable'])} with {gb(b['usable'] - v['peak'])} to spare, "
+                f"less than the {b['headroom']:.0%} headroom ({gb(b['usable'] - b['budget'])})")
+    return (f"verdict: DOES NOT FIT in {gb(b['usable'])}: {peak}, {gb(-v['margin'])} over the budget; the train "
+            f"step's largest consumer is {r['memory']['largest']}")
+
+
+def run(args) -> str:
+    jax.config.update("jax_platforms", "cpu")  # plan on this machine's CPU whatever it has
+    simulate_cpu_devices(args.devices)
+    profile = DEVICE_PROFILES[args.device]
+    fraction, source = memory_fraction(profile, args.mem_fraction)
+    memory_budget = budget(args.device_memory or profile["memory"], fraction, args.headroom, source)
+    overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
+    cfg = load_config(args.config, overrides)
+    cfg.devices = 0
+    if args.zero_table:
+        rows = [plan(with_plan(cfg, zero=z), profile, memory_budget, args.devices_per_node) for z in range(4)]
+        return json.dumps(rows) if args.json else format_zero_table(rows)
+    if args.compare:
+        rows, skipped = [], []
+        for mesh in args.compare:
+            try:
+                rows.append(plan(with_plan(cfg, mesh=mesh), profile, memory_budget, args.devices_per_node))
+            except UserError as e:
+                skipped.append({"mesh": mesh, "reason": str(e)})
+        rows.sort(key=lambda r: -r["roofline"]["mfu_ceiling"])
+        return json.dumps({"plans": rows, "skipped": skipped}) if args.json else format_compare(rows, skipped)
+    report = plan(cfg, profile, memory_budget, args.devices_per_node)
+    if args.search_budget and (args.fit or report["verdict"]["status"] != "fits"):
+        base = fit.Layout.of(cfg, parse_mesh(cfg.parallel.mesh, args.devices))
+        known = {base: {"layout": base, "peak": report["memory"]["total"], "step_s": report["roofline"]["step_s"],
+                        "fits": report["memory"]["total"] <= memory_budget["budget"],
+                        "mfu_ceiling": report["roofline"]["mfu_ceiling"]}}
+        found = fit.search(cfg, parse_mesh(cfg.parallel.mesh, args.devices), profile, memory_budget,
+                           args.search_budget, args.devices_per_node, known)
+        report["search"] = {"best": found["best"] and search_row(found["best"], base, args, cfg),
+                            "compiled": [search_row(r, base, args, cfg) for r in found["compiled"]],
+                            "path": found["path"], "budget": args.search_budget}
+    return json.dumps(report) if args.json else format_plan(report)
+
+
+def search_row(r: dict, base, args, cfg) -> dict:
+    layout = r["layout"]
+    row = {"layout": fit.describe_layout(layout), "settings": layout.settings()}
+    if "invalid" in r:
+        return {**row, "invalid": r["invalid"]}
+    return {**row, "peak": r["peak"], "fits": r["fits"], "step_s": r["step_s"], "mfu_ceiling": r["mfu_ceiling"],
+            "command": fit.command(args.config, list(args.set), base, layout)}
+
+
+def with_plan(cfg, **changes):
+    """The config with some ParallelPlan settings changed."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **changes))
+
+
+def format_zero_table(rows) -> str:
+    lines = ["| zero | params measured | formula | optimizer measured | formula | grads measured | formula | "
+             "temporaries | total |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, f = r["memory"], r["zero_formula"]
+        lines.append(f"| {r['config']['zero']} | {m['parameters']:,} | {f['parameters']:,.0f} | {m['optimizer_state']:,} | "
+                     f"{f['optimizer_state']:,.0f} | {m['gradients']:,} | {f['gradients']:,.0f} | "
+                     f"{m['temporaries']:,} | {m['total']:,} |")
+    return "\n".join(lines)
+
+
+def format_compare(rows, skipped=()) -> str:
+    lines = ["| rank | mesh | verdict | peak/device | link traffic/device | compute | comm | step >= | MFU ceiling |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        v, roof = r["verdict"], r["roofline"]
+        traffic = sum(c["traffic_bytes"] for c in r["collectives"].values())
+        lines.append(f"| {i} | {r['mesh']} | {v['status']} | {v['peak'] / GB:,.2f} GB ({v['peak_of']}) | "
+                     f"{traffic / GB:,.2f} GB | {roof['compute_s'] * 1e3:,.1f} ms | {roof['comm_s'] * 1e3:,.1f} ms | "
+                     f"{roof['step_s'] * 1e3:,.1f} ms | {roof['mfu_ceiling']:.1%} |")
+    lines += [f"skipped {s['mesh']}: {s['reason']}" for s in skipped]
+    return "\n".join(lines)
+
+
+

@@ -1,0 +1,197 @@
+"""A roofline that knows the machine: where each mesh axis runs (inside a node or across nodes),
+what each collective costs on that link, and what a step's compute, communication and memory
+traffic take at best.
+
+Placement. Devices are numbered the way `mesh.build_mesh` lays them out: the mesh's axes in
+`mesh.AXES` order, major to minor (`np.arange(n).reshape(sizes)`, also build_mesh's layout on
+several GPU processes, whose data axis spans them). A node holds
+`devices_per_node` consecutive device ids (one process's local devices; a TPU slice). A set of
+axes crosses nodes when one of its groups (the devices that differ only along those axes) holds
+devices of two nodes; its collectives then run at the cross-node bandwidth (a ring runs at its
+slowest link's pace), otherwise at the in-node one.
+
+Attribution. A collective's replica groups name devices by their position in the mesh (the
+compiled program's device assignment is the mesh's devices in order; on the planner's simulated
+CPU mesh positions and ids coincide). The axes a collective spans are those along which the
+devices of a group differ; its traffic is put on that set of axes (one axis, or several: a
+ZeRO-3 gather over data and fsdp).
+
+Times, per device per step (each a lower bound; the step is the largest when all of it overlaps
+perfectly, the sum when none does):
+- compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model's dense
+  6N per token (meshtrain/core/metrics.py), plus the forward the backward reruns, 2·N_blocks, under
+  `parallel.remat=full` or a pipeline's `parallel.residuals=recompute` (`save_matmuls` and
+  `offload` keep every matmul output, attention's included, so they rerun no matmul), plus
+  attention as its kernel runs it: the share of the causal scores it computes (blockwise and ring
+  skip the hidden blocks: about half) times its matmuls (flash-style backwards recompute the
+  scores; meshtrain/ops/attention.py `executed_attention`). From the formula, not from XLA's cost
+  analysis, which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the
+  lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage.
+- communication = sum over axis sets of ring link traffic (meshtrain/planner/hlo.py) / that set's link
+  bandwidth.
+- memory = (argument + output + temporary bytes of the compiled step) / HBM bandwidth: every
+  argument read once, every output and temporary written once. A floor, not an estimate: it leaves
+  out that weights are read again by every microbatch and activations again by the backward.
+MFU ceiling = model FLOPs (no recompute: that is HFU's) / peak / step.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from meshtrain.ops.attention import executed_attention
+from meshtrain.parallel.mesh import AXES
+from meshtrain.parallel.schedules import timetable
+
+
+# ---- where the axes run ----
+def _shape(sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes.get(a, 1) for a in AXES)
+
+
+def device_grid(sizes: dict[str, int]) -> np.ndarray:
+    """Device ids in mesh order, shaped like the mesh: `arange(n).reshape(sizes)`. It is also
+    build_mesh's multi-process layout, whose hosts split the outermost axes, `data` first
+    (mesh.across_hosts): node g holds ids g*k .. g*k + k-1 either way (tests/test_roofline.py checks it against
+    jax's create_hybrid_device_mesh)."""
+    shape = _shape(sizes)
+    return np.arange(math.prod(shape)).reshape(shape)
+
+
+def _groups_along(grid: np.ndarray, axes: Sequence[str]) -> np.ndarray:
+    """[groups, size]: each row the devices that differ only along `axes`."""
+    picked = [AXES.index(a) for a in axes]
+    rest = [i for i in range(grid.ndim) if i not in picked]
+    return grid.transpose(rest + picked).reshape(-1, math.prod(grid.shape[i] for i in picked))
+
+
+def crosses_nodes(axes: Sequence[str], sizes: dict[str, int], devices_per_node: int) -> bool:
+    """Whether some group along `axes` holds devices of two nodes (device id // devices_per_node)."""
+    if not axes:
+        return False
+    nodes = _groups_along(device_grid(sizes), axes) // devices_per_node
+    return bool((nodes != nodes[:, :1]).any())
+
+
+def placement(sizes: dict[str, int], devices_per_node: int) -> dict[str, str]:
+    """'in-node' or 'cross-node' for every axis of size > 1, in mesh order."""
+    return {a: "cross-node" if crosses_nodes((a,), sizes, devices_per_node) else "in-node"
+            for a in AXES if sizes.get(a, 1) > 1}
+
+
+# ---- which axes a collective spans ----
+def axes_of_groups(groups: Iterable[Sequence[int]], sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (in mesh order) along which the devices of some group differ; devices are
+    mesh positions, as in XLA's replica groups and a permute's source-target pairs. () when no
+    group holds two different devices."""
+    shape = _shape(sizes)
+    varying = np.zeros(len(AXES), bool)
+    for group in groups:
+        coords = np.array(np.unravel_index(np.asarray(group, dtype=np.int64), shape))  # [axes, members]
+        varying |= (coords != coords[:, :1]).any(axis=1)
+    return tuple(a for a, v in zip(AXES, varying) if v)
+
+
+def traffic_by_axes(collectives: Iterable[tuple[Iterable[Sequence[int]], float]],
+                    sizes: dict[str, int]) -> dict[tuple[str, ...], float]:
+    """Sum (replica groups, link bytes per device) pairs by the axes their groups span."""
+    out: dict[tuple[str, ...], float] = defaultdict(float)
+    for groups, nbytes in collectives:
+        out[axes_of_groups(groups, sizes)] += nbytes
+    return dict(out)
+
+
+def link_bandwidth(profile: dict, cross_node: bool) -> float:
+    return profile["cross_node_bw"] if cross_node else profile["in_node_bw"]
+
+
+def comm_times(traffic: dict[tuple[str, ...], float], sizes: dict[str, int], profile: dict,
+               devices_per_node: int | None = None) -> dict[tuple[str, ...], dict]:
+    """Per axis set: its traffic, whether it crosses nodes, the bandwidth it runs at and the
+    seconds it takes. Traffic on no axis (a device sending to itself) moves nothing: 0 s."""
+    per_node = devices_per_node or profile["devices_per_node"]
+    out = {}
+    for axes, nbytes in traffic.items():
+        cross = crosses_nodes(axes, sizes, per_node)
+        bw = link_bandwidth(profile, cross)
+        out[axes] = {"traffic_bytes": nbytes, "cross_node": cross, "bandwidth": bw,
+                     "seconds": nbytes / bw if axes else 0.0}
+    return out
+
+
+# ---- compute, and the roofs together ----
+def recomputes(remat: str, residuals: str, stages: int) -> bool:
+    """Whether the backward reruns the blocks' forward: remat=full, or a pipeline (stages > 1)
+    keeping only each chunk's input (residuals=recompute)."""
+    return remat == "full" or (stages > 1 and residuals == "recompute")
+
+
+def hardware_flops_per_token(model_flops_per_token: float, block_params: float, num_layers: int,
+                             attention_width: int, seq_len: int, recompute: bool,
+                             attention: tuple[tuple[int, int], float] = ((2, 4), 1.0)) -> float:
+    """The FLOPs a step executes per token: the model's dense 6N, plus one more forward of the
+    blocks' matmuls, 2·N_blocks, when the forward is rerun (the embedding and the head are not),
+    and attention as its kernel runs it (`attention`: meshtrain.ops.attention.executed_attention's
+    (forward, backward) score-sized matmuls and share of the scores): 2·L·H·K·S per matmul x share
+    x (forward + backward, + forward again when rerun). The model's 12·L·H·K·S is xla's 2 + 4 x 1."""
+    (forward, backward), share = attention
+    per_matmul = 2.0 * num_layers * attention_width * seq_len
+    dense = model_flops_per_token - 6 * per_matmul
+    rerun = 2.0 * block_params if recompute else 0.0
+    return dense + rerun + per_matmul * share * (forward + backward + (forward if recompute else 0))
+
+
+def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes: float, profile: dict,
+          bubble: float = 0.0) -> dict:
+    """The three roofs for one device's step, the step with perfect overlap (their max) and with
+    none (their sum), and the MFU and HFU ceilings at the overlapped step."""
+    compute_s = hardware_flops / profile["peak_flops"] / (1.0 - bubble)
+    memory_s = memory_bytes / profile["hbm_bw"]
+    roofs = {"compute": compute_s, "communication": comm_s, "memory": memory_s}
+    step_s = max(roofs.values())
+    return {"compute_s": compute_s, "comm_s": comm_s, "memory_s": memory_s, "pipeline_bubble": bubble,
+            "step_s": step_s, "serial_s": sum(roofs.values()), "bound": max(roofs, key=roofs.get),
+            "mfu_ceiling": model_flops / profile["peak_flops"] / step_s if step_s else 0.0,
+            "hfu_ceiling": hardware_flops / profile["peak_flops"] / step_s if step_s else 0.0}
+
+
+def _label(axes: tuple[str, ...]) -> str:
+    return "+".join(axes) or "none"
+
+
+def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
+             devices_per_node: int | None = None) -> dict:
+    """The roofline of a compiled TrainProgram on `profile`'s machine. `collectives`: records with
+    `groups` (mesh positions per replica group), `times` (executions per step) and `traffic`
+    (ring link bytes per device per execution), as meshtrain/planner/hlo.py reads them;
+    `memory_analysis`: the compiled step's."""
+    sizes, plan, t, m = program.sizes, program.plan, program.train, program.model.cfg
+    n, stages = math.prod(sizes.values()), sizes["pipeline"]
+    per_node = devices_per_node or profile["devices_per_node"]
+    tokens = t.batch_size * t.seq_len / n  # per device
+    width = m.num_heads * m.head_dim
+    recompute = recomputes(plan.remat, plan.residuals, stages)
+    matmul_params = program.model.active_matmul_params(program.abstract_state["params"])
+    block_params = matmul_params - m.vocab_size * m.d_model  # the head is not rerun
+    model_flops = program.flops_per_token * tokens
+    attention = executed_attention(plan.attention, t.seq_len, sizes.get("context", 1))
+    hardware_flops = hardware_flops_per_token(program.flops_per_token, block_params, m.num_layers, width,
+                                              t.seq_len, recompute, attention) * tokens
+    traffic = traffic_by_axes(((c.groups, c.times * c.traffic) for c in collectives), sizes)
+    links = comm_times(traffic, sizes, profile, per_node)
+    bubble = 0.0
+    if stages > 1:
+        bubble = timetable(plan.schedule, stages, plan.num_microbatches(stages), plan.virtual_stages,
+                           plan.residuals).bubble
+    ma = memory_analysis
+    memory_bytes = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+    roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile, bubble)
+    return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
+            "placement": placement(sizes, per_node),
+            "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops, "recompute": recompute,
+                      "attention_share": attention[1]},
+            "links": {_label(axes): v for axes, v in links.items()}, "memory_bytes": memory_bytes,
+            **roofs, "tokens_per_s": t.batch_size * t.seq_len / roofs["step_s"] if roofs["step_s"] else 0.0}

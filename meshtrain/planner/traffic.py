@@ -1,0 +1,325 @@
+"""The analytical collective traffic of a compiled train step, per device per step, by kind, with
+what each term stands for: what the planner prints beside the bytes read from the HLO (meshtrain/planner/hlo.py).
+
+Formulas (per device; meshtrain/core/formulas.py; D, F, T, P, E, C the data, fsdp, tensor, pipeline,
+expert, context sizes); a reduce-scatter of an X-byte tensor moves the all-gather's (N-1)/N x X.
+Parameters count as this device's slice over T, P and E (`param_slices`): the layers split over
+P, the embedding, head and final norm held whole by every pipeline stage; data, fsdp and context
+(the `embed` rule shards weights over fsdp x context) are the axes they are gathered and reduced over.
+- Data parallelism (zero <= 1): one gradient all-reduce over D per step. The manual executors
+  (meshtrain/parallel/data_parallel.py: zero 0/1, microbatches, a pipeline) sum and reduce fp32 gradients;
+  XLA's own reductions (zero 2/3 with one microbatch) reduce the compute-dtype copy's gradient in
+  its dtype. With `parallel.grad_compression=int8` (meshtrain/parallel/compression.py) the reduction over D
+  is an all-to-all of int8 values and fp32 block scales (at zero 0/1 also an all-gather of the same
+  volume): (1/4 + 1/block) of the fp32 bytes, `formulas.compressed_reduction_traffic`. ZeRO 1/2
+  all-gather the updated fp32 parameter shards over D; ZeRO 2 reduce-scatters gradients over D;
+  ZeRO 3 with microbatches or a pipeline gathers parameters and reduce-scatters gradients over D
+  once per step.
+- FSDP (over F x C, and D at zero 3 without microbatches or a pipeline), per microbatch: the
+  layers' weights all-gathered in the compute dtype in the forward and again in the backward
+  (remat=full recomputes with the backward's gather), their gradients reduce-scattered in the
+  compute dtype; the embedding, head and final norm gathered once per step (XLA hoists the gather
+  out of the microbatch loop: an untied table in the compute dtype, the head twice in it) and
+  reduced in fp32 per microbatch (the loss sums the head's gradient over its chunks per batch
+  shard, meshtrain/ops/loss.py, so once).
+- Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
+  when remat=full recomputes the forward (the attention output's; the MLP output's only use is the
+  saved next-layer input); under sequence parallelism each becomes a reduce-scatter and an
+  all-gather. The vocab-parallel embedding and head add one fp32 all-reduce of [b, s, h] each.
+- Pipeline: one activation forward and one cotangent back per send of the executor's tables;
+  the stage-replicated parameters' gradients all-reduced over P.
+- Expert parallelism: 4 all-to-alls of the dispatch buffer (`moe_dispatch`) per MoE layer (6 under
+  remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
+  the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
+  are all-reduced over E per microbatch, the layers' in the compute dtype.
+- Context parallelism (meshtrain/parallel/context_parallel.py's ring), per layer: 2(C-1) sends of this
+  device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
+  forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
+  sums (C-1 round the ring, one home); K/V heads split over T.
+
+`compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
+flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
+knows for that layout and ratio (else UNEXPLAINED) and that the roofline (meshtrain/planner/roofline.py)
+times the measured bytes. Checked within 10% (tests/test_traffic.py, tests/test_traffic_configs.py,
+tests/test_shipped_configs.py) for data (zero 1 and 3), fsdp, tensor (with fsdp, under remat),
+pipeline, expert parallelism's all-to-all, the ring's permutes, int8 compression and each shipped
+pod's main kinds; flagged with their reasons: see `known_gaps`. On the shipped pods
+(`python -m meshtrain.plan --config configs/C.yaml` with the config's `# pod:` flags) the
+README's planner section lists measured/formula per kind.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.core import formulas
+from meshtrain.core.formulas import ring_traffic
+from meshtrain.planner.hlo import KINDS
+from meshtrain.ops.precision import compute_bytes
+from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
+from meshtrain.parallel.sharding import entry_axes
+from meshtrain.models.moe import dispatch_bytes
+
+
+def _params_with_axes(program):
+    """(parameter, its sharding, its logical axes) for each parameter."""
+    names = jax.tree.leaves(program.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
+    return zip(jax.tree.leaves(program.abstract_state["params"]), jax.tree.leaves(program.state_shardings["params"]),
+               names)
+
+
+def stage_replicated(axes: tuple) -> bool:
+    """Whether every pipeline stage holds this parameter whole: it has no `layers` axis (embedding,
+    final norm, head), so it sits outside the stacked layers the stages split."""
+    return "layers" not in axes
+
+
+def stage_replicated_params(program) -> int:
+    """Parameters every pipeline stage holds whole: ZeRO's formula (`formulas.zero_bytes`) does not
+    divide them by `pipeline`."""
+    return sum(leaf.size for leaf, _, axes in _params_with_axes(program) if stage_replicated(axes))
+
+
+def expert_params(program) -> int:
+    """The MoE experts' parameters (an `experts` axis): ZeRO's formula divides them by `expert` too."""
+    return sum(leaf.size for leaf, _, axes in _params_with_axes(program) if "experts" in axes)
+
+
+GATHERED_AXES = ("data", "fsdp", "context")  # the axes a parameter slice is gathered and reduced over
+
+
+def param_slices(program, experts: bool = True) -> dict[str, float]:
+    """Parameters in this device's slice, as split over tensor, pipeline and expert (data, fsdp and
+    context, which the `embed` rule shards weights over, are the axes gathered and reduced over):
+    `blocks` (the layer stack) and `outer` (the stage-replicated embedding, head and final norm).
+    `experts=False`: the parameters outside the experts only (those the expert axis replicates).
+    `table`: of `outer`, an untied embedding table's slice (the lookup gathers it in the compute
+    dtype; a tied table is the head too)."""
+    out = {"blocks": 0.0, "outer": 0.0, "table": 0.0}
+    tied = program.model.cfg.tie_embeddings
+    for leaf, sharding, axes in _params_with_axes(program):
+        if not experts and "experts" in axes:
+            continue
+        split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
+                          if a not in GATHERED_AXES)
+        out["outer" if stage_replicated(axes) else "blocks"] += leaf.size / split
+        if axes[:1] == ("vocab",) and not tied:
+            out["table"] += leaf.size / split
+    return out
+
+
+def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
+    """One MoE layer's dispatch buffer per device (models/moe.py `dispatch_bytes`) for this layout's
+    rows per microbatch (`microbatches`: the plan's unless given); None without routed experts."""
+    m, sizes, t = program.model.cfg, program.sizes, program.train
+    if not getattr(m, "num_experts", 0):
+        return None
+    micro = microbatches or program.plan.num_microbatches(sizes["pipeline"])
+    rows = t.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro)
+    return dispatch_bytes(rows, t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor, m.d_model,
+                          compute_bytes(program.plan.precision), sizes["expert"])
+
+
+def expected_traffic(program) -> dict[str, dict]:
+    """Analytical link traffic per device per step, by collective kind, with what it stands for."""
+    plan, sizes = program.plan, program.sizes
+    D, F, T, P, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context"))
+    m, t, zero = program.model.cfg, program.train, plan.zero
+    act = compute_bytes(plan.precision)
+    slices = param_slices(program)
+    slice_params = slices["blocks"] + slices["outer"]
+    out = {k: {"traffic_bytes": 0.0, "terms": []} for k in KINDS}
+
+    def add(kind, value, term):
+        if value > 0:
+            out[kind]["traffic_bytes"] += value
+            out[kind]["terms"].append(term)
+
+    over_data = lambda kind, nbytes: ring_traffic(kind, nbytes, D)
+    compressed = compression.applies(plan, sizes)
+    micro = plan.num_microbatches(P)  # FSDP gathers again for every microbatch
+    data_once = data_parallel.is_manual(D, microbatches=micro, pipelined=P > 1, zero=zero,
+                                        compressed=compressed)  # reduced once per step, from fp32 sums
+    # XLA reduces the gradient of the compute-dtype copy where it appears (its dtype); the manual
+    # executors (microbatches, pipeline) sum fp32 gradients and reduce them once.
+    # XLA's reductions carry the layers' gradients in the compute dtype, the embedding's and head's
+    # in fp32 (the lookup's scatter-add and the fp32 logits); the manual executors sum fp32.
+    grad_bytes = 4 * slice_params if data_once else slices["blocks"] * act + slices["outer"] * 4
+    grads = slice_params / (F * C)  # the gradient elements a device reduces over data
+    if compressed:
+        for kind, value in formulas.compressed_reduction_traffic(4 * grads, D, plan.compression_block,
+                                                                  zero <= 1).items():
+            add(kind, value, f"int8 data-parallel gradient {'all-to-all' if kind == 'all-to-all' else 'mean all-gather'}"
+                             f" (int8 + a scale per {plan.compression_block}), once per step")
+    if zero <= 1 and not compressed:
+        add("all-reduce", over_data("all-reduce", grad_bytes / (F * C)), "data-parallel gradient all-reduce 2(D-1)/D x grads")
+    if zero in (1, 2):
+        add("all-gather", over_data("all-gather", 4 * grads), "ZeRO-1/2 all-gather of updated fp32 parameter shards")
+    if zero == 2 and not compressed:
+        add("reduce-scatter", over_data("all-gather", grad_bytes / (F * C)), "ZeRO-2 gradient reduce-scatter over data")
+    if zero >= 3 and data_once:  # the compute-dtype copy gathered once per step
+        add("all-gather", over_data("all-gather", grads * act), "ZeRO-3 parameter all-gather over data, once per step")
+        if not compressed:
+            add("reduce-scatter", over_data("all-gather", 4 * grads),
+                "ZeRO-3 gradient reduce-scatter over data, once per step")
+    A = F * C * (D if zero >= 3 and not data_once else 1)  # FSDP's group: the `embed` rule shards over fsdp, context
+    # The layers' weights in the compute dtype, forward and backward (under remat=full the
+    # recomputed forward uses the backward's gather); the embedding and head in fp32, once: the
+    # forward's gather stays live for the backward (outside the layer loop).
+    add("all-gather", micro * ring_traffic("all-gather", 2 * slices["blocks"] * act, A),
+        f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype, forward and backward")
+    add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4 + slices["table"] * act, A),
+        "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
+        "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
+        "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
+    add("reduce-scatter", micro * ring_traffic("all-gather", slices["blocks"] * act + slices["outer"] * 4, A),
+        f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the "
+        f"embedding's and head's in fp32")
+    if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
+        shared = param_slices(program, experts=False)  # per microbatch, the layers' in the compute dtype
+        add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4) / A, E),
+            f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
+            f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro}")
+    if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
+        add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / (F * C), P),
+            "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
+    # Megatron: 2 forward, 2 backward; the recomputed forward (remat=full) redoes the attention
+    # output's but not the MLP output's, whose only use is the next layer's (saved) input.
+    per_layer = 5 if plan.remat == "full" else 4
+    tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    megatron = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, m.num_layers / P, per_layer, act)
+    if plan.sequence_parallel:
+        add("reduce-scatter", megatron / 2, f"Megatron-SP: {per_layer} activation reduce-scatters per layer")
+        add("all-gather", megatron / 2, f"Megatron-SP: {per_layer} activation all-gathers per layer")
+    else:
+        add("all-reduce", megatron, f"Megatron: {per_layer} activation all-reduces per layer")
+    if T > 1:  # the lookup's partial rows (forward) and the head's input gradient (backward), fp32
+        vocab = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, 1, 2, 4)
+        kind = "vocab-parallel embedding and head: an fp32 all-reduce of [b, s, h] each"
+        if plan.sequence_parallel:
+            add("reduce-scatter", vocab / 2, kind + " (a reduce-scatter and an all-gather under SP)")
+            add("all-gather", vocab / 2, kind + " (a reduce-scatter and an all-gather under SP)")
+        else:
+            add("all-reduce", vocab, kind)
+    if E > 1:
+        passes = 6 if plan.remat == "full" else 4  # the recomputed forward exchanges again
+        buffer = moe_dispatch(program, microbatches=1)  # the step's rows: the microbatches' buffers summed
+        counts = 0 if m.capacity_factor else 4 * m.num_experts
+        add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
+            f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
+            + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
+    if C > 1:  # meshtrain/parallel/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
+        kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
+        # forward and backward pass K/V round the ring; remat=full's recomputed forward again, but its
+        # first send is the forward's own (the same permute of the same K/V: XLA keeps one)
+        kv_sends = 2 * (C - 1) + (C - 2 if plan.remat == "full" else 0)
+        add("collective-permute", (kv_sends * kv + C * kv * 4 / act) * m.num_layers / P,
+            f"ring attention per layer: {kv_sends} K/V sends (forward, backward"
+            f"{', recomputed forward' if plan.remat == 'full' else ''}), {C} sends of the fp32 dK/dV sums")
+    if P > 1:
+        tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
+        sends = sends_per_step(tables)
+        add("collective-permute", sends * tokens * m.d_model * act * C / micro, f"pipeline: {sends} sends "
+            f"(activations forward, cotangents back) over {len(tables['F'])} ticks")
+    return out
+
+
+def data_parallel_traffic(program) -> dict:
+    """The gradient reduction over `data` per device per step, by formula: fp32 (all-reduce at zero
+    0/1, reduce-scatter at 2/3) and int8 (meshtrain/parallel/compression.py), whichever the plan uses."""
+    plan, sizes = program.plan, program.sizes
+    D, zero = sizes["data"], plan.zero
+    slices = param_slices(program)
+    grads = 4 * (slices["blocks"] + slices["outer"]) / (sizes["fsdp"] * sizes["context"])  # fp32 bytes reduced over data
+    fp32 = ring_traffic("all-reduce", grads, D) if zero <= 1 else ring_traffic("all-gather", grads, D)  # RS = AG
+    int8 = sum(formulas.compressed_reduction_traffic(grads, D, plan.compression_block, zero <= 1).values())
+    return {"compression": plan.grad_compression if compression.applies(plan, sizes) else "none",
+            "block": plan.compression_block, "fp32_bytes": fp32, "int8_bytes": int8,
+            "ratio": int8 / fp32 if fp32 else 0.0}
+
+
+TOLERANCE = 0.10  # measured within 10% of the formula per kind (tests/test_traffic.py)
+SCALARS = 1e4  # bytes per step below which a kind carries only scalars (the loss, the norm, the guard)
+ROOFLINE_USES = "measured"  # meshtrain/planner/roofline.py times the corrected HLO records, not the formulas
+UNEXPLAINED = "no known cause (meshtrain/planner/hlo.py `read` lists the collectives to look at)"
+
+
+def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
+    """Per kind, what the compiled step moves that the formulas above do not model, where it is
+    known, as (why, lowest ratio, highest ratio): `compare` gives the reason to a flagged row whose
+    measured/formula ratio lies in that range, and UNEXPLAINED to any other. Each was read in
+    the compiled HLO (meshtrain/planner/hlo.py `read` lists the collectives with their groups)."""
+    sizes, plan = program.sizes, program.plan
+    D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
+    micro = plan.num_microbatches(sizes["pipeline"])
+    manual = data_parallel.is_manual(D, microbatches=micro, pipelined=sizes["pipeline"] > 1, zero=plan.zero,
+                                     compressed=compression.applies(plan, sizes))
+    gaps: dict[str, list] = {k: [] for k in KINDS}
+    if plan.zero == 1 and D > 1 and (T > 1 or F > 1):
+        gaps["collective-permute"].append((
+            "ZeRO-1's update reshards the fp32 parameter shards between the data-sharded optimizer layout and "
+            "the tensor/fsdp layout: permutes with no formula", 0, math.inf))
+    if manual and plan.zero >= 2 and T > 1:
+        why = ("ZeRO-2/3 under the manual data executor beside tensor: inside its data-manual shard_map XLA runs "
+               "the once-per-step gather/reduce-scatter over data by first gathering the parameters/gradients "
+               "whole over tensor (data is the major factor of dimensions tensor splits too), about T x the "
+               "formula; a fix needs data as the minor factor and a shard_map entry that keeps that layout")
+        gaps["all-gather"].append((why, 1, math.inf))
+        gaps["reduce-scatter"].append((why, 1, math.inf))
+    if manual and F * C > 1:
+        why = ("the manual data executor (a shard_map over data) beside fsdp: the parameters do not change within "
+               "the step, so XLA hoists loop-invariant FSDP gathers (and moves reduce-scatters) out of the "
+               "microbatch and layer loops: fewer, partly fp32, where the formula counts them per microbatch")
+        gaps["all-gather"].append((why, 0, 1))
+        gaps["reduce-scatter"].append((why, 0, 1))
+    if (E > 1 or C > 1 or manual) and F * C > 1:
+        why = ("the embedding's and head's gradients (summed over every batch and sequence shard) are "
+               "all-reduced whole over the batch axes (fsdp with expert, context or data) and then sliced to this "
+               "device's shard, where the formula reduce-scatters them over fsdp x context and all-reduces the "
+               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/planner/hlo.py does not undo it)")
+        gaps["all-reduce"].append((why, 1, math.inf))
+        gaps["reduce-scatter"].append((why, 0, 1))
+        gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, 2))
+    if plan.remat == "full" and F * C > 1:
+        gaps["all-gather"].append((
+            "remat=full: XLA may gather a layer's MLP (or experts') weights again in the backward (the recomputed "
+            "forward's gather and the weight gradient's stay two collectives; llama2_70b's gate and up, "
+            "mixtral's experts), up to 3/2 of the layers' formula", 1, 1.5))
+    if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
+        gaps["all-gather"].append((
+            "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
+            "backward) where the formula counts one gather", 1, 4))
+    if E > 1:
+        gaps["all-gather"].append((
+            "the MoE routing (models/moe.py) gathers token positions and router statistics over expert: not "
+            "modelled", 1, 1.5))
+    if plan.sequence_parallel:
+        why = ("sequence parallelism: besides the Megatron-SP reduce-scatter/all-gather pairs XLA reshards q, k, v "
+               "and the fp32 softmax/RMSNorm statistics between the sequence- and head-split layouts (all-to-alls, "
+               "all-gathers, small all-reduces and permutes over tensor): not modelled")
+        for kind in KINDS:
+            gaps[kind].append((why, 0, math.inf))
+    return {k: v for k, v in gaps.items() if v}
+
+
+def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | None = None) -> dict[str, dict]:
+    """Per kind: measured and formula link bytes, `ratio` measured/formula (None without a
+    formula), `within` tol, and `flag`: None, or why the two differ (a known gap, `known_gaps`, or
+    UNEXPLAINED) and which figure the roofline uses. A kind with measured bytes but no formula is always
+    flagged; one carrying scalars only (< SCALARS bytes) and no formula is not."""
+    gaps = gaps or {}
+    out = {}
+    for kind in KINDS:
+        m, f = float(measured[kind]["traffic_bytes"]), float(formula[kind]["traffic_bytes"])
+        ratio = m / f if f else None
+        within = bool(abs(ratio - 1) <= tol) if f else m < SCALARS
+        flag = None
+        if not within:
+            what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
+            explains = lambda lo, hi: lo * (1 - tol) <= (ratio or math.inf) <= hi * (1 + tol)
+            why = next((w for w, lo, hi in gaps.get(kind, ()) if explains(lo, hi)), UNEXPLAINED)
+            flag = f"{what}: {why}; the roofline uses the {ROOFLINE_USES} bytes"
+        out[kind] = {"measured_bytes": m, "formula_bytes": f, "ratio": ratio, "within": within, "flag": flag}
+    return out

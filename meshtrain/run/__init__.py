@@ -1,0 +1,8 @@
+"""A training run: the loop and everything that keeps its folder and its weights safe.
+
+- trainer.py: `Trainer` (start-up, the step loop, eval, the non-finite guard and rollback, logging).
+- checkpoint.py: Orbax checkpoints with manifests and checksums; the one verified loader.
+- run_dir.py: what defines a run (run.json) and what a folder may hold; lock.py: one run per folder.
+- loggers.py: console, metrics.jsonl, TensorBoard; multihost.py: process start-up and liveness.
+- int8_export.py: a run's weights quantized and evaluated (`convert --quantize int8`).
+"""

@@ -1,0 +1,409 @@
+"""What a run reports while it trains: its metric records, fanned out to sinks, and a profiler window.
+
+A record is a dict with a `step`: a training step's metrics (loss, grad_norm, lr, tokens_per_sec,
+..., the model's own such as router_aux_loss, fp16's loss_scale), an evaluation (`eval_loss`) or an
+async checkpoint start (`checkpoint_blocking_s`). `MetricsLog` stamps each with the wall time, keeps
+them in `history` and hands them to its sinks, each a `Logger`: write(record), rewind(step) (a
+guard rollback is about to train the steps past `step` again: forget them), close().
+
+Sinks: `Lines` (the console lines, the format the README's samples show), `ProgressBar` (rich: the
+same lines above a live bar with ETA), `Jsonl` (<out>/metrics.jsonl), `TensorBoard` (event files
+under <out>/tensorboard, one scalar per metric, tagged by `tag`), `WandB` (optional). Only process 0
+writes; `for_run` builds the sinks of `logging:` (meshtrain/config/spec.py `LoggingConfig`).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+from meshtrain.core import jsonl
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import full_disk_is_user_error, replace_file
+
+
+class Logger(Protocol):
+    def write(self, record: dict) -> None: ...
+
+    def rewind(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsLog:
+    """The run's records (`history`), each also handed to every sink.
+
+    `MetricsLog(out)`: console lines and <out>/metrics.jsonl; `primary=False` (another process, or
+    a test that wants the history only): no sinks. `sinks=[...]` chooses them (see `for_run`)."""
+
+    def __init__(self, out_dir: str | Path | None = None, primary: bool = True, keep_through: int | None = None,
+                 *, sinks: list[Logger] | None = None):
+        if sinks is None:
+            sinks = [Lines(), Jsonl(out_dir, keep_through)] if primary else []
+        self.sinks = list(sinks)
+        self.history: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        self.history.append(record)
+        for sink in self.sinks:
+            sink.write(record)
+
+    def rewind(self, step: int) -> None:
+        self.history = [r for r in self.history if r.get("step", 0) <= step]
+        for sink in self.sinks:
+            sink.rewind(step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+    def locations(self) -> list[str]:
+        """Where the sinks write (metrics.jsonl, the TensorBoard folder, ...)."""
+        return [str(sink.path) for sink in self.sinks if getattr(sink, "path", None)]
+
+
+# ---- console ----
+def format_record(r: dict) -> str:
+    """One console line: `step    300  loss 1.8700  grad_norm ...` (the README's samples parse these)."""
+    if "eval_loss" in r:
+        return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}"
+    if "checkpoint_blocking_s" in r:
+        return f"step {r['step']:>6}  checkpoint started (blocked the loop {r['checkpoint_blocking_s'] * 1e3:.1f}ms)"
+    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
+             f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
+    if "loss_scale" in r:
+        parts.append(f"loss_scale {r['loss_scale']:g} overflows {r['overflows']:.0f}")
+    if "router_aux_loss" in r:
+        parts.append(f"router aux {r['router_aux_loss']:.3f} z {r['router_z_loss']:.3f} dropped {r['dropped']:.1%} "
+                     f"load max/mean {r['expert_load_max']:.2f}")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device)")
+    if "memory_bytes_in_use" in r:
+        parts.append(f"memory {r['memory_bytes_in_use'] / 1e9:.2f} GB (peak {r['memory_peak_bytes_in_use'] / 1e9:.2f})")
+    return "  ".join(parts)
+
+
+class Lines:
+    """A line per record on stdout."""
+
+    def write(self, record: dict) -> None:
+        print(format_record(record), flush=True)
+
+    def rewind(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressBar:
+    """The lines, printed above a live rich bar: step of steps, elapsed time, ETA, the last loss.
+    While it is live, whatever else the run prints goes above the bar too."""
+
+    def __init__(self, first: int, steps: int, console=None):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
+                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                            TextColumn("{task.fields[last]}"), console=console)
+        self.task = self.bar.add_task("train", total=steps, completed=first, last="")
+        self.bar.start()
+
+    def write(self, record: dict) -> None:
+        self.bar.console.print(format_record(record), highlight=False, markup=False, soft_wrap=True)
+        if "loss" in record:
+            self.bar.update(self.task, completed=record["step"], last=f"loss {record['loss']:.4f}")
+
+    def rewind(self, step: int) -> None:
+        self.bar.update(self.task, completed=step)
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+# ---- files ----
+class Jsonl:
+    """<out>/metrics.jsonl, one JSON object per record, appended as meshtrain/core/jsonl.py says (a crash
+    or a full disk tears at most the last record; a torn one is dropped at the next open). A run that
+    resumes from step k (or starts fresh: k = 0) first drops the file's records past k, written by
+    the attempt it replaces, so the file holds each step once; a rewind drops them again. A full disk
+    is one UserError: the run stops, its earlier checkpoints intact."""
+
+    def __init__(self, out_dir: str | Path, keep_through: int | None = None):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        with self._full_disk():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if keep_through is not None and self.path.exists():
+                self._drop_records_after(keep_through)
+            self._file = jsonl.Appender(self.path)
+
+    def _full_disk(self):
+        return full_disk_is_user_error(self.path, "a metrics record", then="rerun the same command to resume")
+
+    def _drop_records_after(self, step: int) -> None:
+        kept = [r for r in jsonl.read(self.path) if r.get("step", 0) <= step]
+        replace_file(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def write(self, record: dict) -> None:
+        with self._full_disk():
+            self._file.append(record)
+
+    def rewind(self, step: int) -> None:
+        self._file.close()
+        with self._full_disk():
+            self._drop_records_after(step)
+            self._file = jsonl.Appender(self.path)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# TensorBoard / W&B tag of each record key: <group>/<name>. Keys not listed (loss, grad_norm, lr, a
+# model's new metric) go under train/, memory_* under memory/.
+TAG_GROUPS = {
+    "perf": ("tokens_per_sec", "step_time_s", "data_wait_s", "mfu", "tflops_per_device", "checkpoint_blocking_s"),
+    "guard": ("skipped_steps",),
+    "precision": ("loss_scale", "overflows"),
+    "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),
+}
+TAGS = {key: f"{group}/{key}" for group, keys in TAG_GROUPS.items() for key in keys} | {"eval_loss": "eval/loss"}
+NOT_METRICS = ("step", "time")
+FLUSH_SECONDS = 5
+
+
+def tag(key: str) -> str:
+    if key in TAGS:
+        return TAGS[key]
+    return f"memory/{key.removeprefix('memory_')}" if key.startswith("memory_") else f"train/{key}"
+
+
+def scalars(record: dict):
+    """(tag, value) for each numeric metric of a record."""
+    for key, value in record.items():
+        if key not in NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield tag(key), value
+
+
+class TensorBoard:
+    """Event files under `logdir` (tensorboardX), one scalar per metric at the record's step. A
+    rewind (and a resume from step k) reopens the writer with purge_step k + 1: TensorBoard then
+    drops what earlier attempts logged past k, so a retrained step shows once. The writer's own
+    thread writes the file every FLUSH_SECONDS (and on close), not the training loop."""
+
+    def __init__(self, logdir: str | Path, keep_through: int | None = None):
+        self.path = Path(logdir)
+        self._open(None if keep_through is None else keep_through + 1)
+
+    def _open(self, purge_step: int | None) -> None:
+        from tensorboardX import SummaryWriter
+
+        # Event files are named by the second they were opened in: a suffix keeps a writer that
+        # reopens within that second from overwriting the last one, and sorts after it.
+        suffix = f".{os.getpid()}.{next(_writers):04d}"
+        self.writer = SummaryWriter(str(self.path), purge_step=purge_step, filename_suffix=suffix,
+                                    flush_secs=FLUSH_SECONDS)
+
+    def write(self, record: dict) -> None:
+        # One event holds the record's scalars: add_scalar's event per scalar costs a queue handoff
+        # to the writer's thread each, ~6x the loop's time per record.
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=name, simple_value=value) for name, value in scalars(record)]
+        self.writer.file_writer.add_summary(Summary(value=values), record["step"], record.get("time"))
+
+    def rewind(self, step: int) -> None:
+        self.writer.close()
+        self._open(step + 1)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+_writers = itertools.count()  # TensorBoard writers opened by this process
+
+
+def import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("logging.wandb=true needs the wandb package: pip install wandb "
+                        "(or set logging.wandb=false)") from None
+    return wandb
+
+
+class WandB:
+    """A Weights & Biases run (offline by default: files under <out>/wandb, `wandb sync` uploads
+    them). Each record is logged with its `step` as the x axis; W&B cannot forget logged steps, so
+    after a guard rollback the retrained steps appear twice there (metrics.jsonl and TensorBoard
+    hold them once)."""
+
+    def __init__(self, out: Path, project: str, mode: str, config: dict):
+        wandb = import_wandb()
+        self.path = out / "wandb"
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, dir=str(out), name=out.name, mode=mode, config=config)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, record: dict) -> None:
+        self.run.log({"step": record["step"], **dict(scalars(record))})
+
+    def rewind(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def for_run(out: Path, cfg, primary: bool, first: int, steps: int) -> MetricsLog:
+    """The sinks `cfg.logging` asks for; none but on process 0. `first`: the step the run starts
+    from (its files forget what earlier attempts logged past it)."""
+    if not primary:
+        return MetricsLog(sinks=[])
+    lg = cfg.logging
+    progress = lg.progress
+    if progress == "auto":
+        progress = "bar" if sys.stdout.isatty() else "lines"
+    sinks: list[Logger] = [Jsonl(out, keep_through=first)]
+    if lg.tensorboard:
+        sinks.append(TensorBoard(out / "tensorboard", keep_through=first))
+    if lg.wandb:
+        from meshtrain.config.loader import to_dict
+
+        sinks.append(WandB(out, lg.wandb_project, lg.wandb_mode, to_dict(cfg)))
+    if progress == "lines":
+        sinks.insert(0, Lines())
+    elif progress == "bar":
+        sinks.insert(0, ProgressBar(first, steps))
+    return MetricsLog(sinks=sinks)
+
+
+def check(logging_cfg, steps: int) -> tuple[int, int] | None:
+    """Before anything is built: wandb importable when asked for; the profile window parsed."""
+    if logging_cfg.wandb:
+        import_wandb()
+    return parse_profile(logging_cfg.profile, steps)
+
+
+# ---- device memory ----
+def device_memory(devices) -> dict:
+    """memory_bytes_in_use and memory_peak_bytes_in_use: the largest over `devices`, where the
+    backend reports both (GPU, TPU; CPU reports nothing: then {})."""
+    keys = ("bytes_in_use", "peak_bytes_in_use")
+    stats = [s for d in devices if (s := d.memory_stats()) and all(key in s for key in keys)]
+    return {f"memory_{key}": max(s[key] for s in stats) for key in keys} if stats else {}
+
+
+# ---- profiler ----
+def parse_profile(text: str, steps: int) -> tuple[int, int] | None:
+    """'START:STOP' (or 'STEP') -> (START, STOP): steps as the log numbers them (the first is 1),
+    both included; '' -> None."""
+    if not text:
+        return None
+    parts = text.split(":")
+    fix = (f"pass START:STOP with 1 <= START <= STOP <= {steps} (the steps as logged, both traced), "
+           f"e.g. --profile 10:12")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise UserError(f"--profile {text} (logging.profile): {fix}")
+    start, stop = int(parts[0]), int(parts[-1])
+    if not 1 <= start <= stop <= steps:
+        raise UserError(f"--profile {text} (logging.profile) is outside steps 1-{steps}: {fix}")
+    return start, stop
+
+
+class ProfileWindow:
+    """A jax.profiler trace of steps START..STOP into `directory` (plugins/profile/<time>/ holds the
+    .xplane.pb of TensorBoard's profile plugin and a perfetto_trace.json.gz for ui.perfetto.dev).
+    Process 0 traces. The device work of the traced steps finishes (`state()` is waited for) before
+    the trace stops: after STOP, or on leaving the `with` block, whichever comes first."""
+
+    def __init__(self, window: tuple[int, int] | None, directory: Path, primary: bool, state):
+        self.window = window if primary else None  # None once traced
+        self.directory, self.state = directory, state
+        self.active = False
+
+    def before(self, step: int) -> float:
+        """Step `step` (as logged) is about to be dispatched. Returns the seconds spent starting a
+        trace (not the step's time)."""
+        if self.active or not self.window or not self.window[0] <= step <= self.window[1]:
+            return 0.0
+        import jax
+
+        started = time.perf_counter()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+        self.active = True
+        return time.perf_counter() - started
+
+    def after(self, step: int) -> float:
+        """Step `step` was dispatched. Returns the seconds spent writing the trace."""
+        return self.stop() if self.active and step >= self.window[1] else 0.0
+
+    def stop(self, wait: bool = True) -> float:
+        if not self.active:
+            return 0.0
+        import jax
+
+        if wait:
+            jax.block_until_ready(self.state())
+        started = time.perf_counter()
+        jax.profiler.stop_trace()
+        print(f"profile of steps {self.window[0]}-{self.window[1]} written to {self.directory}", flush=True)
+        self.active, self.window = False, None
+        return time.perf_counter() - started
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        self.stop(wait=kind is None)  # after an error the state may be gone (donated to a failed step)
+
+
+# ---- the end of a run ----
+def duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes}m{s:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def mean_tokens_per_sec(history: list[dict], first: int) -> float | None:
+    """Tokens trained / seconds in steps over the records of steps past `first` (each covers the
+    steps since the previous one; evaluations and checkpoint saves are not step time)."""
+    tokens = seconds = 0.0
+    previous = first
+    for r in history:
+        if "loss" in r and r["step"] > previous:
+            n = r["step"] - previous
+            tokens += n * r["tokens_per_sec"] * r["step_time_s"]
+            seconds += n * r["step_time_s"]
+            previous = r["step"]
+    return tokens / seconds if seconds else None
+
+
+def summary_line(history: list[dict], first: int, last: int, steps: int, wall_s: float,
+                 checkpoint: str | None, logs: list[str]) -> str:
+    """`done: steps 1-60 in 42.1s; loss 1.8700, eval_loss 1.9000; 12,345 tokens/s mean; ...`"""
+    head = "done" if last >= steps else f"stopped at step {last} of {steps}"
+    parts = [f"{head}: steps {first + 1}-{last} in {duration(wall_s)}"]
+    train = [r for r in history if "loss" in r]
+    evals = [r for r in history if "eval_loss" in r]
+    figures = ([f"loss {train[-1]['loss']:.4f}"] if train else []) + (
+        [f"eval_loss {evals[-1]['eval_loss']:.4f}"] if evals else [])
+    if figures:
+        parts.append(", ".join(figures))
+    rate = mean_tokens_per_sec(history, first)
+    if rate is not None:
+        parts.append(f"{rate:,.0f} tokens/s mean")
+    parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint")
+    if logs:
+        parts.append("logs " + ", ".join(logs))
+    return "; ".join(parts)

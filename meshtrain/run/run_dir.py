@@ -1,0 +1,190 @@
+"""The run's output folder (`--out`): checked before anything is built, owned by one run at a time
+(run.lock, meshtrain/run/lock.py), and written only by a run that starts training (config.yaml and
+run.json here, metrics.jsonl in loggers.py, checkpoints/ in checkpoint.py).
+
+run.json records what defines the run: the model's architecture, the data's fingerprint, the seed
+and the learning-rate schedule's horizon. A later start in the same folder continues that run; one
+that would change any of them is refused (a new run needs a new --out), unless the user says
+`--allow-change`, which records the change as a new phase (the model never changes: its
+checkpoints hold its weights)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from meshtrain.config.loader import Config, ModelSpec, UserError, default_out, to_dict
+from meshtrain.core.folders import replace_file, writable
+from meshtrain.run.lock import LOCK_FILE
+
+RUN_RECORD = "run.json"
+RUN_SIGNS = (RUN_RECORD, "config.yaml", "checkpoints")  # a folder holding one of these is a run's
+
+
+def checked(out: str) -> Path:
+    """The output folder, once it is known that it can be created or written and is new, empty or a
+    run's; nothing is written."""
+    path = writable(Path(out or default_out()), "--out")
+    if path.is_dir() and not any((path / sign).exists() for sign in RUN_SIGNS):
+        foreign = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
+        if foreign:
+            raise UserError(f"--out {path} is a folder that is not a meshtrain run (it holds {foreign[0]}"
+                            f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); pick a new or "
+                            f"empty folder")
+    return path
+
+
+def data_fingerprint(tokens) -> str:
+    """The token stream's identity, cheap at any size: its length and 64 windows of 1024 tokens spread
+    over it, hashed. Another file with the same tokens has the same fingerprint (a moved dataset)."""
+    if tokens is None:
+        return "synthetic"
+    n = len(tokens)
+    width = min(1024, n)
+    starts = np.unique(np.linspace(0, n - width, 64).astype(np.int64))
+    digest = hashlib.sha256(str(n).encode())
+    digest.update(tokens.windows(starts, width).astype("<i4").tobytes())
+    return f"{n}:{digest.hexdigest()[:16]}"
+
+
+def identity(cfg: Config, data: str) -> dict:
+    """What defines a run (`data`: its fingerprint): what run.json records and a later start compares."""
+    return {"model": cfg.model.architecture(), "data": data, "seed": cfg.train.seed,
+            "schedule_steps": cfg.optim.schedule_steps or cfg.train.steps}
+
+
+def read_record(out: Path) -> dict | None:
+    path = out / RUN_RECORD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        record["identity"]["schedule_steps"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{path} is unreadable; it records what defines this run: restore it, or use a new --out "
+                        f"for a new run") from None
+    return record
+
+
+def set_horizon(out: Path, cfg: Config) -> None:
+    """optim.schedule_steps = the run's recorded horizon, or this first start's train.steps, unless the
+    config sets one."""
+    if not cfg.optim.schedule_steps:
+        record = read_record(out)
+        cfg.optim.schedule_steps = record["identity"]["schedule_steps"] if record else cfg.train.steps
+
+
+def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[dict, list[str]]:
+    """(this start's identity, what changes from the recorded run); a change is refused unless
+    `allow_change`. Sets the schedule's horizon (`set_horizon`) if the config does not."""
+    record = read_record(out)
+    recorded = record["identity"] if record else None
+    set_horizon(out, cfg)
+    mine = identity(cfg, data)
+    if recorded is None:
+        return mine, []
+    model_change = cfg.model.architecture_difference(
+        ModelSpec(**{k: v for k, v in recorded["model"].items() if hasattr(ModelSpec, k)}), "this start",
+        f"the run in {out}")
+    if model_change:  # other weights: no phase of this run can continue from its checkpoints
+        raise UserError(f"{model_change}; use a new --out for a new run, or the model section of "
+                        f"{out / 'config.yaml'}")
+    changes = []
+    if recorded["data"] != mine["data"]:
+        changes.append(f"the run in {out} trained on other data (fingerprint {recorded['data']}, from "
+                       f"{record.get('data_source')}), this start's is {mine['data']} (from {data_source(cfg)})")
+    for key, name in (("seed", "train.seed"), ("schedule_steps", "optim.schedule_steps")):
+        if recorded[key] != mine[key]:
+            changes.append(f"the run in {out} has {name}={recorded[key]}, this start {mine[key]}")
+    if changes and not allow_change:
+        raise UserError(f"{changes[0]}{f' (and {len(changes) - 1} more)' if len(changes) > 1 else ''}; use a new "
+                        f"--out for a new run, or pass --allow-change to continue this one with the change")
+    return mine, changes
+
+
+def data_source(cfg: Config) -> str:
+    return cfg.data.path or ("synthetic data" if cfg.data.kind == "synthetic" else "the Python standard library")
+
+
+def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[str]) -> None:
+    """run.json: the run's identity and one entry per start (the step it started at, the changes it
+    was allowed to make). Written whole."""
+    record = read_record(out) or {"starts": []}
+    record.update(identity=mine, data_source=data_source(cfg))
+    record["starts"].append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "steps": cfg.train.steps,
+                             "changes": changes})
+    replace_file(out / RUN_RECORD, json.dumps(record, indent=1) + "\n")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("meshtrain")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+def write_config(out: Path, cfg: Config, mesh) -> None:
+    """config.yaml: the resolved config (head_dim and mlp_dim filled in), usable again as --config,
+    under a header naming the meshtrain version and the devices it ran on."""
+    resolved = to_dict(cfg)
+    resolved["model"] = to_dict(cfg.model.resolved())
+    device = mesh.devices.flat[0]
+    header = (f"# written by meshtrain {version()} at the start of training on {mesh.size} x "
+              f"{device.device_kind} ({device.platform}), {len({d.process_index for d in mesh.devices.flat})} "
+              f"process(es)\n")
+    replace_file(out / "config.yaml", header + yaml.safe_dump(resolved, sort_keys=False))
+
+
+def run_config(run: str | Path) -> Config:
+    """The config a finished or running run recorded (<run>/config.yaml), with out = the run."""
+    from meshtrain.config.loader import load_config
+
+    path = Path(run) / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{run} is not a meshtrain run folder (no config.yaml); pass the --out of a training run")
+    return load_config(str(path), [f"out={run}"])
+
+
+def newest_params(run: str | Path, model, shardings=None, step: int | None = None):
+    """(params in model order, step) of the newest intact checkpoint under <run>/checkpoints, or of
+    `step`, verified (meshtrain.run.checkpoint.read_params), read straight into `shardings` (a tree like
+    the params, or one sharding for all; default: the first device). Only the parameters are read,
+    never the optimizer state."""
+    import jax
+    import numpy as np
+
+    from meshtrain.run.checkpoint import read_params
+    from meshtrain.engine.program import TrainProgram
+
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    if shardings is None or not isinstance(shardings, dict):
+        one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    params, meta, step = read_params(Path(run) / "checkpoints", abstract, step)
+    order = np.asarray(meta.get("layer_order", range(model.cfg.num_layers)))  # interleaved: permuted
+    return {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}, step
+
+
+def initial_params(source: str, model, shardings):
+    """checkpoint.init_from: the parameters (model order, in `shardings`) of a Hugging Face folder
+    (`hf:DIR`, verified against its SHA256SUMS when it has one) or of a meshtrain run's newest intact
+    checkpoint, whose architecture must be this model's."""
+    from meshtrain.interop import hf
+
+    if source.startswith("hf:"):
+        folder = source[3:]
+        spec, fix = hf.read_spec(folder), f"python -m meshtrain.convert --from-hf {folder} --out RUN"
+    else:
+        spec, fix = run_config(source).model, f"use the model section of {Path(source) / 'config.yaml'}"
+    differ = model.cfg.architecture_difference(spec.resolved(), "this run", f"checkpoint.init_from={source}")
+    if differ:
+        raise UserError(f"{differ}; the model must match the weights: {fix}")
+    if source.startswith("hf:"):
+        return hf.load_params(source[3:], model, shardings)
+    return newest_params(source, model, shardings)[0]

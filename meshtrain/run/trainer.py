@@ -1,0 +1,378 @@
+"""The Python API: `Trainer(config).fit()` builds mesh, model, sharded state, data and the
+compiled step, trains, and returns the metric history. The CLI is a thin layer over it."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from meshtrain import data as data_lib
+from meshtrain.run import loggers, run_dir
+from meshtrain.data import tokenizer as tokenizer_lib
+from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
+from meshtrain.config.loader import Config, ModelSpec, UserError, to_dict
+from meshtrain.run.lock import LOCK_FILE, FolderLock
+from meshtrain.parallel.mesh import describe
+from meshtrain.core.metrics import mfu, peak_flops
+from meshtrain.run.multihost import agree_with_process_0, preemption_reached
+from meshtrain.data.prefetch import Prefetcher
+from meshtrain.engine.program import TrainProgram
+from meshtrain.config.validate import check_train_size
+
+
+class Trainer:
+    """Training run for one config on one mesh: it has a program (meshtrain/engine/program.py: the model,
+    plan and optimizer compiled for the mesh) and adds data, state, checkpoints and the loop.
+
+    `devices` restricts the mesh to a subset of jax.devices() (e.g. one device for a reference run).
+    It owns `cfg.out` (run.lock) from construction to the end of `fit()`, or until `close()`;
+    `allow_change` continues a run whose data, seed or schedule horizon this config changes.
+    """
+
+    def __init__(self, cfg: Config, devices=None, allow_change: bool = False):
+        self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
+        self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
+        self.lock, created = FolderLock(self.out), not self.out.exists()
+        weakref.finalize(self, self.lock.release)  # a Trainer dropped without fit() or close()
+        self._own_folder()  # a second run on this --out stops here, at once
+        try:
+            self._build(copy.deepcopy(cfg), devices, allow_change)
+        except BaseException:
+            self.close()
+            if created and self.out.is_dir() and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:  # nothing else
+                shutil.rmtree(self.out, ignore_errors=True)
+            raise
+
+    def _build(self, cfg: Config, devices, allow_change: bool):
+        t = cfg.train
+        run_dir.set_horizon(self.out, cfg)  # the schedule's, as the run recorded it
+        self.cfg = cfg
+        self.program = program = TrainProgram.from_config(cfg, devices)
+        check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
+        self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        # What defines the run, checked against the folder's record.
+        self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.data_fingerprint(self.corpus.tokens),
+                                                        allow_change)
+        if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
+            print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
+                  f"{cfg.optim.schedule_steps}): lr stays at optim.lr x min_lr_ratio from there; to decay over a new "
+                  f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
+        train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
+        batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
+                                                       program.batch_sharding, cfg.model.vocab_size)
+        self.train_batches = batches(train_tokens, 0)
+        has_val = cfg.data.val_fraction > 0 or self.corpus.tokens is None
+        self.val_batches = batches(val_tokens, 1) if has_val else None
+
+        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
+        self.resumed_from = None
+        self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
+        self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
+        self.rollbacks = 0
+        with program.context():
+            resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
+            if resume_steps:
+                self.state = self._restore(resume_root, resume_steps)
+            elif cfg.checkpoint.init_from:
+                params = run_dir.initial_params(cfg.checkpoint.init_from, program.model,
+                                                program.state_shardings["params"])
+                self.state = jax.jit(program.state_from_params, out_shardings=program.state_shardings,
+                                     donate_argnums=0)(params)  # the loaded copy becomes the state's
+                if jax.process_index() == 0:
+                    print(f"initialised from {cfg.checkpoint.init_from}", flush=True)
+            else:
+                # Parameters are created already sharded: no device ever holds the full model.
+                self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
+            # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
+            self.compiled_step = program.lower().compile()
+            self.eval_step = program.eval_step()
+        self.peak = peak_flops(program.mesh.devices.flat[0].device_kind)
+        self.local_devices = program.mesh.local_devices
+
+    def _own_folder(self) -> None:
+        """Lock --out for this run (process 0 holds the lock for every process of a multi-host run)."""
+        error = None
+        if jax.process_index() == 0:
+            try:
+                self.lock.acquire()
+            except UserError as e:
+                error = e
+        if not agree_with_process_0(error is None):
+            raise error or UserError(f"--out {self.out} is in use by another run (process 0 could not lock it); "
+                                     f"pick another --out")
+        notice = self.lock.stale_notice()
+        if notice:
+            print(notice, flush=True)
+
+    def close(self) -> None:
+        """Give --out back (fit() does at its end; a Trainer that never trains should be closed)."""
+        self.lock.release()
+
+    def _restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
+        """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
+        (elastic: any saved mesh works)."""
+        reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
+        step, state, meta = reader.restore_latest_intact(
+            steps, abstract_like(self.program.abstract_state, self.program.state_shardings),
+            self._check_same_model, self.program.optional_state())
+        saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
+        if not np.array_equal(saved_order, self.program.layer_order):
+            state = self._reorder_layers(state, saved_order)
+        self.resumed_from = reader.path(step)
+        self.skip_batches = sorted(set(self.skip_batches) | set(meta.get("skip_batches", [])))
+        if jax.process_index() == 0:
+            print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
+        return state
+
+    def _check_same_model(self, meta, folder) -> None:
+        """Resume needs the same weights' definition (architecture, resolved); everything about how the
+        run executes or learns may change."""
+        saved = ModelSpec(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelSpec, k)})
+        differ = self.cfg.model.architecture_difference(saved, "this run", f"checkpoint {folder}")
+        if differ:
+            own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
+            fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
+            raise UserError(f"{differ}; {fresh}, or use the checkpoint's model config")
+
+    def _reorder_layers(self, state, saved_order):
+        """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
+        device's chunks together) into this run's."""
+        p = self.program
+        rows = np.argsort(saved_order)[p.layer_order]
+        move = lambda x, names: x[rows] if names and names[0] == "layers" else x
+        is_names = lambda n: isinstance(n, tuple)
+
+        def reorder(state):
+            params = jax.tree.map(move, state["params"], p.logical_axes, is_leaf=is_names)
+            opt_state = optax.tree_map_params(p.tx, move, state["opt_state"], p.logical_axes,
+                                              transform_non_params=lambda x: x, is_leaf=is_names)
+            return {**state, "params": params, "opt_state": opt_state}
+
+        state = jax.jit(reorder, out_shardings=p.state_shardings)(state)
+        if "grad_error" in state:  # compression residuals of the old order: they start fresh
+            state["grad_error"] = p.optional_state()["grad_error"]()
+        return state
+
+    def unpermuted_params(self):
+        """The parameters as a single device holds them, on the host."""
+        return self.program.in_model_order(jax.device_get(self.state["params"]))
+
+    def batch_index(self, step: int) -> int:
+        """The data batch of `step`: the step-th batch index, counting from 0, that is not skipped."""
+        index = step
+        for skipped in self.skip_batches:  # sorted
+            if skipped > index:
+                break
+            index += 1
+        return index
+
+    def save_checkpoint(self, wait: bool = False) -> Path:
+        p = self.program
+        self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(p.sizes),
+                                            "devices": p.mesh.size, "skip_batches": self.skip_batches,
+                                            "layer_order": p.layer_order.tolist()})
+        self.last_save = time.monotonic()
+        if wait:
+            self.checkpointer.wait()
+        return self.checkpointer.path(int(self.state["step"]))
+
+    def evaluate(self) -> float | None:
+        if self.val_batches is None:
+            return None
+        with self.program.context():
+            losses = [self.eval_step(self.state["params"], self.val_batches(i)) for i in range(self.cfg.train.eval_batches)]
+        return float(jnp.mean(jnp.stack(losses)))
+
+    def fit(self, steps: int | None = None, log: loggers.MetricsLog | None = None) -> list[dict]:
+        """Train until `steps` (default train.steps) and return the logged records. `log`: where
+        records go (default: the sinks of the config's logging section, on process 0 only)."""
+        cfg, t = self.cfg, self.cfg.train
+        steps = steps or t.steps
+        primary = jax.process_index() == 0
+        first = int(self.state["step"])
+        if first >= steps:
+            if primary:
+                print(f"already at step {first} of {steps}: nothing to train (raise --steps, or use a new --out)",
+                      flush=True)
+            self.close()
+            return []
+        # From before the first write on, a signal finishes the step, checkpoints and exits 0.
+        signalled = threading.Event()
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            if jax.process_count() == 1:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    handlers[sig] = signal.signal(sig, lambda *_: signalled.set())
+            else:  # JAX's runtime notes SIGTERM for the preemption sync point; Ctrl-C becomes one
+                handlers[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+        self.preempted = False
+        self._own_folder()  # held since __init__, or again for a second fit()
+        try:
+            if primary:  # only a run that trains writes into --out
+                run_dir.write_config(self.out, cfg, self.program.mesh)
+                run_dir.record_start(self.out, self.identity, cfg, first, self.changes)
+                self.changes = []
+                tokenizer_lib.record(self.out, self.corpus.tokenizer)  # so the run's tokens can be decoded
+            if primary:
+                print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
+                      f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
+                      f"precision={cfg.parallel.precision}, out={self.out}", flush=True)
+            log = log or loggers.for_run(self.out, cfg, primary, first, steps)
+            started = time.perf_counter()
+            self._loop(first, steps, log, signalled)
+        except UserError:  # a full disk, say: the saves already started still become durable
+            if jax.process_count() == 1:
+                with contextlib.suppress(Exception):
+                    self.checkpointer.wait()
+            raise
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            if log is not None:
+                log.close()
+            self.close()
+        if primary:
+            saved = self.checkpointer.steps()
+            newest = str(self.checkpointer.path(max(saved))) if saved else None
+            print(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
+                                       time.perf_counter() - started, newest, log.locations()), flush=True)
+        return log.history
+
+    def _loop(self, first, steps, log, signalled):
+        t = self.cfg.train
+        tokens_per_step = t.batch_size * t.seq_len
+        last_time, last_step = time.perf_counter(), first
+        self.last_save = time.monotonic()
+        k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
+        depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
+        prefetch = Prefetcher(self.train_batches, depth)
+        trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
+                                      state=lambda: self.state)
+        with self.program.context(), contextlib.closing(prefetch), trace:
+            while k < steps:
+                batch = prefetch.get(self.batch_index(k), [self.batch_index(k + j) for j in range(1, depth + 1)])
+                last_time += trace.before(k + 1)  # tracing's own time is no step's
+                self.state, metrics = self.compiled_step(self.state, batch)
+                # Judge the previous step only now, so the host never waits for the step it just dispatched.
+                if pending is not None and self._guard(*pending):
+                    k, pending = int(self.state["step"]), None  # rolled back: the step in flight is dropped
+                    log.rewind(k)
+                    last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
+                    continue
+                k = done = k + 1
+                last_time += trace.after(done)
+                pending = (done, metrics)
+                if done % t.log_every == 0 or done == steps:
+                    metrics = jax.device_get(metrics)  # waits for the step
+                    dt = (time.perf_counter() - last_time) / (done - last_step)
+                    log.write(self._record(done, metrics, tokens_per_step / dt, dt,
+                                           (prefetch.waited - data_wait) / (done - last_step)))
+                    last_time, last_step, data_wait = time.perf_counter(), done, prefetch.waited
+                if t.eval_every and (done % t.eval_every == 0 or done == steps):
+                    eval_loss = self.evaluate()
+                    if eval_loss is not None:
+                        log.write({"step": done, "eval_loss": eval_loss})
+                    last_time = time.perf_counter()
+                preempted = self._preempted(done, signalled)
+                save_owed = save_owed or self._save_due(done)
+                if not (save_owed or preempted or done == steps):
+                    continue
+                # A checkpoint never lands inside a NaN/Inf streak: judge this step before saving it.
+                judged, pending = pending, None
+                if self._guard(*judged):
+                    k = int(self.state["step"])
+                    log.rewind(k)
+                    last_time, last_step = time.perf_counter(), k
+                    continue
+                final, path = preempted or done == steps, None
+                if self.bad_batches:  # a periodic save waits for the streak to end
+                    save_owed = True
+                    if final:
+                        self.checkpointer.wait()  # earlier async saves are durable before the run ends
+                    if final and jax.process_index() == 0:
+                        print(f"warning: step {done} is inside a NaN/Inf streak: not saved; the newest "
+                              f"checkpoint is step {max(self.checkpointer.steps(), default=0)}",
+                              file=sys.stderr, flush=True)
+                else:
+                    started = time.perf_counter()
+                    path = self.save_checkpoint(wait=final)
+                    if not final:  # async: the loop waited only for the device-to-host copy and checksums
+                        log.write({"step": done, "checkpoint_blocking_s": time.perf_counter() - started})
+                        last_time += time.perf_counter() - started
+                    save_owed = False
+                if preempted:
+                    self.preempted = True
+                    if jax.process_index() == 0:
+                        print(f"preempted at step {done}: " + (f"checkpoint saved to {path}" if path else
+                                                               "not saved (inside a NaN/Inf streak)"), flush=True)
+                    return
+
+    def _record(self, step, metrics, tokens_per_sec, step_time, data_wait) -> dict:
+        """`data_wait_s`: host seconds per step spent getting the batch (~0 when prefetching keeps up)."""
+        record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                  "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
+                  "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "data_wait_s": data_wait}
+        record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "finite"})  # the model's
+        flops, n = self.program.flops_per_token, self.program.mesh.size
+        util = mfu(tokens_per_sec, flops, n, self.peak)
+        if util is not None:
+            record.update(mfu=util, tflops_per_device=tokens_per_sec * flops / n / 1e12)
+        record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
+        return record
+
+    def _save_due(self, step: int) -> bool:
+        """checkpoint.every steps, or checkpoint.every_minutes since the last save. With several
+        processes, process 0's clock decides, at log steps only (one tiny broadcast there)."""
+        c = self.cfg.checkpoint
+        if c.every and step % c.every == 0:
+            return True
+        if not c.every_minutes or (jax.process_count() > 1 and step % self.cfg.train.log_every):
+            return False
+        return agree_with_process_0(time.monotonic() - self.last_save >= 60 * c.every_minutes)
+
+    def _preempted(self, step: int, signalled: threading.Event) -> bool:
+        """SIGTERM/SIGINT: at once with one process; with several, at the step all of them agree on."""
+        return signalled.is_set() if jax.process_count() == 1 else preemption_reached(step)
+
+    def _guard(self, step: int, metrics) -> bool:
+        """Count a nonfinite step (its update was already skipped inside the step); after
+        guard.max_consecutive_bad in a row, roll back to the last checkpoint. True if rolled back."""
+        if bool(metrics["finite"]):
+            self.bad_batches = []
+            return False
+        self.bad_batches.append(self.batch_index(step - 1))
+        bad, g = len(self.bad_batches), self.cfg.guard
+        if jax.process_index() == 0:
+            print(f"warning: step {step}: loss or gradients are NaN/Inf; update skipped ({bad} in a row)",
+                  file=sys.stderr, flush=True)
+        if bad < g.max_consecutive_bad:
+            return False
+        self.checkpointer.wait()
+        steps = self.checkpointer.steps()
+        if not steps or self.rollbacks >= g.max_rollbacks:
+            path = self.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
+            why = "no checkpoint to roll back to" if not steps else f"still diverging after {self.rollbacks} rollbacks"
+            raise UserError(f"{bad} NaN/Inf steps in a row at step {step}, {why}; state saved to {path}; "
+                            f"lower optim.lr or check the data, then rerun to resume")
+        self.state = self._restore(self.checkpointer.directory, steps,
+                                   verb=f"guard: {bad} NaN/Inf steps in a row; rolled back to")
+        resume_index = self.batch_index(int(self.state["step"]))
+        skipped = [b for b in self.bad_batches if b >= resume_index]  # earlier ones precede the checkpoint
+        self.skip_batches = sorted(set(self.skip_batches) | set(skipped))
+        if jax.process_index() == 0:
+            print(f"guard: skipping batches {skipped}", flush=True)
+        self.bad_batches, self.rollbacks = [], self.rollbacks + 1
+        return True
+

@@ -1,0 +1,62 @@
+"""The package layout draws the architecture: each folder of meshtrain/ is a layer, and a module
+imports only from its own layer or the layers below it (function-level imports included), so the
+folders read bottom-up as the library is built. The commands (meshtrain/*.py) sit on top."""
+import ast
+import tomllib
+from pathlib import Path
+
+from meshtrain.testing import ROOT
+
+# Bottom to top; a tuple holds independent layers (neither imports the other).
+LAYERS = ["core", "data", "parallel", "ops", "models", "config", "engine", "interop", ("planner", "run")]
+RANK = {name: rank for rank, layer in enumerate(LAYERS) for name in (layer if isinstance(layer, tuple) else (layer,))}
+TOP = len(LAYERS)  # the commands and meshtrain/__init__.py
+
+
+def folder(package: str) -> Path:
+    return ROOT / "models" if package == "models" else ROOT / "meshtrain" / package
+
+
+def modules():
+    """(module's layer name, its file) for every module of the library."""
+    for name in RANK:
+        for path in sorted(folder(name).glob("*.py")):
+            yield name, path
+    for path in sorted((ROOT / "meshtrain").glob("*.py")):
+        yield "top", path
+
+
+def imported_layers(path: Path):
+    """(line, layer) of every meshtrain import in a file, top-level or inside functions."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module + "." + a.name for a in node.names] if isinstance(node, ast.ImportFrom) and node.module
+                 and node.level == 0 else [])
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "models":
+                raise AssertionError(f"{path}:{node.lineno} imports the top-level `models`; it is meshtrain.models")
+            if parts[0] == "meshtrain" and len(parts) > 1:
+                yield node.lineno, parts[1] if parts[1] in RANK else "top"
+
+
+def test_imports_only_go_down_the_layers():
+    upward = []
+    for layer, path in modules():
+        rank = TOP if layer == "top" else RANK[layer]
+        for line, target in imported_layers(path):
+            target_rank = TOP if target == "top" else RANK[target]
+            if target != layer and (target_rank > rank or target_rank == rank):
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports meshtrain.{target}")
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_every_folder_is_a_declared_layer_and_an_installed_package():
+    folders = {p.name for p in (ROOT / "meshtrain").iterdir() if (p / "__init__.py").exists()} | {"models"}
+    assert folders == set(RANK)
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(setuptools["packages"]) == {"meshtrain"} | {f"meshtrain.{name}" for name in RANK}
+    assert setuptools["package-dir"] == {"meshtrain.models": "models"}
+    for name in RANK:  # each folder says what it owns
+        doc = ast.get_docstring(ast.parse((folder(name) / "__init__.py").read_text()))
+        assert doc and len(doc.splitlines()) >= 2, f"{name}/__init__.py needs a docstring naming what it owns"
