@@ -1,12 +1,51 @@
 """Model families, imported as `meshtrain.models` (this folder is installed under that name).
 
-One protocol (`meshtrain.models.transformer.LanguageModel`) for every family, chosen by `model.family`:
-- transformer.py: the dense decoder (Llama), the protocol and the block scan.
-- moe.py: mixture-of-experts MLPs (Mixtral/DeepSeek), expert-parallel dispatch.
+Each family is one module declaring a `FAMILY` (the protocol: models/spec.py), chosen by
+`model.family`; `FAMILIES` is the registry the config, the program, the planner and Hugging Face
+import/export read:
+- transformer.py: `llama`, the dense decoder; the model protocol (`LanguageModel`) and the block scan.
+- moe.py: `moe`, mixture-of-experts MLPs (Mixtral/DeepSeek), expert-parallel dispatch.
 """
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.core.errors import UserError
+from meshtrain.models import moe, transformer
 from meshtrain.models.moe import MoELanguageModel
+from meshtrain.models.spec import Family, ModelSpec
 from meshtrain.models.transformer import LanguageModel, Transformer
 
-FAMILIES = {"llama": LanguageModel, "moe": MoELanguageModel}
+FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY)}
 
-__all__ = ["FAMILIES", "LanguageModel", "MoELanguageModel", "Transformer"]
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise UserError(f"model.family={name!r} is not one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def with_family(spec: ModelSpec, name: str) -> ModelSpec:
+    """`spec` as a spec of family `name`: the fields both have carried over, the new family's own
+    at their defaults."""
+    target = family(name).spec
+    carried = {f.name: getattr(spec, f.name) for f in dataclasses.fields(target) if hasattr(spec, f.name)}
+    return target(**{**carried, "family": name})
+
+
+def make_spec(values: dict) -> ModelSpec:
+    """The spec a record describes (a run's run.json or checkpoint metadata: a `model` mapping), with
+    the keys its family has; keys of the earlier flat spec that the family lacks (a llama run's
+    num_experts: 0) are left out."""
+    target = family(values.get("family", "llama"))
+    names = {f.name for f in dataclasses.fields(target.spec)}
+    return target.spec(**{k: v for k, v in values.items() if k in names})
+
+
+def declaring(key: str) -> list[Family]:
+    """The families whose spec has the field `key`."""
+    return [f for f in FAMILIES.values() if any(x.name == key for x in dataclasses.fields(f.spec))]
+
+
+__all__ = ["FAMILIES", "Family", "LanguageModel", "ModelSpec", "MoELanguageModel", "Transformer", "declaring",
+           "family", "make_spec", "with_family"]

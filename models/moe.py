@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +62,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
-from meshtrain.models.transformer import PARAM_AXES, Block, LanguageModel, Transformer, _init
+from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec, family_setting
+from meshtrain.models.transformer import (LAYER, LLAMA_TENSORS, PARAM_AXES, Block, LanguageModel, Transformer, _init,
+                                          read_llama_config, write_llama_config)
 
 
 def capacity(seq_len: int, num_experts: int, experts_per_token: int, capacity_factor: float) -> int:
@@ -395,6 +399,33 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
 
 # ---- the `moe` family: the llama decoder with this MLP in every block ----
 
+@dataclass
+class RoutedExperts(ModelSpec):
+    """The fields of a family with routed experts (moe, qwen3_moe): the planner and the checks read
+    them wherever a spec has `num_experts`."""
+    num_experts: int = setting(0, "routed SwiGLU experts per block; 0 = a dense MLP (the llama block)", min=0)
+    experts_per_token: int = setting(2, "experts each token is routed to (top-k)", min=1)
+    capacity_factor: float = setting(0.0, "slots per expert and sequence = factor x seq_len x experts_per_token / "
+                                          "num_experts; assignments beyond them are dropped (and counted); "
+                                          "0 = dropless", min=0.0, architecture=False)
+    router_aux_loss: float = setting(0.01, "weight of the load-balancing loss (sequence-wise)", min=0.0,
+                                     architecture=False)
+    router_z_loss: float = setting(0.001, "weight of the router z-loss (mean squared logsumexp of the router "
+                                          "logits)", min=0.0, architecture=False)
+
+    def check(self) -> None:
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise UserError(f"model.experts_per_token={self.experts_per_token} exceeds model.num_experts="
+                            f"{self.num_experts}; route each token to at most num_experts experts")
+
+
+@dataclass
+class MoESpec(RoutedExperts):
+    family: str = family_setting("moe")
+    num_shared_experts: int = setting(0, "experts every token passes through besides its routed ones (DeepSeek)",
+                                      min=0)
+
+
 MOE_PARAM_AXES = {**PARAM_AXES, "router": ("embed", None), "expert_gate": ("experts", "embed", "mlp"),
                   "expert_up": ("experts", "embed", "mlp"), "expert_down": ("experts", "mlp", "embed")}
 
@@ -411,9 +442,9 @@ class MoEBlock(Block):
     of that many times the expert width). With num_experts = 0 it is the dense llama block."""
 
     def init_mlp(self, cfg, rngs: nnx.Rngs):
-        D, F, E = cfg.d_model, cfg.mlp_dim, cfg.num_experts
-        if cfg.num_shared_experts or not E:
-            super().init_mlp(cfg, rngs, width=F * max(cfg.num_shared_experts, 1))
+        D, F, E, shared = cfg.d_model, cfg.mlp_dim, cfg.num_experts, getattr(cfg, "num_shared_experts", 0)
+        if shared or not E:
+            super().init_mlp(cfg, rngs, width=F * max(shared, 1))
         if E:
             self.router = nnx.Param(_init(0, 1)(rngs.params(), (D, E)))
             self.expert_gate = nnx.Param(_expert_init()(rngs.params(), (E, D, F)))
@@ -427,7 +458,7 @@ class MoEBlock(Block):
         out, stats = moe_mlp(h_BxLxD, self.router[...], self.expert_gate[...], self.expert_up[...],
                              self.expert_down[...], experts_per_token=cfg.experts_per_token,
                              capacity_factor=cfg.capacity_factor)
-        if cfg.num_shared_experts:
+        if getattr(cfg, "num_shared_experts", 0):
             out = out + super().mlp(h_BxLxD)[0]
         return out, {"router_aux_loss": stats["aux_loss"], "router_z_loss": stats["z_loss"],
                      "dropped": stats["dropped"],
@@ -463,3 +494,40 @@ class MoELanguageModel(LanguageModel):
             return total
         routed = sum(params["blocks"][name].size for name in ("expert_gate", "expert_up", "expert_down"))
         return int(total - routed * (1 - self.cfg.experts_per_token / self.cfg.num_experts))
+
+
+# ---- its Hugging Face form: MixtralForCausalLM (a moe model without experts is a Llama) ----
+
+EXPERT = LAYER + "block_sparse_moe.experts.{j}."
+MIXTRAL_TENSORS = {
+    **LLAMA_TENSORS,
+    ("blocks", "router"): (LAYER + "block_sparse_moe.gate.weight", True),
+    ("blocks", "expert_gate"): (EXPERT + "w1.weight", True),
+    ("blocks", "expert_down"): (EXPERT + "w2.weight", True),
+    ("blocks", "expert_up"): (EXPERT + "w3.weight", True),
+}
+
+
+def read_mixtral(c: HFConfig) -> MoESpec:
+    """Hugging Face routes dropless (capacity_factor 0), with no z-loss."""
+    c.refuse(sliding_window=lambda v: v is not None)
+    return read_llama_config(c, MoESpec, num_experts=c.need("num_local_experts"),
+                             experts_per_token=c.need("num_experts_per_tok"), capacity_factor=0.0, router_z_loss=0.0,
+                             router_aux_loss=float(c.get("router_aux_loss_coef", 0.001)))  # MixtralConfig's default
+
+
+def write_mixtral(m: MoESpec) -> dict:
+    if m.num_shared_experts:
+        raise UserError("model.num_shared_experts > 0 has no Mixtral form (DeepSeek's layout); export is for "
+                        "llama and Mixtral-style moe models")
+    if not m.num_experts:
+        return write_llama_config(m)
+    config = write_llama_config(m, "mixtral", "MixtralForCausalLM")
+    del config["mlp_bias"]
+    return {**config, "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+            "router_aux_loss_coef": m.router_aux_loss, "sliding_window": None}
+
+
+FAMILY = Family("moe", "mixture-of-experts MLPs (Mixtral; DeepSeek's shared experts): top-k routing, "
+                       "capacity or dropless", MoESpec, MoELanguageModel,
+                HFMap(("mixtral",), MIXTRAL_TENSORS, read_mixtral, write_mixtral))

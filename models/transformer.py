@@ -1,6 +1,7 @@
 """Llama-style decoder-only transformer in Flax NNX: RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU, tied or untied head; layers stacked on a leading `layers` axis and run with scan.
-The `llama` family, and the base the `moe` family (models/moe.py) changes the MLP of.
+The `llama` family (`FAMILY`, with its Hugging Face form `LlamaForCausalLM`), the model protocol
+(`LanguageModel`) and the base the other families (models/moe.py, qwen3.py, ...) change parts of.
 
 `Block` is three pieces: `project` (norm, q/k/v, rotary), the attention kernel, and `finish` (output
 projection, MLP, residuals); training runs them as `__call__`, generation as `decode` (a KV cache).
@@ -22,11 +23,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from meshtrain.core.errors import UserError
+from meshtrain.core.metrics import flops_per_token
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.parallel.sharding import constrain, shard_count
+from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
 
-# Logical axes of every parameter, by its name (stacked block parameters get a leading "layers").
+# Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
+# module is named here); stacked block parameters get a leading "layers".
 PARAM_AXES = {
     "embedding": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
@@ -148,10 +153,15 @@ class Block(nnx.Module):
         q = checkpoint_name(jnp.einsum("bld,dhk->blhk", h, self.wq[...]), "q")
         k = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wk[...]), "k")
         v = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
+        q, k = self.normalize_qk(q, k)
         inv_freq_K2 = rope_frequencies(self.cfg)
         q = constrain(rotary(q, inv_freq_K2, positions), ("batch", "seq", "heads", "head_dim"))
         k = constrain(rotary(k, inv_freq_K2, positions), ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, v
+
+    def normalize_qk(self, q_BxLxHxK, k_BxLxGxK):
+        """Queries and keys before the rotary embeddings: as they are here (qwen3 normalizes them)."""
+        return q_BxLxHxK, k_BxLxGxK
 
     def finish(self, x_BxLxD, ctx_BxLxHxK):
         """The block after attention: x + ctx wo, then x + mlp(norm(x)); the new x and the stats."""
@@ -312,7 +322,8 @@ class LanguageModel:
 
     def logical_axes(self, params):
         def axes(path, _):
-            names = self.param_axes[path[-1].key]
+            module = path[-2].key if len(path) > 1 else None
+            names = self.param_axes.get(module) or self.param_axes[path[-1].key]
             return ("layers", *names) if path[0].key == "blocks" else names
 
         return jax.tree_util.tree_map_with_path(axes, params)
@@ -325,3 +336,82 @@ class LanguageModel:
         """Parameters one token multiplies by (the FLOPs model's N): the embedding table only when it
         doubles as the output head."""
         return self.num_params(params, embedding=self.cfg.tie_embeddings)
+
+    def flops_per_token(self, params, seq_len: int) -> float:
+        """Training FLOPs per token, 6N + 12 L (H K) S (meshtrain/core/metrics.py)."""
+        c = self.cfg
+        return flops_per_token(self.active_matmul_params(params), c.num_layers, c.num_heads * c.head_dim, seq_len)
+
+
+# ---- the llama family's Hugging Face form (LlamaForCausalLM), which the others build on ----
+
+LAYER = "model.layers.{i}."
+LLAMA_TENSORS = {
+    ("embedding",): ("model.embed_tokens.weight", False),
+    ("lm_head",): ("lm_head.weight", True),
+    ("final_norm", "scale"): ("model.norm.weight", False),
+    ("blocks", "attn_norm", "scale"): (LAYER + "input_layernorm.weight", False),
+    ("blocks", "mlp_norm", "scale"): (LAYER + "post_attention_layernorm.weight", False),
+    ("blocks", "wq"): (LAYER + "self_attn.q_proj.weight", True),
+    ("blocks", "wk"): (LAYER + "self_attn.k_proj.weight", True),
+    ("blocks", "wv"): (LAYER + "self_attn.v_proj.weight", True),
+    ("blocks", "wo"): (LAYER + "self_attn.o_proj.weight", True),
+    ("blocks", "w_gate"): (LAYER + "mlp.gate_proj.weight", True),
+    ("blocks", "w_up"): (LAYER + "mlp.up_proj.weight", True),
+    ("blocks", "w_down"): (LAYER + "mlp.down_proj.weight", True),
+}
+
+
+def read_llama_config(c: HFConfig, spec_type=ModelSpec, **fields) -> ModelSpec:
+    """The decoder fields every Llama-like config.json has (width, heads, rope, norm, head), as a
+    `spec_type` with `fields` (the family's own, or others' values in its place) added. Refuses
+    biases and other activations."""
+    c.refuse(attention_bias=bool, mlp_bias=bool, hidden_act=lambda v: v != "silu")
+    rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise UserError(f"{c.path}: rope scaling {rope_type!r} is not implemented (meshtrain has none and llama3)")
+    heads, width = c.need("num_attention_heads"), c.need("hidden_size")
+    shared = dict(
+        vocab_size=c.need("vocab_size"), num_layers=c.need("num_hidden_layers"), d_model=width, num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or width // heads,
+        mlp_dim=c.get("intermediate_size"), rope_theta=float(rope["rope_theta"]),
+        norm_eps=float(c.need("rms_norm_eps")), tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    spec = spec_type(**{**shared, **fields})
+    if not spec.mlp_dim:
+        c.need("intermediate_size")
+    if rope_type == "llama3":
+        spec.rope_scaling, spec.rope_factor = "llama3", float(c.need("factor", rope))
+        spec.rope_low_freq_factor = float(c.need("low_freq_factor", rope))
+        spec.rope_high_freq_factor = float(c.need("high_freq_factor", rope))
+        spec.rope_original_max_len = int(c.need("original_max_position_embeddings", rope))
+    return spec
+
+
+def write_llama_config(m: ModelSpec, model_type: str = "llama", architecture: str = "LlamaForCausalLM") -> dict:
+    """config.json's decoder fields for a resolved spec: rope given both as `rope_parameters`
+    (transformers 5) and as `rope_theta` + `rope_scaling` (earlier versions)."""
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=m.rope_factor, low_freq_factor=m.rope_low_freq_factor,
+                    high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
+    return {
+        "architectures": [architecture], "model_type": model_type, "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "rope_parameters": rope, "rope_theta": m.rope_theta,
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling != "none" else None,
+        "max_position_embeddings": int(max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling != "none"
+                                                                        else 1), 2048)),
+        "attention_bias": False, "mlp_bias": False,
+    }
+
+
+def read_llama(c: HFConfig) -> ModelSpec:
+    c.refuse(sliding_window=lambda v: v is not None)
+    return read_llama_config(c)
+
+
+FAMILY = Family("llama", "dense decoder (Llama 2/3): GQA, SwiGLU, RoPE (llama3 scaling), tied or untied head",
+                ModelSpec, LanguageModel, HFMap(("llama",), LLAMA_TENSORS, read_llama, write_llama_config))

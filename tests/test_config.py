@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import ROOT
+from meshtrain.models.moe import MoESpec
 from meshtrain.config.loader import (Config, ModelSpec, OptimSpec, UserError, apply_overrides, commented_yaml,
                               load_config, reference_markdown)
 from meshtrain.parallel.mesh import parse_mesh
@@ -46,11 +47,12 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
 
 
 def test_architecture_is_resolved_and_leaves_out_loss_weights_and_capacity():
-    explicit = ModelSpec(d_model=128, mlp_dim=384, head_dim=32, capacity_factor=1.25, router_aux_loss=0.1)
-    assert ModelSpec(d_model=128).architecture() == explicit.architecture()
+    explicit = MoESpec(d_model=128, mlp_dim=384, head_dim=32, capacity_factor=1.25, router_aux_loss=0.1)
+    assert MoESpec(d_model=128).architecture() == explicit.architecture()
     assert not {"capacity_factor", "router_aux_loss", "router_z_loss"} & set(explicit.architecture())
-    assert ModelSpec(d_model=128, mlp_dim=512).architecture() != explicit.architecture()
-    assert ModelSpec(family="moe", num_experts=4).architecture() != ModelSpec(family="moe").architecture()
+    assert MoESpec(d_model=128, mlp_dim=512).architecture() != explicit.architecture()
+    assert MoESpec(num_experts=4).architecture() != MoESpec().architecture()
+    assert ModelSpec(d_model=128).architecture() != MoESpec(d_model=128).architecture()  # the family is in it
 
 
 @pytest.mark.parametrize("optim", [{"clip_norm": 0.0}, {"clip_norm": 5.0, "lr": 1.0, "weight_decay": 0.0},
@@ -103,7 +105,7 @@ def test_overrides_coerce_types_and_nest():
     ("parallel.zero=4", "parallel.zero=4 is not one of 0, 1, 2, 3"),
     ("model.family=gpt", "model.family='gpt' is not one of llama, moe"),
     ("parallel.attention=flash", "parallel.attention='flash' is not one of xla, blockwise, cudnn, ring"),
-    ("model.num_experts=4", "experts belong to the moe family; set model.family=moe"),
+    ("model.num_experts=4", "the llama family has no num_experts .*; set model.family=moe"),
 ])
 def test_invalid_configs_fail_clearly(override, message):
     with pytest.raises(UserError, match=message):

@@ -19,6 +19,7 @@ from meshtrain.core.bounds import Bounds
 from meshtrain.config.spec import (MAX_SIMULATED_DEVICES, RENAMED, CheckpointConfig, Config, DataConfig,  # noqa: F401
                             GuardConfig, ModelSpec, OptimSpec, ParallelPlan, TrainConfig, settings)
 from meshtrain.config.validate import check_config
+from meshtrain.models import FAMILIES, declaring, with_family
 
 DEFAULT_RUN = "default"  # the run folder's name without --config: runs/default
 
@@ -112,8 +113,12 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     names = [f.name for f in dataclasses.fields(obj)]
     key = prefix + head
     if head not in names:
+        if isinstance(obj, ModelSpec) and not rest and _other_familys_default(obj, head, value, key):
+            return
         raise UserError(f"unknown config key '{key}'; valid keys here: {', '.join(names)}")
     current = getattr(obj, head)
+    if isinstance(current, ModelSpec) and rest == "family":  # the family decides the section's keys
+        return setattr(obj, head, with_family(current, _coerce(value, str, key + ".family")))
     if dataclasses.is_dataclass(current):
         if rest:
             return _set(current, rest, value, key + ".")
@@ -121,14 +126,29 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
         if not isinstance(value, dict):
             raise UserError(f"config key '{key}' is a section; set one of its fields, "
                             f"e.g. {key}.{dataclasses.fields(current)[0].name}=...")
-        for k, v in value.items():
-            _set(current, k, v, key + ".")
+        for k, v in sorted(value.items(), key=lambda kv: kv[0] != "family"):  # the family first
+            _set(obj, f"{head}.{k}", v, prefix)
     elif hints[head] is dict and rest:
         current[rest] = _value(value, f"{key}.{rest}")
     elif rest:
         raise UserError(f"config key '{key}' has no field '{rest}'")
     else:
         setattr(obj, head, _coerce(value, hints[head], key))
+
+
+def _other_familys_default(spec, name: str, value, key: str) -> bool:
+    """True for a key of another family at that family's default (a run's config.yaml written
+    before model keys moved to their families holds every family's, e.g. a llama run's
+    num_experts: 0: they change nothing). Any other value is a UserError naming the families."""
+    owners = declaring(name)
+    if not owners:
+        return False
+    default = next(f for f in dataclasses.fields(owners[0].spec) if f.name == name)
+    if _coerce(value, type(default.default), key) == default.default:
+        return True
+    names = ", ".join(f.name for f in owners)
+    raise UserError(f"{key}={_value(value, key)}: the {spec.family} family has no {name} (the {names} "
+                    f"famil{'y has' if len(owners) == 1 else 'ies have'} it); set model.family={owners[0].name}")
 
 
 def split_override(item: str) -> tuple[str, str]:
@@ -167,7 +187,8 @@ def _renamed(key: str, value) -> list[tuple[str, object]]:
     if any(old.startswith(key + ".") for old in RENAMED):
         mapping = _value(value, key)
         if isinstance(mapping, dict):
-            return [pair for k, v in mapping.items() for pair in _renamed(f"{key}.{k}", v)]
+            family_first = sorted(mapping.items(), key=lambda kv: kv[0] != "family")  # it decides the keys
+            return [pair for k, v in family_first for pair in _renamed(f"{key}.{k}", v)]
     return [(key, value)]
 
 
@@ -225,6 +246,8 @@ def reference_markdown() -> str:
         lines += [f"## `{section.name}`: {section.metadata['help']}", "", "| key | default | meaning |", "|---|---|---|"]
         lines += [_reference_row(key, f, value) for key, f, value in settings(default, f"{section.name}.")]
         lines.append("")
+        if section.name == "model":
+            lines += _families_reference()
     lines += ["## Top-level keys", "", "| key | default | meaning |", "|---|---|---|"]
     lines += [_reference_row(key, f, value) for key, f, value in settings() if "." not in key]
     lines += ["", "## Resuming", "",
@@ -239,6 +262,20 @@ def reference_markdown() -> str:
     lines += ["", "`train.microbatches: 1`, the earlier default (which a pipeline ignored), leaves "
               "`parallel.microbatches` as it is.", ""]
     return "\n".join(lines)
+
+
+def _families_reference() -> list[str]:
+    """The model families (`model.family`) and the keys each adds to the ones above."""
+    lines = ["### Model families", "", "`model.family` picks one; the keys above are every family's, and a family",
+             "may add its own (meshtrain/models/, README: Model families).", "", "| family | what it is | its own keys |",
+             "|---|---|---|"]
+    lines += [f"| `{f.name}` | {f.help} | {', '.join(f'`{x.name}`' for x in f.fields()) or '-'} |"
+              for f in FAMILIES.values()]
+    for f in FAMILIES.values():
+        if f.fields():
+            lines += ["", f"#### Keys of the `{f.name}` family", "", "| key | default | meaning |", "|---|---|---|"]
+            lines += [_reference_row(f"model.{x.name}", x, x.default) for x in f.fields()]
+    return lines + [""]
 
 
 def _reference_row(key: str, f, value) -> str:

@@ -1,7 +1,8 @@
 """What is trained, how it runs, how it learns: the config's sections as dataclasses.
 
-- `ModelSpec` (`model:`): the model family and its architecture. Its architecture keys define the
-  weights; a checkpoint resumes only into the same ones (`architecture()`).
+- `ModelSpec` (`model:`): the model family and its architecture, declared by the family
+  (meshtrain/models/spec.py; each family's spec adds its own keys). Its architecture keys define
+  the weights; a checkpoint resumes only into the same ones (`architecture()`).
 - `ParallelPlan` (`parallel:`): how the run executes on the devices: mesh axes, logical-axis
   rules, ZeRO stage, precision, remat policy, attention backend, microbatches, pipeline schedule,
   sequence parallelism. Any of it may change on resume.
@@ -15,88 +16,16 @@ that involve several settings or the mesh live in meshtrain/config/validate.py.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
-from meshtrain.core.bounds import Bounds
+from meshtrain.core.bounds import setting
 from meshtrain.data.sources import KINDS as DATA_KINDS
 from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
 from meshtrain.parallel.schedules import SCHEDULES
-from meshtrain.models import FAMILIES
+from meshtrain.models import ModelSpec  # noqa: F401 (the model section: its family's spec, models/spec.py)
 
 MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
-
-
-def setting(default, help: str, *, choices=(), min=None, max=None, above=None, below=None,
-            architecture: bool = True):
-    """A config field. `min`/`max` (inclusive), `above`/`below` (exclusive): its range (`Bounds`).
-    `architecture=False`: a model setting that does not define the weights (a loss weight, a routing
-    capacity), so it may differ on resume."""
-    meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
-            "architecture": architecture}
-    if dataclasses.is_dataclass(default) or isinstance(default, dict):
-        return field(default_factory=lambda: type(default)(), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class ModelSpec:
-    family: str = setting("llama", "model family: llama (dense decoder), moe (mixture-of-experts "
-                                   "MLPs, Mixtral/DeepSeek style)", choices=tuple(FAMILIES))
-    vocab_size: int = setting(256, "vocabulary size (256 for byte-level text)", min=1)
-    num_layers: int = setting(4, "transformer blocks", min=1)
-    d_model: int = setting(128, "model width", min=1)
-    num_heads: int = setting(4, "query heads", min=1)
-    num_kv_heads: int = setting(4, "key/value heads (fewer than num_heads: grouped-query attention)", min=1)
-    head_dim: int = setting(0, "width of one head; 0 = d_model / num_heads", min=0)
-    mlp_dim: int = setting(0, "SwiGLU hidden width (of each expert under moe); 0 = 8/3 x d_model rounded "
-                              "up to a multiple of 64", min=0)
-    rope_theta: float = setting(10000.0, "rotary embedding base", min=1.0)
-    rope_scaling: str = setting("none", "rotary frequency rescaling for long context: none, or llama3 (Llama "
-                                        "3.1+: the rope_* keys below)", choices=("none", "llama3"))
-    rope_factor: float = setting(8.0, "llama3 rope scaling: low frequencies are divided by this", min=1.0)
-    rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original_max_len / "
-                                               "this are scaled", above=0.0)
-    rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original_max_len / "
-                                                "this are kept", above=0.0)
-    rope_original_max_len: int = setting(8192, "llama3 rope scaling: the context length of pre-training", min=1)
-    norm_eps: float = setting(1e-5, "RMSNorm epsilon", above=0.0)
-    tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
-    num_experts: int = setting(0, "moe: routed SwiGLU experts per block; 0 = a dense MLP (the llama block)",
-                               min=0)
-    experts_per_token: int = setting(2, "moe: experts each token is routed to (top-k)", min=1)
-    num_shared_experts: int = setting(0, "moe: experts every token passes through besides its routed ones "
-                                         "(DeepSeek)", min=0)
-    capacity_factor: float = setting(0.0, "moe: slots per expert and sequence = factor x seq_len x "
-                                          "experts_per_token / num_experts; assignments beyond them are "
-                                          "dropped (and counted); 0 = dropless", min=0.0, architecture=False)
-    router_aux_loss: float = setting(0.01, "moe: weight of the load-balancing loss (sequence-wise)", min=0.0,
-                                     architecture=False)
-    router_z_loss: float = setting(0.001, "moe: weight of the router z-loss (mean squared logsumexp of the "
-                                          "router logits)", min=0.0, architecture=False)
-
-    def resolved(self) -> "ModelSpec":
-        head_dim = self.head_dim or self.d_model // self.num_heads
-        mlp_dim = self.mlp_dim or -(-(8 * self.d_model // 3) // 64) * 64
-        return dataclasses.replace(self, head_dim=head_dim, mlp_dim=mlp_dim)
-
-    def architecture(self) -> dict:
-        """What defines the weights (resolved): a checkpoint resumes only into the same one."""
-        resolved = self.resolved()
-        unused = {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
-            if self.rope_scaling == "none" else set()
-        return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self)
-                if f.metadata["architecture"] and f.name not in unused}
-
-    def architecture_difference(self, other: "ModelSpec", here: str, there: str) -> str | None:
-        """'<there> has model.d_model=32, <here> has 64 (and 2 more keys differ)', or None when both
-        define the same weights."""
-        mine, theirs = self.architecture(), other.architecture()
-        differ = [k for k in mine if theirs.get(k) != mine[k]]
-        if not differ:
-            return None
-        more = f" (and {len(differ) - 1} more keys differ)" if len(differ) > 1 else ""
-        return f"{there} has model.{differ[0]}={theirs[differ[0]]}, {here} has {mine[differ[0]]}{more}"
 
 
 @dataclass

@@ -26,12 +26,14 @@ from meshtrain.parallel.schedules import check_residuals
 from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.config.spec import settings
 from meshtrain.data.tokenizer import check_vocab, load as load_tokenizer
+from meshtrain.models import declaring, family
 
 ABSURD_FACTOR = 4  # a step whose lower bound needs this many times a device's memory is refused
 MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
 
 
 def check_config(cfg) -> None:
+    family(cfg.model.family)  # registered (meshtrain.models.FAMILIES)
     for key, f, value in settings(cfg):
         choices = f.metadata["choices"]
         if choices and value not in choices:
@@ -50,7 +52,7 @@ def check_config(cfg) -> None:
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
-    _check_experts(m)
+    m.check()  # the family's own
     if par.loss_scale_min > par.loss_scale_initial:
         raise UserError(f"parallel.loss_scale_min={par.loss_scale_min} exceeds parallel.loss_scale_initial="
                         f"{par.loss_scale_initial}; lower the minimum or raise the initial scale")
@@ -66,17 +68,6 @@ def check_config(cfg) -> None:
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
-
-
-def _check_experts(m) -> None:
-    if m.family != "moe":
-        if m.num_experts or m.num_shared_experts:
-            raise UserError(f"model.num_experts={m.num_experts}, model.num_shared_experts={m.num_shared_experts}: "
-                            f"experts belong to the moe family; set model.family=moe")
-        return
-    if m.num_experts and m.experts_per_token > m.num_experts:
-        raise UserError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts={m.num_experts}; "
-                        f"route each token to at most num_experts experts")
 
 
 def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) -> None:
@@ -109,8 +100,9 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
         if value % tp:
             raise UserError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
     experts = sizes["expert"]
-    if experts > 1 and not (m.family == "moe" and m.num_experts):
-        raise UserError(f"mesh expert={experts} splits experts, and this model has none; set model.family=moe and "
+    if experts > 1 and not getattr(m, "num_experts", 0):
+        raise UserError(f"mesh expert={experts} splits experts, and this model has none; set model.family to one "
+                        f"with experts ({', '.join(f.name for f in declaring('num_experts'))}) and "
                         f"model.num_experts, or drop the expert axis")
     if experts > 1 and m.num_experts % experts:
         raise UserError(f"model.num_experts={m.num_experts} is not divisible by expert={experts}; use an expert "

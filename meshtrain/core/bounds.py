@@ -1,10 +1,13 @@
 """The range a number may take, for config keys (meshtrain/config/spec.py) and command flags
 (meshtrain/core/cli.py `number`) alike: every number finite, every integer at most INT_LIMIT, and within
-its own bounds. No JAX here: light commands import it."""
+its own bounds; `setting`, a config field with its default, meaning and range (the config sections
+and the model families' architecture fields declare theirs with it). No JAX here: light commands
+import it."""
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshtrain.core.errors import UserError
 
@@ -44,3 +47,15 @@ class Bounds:
         problem = self.problem(value)
         if problem:
             raise UserError(f"{name}={value} {problem}")
+
+
+def setting(default, help: str, *, choices=(), min=None, max=None, above=None, below=None,
+            architecture: bool = True):
+    """A config field. `min`/`max` (inclusive), `above`/`below` (exclusive): its range (`Bounds`).
+    `architecture=False`: a model setting that does not define the weights (a loss weight, a routing
+    capacity), so it may differ on resume."""
+    meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
+            "architecture": architecture}
+    if dataclasses.is_dataclass(default) or isinstance(default, dict):
+        return field(default_factory=lambda: type(default)(), metadata=meta)
+    return field(default=default, metadata=meta)

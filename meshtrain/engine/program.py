@@ -18,7 +18,6 @@ from meshtrain.ops.attention import BACKENDS
 from meshtrain.parallel.batching import split_microbatches
 from meshtrain.parallel.context_parallel import load_balanced_order
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
-from meshtrain.core.metrics import flops_per_token
 from meshtrain.engine.pipeline import layer_order
 from meshtrain.ops.precision import initial_loss_scale
 from meshtrain.parallel.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
@@ -66,9 +65,7 @@ class TrainProgram:
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs)
         self.num_params = self.model.num_params(abstract_params)
-        m = self.model.cfg  # resolved: head_dim set
-        self.flops_per_token = flops_per_token(self.model.active_matmul_params(abstract_params), m.num_layers,
-                                               m.num_heads * m.head_dim, t.seq_len)
+        self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
 
     @classmethod
     def from_config(cls, cfg, devices=None) -> "TrainProgram":

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from meshtrain.config.loader import Config, ModelSpec, UserError, default_out, to_dict
+from meshtrain.config.loader import Config, UserError, default_out, to_dict
+from meshtrain.models import make_spec
 from meshtrain.core.folders import replace_file, writable
 from meshtrain.run.lock import LOCK_FILE
 
@@ -89,7 +90,7 @@ def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[di
     if recorded is None:
         return mine, []
     model_change = cfg.model.architecture_difference(
-        ModelSpec(**{k: v for k, v in recorded["model"].items() if hasattr(ModelSpec, k)}), "this start",
+        make_spec(recorded["model"]), "this start",
         f"the run in {out}")
     if model_change:  # other weights: no phase of this run can continue from its checkpoints
         raise UserError(f"{model_change}; use a new --out for a new run, or the model section of "

@@ -22,7 +22,8 @@ from meshtrain import data as data_lib
 from meshtrain.run import loggers, run_dir
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
-from meshtrain.config.loader import Config, ModelSpec, UserError, to_dict
+from meshtrain.config.loader import Config, UserError, to_dict
+from meshtrain.models import make_spec
 from meshtrain.run.lock import LOCK_FILE, FolderLock
 from meshtrain.parallel.mesh import describe
 from meshtrain.core.metrics import mfu, peak_flops
@@ -139,7 +140,7 @@ class Trainer:
     def _check_same_model(self, meta, folder) -> None:
         """Resume needs the same weights' definition (architecture, resolved); everything about how the
         run executes or learns may change."""
-        saved = ModelSpec(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelSpec, k)})
+        saved = make_spec(meta["config"]["model"])
         differ = self.cfg.model.architecture_difference(saved, "this run", f"checkpoint {folder}")
         if differ:
             own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those

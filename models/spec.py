@@ -1,0 +1,134 @@
+"""The family protocol: what a model family declares, and the architecture fields all families share.
+
+A family is one module of models/ with a `FAMILY = Family(...)`, registered in models/__init__.py:
+- `spec`: its architecture, a `ModelSpec` (sub)class. The fields below are every family's; a family
+  adds its own (each a `setting`: default, meaning, range), so a dense model has no MoE fields.
+  `model.family` in a config picks the class; the other `model:` keys are its fields, flat.
+- `model`: its `LanguageModel` (models/transformer.py: the protocol the library trains through),
+  which holds its modules, the logical axes of its parameters (`param_axes`) and its counts
+  (`num_params`, `active_matmul_params` and `flops_per_token`, the FLOPs model's N and 6N + 12LHKS).
+- `hf`: its Hugging Face form (`HFMap`: the config.json model types it imports, the tensor name map,
+  the config translation both ways), which meshtrain/interop/hf.py reads; None when it has none.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from meshtrain.core.bounds import setting
+from meshtrain.core.errors import UserError
+
+FAMILY_HELP = "model family (README: Model families); it decides which other model keys exist"
+
+
+@dataclass
+class ModelSpec:
+    """The architecture fields every family has (the llama and qwen3 families have no others)."""
+    family: str = setting("llama", FAMILY_HELP)
+    vocab_size: int = setting(256, "vocabulary size (256 for byte-level text)", min=1)
+    num_layers: int = setting(4, "transformer blocks", min=1)
+    d_model: int = setting(128, "model width", min=1)
+    num_heads: int = setting(4, "query heads", min=1)
+    num_kv_heads: int = setting(4, "key/value heads (fewer than num_heads: grouped-query attention)", min=1)
+    head_dim: int = setting(0, "width of one head; 0 = d_model / num_heads", min=0)
+    mlp_dim: int = setting(0, "SwiGLU hidden width (of each expert in a mixture-of-experts family); 0 = 8/3 x "
+                              "d_model rounded up to a multiple of 64", min=0)
+    rope_theta: float = setting(10000.0, "rotary embedding base", min=1.0)
+    rope_scaling: str = setting("none", "rotary frequency rescaling for long context: none, or llama3 (Llama "
+                                        "3.1+: the rope_* keys below)", choices=("none", "llama3"))
+    rope_factor: float = setting(8.0, "llama3 rope scaling: low frequencies are divided by this", min=1.0)
+    rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original_max_len / "
+                                               "this are scaled", above=0.0)
+    rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original_max_len / "
+                                                "this are kept", above=0.0)
+    rope_original_max_len: int = setting(8192, "llama3 rope scaling: the context length of pre-training", min=1)
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon", above=0.0)
+    tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
+
+    def resolved(self) -> "ModelSpec":
+        head_dim = self.head_dim or self.d_model // self.num_heads
+        mlp_dim = self.mlp_dim or -(-(8 * self.d_model // 3) // 64) * 64
+        return dataclasses.replace(self, head_dim=head_dim, mlp_dim=mlp_dim)
+
+    def check(self) -> None:
+        """The family's own checks across its keys (meshtrain/config/validate.py runs the shared
+        ones first): a one-line UserError naming the key and the fix. None here."""
+
+    def architecture(self) -> dict:
+        """What defines the weights (resolved): a checkpoint resumes only into the same one."""
+        resolved = self.resolved()
+        unused = {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
+            if self.rope_scaling == "none" else set()
+        return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self)
+                if f.metadata["architecture"] and f.name not in unused}
+
+    def architecture_difference(self, other: "ModelSpec", here: str, there: str) -> str | None:
+        """'<there> has model.d_model=32, <here> has 64 (and 2 more keys differ)', or None when both
+        define the same weights."""
+        mine, theirs = self.architecture(), other.architecture()
+        differ = [k for k in mine if theirs.get(k) != mine[k]] + [k for k in theirs if k not in mine]
+        if not differ:
+            return None
+        more = f" (and {len(differ) - 1} more keys differ)" if len(differ) > 1 else ""
+        return f"{there} has model.{differ[0]}={theirs.get(differ[0])}, {here} has {mine.get(differ[0])}{more}"
+
+
+class HFConfig(dict):
+    """A Hugging Face config.json being translated, which names itself (`path`) in its errors."""
+
+    def __init__(self, values: dict, path):
+        super().__init__(values)
+        self.path = path
+
+    def need(self, key: str, table: dict | None = None):
+        """table[key] (table: this config), or a UserError saying the file lacks it."""
+        table = self if table is None else table
+        if key not in table:
+            raise UserError(f"{self.path} lacks {key!r}, which a {self.get('model_type')} config.json has; the "
+                            f"file is incomplete")
+        return table[key]
+
+    def refuse(self, **bad: Callable) -> None:
+        """A UserError for the first key present whose value `bad[key](value)` says meshtrain does
+        not compute: never an approximation."""
+        for key, is_bad in bad.items():
+            if key in self and is_bad(self[key]):
+                raise UserError(f"{self.path}: {key}={self[key]!r} is not implemented by meshtrain's "
+                                f"{self.get('model_type')} model; this checkpoint cannot be imported exactly")
+
+
+@dataclass(frozen=True)
+class HFMap:
+    """A family's Hugging Face form. `tensors`: our parameter path -> (the Hugging Face name, with
+    {i} for the layer and {j} for the expert, and whether it is a linear weight [out, in]);
+    `read(HFConfig) -> spec` and `write(resolved spec) -> dict` translate config.json (`write`
+    leaves out the dtype, which the exporter adds)."""
+    model_types: tuple[str, ...]
+    tensors: dict
+    read: Callable[[HFConfig], ModelSpec]
+    write: Callable[[ModelSpec], dict]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (see the module doc). Calling it builds its model:
+    `FAMILIES[spec.family](spec, attention=..., sequence_order=...)`."""
+    name: str
+    help: str
+    spec: type
+    model: type
+    hf: HFMap | None = None
+
+    def __call__(self, spec: ModelSpec, **kwargs):
+        return self.model(spec, **kwargs)
+
+    def fields(self) -> list:
+        """The fields this family adds to the shared ones (`ModelSpec`)."""
+        shared = {f.name for f in dataclasses.fields(ModelSpec)}
+        return [f for f in dataclasses.fields(self.spec) if f.name not in shared]
+
+
+def family_setting(name: str):
+    """A family's own `family` field: its name as the default."""
+    return setting(name, FAMILY_HELP)
