@@ -5,18 +5,19 @@ Each family is one module declaring a `FAMILY` (the protocol: models/spec.py), c
 import/export read:
 - transformer.py: `llama`, the dense decoder; the model protocol (`LanguageModel`) and the block scan.
 - moe.py: `moe`, mixture-of-experts MLPs (Mixtral/DeepSeek), expert-parallel dispatch.
+- qwen3.py: `qwen3`, the dense decoder with per-head q/k RMSNorm.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from meshtrain.core.errors import UserError
-from meshtrain.models import moe, transformer
+from meshtrain.models import moe, qwen3, transformer
 from meshtrain.models.moe import MoELanguageModel
 from meshtrain.models.spec import Family, ModelSpec
 from meshtrain.models.transformer import LanguageModel, Transformer
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY, qwen3.FAMILY)}
 
 
 def family(name: str) -> Family:
