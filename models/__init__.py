@@ -6,18 +6,19 @@ import/export read:
 - transformer.py: `llama`, the dense decoder; the model protocol (`LanguageModel`) and the block scan.
 - moe.py: `moe`, mixture-of-experts MLPs (Mixtral/DeepSeek), expert-parallel dispatch.
 - qwen3.py: `qwen3`, the dense decoder with per-head q/k RMSNorm.
+- qwen3_moe.py: `qwen3_moe`, qwen3 attention with routed experts in every block.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from meshtrain.core.errors import UserError
-from meshtrain.models import moe, qwen3, transformer
+from meshtrain.models import moe, qwen3, qwen3_moe, transformer
 from meshtrain.models.moe import MoELanguageModel
 from meshtrain.models.spec import Family, ModelSpec
 from meshtrain.models.transformer import LanguageModel, Transformer
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
 
 
 def family(name: str) -> Family:
