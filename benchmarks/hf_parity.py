@@ -1,5 +1,5 @@
 """Hugging Face import/export parity: max |logit difference| between meshtrain and transformers
-(CPU torch, fp32) for random-weight Llama and Mixtral checkpoints built from small configs (nothing
+(CPU torch, fp32) for random-weight Llama, Mixtral, Qwen3 and Qwen3-MoE checkpoints built from small configs (nothing
 downloaded), and for a meshtrain run exported to Hugging Face and loaded with from_pretrained.
 
     python benchmarks/hf_parity.py [--width 256 --layers 4 --seq 256]
@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from meshtrain import hf  # noqa: E402
+from meshtrain.interop import hf  # noqa: E402
 from meshtrain.parallel.mesh import build_mesh, parse_mesh  # noqa: E402
 from meshtrain.parallel.sharding import param_shardings  # noqa: E402
 from meshtrain.models import FAMILIES  # noqa: E402
@@ -40,6 +40,23 @@ def checkpoints(width: int, layers: int):
         intermediate_size=2 * width, tie_word_embeddings=True, **common))
     yield "mixtral, 8 experts top-2", transformers.MixtralForCausalLM(transformers.MixtralConfig(
         intermediate_size=width, num_local_experts=8, num_experts_per_tok=2, **common))
+    qwen3 = dict(common, head_dim=width // 4, rope_theta=1000000.0, rms_norm_eps=1e-6)  # 8 heads of 2 x width/8
+    yield "qwen3, untied, GQA 8/2, head_dim 2x", with_random_norms(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        intermediate_size=2 * width, tie_word_embeddings=False, **qwen3)))
+    yield "qwen3, tied head", with_random_norms(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        intermediate_size=2 * width, tie_word_embeddings=True, **qwen3)))
+    yield "qwen3_moe, 8 experts top-2, renormalized", with_random_norms(transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(moe_intermediate_size=width // 2, num_experts=8, num_experts_per_tok=2,
+                                    norm_topk_prob=True, tie_word_embeddings=False, **qwen3)))
+
+
+def with_random_norms(model):
+    """RMSNorm scales start at 1; random ones, so a misplaced scale shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def logits(model, tokens):
@@ -56,8 +73,8 @@ def main() -> None:
     torch.manual_seed(0)
     tokens = np.random.default_rng(0).integers(0, 1000, (2, args.seq))
     mesh = build_mesh(parse_mesh("fsdp=2,tensor=2", 4), jax.devices()[:4])
-    print(f"| checkpoint | import: max abs logit diff (max abs logit) | export -> from_pretrained | "
-          f"re-export bitwise |\n|---|---|---|---|")
+    print("| checkpoint | import: max abs logit diff (max abs logit) | export -> from_pretrained | "
+          "re-export bitwise |\n|---|---|---|---|")
     for name, hf_model in checkpoints(args.width, args.layers):
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
