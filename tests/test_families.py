@@ -51,12 +51,11 @@ def hf_outputs(folder):
         return model(tokens[:, :-1]).logits.numpy(), model(tokens, labels=tokens).loss.item()
 
 
-def imported(folder, mesh="1"):
+def imported(folder, mesh="1", devices=1):
     spec = hf.read_spec(folder)
     model = FAMILIES[spec.family](spec)
-    devices = jax.devices()[:len(jax.devices()) if mesh != "1" else 1]
-    return model, hf.load_params(folder, model, param_shardings(model, build_mesh(parse_mesh(mesh, 4 if mesh != "1"
-                                                                                              else 1), devices[:4])))
+    on = build_mesh(parse_mesh(mesh, devices), jax.devices()[:devices])
+    return model, hf.load_params(folder, model, param_shardings(model, on))
 
 
 def ours(model, params):
@@ -89,11 +88,13 @@ def test_import_matches_transformers_and_exports_bitwise(tmp_path, kind, tied):
 
 
 def test_sharded_import_equals_one_device(tmp_path):
-    """q/k norm scales and experts split over fsdp, tensor and expert as the other weights."""
+    """Each device reads its shard of the experts (and of the q/k norms' scales, by their axes)."""
     folder = save_hf(tmp_path / "hf", "qwen3_moe")
     _, one = imported(folder)
-    _, sharded = imported(folder, "fsdp=2,expert=2")
+    _, sharded = imported(folder, "fsdp=2,expert=2", devices=4)
     assert max_param_diff(jax.device_get(sharded), jax.device_get(one)) == 0
+    experts = sharded["blocks"]["expert_gate"]  # [layers, experts, D, F]: split over expert and fsdp
+    assert all(s.data.size * 4 == experts.size for s in experts.addressable_shards)
 
 
 @pytest.mark.parametrize("change, message", [
