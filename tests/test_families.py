@@ -2,7 +2,8 @@
 has no MoE keys, configs of earlier runs still load), and the qwen3 and qwen3_moe families against
 transformers' Qwen3ForCausalLM and Qwen3MoeForCausalLM (CPU torch, fp32, random weights from tiny
 configs, nothing downloaded): logits and loss, bitwise import/export round trips, the refused
-config.json forms; their tiny configs train on a sharded mesh as on one device."""
+config.json forms; their tiny configs train on a sharded mesh as on one device and decode with a
+KV cache as the full forward computes."""
 import dataclasses
 import json
 
@@ -135,3 +136,19 @@ def test_tiny_configs_train_on_a_mesh_as_on_one_device(config, mesh):
     _, losses, params = run_tiny(f"parallel.mesh={mesh}", devices=jax.devices()[:4], config=config)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     assert max_param_diff(params, ref_params) < 1e-5 and losses[-1] != losses[0]
+
+
+@pytest.mark.parametrize("config", [QWEN3_TINY, QWEN3_MOE_TINY])
+def test_cached_decoding_matches_the_full_forward(config):
+    """Generation's cached forward (prefill, then a token at a time) normalizes q and k as training does."""
+    spec = load_config(config).model
+    model = FAMILIES[spec.family](spec)
+    params = model.init(jax.random.key(0))
+    tokens = TOKENS[:, :12] % spec.vocab_size
+    full = np.asarray(model.apply(params, tokens))
+    x, cache = model.decode(params, tokens[:, :8], model.init_cache(2, 16), np.zeros(2, np.int32))
+    logits = [np.asarray(model.head(params, x))]
+    for t in range(8, 12):
+        x, cache = model.decode(params, tokens[:, t:t + 1], cache, np.full(2, t, np.int32))
+        logits.append(np.asarray(model.head(params, x)))
+    np.testing.assert_allclose(np.concatenate(logits, axis=1), full, atol=1e-5, rtol=0)
