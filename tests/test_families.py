@@ -144,11 +144,11 @@ def test_cached_decoding_matches_the_full_forward(config):
     spec = load_config(config).model
     model = FAMILIES[spec.family](spec)
     params = model.init(jax.random.key(0))
-    tokens = TOKENS[:, :12] % spec.vocab_size
+    tokens = TOKENS[:, :10] % spec.vocab_size
     full = np.asarray(model.apply(params, tokens))
-    x, cache = model.decode(params, tokens[:, :8], model.init_cache(2, 16), np.zeros(2, np.int32))
+    x, cache = model.decode(params, tokens[:, :8], model.init_cache(2, 10), np.zeros(2, np.int32))
     logits = [np.asarray(model.head(params, x))]
-    for t in range(8, 12):
+    for t in range(8, 10):
         x, cache = model.decode(params, tokens[:, t:t + 1], cache, np.full(2, t, np.int32))
         logits.append(np.asarray(model.head(params, x)))
     np.testing.assert_allclose(np.concatenate(logits, axis=1), full, atol=1e-5, rtol=0)
