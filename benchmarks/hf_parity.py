@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from meshtrain import hf  # noqa: E402
+from meshtrain.interop import hf  # noqa: E402
 from meshtrain.parallel.mesh import build_mesh, parse_mesh  # noqa: E402
 from meshtrain.parallel.sharding import param_shardings  # noqa: E402
 from meshtrain.models import FAMILIES  # noqa: E402

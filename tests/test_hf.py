@@ -11,7 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from meshtrain import convert, hf, run_dir  # noqa: E402
+from meshtrain import convert  # noqa: E402
+from meshtrain.interop import hf  # noqa: E402
+from meshtrain.run import run_dir  # noqa: E402
 from meshtrain.config.loader import UserError, load_config  # noqa: E402
 from meshtrain.parallel.mesh import build_mesh, parse_mesh  # noqa: E402
 from meshtrain.parallel.sharding import param_shardings  # noqa: E402

@@ -60,3 +60,4 @@ def test_every_folder_is_a_declared_layer_and_an_installed_package():
     for name in RANK:  # each folder says what it owns
         doc = ast.get_docstring(ast.parse((folder(name) / "__init__.py").read_text()))
         assert doc and len(doc.splitlines()) >= 2, f"{name}/__init__.py needs a docstring naming what it owns"
+
