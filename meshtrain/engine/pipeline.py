@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.parallel import data_parallel
 from meshtrain.ops import remat as remat_lib
-from meshtrain.parallel.batching import inputs_and_targets, split_microbatches
+from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel.schedules import executor_tables, tick_phases, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
@@ -277,11 +277,11 @@ class StageProgram:
 
 
 def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None):
-    """(params, tokens [B, L+1]) -> (metrics, grads): one step's forward and backward, pipelined as
-    `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
-    own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py). With
-    a `compressor` (meshtrain/parallel/compression.py) the function is (params, tokens, errors[, scale]) ->
-    (metrics, grads, new errors), `errors` the state's `grad_error` laid out as `error_specs`."""
+    """A gradient function (meshtrain/parallel/batching.py): one step's forward and backward, pipelined
+    as `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
+    own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py).
+    With a `compressor` (meshtrain/parallel/compression.py) that reduction is int8 with error feedback:
+    the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out."""
     stages = mesh.shape["pipeline"]
     schedule, residuals, micro = plan.schedule, plan.residuals, plan.num_microbatches(stages)
     virtual = plan.virtual_stages
@@ -293,39 +293,43 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
     outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))
     outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
-    errors_local = [data_parallel.local_specs(error_specs, manual)] if compressor else []
+    errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
     layer = remat_lib.apply(model.block, plan.remat, model.saveable)
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, *rest):
-        errors, scale = (rest[0], rest[1:]) if compressor else (None, rest)
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, step_inputs: StepInputs):
+        scale = step_inputs.loss_scale
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             if data_manual:  # ZeRO-3: whole over data once per step
                 blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
-                                 blocks, outer, inputs_MxbxL, targets_MxbxL, *scale)
+                                 blocks, outer, inputs_MxbxL, targets_MxbxL, scale)
             metrics, g_blocks, g_outer = stage.run(phases)
             if not data_manual:
-                return metrics, g_blocks, g_outer
+                return Gradients(metrics, {**g_outer, "blocks": g_blocks})
             metrics = jax.lax.pmean(metrics, data_parallel.AXIS)  # the data-parallel reduction, once per step
             if compressor:  # one compressed exchange for all the gradients
-                grads, errors = compressor.reduce_mean({**g_outer, "blocks": g_blocks}, errors, manual, *scale)
-                return metrics, *split(grads)[::-1], errors
-            return metrics, data_parallel.reduce_mean(g_blocks, blocks_out), data_parallel.reduce_mean(g_outer, outer_out)
+                grads, errors = compressor.reduce_mean({**g_outer, "blocks": g_blocks}, step_inputs.grad_error,
+                                                       manual, scale)
+                return Gradients(metrics, grads, errors)
+            return Gradients(metrics, {**data_parallel.reduce_mean(g_outer, outer_out),
+                                       "blocks": data_parallel.reduce_mean(g_blocks, blocks_out)})
 
     tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
-    staged = lambda *args: jax.shard_map(
-        per_stage, mesh=mesh, out_specs=(P(), blocks_out, outer_out, *errors_local), axis_names=manual,
-        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, *errors_local,
-                  *[P()] * (len(args) - 4 - len(errors_local))), check_vma=False)(*args)
+    grads_out = {**outer_out, "blocks": blocks_out}
+    staged = lambda blocks, outer, inputs, targets, step_inputs: jax.shard_map(
+        per_stage, mesh=mesh, out_specs=Gradients(P(), grads_out, errors_local), axis_names=manual,
+        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec,
+                  data_parallel.input_specs(step_inputs, None, errors_local)),
+        check_vma=False)(blocks, outer, inputs, targets, step_inputs)
 
-    def metrics_and_grads(params, tokens_BxL1, *rest):
+    def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
         compute = cast_for_compute(params, plan.precision)
         outer = {k: v for k, v in compute.items() if k != "blocks"}
         # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
         # resharding collective would wait for the stages that skip the branch.
-        inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-        metrics, g_blocks, g_outer, *errors = staged(compute["blocks"], outer, split_microbatches(inputs, micro),
-                                                     split_microbatches(targets, micro), *rest)
-        return metrics, {**g_outer, "blocks": g_blocks}, *errors  # fp32 sums; the step casts to the params' dtype
+        x, targets = inputs_and_targets(inputs.tokens, model.sequence_order)
+        # fp32 sums; the step casts them to the params' dtype. The tokens travel as inputs and targets.
+        return staged(compute["blocks"], outer, split_microbatches(x, micro), split_microbatches(targets, micro),
+                      inputs.with_tokens(None))
 
     return metrics_and_grads

@@ -10,7 +10,7 @@ import optax
 
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.ops import remat as remat_lib
-from meshtrain.parallel.batching import accumulate, inputs_and_targets
+from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, inputs_and_targets
 from meshtrain.engine.pipeline import make_pipeline_grads
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
 from meshtrain.models.transformer import scan_blocks
@@ -61,15 +61,15 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
 
 
 def metrics_and_grads(loss_fn):
-    """`loss_fn` -> (params, tokens[, scale]) -> (metrics, gradients of the objective, times `scale`
-    when one is given: fp16's loss scale, meshtrain/ops/precision.py)."""
-    def fn(params, tokens_BxL1, *scale):
+    """`loss_fn` -> a gradient function (meshtrain/parallel/batching.py): the metrics and the gradients
+    of the objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py)."""
+    def fn(params, inputs: StepInputs) -> Gradients:
         def objective(p):
-            value, metrics = loss_fn(p, tokens_BxL1)
-            return (value * scale[0] if scale else value), metrics
+            value, metrics = loss_fn(p, inputs.tokens)
+            return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return metrics, grads
+        return Gradients(metrics, grads)
 
     return fn
 
@@ -99,20 +99,20 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
                                                 **compressed)
         # the gathers move compute-dtype parameters
-        grad_fn = lambda params, *args: per_shard(cast_for_compute(params, plan.precision), *args)
+        grad_fn = lambda params, inputs: per_shard(cast_for_compute(params, plan.precision), inputs)
     else:
         grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro, grad_specs)
 
     def train_step(state, tokens_BxL1):
         params, loss_scale = state["params"], state["loss_scale"]
-        scale = (loss_scale["scale"],) if scales_loss(plan) else ()
-        errors = (state["grad_error"],) if compressor else ()
-        model_metrics, grads, *new_errors = grad_fn(params, tokens_BxL1, *errors, *scale)
+        scale = loss_scale["scale"] if scales_loss(plan) else None
+        out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None))
+        model_metrics = out.metrics
         loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
-        unscale = (lambda g: g / scale[0]) if scale else (lambda g: g)
+        unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
         grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
-                             grads, params, grad_specs)
+                             out.grads, params, grad_specs)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
@@ -126,7 +126,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
                      "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
         if compressor:  # a skipped step's residuals may hold its NaN/Inf: they are dropped with it
-            new_state["grad_error"] = keep_if_skipped(new_errors[0], state["grad_error"])
+            new_state["grad_error"] = keep_if_skipped(out.grad_error, state["grad_error"])
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
                    "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
         if scales_loss(plan):
