@@ -108,13 +108,15 @@ def _entry(i: int, entry, dcfg) -> dict:
 
 
 def names(paths: list[str]) -> list[str]:
-    """Short unique names for metrics: each path's last component without its suffix, with as many
-    parent folders before it (joined by '_') as it takes to tell them apart, else the whole paths;
-    other characters than letters, digits, '-' and '_' become '_'. The standard library ('') is stdlib."""
+    """Short unique names for metrics: the last component of each path (a file without its suffix)
+    if they tell the paths apart, else the folders above, one level at a time (web/train.bin and
+    code/train.bin: web, code), else the whole paths joined by '_'. Characters other than letters,
+    digits, '-' and '_' become '_'; the standard library ('') is stdlib."""
     parts = [Path(p).parts if p else ("stdlib",) for p in paths]
     clean = lambda pieces: re.sub(r"[^A-Za-z0-9_-]+", "_", "_".join(pieces)).strip("_") or "source"
-    for depth in range(1, max(map(len, parts)) + 1):
-        found = [clean(list(p[-depth:-1]) + [Path(p[-1]).stem]) for p in parts]
+    level = lambda p, back: Path(p[-1]).stem if back == 1 or len(p) == 1 else p[max(len(p) - back, 0)]
+    for back in range(1, max(map(len, parts)) + 1):
+        found = [clean([level(p, back)]) for p in parts]
         if len(set(found)) == len(found):
             return found
     found = [clean(p) for p in parts]
