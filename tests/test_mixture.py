@@ -183,6 +183,7 @@ BAD = [
     ("data.sources=[{path: a.bin, weight: .inf}]", r"data.sources\[0\].weight=inf must be a finite"),
     ("data.sources=[{path: a.bin, weight: .nan}]", r"data.sources\[0\].weight=nan must be a finite"),
     ("data.sources=[{path: a.bin, weight: true}]", r"data.sources\[0\].weight=True must be a finite"),
+    ("data.sources=[{path: a.bin, weight: 1" + "0" * 400 + "}]", r"data.sources\[0\].weight=10+ must be a finite"),
     ("data.sources=[{path: a.bin, wieght: 1}]", r"data.sources\[0\] has unknown key 'wieght'; its keys are path, weight"),
     ("data.sources=[a.bin]", r"data.sources\[0\]='a.bin' is not a mapping; write each source as \{path: ..., weight"),
     ("data.sources={path: a.bin}", r"data.sources must be a list \(YAML \[a, b, ...\]\)"),

@@ -6,6 +6,8 @@
 - prepare.py: `python -m meshtrain.data prepare`: tokenize once, in parallel, into shards.
 - corpus.py: `load_corpus(data config)` -> the token stream and its tokenizer, for training.
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
+- mixture.py: `data.sources`: weighted sources, each row from one (Grain's `MapDataset.mix`), each
+  source's share and eval loss; one source is a plain `Batches`.
 The tokenizers themselves live in meshtrain/tokenizer.py.
 """
 from meshtrain.data.corpus import RAW_LIMIT_BYTES, Corpus, load_corpus

@@ -7,10 +7,10 @@
 
 Which source row r of batch k comes from is position g = k x batch_size + r of Grain's
 `MapDataset.mix` over the sources (grain/_src/python/dataset/transformations/mix.py): a fixed
-interleaving by the weights (made integer proportions, the smallest one 100), read by position.
-It keeps every source's share in every run of consecutive positions to within a few rows (2.3 at
-most for 2 to 5 random weights, tests/test_mixture.py), so each batch holds the weights' shares up
-to rounding, and it depends on the position alone: no seed, no state. The
+interleaving by the weights, read by position, with no seed and no state. Grain makes the weights
+integer proportions (the smallest 100, so ratios hold to 1% of the smallest weight) and keeps every
+source's share in every run of consecutive positions to within a few rows (2.3 at most for 2 to 5
+random weights, tests/test_mixture.py): each batch holds the weights' shares up to rounding. The
 row's window is then drawn as a single source's is (meshtrain/data/batches.py): its start uniform
 over the source's training tokens, from `np.random.default_rng([seed, split, k])`. So the rows of
 step k depend only on (seed, split, k): not on the mesh, the process that builds them, or resuming.
@@ -97,10 +97,11 @@ def _entry(i: int, entry, dcfg) -> dict:
         if not isinstance(out[name], str):
             raise UserError(f"{key}.{name}={out[name]!r} is not text; quote it")
     weight = out["weight"]
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+    number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+    out["weight"] = float(weight) if number and abs(weight) <= sys.float_info.max else math.nan  # not 10**400
+    if not (math.isfinite(out["weight"]) and out["weight"] > 0):
         raise UserError(f"{key}.weight={weight!r} must be a finite number > 0 (a source's share is its weight / "
                         f"the weights' sum)")
-    out["weight"] = float(weight)
     if out["kind"] == "synthetic" or out["kind"] not in KINDS:
         raise UserError(f"{key}.kind={out['kind']!r} is not one of {', '.join(k for k in KINDS if k != 'synthetic')}"
                         f" (synthetic data is a single source: data.kind=synthetic)")
