@@ -2,11 +2,11 @@
 (run.lock, meshtrain/lock.py), and written only by a run that starts training (config.yaml and
 run.json here, metrics.jsonl in loggers.py, checkpoints/ in checkpoint.py).
 
-run.json records what defines the run: the model's architecture, the data's fingerprint (a mixture's:
-every source's, with its share), the seed and the learning-rate schedule's horizon. A later start in the same folder continues that run; one
-that would change any of them is refused (a new run needs a new --out), unless the user says
-`--allow-change`, which records the change as a new phase (the model never changes: its
-checkpoints hold its weights)."""
+run.json records what defines the run: the model's architecture, the data's fingerprint (a
+mixture's: every source's, with its share), the seed and the learning-rate schedule's horizon. A
+later start in the same folder continues that run; one that would change any of them is refused
+(a new run needs a new --out), unless the user says `--allow-change`, which records the change as
+a new phase (the model never changes: its checkpoints hold its weights)."""
 from __future__ import annotations
 
 import hashlib
