@@ -10,7 +10,7 @@ guard rollback is about to train the steps past `step` again: forget them), clos
 Sinks: `Lines` (the console lines, the format the README's samples show), `ProgressBar` (rich: the
 same lines above a live bar with ETA), `Jsonl` (<out>/metrics.jsonl), `TensorBoard` (event files
 under <out>/tensorboard, one scalar per metric, tagged by `tag`), `WandB` (optional). Only process 0
-writes; `for_run` builds the sinks of `logging:` (meshtrain/spec.py `LoggingConfig`).
+writes; `for_run` builds the sinks of `logging:` (meshtrain/config/spec.py `LoggingConfig`).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from meshtrain import jsonl
-from meshtrain.errors import UserError
-from meshtrain.folders import full_disk_is_user_error, replace_file
+from meshtrain.core import jsonl
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import full_disk_is_user_error, replace_file
 
 
 class Logger(Protocol):
@@ -133,7 +133,7 @@ class ProgressBar:
 
 # ---- files ----
 class Jsonl:
-    """<out>/metrics.jsonl, one JSON object per record, appended as meshtrain/jsonl.py says (a crash
+    """<out>/metrics.jsonl, one JSON object per record, appended as meshtrain/core/jsonl.py says (a crash
     or a full disk tears at most the last record; a torn one is dropped at the next open). A run that
     resumes from step k (or starts fresh: k = 0) first drops the file's records past k, written by
     the attempt it replaces, so the file holds each step once; a rewind drops them again. A full disk
@@ -280,7 +280,7 @@ def for_run(out: Path, cfg, primary: bool, first: int, steps: int) -> MetricsLog
     if lg.tensorboard:
         sinks.append(TensorBoard(out / "tensorboard", keep_through=first))
     if lg.wandb:
-        from meshtrain.config import to_dict
+        from meshtrain.config.loader import to_dict
 
         sinks.append(WandB(out, lg.wandb_project, lg.wandb_mode, to_dict(cfg)))
     if progress == "lines":

@@ -1,5 +1,5 @@
 """The run's output folder (`--out`): checked before anything is built, owned by one run at a time
-(run.lock, meshtrain/lock.py), and written only by a run that starts training (config.yaml and
+(run.lock, meshtrain/run/lock.py), and written only by a run that starts training (config.yaml and
 run.json here, metrics.jsonl in loggers.py, checkpoints/ in checkpoint.py).
 
 run.json records what defines the run: the model's architecture, the data's fingerprint (a
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from meshtrain.config import Config, ModelSpec, UserError, default_out, to_dict
+from meshtrain.config.loader import Config, ModelSpec, UserError, default_out, to_dict
 from meshtrain.data.mixture import sources as data_sources
-from meshtrain.folders import replace_file, writable
-from meshtrain.lock import LOCK_FILE
+from meshtrain.core.folders import replace_file, writable
+from meshtrain.run.lock import LOCK_FILE
 
 RUN_RECORD = "run.json"
 RUN_SIGNS = (RUN_RECORD, "config.yaml", "checkpoints")  # a folder holding one of these is a run's
@@ -153,7 +153,7 @@ def write_config(out: Path, cfg: Config, mesh) -> None:
 
 def run_config(run: str | Path) -> Config:
     """The config a finished or running run recorded (<run>/config.yaml), with out = the run."""
-    from meshtrain.config import load_config
+    from meshtrain.config.loader import load_config
 
     path = Path(run) / "config.yaml"
     if not path.is_file():
@@ -163,14 +163,14 @@ def run_config(run: str | Path) -> Config:
 
 def newest_params(run: str | Path, model, shardings=None, step: int | None = None):
     """(params in model order, step) of the newest intact checkpoint under <run>/checkpoints, or of
-    `step`, verified (meshtrain.checkpoint.read_params), read straight into `shardings` (a tree like
+    `step`, verified (meshtrain.run.checkpoint.read_params), read straight into `shardings` (a tree like
     the params, or one sharding for all; default: the first device). Only the parameters are read,
     never the optimizer state."""
     import jax
     import numpy as np
 
-    from meshtrain.checkpoint import read_params
-    from meshtrain.program import TrainProgram
+    from meshtrain.run.checkpoint import read_params
+    from meshtrain.engine.program import TrainProgram
 
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     if shardings is None or not isinstance(shardings, dict):
@@ -186,7 +186,7 @@ def initial_params(source: str, model, shardings):
     """checkpoint.init_from: the parameters (model order, in `shardings`) of a Hugging Face folder
     (`hf:DIR`, verified against its SHA256SUMS when it has one) or of a meshtrain run's newest intact
     checkpoint, whose architecture must be this model's."""
-    from meshtrain import hf
+    from meshtrain.interop import hf
 
     if source.startswith("hf:"):
         folder = source[3:]

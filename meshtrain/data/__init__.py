@@ -8,7 +8,7 @@
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
 - mixture.py: `data.sources`: weighted sources, each row from one (Grain's `MapDataset.mix`), each
   source's share and eval loss; one source is a plain `Batches`.
-The tokenizers themselves live in meshtrain/tokenizer.py.
+The tokenizers themselves live in meshtrain/data/tokenizer.py.
 """
 from meshtrain.data.corpus import RAW_LIMIT_BYTES, Corpus, load_corpus
 from meshtrain.data.prepare import prepare

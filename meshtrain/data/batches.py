@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from meshtrain.data.tokens import Tokens
-from meshtrain.errors import UserError
+from meshtrain.core.errors import UserError
 
 
 class Batches:

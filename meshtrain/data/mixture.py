@@ -38,8 +38,8 @@ import numpy as np
 from meshtrain.data.batches import Batches, split_tokens
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sources import KINDS
-from meshtrain.errors import UserError
-from meshtrain.tokenizer import ByteTokenizer
+from meshtrain.core.errors import UserError
+from meshtrain.data.tokenizer import ByteTokenizer
 
 ENTRY_KEYS = ("path", "weight", "kind", "text_field")  # an entry's own keys; kind, text_field default to data.'s
 MAX_WEIGHT_RATIO = 1e6  # Grain scales the smallest weight to 100 and makes integers of the rest
