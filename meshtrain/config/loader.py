@@ -86,6 +86,10 @@ def _coerce(value, typ, key: str):
         if not isinstance(value, dict):
             raise UserError(f"{key} must be a mapping, got {value!r}")
         return dict(value)
+    if typ is list:  # its entries are checked by meshtrain/config/validate.py
+        if not isinstance(value, list):
+            raise UserError(f"{key} must be a list (YAML [a, b, ...]), got {value!r}")
+        return list(value)
     return _number(value, typ, key)
 
 

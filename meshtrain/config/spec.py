@@ -34,7 +34,7 @@ def setting(default, help: str, *, choices=(), min=None, max=None, above=None, b
     capacity), so it may differ on resume."""
     meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
             "architecture": architecture}
-    if dataclasses.is_dataclass(default) or isinstance(default, dict):
+    if dataclasses.is_dataclass(default) or isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(), metadata=meta)
     return field(default=default, metadata=meta)
 
@@ -173,7 +173,13 @@ class DataConfig:
     text_field: str = setting("text", "jsonl field / Parquet or datasets column holding each document's text")
     tokenizer: str = setting("auto", "byte, or a tokenizer.json (or a folder holding one); auto = the data's "
                                      "own (a prepared folder's, a token file's sidecar's), byte for raw text")
-    val_fraction: float = setting(0.05, "tail of the token stream held out for eval_loss", min=0.0, below=1.0)
+    sources: list = setting([], "a mixture: [{path: ..., weight: ...}, ...], each entry with the keys path (as "
+                                "data.path), weight (> 0, default 1; a source's share is its weight / the weights' "
+                                "sum), and optionally kind and text_field (default: data.kind, data.text_field); each "
+                                "row of a batch comes from one source, in proportion to the weights "
+                                "(meshtrain/data/mixture.py); [] = the one source data.path")
+    val_fraction: float = setting(0.05, "tail of the token stream (of each source, in a mixture) held out for "
+                                        "eval_loss", min=0.0, below=1.0)
     prefetch: int = setting(1, "batches built ahead in a background thread while the device computes; "
                                "0 builds each one in the loop", min=0, max=64)
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
+from meshtrain.data.mixture import sources as data_sources
 from meshtrain.core.errors import UserError
 from meshtrain.core.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
 from meshtrain.ops.precision import compute_bytes
@@ -63,6 +64,7 @@ def check_config(cfg) -> None:
                         f"parallel.microbatches={par.microbatches}")
     if cfg.data.kind == "synthetic" and cfg.data.path:
         raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
+    data_sources(cfg.data)  # data.sources' entries (meshtrain/data/mixture.py)
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import shutil
 import signal
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshtrain import data as data_lib
+from meshtrain.data import mixture
 from meshtrain.run import loggers, run_dir
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
@@ -61,20 +62,19 @@ class Trainer:
         self.cfg = cfg
         self.program = program = TrainProgram.from_config(cfg, devices)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
-        self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        self.mixture = mixture.load(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
         # What defines the run, checked against the folder's record.
-        self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.data_fingerprint(self.corpus.tokens),
+        self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.mixture_fingerprint(self.mixture),
                                                         allow_change)
         if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
             print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
                   f"{cfg.optim.schedule_steps}): lr stays at optim.lr x min_lr_ratio from there; to decay over a new "
                   f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
-        train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
-        batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
-                                                       program.batch_sharding, cfg.model.vocab_size)
-        self.train_batches = batches(train_tokens, 0)
-        has_val = cfg.data.val_fraction > 0 or self.corpus.tokens is None
-        self.val_batches = batches(val_tokens, 1) if has_val else None
+        # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
+        self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
+                                                            t.seq_len, t.seed, program.batch_sharding,
+                                                            cfg.model.vocab_size)
+        self.shares = getattr(self.train_batches, "shares", None)  # a mixture's
 
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
         self.resumed_from = None
@@ -189,11 +189,20 @@ class Trainer:
         return self.checkpointer.path(int(self.state["step"]))
 
     def evaluate(self) -> float | None:
-        if self.val_batches is None:
-            return None
+        return self.evaluation().get("eval_loss")
+
+    def evaluation(self) -> dict:
+        """{'eval_loss': the mean loss of train.eval_batches validation batches}, {} without validation.
+        A mixture adds each source's `eval_loss_<name>` on its own held-out windows; eval_loss is their
+        mean weighted by the sources' shares."""
+        n = self.cfg.train.eval_batches
         with self.program.context():
-            losses = [self.eval_step(self.state["params"], self.val_batches(i)) for i in range(self.cfg.train.eval_batches)]
-        return float(jnp.mean(jnp.stack(losses)))
+            losses = {name: float(jnp.mean(jnp.stack([self.eval_step(self.state["params"], val(i)) for i in range(n)])))
+                      for name, val in self.val_sets.items()}
+        if len(losses) < 2:
+            return {"eval_loss": next(iter(losses.values()))} if losses else {}
+        record = {"eval_loss": math.fsum(s.share * losses[s.name] for s in self.mixture.sources)}
+        return record | {f"eval_loss_{name}": loss for name, loss in losses.items()}
 
     def fit(self, steps: int | None = None, log: loggers.MetricsLog | None = None) -> list[dict]:
         """Train until `steps` (default train.steps) and return the logged records. `log`: where
@@ -224,7 +233,7 @@ class Trainer:
                 run_dir.write_config(self.out, cfg, self.program.mesh)
                 run_dir.record_start(self.out, self.identity, cfg, first, self.changes)
                 self.changes = []
-                tokenizer_lib.record(self.out, self.corpus.tokenizer)  # so the run's tokens can be decoded
+                tokenizer_lib.record(self.out, self.mixture.tokenizer)  # so the run's tokens can be decoded
             if primary:
                 print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
                       f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
@@ -281,9 +290,9 @@ class Trainer:
                                            (prefetch.waited - data_wait) / (done - last_step)))
                     last_time, last_step, data_wait = time.perf_counter(), done, prefetch.waited
                 if t.eval_every and (done % t.eval_every == 0 or done == steps):
-                    eval_loss = self.evaluate()
-                    if eval_loss is not None:
-                        log.write({"step": done, "eval_loss": eval_loss})
+                    evaluation = self.evaluation()
+                    if evaluation:
+                        log.write({"step": done, **evaluation})
                     last_time = time.perf_counter()
                 preempted = self._preempted(done, signalled)
                 save_owed = save_owed or self._save_due(done)
@@ -325,6 +334,8 @@ class Trainer:
                   "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
                   "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "data_wait_s": data_wait}
         record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "finite"})  # the model's
+        if self.shares is not None:  # a mixture: each source's share of the step's tokens
+            record.update(self.shares(self.batch_index(step - 1)))
         flops, n = self.program.flops_per_token, self.program.mesh.size
         util = mfu(tokens_per_sec, flops, n, self.peak)
         if util is not None:
