@@ -45,7 +45,7 @@ COMMANDS = {
                  "encode_prompts"),
     "convert": ("meshtrain.convert", ["--from-hf", "hf", "--out", "run"], "from_hf"),
     "quantize": ("meshtrain.convert", ["--quantize", "int8", "run", "out"], "meshtrain.run.int8_export.export_int8"),
-    "sweep": ("meshtrain.sweep", ["--space", "space.yaml", "--trials", "1"], "prepare"),
+    "sweep": ("meshtrain.sweep.__main__", ["--space", "space.yaml", "--trials", "1"], "prepare"),
     "report": ("meshtrain.report", ["run"], "load_run"),
     "prepare": ("meshtrain.data.__main__", ["prepare", "src", "--out", "out"], "detect"),
     "train-tokenizer": ("meshtrain.data.__main__", ["train-tokenizer", "src", "--vocab-size", "300", "--out", "t.json"],

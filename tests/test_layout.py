@@ -8,7 +8,7 @@ from pathlib import Path
 from meshtrain.testing import ROOT
 
 # Bottom to top; a tuple holds independent layers (neither imports the other).
-LAYERS = ["core", "data", "parallel", "ops", "models", "config", "engine", "interop", ("planner", "run")]
+LAYERS = ["core", "data", "parallel", "ops", "models", "config", "engine", "interop", ("planner", "run"), "sweep"]
 RANK = {name: rank for rank, layer in enumerate(LAYERS) for name in (layer if isinstance(layer, tuple) else (layer,))}
 TOP = len(LAYERS)  # the commands and meshtrain/__init__.py
 
