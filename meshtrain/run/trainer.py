@@ -131,7 +131,7 @@ class Trainer:
         if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)
         self.resumed_from = reader.path(step)
-        self.skip_batches = sorted(set(self.skip_batches) | set(meta.get("skip_batches", [])))
+        self._skip(meta.get("skip_batches", []))
         if jax.process_index() == 0:
             print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
         return state
@@ -168,6 +168,10 @@ class Trainer:
     def unpermuted_params(self):
         """The parameters as a single device holds them, on the host."""
         return self.program.in_model_order(jax.device_get(self.state["params"]))
+
+    def _skip(self, batches) -> None:
+        """Add batch indices to those the run skips (`skip_batches`: sorted, each once)."""
+        self.skip_batches = sorted(set(self.skip_batches) | set(batches))
 
     def batch_index(self, step: int) -> int:
         """The data batch of `step`: the step-th batch index, counting from 0, that is not skipped."""
@@ -275,9 +279,8 @@ class Trainer:
                 last_time += trace.before(k + 1)  # tracing's own time is no step's
                 self.state, metrics = self.compiled_step(self.state, batch)
                 # Judge the previous step only now, so the host never waits for the step it just dispatched.
-                if pending is not None and self._guard(*pending):
-                    k, pending = int(self.state["step"]), None  # rolled back: the step in flight is dropped
-                    log.rewind(k)
+                if pending is not None and (back := self._guard(*pending, log)) is not None:
+                    k, pending = back, None  # rolled back: the step in flight is dropped
                     last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
                     continue
                 k = done = k + 1
@@ -300,10 +303,9 @@ class Trainer:
                     continue
                 # A checkpoint never lands inside a NaN/Inf streak: judge this step before saving it.
                 judged, pending = pending, None
-                if self._guard(*judged):
-                    k = int(self.state["step"])
-                    log.rewind(k)
-                    last_time, last_step = time.perf_counter(), k
+                if (back := self._guard(*judged, log)) is not None:
+                    k = back
+                    last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
                     continue
                 final, path = preempted or done == steps, None
                 if self.bad_batches:  # a periodic save waits for the streak to end
@@ -357,33 +359,40 @@ class Trainer:
         """SIGTERM/SIGINT: at once with one process; with several, at the step all of them agree on."""
         return signalled.is_set() if jax.process_count() == 1 else preemption_reached(step)
 
-    def _guard(self, step: int, metrics) -> bool:
+    def _guard(self, step: int, metrics, log) -> int | None:
         """Count a nonfinite step (its update was already skipped inside the step); after
-        guard.max_consecutive_bad in a row, roll back to the last checkpoint. True if rolled back."""
+        guard.max_consecutive_bad in a row, roll back (`_roll_back`). The step rolled back to, or None."""
         if bool(metrics["finite"]):
             self.bad_batches = []
-            return False
+            return None
         self.bad_batches.append(self.batch_index(step - 1))
-        bad, g = len(self.bad_batches), self.cfg.guard
+        bad = len(self.bad_batches)
         if jax.process_index() == 0:
             print(f"warning: step {step}: loss or gradients are NaN/Inf; update skipped ({bad} in a row)",
                   file=sys.stderr, flush=True)
-        if bad < g.max_consecutive_bad:
-            return False
+        return self._roll_back(step, log) if bad >= self.cfg.guard.max_consecutive_bad else None
+
+    def _roll_back(self, step: int, log) -> int:
+        """After a NaN/Inf streak ending at `step`: the state of the newest intact checkpoint, read as a
+        resume reads it (`_restore`), the streak's batches past it skipped from now on, and `log` rewound
+        to it; returns that step, where the loop trains on. With no checkpoint, or after
+        guard.max_rollbacks, the state is saved instead and the run stops with an error."""
         self.checkpointer.wait()
-        steps = self.checkpointer.steps()
-        if not steps or self.rollbacks >= g.max_rollbacks:
+        steps, bad = self.checkpointer.steps(), len(self.bad_batches)
+        if not steps or self.rollbacks >= self.cfg.guard.max_rollbacks:
             path = self.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
             why = "no checkpoint to roll back to" if not steps else f"still diverging after {self.rollbacks} rollbacks"
             raise UserError(f"{bad} NaN/Inf steps in a row at step {step}, {why}; state saved to {path}; "
                             f"lower optim.lr or check the data, then rerun to resume")
         self.state = self._restore(self.checkpointer.directory, steps,
                                    verb=f"guard: {bad} NaN/Inf steps in a row; rolled back to")
-        resume_index = self.batch_index(int(self.state["step"]))
+        back = int(self.state["step"])
+        resume_index = self.batch_index(back)
         skipped = [b for b in self.bad_batches if b >= resume_index]  # earlier ones precede the checkpoint
-        self.skip_batches = sorted(set(self.skip_batches) | set(skipped))
+        self._skip(skipped)
         if jax.process_index() == 0:
             print(f"guard: skipping batches {skipped}", flush=True)
         self.bad_batches, self.rollbacks = [], self.rollbacks + 1
-        return True
+        log.rewind(back)
+        return back
 
