@@ -4,12 +4,11 @@ stops it, then prints the table and writes best.json. What each part does: mesht
 """
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from pathlib import Path
 
-from meshtrain.config.loader import default_out, to_dict
+from meshtrain.config.loader import default_out
 from meshtrain.config.spec import MAX_SIMULATED_DEVICES
 from meshtrain.core.cli import Parser, command, number
 from meshtrain.core.errors import UserError
@@ -47,7 +46,6 @@ def parser() -> Parser:
     return p
 
 
-
 def prepare(args):
     """Every check before anything is written: the space, the config, the devices, the folder."""
     from meshtrain.core.folders import writable
@@ -82,13 +80,7 @@ def main(argv=None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     storage, study = open_study(args.storage, args.study, args.seed, pruner, args.heartbeat,
                                 Path(args.out).absolute())
-    from optuna.distributions import distribution_to_json
-
-    base_dict = to_dict(base)
-    base_dict.pop("out")
-    base_dict.pop("devices", None)
-    adopt(study, {"config": args.config, "base": base_dict,
-                  "space": {k: json.loads(distribution_to_json(d)) for k, d in space.items()}}, args.storage)
+    adopt(study, args.config, base, space, args.storage)
     sweep = Sweep(args, space, slots, storage, study)
     finished = sum(t.state.is_finished() for t in counted(study.get_trials(deepcopy=False)))
     print(f"study {args.study} in {shown_url(args.storage)}: {finished} of {args.trials} trials finished; "

@@ -7,6 +7,7 @@ import json
 import warnings
 from pathlib import Path
 
+from meshtrain.config.loader import to_dict
 from meshtrain.core.errors import UserError
 from meshtrain.sweep import folder
 
@@ -56,9 +57,16 @@ def shown_url(url: str) -> str:
         return url
 
 
-def adopt(study, settings: dict, url: str) -> None:
-    """A study runs one experiment: the first sweep records its base config and space; a later one
-    (a rerun, or a second process) must bring the same."""
+def adopt(study, config: str | None, base, space: dict, url: str) -> None:
+    """A study runs one experiment: the first sweep records its --config, base config (config and
+    --set, less out and devices) and space; a later one (a rerun, or a second process) must bring the same."""
+    from optuna.distributions import distribution_to_json
+
+    base_dict = to_dict(base)
+    base_dict.pop("out")
+    base_dict.pop("devices", None)
+    settings = {"config": config, "base": base_dict,
+                "space": {k: json.loads(distribution_to_json(d)) for k, d in space.items()}}
     recorded = study.user_attrs.get("meshtrain")
     if recorded is None:
         study.set_user_attr("meshtrain", settings)
