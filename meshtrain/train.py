@@ -6,7 +6,7 @@ import signal
 import sys
 import threading
 
-from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.cli import Parser, command, number, raise_interrupt
 from meshtrain.config.loader import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
                               split_override)
 
@@ -117,8 +117,8 @@ def run(cfg, args, interrupted: threading.Event) -> None:
 
 @contextlib.contextmanager
 def noting_interrupts():
-    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: one raised inside a callback
-    (JAX's GC hook while importing) is swallowed there, and must still stop the run before it writes."""
+    """Ctrl-C raises KeyboardInterrupt (`cli.raise_interrupt`: after JAX's GC hook returns, where it
+    would be swallowed) and is also remembered, so the run stops before it writes."""
     interrupted = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield interrupted
@@ -126,7 +126,7 @@ def noting_interrupts():
 
     def on_sigint(signum, frame):
         interrupted.set()
-        raise KeyboardInterrupt
+        raise_interrupt(signum, frame)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
