@@ -56,6 +56,7 @@ import jax
 from meshtrain import compression, data_parallel, formulas
 from meshtrain.formulas import ring_traffic
 from meshtrain.hlo import KINDS
+from meshtrain.optimizers import OPTIMIZERS
 from meshtrain.precision import compute_bytes
 from meshtrain.schedules import executor_tables, sends_per_step, timetable
 from meshtrain.sharding import entry_axes
@@ -84,6 +85,15 @@ def stage_replicated_params(program) -> int:
 def expert_params(program) -> int:
     """The MoE experts' parameters (an `experts` axis): ZeRO's formula divides them by `expert` too."""
     return sum(leaf.size for leaf, _, axes in _params_with_axes(program) if "experts" in axes)
+
+
+def optimizer_state_bytes(program) -> tuple[int, int, int]:
+    """The optimizer state's bytes (meshtrain/optimizers.py) in all, of the stage-replicated
+    parameters and of the experts': `formulas.zero_bytes`'s `optimizer_state`."""
+    state_bytes = OPTIMIZERS[program.optim.optimizer].state_bytes
+    rows = [(state_bytes(leaf.shape, axes), axes) for leaf, _, axes in _params_with_axes(program)]
+    return (sum(b for b, _ in rows), sum(b for b, axes in rows if stage_replicated(axes)),
+            sum(b for b, axes in rows if "experts" in axes))
 
 
 GATHERED_AXES = ("data", "fsdp", "context")  # the axes a parameter slice is gathered and reduced over

@@ -16,7 +16,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from meshtrain import data as data_lib
 from meshtrain import loggers, run_dir
@@ -27,6 +26,7 @@ from meshtrain.lock import LOCK_FILE, FolderLock
 from meshtrain.mesh import describe
 from meshtrain.metrics import mfu, peak_flops
 from meshtrain.multihost import agree_with_process_0, preemption_reached
+from meshtrain.optimizers import map_param_states
 from meshtrain.prefetch import Prefetcher
 from meshtrain.program import TrainProgram
 from meshtrain.validate import check_train_size
@@ -156,8 +156,8 @@ class Trainer:
 
         def reorder(state):
             params = jax.tree.map(move, state["params"], p.logical_axes, is_leaf=is_names)
-            opt_state = optax.tree_map_params(p.tx, move, state["opt_state"], p.logical_axes,
-                                              transform_non_params=lambda x: x, is_leaf=is_names)
+            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"], state["params"],
+                                         p.logical_axes)
             return {**state, "params": params, "opt_state": opt_state}
 
         state = jax.jit(reorder, out_shardings=p.state_shardings)(state)

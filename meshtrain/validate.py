@@ -26,6 +26,7 @@ from meshtrain.schedules import check_residuals
 from meshtrain.bounds import INT_LIMIT
 from meshtrain.spec import settings
 from meshtrain.tokenizer import check_vocab, load as load_tokenizer
+from meshtrain.traffic import optimizer_state_bytes
 
 ABSURD_FACTOR = 4  # a step whose lower bound needs this many times a device's memory is refused
 MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
@@ -172,7 +173,8 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
                                    par.sequence_parallel, remat)
     formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
     activations = sum(formed.values()) * m.num_layers / stages
-    states = sum(zero_bytes(program.num_params, sizes, par.zero).values())
+    states = sum(zero_bytes(program.num_params, sizes, par.zero,
+                            optimizer_state=optimizer_state_bytes(program)).values())
     _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
                           f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
                           f"meshtrain/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),
