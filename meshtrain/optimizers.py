@@ -193,15 +193,16 @@ def _factored_bytes(shape, names) -> int:
 
 OPTIMIZERS = {
     "adamw": Optimizer(adamw, lambda shape, names: 2 * FP32 * math.prod(shape),
-                       "AdamW (b1, b2, eps, weight_decay)"),
+                       "Adam with decoupled weight decay (b1, b2, eps, weight_decay)"),
     "adafactor": Optimizer(adafactor, _factored_bytes,
-                           "Adafactor: factored second moments per matrix, no momentum, updates clipped "
-                           "to RMS 1 (weight_decay)"),
+                           "factored second moments per matrix, no momentum, updates clipped to RMS 1 "
+                           "(weight_decay)"),
     "lion": Optimizer(lion, lambda shape, names: FP32 * math.prod(shape),
-                      "Lion: sign of interpolated momentum (b1, b2, weight_decay; the paper takes b2=0.99 "
+                      "the sign of interpolated momentum (b1, b2, weight_decay; the paper takes b2=0.99 "
                       "and a 3-10x smaller lr)"),
     "muon": Optimizer(muon, lambda shape, names: (1 if is_hidden_matrix(names) else 2) * FP32 * math.prod(shape),
-                      "Muon on the blocks' matrices (muon_momentum, muon_ns_steps), AdamW on the rest"),
+                      "Newton-Schulz orthogonalised momentum on the blocks' matrices (muon_momentum, "
+                      "muon_ns_steps), adamw on the rest"),
 }
 
 

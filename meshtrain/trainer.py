@@ -67,7 +67,7 @@ class Trainer:
                                                         allow_change)
         if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
             print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
-                  f"{cfg.optim.schedule_steps}): lr stays at optim.lr x min_lr_ratio from there; to decay over a new "
+                  f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay over a new "
                   f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
         train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
         batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
@@ -141,10 +141,15 @@ class Trainer:
         run executes or learns may change."""
         saved = ModelSpec(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelSpec, k)})
         differ = self.cfg.model.architecture_difference(saved, "this run", f"checkpoint {folder}")
+        own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
+        fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
         if differ:
-            own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
-            fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
             raise UserError(f"{differ}; {fresh}, or use the checkpoint's model config")
+        optimizer = meta["config"].get("optim", {}).get("optimizer", "adamw")  # earlier versions: AdamW
+        if optimizer != self.cfg.optim.optimizer:  # another state layout
+            raise UserError(f"checkpoint {folder} holds the state of optim.optimizer={optimizer}, this run has "
+                            f"{self.cfg.optim.optimizer}; resume with optim.optimizer={optimizer}, or {fresh} "
+                            f"(checkpoint.init_from takes a run's weights with a fresh optimizer)")
 
     def _reorder_layers(self, state, saved_order):
         """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
