@@ -35,10 +35,10 @@ def matrix_dims(names: tuple) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     dims = [i for i, n in enumerate(names) if n not in BATCH_AXES]
     if len(dims) < 2:
         return None
-    if "embed" not in [names[i] for i in dims]:
-        return tuple(dims[:1]), tuple(dims[1:])
     embed = tuple(i for i in dims if names[i] == "embed")
     other = tuple(i for i in dims if names[i] != "embed")
+    if not embed or not other:
+        return tuple(dims[:1]), tuple(dims[1:])
     return (embed, other) if embed[0] < other[0] else (other, embed)
 
 
