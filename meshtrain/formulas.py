@@ -27,7 +27,7 @@ def zero_bytes(psi: float, sizes: dict[str, int], zero: int, stage_replicated: f
     holds whole (embedding, final norm, head: those outside the stacked layers), divided by F x C x T
     only; `experts`: the MoE experts' parameters, each expert-parallel device holding its own,
     divided by E too. `optimizer_state`: the optimizer's state bytes in all, of the stage-replicated
-    parameters and of the experts' (meshtrain/optimizers.py, summed by traffic.optimizer_state_bytes);
+    parameters and of the experts' (meshtrain/ops/optimizers.py, summed by traffic.optimizer_state_bytes);
     default AdamW's, 8 bytes per parameter."""
     split = sizes["fsdp"] * sizes.get("context", 1) * sizes["tensor"]
 
@@ -135,7 +135,7 @@ def int8_bytes(fp32_bytes: float, block: int) -> float:
 
 
 def compressed_reduction_traffic(grad_bytes: float, n: int, block: int, gathered: bool) -> dict[str, float]:
-    """The int8 data-parallel gradient mean (meshtrain/compression.py) of `grad_bytes` fp32 bytes
+    """The int8 data-parallel gradient mean (meshtrain/parallel/compression.py) of `grad_bytes` fp32 bytes
     per device over n devices: an all-to-all of the int8 rows and scales, (N-1)/N x (B/4 + B/block),
     in place of the reduce-scatter's (N-1)/N x B; with `gathered` (zero 0/1) also an all-gather of
     the int8 mean, the same volume again, in place of the all-reduce's second half. Padding each

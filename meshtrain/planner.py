@@ -2,9 +2,9 @@
 target mesh on simulated CPU devices and report memory, collectives, FLOPs and a roofline, each
 next to its analytical formula.
 
-Formulas: meshtrain/traffic.py (collectives), meshtrain/formulas.py (ZeRO memory, bubble).
-Collectives are read from the compiled HLO as a GPU runs them (meshtrain/hlo.py corrects the CPU
-backend's rewrites). Roofline: meshtrain/roofline.py (each mesh axis's traffic on the in-node or
+Formulas: meshtrain/planner/traffic.py (collectives), meshtrain/core/formulas.py (ZeRO memory, bubble).
+Collectives are read from the compiled HLO as a GPU runs them (meshtrain/planner/hlo.py corrects the CPU
+backend's rewrites). Roofline: meshtrain/planner/roofline.py (each mesh axis's traffic on the in-node or
 cross-node link it crosses, compute with recompute and the lockstep bubble, an HBM floor).
 """
 from __future__ import annotations
@@ -18,19 +18,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from meshtrain import formulas, traffic
-from meshtrain import roofline as roof
-from meshtrain.config import load_config
-from meshtrain import hlo
-from meshtrain.hlo import KINDS
-from meshtrain import fit
-from meshtrain.budget import budget, memory_fraction, verdict
-from meshtrain.errors import UserError
-from meshtrain.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
-from meshtrain.metrics import DEVICE_PROFILES
-from meshtrain.program import TrainProgram
-from meshtrain.validate import check_train_size
-from meshtrain.sharding import make_rules
+from meshtrain.core import formulas
+from meshtrain.planner import traffic
+from meshtrain.planner import roofline as roof
+from meshtrain.config.loader import load_config
+from meshtrain.planner import hlo
+from meshtrain.planner.hlo import KINDS
+from meshtrain.planner import fit
+from meshtrain.planner.budget import budget, memory_fraction, verdict
+from meshtrain.core.errors import UserError
+from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
+from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.engine.program import TrainProgram
+from meshtrain.config.validate import check_train_size
+from meshtrain.parallel.sharding import make_rules
 
 GB = 1e9
 # XLA's CPU backend widens bf16 arithmetic to f32 and while-loop-invariant code motion then hoists
@@ -87,7 +88,7 @@ def generation_memory(cfg, program) -> dict:
     (`generation_sizes`), compiled: its total per device, and the KV cache by formula, keys and
     values [layers, rows, positions, kv heads, head dim] fp32, split over the batch axes and tensor."""
     from meshtrain import generate
-    from models import FAMILIES
+    from meshtrain.models import FAMILIES
 
     sizes = generation_sizes(program.sizes)
     model = FAMILIES[cfg.model.family](cfg.model)
@@ -169,7 +170,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
 
 def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None) -> dict:
     """One verdict for the run: the train step (`train_step_plan`), the eval step and generation,
-    compiled on the same devices, the largest of the three against the budget (meshtrain/budget.py)."""
+    compiled on the same devices, the largest of the three against the budget (meshtrain/planner/budget.py)."""
     report = train_step_plan(cfg, profile, devices_per_node)
     program = report.pop("_program")
     ev, gen = eval_step_memory(program), generation_memory(cfg, program)
@@ -246,7 +247,7 @@ def format_plan(r: dict) -> str:
 
 
 def format_search(r: dict) -> list[str]:
-    """What the search found (meshtrain/fit.py): the fastest fitting layout and its command."""
+    """What the search found (meshtrain/planner/fit.py): the fastest fitting layout and its command."""
     found = r.get("search")
     if not found:
         return []

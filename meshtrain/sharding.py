@@ -20,8 +20,8 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain.errors import UserError
-from meshtrain.mesh import AXES
+from meshtrain.core.errors import UserError
+from meshtrain.parallel.mesh import AXES
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # Outside the experts, the expert axis is data parallel; it is the batch's major factor, as the
@@ -164,7 +164,7 @@ def param_shardings(model, mesh, rules=None, check: bool = False):
 
 def owned_specs(params, logical_axes, rules, mesh, zero: int):
     """The slice of each gradient every data shard reduces under gradient compression
-    (meshtrain/compression.py): the ZeRO-2 gradient layout, which zero 2/3 keep after the step. At
+    (meshtrain/parallel/compression.py): the ZeRO-2 gradient layout, which zero 2/3 keep after the step. At
     zero 0/1 the mean is gathered whole again, so `data` is made the minor factor of its dimension:
     each device's slice over the other axes is then cut into data rows where it lies, and nothing
     moves over those axes."""
@@ -179,7 +179,7 @@ def owned_specs(params, logical_axes, rules, mesh, zero: int):
 def state_spec(state, param, spec: P, mesh) -> P:
     """The spec of an optimizer state of `param` (spec `spec`): a dimension of the parameter's size
     is split as the parameter's is. A dimension the state reduced to 1 (Adafactor's factored
-    statistics, meshtrain/optimizers.py) is whole, and its mesh axes move to the largest kept
+    statistics, meshtrain/ops/optimizers.py) is whole, and its mesh axes move to the largest kept
     dimensions they divide, so ZeRO still shards the statistics."""
     if state.ndim != param.ndim:
         raise ValueError(f"an optimizer state of shape {state.shape} for a parameter of shape {param.shape}: "
@@ -204,7 +204,7 @@ def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx, ot
     param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "params"))
     opt_param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "opt_state"))
     grad_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "grads"))
-    from meshtrain.optimizers import map_param_states
+    from meshtrain.ops.optimizers import map_param_states
 
     opt_specs = map_param_states(lambda state, param, spec: state_spec(state, param, spec, mesh),
                                  abstract_state["opt_state"], params, opt_param_specs, otherwise=lambda _: P())

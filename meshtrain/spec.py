@@ -10,20 +10,20 @@ The loop, data, checkpoint, guard and logging sections complete `Config`.
 
 Each setting is declared once, with its default, its meaning (`help`), its allowed values or range
 (`Bounds`); the parser, the reference (docs/config.md) and the resume check all read that. The checks
-that involve several settings or the mesh live in meshtrain/validate.py.
+that involve several settings or the mesh live in meshtrain/config/validate.py.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from meshtrain.attention import BACKENDS as ATTENTION_BACKENDS
-from meshtrain.bounds import Bounds
+from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
+from meshtrain.core.bounds import Bounds
 from meshtrain.data.sources import KINDS as DATA_KINDS
-from meshtrain.optimizers import LR_SCHEDULES, OPTIMIZERS, describe
-from meshtrain.remat import POLICIES as REMAT_POLICIES
-from meshtrain.schedules import SCHEDULES
-from models import FAMILIES
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, describe
+from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
+from meshtrain.parallel.schedules import SCHEDULES
+from meshtrain.models import FAMILIES
 
 MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
 
@@ -147,7 +147,7 @@ class ParallelPlan:
 
 @dataclass
 class OptimSpec:
-    optimizer: str = setting("adamw", "the optimizer (meshtrain/optimizers.py): " + describe(OPTIMIZERS),
+    optimizer: str = setting("adamw", "the optimizer (meshtrain/ops/optimizers.py): " + describe(OPTIMIZERS),
                              choices=tuple(OPTIMIZERS))
     lr: float = setting(1e-3, "peak learning rate", min=0.0)
     schedule: str = setting("cosine", "learning rate after the linear warmup: cosine (decay to lr x min_lr_ratio), "

@@ -1,29 +1,29 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
-nonfinite guard -> the optimizer (meshtrain/optimizers.py). The state is {'step', 'params',
+nonfinite guard -> the optimizer (meshtrain/ops/optimizers.py). The state is {'step', 'params',
 'opt_state', 'skipped_steps', 'loss_scale'}, and 'grad_error' under int8 gradient compression
-(meshtrain/compression.py); the batch is [batch, seq_len + 1] tokens."""
+(meshtrain/parallel/compression.py); the batch is [batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain import compression, data_parallel
-from meshtrain import remat as remat_lib
-from meshtrain.batching import accumulate, inputs_and_targets
-from meshtrain.optimizers import LR_SCHEDULES, OPTIMIZERS
-from meshtrain.pipeline import make_pipeline_grads
-from meshtrain.precision import cast_for_compute, scales_loss, update_loss_scale
-from models.transformer import scan_blocks
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.ops import remat as remat_lib
+from meshtrain.parallel.batching import accumulate, inputs_and_targets
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
+from meshtrain.engine.pipeline import make_pipeline_grads
+from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
+from meshtrain.models.transformer import scan_blocks
 
 
 def lr_schedule(ocfg, total_steps: int):
-    """`optim.schedule` over `total_steps` (meshtrain/optimizers.py LR_SCHEDULES)."""
+    """`optim.schedule` over `total_steps` (meshtrain/ops/optimizers.py LR_SCHEDULES)."""
     return LR_SCHEDULES[ocfg.schedule](ocfg, total_steps)
 
 
 def make_optimizer(ocfg, total_steps: int, logical_axes):
-    """Global-norm clipping, then `optim.optimizer` (meshtrain/optimizers.py OPTIMIZERS), which
+    """Global-norm clipping, then `optim.optimizer` (meshtrain/ops/optimizers.py OPTIMIZERS), which
     reads the parameters' logical axes (weight decay on matrices, not norms; which dimensions form
     each matrix). The state's tree does not depend on any other hyperparameter (clip_norm=0 is an
     identity in the clipping slot), so a checkpoint resumes with other optimizer settings."""
@@ -41,7 +41,7 @@ def applied_lr(schedule, opt_state):
 
 def make_loss_fn(model, precision: str, remat: str = "none"):
     """(params, tokens [B, L+1]) -> (objective, metrics): the mean cross-entropy plus the model's
-    auxiliary losses, and the metrics (meshtrain/batching.py). The blocks run under the plan's remat
+    auxiliary losses, and the metrics (meshtrain/parallel/batching.py). The blocks run under the plan's remat
     policy; their statistics are reported as means over layers."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
@@ -58,7 +58,7 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
 
 def metrics_and_grads(loss_fn):
     """`loss_fn` -> (params, tokens[, scale]) -> (metrics, gradients of the objective, times `scale`
-    when one is given: fp16's loss scale, meshtrain/precision.py)."""
+    when one is given: fp16's loss scale, meshtrain/ops/precision.py)."""
     def fn(params, tokens_BxL1, *scale):
         def objective(p):
             value, metrics = loss_fn(p, tokens_BxL1)
@@ -74,11 +74,11 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
     """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
     (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
     'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
-    stages (meshtrain/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
+    stages (meshtrain/engine/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
     computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
     are reduced over `data` once per step (in int8 with error feedback under compression, which
     keeps the residuals of a skipped step). Otherwise XLA partitions the step from the shardings.
-    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/precision.py)."""
+    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
     micro = plan.num_microbatches(stages)
     compressor = None

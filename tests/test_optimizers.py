@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules (meshtrain/optimizers.py): each optimizer's sharded run
+"""Optimizers and learning-rate schedules (meshtrain/ops/optimizers.py): each optimizer's sharded run
 computes the one-device run and resumes exactly; Muon and Adafactor treat every layer's and
 expert's matrix on its own; AdamW and cosine are today's; the planner's state bytes per optimizer."""
 import dataclasses
@@ -10,16 +10,17 @@ import optax
 import pytest
 
 from conftest import MOE_TINY, max_param_diff, run_tiny, tiny_config
-from meshtrain import formulas, traffic
-from meshtrain.config import UserError, load_config
-from meshtrain.loggers import MetricsLog
-from meshtrain.optimizers import LR_SCHEDULES, OPTIMIZERS, is_hidden_matrix, matrix_dims
-from meshtrain.planner import shard_bytes
-from meshtrain.program import TrainProgram
-from meshtrain.spec import OptimSpec
-from meshtrain.step import make_optimizer
-from meshtrain.trainer import Trainer
-from models import FAMILIES
+from meshtrain.core import formulas
+from meshtrain.planner import traffic
+from meshtrain.config.loader import UserError, load_config
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, is_hidden_matrix, matrix_dims
+from meshtrain.planner.aot import shard_bytes
+from meshtrain.engine.program import TrainProgram
+from meshtrain.config.spec import OptimSpec
+from meshtrain.engine.step import make_optimizer
+from meshtrain.run.trainer import Trainer
+from meshtrain.models import FAMILIES
 
 NEW = [name for name in OPTIMIZERS if name != "adamw"]  # adamw: tests/test_parity.py and test_checkpoint.py
 SHARDED = ("parallel.mesh=data=2,fsdp=2,tensor=2", "parallel.zero=3", "train.steps=4")
