@@ -5,7 +5,7 @@
 - `ParallelPlan` (`parallel:`): how the run executes on the devices: mesh axes, logical-axis
   rules, ZeRO stage, precision, remat policy, attention backend, microbatches, pipeline schedule,
   sequence parallelism. Any of it may change on resume.
-- `OptimSpec` (`optim:`): how it learns (AdamW, schedule, clipping).
+- `OptimSpec` (`optim:`): how it learns (optimizer, schedule, clipping).
 The loop, data, checkpoint, guard and logging sections complete `Config`.
 
 Each setting is declared once, with its default, its meaning (`help`), its allowed values or range
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
 from meshtrain.core.bounds import Bounds
 from meshtrain.data.sources import KINDS as DATA_KINDS
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, describe
 from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
 from meshtrain.parallel.schedules import SCHEDULES
 from meshtrain.models import FAMILIES
@@ -146,18 +147,28 @@ class ParallelPlan:
 
 @dataclass
 class OptimSpec:
-    lr: float = setting(1e-3, "peak learning rate (AdamW)", min=0.0)
-    min_lr_ratio: float = setting(0.1, "cosine decays to lr x min_lr_ratio at the schedule's last step", min=0.0,
-                                  max=1.0)
-    schedule_steps: int = setting(0, "the schedule's horizon: warmup + cosine span this many steps, then lr stays "
-                                     "at lr x min_lr_ratio; 0 = train.steps of the run's first start (recorded in "
+    optimizer: str = setting("adamw", "the optimizer (meshtrain/ops/optimizers.py): " + describe(OPTIMIZERS),
+                             choices=tuple(OPTIMIZERS))
+    lr: float = setting(1e-3, "peak learning rate", min=0.0)
+    schedule: str = setting("cosine", "learning rate after the linear warmup: cosine (decay to lr x min_lr_ratio), "
+                                      "linear (decay to it), wsd (warmup-stable-decay: lr, then a linear decay to "
+                                      "it over the horizon's last decay_fraction), constant (lr)",
+                            choices=tuple(LR_SCHEDULES))
+    min_lr_ratio: float = setting(0.1, "cosine, linear and wsd decay to lr x min_lr_ratio at the schedule's last "
+                                       "step", min=0.0, max=1.0)
+    decay_fraction: float = setting(0.2, "wsd: the share of the schedule's horizon that decays", above=0.0, max=1.0)
+    schedule_steps: int = setting(0, "the schedule's horizon: warmup + decay span this many steps, then lr stays "
+                                     "at its last value; 0 = train.steps of the run's first start (recorded in "
                                      "<out>/run.json, so resuming with more --steps continues the same curve)",
                                   min=0)
     warmup_steps: int = setting(20, "linear warmup steps", min=0)
     weight_decay: float = setting(0.1, "decoupled weight decay on matrices (not norms)", min=0.0)
-    b1: float = setting(0.9, "Adam beta1", min=0.0, below=1.0)
-    b2: float = setting(0.95, "Adam beta2", min=0.0, below=1.0)
+    b1: float = setting(0.9, "Adam beta1 (Lion: the update's interpolation beta)", min=0.0, below=1.0)
+    b2: float = setting(0.95, "Adam beta2 (Lion: the momentum's beta)", min=0.0, below=1.0)
     eps: float = setting(1e-8, "Adam epsilon", above=0.0)
+    muon_momentum: float = setting(0.95, "muon: Nesterov momentum of the matrices' updates", min=0.0, below=1.0)
+    muon_ns_steps: int = setting(5, "muon: Newton-Schulz iterations that orthogonalise each matrix's update",
+                                 min=1, max=100)
     clip_norm: float = setting(1.0, "global gradient-norm clipping; 0 disables it", min=0.0)
 
 
@@ -244,7 +255,7 @@ class Config:
     model: ModelSpec = setting(ModelSpec(), "what is trained: the family and its architecture")
     parallel: ParallelPlan = setting(ParallelPlan(), "how it runs: mesh, sharding, precision, remat, attention, "
                                                      "microbatches, pipeline")
-    optim: OptimSpec = setting(OptimSpec(), "how it learns: AdamW, warmup + cosine decay, clipping")
+    optim: OptimSpec = setting(OptimSpec(), "how it learns: optimizer, learning-rate schedule, clipping")
     data: DataConfig = setting(DataConfig(), "where tokens come from")
     train: TrainConfig = setting(TrainConfig(), "the loop")
     generate: GenerateConfig = setting(GenerateConfig(), "text generation from a run: batch and length")

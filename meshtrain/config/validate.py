@@ -174,7 +174,8 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
                                    par.sequence_parallel, remat)
     formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
     activations = sum(formed.values()) * m.num_layers / stages
-    states = sum(zero_bytes(program.num_params, sizes, par.zero).values())
+    states = sum(zero_bytes(program.num_params, sizes, par.zero,
+                            optimizer_state=program.optimizer_state_bytes()).values())
     _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
                           f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
                           f"meshtrain/core/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),

@@ -20,9 +20,10 @@ from meshtrain.parallel.context_parallel import load_balanced_order
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.engine.pipeline import layer_order
+from meshtrain.ops.optimizers import OPTIMIZERS
 from meshtrain.ops.precision import initial_loss_scale
 from meshtrain.parallel.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
-                                state_shardings)
+                                state_shardings, stage_replicated)
 from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
 from meshtrain.config.validate import check_layout
@@ -69,6 +70,15 @@ class TrainProgram:
         m = self.model.cfg  # resolved: head_dim set
         self.flops_per_token = flops_per_token(self.model.active_matmul_params(abstract_params), m.num_layers,
                                                m.num_heads * m.head_dim, t.seq_len)
+
+    def optimizer_state_bytes(self) -> tuple[int, int, int]:
+        """The optimizer state's bytes (meshtrain/ops/optimizers.py `state_bytes`) in all, of the
+        stage-replicated parameters and of the experts': `formulas.zero_bytes`'s `optimizer_state`."""
+        state_bytes = OPTIMIZERS[self.optim.optimizer].state_bytes
+        axes = jax.tree.leaves(self.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
+        rows = [(state_bytes(leaf.shape, a), a) for leaf, a in zip(jax.tree.leaves(self.abstract_state["params"]), axes)]
+        return (sum(b for b, _ in rows), sum(b for b, a in rows if stage_replicated(a)),
+                sum(b for b, a in rows if "experts" in a))
 
     @classmethod
     def from_config(cls, cfg, devices=None) -> "TrainProgram":

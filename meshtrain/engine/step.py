@@ -1,7 +1,7 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
-nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'},
-and 'grad_error' under int8 gradient compression (meshtrain/parallel/compression.py); the batch is
-[batch, seq_len + 1] tokens."""
+nonfinite guard -> the optimizer (meshtrain/ops/optimizers.py). The state is {'step', 'params',
+'opt_state', 'skipped_steps', 'loss_scale'}, and 'grad_error' under int8 gradient compression
+(meshtrain/parallel/compression.py); the batch is [batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
 import jax
@@ -11,28 +11,24 @@ import optax
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.ops import remat as remat_lib
 from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, inputs_and_targets
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.engine.pipeline import make_pipeline_grads
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
 from meshtrain.models.transformer import scan_blocks
 
 
 def lr_schedule(ocfg, total_steps: int):
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
-    warmup = min(ocfg.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(total_steps, warmup + 1),
-                                              end_value=ocfg.lr * ocfg.min_lr_ratio)
+    """`optim.schedule` over `total_steps` (meshtrain/ops/optimizers.py LR_SCHEDULES)."""
+    return LR_SCHEDULES[ocfg.schedule](ocfg, total_steps)
 
 
 def make_optimizer(ocfg, total_steps: int, logical_axes):
-    """Global-norm clipping, then AdamW; weight decay only on matrices (not norms). The state's tree
-    does not depend on any hyperparameter (clip_norm=0 is an identity in the clipping slot), so a
-    checkpoint resumes with other optimizer settings."""
-    decay_mask = jax.tree.map(lambda names: len([n for n in names if n != "layers"]) >= 2, logical_axes,
-                              is_leaf=lambda n: isinstance(n, tuple))
-    adamw = optax.adamw(lr_schedule(ocfg, total_steps), b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
-                        weight_decay=ocfg.weight_decay, mask=decay_mask)
+    """Global-norm clipping, then `optim.optimizer` (meshtrain/ops/optimizers.py OPTIMIZERS), which
+    reads the parameters' logical axes (weight decay on matrices, not norms; which dimensions form
+    each matrix). The state's tree does not depend on any other hyperparameter (clip_norm=0 is an
+    identity in the clipping slot), so a checkpoint resumes with other optimizer settings."""
     clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm > 0 else optax.identity()
-    return optax.chain(clip, adamw)
+    return optax.chain(clip, OPTIMIZERS[ocfg.optimizer].build(ocfg, lr_schedule(ocfg, total_steps), logical_axes))
 
 
 def applied_lr(schedule, opt_state):

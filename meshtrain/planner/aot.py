@@ -156,11 +156,12 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
     return {"config": {"model": dataclasses.asdict(program.model.cfg), "batch_size": t.batch_size, "seq_len": t.seq_len,
                        "precision": par.precision, "zero": par.zero, "remat": par.remat,
                        "attention": par.attention, "sequence_parallel": par.sequence_parallel,
-                       "grad_compression": par.grad_compression, "microbatches": par.num_microbatches(sizes["pipeline"])},
+                       "grad_compression": par.grad_compression, "optimizer": cfg.optim.optimizer, "microbatches": par.num_microbatches(sizes["pipeline"])},
             "mesh": describe(sizes), "devices": n, "params": program.num_params, "memory": memory,
             "zero_formula": formulas.zero_bytes(program.num_params, sizes, par.zero,
                                                 stage_replicated=traffic.stage_replicated_params(program),
-                                                experts=traffic.expert_params(program)),
+                                                experts=traffic.expert_params(program),
+                                                optimizer_state=program.optimizer_state_bytes()),
             "collectives": comms,
             "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
             "flops": flops, "roofline": roofline, "_program": program,
@@ -198,7 +199,7 @@ def format_plan(r: dict) -> str:
     lines = [f"plan: {r['params'] / 1e6:,.1f}M params on {r['devices']} devices, mesh {r['mesh']}, "
              f"zero={r['config']['zero']}, {r['config']['precision']}, remat={r['config']['remat']}, "
              f"{r['config']['microbatches']} microbatch(es)",
-             "", "train step memory per device    measured      formula (ZeRO, 16 bytes/param)"]
+             "", f"train step memory per device    measured      formula (ZeRO, {r['config'].get('optimizer', 'adamw')})"]
     for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"), ("gradients", "gradients")):
         lines.append(f"  {label:<30} {gb(mem[key]):>12}  {gb(zf[key]):>12}")
     if mem["grad_error"]:

@@ -59,7 +59,7 @@ from meshtrain.core.formulas import ring_traffic
 from meshtrain.planner.hlo import KINDS
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
-from meshtrain.parallel.sharding import entry_axes
+from meshtrain.parallel.sharding import entry_axes, stage_replicated
 from meshtrain.models.moe import dispatch_bytes
 
 
@@ -68,12 +68,6 @@ def _params_with_axes(program):
     names = jax.tree.leaves(program.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
     return zip(jax.tree.leaves(program.abstract_state["params"]), jax.tree.leaves(program.state_shardings["params"]),
                names)
-
-
-def stage_replicated(axes: tuple) -> bool:
-    """Whether every pipeline stage holds this parameter whole: it has no `layers` axis (embedding,
-    final norm, head), so it sits outside the stacked layers the stages split."""
-    return "layers" not in axes
 
 
 def stage_replicated_params(program) -> int:

@@ -17,7 +17,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from meshtrain.data import mixture
 from meshtrain.run import loggers, run_dir
@@ -28,6 +27,7 @@ from meshtrain.run.lock import LOCK_FILE, FolderLock
 from meshtrain.parallel.mesh import describe
 from meshtrain.core.metrics import mfu, peak_flops
 from meshtrain.run.multihost import agree_with_process_0, preemption_reached
+from meshtrain.ops.optimizers import map_param_states
 from meshtrain.data.prefetch import Prefetcher
 from meshtrain.engine.program import TrainProgram
 from meshtrain.config.validate import check_train_size
@@ -68,7 +68,7 @@ class Trainer:
                                                         allow_change)
         if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
             print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
-                  f"{cfg.optim.schedule_steps}): lr stays at optim.lr x min_lr_ratio from there; to decay over a new "
+                  f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay over a new "
                   f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
         # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
         self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
@@ -141,10 +141,15 @@ class Trainer:
         run executes or learns may change."""
         saved = ModelSpec(**{k: v for k, v in meta["config"]["model"].items() if hasattr(ModelSpec, k)})
         differ = self.cfg.model.architecture_difference(saved, "this run", f"checkpoint {folder}")
+        own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
+        fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
         if differ:
-            own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
-            fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
             raise UserError(f"{differ}; {fresh}, or use the checkpoint's model config")
+        optimizer = meta["config"].get("optim", {}).get("optimizer", "adamw")  # earlier versions: AdamW
+        if optimizer != self.cfg.optim.optimizer:  # another state layout
+            raise UserError(f"checkpoint {folder} holds the state of optim.optimizer={optimizer}, this run has "
+                            f"{self.cfg.optim.optimizer}; resume with optim.optimizer={optimizer}, or {fresh} "
+                            f"(checkpoint.init_from takes a run's weights with a fresh optimizer)")
 
     def _reorder_layers(self, state, saved_order):
         """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
@@ -156,8 +161,8 @@ class Trainer:
 
         def reorder(state):
             params = jax.tree.map(move, state["params"], p.logical_axes, is_leaf=is_names)
-            opt_state = optax.tree_map_params(p.tx, move, state["opt_state"], p.logical_axes,
-                                              transform_non_params=lambda x: x, is_leaf=is_names)
+            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"], state["params"],
+                                         p.logical_axes)
             return {**state, "params": params, "opt_state": opt_state}
 
         state = jax.jit(reorder, out_shardings=p.state_shardings)(state)
