@@ -20,7 +20,7 @@ from meshtrain.parallel.context_parallel import load_balanced_order
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.engine.pipeline import layer_order
-from meshtrain.ops.optimizers import OPTIMIZERS
+from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
 from meshtrain.ops.precision import initial_loss_scale
 from meshtrain.parallel.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
                                 state_shardings, stage_replicated)
@@ -62,7 +62,7 @@ class TrainProgram:
             other["grad_error"] = compression.error_shapes_and_specs(abstract_params, self.owned_specs, self.sizes,
                                                                      plan.zero)[1]
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
-                                                                self.mesh, plan.zero, self.tx, other)
+                                                                self.mesh, plan.zero, map_param_states, other)
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs)

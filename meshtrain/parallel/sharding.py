@@ -196,17 +196,16 @@ def state_spec(state, param, spec: P, mesh) -> P:
     return P(*[axes_entry(d) for d in dims])
 
 
-def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx, other_specs=None):
+def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, map_states, other_specs=None):
     """NamedShardings for the train state (params, opt_state, the entries of `other_specs`, trees of
     PartitionSpecs such as gradient compression's residuals, and replicated scalar counters) and the
-    PartitionSpecs for gradients."""
+    PartitionSpecs for gradients. `map_states` walks the optimizer state's parameter-shaped parts
+    (meshtrain/ops/optimizers.py `map_param_states`)."""
     params = abstract_state["params"]
     param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "params"))
     opt_param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "opt_state"))
     grad_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "grads"))
-    from meshtrain.ops.optimizers import map_param_states
-
-    opt_specs = map_param_states(lambda state, param, spec: state_spec(state, param, spec, mesh),
+    opt_specs = map_states(lambda state, param, spec: state_spec(state, param, spec, mesh),
                                  abstract_state["opt_state"], params, opt_param_specs, otherwise=lambda _: P())
     named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                        is_leaf=lambda x: isinstance(x, P))
