@@ -99,7 +99,8 @@ def sub_block(chunk_len: int) -> int:
 
 def chunk_start(device, c, cp: int, chunk_len: int):
     """True position of the first token of chunk c (0 early, 1 late) of `device` (load-balanced order)."""
-    return chunk_len * (device if cp == 1 or c == 0 else 2 * cp - 1 - device)
+    late = 0 if cp == 1 else c  # chunk 2cp-1-device when late (c may be traced)
+    return chunk_len * (device + late * (2 * cp - 1 - 2 * device))
 
 
 def chunk_reach(chunk_len: int, window: int) -> int:
