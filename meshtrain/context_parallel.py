@@ -129,6 +129,15 @@ def ring_exchanges(seq_len: int, cp: int, window: int = 0) -> int:
     return sum(len(steps) for _, steps in ring_legs(cp, seq_len // (2 * cp), window))
 
 
+def ring_sends(seq_len: int, cp: int, window: int = 0) -> dict[str, int]:
+    """Sends per layer of one device: `kv` K/V blocks a ring pass (forward, and again backward),
+    `grads` fp32 dK/dV blocks (one per exchange, one home per leg, less the second leg's first:
+    it starts from zero sums), `legs` (`ring_legs`)."""
+    legs = ring_legs(cp, seq_len // (2 * cp), window)
+    kv = sum(len(steps) for _, steps in legs)
+    return {"kv": kv, "grads": kv + 1 if kv else 0, "legs": len(legs)}
+
+
 def computed_fraction(seq_len: int, cp: int, window: int = 0) -> float:
     """The share of the [L, L] score matrix the ring computes, summed over its cp devices:
     (2 n^2 cp + n) / (4 n^2 cp) = 1/2 + 1/(4 n cp) with n sub-blocks per chunk (the causal pairs'

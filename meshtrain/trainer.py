@@ -59,9 +59,10 @@ class Trainer:
         t = cfg.train
         run_dir.set_horizon(self.out, cfg)  # the schedule's, as the run recorded it
         self.cfg = cfg
-        self.program = program = TrainProgram.from_config(cfg, devices)
-        check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        eos = getattr(self.corpus.tokenizer, "eos_id", None)  # where data.document_mask splits documents
+        self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
+        check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         # What defines the run, checked against the folder's record.
         self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.data_fingerprint(self.corpus.tokens),
                                                         allow_change)
