@@ -9,10 +9,15 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import context_parallel
-from meshtrain.attention import blockwise_attention, executed_attention, xla_attention
+import meshtrain.attention as attention_lib
+from conftest import tiny_config
+from meshtrain import context_parallel, hlo
+from meshtrain.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
+from meshtrain.config import UserError
 from meshtrain.context_parallel import load_balanced_order, ring_attention
-from meshtrain.packing import Packing, visible
+from meshtrain.packing import Packing, packing_of, visible
+from meshtrain.step import make_loss_fn
+from models import LanguageModel
 
 B, L, H, G, K = 2, 64, 4, 2, 8
 EOS = 0
@@ -160,3 +165,155 @@ def test_blockwise_share_under_a_window(monkeypatch):
     assert executed_attention("blockwise", L)[1] == pytest.approx(9 / 16)
     # window 9: block i needs key blocks i and i - 1 (distance 1..15 reaches), 8 + 7 of the 64
     assert executed_attention("blockwise", L, window=9)[1] == pytest.approx(15 / 64)
+
+
+@pytest.mark.parametrize("cp,window", [(8, 0), (8, 5), (8, 13), (4, 5), (8, 1)])
+def test_compiled_ring_sends_what_ring_sends_counts(cp, window):
+    """Forward and backward of the ring, compiled: 2 collective-permutes (K and V) per K/V send and
+    per dK/dV send; the backward's first K/V send of each leg is the forward's own (XLA keeps one)."""
+    mesh = mesh_of((cp,), ("context",))
+    positions = load_balanced_order(L, cp)
+    shard = NamedSharding(mesh, P(None, "context"))
+    args = [jax.ShapeDtypeStruct((B, L, n, K), jnp.float32, sharding=shard) for n in (H, G, G)]
+    segments = jnp.zeros((B, L), jnp.int32)
+
+    def loss(q, k, v):
+        return jnp.sum(ring_attention(q, k, v, positions, segment_ids=segments, window=window))
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    found = hlo.collectives(text, cp)
+    sends = context_parallel.ring_sends(L, cp, window)
+    assert found["collective-permute"]["count"] == 2 * (2 * sends["kv"] - sends["legs"] + sends["grads"])
+    assert sends["kv"] == context_parallel.ring_exchanges(L, cp, window)
+    assert found["all-gather"]["count"] == 0  # the segment ids are read where they are, never gathered
+
+
+def test_document_mask_needs_an_eos():
+    from meshtrain.spec import DataConfig
+
+    assert packing_of(DataConfig(), None) is None  # off by default: GPT-style, attend across documents
+    assert packing_of(DataConfig(document_mask=True), 7) == Packing(7, True)
+    assert packing_of(DataConfig(document_mask=True, eos_id=10, restart_positions=False), 7) == Packing(10, False)
+    with pytest.raises(UserError, match=r"data.document_mask=true needs an EOS id.*set data.eos_id"):
+        packing_of(DataConfig(document_mask=True), None)
+    with pytest.raises(UserError, match=r"data.eos_id=300 is outside model.vocab_size=256"):
+        tiny_config("data.eos_id=300")
+
+
+# ---- the model: a packed batch against its documents one by one ----
+SEQ = 32  # divisible by 2 x 8 for the ring on 8 devices
+DOC_LENGTHS = [(9, 11, 12), (4, 20, 8)]  # per row; every document ends with EOS
+
+
+@pytest.fixture(scope="module")
+def packed():
+    """(model spec, params, tokens [2, SEQ + 1] of packed documents, the documents [(row, start,
+    length)])."""
+    spec = tiny_config().model
+    params = LanguageModel(spec).init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, spec.vocab_size, (2, SEQ + 1))
+    docs = []
+    for row, lengths in enumerate(DOC_LENGTHS):
+        start = 0
+        for n in lengths:
+            tokens[row, start + n - 1] = EOS
+            docs.append((row, start, n))
+            start += n
+    return spec, params, jnp.asarray(tokens, jnp.int32), docs
+
+
+def token_losses(logits_BxLxV, targets_BxL):
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits_BxLxV), targets_BxL[..., None], axis=-1)[..., 0]
+
+
+def within_documents(docs, shape):
+    """1 where a position's target is in its own document (the input is not the document's EOS)."""
+    mask = np.zeros(shape, np.float32)
+    for row, start, n in docs:
+        mask[row, start:start + n - 1] = 1
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("kernel", ["xla", "blockwise"])
+def test_packed_batch_equals_documents_alone(packed, kernel, monkeypatch):
+    """Per-token losses of the packed batch (document mask, positions restarting) equal those of
+    each document run alone (its own row, padded after its end: causal attention never reads the
+    padding), and so do the gradients of their sum."""
+    monkeypatch.setattr(attention_lib, "ATTENTION_BLOCK", 8)  # 4 blocks of 8 over the 32 positions
+    spec, params, tokens, docs = packed
+    model = LanguageModel(spec, attention=BACKENDS[kernel], packing=Packing(EOS))
+    alone_model = LanguageModel(spec)
+    alone = np.ones((len(docs), SEQ + 1), np.int32)  # padding: token 1
+    for d, (row, start, n) in enumerate(docs):
+        alone[d, :n + 1] = tokens[row, start:start + n + 1]  # the document and the target after its EOS
+    alone = jnp.asarray(alone)
+    alone_docs = [(d, 0, n) for d, (_, _, n) in enumerate(docs)]
+
+    def packed_loss(params):
+        losses = token_losses(model.apply(params, tokens[:, :-1], model.documents(tokens)), tokens[:, 1:])
+        return jnp.sum(losses * within_documents(docs, losses.shape)), losses
+
+    def alone_loss(params):
+        losses = token_losses(alone_model.apply(params, alone[:, :-1]), alone[:, 1:])
+        return jnp.sum(losses * within_documents(alone_docs, losses.shape)), losses
+
+    (_, got), got_grads = jax.jit(jax.value_and_grad(packed_loss, has_aux=True))(params)
+    (_, want), want_grads = jax.jit(jax.value_and_grad(alone_loss, has_aux=True))(params)
+    diff = 0.0
+    for d, (row, start, n) in enumerate(docs):  # every position of the document, its EOS's too
+        np.testing.assert_allclose(got[row, start:start + n], want[d, :n], atol=1e-5, rtol=1e-5)
+        diff = max(diff, float(jnp.max(jnp.abs(got[row, start:start + n] - want[d, :n]))))
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        diff = max(diff, float(jnp.max(jnp.abs(a - b))))
+    print(f"{kernel}: packed vs alone, max |diff| of per-token losses and grads {diff:.2e}")
+    plain = jax.jit(lambda p: token_losses(alone_model.apply(p, tokens[:, :-1]), tokens[:, 1:]))(params)
+    assert not np.allclose(plain[0, 9:20], got[0, 9:20], atol=1e-3)  # without the mask: not the same
+
+
+def loss_and_grads(model, params, tokens):
+    return jax.jit(jax.value_and_grad(make_loss_fn(model, "fp32"), has_aux=True))(params, tokens)
+
+
+def assert_same_step(got, want, label):
+    (_, got_metrics), got_grads = got
+    (_, want_metrics), want_grads = want
+    np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    diffs = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads))]
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    print(f"{label}: loss {float(got_metrics['loss']):.6f} vs {float(want_metrics['loss']):.6f}, "
+          f"max |grad diff| {max(diffs):.2e}")
+
+
+def test_packed_batch_under_context_parallelism(packed):
+    """The ring on 8 devices (`context` axis, load-balanced order, segment ids permuted with the
+    sequence) computes the one-device packed loss and gradients."""
+    spec, params, tokens, _ = packed
+    want = loss_and_grads(LanguageModel(spec, packing=Packing(EOS)), params, tokens)
+    model = LanguageModel(spec, attention=BACKENDS["ring"], sequence_order=load_balanced_order(SEQ, 8),
+                          packing=Packing(EOS))
+    with jax.set_mesh(mesh_of((8,), ("context",))):
+        got = loss_and_grads(model, params, tokens)
+    assert_same_step(got, want, "ring, context=8")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_packed_batch_through_a_pipeline(packed, schedule):
+    """Two pipeline stages (4 microbatches, segment ids travelling with each) compute the
+    one-device packed loss and gradients."""
+    from meshtrain.pipeline import make_pipeline_grads
+    from meshtrain.program import TrainProgram
+
+    spec, params, tokens, _ = packed
+    tokens = jnp.tile(tokens, (2, 1))  # 4 rows: 4 microbatches of 1
+    want = loss_and_grads(LanguageModel(spec, packing=Packing(EOS)), params, tokens)
+    cfg = tiny_config("parallel.mesh=pipeline=2", f"parallel.schedule={schedule}", "parallel.microbatches=4",
+                      f"train.seq_len={SEQ}", "train.batch_size=4")
+    program = TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, jax.devices()[:2], Packing(EOS))
+    param_specs = jax.tree.map(lambda s: s.spec, program.state_shardings["params"])
+    grads_fn = make_pipeline_grads(program.model, cfg.parallel, program.mesh, param_specs, program.grad_specs)
+    with program.context():
+        metrics, grads = jax.jit(grads_fn)(params, tokens)
+    assert_same_step(((None, metrics), grads), want, f"pipeline=2 {schedule}")
