@@ -95,12 +95,13 @@ def test_local_kernels_match_the_dense_mask(backend, segmented, window):
     print(f"{backend} segments={segmented} window={window}: max |diff| {assert_close(got, want):.2e}")
 
 
-@pytest.mark.parametrize("cp,ring_block,segmented,window", [(8, 512, True, 13), (8, 512, False, 5), (8, 512, True, 0),
-                                                            (4, 4, True, 5), (4, 4, True, 1), (4, 4, False, 40)])
+@pytest.mark.parametrize("cp,ring_block,segmented,window", [(8, 512, True, 13), (4, 4, True, 5), (4, 4, True, 1),
+                                                            (4, 4, False, 40)])
 def test_ring_matches_the_dense_mask(cp, ring_block, segmented, window, monkeypatch):
     """The ring on a `context` axis of cp (chunks of L / 2cp positions, sub-blocks of ring_block),
     in storage order, against the reference in true order; windows that need 1 or 3 chunks back,
-    only the own block (1) or the whole ring (40)."""
+    only the own block (1) or the whole ring (40). (Segments without a window: the model's ring
+    test below.)"""
     monkeypatch.setattr(context_parallel, "RING_BLOCK", ring_block)
     q, k, v, cot, segments = inputs()
     segments = segments if segmented else None
@@ -167,10 +168,10 @@ def test_blockwise_share_under_a_window(monkeypatch):
     assert executed_attention("blockwise", L, window=9)[1] == pytest.approx(15 / 64)
 
 
-@pytest.mark.parametrize("cp,window", [(8, 0), (8, 5), (8, 13), (4, 5), (8, 1)])
+@pytest.mark.parametrize("cp,window", [(8, 5), (4, 10)])
 def test_compiled_ring_sends_what_ring_sends_counts(cp, window):
-    """Forward and backward of the ring, compiled: 2 collective-permutes (K and V) per K/V send and
-    per dK/dV send; the backward's first K/V send of each leg is the forward's own (XLA keeps one)."""
+    """Forward and backward of the ring, compiled (window 5 on 8 devices: two legs of 1 exchange;
+    10 on 4: the whole ring): 2 collective-permutes (K and V) per K/V send and per dK/dV send; the backward's first K/V send of each leg is the forward's own (XLA keeps one)."""
     mesh = mesh_of((cp,), ("context",))
     positions = load_balanced_order(L, cp)
     shard = NamedSharding(mesh, P(None, "context"))
