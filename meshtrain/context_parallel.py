@@ -21,6 +21,8 @@ That is (c, c) and (l, e_src) with c = [src > me] (`step_pairs`). A ring thus co
 1/2 + 1/(4 n cp) of the [L, L] scores (n = Lc/S sub-blocks per chunk), half of attending every
 block, as blockwise attention does on one device (`computed_fraction`). The K/V exchange stays
 cp - 1 blocks per layer: a block passes through devices that need all of it.
+A sliding window shorter than the ring needs only the steps whose nearest chunk pair it reaches,
+one leg of them each way round the ring (`ring_legs`, `ring_sends`).
 
 A chunk pair runs in S x S sub-blocks (S <= RING_BLOCK), listed ahead of time (`sub_block_pairs`):
 a whole pair visits all n^2, a causal one the n(n+1)/2 on or below the diagonal, where the one mask
@@ -28,6 +30,9 @@ is the same lower triangle each time. No mask is computed from positions inside 
 position-dependent [S, S] mask there depends on nothing the gradient flows through, so JAX's
 partial evaluation hoists it out of the loops and stacks it per sub-block pair and ring step, an
 O(L^2) buffer per device (2 GB per layer for Llama 3 8B at 32k tokens on context=4).
+Document masks (segment ids) and windows (meshtrain/packing.py) add a mask per sub-block
+(`PairMask`), computed inside the loops: the custom VJP below is never partially evaluated, so
+nothing is hoisted; a sub-block wholly outside the window is skipped.
 
 Backward: a custom VJP that goes round the ring again (FlashAttention's blockwise backward: scores
 recomputed, p = exp(s - logsumexp)); dQ stays local, each block's dK/dV sums travel with it and

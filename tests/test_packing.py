@@ -300,10 +300,11 @@ def test_packed_batch_under_context_parallelism(packed):
     assert_same_step(got, want, "ring, context=8")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b"])
-def test_packed_batch_through_a_pipeline(packed, schedule):
-    """Two pipeline stages (4 microbatches, segment ids travelling with each) compute the
-    one-device packed loss and gradients."""
+@pytest.mark.parametrize("schedule,residuals", [("1f1b", "save"), ("zb", "save"), ("gpipe", "recompute")])
+def test_packed_batch_through_a_pipeline(packed, schedule, residuals):
+    """Two pipeline stages (4 microbatches, segment ids travelling with each: to the saved
+    forward, zb's deferred weight gradient, the recomputed forward) compute the one-device packed
+    loss and gradients."""
     from meshtrain.pipeline import make_pipeline_grads
     from meshtrain.program import TrainProgram
 
@@ -311,10 +312,11 @@ def test_packed_batch_through_a_pipeline(packed, schedule):
     tokens = jnp.tile(tokens, (2, 1))  # 4 rows: 4 microbatches of 1
     want = loss_and_grads(LanguageModel(spec, packing=Packing(EOS)), params, tokens)
     cfg = tiny_config("parallel.mesh=pipeline=2", f"parallel.schedule={schedule}", "parallel.microbatches=4",
+                      f"parallel.residuals={residuals}",
                       f"train.seq_len={SEQ}", "train.batch_size=4")
     program = TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, jax.devices()[:2], Packing(EOS))
     param_specs = jax.tree.map(lambda s: s.spec, program.state_shardings["params"])
     grads_fn = make_pipeline_grads(program.model, cfg.parallel, program.mesh, param_specs, program.grad_specs)
     with program.context():
         metrics, grads = jax.jit(grads_fn)(params, tokens)
-    assert_same_step(((None, metrics), grads), want, f"pipeline=2 {schedule}")
+    assert_same_step(((None, metrics), grads), want, f"pipeline=2 {schedule} residuals={residuals}")
