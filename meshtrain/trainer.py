@@ -59,10 +59,13 @@ class Trainer:
         t = cfg.train
         run_dir.set_horizon(self.out, cfg)  # the schedule's, as the run recorded it
         self.cfg = cfg
-        self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
-        eos = getattr(self.corpus.tokenizer, "eos_id", None)  # where data.document_mask splits documents
+        load_corpus = lambda: data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        # data.document_mask splits documents at the data's own tokenizer's EOS unless data.eos_id names one
+        corpus = load_corpus() if cfg.data.document_mask and cfg.data.eos_id < 0 else None
+        eos = None if corpus is None else getattr(corpus.tokenizer, "eos_id", None)
         self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
+        self.corpus = load_corpus() if corpus is None else corpus
         # What defines the run, checked against the folder's record.
         self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.data_fingerprint(self.corpus.tokens),
                                                         allow_change)
