@@ -216,7 +216,7 @@ def expected_traffic(program) -> dict[str, dict]:
         # forward and backward pass K/V round the ring (fewer under a short sliding window:
         # context_parallel.ring_sends); remat=full's recomputed forward again, but the first send of
         # each leg is the forward's own (the same permute of the same K/V: XLA keeps one)
-        sends = ring_sends(t.seq_len, C, program.model.window)
+        sends = ring_sends(t.seq_len, C, getattr(program.model, "window", 0))
         kv_sends = 2 * sends["kv"] + (sends["kv"] - sends["legs"] if plan.remat == "full" else 0)
         add("collective-permute", (kv_sends * kv + sends["grads"] * kv * 4 / act) * m.num_layers / P,
             f"ring attention per layer: {kv_sends} K/V sends (forward, backward"
