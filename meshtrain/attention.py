@@ -1,9 +1,9 @@
 """Attention backends, chosen by the plan (`parallel.attention`), never by the model: the model
 calls the kernel it is given with q [B, L, H, K], k and v [B, L, G, K] (grouped-query: H = G x R)
 and `positions_L`, the true position of each stored sequence position (None: in order; context
-parallelism stores the sequence permuted, meshtrain/context_parallel.py). Every backend is causal,
+parallelism stores the sequence permuted, meshtrain/parallel/context_parallel.py). Every backend is causal,
 takes the softmax in fp32 and returns [B, L, H, K] in q's dtype. Two optional masks, in every
-backend (meshtrain/packing.py `visible`): `segment_ids` [B, L] (stored like q; packed documents,
+backend (meshtrain/ops/packing.py `visible`): `segment_ids` [B, L] (stored like q; packed documents,
 a query sees only its own document's keys) and `window` (static int, 0 = full causal: query i
 sees keys i - window < j <= i, Mistral / Gemma sliding-window attention).
 
@@ -11,7 +11,7 @@ sees keys i - window < j <= i, Mistral / Gemma sliding-window attention).
 - `blockwise`: online softmax over blocks of positions; never forms them (any device).
 - `cudnn`: cuDNN's fused kernel (NVIDIA GPUs, bf16).
 - `ring`: context parallelism over the mesh's `context` axis: each device keeps its queries and
-  passes keys and values around the ring (meshtrain/context_parallel.py).
+  passes keys and values around the ring (meshtrain/parallel/context_parallel.py).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.context_parallel import computed_fraction, ring_attention
-from meshtrain.packing import block_reaches, visible
+from meshtrain.parallel.context_parallel import computed_fraction, ring_attention
+from meshtrain.ops.packing import block_reaches, visible
 
 ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel, at most
-MIN_ATTENTION_BLOCK = 128  # smaller blocks run too many serial steps: refused (meshtrain/validate.py)
+MIN_ATTENTION_BLOCK = 128  # smaller blocks run too many serial steps: refused (meshtrain/config/validate.py)
 
 
 def attention_block(seq_len: int) -> int:
@@ -126,7 +126,7 @@ BACKENDS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cud
 
 # Score-sized matmuls (QK^T, PV or one of their four gradients: 2 x H x K FLOPs per query and key)
 # a backend runs per query-key pair it computes, (forward, backward): the textbook 2 + 4, which the
-# model FLOPs count (12·L·H·K·S per token, meshtrain/metrics.py); a flash-style backward (ring's
+# model FLOPs count (12·L·H·K·S per token, meshtrain/core/metrics.py); a flash-style backward (ring's
 # custom VJP, cuDNN's) recomputes the scores first (+1); the blockwise kernel's two nested
 # checkpoints rerun a query block's forward and then each key block's (+2 +2).
 ATTENTION_MATMULS = {"xla": (2, 4), "blockwise": (2, 8), "cudnn": (2, 5), "ring": (2, 5)}

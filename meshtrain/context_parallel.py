@@ -30,7 +30,7 @@ is the same lower triangle each time. No mask is computed from positions inside 
 position-dependent [S, S] mask there depends on nothing the gradient flows through, so JAX's
 partial evaluation hoists it out of the loops and stacks it per sub-block pair and ring step, an
 O(L^2) buffer per device (2 GB per layer for Llama 3 8B at 32k tokens on context=4).
-Document masks (segment ids) and windows (meshtrain/packing.py) add a mask per sub-block
+Document masks (segment ids) and windows (meshtrain/ops/packing.py) add a mask per sub-block
 (`PairMask`), computed inside the loops: the custom VJP below is never partially evaluated, so
 nothing is hoisted; a sub-block wholly outside the window is skipped.
 
@@ -48,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.errors import UserError
-from meshtrain.packing import block_reaches, visible
-from meshtrain.sharding import mesh_axis
+from meshtrain.core.errors import UserError
+from meshtrain.ops.packing import block_reaches, visible
+from meshtrain.parallel.sharding import mesh_axis
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)  # masked score: exp(lowest - m) == 0 once m is real
 RING_BLOCK = 512  # positions per sub-block: a step forms [S, S] scores, never [Lc, Lc]
@@ -283,7 +283,7 @@ def ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, axis: str = "co
     attention is computed locally. If `axis` is already manual (the caller's own shard_map), the
     arrays are the local slots and `positions_L` still covers the whole sequence. `segment_ids`
     [B, L] (storage order, the whole sequence even where `axis` is manual: every device reads the
-    held block's from it, nothing more travels) and `window` mask as meshtrain/packing.py says."""
+    held block's from it, nothing more travels) and `window` mask as meshtrain/ops/packing.py says."""
     positions_L = np.asarray(positions_L)
     mesh = jax.sharding.get_abstract_mesh()
     cp, manual = mesh_axis(axis)

@@ -1,5 +1,5 @@
 """The SPMD pipeline executor: one program, run by every stage inside `jax.shard_map` over the
-`pipeline` axis, steps through a schedule's timetable (meshtrain/schedules.py) tick by tick.
+`pipeline` axis, steps through a schedule's timetable (meshtrain/parallel/schedules.py) tick by tick.
 
 In a tick a stage runs the actions of its slot, each behind a `lax.cond` on its own table entry
 (so an idle stage computes nothing): the forward of one chunk of one microbatch, its backward,
@@ -24,7 +24,7 @@ the loss in the forward and pulls the loss back to the chunk's output at once (s
 reads that cotangent like any other stage). Received tensors wait in ring buffers sized from the
 timetable. Gradients accumulate locally over microbatches; they are summed over the pipeline axis
 (embedding, final norm, head) and reduced over `data` (a manual axis too when data > 1, at every
-ZeRO stage: meshtrain/data_parallel.py) once per step.
+ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
 """
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import data_parallel
-from meshtrain import remat as remat_lib
-from meshtrain.batching import inputs_and_targets, split_microbatches
-from meshtrain.precision import cast_for_compute
-from meshtrain.schedules import executor_tables, tick_phases, timetable
-from meshtrain.sharding import constrain, manual_axes_rules
-from models.transformer import scan_blocks
+from meshtrain.parallel import data_parallel
+from meshtrain.ops import remat as remat_lib
+from meshtrain.parallel.batching import inputs_and_targets, split_microbatches
+from meshtrain.ops.precision import cast_for_compute
+from meshtrain.parallel.schedules import executor_tables, tick_phases, timetable
+from meshtrain.parallel.sharding import constrain, manual_axes_rules
+from meshtrain.models.transformer import scan_blocks
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -109,7 +109,7 @@ def _zeros(like, *lead):
 class StageProgram:
     """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
-    timetable (meshtrain/schedules.py)."""
+    timetable (meshtrain/parallel/schedules.py)."""
 
     def __init__(self, model, layer, schedule: str, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
@@ -289,8 +289,8 @@ class StageProgram:
 def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None):
     """(params, tokens [B, L+1]) -> (metrics, grads): one step's forward and backward, pipelined as
     `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
-    own rows, and the gradients are reduced over it once per step (meshtrain/data_parallel.py). With
-    a `compressor` (meshtrain/compression.py) the function is (params, tokens, errors[, scale]) ->
+    own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py). With
+    a `compressor` (meshtrain/parallel/compression.py) the function is (params, tokens, errors[, scale]) ->
     (metrics, grads, new errors), `errors` the state's `grad_error` laid out as `error_specs`."""
     stages = mesh.shape["pipeline"]
     schedule, residuals, micro = plan.schedule, plan.residuals, plan.num_microbatches(stages)

@@ -13,27 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import compression
-from meshtrain.attention import BACKENDS
-from meshtrain.batching import split_microbatches
-from meshtrain.context_parallel import load_balanced_order
-from meshtrain.mesh import build_mesh, parse_mesh, simulate_cpu_devices
-from meshtrain.packing import Packing, packing_of
-from meshtrain.metrics import flops_per_token
-from meshtrain.pipeline import layer_order
-from meshtrain.precision import initial_loss_scale
-from meshtrain.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
+from meshtrain.parallel import compression
+from meshtrain.ops.attention import BACKENDS
+from meshtrain.parallel.batching import split_microbatches
+from meshtrain.parallel.context_parallel import load_balanced_order
+from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
+from meshtrain.ops.packing import Packing, packing_of
+from meshtrain.core.metrics import flops_per_token
+from meshtrain.engine.pipeline import layer_order
+from meshtrain.ops.precision import initial_loss_scale
+from meshtrain.parallel.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
                                 state_shardings)
-from meshtrain.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
-from meshtrain.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
-from meshtrain.validate import check_layout
-from models import FAMILIES
+from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
+from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
+from meshtrain.config.validate import check_layout
+from meshtrain.models import FAMILIES
 
 
 class TrainProgram:
     def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None,
                  packing: Packing | None = None):
-        """`packing`: how a training window splits into documents (meshtrain/packing.py; None:
+        """`packing`: how a training window splits into documents (meshtrain/ops/packing.py; None:
         attend across them), from `data.document_mask` (`from_config`)."""
         self.spec, self.plan, self.optim, self.train = model, plan, optim, train
         t = train
@@ -88,7 +88,7 @@ class TrainProgram:
 
     def state_from_params(self, params):
         """Step 0 with these parameters (in model order), a fresh optimizer state, and zero residuals
-        where int8 gradient compression applies (meshtrain/compression.py)."""
+        where int8 gradient compression applies (meshtrain/parallel/compression.py)."""
         params = dict(params)
         params["blocks"] = self.reorder_blocks(params["blocks"], self.layer_order)  # storage order
         zero = jnp.zeros((), jnp.int32)
@@ -102,7 +102,7 @@ class TrainProgram:
         return compression.init_error(params, self.owned_specs, self.sizes, self.plan.zero)
 
     def optional_state(self) -> dict:
-        """State entries a checkpoint may lack (meshtrain/checkpoint.py `restore`): a function making
+        """State entries a checkpoint may lack (meshtrain/run/checkpoint.py `restore`): a function making
         each afresh, in its sharding. Compression's residuals are per data shard: a checkpoint of
         another data size (or without compression) resumes with zeros."""
         make = lambda fn, key: lambda: jax.jit(fn, out_shardings=self.state_shardings[key])()

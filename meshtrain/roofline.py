@@ -19,15 +19,15 @@ ZeRO-3 gather over data and fsdp).
 Times, per device per step (each a lower bound; the step is the largest when all of it overlaps
 perfectly, the sum when none does):
 - compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model's dense
-  6N per token (meshtrain/metrics.py), plus the forward the backward reruns, 2·N_blocks, under
+  6N per token (meshtrain/core/metrics.py), plus the forward the backward reruns, 2·N_blocks, under
   `parallel.remat=full` or a pipeline's `parallel.residuals=recompute` (`save_matmuls` and
   `offload` keep every matmul output, attention's included, so they rerun no matmul), plus
   attention as its kernel runs it: the share of the causal scores it computes (blockwise and ring
   skip the hidden blocks: about half) times its matmuls (flash-style backwards recompute the
-  scores; meshtrain/attention.py `executed_attention`). From the formula, not from XLA's cost
+  scores; meshtrain/ops/attention.py `executed_attention`). From the formula, not from XLA's cost
   analysis, which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the
-  lockstep timetable's (meshtrain/schedules.py), a tick costing its slowest stage.
-- communication = sum over axis sets of ring link traffic (meshtrain/hlo.py) / that set's link
+  lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage.
+- communication = sum over axis sets of ring link traffic (meshtrain/planner/hlo.py) / that set's link
   bandwidth.
 - memory = (argument + output + temporary bytes of the compiled step) / HBM bandwidth: every
   argument read once, every output and temporary written once. A floor, not an estimate: it leaves
@@ -42,9 +42,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from meshtrain.attention import executed_attention
-from meshtrain.mesh import AXES
-from meshtrain.schedules import timetable
+from meshtrain.ops.attention import executed_attention
+from meshtrain.parallel.mesh import AXES
+from meshtrain.parallel.schedules import timetable
 
 
 # ---- where the axes run ----
@@ -134,7 +134,7 @@ def hardware_flops_per_token(model_flops_per_token: float, block_params: float, 
                              attention: tuple[tuple[int, int], float] = ((2, 4), 1.0)) -> float:
     """The FLOPs a step executes per token: the model's dense 6N, plus one more forward of the
     blocks' matmuls, 2·N_blocks, when the forward is rerun (the embedding and the head are not),
-    and attention as its kernel runs it (`attention`: meshtrain.attention.executed_attention's
+    and attention as its kernel runs it (`attention`: meshtrain.ops.attention.executed_attention's
     (forward, backward) score-sized matmuls and share of the scores): 2·L·H·K·S per matmul x share
     x (forward + backward, + forward again when rerun). The model's 12·L·H·K·S is xla's 2 + 4 x 1."""
     (forward, backward), share = attention
@@ -166,7 +166,7 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
              devices_per_node: int | None = None) -> dict:
     """The roofline of a compiled TrainProgram on `profile`'s machine. `collectives`: records with
     `groups` (mesh positions per replica group), `times` (executions per step) and `traffic`
-    (ring link bytes per device per execution), as meshtrain/hlo.py reads them;
+    (ring link bytes per device per execution), as meshtrain/planner/hlo.py reads them;
     `memory_analysis`: the compiled step's."""
     sizes, plan, t, m = program.sizes, program.plan, program.train, program.model.cfg
     n, stages = math.prod(sizes.values()), sizes["pipeline"]

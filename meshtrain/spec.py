@@ -10,19 +10,19 @@ The loop, data, checkpoint, guard and logging sections complete `Config`.
 
 Each setting is declared once, with its default, its meaning (`help`), its allowed values or range
 (`Bounds`); the parser, the reference (docs/config.md) and the resume check all read that. The checks
-that involve several settings or the mesh live in meshtrain/validate.py.
+that involve several settings or the mesh live in meshtrain/config/validate.py.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from meshtrain.attention import BACKENDS as ATTENTION_BACKENDS
-from meshtrain.bounds import Bounds
+from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
+from meshtrain.core.bounds import Bounds
 from meshtrain.data.sources import KINDS as DATA_KINDS
-from meshtrain.remat import POLICIES as REMAT_POLICIES
-from meshtrain.schedules import SCHEDULES
-from models import FAMILIES
+from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
+from meshtrain.parallel.schedules import SCHEDULES
+from meshtrain.models import FAMILIES
 
 MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
 

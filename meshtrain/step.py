@@ -1,6 +1,6 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
 nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'},
-and 'grad_error' under int8 gradient compression (meshtrain/compression.py); the batch is
+and 'grad_error' under int8 gradient compression (meshtrain/parallel/compression.py); the batch is
 [batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain import compression, data_parallel
-from meshtrain import remat as remat_lib
-from meshtrain.batching import accumulate, inputs_and_targets
-from meshtrain.pipeline import make_pipeline_grads
-from meshtrain.precision import cast_for_compute, scales_loss, update_loss_scale
-from models.transformer import scan_blocks
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.ops import remat as remat_lib
+from meshtrain.parallel.batching import accumulate, inputs_and_targets
+from meshtrain.engine.pipeline import make_pipeline_grads
+from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
+from meshtrain.models.transformer import scan_blocks
 
 
 def lr_schedule(ocfg, total_steps: int):
@@ -45,14 +45,14 @@ def applied_lr(schedule, opt_state):
 
 def make_loss_fn(model, precision: str, remat: str = "none"):
     """(params, tokens [B, L+1]) -> (objective, metrics): the mean cross-entropy plus the model's
-    auxiliary losses, and the metrics (meshtrain/batching.py). The blocks run under the plan's remat
+    auxiliary losses, and the metrics (meshtrain/parallel/batching.py). The blocks run under the plan's remat
     policy; their statistics are reported as means over layers."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
     def loss_fn(params, tokens_BxL1):
         compute = cast_for_compute(params, precision)
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-        docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/packing.py), or None
+        docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/ops/packing.py), or None
         x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
                                      *([] if docs is None else [docs]))
         stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
@@ -64,7 +64,7 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
 
 def metrics_and_grads(loss_fn):
     """`loss_fn` -> (params, tokens[, scale]) -> (metrics, gradients of the objective, times `scale`
-    when one is given: fp16's loss scale, meshtrain/precision.py)."""
+    when one is given: fp16's loss scale, meshtrain/ops/precision.py)."""
     def fn(params, tokens_BxL1, *scale):
         def objective(p):
             value, metrics = loss_fn(p, tokens_BxL1)
@@ -80,11 +80,11 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
     """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
     (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
     'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
-    stages (meshtrain/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
+    stages (meshtrain/engine/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
     computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
     are reduced over `data` once per step (in int8 with error feedback under compression, which
     keeps the residuals of a skipped step). Otherwise XLA partitions the step from the shardings.
-    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/precision.py)."""
+    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
     micro = plan.num_microbatches(stages)
     compressor = None

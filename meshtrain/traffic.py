@@ -1,15 +1,15 @@
 """The analytical collective traffic of a compiled train step, per device per step, by kind, with
-what each term stands for: what the planner prints beside the bytes read from the HLO (meshtrain/hlo.py).
+what each term stands for: what the planner prints beside the bytes read from the HLO (meshtrain/planner/hlo.py).
 
-Formulas (per device; meshtrain/formulas.py; D, F, T, P, E, C the data, fsdp, tensor, pipeline,
+Formulas (per device; meshtrain/core/formulas.py; D, F, T, P, E, C the data, fsdp, tensor, pipeline,
 expert, context sizes); a reduce-scatter of an X-byte tensor moves the all-gather's (N-1)/N x X.
 Parameters count as this device's slice over T, P and E (`param_slices`): the layers split over
 P, the embedding, head and final norm held whole by every pipeline stage; data, fsdp and context
 (the `embed` rule shards weights over fsdp x context) are the axes they are gathered and reduced over.
 - Data parallelism (zero <= 1): one gradient all-reduce over D per step. The manual executors
-  (meshtrain/data_parallel.py: zero 0/1, microbatches, a pipeline) sum and reduce fp32 gradients;
+  (meshtrain/parallel/data_parallel.py: zero 0/1, microbatches, a pipeline) sum and reduce fp32 gradients;
   XLA's own reductions (zero 2/3 with one microbatch) reduce the compute-dtype copy's gradient in
-  its dtype. With `parallel.grad_compression=int8` (meshtrain/compression.py) the reduction over D
+  its dtype. With `parallel.grad_compression=int8` (meshtrain/parallel/compression.py) the reduction over D
   is an all-to-all of int8 values and fp32 block scales (at zero 0/1 also an all-gather of the same
   volume): (1/4 + 1/block) of the fp32 bytes, `formulas.compressed_reduction_traffic`. ZeRO 1/2
   all-gather the updated fp32 parameter shards over D; ZeRO 2 reduce-scatters gradients over D;
@@ -21,7 +21,7 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   compute dtype; the embedding, head and final norm gathered once per step (XLA hoists the gather
   out of the microbatch loop: an untied table in the compute dtype, the head twice in it) and
   reduced in fp32 per microbatch (the loss sums the head's gradient over its chunks per batch
-  shard, meshtrain/loss.py, so once).
+  shard, meshtrain/ops/loss.py, so once).
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
   when remat=full recomputes the forward (the attention output's; the MLP output's only use is the
   saved next-layer input); under sequence parallelism each becomes a reduce-scatter and an
@@ -32,15 +32,15 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
   are all-reduced over E per microbatch, the layers' in the compute dtype.
-- Context parallelism (meshtrain/context_parallel.py's ring), per layer: 2(C-1) sends of this
+- Context parallelism (meshtrain/parallel/context_parallel.py's ring), per layer: 2(C-1) sends of this
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
   sums (C-1 round the ring, one home); K/V heads split over T. A sliding window shorter than the
   ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep).
 
-`compare` sets measured (meshtrain/hlo.py, corrected) beside these per kind: the ratio, and a
+`compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
 flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
-knows for that layout and ratio (else UNEXPLAINED) and that the roofline (meshtrain/roofline.py)
+knows for that layout and ratio (else UNEXPLAINED) and that the roofline (meshtrain/planner/roofline.py)
 times the measured bytes. Checked within 10% (tests/test_traffic.py, tests/test_traffic_configs.py,
 tests/test_shipped_configs.py) for data (zero 1 and 3), fsdp, tensor (with fsdp, under remat),
 pipeline, expert parallelism's all-to-all, the ring's permutes, int8 compression and each shipped
@@ -54,14 +54,15 @@ import math
 
 import jax
 
-from meshtrain import compression, data_parallel, formulas
-from meshtrain.context_parallel import ring_sends
-from meshtrain.formulas import ring_traffic
-from meshtrain.hlo import KINDS
-from meshtrain.precision import compute_bytes
-from meshtrain.schedules import executor_tables, sends_per_step, timetable
-from meshtrain.sharding import entry_axes
-from models.moe import dispatch_bytes
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.core import formulas
+from meshtrain.parallel.context_parallel import ring_sends
+from meshtrain.core.formulas import ring_traffic
+from meshtrain.planner.hlo import KINDS
+from meshtrain.ops.precision import compute_bytes
+from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
+from meshtrain.parallel.sharding import entry_axes
+from meshtrain.models.moe import dispatch_bytes
 
 
 def _params_with_axes(program):
@@ -211,7 +212,7 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
             + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
-    if C > 1:  # meshtrain/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
+    if C > 1:  # meshtrain/parallel/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
         kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
         # forward and backward pass K/V round the ring (fewer under a short sliding window:
         # context_parallel.ring_sends); remat=full's recomputed forward again, but the first send of
@@ -231,7 +232,7 @@ def expected_traffic(program) -> dict[str, dict]:
 
 def data_parallel_traffic(program) -> dict:
     """The gradient reduction over `data` per device per step, by formula: fp32 (all-reduce at zero
-    0/1, reduce-scatter at 2/3) and int8 (meshtrain/compression.py), whichever the plan uses."""
+    0/1, reduce-scatter at 2/3) and int8 (meshtrain/parallel/compression.py), whichever the plan uses."""
     plan, sizes = program.plan, program.sizes
     D, zero = sizes["data"], plan.zero
     slices = param_slices(program)
@@ -245,15 +246,15 @@ def data_parallel_traffic(program) -> dict:
 
 TOLERANCE = 0.10  # measured within 10% of the formula per kind (tests/test_traffic.py)
 SCALARS = 1e4  # bytes per step below which a kind carries only scalars (the loss, the norm, the guard)
-ROOFLINE_USES = "measured"  # meshtrain/roofline.py times the corrected HLO records, not the formulas
-UNEXPLAINED = "no known cause (meshtrain/hlo.py `read` lists the collectives to look at)"
+ROOFLINE_USES = "measured"  # meshtrain/planner/roofline.py times the corrected HLO records, not the formulas
+UNEXPLAINED = "no known cause (meshtrain/planner/hlo.py `read` lists the collectives to look at)"
 
 
 def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
     """Per kind, what the compiled step moves that the formulas above do not model, where it is
     known, as (why, lowest ratio, highest ratio): `compare` gives the reason to a flagged row whose
     measured/formula ratio lies in that range, and UNEXPLAINED to any other. Each was read in
-    the compiled HLO (meshtrain/hlo.py `read` lists the collectives with their groups)."""
+    the compiled HLO (meshtrain/planner/hlo.py `read` lists the collectives with their groups)."""
     sizes, plan = program.sizes, program.plan
     D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
     micro = plan.num_microbatches(sizes["pipeline"])
@@ -281,7 +282,7 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         why = ("the embedding's and head's gradients (summed over every batch and sequence shard) are "
                "all-reduced whole over the batch axes (fsdp with expert, context or data) and then sliced to this "
                "device's shard, where the formula reduce-scatters them over fsdp x context and all-reduces the "
-               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/hlo.py does not undo it)")
+               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/planner/hlo.py does not undo it)")
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
         gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, 2))

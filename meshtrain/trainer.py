@@ -19,21 +19,21 @@ import numpy as np
 import optax
 
 from meshtrain import data as data_lib
-from meshtrain import loggers, run_dir
-from meshtrain import tokenizer as tokenizer_lib
-from meshtrain.checkpoint import Checkpointer, abstract_like, resolve_resume
-from meshtrain.config import Config, ModelSpec, UserError, to_dict
-from meshtrain.lock import LOCK_FILE, FolderLock
-from meshtrain.mesh import describe
-from meshtrain.metrics import mfu, peak_flops
-from meshtrain.multihost import agree_with_process_0, preemption_reached
-from meshtrain.prefetch import Prefetcher
-from meshtrain.program import TrainProgram
-from meshtrain.validate import check_train_size
+from meshtrain.run import loggers, run_dir
+from meshtrain.data import tokenizer as tokenizer_lib
+from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
+from meshtrain.config.loader import Config, ModelSpec, UserError, to_dict
+from meshtrain.run.lock import LOCK_FILE, FolderLock
+from meshtrain.parallel.mesh import describe
+from meshtrain.core.metrics import mfu, peak_flops
+from meshtrain.run.multihost import agree_with_process_0, preemption_reached
+from meshtrain.data.prefetch import Prefetcher
+from meshtrain.engine.program import TrainProgram
+from meshtrain.config.validate import check_train_size
 
 
 class Trainer:
-    """Training run for one config on one mesh: it has a program (meshtrain/program.py: the model,
+    """Training run for one config on one mesh: it has a program (meshtrain/engine/program.py: the model,
     plan and optimizer compiled for the mesh) and adds data, state, checkpoints and the loop.
 
     `devices` restricts the mesh to a subset of jax.devices() (e.g. one device for a reference run).

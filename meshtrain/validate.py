@@ -7,7 +7,7 @@ key and the fix.
   the program before anything is traced.
 - `check_train_size(program)`, `check_generation_size(...)`: sizes no device can hold (a sequence of
   10^8 tokens, 10^9 new tokens), refused before compiling: a lower bound per device from the
-  planner's formulas (meshtrain/formulas.py) against ABSURD_FACTOR x the device's memory. Near
+  planner's formulas (meshtrain/core/formulas.py) against ABSURD_FACTOR x the device's memory. Near
   misses are the planner's to judge (`python -m meshtrain.plan`), with the compiled figure.
 """
 from __future__ import annotations
@@ -16,16 +16,16 @@ import math
 import os
 from pathlib import Path
 
-from meshtrain.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
-from meshtrain.errors import UserError
-from meshtrain.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
-from meshtrain.precision import compute_bytes
-from meshtrain.schedules import check as check_schedule
-from meshtrain.sharding import make_rules
-from meshtrain.schedules import check_residuals
-from meshtrain.bounds import INT_LIMIT
-from meshtrain.spec import settings
-from meshtrain.tokenizer import check_vocab, load as load_tokenizer
+from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
+from meshtrain.core.errors import UserError
+from meshtrain.core.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
+from meshtrain.ops.precision import compute_bytes
+from meshtrain.parallel.schedules import check as check_schedule
+from meshtrain.parallel.sharding import make_rules
+from meshtrain.parallel.schedules import check_residuals
+from meshtrain.core.bounds import INT_LIMIT
+from meshtrain.config.spec import settings
+from meshtrain.data.tokenizer import check_vocab, load as load_tokenizer
 
 ABSURD_FACTOR = 4  # a step whose lower bound needs this many times a device's memory is refused
 MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
@@ -178,7 +178,7 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
     states = sum(zero_bytes(program.num_params, sizes, par.zero).values())
     _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
                           f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
-                          f"meshtrain/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),
+                          f"meshtrain/core/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),
                           "lower train.seq_len or train.batch_size, or add devices" +
                           ("" if memory else "; python -m meshtrain.plan shows the compiled figure"))
 
@@ -193,4 +193,4 @@ def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, de
                         f"generate fewer tokens")
     need = kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split=len(devices))
     _refuse_beyond_memory(what, need, f"the KV cache of {rows} row(s) x {positions:,} positions, "
-                          f"meshtrain/formulas.py", device_memory(devices), "generate fewer tokens or fewer prompts at once")
+                          f"meshtrain/core/formulas.py", device_memory(devices), "generate fewer tokens or fewer prompts at once")

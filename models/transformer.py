@@ -6,10 +6,10 @@ The `llama` family, and the base the `moe` family (models/moe.py) changes the ML
 projection, MLP, residuals); training runs them as `__call__`, generation as `decode` (a KV cache).
 
 The model names its activations and logical axes; how it runs is applied from outside: the
-attention backend is a function it is given (meshtrain/attention.py), the remat policy wraps its
-`block` (meshtrain/remat.py), and the sequence may be stored permuted (`sequence_order`, for
+attention backend is a function it is given (meshtrain/ops/attention.py), the remat policy wraps its
+`block` (meshtrain/ops/remat.py), and the sequence may be stored permuted (`sequence_order`, for
 context parallelism), which the rotary embeddings and the kernel follow. With `packing`
-(meshtrain/packing.py) a window holds several documents: `documents(tokens)` gives their segment
+(meshtrain/ops/packing.py) a window holds several documents: `documents(tokens)` gives their segment
 ids (the kernel masks attention across them) and rotary positions restarting in each.
 
 Names carry their shapes (nanodo style): B batch, L sequence, D width, H query heads, G kv heads,
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshtrain.attention import xla_attention
-from meshtrain.loss import cross_entropy
-from meshtrain.sharding import constrain, shard_count
+from meshtrain.ops.attention import xla_attention
+from meshtrain.ops.loss import cross_entropy
+from meshtrain.parallel.sharding import constrain, shard_count
 
 # Logical axes of every parameter, by its name (stacked block parameters get a leading "layers").
 PARAM_AXES = {
@@ -110,7 +110,7 @@ def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int
     """Attention of L queries per row over a KV cache of T positions: each query sees the cache
     positions <= its own (`positions_BxL`), so what lies beyond a row's end is never read; with
     `window`, only the last `window` of them (sliding-window attention, Beltagy et al. 2020).
-    fp32 scores and softmax, grouped-query, as `meshtrain.attention.xla_attention`."""
+    fp32 scores and softmax, grouped-query, as `meshtrain.ops.attention.xla_attention`."""
     pos_Bx1xLx1, cache_T = positions_BxL[:, None, :, None], jnp.arange(k_BxTxGxK.shape[1])
     mask_Bx1xLxT = cache_T <= pos_Bx1xLx1
     if window is not None:
@@ -226,9 +226,9 @@ class LanguageModel:
     for generation, `init_cache` and `decode` (the cached forward, meshtrain/generate.py).
     `params["blocks"]` is stacked on a leading layers axis.
 
-    `attention`: the kernel (meshtrain/attention.py); `sequence_order`: the true position of each
+    `attention`: the kernel (meshtrain/ops/attention.py); `sequence_order`: the true position of each
     stored sequence position when the sequence is stored permuted (None: in order); `packing`:
-    how a window splits into documents (meshtrain/packing.py; None: it does not)."""
+    how a window splits into documents (meshtrain/ops/packing.py; None: it does not)."""
 
     module = Transformer
     saveable = MATMUL_OUTPUTS
@@ -284,7 +284,7 @@ class LanguageModel:
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def loss(self, params, x_BxLxD, targets_BxL):
-        """Mean next-token cross-entropy of the head, never holding [B, L, V] logits (meshtrain/loss.py)."""
+        """Mean next-token cross-entropy of the head, never holding [B, L, V] logits (meshtrain/ops/loss.py)."""
         return cross_entropy(self.final_norm(params, x_BxLxD), self.unembedding(params), targets_BxL)
 
     def auxiliary_loss(self, stats):

@@ -1,4 +1,4 @@
-"""Packed documents and sliding windows (meshtrain/packing.py): every attention backend against a
+"""Packed documents and sliding windows (meshtrain/ops/packing.py): every attention backend against a
 dense reference mask (fp32, 1e-5), the ring's exchanges under a window (counted, and in the compiled
 HLO), and a packed batch trained as its documents one by one: the same per-token logits and
 gradients on one device, under context parallelism and through a pipeline."""
@@ -9,15 +9,16 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import meshtrain.attention as attention_lib
+import meshtrain.ops.attention as attention_lib
 from conftest import tiny_config
-from meshtrain import context_parallel, hlo
-from meshtrain.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
-from meshtrain.config import UserError
-from meshtrain.context_parallel import load_balanced_order, ring_attention
-from meshtrain.packing import Packing, packing_of, visible
-from meshtrain.step import make_loss_fn
-from models import LanguageModel
+from meshtrain.parallel import context_parallel
+from meshtrain.planner import hlo
+from meshtrain.ops.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
+from meshtrain.config.loader import UserError
+from meshtrain.parallel.context_parallel import load_balanced_order, ring_attention
+from meshtrain.ops.packing import Packing, packing_of, visible
+from meshtrain.engine.step import make_loss_fn
+from meshtrain.models import LanguageModel
 
 B, L, H, G, K = 2, 64, 4, 2, 8
 EOS = 0
@@ -160,7 +161,7 @@ def test_computed_fraction_counts_what_the_window_leaves(cp, window, monkeypatch
 
 
 def test_blockwise_share_under_a_window(monkeypatch):
-    import meshtrain.attention as attention_lib
+    import meshtrain.ops.attention as attention_lib
 
     monkeypatch.setattr(attention_lib, "ATTENTION_BLOCK", 8)  # 8 blocks of 8
     assert executed_attention("blockwise", L)[1] == pytest.approx(9 / 16)
@@ -190,7 +191,7 @@ def test_compiled_ring_sends_what_ring_sends_counts(cp, window):
 
 
 def test_document_mask_needs_an_eos():
-    from meshtrain.spec import DataConfig
+    from meshtrain.config.spec import DataConfig
 
     assert packing_of(DataConfig(), None) is None  # off by default: GPT-style, attend across documents
     assert packing_of(DataConfig(document_mask=True), 7) == Packing(7, True)
@@ -199,7 +200,7 @@ def test_document_mask_needs_an_eos():
         packing_of(DataConfig(document_mask=True), None)
     with pytest.raises(UserError, match=r"data.eos_id=300 is outside model.vocab_size=256"):
         tiny_config("data.eos_id=300")
-    from meshtrain.trainer import Trainer
+    from meshtrain.run.trainer import Trainer
 
     with pytest.raises(UserError, match=r"data.document_mask=true needs an EOS id"):  # synthetic data: no tokenizer
         Trainer(tiny_config("data.document_mask=true"))
@@ -309,8 +310,8 @@ def test_packed_batch_through_a_pipeline(packed, schedule, residuals):
     """Two pipeline stages (4 microbatches, segment ids travelling with each: to the saved
     forward and its pullback, zb's deferred weight gradient, the recomputed forward) compute the
     one-device packed loss and gradients. (1F1B's actions are zb's, less the deferral.)"""
-    from meshtrain.pipeline import make_pipeline_grads
-    from meshtrain.program import TrainProgram
+    from meshtrain.engine.pipeline import make_pipeline_grads
+    from meshtrain.engine.program import TrainProgram
 
     spec, params, tokens, _ = packed
     tokens = jnp.tile(tokens, (2, 1))  # 4 rows: 4 microbatches of 1

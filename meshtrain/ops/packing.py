@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshtrain.errors import UserError
+from meshtrain.core.errors import UserError
 
 
 class Documents(NamedTuple):
