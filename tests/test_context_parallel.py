@@ -1,4 +1,4 @@
-"""Ring attention (meshtrain.parallel.context_parallel) against a plain causal attention in true order."""
+"""Ring attention (meshtrain.ops.context_parallel) against a plain causal attention in true order."""
 import re
 
 import jax
@@ -8,11 +8,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.parallel import context_parallel
+from meshtrain.ops import context_parallel
 from meshtrain.planner import hlo
 from meshtrain.ops.attention import executed_attention
 from meshtrain.config.loader import UserError
-from meshtrain.parallel.context_parallel import load_balanced_order, ring_attention
+from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
 
 B, L, H, G, K = 2, 16, 4, 2, 8
 
@@ -98,7 +98,7 @@ def test_ring_matches_reference(shape, names, parts):
 @pytest.mark.parametrize("parts", [1, 2])
 def test_ring_in_sub_blocks_matches_reference(parts, monkeypatch):
     """Each ring step in S x S sub-blocks (S = 4 here), as at long sequences; one device too."""
-    import meshtrain.parallel.context_parallel as context_parallel
+    import meshtrain.ops.context_parallel as context_parallel
 
     monkeypatch.setattr(context_parallel, "RING_BLOCK", 4)
     mesh = mesh_of((4, 2), ("data", "context")) if parts == 2 else mesh_of((1,), ("context",))

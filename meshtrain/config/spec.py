@@ -193,6 +193,12 @@ class DataConfig:
                                         "eval_loss", min=0.0, below=1.0)
     prefetch: int = setting(1, "batches built ahead in a background thread while the device computes; "
                                "0 builds each one in the loop", min=0, max=64)
+    document_mask: bool = setting(False, "packed documents: attention stays inside each document of a "
+                                         "training window (a token after an EOS starts a new one); false "
+                                         "attends across them (GPT-style)")
+    restart_positions: bool = setting(True, "with document_mask: rotary positions restart at 0 in each document")
+    eos_id: int = setting(-1, "the end-of-document id document_mask splits at; -1 = the tokenizer's (the byte "
+                              "tokenizer has none: prepared byte data ends documents with a newline, 10)", min=-1)
 
 
 @dataclass

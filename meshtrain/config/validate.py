@@ -68,6 +68,9 @@ def check_config(cfg) -> None:
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
+    if cfg.data.eos_id >= m.vocab_size:
+        raise UserError(f"data.eos_id={cfg.data.eos_id} is outside model.vocab_size={m.vocab_size}; set the "
+                        f"tokenizer's EOS id, or -1 for the tokenizer's own")
 
 
 def _check_experts(m) -> None:

@@ -16,8 +16,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain.parallel import compression
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.parallel.batching import split_microbatches
-from meshtrain.parallel.context_parallel import load_balanced_order
+from meshtrain.ops.context_parallel import load_balanced_order
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
+from meshtrain.ops.packing import Packing, packing_of
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.engine.pipeline import layer_order
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
@@ -31,7 +32,10 @@ from meshtrain.models import FAMILIES
 
 
 class TrainProgram:
-    def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None):
+    def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None,
+                 packing: Packing | None = None):
+        """`packing`: how a training window splits into documents (meshtrain/ops/packing.py; None:
+        attend across them), from `data.document_mask` (`from_config`)."""
         self.spec, self.plan, self.optim, self.train = model, plan, optim, train
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
@@ -40,7 +44,8 @@ class TrainProgram:
         self.mesh = build_mesh(self.sizes, devices)
         context = self.sizes["context"]
         order = load_balanced_order(t.seq_len, context) if context > 1 else None
-        self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order)
+        self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order,
+                                            packing=packing)
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
@@ -81,10 +86,12 @@ class TrainProgram:
                 sum(b for b, a in rows if "experts" in a))
 
     @classmethod
-    def from_config(cls, cfg, devices=None) -> "TrainProgram":
+    def from_config(cls, cfg, devices=None, tokenizer_eos: int | None = None) -> "TrainProgram":
+        """`tokenizer_eos`: the data's tokenizer's EOS id, which `data.document_mask` splits at
+        unless `data.eos_id` names one."""
         if cfg.devices:
             simulate_cpu_devices(cfg.devices)
-        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices)
+        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices, packing_of(cfg.data, tokenizer_eos))
 
     def init_state(self, key):
         return self.state_from_params(self.model.init(key))

@@ -48,7 +48,9 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
     def loss_fn(params, tokens_BxL1):
         compute = cast_for_compute(params, precision)
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-        x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs))
+        docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/ops/packing.py), or None
+        x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
+                                     *([] if docs is None else [docs]))
         stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
         loss = model.loss(compute, x_BxLxD, targets)
         return loss + model.auxiliary_loss(stats), {"loss": loss, **stats}

@@ -32,10 +32,11 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
   are all-reduced over E per microbatch, the layers' in the compute dtype.
-- Context parallelism (meshtrain/parallel/context_parallel.py's ring), per layer: 2(C-1) sends of this
+- Context parallelism (meshtrain/ops/context_parallel.py's ring), per layer: 2(C-1) sends of this
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
-  sums (C-1 round the ring, one home); K/V heads split over T.
+  sums (C-1 round the ring, one home); K/V heads split over T. A sliding window shorter than the
+  ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep).
 
 `compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
 flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
@@ -55,6 +56,7 @@ import jax
 
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.core import formulas
+from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.core.formulas import ring_traffic
 from meshtrain.planner.hlo import KINDS
 from meshtrain.ops.precision import compute_bytes
@@ -204,14 +206,16 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
             + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
-    if C > 1:  # meshtrain/parallel/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
+    if C > 1:  # meshtrain/ops/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
         kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
-        # forward and backward pass K/V round the ring; remat=full's recomputed forward again, but its
-        # first send is the forward's own (the same permute of the same K/V: XLA keeps one)
-        kv_sends = 2 * (C - 1) + (C - 2 if plan.remat == "full" else 0)
-        add("collective-permute", (kv_sends * kv + C * kv * 4 / act) * m.num_layers / P,
+        # forward and backward pass K/V round the ring (fewer under a short sliding window:
+        # context_parallel.ring_sends); remat=full's recomputed forward again, but the first send of
+        # each leg is the forward's own (the same permute of the same K/V: XLA keeps one)
+        sends = ring_sends(t.seq_len, C, getattr(program.model, "window", 0))
+        kv_sends = 2 * sends["kv"] + (sends["kv"] - sends["legs"] if plan.remat == "full" else 0)
+        add("collective-permute", (kv_sends * kv + sends["grads"] * kv * 4 / act) * m.num_layers / P,
             f"ring attention per layer: {kv_sends} K/V sends (forward, backward"
-            f"{', recomputed forward' if plan.remat == 'full' else ''}), {C} sends of the fp32 dK/dV sums")
+            f"{', recomputed forward' if plan.remat == 'full' else ''}), {sends['grads']} sends of the fp32 dK/dV sums")
     if P > 1:
         tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
         sends = sends_per_step(tables)

@@ -60,9 +60,13 @@ class Trainer:
         t = cfg.train
         run_dir.set_horizon(self.out, cfg)  # the schedule's, as the run recorded it
         self.cfg = cfg
-        self.program = program = TrainProgram.from_config(cfg, devices)
+        load_mixture = lambda: mixture.load(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        # data.document_mask splits documents at the data's own tokenizer's EOS unless data.eos_id names one
+        early = load_mixture() if cfg.data.document_mask and cfg.data.eos_id < 0 else None
+        eos = None if early is None else getattr(early.tokenizer, "eos_id", None)
+        self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
-        self.mixture = mixture.load(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        self.mixture = load_mixture() if early is None else early
         # What defines the run, checked against the folder's record.
         self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.mixture_fingerprint(self.mixture),
                                                         allow_change)
