@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 from meshtrain.config.loader import load_config  # noqa: E402
 from meshtrain.engine.decode import generate  # noqa: E402
 from meshtrain.generate import load  # noqa: E402
-from meshtrain.run.run_dir import run_config  # noqa: E402
 from meshtrain.models import FAMILIES  # noqa: E402
+from meshtrain.run.run_dir import run_config  # noqa: E402
 
 
 def best_seconds(fn, reps: int) -> float:

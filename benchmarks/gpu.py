@@ -87,6 +87,7 @@ def main():
     if args.one is not None:
         if args.engine == "torch":
             from torch_baseline import measure as measure_torch  # beside this file
+
             from meshtrain.config.loader import load_config
 
             result = measure_torch(load_config(args.config, ["parallel.mesh=1", *json.loads(args.one)]), args.steps)

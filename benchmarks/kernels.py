@@ -13,8 +13,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from meshtrain.ops.loss import cross_entropy  # noqa: E402
 from meshtrain.ops.attention import BACKENDS  # noqa: E402
+from meshtrain.ops.loss import cross_entropy  # noqa: E402
 
 
 def temp_bytes(fn, *shapes) -> int:

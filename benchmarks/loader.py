@@ -94,8 +94,7 @@ def write_sources(text_file: str, repeat: int, folder: Path) -> dict[str, tuple[
 
 
 def prepare_rates(args) -> None:
-    from meshtrain.data import tokenizer
-    from meshtrain.data import prepare
+    from meshtrain.data import prepare, tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="meshtrain-prepare-bench-"))
     sources = write_sources(args.text, args.repeat, folder)

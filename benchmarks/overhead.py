@@ -11,8 +11,8 @@ ahead in a background thread (data.prefetch=1, the default) and in the loop (dat
 import argparse
 import os
 import statistics
-import time
 import tempfile
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,9 +23,9 @@ import optax  # noqa: E402
 
 from meshtrain.config.loader import load_config  # noqa: E402
 from meshtrain.data import synthetic_rows  # noqa: E402
+from meshtrain.models import LanguageModel  # noqa: E402
 from meshtrain.run.loggers import MetricsLog  # noqa: E402
 from meshtrain.run.trainer import Trainer  # noqa: E402
-from meshtrain.models import LanguageModel  # noqa: E402
 
 
 def config(steps, prefetch=1):

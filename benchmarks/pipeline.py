@@ -18,8 +18,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshtrain.parallel.schedules import timetable, zero_bubble_order  # noqa: E402
-from meshtrain.testing import run_tiny, tiny_config  # noqa: E402
 from meshtrain.run.trainer import Trainer  # noqa: E402
+from meshtrain.testing import run_tiny, tiny_config  # noqa: E402
 
 BUBBLES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb", 4, 8, 1), ("gpipe", 4, 32, 1), ("1f1b", 4, 32, 1),
            ("zb", 4, 32, 1), ("interleaved", 4, 8, 2), ("interleaved", 4, 8, 4), ("gpipe", 8, 16, 1),

@@ -12,9 +12,9 @@ import tempfile
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from meshtrain.planner import hlo  # noqa: E402
 from meshtrain.config.loader import load_config  # noqa: E402
 from meshtrain.engine.program import TrainProgram  # noqa: E402
+from meshtrain.planner import hlo  # noqa: E402
 
 MICROBATCHES = (1, 2, 4)
 

@@ -20,13 +20,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshtrain.interop import hf
-from meshtrain.run import run_dir
-from meshtrain.data import tokenizer
-from meshtrain.core.cli import Parser, command, number
 from meshtrain.config.loader import Config, UserError, commented_yaml
 from meshtrain.config.spec import MAX_SIMULATED_DEVICES
+from meshtrain.core.cli import Parser, command, number
 from meshtrain.core.folders import check_new, writing_whole
+from meshtrain.data import tokenizer
+from meshtrain.interop import hf
+from meshtrain.run import run_dir
 
 
 def parser() -> Parser:
@@ -101,9 +101,9 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     """RUN's checkpoint of `step` (default: the newest intact one) as a Hugging Face folder."""
     import jax
 
+    from meshtrain.models import FAMILIES
     from meshtrain.parallel.mesh import build_mesh, parse_mesh
     from meshtrain.parallel.sharding import param_shardings
-    from meshtrain.models import FAMILIES
 
     if jax.process_count() > 1:
         raise UserError("--to-hf runs in one process: it reads the checkpoint onto one host's devices "

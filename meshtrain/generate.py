@@ -20,9 +20,9 @@ from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
 def load(run: str, mesh_spec: str | None = None, step: int | None = None):
     """(model, params, mesh, step) of a run's newest intact checkpoint, or of `step`: on the first
     device, or sharded over `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
+    from meshtrain.models import FAMILIES
     from meshtrain.parallel.mesh import build_mesh, parse_mesh
     from meshtrain.run.run_dir import newest_params, run_config
-    from meshtrain.models import FAMILIES
 
     cfg = run_config(run)
     model = FAMILIES[cfg.model.family](cfg.model)

@@ -24,15 +24,15 @@ import contextlib
 import json
 import sys
 
-from meshtrain.planner.budget import HEADROOM
+from meshtrain.config.spec import MAX_SIMULATED_DEVICES
 from meshtrain.core.cli import Parser, command, number
-from meshtrain.planner.drawing import figure_suffixes, save_timeline
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.formulas import bubble_expression, bubble_terms
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.parallel.schedules import SCHEDULES, executor_tables, timetable
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
+from meshtrain.planner.budget import HEADROOM
+from meshtrain.planner.drawing import figure_suffixes, save_timeline
 
 MAX_SCHEDULE_CELLS = 2**16  # stages x microbatches x virtual stages: 64 x 512 simulates in ~4 s
 

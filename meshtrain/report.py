@@ -16,9 +16,9 @@ import numpy as np
 
 from meshtrain.core import jsonl
 from meshtrain.core.cli import Parser, command
-from meshtrain.planner.drawing import figure_suffixes
-from meshtrain.core.folders import writing_file
 from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_file
+from meshtrain.planner.drawing import figure_suffixes
 
 
 @dataclass

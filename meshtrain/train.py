@@ -6,9 +6,15 @@ import signal
 import sys
 import threading
 
+from meshtrain.config.loader import (
+    MAX_SIMULATED_DEVICES,
+    UserError,
+    commented_yaml,
+    load_config,
+    reference_markdown,
+    split_override,
+)
 from meshtrain.core.cli import Parser, command, number, raise_interrupt
-from meshtrain.config.loader import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
-                              split_override)
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
@@ -93,8 +99,8 @@ def main(argv=None) -> int:
 
 
 def run(cfg, args, interrupted: threading.Event) -> None:
-    from meshtrain.run import multihost
     from meshtrain.parallel.mesh import simulate_cpu_devices
+    from meshtrain.run import multihost
 
     if cfg.devices:
         simulate_cpu_devices(cfg.devices)

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 import meshtrain.ops.attention as attention_lib
-from conftest import tiny_config
-from meshtrain.ops.attention import BACKENDS, blockwise_attention, xla_attention
 from meshtrain.config.loader import UserError
+from meshtrain.ops.attention import BACKENDS, blockwise_attention, xla_attention
 
 
 def qkv(B=2, L=24, H=4, G=2, K=8):

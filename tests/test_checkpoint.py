@@ -14,10 +14,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import yaml
-
 from conftest import ROOT, TINY, tiny_config
-from meshtrain.run.checkpoint import Checkpointer, resolve_resume
+
 from meshtrain.config.loader import UserError
+from meshtrain.run.checkpoint import Checkpointer, resolve_resume
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 

@@ -8,14 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import ROOT, run_tiny, tiny_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from meshtrain.parallel import compression
-from meshtrain.planner import hlo, traffic
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
-from meshtrain.run.loggers import MetricsLog
 from meshtrain.parallel.sharding import activation_rules
+from meshtrain.planner import hlo, traffic
+from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 
 # The Shakespeare model's byte-level shape (configs/shakespeare_char.yaml), narrowed to train in

@@ -8,11 +8,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.ops import context_parallel
-from meshtrain.planner import hlo
-from meshtrain.ops.attention import executed_attention
 from meshtrain.config.loader import UserError
+from meshtrain.ops import context_parallel
+from meshtrain.ops.attention import executed_attention
 from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
+from meshtrain.planner import hlo
 
 B, L, H, G, K = 2, 16, 4, 2, 8
 

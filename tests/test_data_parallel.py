@@ -3,10 +3,10 @@ with microbatches at any ZeRO stage, and accumulating per data shard computes th
 import jax
 import numpy as np
 import pytest
-
 from conftest import run_tiny, tiny_config
-from meshtrain.planner import hlo
+
 from meshtrain.engine.program import TrainProgram
+from meshtrain.planner import hlo
 
 
 def reductions(zero: int, microbatches: int) -> tuple[float, float]:

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY
+
 from meshtrain.train import main
 
 SHAKESPEARE = str(ROOT / "configs" / "shakespeare_char.yaml")

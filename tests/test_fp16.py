@@ -5,13 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import ROOT, run_tiny, tiny_config
-from meshtrain.run.checkpoint import Checkpointer
+
 from meshtrain.config.loader import to_dict
-from meshtrain.run.loggers import MetricsLog
-from meshtrain.ops.precision import update_loss_scale
 from meshtrain.config.spec import ParallelPlan
+from meshtrain.ops.precision import update_loss_scale
+from meshtrain.run.checkpoint import Checkpointer
+from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 
 FP16 = "parallel.precision=fp16"

@@ -5,8 +5,8 @@ import json
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from meshtrain.config.loader import UserError
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer

@@ -7,16 +7,17 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from meshtrain.run import run_dir
 from meshtrain.config.loader import DataConfig, UserError, load_config
 from meshtrain.data import Batches, mixture, prepare
-from meshtrain.run.loggers import MetricsLog, format_record, tag
-from meshtrain.parallel.mesh import build_mesh, parse_mesh
-from meshtrain.testing import tiny_config
 from meshtrain.data.tokenizer import HFTokenizer, train_bpe
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.run import run_dir
+from meshtrain.run.loggers import MetricsLog, format_record, tag
 from meshtrain.run.trainer import Trainer
+from meshtrain.testing import tiny_config
 
 BASES = (0, 100, 200)  # source s holds ids BASES[s] .. BASES[s] + 49: a row's ids tell its source
 

@@ -8,19 +8,19 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import MOE_TINY, max_param_diff, run_tiny, tiny_config
-from meshtrain.core import formulas
-from meshtrain.planner import traffic
+
 from meshtrain.config.loader import UserError, load_config
-from meshtrain.run.loggers import MetricsLog
-from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, is_hidden_matrix, matrix_dims
-from meshtrain.planner.aot import shard_bytes
-from meshtrain.engine.program import TrainProgram
 from meshtrain.config.spec import OptimSpec
+from meshtrain.core import formulas
+from meshtrain.engine.program import TrainProgram
 from meshtrain.engine.step import make_optimizer
-from meshtrain.run.trainer import Trainer
 from meshtrain.models import FAMILIES
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, is_hidden_matrix, matrix_dims
+from meshtrain.planner import traffic
+from meshtrain.planner.aot import shard_bytes
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.run.trainer import Trainer
 
 NEW = [name for name in OPTIMIZERS if name != "adamw"]  # adamw: tests/test_parity.py and test_checkpoint.py
 SHARDED = ("parallel.mesh=data=2,fsdp=2,tensor=2", "parallel.zero=3", "train.steps=4")

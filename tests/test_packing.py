@@ -6,19 +6,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshtrain.ops.attention as attention_lib
-from conftest import tiny_config
-from meshtrain.ops import context_parallel
-from meshtrain.planner import hlo
-from meshtrain.ops.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
 from meshtrain.config.loader import UserError
-from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
-from meshtrain.ops.packing import Packing, packing_of, visible
 from meshtrain.engine.step import make_loss_fn
 from meshtrain.models import LanguageModel
+from meshtrain.ops import context_parallel
+from meshtrain.ops.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
+from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
+from meshtrain.ops.packing import Packing, packing_of, visible
+from meshtrain.planner import hlo
 
 B, L, H, G, K = 2, 64, 4, 2, 8
 EOS = 0

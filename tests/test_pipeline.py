@@ -7,8 +7,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from conftest import ROOT, TINY, run_tiny
+
 from meshtrain.config.loader import UserError
 from meshtrain.parallel.schedules import Action, executor_tables, timetable
 
@@ -108,8 +108,8 @@ def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, more, ref
 def test_compiled_sends_are_the_timetables(schedule):
     """The compiled program's collective-permutes, counted per execution, are exactly the sends its
     phases need: no cotangent goes back in the warm-up, no activation forward in the cool-down."""
-    from meshtrain.planner import hlo
     from meshtrain.parallel.schedules import sends_per_step
+    from meshtrain.planner import hlo
 
     trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}", "parallel.microbatches=4",
                              "parallel.virtual_stages=1")  # the parity run's compiled program
@@ -129,6 +129,7 @@ def test_bf16_pipeline_tracks_fp32(reference_run):
 def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
     """Interleaved runs store layers in pipeline order; a checkpoint restores in model order elsewhere."""
     from conftest import tiny_config
+
     from meshtrain.run.trainer import Trainer
 
     interleaved, _, _ = run_tiny("parallel.mesh=1x2x2x2", "parallel.zero=1", "parallel.schedule=interleaved",
@@ -144,8 +145,9 @@ def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
 
 
 def test_bad_pipeline_configs_fail_clearly():
-    from meshtrain.run.trainer import Trainer
     from conftest import tiny_config
+
+    from meshtrain.run.trainer import Trainer
 
     with pytest.raises(UserError, match="model.num_layers=6 is not divisible by pipeline stages"):
         Trainer(tiny_config("parallel.mesh=2x1x1x4", "model.num_layers=6"))
@@ -160,6 +162,7 @@ def test_bad_pipeline_configs_fail_clearly():
 # ---- memory: compiled temp bytes per device vs microbatches (same microbatch size) ----
 def temp_bytes(schedule, micro):
     from conftest import tiny_config
+
     from meshtrain.engine.program import TrainProgram
 
     cfg = tiny_config("parallel.mesh=1x1x1x4", f"parallel.schedule={schedule}", f"parallel.microbatches={micro}",

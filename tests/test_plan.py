@@ -7,12 +7,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
 from conftest import TINY
-from meshtrain.planner.hlo import collectives
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from meshtrain.core.metrics import peak_flops
 from meshtrain.plan import main
+from meshtrain.planner.hlo import collectives
 
 
 def one_of_each_collective(a):
@@ -113,6 +114,7 @@ def test_model_flops_formula_matches_the_compiled_step(tied):
     reads 8% above, 6LDS for it 5%; leaving the tied head out of N 15% above; counting an untied
     embedding lookup in N 8% below."""
     from conftest import tiny_config
+
     from meshtrain.engine.program import TrainProgram
 
     cfg = tiny_config("parallel.mesh=1", "model.num_layers=1", "model.d_model=128", "model.head_dim=16",
@@ -135,9 +137,9 @@ def test_peak_table_resolves_real_device_kinds(device_kind, peak):
 def test_budget_is_the_runtime_share_less_the_headroom(monkeypatch):
     """usable = memory x fraction (XLA_CLIENT_MEM_FRACTION, its old name, --mem-fraction, JAX's 0.75 on GPUs,
     all of a TPU's); budget = usable x (1 - headroom); FITS within the budget, TIGHT within the usable memory."""
-    from meshtrain.planner.budget import budget, memory_fraction, verdict
     from meshtrain.core.errors import UserError
     from meshtrain.core.metrics import DEVICE_PROFILES
+    from meshtrain.planner.budget import budget, memory_fraction, verdict
 
     h100, tpu = DEVICE_PROFILES["h100"], DEVICE_PROFILES["tpu-v5p"]
     assert memory_fraction(h100, env={})[0] == 0.75

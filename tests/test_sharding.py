@@ -1,9 +1,9 @@
 """PartitionSpecs per parameter / optimizer-state leaf, and per-device bytes vs the ZeRO formulas."""
 import jax
 import pytest
+from conftest import run_tiny, tiny_config
 from jax.sharding import PartitionSpec as P
 
-from conftest import run_tiny, tiny_config
 from meshtrain.config.loader import UserError
 from meshtrain.core.formulas import zero_bytes
 from meshtrain.parallel.mesh import build_mesh, parse_mesh

@@ -9,11 +9,11 @@ import sys
 
 import jax
 import pytest
-
 from conftest import ROOT
-from meshtrain.planner import traffic
+
 from meshtrain.config.loader import documented_pod
 from meshtrain.plan import main as plan_main
+from meshtrain.planner import traffic
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
-
 from conftest import ROOT, TINY
+
 from meshtrain.sweep.__main__ import main
 
 TRIALS = [{"optim.lr": 1e-2, "train.seed": 0}, {"optim.lr": 1e-2, "train.seed": 1},

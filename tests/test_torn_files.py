@@ -19,14 +19,14 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
-
 from conftest import TINY
+
 from meshtrain import report
 from meshtrain.core import jsonl
-from meshtrain.run import loggers
-from meshtrain.run.checkpoint import complete_steps
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
+from meshtrain.run import loggers
+from meshtrain.run.checkpoint import complete_steps
 from meshtrain.sweep import folder as sweep_folder
 from meshtrain.sweep.scheduler import Sweep
 from meshtrain.sweep.study import open_study

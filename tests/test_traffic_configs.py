@@ -6,10 +6,10 @@ within 10%): tests/test_shipped_configs.py; fsdp x tensor at tiny shapes: tests/
 import functools
 
 import pytest
-
 from conftest import ROOT, tiny_config
-from meshtrain.planner import hlo, traffic
+
 from meshtrain.engine.program import TrainProgram
+from meshtrain.planner import hlo, traffic
 
 # Tiny Llama-shaped dims: every layer's structure (GQA, SwiGLU, untied or tied head) kept.
 SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",

@@ -22,8 +22,8 @@ import sys
 import threading
 import traceback
 
-from meshtrain.core.errors import UserError
 from meshtrain.core.bounds import Bounds
+from meshtrain.core.errors import UserError
 
 EXIT_USER_ERROR, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
 INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it"

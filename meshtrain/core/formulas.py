@@ -6,7 +6,6 @@ parameters; N devices in a collective's group; B bytes.
 """
 from __future__ import annotations
 
-
 # ---- memory: ZeRO (Rajbhandari et al. 2020), with fp32 in place of their fp16 copies ----
 ADAM_BYTES = {"parameters": 4, "gradients": 4, "optimizer_state": 8}  # fp32 Adam: 16 bytes/param
 ZERO_STAGE_SHARDS = {"optimizer_state": 1, "gradients": 2, "parameters": 3}  # the stage from which data shards it

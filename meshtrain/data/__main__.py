@@ -10,11 +10,11 @@ import os
 import sys
 import time
 
-from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.folders import writing_file
+from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
 from meshtrain.data.sources import RAW_KINDS, detect, read, units
-from meshtrain.core.folders import writing_file
 
 
 def parser() -> Parser:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from meshtrain.data.tokens import Tokens
 from meshtrain.core.errors import UserError
+from meshtrain.data.tokens import Tokens
 
 
 class Batches:

@@ -35,10 +35,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from meshtrain.core.errors import UserError
 from meshtrain.data.batches import Batches, split_tokens
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sources import KINDS
-from meshtrain.core.errors import UserError
 from meshtrain.data.tokenizer import ByteTokenizer
 
 ENTRY_KEYS = ("path", "weight", "kind", "text_field")  # an entry's own keys; kind, text_field default to data.'s

@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.parallel import data_parallel
+from meshtrain.models.transformer import scan_blocks
 from meshtrain.ops import remat as remat_lib
-from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
 from meshtrain.ops.precision import cast_for_compute
+from meshtrain.parallel import data_parallel
+from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
 from meshtrain.parallel.schedules import executor_tables, tick_phases, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
-from meshtrain.models.transformer import scan_blocks
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:

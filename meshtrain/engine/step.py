@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.parallel import compression, data_parallel
-from meshtrain.ops import remat as remat_lib
-from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, inputs_and_targets
-from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.engine.pipeline import make_pipeline_grads
-from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
 from meshtrain.models.transformer import scan_blocks
+from meshtrain.ops import remat as remat_lib
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
+from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, inputs_and_targets
 
 
 def lr_schedule(ocfg, total_steps: int):

@@ -377,7 +377,7 @@ class _Layout(NamedTuple):
     S: int
 
     @staticmethod
-    def of(ring: Ring, q_shape, G: int) -> "_Layout":
+    def of(ring: Ring, q_shape, G: int) -> _Layout:
         B, C, H, K = q_shape
         chunks = 1 if ring.cp == 1 else 2
         Lc = C // chunks

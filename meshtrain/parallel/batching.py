@@ -27,7 +27,7 @@ class StepInputs:
     loss_scale: Any = None  # fp16: the objective is multiplied by it (meshtrain/ops/precision.py)
     grad_error: Any = None  # int8 compression: the residuals carried in (meshtrain/parallel/compression.py)
 
-    def with_tokens(self, tokens) -> "StepInputs":
+    def with_tokens(self, tokens) -> StepInputs:
         return dataclasses.replace(self, tokens=tokens)
 
 

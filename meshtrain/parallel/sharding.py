@@ -18,7 +18,8 @@ import contextvars
 import math
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.mesh import AXES

@@ -18,20 +18,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from meshtrain.core import formulas
-from meshtrain.planner import traffic
-from meshtrain.planner import roofline as roof
 from meshtrain.config.loader import load_config
-from meshtrain.planner import hlo
-from meshtrain.planner.hlo import KINDS
-from meshtrain.planner import fit
-from meshtrain.planner.budget import budget, memory_fraction, verdict
+from meshtrain.config.validate import check_train_size
+from meshtrain.core import formulas
 from meshtrain.core.errors import UserError
-from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
-from meshtrain.config.validate import check_train_size
+from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.parallel.sharding import make_rules
+from meshtrain.planner import fit, hlo, traffic
+from meshtrain.planner import roofline as roof
+from meshtrain.planner.budget import budget, memory_fraction, verdict
+from meshtrain.planner.hlo import KINDS
 
 GB = 1e9
 # XLA's CPU backend widens bf16 arithmetic to f32 and while-loop-invariant code motion then hoists

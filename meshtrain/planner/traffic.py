@@ -54,15 +54,15 @@ import math
 
 import jax
 
-from meshtrain.parallel import compression, data_parallel
 from meshtrain.core import formulas
-from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.core.formulas import ring_traffic
-from meshtrain.planner.hlo import KINDS
+from meshtrain.models.moe import dispatch_bytes
+from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.ops.precision import compute_bytes
+from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
 from meshtrain.parallel.sharding import entry_axes, stage_replicated
-from meshtrain.models.moe import dispatch_bytes
+from meshtrain.planner.hlo import KINDS
 
 
 def _params_with_axes(program):

@@ -277,8 +277,8 @@ def agree(failure: Exception | None) -> Exception | None:
     none), so that no process renames a step or loads one that another could not read."""
     if jax.process_count() == 1:
         return failure
-    from jax.experimental import multihost_utils
     import numpy as np
+    from jax.experimental import multihost_utils
 
     code = 0 if failure is None else 1 if isinstance(failure, Damaged) else 2
     worst = int(np.max(multihost_utils.process_allgather(np.int32(code))))

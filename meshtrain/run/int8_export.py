@@ -15,8 +15,17 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.core.folders import check_new, writing_whole
-from meshtrain.interop.quantize import (INFO_FILE, MODEL_FILE, QTensor, check_scheme, dequantize, describe, flat,
-                                        quantize, tensors)
+from meshtrain.interop.quantize import (
+    INFO_FILE,
+    MODEL_FILE,
+    QTensor,
+    check_scheme,
+    dequantize,
+    describe,
+    flat,
+    quantize,
+    tensors,
+)
 from meshtrain.run import run_dir
 
 
@@ -46,9 +55,9 @@ def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", dev
 
     from meshtrain.data import tokenizer
     from meshtrain.interop.hf import write_sums
+    from meshtrain.models import FAMILIES
     from meshtrain.parallel.mesh import simulate_cpu_devices
     from meshtrain.run.trainer import Trainer
-    from meshtrain.models import FAMILIES
 
     check_scheme(scheme)
     cfg = run_dir.run_config(run)

@@ -110,8 +110,14 @@ class ProgressBar:
     While it is live, whatever else the run prints goes above the bar too."""
 
     def __init__(self, first: int, steps: int, console=None):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
