@@ -130,7 +130,7 @@ def test_compressed_mean_inside_shard_map_matches_fp32(zero, scale):
         assert np.max(np.abs(got - mean)) <= bound * (1 + 1e-5), (k, np.max(np.abs(got - mean)), bound)
         assert np.max(np.abs(got - mean)) > 0  # it was quantized
 
-        def residual(e):  # what the shards kept back, as the mean sees it
+        def residual(e, k=k, shape=shape):  # what the shards kept back, as the mean sees it
             kept = natural(e["shards"][k], shape).astype(np.float64).mean(axis=0)
             return kept + (np.asarray(e["owned"][k], np.float64).reshape(shape) if zero <= 1 else 0)
 

@@ -267,7 +267,10 @@ class StageProgram:
                 if name in uses:
                     ring = [(i, (i + shift) % self.stages) for i in range(self.stages)]
                     got = jax.lax.ppermute(sent.get(kind, self.zeros_x), "pipeline", ring)
-                    store = lambda b: _write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), self.slots[slots])
+
+                    def store(b, got=got, name=name, n=self.slots[slots]):  # traced by the cond just below
+                        return _write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n)
+
                     c = {**c, buffer: jax.lax.cond(at(name) > 0, store, lambda b: b, c[buffer])}
             return c, None
 

@@ -316,8 +316,8 @@ def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | 
         flag = None
         if not within:
             what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
-            explains = lambda lo, hi: lo * (1 - tol) <= (ratio or math.inf) <= hi * (1 + tol)
-            why = next((w for w, lo, hi in gaps.get(kind, ()) if explains(lo, hi)), UNEXPLAINED)
+            r = ratio or math.inf
+            why = next((w for w, lo, hi in gaps.get(kind, ()) if lo * (1 - tol) <= r <= hi * (1 + tol)), UNEXPLAINED)
             flag = f"{what}: {why}; the roofline uses the {ROOFLINE_USES} bytes"
         out[kind] = {"measured_bytes": m, "formula_bytes": f, "ratio": ratio, "within": within, "flag": flag}
     return out
