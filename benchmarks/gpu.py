@@ -70,7 +70,8 @@ def table(rows: list[tuple[str, dict]]) -> str:
             lines.append(f"| {name} | failed: {r['error']} |||||||")
             continue
         lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-                     f"{fmt(r['mfu'], '.1%')} | {fmt(r['temp_gb'], '.2f')} | {fmt(r['peak_gb'], '.2f')} | {r['loss']:.4f} |")
+                     f"{fmt(r['mfu'], '.1%')} | {fmt(r['temp_gb'], '.2f')} | {fmt(r['peak_gb'], '.2f')} | "
+                     f"{r['loss']:.4f} |")
     return "\n".join(lines)
 
 

@@ -29,9 +29,10 @@ from meshtrain.run.trainer import Trainer  # noqa: E402
 
 
 def config(steps, prefetch=1):
-    return load_config("configs/shakespeare_char.yaml", [f"data.prefetch={prefetch}",
-        "parallel.mesh=1", "data.kind=synthetic", "optim.warmup_steps=5", f"train.steps={steps}", f"train.log_every={steps}", "train.eval_every=0",
-        "checkpoint.resume=never", f"out={tempfile.mkdtemp()}"])
+    return load_config("configs/shakespeare_char.yaml", [
+        f"data.prefetch={prefetch}", "parallel.mesh=1", "data.kind=synthetic", "optim.warmup_steps=5",
+        f"train.steps={steps}", f"train.log_every={steps}", "train.eval_every=0", "checkpoint.resume=never",
+        f"out={tempfile.mkdtemp()}"])
 
 
 def hand_written(cfg):

@@ -20,8 +20,9 @@ MICROBATCHES = (1, 2, 4)
 
 
 def reductions(zero: int, microbatches: int) -> tuple[float, float]:
-    cfg = load_config("configs/tiny.yaml", ["parallel.mesh=data=8", f"parallel.zero={zero}", f"parallel.microbatches={microbatches}",
-                                            "train.batch_size=32", f"out={tempfile.mkdtemp()}"])
+    cfg = load_config("configs/tiny.yaml", ["parallel.mesh=data=8", f"parallel.zero={zero}",
+                                            f"parallel.microbatches={microbatches}", "train.batch_size=32",
+                                            f"out={tempfile.mkdtemp()}"])
     return hlo.reduction_totals(hlo.collectives(TrainProgram.from_config(cfg).lower().compile().as_text(), 8))
 
 

@@ -39,7 +39,8 @@ def parser() -> Parser:
     p.add_argument("--out", help="--from-hf: the run folder to create")
     p.add_argument("--dtype", default="float32", choices=tuple(hf.DTYPE_NAMES),
                    help="--to-hf: the dtype written")
-    p.add_argument("--max-shard-gb", type=number(float, above=0.0), default=5.0, help="--to-hf: largest safetensors file (> 0)")
+    p.add_argument("--max-shard-gb", type=number(float, above=0.0), default=5.0,
+                   help="--to-hf: largest safetensors file (> 0)")
     p.add_argument("--scheme", default="symmetric", help="--quantize: symmetric or affine")
     p.add_argument("--mesh", default="fsdp=-1",
                    help="--to-hf: the mesh the weights are read onto (default: split over every device)")

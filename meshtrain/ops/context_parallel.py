@@ -185,7 +185,8 @@ class PairMask(NamedTuple):
         q_pos, k_pos = (self.q0 + i * S + pos)[:, None], (self.k0 + j * S + pos)[None, :]
         segs = ()
         if self.q_seg is not None:
-            segs = (_rows(self.q_seg, i, S, 1)[:, None, None, :, None], _rows(self.k_seg, j, S, 1)[:, None, None, None, :])
+            segs = (_rows(self.q_seg, i, S, 1)[:, None, None, :, None],
+                    _rows(self.k_seg, j, S, 1)[:, None, None, None, :])
         return (visible(q_pos, k_pos, self.window, *segs),
                 jnp.asarray(block_reaches(self.q0 + i * S, self.k0 + j * S + S - 1, self.window)))
 

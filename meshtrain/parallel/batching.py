@@ -61,8 +61,9 @@ def split_microbatches(tokens_BxL1, num_micro: int):
 
 def accumulate(grad_fn, microbatches: int, accumulator_specs):
     """A gradient function over `microbatches` slices of the batch: its metrics and gradients are the
-    means of `grad_fn`'s over the slices, summed in a scan. The accumulator is pinned to `accumulator_specs` (PartitionSpecs over the
-    axes that are not manual here), so the sum is kept sharded and never reduced inside the loop."""
+    means of `grad_fn`'s over the slices, summed in a scan. The accumulator is pinned to
+    `accumulator_specs` (PartitionSpecs over the axes that are not manual here), so the sum is kept
+    sharded and never reduced inside the loop."""
     if microbatches == 1:
         return grad_fn
     pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)

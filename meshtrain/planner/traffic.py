@@ -147,10 +147,12 @@ def expected_traffic(program) -> dict[str, dict]:
     if compressed:
         for kind, value in formulas.compressed_reduction_traffic(4 * grads, D, plan.compression_block,
                                                                   zero <= 1).items():
-            add(kind, value, f"int8 data-parallel gradient {'all-to-all' if kind == 'all-to-all' else 'mean all-gather'}"
-                             f" (int8 + a scale per {plan.compression_block}), once per step")
+            what = "all-to-all" if kind == "all-to-all" else "mean all-gather"
+            add(kind, value, f"int8 data-parallel gradient {what} (int8 + a scale per {plan.compression_block}), "
+                             "once per step")
     if zero <= 1 and not compressed:
-        add("all-reduce", over_data("all-reduce", grad_bytes / (F * C)), "data-parallel gradient all-reduce 2(D-1)/D x grads")
+        add("all-reduce", over_data("all-reduce", grad_bytes / (F * C)),
+            "data-parallel gradient all-reduce 2(D-1)/D x grads")
     if zero in (1, 2):
         add("all-gather", over_data("all-gather", 4 * grads), "ZeRO-1/2 all-gather of updated fp32 parameter shards")
     if zero == 2 and not compressed:
@@ -230,7 +232,8 @@ def data_parallel_traffic(program) -> dict:
     plan, sizes = program.plan, program.sizes
     D, zero = sizes["data"], plan.zero
     slices = param_slices(program)
-    grads = 4 * (slices["blocks"] + slices["outer"]) / (sizes["fsdp"] * sizes["context"])  # fp32 bytes reduced over data
+    # the fp32 bytes reduced over data
+    grads = 4 * (slices["blocks"] + slices["outer"]) / (sizes["fsdp"] * sizes["context"])
     fp32 = ring_traffic("all-reduce", grads, D) if zero <= 1 else ring_traffic("all-gather", grads, D)  # RS = AG
     int8 = sum(formulas.compressed_reduction_traffic(grads, D, plan.compression_block, zero <= 1).values())
     return {"compression": plan.grad_compression if compression.applies(plan, sizes) else "none",
@@ -276,7 +279,8 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         why = ("the embedding's and head's gradients (summed over every batch and sequence shard) are "
                "all-reduced whole over the batch axes (fsdp with expert, context or data) and then sliced to this "
                "device's shard, where the formula reduce-scatters them over fsdp x context and all-reduces the "
-               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/planner/hlo.py does not undo it)")
+               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/planner/hlo.py does not "
+               "undo it)")
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
         gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, 2))

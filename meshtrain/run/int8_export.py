@@ -43,7 +43,8 @@ def evaluate_with(trainer, params) -> float | None:
         trainer.state = own
 
 
-def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=None, step: int | None = None) -> dict:
+def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=None,
+                step: int | None = None) -> dict:
     """Export RUN's checkpoint of `step` (default: the newest intact one, read verified) as int8 into
     OUT (made whole or not at all, with a SHA256SUMS); print and return the eval losses and sizes.
     `devices` as for Trainer (default: all, with the run's mesh)."""

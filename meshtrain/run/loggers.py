@@ -72,7 +72,8 @@ class MetricsLog:
 def format_record(r: dict) -> str:
     """One console line: `step    300  loss 1.8700  grad_norm ...` (the README's samples parse these)."""
     if "eval_loss" in r:
-        sources = ", ".join(f"{k.removeprefix('eval_loss_')} {v:.4f}" for k, v in r.items() if k.startswith("eval_loss_"))
+        sources = ", ".join(f"{k.removeprefix('eval_loss_')} {v:.4f}"
+                            for k, v in r.items() if k.startswith("eval_loss_"))
         return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" + (f" ({sources})" if sources else "")
     if "checkpoint_blocking_s" in r:
         return f"step {r['step']:>6}  checkpoint started (blocked the loop {r['checkpoint_blocking_s'] * 1e3:.1f}ms)"

@@ -37,7 +37,8 @@ def parser() -> Parser:
     p.add_argument("--pruner", choices=("median", "hyperband", "none"), default="median")
     p.add_argument("--startup-trials", type=number(int, min=0), default=5,
                    help="median pruner: complete trials before any is pruned (default 5)")
-    p.add_argument("--warmup-steps", type=number(int, min=0), default=0, help="median pruner: no pruning before this step")
+    p.add_argument("--warmup-steps", type=number(int, min=0), default=0,
+                   help="median pruner: no pruning before this step")
     p.add_argument("--seed", type=number(int, min=0), default=0,
                    help="TPE sampler seed (plus the number of trials already in the study)")
     p.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",
