@@ -205,7 +205,8 @@ def executed_dot_flops(text: str) -> float:
         for ins in module.comps[comp].values():
             if ins.op != "dot":
                 continue
-            lhs = [int(d) for d in re.search(r"\[([\d,]*)\]", module.comps[comp][ins.operands[0]].shape).group(1).split(",")]
+            lhs_shape = module.comps[comp][ins.operands[0]].shape
+            lhs = [int(d) for d in re.search(r"\[([\d,]*)\]", lhs_shape).group(1).split(",")]
             contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1).split(",")
             total += times * 2 * hlo.typed_array_elements(ins.shape)[0][1] * np.prod([lhs[int(i)] for i in contracted])
     return total

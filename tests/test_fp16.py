@@ -53,7 +53,8 @@ def test_an_overflow_skips_the_step_and_halves_the_scale_good_steps_double_it():
     after = jax.device_get(after)
     assert bool(metrics["finite"]) and np.isfinite(float(metrics["loss"]))  # not a bad step for the guard
     assert not np.isfinite(float(metrics["grad_norm"]))
-    assert after["loss_scale"]["scale"] == 2.0 ** 39 and after["loss_scale"]["overflows"] == before["loss_scale"]["overflows"] + 1
+    assert after["loss_scale"]["scale"] == 2.0 ** 39
+    assert after["loss_scale"]["overflows"] == before["loss_scale"]["overflows"] + 1
     assert after["skipped_steps"] == before["skipped_steps"] and after["step"] == before["step"] + 1
     for key in ("params", "opt_state"):
         for a, b in zip(jax.tree.leaves(before[key]), jax.tree.leaves(after[key])):

@@ -59,7 +59,8 @@ TOKENS = st.one_of(st.sampled_from(["--devices", "--mesh", "--set", "--steps", "
                                     "--temperature", "--top-p", "--top-k", "--headroom", "--device-memory", "--nodes",
                                     "--workers", "--vocab-size", "--trials", "--process-id", "--num-processes",
                                     "--max-shard-gb", "--mem-fraction", "--stages", "--microbatches", "--bogus"]),
-                   st.sampled_from(["nan", "inf", "-1", "0", "1e999", "99999999999999999999", "x", "", "data=2,data=2"]),
+                   st.sampled_from(["nan", "inf", "-1", "0", "1e999", "99999999999999999999", "x", "",
+                                    "data=2,data=2"]),
                    st.text(max_size=8))
 
 

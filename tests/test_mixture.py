@@ -107,11 +107,13 @@ def test_one_source_mixture_is_the_single_source(tmp_path):
     path = token_files(tmp_path)[0]
     single, listed = DataConfig(path=path), load_config(None, [f"data.sources=[{{path: {path}}}]"]).data
     sharding = one_device()
-    (a, a_val), (b, b_val) = [mixture.batches(mixture.load(d, 256), 0.05, 8, 5, 0, sharding, 256) for d in (single, listed)]
+    (a, a_val), (b, b_val) = [mixture.batches(mixture.load(d, 256), 0.05, 8, 5, 0, sharding, 256)
+                              for d in (single, listed)]
     assert type(a) is type(b) is Batches
     for k in (0, 5):
         np.testing.assert_array_equal(np.asarray(a(k)), np.asarray(b(k)))
-        np.testing.assert_array_equal(np.asarray(next(iter(a_val.values()))(k)), np.asarray(next(iter(b_val.values()))(k)))
+        np.testing.assert_array_equal(np.asarray(next(iter(a_val.values()))(k)),
+                                      np.asarray(next(iter(b_val.values()))(k)))
     tokens = mixture.load(single, 256).tokens[0]
     assert run_dir.mixture_fingerprint(mixture.load(listed, 256)) == run_dir.data_fingerprint(tokens)
 
@@ -135,7 +137,8 @@ def test_resume_equals_a_straight_run_and_shares_and_eval_are_logged(tmp_path):
     paths = token_files(tmp_path)
     straight = mixture_run(tmp_path / "straight", paths)
     history = straight.fit(log=MetricsLog(tmp_path / "straight", primary=True))
-    resumed = mixture_run(tmp_path / "resumed", paths, f"checkpoint.resume={tmp_path / 'straight' / 'checkpoints' / '2'}")
+    resumed = mixture_run(tmp_path / "resumed", paths,
+                          f"checkpoint.resume={tmp_path / 'straight' / 'checkpoints' / '2'}")
     assert int(resumed.state["step"]) == 2
     losses = lambda h: {r["step"]: r["loss"] for r in h if "loss" in r}
     assert losses(resumed.fit(log=MetricsLog(primary=False))) == {s: v for s, v in losses(history).items() if s > 2}
@@ -179,13 +182,15 @@ def test_a_weight_or_order_change_is_a_data_change(tmp_path):
 # ---- mistakes: one line each, naming the entry and the fix ----
 BAD = [
     ("data.sources=[{weight: 1}]", r"data.sources\[0\] has no path; give each source one"),
-    ("data.sources=[{path: a.bin, weight: 1}, {path: b.bin, weight: 0}]", r"data.sources\[1\].weight=0 must be a finite"),
+    ("data.sources=[{path: a.bin, weight: 1}, {path: b.bin, weight: 0}]",
+     r"data.sources\[1\].weight=0 must be a finite"),
     ("data.sources=[{path: a.bin, weight: -2}]", r"data.sources\[0\].weight=-2 must be a finite number > 0"),
     ("data.sources=[{path: a.bin, weight: .inf}]", r"data.sources\[0\].weight=inf must be a finite"),
     ("data.sources=[{path: a.bin, weight: .nan}]", r"data.sources\[0\].weight=nan must be a finite"),
     ("data.sources=[{path: a.bin, weight: true}]", r"data.sources\[0\].weight=True must be a finite"),
     ("data.sources=[{path: a.bin, weight: 1" + "0" * 400 + "}]", r"data.sources\[0\].weight=10+ must be a finite"),
-    ("data.sources=[{path: a.bin, wieght: 1}]", r"data.sources\[0\] has unknown key 'wieght'; its keys are path, weight"),
+    ("data.sources=[{path: a.bin, wieght: 1}]",
+     r"data.sources\[0\] has unknown key 'wieght'; its keys are path, weight"),
     ("data.sources=[a.bin]", r"data.sources\[0\]='a.bin' is not a mapping; write each source as \{path: ..., weight"),
     ("data.sources={path: a.bin}", r"data.sources must be a list \(YAML \[a, b, ...\]\)"),
     ("data.sources=", r"data.sources must be a list"),
@@ -224,7 +229,8 @@ def test_sources_must_share_one_tokenizer_and_hold_validation(tmp_path):
     prepare(str(text), HFTokenizer(tmp_path / "tokenizer.json"), tmp_path / "bpe")
     cfg = load_config(None, [f"data.sources=[{{path: {text}}}, {{path: {tmp_path / 'bpe'}}}]", "model.vocab_size=300"])
     with pytest.raises(UserError, match=r"^data.sources\[1\] \(.*bpe\) was tokenized by .*tokenizer.json \(\d+ ids\), "
-                                        r"data.sources\[0\] \(.*a.txt\) by byte \(256 ids\); a model reads one vocabulary"):
+                                        r"data.sources\[0\] \(.*a.txt\) by byte \(256 ids\); "
+                                        r"a model reads one vocabulary"):
         mixture.load(cfg.data, 300)
     short = tmp_path / "short.bin"
     np.arange(40, dtype=np.uint16).tofile(short)

@@ -46,7 +46,8 @@ def test_sharded_run_matches_one_device_and_resumes_exactly(name):
 
     other = NEW[(NEW.index(name) + 1) % len(NEW)]  # another state layout: one line naming the key
     with pytest.raises(UserError, match=rf"^checkpoint {checkpoint} holds the state of optim.optimizer={name}, this "
-                                        rf"run has {other}; resume with optim.optimizer={name}, or pass --resume never"):
+                                        rf"run has {other}; resume with optim.optimizer={name}, "
+                                        r"or pass --resume never"):
         Trainer(tiny_config(*SHARDED, f"optim.optimizer={other}", f"checkpoint.resume={checkpoint}"))
 
 
@@ -136,7 +137,8 @@ def test_adamw_and_cosine_are_todays():
     three = lambda tx: jax.jit(lambda g: functools.reduce(lambda s, _: tx.update(g, s[1], params), range(3),
                                                           (None, tx.init(params)))[0])(grads)
     assert max_param_diff(three(old), three(new)) == 0
-    assert [float(LR_SCHEDULES["cosine"](ocfg, 10)(k)) for k in range(12)] == [float(old_schedule(k)) for k in range(12)]
+    new_schedule = LR_SCHEDULES["cosine"](ocfg, 10)
+    assert [float(new_schedule(k)) for k in range(12)] == [float(old_schedule(k)) for k in range(12)]
 
 
 def test_schedules():
@@ -172,8 +174,8 @@ def test_state_bytes_formula_matches_the_shardings(name, layout):
 
 def test_state_bytes_per_parameter():
     params, axes = tiny_moe()
-    total = lambda name: sum(OPTIMIZERS[name].state_bytes(p.shape, n) for p, n in
-                             zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=lambda n: isinstance(n, tuple))))
+    leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=lambda n: isinstance(n, tuple))))
+    total = lambda name: sum(OPTIMIZERS[name].state_bytes(p.shape, n) for p, n in leaves)
     psi = sum(p.size for p in jax.tree.leaves(params))
     assert total("adamw") == 8 * psi and total("lion") == 4 * psi
     muon_params = sum(p.size for k, p in params["blocks"].items() if is_hidden_matrix(axes["blocks"][k]))
@@ -194,7 +196,8 @@ def test_a_compiled_adafactor_step_holds_those_bytes():
                                   optimizer_state=program.optimizer_state_bytes())
     tokens = 4 * program.batch_shape[0] * program.batch_shape[1] / (program.sizes["data"] * program.sizes["fsdp"])
     arguments = program.lower().compile().memory_analysis().argument_size_in_bytes
-    sharded = shard_bytes(state["params"], shardings["params"]) + shard_bytes(state["opt_state"], shardings["opt_state"])
+    sharded = (shard_bytes(state["params"], shardings["params"])
+               + shard_bytes(state["opt_state"], shardings["opt_state"]))
     assert arguments == pytest.approx(sharded + tokens, rel=0.001)
     assert arguments == pytest.approx(formula["parameters"] + formula["optimizer_state"] + tokens, rel=0.02)
 

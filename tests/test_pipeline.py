@@ -23,7 +23,8 @@ def test_timetable_runs_each_action_once_in_dependency_order(schedule, stages, m
     tt = timetable(schedule, stages, micro, virtual)
     when = tt.when()
     kinds = "FBW" if schedule == "zb" else "FB"
-    expected = {(s, Action(k, m, v)) for s in range(stages) for m in range(micro) for v in range(virtual) for k in kinds}
+    expected = {(s, Action(k, m, v))
+                for s in range(stages) for m in range(micro) for v in range(virtual) for k in kinds}
     assert set(when) == expected and len(when) == sum(len(slot) for row in tt.ticks for slot in row)
     for s in range(stages):
         for m in range(micro):
@@ -111,8 +112,9 @@ def test_compiled_sends_are_the_timetables(schedule):
     from meshtrain.parallel.schedules import sends_per_step
     from meshtrain.planner import hlo
 
-    trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}", "parallel.microbatches=4",
-                             "parallel.virtual_stages=1")  # the parity run's compiled program
+    # the parity run's compiled program
+    trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}",
+                             "parallel.microbatches=4", "parallel.virtual_stages=1")
     tables = executor_tables(timetable(schedule, 4, 4))
     sends = sends_per_step(tables)
     permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]
@@ -121,7 +123,8 @@ def test_compiled_sends_are_the_timetables(schedule):
 
 def test_bf16_pipeline_tracks_fp32(reference_run):
     _, ref_losses, _ = reference_run
-    _, losses, params = run_tiny("parallel.mesh=2x1x1x4", "parallel.precision=bf16", "parallel.schedule=1f1b", "parallel.microbatches=4")
+    _, losses, params = run_tiny("parallel.mesh=2x1x1x4", "parallel.precision=bf16", "parallel.schedule=1f1b",
+                                 "parallel.microbatches=4")
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))  # fp32 master weights
 
@@ -184,7 +187,8 @@ def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
 def test_cli_trains_a_1f1b_pipeline(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", TINY, "--devices", "8",
                            "--mesh", "2x1x1x4", "--set", "parallel.schedule=1f1b",
-                           "--set", "parallel.microbatches=8", "--steps", "40", "--set", "train.log_every=10", "--set", "optim.lr=1e-2",
+                           "--set", "parallel.microbatches=8", "--steps", "40", "--set", "train.log_every=10",
+                           "--set", "optim.lr=1e-2",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()

@@ -66,8 +66,10 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
                      "generation": report["generation"]["total"]}
     assert report["verdict"]["peak"] == max(steps.values()) and report["verdict"]["status"] == "does not fit"
     assert report["budget"]["usable"] == pytest.approx(100e3 * 0.75)  # JAX's default GPU preallocation
-    assert set(report["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
-    assert {"count", "payload_bytes", "traffic_bytes", "formula_traffic_bytes", "formula"} <= set(report["collectives"]["all-gather"])
+    assert set(report["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                                          "all-to-all"}
+    assert ({"count", "payload_bytes", "traffic_bytes", "formula_traffic_bytes", "formula"}
+            <= set(report["collectives"]["all-gather"]))
     assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers weights
     assert {"compute_s", "comm_s", "step_s", "mfu_ceiling", "pipeline_bubble", "links"} <= set(report["roofline"])
     assert report["corrections"]["all_reduce_as_reduce_scatter"] > 0  # fsdp's gradient reduce-scatters
@@ -143,8 +145,10 @@ def test_budget_is_the_runtime_share_less_the_headroom(monkeypatch):
 
     h100, tpu = DEVICE_PROFILES["h100"], DEVICE_PROFILES["tpu-v5p"]
     assert memory_fraction(h100, env={})[0] == 0.75
-    assert memory_fraction(h100, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) == (0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION")
-    assert memory_fraction(h100, env={"XLA_CLIENT_MEM_FRACTION": ".95", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})[0] == 0.95
+    assert (memory_fraction(h100, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"})
+            == (0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION"))
+    both = {"XLA_CLIENT_MEM_FRACTION": ".95", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert memory_fraction(h100, env=both)[0] == 0.95
     assert memory_fraction(h100, 0.8, env={"XLA_CLIENT_MEM_FRACTION": ".95"})[0] == 0.8
     assert memory_fraction(tpu, env={"XLA_CLIENT_MEM_FRACTION": ".5"})[0] == 1.0
     for bad in ("1.5", "0", "most"):

@@ -120,7 +120,8 @@ FOLDER_CASES = [
     ("only a lock file", [LOCK_FILE], None),
     ("a run (run.json)", ["run.json", "notes.txt"], None),
     ("a run of an earlier version (config.yaml)", ["config.yaml", "metrics.jsonl"], None),
-    ("a user's folder", ["thesis.tex", "data.csv"], "is a folder that is not a meshtrain run (it holds data.csv and 1 more)"),
+    ("a user's folder", ["thesis.tex", "data.csv"],
+     "is a folder that is not a meshtrain run (it holds data.csv and 1 more)"),
     ("metrics alone", ["metrics.jsonl"], "is a folder that is not a meshtrain run (it holds metrics.jsonl)"),
 ]
 
