@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 from meshtrain.config.loader import load_config  # noqa: E402
 from meshtrain.engine.decode import generate  # noqa: E402
 from meshtrain.generate import load  # noqa: E402
-from meshtrain.run.run_dir import run_config  # noqa: E402
 from meshtrain.models import FAMILIES  # noqa: E402
+from meshtrain.run.run_dir import run_config  # noqa: E402
 
 
 def best_seconds(fn, reps: int) -> float:
@@ -70,10 +70,12 @@ def main() -> None:
           f"window {window}, {jax.devices()[0].device_kind}\n"
           f"| prompts | cached tokens/s | full recompute tokens/s | crop to {window} tokens/s |\n|---|---|---|---|")
     for rows in (1, 8):
-        cached = best_seconds(lambda: generate(model, params, [prompt] * rows, args.new, window=window), args.reps)
+        # the lambdas are called in this iteration; the defaults bind this iteration's rows
+        cached = best_seconds(lambda prompts=[prompt] * rows: generate(model, params, prompts, args.new, window=window),
+                              args.reps)
         full = best_seconds(recompute(model, params, prompt, args.new, None, rows), 1)
         crop = best_seconds(recompute(model, params, prompt, args.new, window, rows), 1)
-        rate = lambda s: f"{rows * args.new / s:,.0f}"
+        rate = lambda s, rows=rows: f"{rows * args.new / s:,.0f}"
         print(f"| {rows} | {rate(cached)} | {rate(full)} ({full / cached:.1f}x slower) | "
               f"{rate(crop)} ({crop / cached:.1f}x slower) |", flush=True)
 

@@ -70,7 +70,8 @@ def table(rows: list[tuple[str, dict]]) -> str:
             lines.append(f"| {name} | failed: {r['error']} |||||||")
             continue
         lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-                     f"{fmt(r['mfu'], '.1%')} | {fmt(r['temp_gb'], '.2f')} | {fmt(r['peak_gb'], '.2f')} | {r['loss']:.4f} |")
+                     f"{fmt(r['mfu'], '.1%')} | {fmt(r['temp_gb'], '.2f')} | {fmt(r['peak_gb'], '.2f')} | "
+                     f"{r['loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -87,6 +88,7 @@ def main():
     if args.one is not None:
         if args.engine == "torch":
             from torch_baseline import measure as measure_torch  # beside this file
+
             from meshtrain.config.loader import load_config
 
             result = measure_torch(load_config(args.config, ["parallel.mesh=1", *json.loads(args.one)]), args.steps)

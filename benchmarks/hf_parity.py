@@ -22,9 +22,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from meshtrain.interop import hf  # noqa: E402
+from meshtrain.models import FAMILIES  # noqa: E402
 from meshtrain.parallel.mesh import build_mesh, parse_mesh  # noqa: E402
 from meshtrain.parallel.sharding import param_shardings  # noqa: E402
-from meshtrain.models import FAMILIES  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -41,8 +41,8 @@ def checkpoints(width: int, layers: int):
     yield "mixtral, 8 experts top-2", transformers.MixtralForCausalLM(transformers.MixtralConfig(
         intermediate_size=width, num_local_experts=8, num_experts_per_tok=2, **common))
     qwen3 = dict(common, head_dim=width // 4, rope_theta=1000000.0, rms_norm_eps=1e-6)  # 8 heads of 2 x width/8
-    yield "qwen3, untied, GQA 8/2, head_dim 2x", with_random_norms(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        intermediate_size=2 * width, tie_word_embeddings=False, **qwen3)))
+    untied = transformers.Qwen3Config(intermediate_size=2 * width, tie_word_embeddings=False, **qwen3)
+    yield "qwen3, untied, GQA 8/2, head_dim 2x", with_random_norms(transformers.Qwen3ForCausalLM(untied))
     yield "qwen3, tied head", with_random_norms(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         intermediate_size=2 * width, tie_word_embeddings=True, **qwen3)))
     yield "qwen3_moe, 8 experts top-2, renormalized", with_random_norms(transformers.Qwen3MoeForCausalLM(

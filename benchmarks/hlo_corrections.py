@@ -10,10 +10,10 @@ import argparse
 
 import jax
 
-from meshtrain.planner.aot import hlo, traffic
 from meshtrain.config.loader import load_config
-from meshtrain.parallel.mesh import simulate_cpu_devices
 from meshtrain.engine.program import TrainProgram
+from meshtrain.parallel.mesh import simulate_cpu_devices
+from meshtrain.planner.aot import hlo, traffic
 
 
 def main():

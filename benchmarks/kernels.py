@@ -13,8 +13,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from meshtrain.ops.loss import cross_entropy  # noqa: E402
 from meshtrain.ops.attention import BACKENDS  # noqa: E402
+from meshtrain.ops.loss import cross_entropy  # noqa: E402
 
 
 def temp_bytes(fn, *shapes) -> int:
@@ -30,13 +30,15 @@ def plain_loss(x_BxLxD, w_DxV, targets_BxL):
 
 def main():
     B, D, V = 8, 64, 128_256
-    print(f"Head + loss, batch {B}, width {D}, vocab {V:,}\n| seq | logits GB | plain GB | tiled GB |\n|---|---|---|---|")
+    print(f"Head + loss, batch {B}, width {D}, vocab {V:,}\n"
+          "| seq | logits GB | plain GB | tiled GB |\n|---|---|---|---|")
     for L in (1024, 2048, 4096):
         shapes = (((B, L, D), jnp.float32), ((D, V), jnp.float32), ((B, L), jnp.int32))
         plain, tiled = temp_bytes(plain_loss, *shapes), temp_bytes(cross_entropy, *shapes)
         print(f"| {L} | {B * L * V * 4 / 1e9:.2f} | {plain / 1e9:.2f} | {tiled / 1e9:.2f} |", flush=True)
     B, H, K = 1, 8, 16
-    print(f"\nAttention, batch {B}, {H} heads of {K}\n| seq | scores MiB | xla MiB | blockwise MiB |\n|---|---|---|---|")
+    print(f"\nAttention, batch {B}, {H} heads of {K}\n"
+          "| seq | scores MiB | xla MiB | blockwise MiB |\n|---|---|---|---|")
     for L in (1024, 2048, 4096, 8192):
         shapes = [((B, L, H, K), jnp.float32)] * 3
         per_kernel = [temp_bytes(lambda q, k, v, kernel=kernel: jnp.sum(BACKENDS[kernel](q, k, v)), *shapes)

@@ -24,7 +24,8 @@ LAYOUTS = [("data=8", z) for z in range(4)] + [("fsdp=8", 1), ("data=2,tensor=4"
 MOE_LAYOUTS = [("data=2,expert=4", 0.0), ("expert=2,data=2,fsdp=2", 0.0), ("data=2,pipeline=2,expert=2", 0.0),
                ("expert=2,tensor=2,data=2", 0.0), ("data=2,expert=4", 0.5)]
 CONTEXT_LAYOUTS = [("data=4,context=2", False), ("data=2,context=4", False), ("fsdp=2,tensor=2,context=2", False),
-                   ("data=2,context=2,pipeline=2", False), ("data=4,tensor=2", True), ("tensor=2,context=2,data=2", True)]
+                   ("data=2,context=2,pipeline=2", False), ("data=4,tensor=2", True),
+                   ("tensor=2,context=2,data=2", True)]
 MOE_STATS = ("router_aux_loss", "dropped", "expert_load_max")
 
 
@@ -40,7 +41,8 @@ def rel_diff(a, b) -> float:
 
 def zero_table():
     _, ref_losses, ref_params = run("1")
-    print("| mesh | zero | max rel loss diff | max abs param diff | state bytes/device measured | ZeRO formula | ratio |")
+    print("| mesh | zero | max rel loss diff | max abs param diff | state bytes/device measured | ZeRO formula "
+          "| ratio |")
     print("|---|---|---|---|---|---|---|")
     for mesh, zero in LAYOUTS:
         trainer, losses, params = run(mesh, f"parallel.zero={zero}")
@@ -78,8 +80,8 @@ def context_table():
 def sequence_parallel_memory():
     """Compiled temporaries per device of the tiny step on data=4 x tensor=2, without and with
     sequence parallelism, and the all-gathers it adds."""
-    from meshtrain.planner.aot import hlo
     from meshtrain.engine.program import TrainProgram
+    from meshtrain.planner.aot import hlo
     from meshtrain.testing import tiny_config
 
     print("| sequence parallel | temporaries/device | all-gathers | all-reduce payload |")

@@ -94,8 +94,7 @@ def write_sources(text_file: str, repeat: int, folder: Path) -> dict[str, tuple[
 
 
 def prepare_rates(args) -> None:
-    from meshtrain.data import tokenizer
-    from meshtrain.data import prepare
+    from meshtrain.data import prepare, tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="meshtrain-prepare-bench-"))
     sources = write_sources(args.text, args.repeat, folder)
@@ -103,7 +102,8 @@ def prepare_rates(args) -> None:
     bpe = tokenizer.train_bpe([Path(args.text)], args.vocab_size, folder / "bpe" / "tokenizer.json")
     print(f"{len(sources)} sources of {sources['jsonl'][1] / 1e6:.1f} MB of text ({args.text} x {args.repeat}); "
           f"BPE ({args.vocab_size} ids) trained in {time.perf_counter() - started:.1f} s on {os.cpu_count()} cores")
-    print("| source | tokenizer | workers | tokens | seconds | tokens/s | MB/s of text |\n|---|---|---|---|---|---|---|")
+    print("| source | tokenizer | workers | tokens | seconds | tokens/s | MB/s of text |\n"
+          "|---|---|---|---|---|---|---|")
     for kind, (src, size) in sources.items():
         for name, tok in (("byte", tokenizer.ByteTokenizer()), (f"BPE {args.vocab_size}", bpe)):
             for workers in args.workers:

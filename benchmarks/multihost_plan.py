@@ -47,10 +47,10 @@ def facts(compiled, mesh, sizes: dict) -> dict:
 def train_step_facts(config: str, mesh: str, overrides: list[str], per_node: int) -> dict:
     """The real TrainProgram for `mesh` over every process's devices, lowered and compiled (no
     training), and the roofline's per-link traffic for it (H100 profile, `per_node` per node)."""
-    from meshtrain.planner.aot import hlo, roofline
     from meshtrain.config.loader import load_config
     from meshtrain.core.metrics import DEVICE_PROFILES
     from meshtrain.engine.program import TrainProgram
+    from meshtrain.planner.aot import hlo, roofline
 
     cfg = load_config(config, [f"parallel.mesh={mesh}", *overrides])
     cfg.devices = 0
@@ -71,7 +71,8 @@ def control_facts(per_node: int) -> dict:
     which it puts in one node while P <= K: wrong for both at 2 x 8, for data only at 16 x 8."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from meshtrain.parallel.mesh import build_mesh
 

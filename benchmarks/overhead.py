@@ -11,8 +11,8 @@ ahead in a background thread (data.prefetch=1, the default) and in the loop (dat
 import argparse
 import os
 import statistics
-import time
 import tempfile
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,15 +23,16 @@ import optax  # noqa: E402
 
 from meshtrain.config.loader import load_config  # noqa: E402
 from meshtrain.data import synthetic_rows  # noqa: E402
+from meshtrain.models import LanguageModel  # noqa: E402
 from meshtrain.run.loggers import MetricsLog  # noqa: E402
 from meshtrain.run.trainer import Trainer  # noqa: E402
-from meshtrain.models import LanguageModel  # noqa: E402
 
 
 def config(steps, prefetch=1):
-    return load_config("configs/shakespeare_char.yaml", [f"data.prefetch={prefetch}",
-        "parallel.mesh=1", "data.kind=synthetic", "optim.warmup_steps=5", f"train.steps={steps}", f"train.log_every={steps}", "train.eval_every=0",
-        "checkpoint.resume=never", f"out={tempfile.mkdtemp()}"])
+    return load_config("configs/shakespeare_char.yaml", [
+        f"data.prefetch={prefetch}", "parallel.mesh=1", "data.kind=synthetic", "optim.warmup_steps=5",
+        f"train.steps={steps}", f"train.log_every={steps}", "train.eval_every=0", "checkpoint.resume=never",
+        f"out={tempfile.mkdtemp()}"])
 
 
 def hand_written(cfg):

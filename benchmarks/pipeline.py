@@ -18,8 +18,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshtrain.parallel.schedules import timetable, zero_bubble_order  # noqa: E402
-from meshtrain.testing import run_tiny, tiny_config  # noqa: E402
 from meshtrain.run.trainer import Trainer  # noqa: E402
+from meshtrain.testing import run_tiny, tiny_config  # noqa: E402
 
 BUBBLES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb", 4, 8, 1), ("gpipe", 4, 32, 1), ("1f1b", 4, 32, 1),
            ("zb", 4, 32, 1), ("interleaved", 4, 8, 2), ("interleaved", 4, 8, 4), ("gpipe", 8, 16, 1),
@@ -66,7 +66,8 @@ def main():
         for M in (4, 8, 16):
             t = trainer("parallel.mesh=2x1x1x4" if V == 1 else "parallel.mesh=4x1x1x2", f"parallel.schedule={schedule}",
                         f"parallel.microbatches={M}", f"parallel.virtual_stages={V}",
-                        f"parallel.residuals={residuals}", f"parallel.remat={remat}", f"train.batch_size={2 * M * (2 if V == 1 else 4)}", "model.d_model=64", "model.mlp_dim=256",
+                        f"parallel.residuals={residuals}", f"parallel.remat={remat}",
+                        f"train.batch_size={2 * M * (2 if V == 1 else 4)}", "model.d_model=64", "model.mlp_dim=256",
                         "train.seq_len=64")
             row[M] = t.compiled_step.memory_analysis().temp_size_in_bytes
         name = schedule if V == 1 else f"{schedule} (V={V}, 2 stages)"
@@ -74,8 +75,8 @@ def main():
 
     print("\n## Parity vs 1 device (fp32, 5 steps, 4 microbatches)\n")
     ref_losses, ref_norms = run("parallel.mesh=1", devices=jax.devices()[:1])
-    print("| schedule | mesh (data x fsdp x tensor x pipeline) | V | zero | max rel loss diff | max rel grad-norm diff |\n"
-          "|---|---|---|---|---|---|")
+    print("| schedule | mesh (data x fsdp x tensor x pipeline) | V | zero | max rel loss diff "
+          "| max rel grad-norm diff |\n|---|---|---|---|---|---|")
     for schedule, mesh, V, zero in PARITY:
         losses, norms = run(f"parallel.mesh={mesh}", f"parallel.zero={zero}", f"parallel.schedule={schedule}",
                             "parallel.microbatches=4", f"parallel.virtual_stages={V}")

@@ -29,14 +29,16 @@ def planned(config: str, overrides: list[str], device: str) -> dict:
     sets = [a for o in overrides for a in ("--set", o)]
     cmd = [sys.executable, "-m", "meshtrain.plan", "--config", config, *sets, "--devices", "1", "--mesh", "data=1",
            "--device", device, "--search-budget", "0", "--json"]
-    done = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    done = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if done.returncode:
         raise SystemExit(f"plan: {done.stderr.strip().splitlines()[-1]}")
     return json.loads(done.stdout)
 
 
 def measured(config: str, overrides: list[str], steps: int) -> dict:
-    cmd = [sys.executable, str(HERE / "gpu.py"), "--config", config, "--steps", str(steps), "--one", json.dumps(overrides)]
+    cmd = [sys.executable, str(HERE / "gpu.py"), "--config", config, "--steps", str(steps),
+           "--one", json.dumps(overrides)]
     done = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True)
     found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not found:
@@ -69,7 +71,8 @@ def main():
     print(row("train step peak memory", mem["total"] / GB, device["peak_gb"], "GB", 0.10))
     print(row("temporaries (compiled)", mem["temporaries"] / GB, device["temp_gb"], "GB", 0.10))
     print(row("step time (roofline bound)", roof["step_s"] * 1e3, device["step_ms"], "ms", 0.25))
-    print(f"roofline: {roof['bound']}-bound, compute {roof['compute_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms; "
+    print(f"roofline: {roof['bound']}-bound, compute {roof['compute_s'] * 1e3:,.1f} ms, "
+          f"HBM {roof['memory_s'] * 1e3:,.1f} ms; "
           f"measured MFU {device['mfu'] or 0:.1%} (the roofline's MFU ceiling {roof['mfu_ceiling']:.1%})")
 
 

@@ -49,13 +49,15 @@ def main(argv=None):
     print(f"data: {args.data or 'the Python standard library'}", flush=True)
     results = {prec: run(prec, args) for prec in PRECISIONS}
     steps = sorted(results["fp32"][0])
-    print("| step | " + " | ".join(f"eval {p}" for p in PRECISIONS) + " | fp16 vs fp32 | bf16 vs fp32 | fp16 loss scale |")
+    print("| step | " + " | ".join(f"eval {p}" for p in PRECISIONS)
+          + " | fp16 vs fp32 | bf16 vs fp32 | fp16 loss scale |")
     print("|---|" + "---|" * (len(PRECISIONS) + 3))
     for s in steps:
         e = {p: results[p][0][s] for p in PRECISIONS}
         scale = results["fp16"][1].get(s, {}).get("loss_scale", float("nan"))
         print(f"| {s} | " + " | ".join(f"{e[p]:.4f}" for p in PRECISIONS)
-              + f" | {(e['fp16'] - e['fp32']) / e['fp32']:+.2%} | {(e['bf16'] - e['fp32']) / e['fp32']:+.2%} | {scale:,.0f} |")
+              + f" | {(e['fp16'] - e['fp32']) / e['fp32']:+.2%} | {(e['bf16'] - e['fp32']) / e['fp32']:+.2%}"
+              + f" | {scale:,.0f} |")
     last = results["fp16"][1][max(results["fp16"][1])]
     print(f"fp16: {int(last['overflows'])} overflow steps skipped of {args.steps}; final loss scale "
           f"{last['loss_scale']:,.0f}")

@@ -12,16 +12,17 @@ import tempfile
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from meshtrain import hlo  # noqa: E402
 from meshtrain.config.loader import load_config  # noqa: E402
 from meshtrain.engine.program import TrainProgram  # noqa: E402
+from meshtrain.planner import hlo  # noqa: E402
 
 MICROBATCHES = (1, 2, 4)
 
 
 def reductions(zero: int, microbatches: int) -> tuple[float, float]:
-    cfg = load_config("configs/tiny.yaml", ["parallel.mesh=data=8", f"parallel.zero={zero}", f"parallel.microbatches={microbatches}",
-                                            "train.batch_size=32", f"out={tempfile.mkdtemp()}"])
+    cfg = load_config("configs/tiny.yaml", ["parallel.mesh=data=8", f"parallel.zero={zero}",
+                                            f"parallel.microbatches={microbatches}", "train.batch_size=32",
+                                            f"out={tempfile.mkdtemp()}"])
     return hlo.reduction_totals(hlo.collectives(TrainProgram.from_config(cfg).lower().compile().as_text(), 8))
 
 

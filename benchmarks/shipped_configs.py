@@ -45,7 +45,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("configs", nargs="*", type=Path, default=sorted((ROOT / "configs").glob("*.yaml")))
     args = p.parse_args()
-    print("| config | pod | train | eval | generation | usable | budget | verdict | margin | worst traffic, measured/formula |")
+    print("| config | pod | train | eval | generation | usable | budget | verdict | margin "
+          "| worst traffic, measured/formula |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for config in args.configs:
         flags, r = plan(config.resolve())

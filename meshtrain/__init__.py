@@ -8,9 +8,9 @@ if sys.argv[:1] == ["-m"]:  # `python -m meshtrain.<command>` is starting: a Ctr
 
 __all__ = ["Config", "UserError", "load_config", "Trainer", "TrainProgram", "simulate_cpu_devices"]
 
-_WHERE = {"Config": "meshtrain.config.loader", "UserError": "meshtrain.core.errors", "load_config": "meshtrain.config.loader",
-          "Trainer": "meshtrain.run.trainer", "TrainProgram": "meshtrain.engine.program",
-          "simulate_cpu_devices": "meshtrain.parallel.mesh"}
+_WHERE = {"Config": "meshtrain.config.loader", "UserError": "meshtrain.core.errors",
+          "load_config": "meshtrain.config.loader", "Trainer": "meshtrain.run.trainer",
+          "TrainProgram": "meshtrain.engine.program", "simulate_cpu_devices": "meshtrain.parallel.mesh"}
 
 
 def __getattr__(name):

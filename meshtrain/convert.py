@@ -20,13 +20,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshtrain.interop import hf
-from meshtrain.run import run_dir
-from meshtrain.data import tokenizer
-from meshtrain.core.cli import Parser, command, number
 from meshtrain.config.loader import Config, UserError, commented_yaml
 from meshtrain.config.spec import MAX_SIMULATED_DEVICES
+from meshtrain.core.cli import Parser, command, number
 from meshtrain.core.folders import check_new, writing_whole
+from meshtrain.data import tokenizer
+from meshtrain.interop import hf
+from meshtrain.run import run_dir
 
 
 def parser() -> Parser:
@@ -39,7 +39,8 @@ def parser() -> Parser:
     p.add_argument("--out", help="--from-hf: the run folder to create")
     p.add_argument("--dtype", default="float32", choices=tuple(hf.DTYPE_NAMES),
                    help="--to-hf: the dtype written")
-    p.add_argument("--max-shard-gb", type=number(float, above=0.0), default=5.0, help="--to-hf: largest safetensors file (> 0)")
+    p.add_argument("--max-shard-gb", type=number(float, above=0.0), default=5.0,
+                   help="--to-hf: largest safetensors file (> 0)")
     p.add_argument("--scheme", default="symmetric", help="--quantize: symmetric or affine")
     p.add_argument("--mesh", default="fsdp=-1",
                    help="--to-hf: the mesh the weights are read onto (default: split over every device)")
@@ -101,9 +102,9 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     """RUN's checkpoint of `step` (default: the newest intact one) as a Hugging Face folder."""
     import jax
 
+    from meshtrain.models import FAMILIES
     from meshtrain.parallel.mesh import build_mesh, parse_mesh
     from meshtrain.parallel.sharding import param_shardings
-    from meshtrain.models import FAMILIES
 
     if jax.process_count() > 1:
         raise UserError("--to-hf runs in one process: it reads the checkpoint onto one host's devices "

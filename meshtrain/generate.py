@@ -20,9 +20,9 @@ from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
 def load(run: str, mesh_spec: str | None = None, step: int | None = None):
     """(model, params, mesh, step) of a run's newest intact checkpoint, or of `step`: on the first
     device, or sharded over `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
+    from meshtrain.models import FAMILIES
     from meshtrain.parallel.mesh import build_mesh, parse_mesh
     from meshtrain.run.run_dir import newest_params, run_config
-    from meshtrain.models import FAMILIES
 
     cfg = run_config(run)
     model = FAMILIES[cfg.model.family](cfg.model)
@@ -68,7 +68,8 @@ def parser() -> Parser:
                    help="tokens per prompt (default: the run's generate.max_new_tokens, 200 unless set)")
     p.add_argument("--temperature", type=number(float, SAMPLING["temperature"]), default=0.0,
                    help="0 = greedy")
-    p.add_argument("--top-k", type=number(int, SAMPLING["top_k"]), default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-k", type=number(int, SAMPLING["top_k"]), default=0,
+                   help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=number(float, SAMPLING["top_p"]), default=1.0, help="nucleus sampling mass; 1 = all")
     p.add_argument("--seed", type=number(int, min=0), default=0)
     p.add_argument("--step", type=number(int, min=0), help="read this checkpoint step (default: the newest intact one)")

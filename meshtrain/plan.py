@@ -24,15 +24,15 @@ import contextlib
 import json
 import sys
 
-from meshtrain.planner.budget import HEADROOM
+from meshtrain.config.spec import MAX_SIMULATED_DEVICES
 from meshtrain.core.cli import Parser, command, number
-from meshtrain.planner.drawing import figure_suffixes, save_timeline
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.formulas import bubble_expression, bubble_terms
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.parallel.schedules import SCHEDULES, executor_tables, timetable
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
+from meshtrain.planner.budget import HEADROOM
+from meshtrain.planner.drawing import figure_suffixes, save_timeline
 
 MAX_SCHEDULE_CELLS = 2**16  # stages x microbatches x virtual stages: 64 x 512 simulates in ~4 s
 
@@ -70,9 +70,11 @@ def parser() -> Parser:
     run = p.add_argument_group("plan a training run on a target mesh")
     run.add_argument("--config", help="YAML config (see configs/)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    run.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES), help="target device count (simulated on this machine's CPU)")
+    run.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
+                     help="target device count (simulated on this machine's CPU)")
     run.add_argument("--mesh", help="target mesh, e.g. fsdp=8,tensor=8 or 8x8x4")
-    run.add_argument("--device", default="h100", choices=sorted(DEVICE_PROFILES), help="device profile for the roofline")
+    run.add_argument("--device", default="h100", choices=sorted(DEVICE_PROFILES),
+                     help="device profile for the roofline")
     run.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
                      help="memory per device, e.g. 80GB (default: the profile's)")
     run.add_argument("--devices-per-node", type=number(int, min=1), default=None, metavar="N",
@@ -88,8 +90,8 @@ def parser() -> Parser:
                      help="search microbatches, remat, ZeRO, attention and the mesh for the fastest layout that fits "
                           "(compiling each candidate) and print the command that trains it")
     run.add_argument("--search-budget", type=number(int, min=0), default=12, metavar="N",
-                     help="at most N compiles for --fit and for the search a plan that does not fit runs (default 12; 0: "
-                          "no search)")
+                     help="at most N compiles for --fit and for the search a plan that does not fit runs "
+                          "(default 12; 0: no search)")
     run.add_argument("--compare", nargs="+", metavar="MESH", help="rank these meshes for the same model and devices")
     run.add_argument("--zero-table", action="store_true", help="ZeRO stages 0-3 side by side, measured vs formula")
     sched = p.add_argument_group("look at a pipeline schedule")

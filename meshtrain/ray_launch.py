@@ -38,7 +38,8 @@ def parser() -> Parser:
     p.add_argument("--strategy", default="STRICT_SPREAD", choices=("STRICT_SPREAD", "SPREAD", "PACK"),
                    help="placement of the bundles (STRICT_SPREAD: one per node)")
     p.add_argument("--cpus-per-node", type=number(float, above=0.0), default=1, help="CPUs each bundle reserves")
-    p.add_argument("--gpus-per-node", type=number(float, min=0.0), default=0, help="GPUs each bundle reserves (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--gpus-per-node", type=number(float, min=0.0), default=0,
+                   help="GPUs each bundle reserves (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--timeout", type=number(int, min=1), default=300, metavar="SECONDS",
                    help="how long to wait for the cluster to place every bundle")
     return p

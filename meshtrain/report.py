@@ -1,7 +1,8 @@
 """`python -m meshtrain.report RUN [RUN ...] [--out PNG]`: compare training runs.
 
 Reads each run's metrics.jsonl (RUN is a run folder, the --out of a training run, or the file
-itself; a torn last record is dropped with a warning, see meshtrain/core/jsonl.py), draws train loss, eval loss and tokens/s against the step, one color per run, into one PNG
+itself; a torn last record is dropped with a warning, see meshtrain/core/jsonl.py), draws train
+loss, eval loss and tokens/s against the step, one color per run, into one PNG
 (default report.png in the current folder), and prints a table: steps, final loss, best eval loss
 and the step it was reached at, median tokens/s (the median: the first steps' warm-up does not
 count).
@@ -16,9 +17,9 @@ import numpy as np
 
 from meshtrain.core import jsonl
 from meshtrain.core.cli import Parser, command
-from meshtrain.planner.drawing import figure_suffixes
-from meshtrain.core.folders import writing_file
 from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_file
+from meshtrain.planner.drawing import figure_suffixes
 
 
 @dataclass
@@ -91,7 +92,8 @@ def table(runs: list[Run]) -> str:
 def parser() -> Parser:
     p = Parser(prog="python -m meshtrain.report", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (--out of a training run) or its metrics.jsonl")
-    p.add_argument("--out", default="report.png", metavar="PNG", help="where to write the plot (default report.png; its suffix picks the format)")
+    p.add_argument("--out", default="report.png", metavar="PNG",
+                   help="where to write the plot (default report.png; its suffix picks the format)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     return p
 

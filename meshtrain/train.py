@@ -6,9 +6,15 @@ import signal
 import sys
 import threading
 
-from meshtrain.core.cli import Parser, command, number
-from meshtrain.config.loader import (MAX_SIMULATED_DEVICES, UserError, commented_yaml, load_config, reference_markdown,
-                              split_override)
+from meshtrain.config.loader import (
+    MAX_SIMULATED_DEVICES,
+    UserError,
+    commented_yaml,
+    load_config,
+    reference_markdown,
+    split_override,
+)
+from meshtrain.core.cli import Parser, command, number, raise_interrupt
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
@@ -93,8 +99,8 @@ def main(argv=None) -> int:
 
 
 def run(cfg, args, interrupted: threading.Event) -> None:
-    from meshtrain.run import multihost
     from meshtrain.parallel.mesh import simulate_cpu_devices
+    from meshtrain.run import multihost
 
     if cfg.devices:
         simulate_cpu_devices(cfg.devices)
@@ -117,8 +123,8 @@ def run(cfg, args, interrupted: threading.Event) -> None:
 
 @contextlib.contextmanager
 def noting_interrupts():
-    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: one raised inside a callback
-    (JAX's GC hook while importing) is swallowed there, and must still stop the run before it writes."""
+    """Ctrl-C raises KeyboardInterrupt (`cli.raise_interrupt`: after JAX's GC hook returns, where it
+    would be swallowed) and is also remembered, so the run stops before it writes."""
     interrupted = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield interrupted
@@ -126,7 +132,7 @@ def noting_interrupts():
 
     def on_sigint(signum, frame):
         interrupted.set()
-        raise KeyboardInterrupt
+        raise_interrupt(signum, frame)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:

@@ -64,10 +64,19 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
-from meshtrain.parallel.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
 from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec, family_setting
-from meshtrain.models.transformer import (LAYER, LLAMA_TENSORS, PARAM_AXES, Block, LanguageModel, Transformer, _init,
-                                          read_llama_config, write_llama_config)
+from meshtrain.models.transformer import (
+    LAYER,
+    LLAMA_TENSORS,
+    PARAM_AXES,
+    Block,
+    LanguageModel,
+    Transformer,
+    _init,
+    read_llama_config,
+    write_llama_config,
+)
+from meshtrain.parallel.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
 
 
 def capacity(seq_len: int, num_experts: int, experts_per_token: int, capacity_factor: float) -> int:

@@ -13,8 +13,8 @@ A family is one module of models/ with a `FAMILY = Family(...)`, registered in m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
@@ -46,7 +46,7 @@ class ModelSpec:
     norm_eps: float = setting(1e-5, "RMSNorm epsilon", above=0.0)
     tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
 
-    def resolved(self) -> "ModelSpec":
+    def resolved(self) -> ModelSpec:
         head_dim = self.head_dim or self.d_model // self.num_heads
         mlp_dim = self.mlp_dim or -(-(8 * self.d_model // 3) // 64) * 64
         return dataclasses.replace(self, head_dim=head_dim, mlp_dim=mlp_dim)
@@ -63,7 +63,7 @@ class ModelSpec:
         return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self)
                 if f.metadata["architecture"] and f.name not in unused}
 
-    def architecture_difference(self, other: "ModelSpec", here: str, there: str) -> str | None:
+    def architecture_difference(self, other: ModelSpec, here: str, there: str) -> str | None:
         """'<there> has model.d_model=32, <here> has 64 (and 2 more keys differ)', or None when both
         define the same weights."""
         mine, theirs = self.architecture(), other.architecture()

@@ -9,7 +9,9 @@ projection, MLP, residuals); training runs them as `__call__`, generation as `de
 The model names its activations and logical axes; how it runs is applied from outside: the
 attention backend is a function it is given (meshtrain/ops/attention.py), the remat policy wraps its
 `block` (meshtrain/ops/remat.py), and the sequence may be stored permuted (`sequence_order`, for
-context parallelism), which the rotary embeddings and the kernel follow.
+context parallelism), which the rotary embeddings and the kernel follow. With `packing`
+(meshtrain/ops/packing.py) a window holds several documents: `documents(tokens)` gives their segment
+ids (the kernel masks attention across them) and rotary positions restarting in each.
 
 Names carry their shapes (nanodo style): B batch, L sequence, D width, H query heads, G kv heads,
 R = H / G query heads per kv head, K head dim, F mlp width, V vocab, T KV-cache positions.
@@ -25,10 +27,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
+from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.parallel.sharding import constrain, shard_count
-from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
 
 # Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
 # module is named here); stacked block parameters get a leading "layers".
@@ -142,9 +144,13 @@ class Block(nnx.Module):
         self.w_up = nnx.Param(_init(0, 1)(rngs.params(), (D, F)))
         self.w_down = nnx.Param(_init(0, 1)(rngs.params(), (F, D)))
 
-    def __call__(self, x_BxLxD, attend, positions_L=None):
-        q, k, v = self.project(x_BxLxD, positions_L)
-        return self.finish(x_BxLxD, attend(q, k, v, positions_L))
+    def __call__(self, x_BxLxD, attend, positions_L=None, docs=None):
+        """`docs`: the window's packing.Documents (None: one stream, attended across)."""
+        if docs is None:
+            q, k, v = self.project(x_BxLxD, positions_L)
+            return self.finish(x_BxLxD, attend(q, k, v, positions_L))
+        q, k, v = self.project(x_BxLxD, positions_L if docs.positions is None else docs.positions)
+        return self.finish(x_BxLxD, attend(q, k, v, positions_L, segment_ids=docs.segments))
 
     def project(self, x_BxLxD, positions=None):
         """Queries [B, L, H, K], keys and values [B, L, G, K] of norm(x); q and k rotated to their
@@ -214,10 +220,11 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Param(_init(0, 1)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
 
 
-def scan_blocks(layer, blocks, x_BxLxD):
+def scan_blocks(layer, blocks, x_BxLxD, *docs):
     """All stacked layers with one scan (compile time does not grow with depth): the output and the
-    layers' statistics summed. `layer(params_i, x) -> (x, stats)` is `block`, perhaps under remat."""
-    x_BxLxD, stats = jax.lax.scan(lambda x, p: layer(p, x), x_BxLxD, blocks)
+    layers' statistics summed. `layer(params_i, x[, docs]) -> (x, stats)` is `block`, perhaps under
+    remat; `docs` (the window's documents, if any) go to every layer."""
+    x_BxLxD, stats = jax.lax.scan(lambda x, p: layer(p, x, *docs), x_BxLxD, blocks)
     return x_BxLxD, jax.tree.map(lambda s: s.sum(axis=0), stats)
 
 
@@ -230,15 +237,17 @@ class LanguageModel:
     `params["blocks"]` is stacked on a leading layers axis.
 
     `attention`: the kernel (meshtrain/ops/attention.py); `sequence_order`: the true position of each
-    stored sequence position when the sequence is stored permuted (None: in order)."""
+    stored sequence position when the sequence is stored permuted (None: in order); `packing`:
+    how a window splits into documents (meshtrain/ops/packing.py; None: it does not)."""
 
     module = Transformer
     saveable = MATMUL_OUTPUTS
     param_axes = PARAM_AXES
+    window = 0  # its attention's sliding window (0: full causal), which the planner's counts follow
 
-    def __init__(self, cfg, attention=xla_attention, sequence_order=None):
+    def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None):
         self.cfg = cfg.resolved()
-        self.attention, self.sequence_order = attention, sequence_order
+        self.attention, self.sequence_order, self.packing = attention, sequence_order, packing
         abstract = nnx.eval_shape(lambda: self.module(self.cfg, nnx.Rngs(0)))
         self._block_graphdef = nnx.graphdef(abstract.blocks)
         self._norm_graphdef = nnx.graphdef(abstract.final_norm)
@@ -259,12 +268,18 @@ class LanguageModel:
         table_SxVsxD = constrain(table_VxD.reshape(S, V // S, D), ("vocab", None, None))
         local_SxBxL = constrain(tokens_BxL[None] - (jnp.arange(S) * (V // S))[:, None, None], ("vocab", "batch", None))
         mine_SxBxL = (local_SxBxL >= 0) & (local_SxBxL < V // S)
-        rows_SxBxLxD = jax.vmap(lambda t, i: jnp.take(t, i, axis=0))(table_SxVsxD, jnp.where(mine_SxBxL, local_SxBxL, 0))
+        rows_SxBxLxD = jax.vmap(lambda t, i: jnp.take(t, i, axis=0))(table_SxVsxD,
+                                                                     jnp.where(mine_SxBxL, local_SxBxL, 0))
         x_BxLxD = jnp.sum(jnp.where(mine_SxBxL[..., None], rows_SxBxLxD, 0), axis=0)
         return constrain(x_BxLxD, RESIDUAL)
 
-    def block(self, params_i, x_BxLxD):
-        return nnx.merge(self._block_graphdef, params_i)(x_BxLxD, self.attention, self.sequence_order)
+    def documents(self, tokens_BxL1):
+        """The packing.Documents of a batch's inputs (tokens [B, L+1]), stored in the sequence
+        order; None without `packing`. Pass them to `block` with each layer."""
+        return None if self.packing is None else self.packing.documents(tokens_BxL1[:, :-1], self.sequence_order)
+
+    def block(self, params_i, x_BxLxD, docs=None):
+        return nnx.merge(self._block_graphdef, params_i)(x_BxLxD, self.attention, self.sequence_order, docs)
 
     def final_norm(self, params, x_BxLxD):
         return nnx.merge(self._norm_graphdef, params["final_norm"])(x_BxLxD)
@@ -287,9 +302,10 @@ class LanguageModel:
         """What the blocks' statistics (summed over layers) add to the training loss: none here."""
         return jnp.zeros((), jnp.float32)
 
-    def apply(self, params, tokens_BxL):
+    def apply(self, params, tokens_BxL, docs=None):
+        """Logits of tokens [B, L] (in the sequence order); `docs`: their packing.Documents."""
         x = self.embed(params, tokens_BxL)
-        return self.head(params, scan_blocks(self.block, params["blocks"], x)[0])
+        return self.head(params, scan_blocks(self.block, params["blocks"], x, *([] if docs is None else [docs]))[0])
 
     def decoding_spec(self):
         """The model spec the cached forward runs with (the moe family's routes dropless)."""

@@ -1,7 +1,6 @@
 """k microbatches accumulated inside the step give the update of one batch k times larger."""
 import jax
 import numpy as np
-
 from conftest import run_tiny
 
 

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 import meshtrain.ops.attention as attention_lib
-from conftest import tiny_config
-from meshtrain.ops.attention import BACKENDS, blockwise_attention, xla_attention
 from meshtrain.config.loader import UserError
+from meshtrain.ops.attention import BACKENDS, blockwise_attention, xla_attention
 
 
 def qkv(B=2, L=24, H=4, G=2, K=8):
@@ -56,15 +56,16 @@ def test_blockwise_never_forms_the_scores():
         .lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
     scores = B * H * L * L * 4
     blockwise, xla = temp("blockwise"), temp("xla")
-    print(f"temporaries: blockwise {blockwise / 2**20:.1f} MiB, xla {xla / 2**20:.1f} MiB, scores {scores / 2**20:.0f} MiB")
+    print(f"temporaries: blockwise {blockwise / 2**20:.1f} MiB, xla {xla / 2**20:.1f} MiB, "
+          f"scores {scores / 2**20:.0f} MiB")
     assert blockwise < scores / 8 < scores <= xla
 
 
 def test_cudnn_needs_a_gpu_and_bf16():
     from meshtrain.engine.program import TrainProgram
 
-    build = lambda *overrides: TrainProgram.from_config(tiny_config("parallel.mesh=1", "parallel.attention=cudnn", *overrides),
-                                            devices=jax.devices()[:1])
+    build = lambda *overrides: TrainProgram.from_config(
+        tiny_config("parallel.mesh=1", "parallel.attention=cudnn", *overrides), devices=jax.devices()[:1])
     if jax.default_backend() != "gpu":
         with pytest.raises(UserError, match="parallel.attention=cudnn needs an NVIDIA GPU"):
             build("parallel.precision=bf16")
@@ -77,5 +78,7 @@ def test_cudnn_needs_a_gpu_and_bf16():
 def test_blockwise_refuses_a_sequence_it_would_split_into_tiny_blocks():
     from meshtrain.engine.program import TrainProgram
 
-    with pytest.raises(UserError, match=r"splits train.seq_len=1031 into blocks of 1 positions .*e.g. a multiple of 128"):
-        TrainProgram.from_config(tiny_config("parallel.mesh=1", "parallel.attention=blockwise", "train.seq_len=1031"), devices=jax.devices()[:1])
+    with pytest.raises(UserError,
+                       match=r"splits train.seq_len=1031 into blocks of 1 positions .*e.g. a multiple of 128"):
+        TrainProgram.from_config(tiny_config("parallel.mesh=1", "parallel.attention=blockwise", "train.seq_len=1031"),
+                                 devices=jax.devices()[:1])

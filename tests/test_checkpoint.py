@@ -14,10 +14,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import yaml
-
 from conftest import ROOT, TINY, tiny_config
-from meshtrain.run.checkpoint import Checkpointer, resolve_resume
+
 from meshtrain.config.loader import UserError
+from meshtrain.run.checkpoint import Checkpointer, resolve_resume
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 
@@ -158,7 +158,8 @@ def test_config_changes_resume_and_mismatches_harm_nothing(full_run, monkeypatch
     checkpointer.save(state, meta)
     checkpointer.wait()
     with pytest.raises(UserError, match=rf"checkpoint {ckpts / '28'} holds another state layout: this run has "
-                                        r"24 arrays it lacks \(e.g. opt_state/1/0/count\); it has 23 arrays this run lacks"):
+                                        r"24 arrays it lacks \(e.g. opt_state/1/0/count\); "
+                                        r"it has 23 arrays this run lacks"):
         tiny_run(full)
     assert (ckpts / "28").is_dir() and not list(ckpts.glob("*.damaged"))
 

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 import yaml
+from conftest import ROOT
+from conftest import TINY as TINY_PATH
 
-from conftest import ROOT, TINY as TINY_PATH
 from meshtrain.core.errors import UserError
 
 
@@ -45,7 +46,7 @@ COMMANDS = {
                  "encode_prompts"),
     "convert": ("meshtrain.convert", ["--from-hf", "hf", "--out", "run"], "from_hf"),
     "quantize": ("meshtrain.convert", ["--quantize", "int8", "run", "out"], "meshtrain.run.int8_export.export_int8"),
-    "sweep": ("meshtrain.sweep", ["--space", "space.yaml", "--trials", "1"], "prepare"),
+    "sweep": ("meshtrain.sweep.__main__", ["--space", "space.yaml", "--trials", "1"], "prepare"),
     "report": ("meshtrain.report", ["run"], "load_run"),
     "prepare": ("meshtrain.data.__main__", ["prepare", "src", "--out", "out"], "detect"),
     "train-tokenizer": ("meshtrain.data.__main__", ["train-tokenizer", "src", "--vocab-size", "300", "--out", "t.json"],
@@ -142,9 +143,9 @@ def test_generate_refuses_an_absurd_length_before_loading(tmp_path, capsys):
 def test_a_pipeline_of_100000_stages_is_refused_before_tracing():
     """10^5 stages need 10^5 devices; at any device count, the layers must divide into the stages."""
     from meshtrain.config.loader import load_config
+    from meshtrain.config.validate import check_layout
     from meshtrain.parallel.mesh import parse_mesh
     from meshtrain.parallel.sharding import make_rules
-    from meshtrain.config.validate import check_layout
 
     with pytest.raises(UserError, match="mesh 1x1x1x100000 needs 100000 devices, found 8"):
         parse_mesh("1x1x1x100000", 8)

@@ -8,14 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import ROOT, run_tiny, tiny_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from meshtrain.parallel import compression
-from meshtrain.planner import hlo, traffic
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
-from meshtrain.run.loggers import MetricsLog
 from meshtrain.parallel.sharding import activation_rules
+from meshtrain.planner import hlo, traffic
+from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 
 # The Shakespeare model's byte-level shape (configs/shakespeare_char.yaml), narrowed to train in
@@ -129,7 +130,7 @@ def test_compressed_mean_inside_shard_map_matches_fp32(zero, scale):
         assert np.max(np.abs(got - mean)) <= bound * (1 + 1e-5), (k, np.max(np.abs(got - mean)), bound)
         assert np.max(np.abs(got - mean)) > 0  # it was quantized
 
-        def residual(e):  # what the shards kept back, as the mean sees it
+        def residual(e, k=k, shape=shape):  # what the shards kept back, as the mean sees it
             kept = natural(e["shards"][k], shape).astype(np.float64).mean(axis=0)
             return kept + (np.asarray(e["owned"][k], np.float64).reshape(shape) if zero <= 1 else 0)
 

@@ -5,13 +5,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-
 from conftest import ROOT
-from meshtrain.models.moe import MoESpec
-from meshtrain.config.loader import (Config, ModelSpec, OptimSpec, UserError, apply_overrides, commented_yaml,
-                              load_config, reference_markdown)
-from meshtrain.parallel.mesh import parse_mesh
+
+from meshtrain.config.loader import (
+    Config,
+    ModelSpec,
+    OptimSpec,
+    UserError,
+    apply_overrides,
+    commented_yaml,
+    load_config,
+    reference_markdown,
+)
 from meshtrain.engine.step import make_optimizer
+from meshtrain.models.moe import MoESpec
+from meshtrain.parallel.mesh import parse_mesh
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
@@ -29,7 +37,8 @@ def test_config_reference_is_in_sync():
 
 
 def test_text_settings_are_never_yaml_typed():
-    cfg = apply_overrides(Config(), ["parallel.mesh=0x8", "out=007", "data.path=1e3", "optim.lr=1e-3", "train.steps=1_0"])
+    cfg = apply_overrides(Config(), ["parallel.mesh=0x8", "out=007", "data.path=1e3", "optim.lr=1e-3",
+                                     "train.steps=1_0"])
     assert (cfg.parallel.mesh, cfg.out, cfg.data.path, cfg.optim.lr) == ("0x8", "007", "1e3", 1e-3)
     with pytest.raises(UserError, match="axis sizes must be >= 1"):  # not YAML's hex 8 = data=8
         parse_mesh(cfg.parallel.mesh, 8)
@@ -137,7 +146,8 @@ def test_renamed_keys_still_work_with_a_notice(tmp_path, capsys):
     cfg = load_config(str(old))
     p = cfg.parallel
     assert (p.remat, p.attention, p.zero, p.precision, p.mesh) == ("full", "blockwise", 3, "bf16", "data=2,fsdp=4")
-    assert (p.rules, p.schedule, p.microbatches) == ({"mlp": ["tensor"]}, "zb", 8)  # train.microbatches=1: the old default
+    # train.microbatches=1: the old default
+    assert (p.rules, p.schedule, p.microbatches) == ({"mlp": ["tensor"]}, "zb", 8)
     assert cfg.model.num_layers == 2 and cfg.train.steps == 7
     notices = capsys.readouterr().err.splitlines()
     assert "notice: config key 'model.remat' is now 'parallel.remat' (docs/config.md)" in notices
@@ -192,8 +202,8 @@ def test_bounds(bounds, inside, outside, shown):
 
 def test_every_number_key_has_a_range_in_the_reference():
     """Each int/float key declares its range, and docs/config.md shows it."""
-    from meshtrain.core.bounds import Bounds
     from meshtrain.config.spec import settings
+    from meshtrain.core.bounds import Bounds
     numbers = [(key, f) for key, f, value in settings() if type(value) in (int, float) and not f.metadata["choices"]]
     assert numbers and all(f.metadata["bounds"] != Bounds() for key, f in numbers), \
         [key for key, f in numbers if f.metadata["bounds"] == Bounds()]

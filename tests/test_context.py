@@ -4,11 +4,11 @@ device an early and a late chunk) and Megatron sequence parallelism (norms and r
 import jax
 import numpy as np
 import pytest
-
 from conftest import max_param_diff, run_tiny, tiny_config
-from meshtrain.planner import hlo
+
 from meshtrain.config.loader import UserError
 from meshtrain.engine.program import TrainProgram
+from meshtrain.planner import hlo
 
 LAYOUTS = [
     ("data=4,context=2", False),

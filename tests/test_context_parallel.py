@@ -1,4 +1,4 @@
-"""Ring attention (meshtrain.parallel.context_parallel) against a plain causal attention in true order."""
+"""Ring attention (meshtrain.ops.context_parallel) against a plain causal attention in true order."""
 import re
 
 import jax
@@ -8,11 +8,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.parallel import context_parallel
-from meshtrain.planner import hlo
-from meshtrain.ops.attention import executed_attention
 from meshtrain.config.loader import UserError
-from meshtrain.parallel.context_parallel import load_balanced_order, ring_attention
+from meshtrain.ops import context_parallel
+from meshtrain.ops.attention import executed_attention
+from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
+from meshtrain.planner import hlo
 
 B, L, H, G, K = 2, 16, 4, 2, 8
 
@@ -98,7 +98,7 @@ def test_ring_matches_reference(shape, names, parts):
 @pytest.mark.parametrize("parts", [1, 2])
 def test_ring_in_sub_blocks_matches_reference(parts, monkeypatch):
     """Each ring step in S x S sub-blocks (S = 4 here), as at long sequences; one device too."""
-    import meshtrain.parallel.context_parallel as context_parallel
+    import meshtrain.ops.context_parallel as context_parallel
 
     monkeypatch.setattr(context_parallel, "RING_BLOCK", 4)
     mesh = mesh_of((4, 2), ("data", "context")) if parts == 2 else mesh_of((1,), ("context",))
@@ -205,7 +205,8 @@ def executed_dot_flops(text: str) -> float:
         for ins in module.comps[comp].values():
             if ins.op != "dot":
                 continue
-            lhs = [int(d) for d in re.search(r"\[([\d,]*)\]", module.comps[comp][ins.operands[0]].shape).group(1).split(",")]
+            lhs_shape = module.comps[comp][ins.operands[0]].shape
+            lhs = [int(d) for d in re.search(r"\[([\d,]*)\]", lhs_shape).group(1).split(",")]
             contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1).split(",")
             total += times * 2 * hlo.typed_array_elements(ins.shape)[0][1] * np.prod([lhs[int(i)] for i in contracted])
     return total

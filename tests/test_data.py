@@ -2,7 +2,8 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshtrain import data
 from meshtrain.config.loader import DataConfig, UserError

@@ -3,8 +3,8 @@ attention backend and remat policy, and continues the uninterrupted single-devic
 import jax
 import numpy as np
 import pytest
-
 from conftest import MOE_TINY, TINY, run_tiny, tiny_config
+
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 

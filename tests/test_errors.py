@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY
+
 from meshtrain.train import main
 
 SHAKESPEARE = str(ROOT / "configs" / "shakespeare_char.yaml")
@@ -22,9 +22,11 @@ BAD_INPUTS = [
     (["--devices", "100000"], "--devices 100000: simulate 1 to 4096 CPU devices"),
     (["--set", "model.num_layers=0"], "model.num_layers=0 must be >= 1"),
     (["--mesh", "data=2,tensor=4", "--set", "model.num_kv_heads=2"], "num_kv_heads=2 is not divisible by tensor=4"),
-    (["--mesh", "data=8", "--batch-size", "12"], "batch_size=12 is not divisible by the batch axes expert (1) x data (8) x fsdp (1)"),
+    (["--mesh", "data=8", "--batch-size", "12"],
+     "batch_size=12 is not divisible by the batch axes expert (1) x data (8) x fsdp (1)"),
     (["--data", "/nonexistent/corpus.txt"], "data path '/nonexistent/corpus.txt' does not exist"),
-    (["--mesh", "2x1x1x4", "--set", "parallel.microbatches=2"], "parallel.microbatches=2 is fewer than the 4 pipeline stages"),
+    (["--mesh", "2x1x1x4", "--set", "parallel.microbatches=2"],
+     "parallel.microbatches=2 is fewer than the 4 pipeline stages"),
     (["--mesh", "data=2,tensor=4", "--set", "parallel.rules.seq=[tensor]", "--seq-len", "18"],
      "parallel.rules.seq=['tensor'] splits the sequence 4 ways, which does not divide train.seq_len=18"),
     (["--set", "parallel.rules.seq=[tensor"], "--set parallel.rules.seq line 1, column 8: expected ',' or ']'"),
@@ -34,7 +36,8 @@ BAD_INPUTS = [
     (["--set", "train.steps=many"], "train.steps='many' is not a valid int"),
     (["--config", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
     (["--mesh", "data=2,data=4"], "--mesh data=2,data=4 names axis 'data' twice; give each axis once"),
-    (["--set", "parallel.rules.mlp=[tensor, tensor]"], "parallel.rules.mlp=['tensor', 'tensor'] names a mesh axis twice"),
+    (["--set", "parallel.rules.mlp=[tensor, tensor]"],
+     "parallel.rules.mlp=['tensor', 'tensor'] names a mesh axis twice"),
     (["--set", "optim.lr=nan"], "optim.lr=nan must be a finite number >= 0"),
     (["--steps", "1e3"], "argument --steps: invalid int value: '1e3'; see python -m meshtrain.train --help"),
     (["--process-id", "-1"], "argument --process-id: -1 must be >= 0"),
@@ -77,7 +80,8 @@ def test_bad_input_is_one_line_error(argv, message, capsys, tmp_path):
 def test_bad_files(capsys, tmp_path):
     (tmp_path / "broken.yaml").write_text("model: {num_layers: 4\ntrain: [\n")
     err = run_main(["--config", str(tmp_path / "broken.yaml")], capsys, tmp_path / "run")
-    assert err == f"error: {tmp_path / 'broken.yaml'} line 2, column 6: expected ',' or '}}', but got ':'; fix the YAML syntax"
+    assert err == (f"error: {tmp_path / 'broken.yaml'} line 2, column 6: expected ',' or '}}', but got ':'; "
+                   "fix the YAML syntax")
 
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     err = run_main(["--data", str(tmp_path / "odd.bin")], capsys, tmp_path / "run")
@@ -90,11 +94,13 @@ def test_bad_files(capsys, tmp_path):
 
     (tmp_path / "a_file").write_text("")
     err = run_main([], capsys, tmp_path / "a_file" / "run")
-    assert err == f"error: --out {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is a file, not a folder; pick another --out"
+    assert err == (f"error: --out {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is a file, not a folder; "
+                   "pick another --out")
 
     if os.geteuid() == 0:  # writable by access() as root, yet nothing can be created there
         err = run_main([], capsys, Path("/proc/meshtrain/run"))
-        assert err.startswith("error: --out /proc/meshtrain/run cannot be created (") and err.endswith("; pick another --out")
+        assert err.startswith("error: --out /proc/meshtrain/run cannot be created (")
+        assert err.endswith("; pick another --out")
 
 
 def test_explicit_data_kind_wins_over_data_flag(capsys, tmp_path):
@@ -139,5 +145,6 @@ def test_cli_process_exits_nonzero_with_one_line(tmp_path):
                            "--mesh", "2x2x2", "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == "error: mesh 2x2x2 needs 8 devices, found 4; change --mesh or --devices"
+    assert proc.stderr.strip().splitlines()[-1] == ("error: mesh 2x2x2 needs 8 devices, found 4; "
+                                                    "change --mesh or --devices")
     assert not (tmp_path / "run").exists()

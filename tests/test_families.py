@@ -10,8 +10,8 @@ import json
 import jax
 import numpy as np
 import pytest
-
 from conftest import ROOT, max_param_diff, run_tiny
+
 from meshtrain.config.loader import UserError, load_config
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES, make_spec, with_family

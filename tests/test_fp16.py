@@ -5,13 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import ROOT, run_tiny, tiny_config
-from meshtrain.run.checkpoint import Checkpointer
+
 from meshtrain.config.loader import to_dict
-from meshtrain.run.loggers import MetricsLog
-from meshtrain.ops.precision import update_loss_scale
 from meshtrain.config.spec import ParallelPlan
+from meshtrain.ops.precision import update_loss_scale
+from meshtrain.run.checkpoint import Checkpointer
+from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 
 FP16 = "parallel.precision=fp16"
@@ -53,7 +53,8 @@ def test_an_overflow_skips_the_step_and_halves_the_scale_good_steps_double_it():
     after = jax.device_get(after)
     assert bool(metrics["finite"]) and np.isfinite(float(metrics["loss"]))  # not a bad step for the guard
     assert not np.isfinite(float(metrics["grad_norm"]))
-    assert after["loss_scale"]["scale"] == 2.0 ** 39 and after["loss_scale"]["overflows"] == before["loss_scale"]["overflows"] + 1
+    assert after["loss_scale"]["scale"] == 2.0 ** 39
+    assert after["loss_scale"]["overflows"] == before["loss_scale"]["overflows"] + 1
     assert after["skipped_steps"] == before["skipped_steps"] and after["step"] == before["step"] + 1
     for key in ("params", "opt_state"):
         for a, b in zip(jax.tree.leaves(before[key]), jax.tree.leaves(after[key])):

@@ -5,11 +5,12 @@ test_errors.py and test_cli.py pin the messages."""
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_cli import COMMANDS, stubbed_main
 
 from meshtrain.config.loader import Config, UserError, load_config
 from meshtrain.config.spec import settings as config_settings
-from test_cli import COMMANDS, stubbed_main
 
 KEYS = [key for key, _, _ in config_settings()]
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
@@ -58,7 +59,8 @@ TOKENS = st.one_of(st.sampled_from(["--devices", "--mesh", "--set", "--steps", "
                                     "--temperature", "--top-p", "--top-k", "--headroom", "--device-memory", "--nodes",
                                     "--workers", "--vocab-size", "--trials", "--process-id", "--num-processes",
                                     "--max-shard-gb", "--mem-fraction", "--stages", "--microbatches", "--bogus"]),
-                   st.sampled_from(["nan", "inf", "-1", "0", "1e999", "99999999999999999999", "x", "", "data=2,data=2"]),
+                   st.sampled_from(["nan", "inf", "-1", "0", "1e999", "99999999999999999999", "x", "",
+                                    "data=2,data=2"]),
                    st.text(max_size=8))
 
 

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import MOE_TINY, TINY, tiny_config
+
 from meshtrain.engine.decode import filter_logits, generate, place
 from meshtrain.generate import main
-from meshtrain.parallel.mesh import build_mesh, parse_mesh
 from meshtrain.models import FAMILIES
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
 
 NEW = 6
 

@@ -5,8 +5,8 @@ import json
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from meshtrain.config.loader import UserError
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
@@ -87,6 +87,25 @@ def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_ba
     poison(trainer, set(range(STEPS, STEPS + 100)))
     with pytest.raises(UserError, match="still diverging after 1 rollbacks; state saved to"):
         fit(trainer, STEPS + 6)
+
+
+def test_a_streak_ending_on_a_save_step_rolls_back_before_the_save(tmp_path, capsys):
+    """Batches 6 and 7 (steps 7 and 8) are bad: step 8, a save step, is judged at once, before its
+    save, and ends the streak there. The rollback is the same as one judged a step later (the test
+    above): each step logged once, then bitwise the run that never saw those batches."""
+    reference = Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}"))
+    reference.skip_batches = [6, 7]
+    reference_losses = fit(reference, STEPS)
+    trainer = poison(Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=4",
+                                         "guard.max_consecutive_bad=2", out=str(tmp_path))), {6, 7})
+    history = trainer.fit(STEPS, log=MetricsLog(tmp_path / "log"))
+    logged = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, STEPS + 1))
+    assert "guard: 2 NaN/Inf steps in a row; rolled back to step 4" in capsys.readouterr().out
+    assert trainer.skip_batches == [6, 7] and trainer.rollbacks == 1
+    losses = {r["step"]: r["loss"] for r in history if "loss" in r}
+    for step in range(5, STEPS + 1):
+        assert losses[step] == reference_losses[step], step
 
 
 def test_no_checkpoint_inside_a_bad_streak_and_the_logged_lr_is_the_applied_one(tmp_path):

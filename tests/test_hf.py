@@ -12,13 +12,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from meshtrain import convert  # noqa: E402
-from meshtrain.interop import hf  # noqa: E402
-from meshtrain.run import run_dir  # noqa: E402
 from meshtrain.config.loader import UserError, load_config  # noqa: E402
+from meshtrain.interop import hf  # noqa: E402
+from meshtrain.models import FAMILIES  # noqa: E402
 from meshtrain.parallel.mesh import build_mesh, parse_mesh  # noqa: E402
 from meshtrain.parallel.sharding import param_shardings  # noqa: E402
+from meshtrain.run import run_dir  # noqa: E402
 from meshtrain.testing import max_param_diff, run_tiny  # noqa: E402
-from meshtrain.models import FAMILIES  # noqa: E402
 
 COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               initializer_range=0.2, rms_norm_eps=1e-5)
@@ -97,8 +97,8 @@ def test_cli_fine_tunes_imported_weights_and_exports_them_bitwise(tmp_path):
     from meshtrain.run.trainer import Trainer
 
     cfg = load_config(str(run / "config.yaml"), ["data.kind=synthetic", "train.steps=2", "train.batch_size=2",
-                                                 "train.seq_len=16", "parallel.mesh=fsdp=2,tensor=2", "train.log_every=1",
-                                                 "train.eval_every=0"])
+                                                 "train.seq_len=16", "parallel.mesh=fsdp=2,tensor=2",
+                                                 "train.log_every=1", "train.eval_every=0"])
     trainer = Trainer(cfg, devices=jax.devices()[:4])
     _, start = imported(folder)
     assert max_param_diff(jax.device_get(trainer.state["params"]), jax.device_get(start)) == 0

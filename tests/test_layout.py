@@ -2,13 +2,16 @@
 imports only from its own layer or the layers below it (function-level imports included), so the
 folders read bottom-up as the library is built. The commands (meshtrain/*.py) sit on top."""
 import ast
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 from meshtrain.testing import ROOT
 
 # Bottom to top; a tuple holds independent layers (neither imports the other).
-LAYERS = ["core", "data", "parallel", "ops", "models", "config", "engine", "interop", ("planner", "run")]
+LAYERS = ["core", "data", "parallel", "ops", "models", "config", "engine", "interop", ("planner", "run"), "sweep"]
 RANK = {name: rank for rank, layer in enumerate(LAYERS) for name in (layer if isinstance(layer, tuple) else (layer,))}
 TOP = len(LAYERS)  # the commands and meshtrain/__init__.py
 
@@ -60,3 +63,12 @@ def test_every_folder_is_a_declared_layer_and_an_installed_package():
     for name in RANK:  # each folder says what it owns
         doc = ast.get_docstring(ast.parse((folder(name) / "__init__.py").read_text()))
         assert doc and len(doc.splitlines()) >= 2, f"{name}/__init__.py needs a docstring naming what it owns"
+
+
+
+def test_ruff_finds_nothing():
+    """The lint rules of pyproject.toml's [tool.ruff] hold everywhere (`ruff check` from the root)."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    out = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", str(ROOT)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.ops.loss import chunk_positions, cross_entropy
 from meshtrain.parallel.mesh import build_mesh

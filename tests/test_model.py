@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from meshtrain.engine.step import make_loss_fn
 from meshtrain.models import LanguageModel
 from meshtrain.ops.attention import xla_attention

@@ -2,14 +2,14 @@
 pipeline, with tensor) computes the single-device run per step (fp32): losses, router statistics
 and final parameters; drops are counted, layout-independently; the experts' all-to-alls are in the
 compiled program; layout errors name the fix."""
+import jax
 import numpy as np
 import pytest
-
-import jax
 from conftest import MOE_TINY, max_param_diff, run_tiny, tiny_config
-from meshtrain.planner import hlo, traffic
+
 from meshtrain.config.loader import UserError
 from meshtrain.engine.program import TrainProgram
+from meshtrain.planner import hlo, traffic
 
 STATS = ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max")
 LAYOUTS = ["data=2,expert=4", "expert=2,data=2,fsdp=2", "data=2,pipeline=2,expert=2", "expert=2,tensor=2,data=2"]

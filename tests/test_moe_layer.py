@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-from meshtrain.config.loader import UserError
 import meshtrain.models.moe as moe_module
+from meshtrain.config.loader import UserError
 from meshtrain.models.moe import capacity, moe_mlp
 
 B, L, D, F, K = 8, 8, 16, 32, 2

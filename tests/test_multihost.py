@@ -12,8 +12,8 @@ import time
 
 import jax
 import numpy as np
-
 from conftest import ROOT, TINY, tiny_config
+
 from meshtrain.run.checkpoint import Checkpointer, abstract_like
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer

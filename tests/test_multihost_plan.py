@@ -11,8 +11,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import ROOT
+
 from meshtrain.planner import roofline
 
 PROCESSES, PER_PROCESS = 2, 8

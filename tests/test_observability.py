@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import TINY, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, tiny_config
 from meshtrain import report
 from meshtrain.planner import drawing
 from meshtrain.run import loggers

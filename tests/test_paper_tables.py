@@ -5,14 +5,15 @@ import functools
 
 import jax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import MOE_TINY, tiny_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from meshtrain.core import formulas
-from meshtrain.planner.aot import CPU_F32_COPIES, shard_bytes
-from meshtrain.planner.traffic import expert_params, stage_replicated_params
 from meshtrain.engine.program import TrainProgram
 from meshtrain.parallel.schedules import action_costs, timetable
+from meshtrain.planner.aot import CPU_F32_COPIES, shard_bytes
+from meshtrain.planner.traffic import expert_params, stage_replicated_params
 
 GB = 1e9
 

@@ -2,7 +2,6 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import max_param_diff, run_tiny
 
 LAYOUTS = [
@@ -24,9 +23,10 @@ def test_layout_matches_single_device(mesh, zero, reference_run):
 
 
 def test_fixed_seed_is_deterministic(reference_run):
+    from conftest import tiny_config
+
     from meshtrain.run.loggers import MetricsLog
     from meshtrain.run.trainer import Trainer
-    from conftest import tiny_config
 
     _, ref_losses, _ = reference_run
     trainer = Trainer(tiny_config("parallel.mesh=1", "parallel.precision=fp32"), devices=jax.devices()[:1])

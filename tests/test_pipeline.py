@@ -7,8 +7,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from conftest import ROOT, TINY, run_tiny
+
 from meshtrain.config.loader import UserError
 from meshtrain.parallel.schedules import Action, executor_tables, timetable
 
@@ -23,7 +23,8 @@ def test_timetable_runs_each_action_once_in_dependency_order(schedule, stages, m
     tt = timetable(schedule, stages, micro, virtual)
     when = tt.when()
     kinds = "FBW" if schedule == "zb" else "FB"
-    expected = {(s, Action(k, m, v)) for s in range(stages) for m in range(micro) for v in range(virtual) for k in kinds}
+    expected = {(s, Action(k, m, v))
+                for s in range(stages) for m in range(micro) for v in range(virtual) for k in kinds}
     assert set(when) == expected and len(when) == sum(len(slot) for row in tt.ticks for slot in row)
     for s in range(stages):
         for m in range(micro):
@@ -108,11 +109,12 @@ def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, more, ref
 def test_compiled_sends_are_the_timetables(schedule):
     """The compiled program's collective-permutes, counted per execution, are exactly the sends its
     phases need: no cotangent goes back in the warm-up, no activation forward in the cool-down."""
-    from meshtrain.planner import hlo
     from meshtrain.parallel.schedules import sends_per_step
+    from meshtrain.planner import hlo
 
-    trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}", "parallel.microbatches=4",
-                             "parallel.virtual_stages=1")  # the parity run's compiled program
+    # the parity run's compiled program
+    trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}",
+                             "parallel.microbatches=4", "parallel.virtual_stages=1")
     tables = executor_tables(timetable(schedule, 4, 4))
     sends = sends_per_step(tables)
     permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]
@@ -121,7 +123,8 @@ def test_compiled_sends_are_the_timetables(schedule):
 
 def test_bf16_pipeline_tracks_fp32(reference_run):
     _, ref_losses, _ = reference_run
-    _, losses, params = run_tiny("parallel.mesh=2x1x1x4", "parallel.precision=bf16", "parallel.schedule=1f1b", "parallel.microbatches=4")
+    _, losses, params = run_tiny("parallel.mesh=2x1x1x4", "parallel.precision=bf16", "parallel.schedule=1f1b",
+                                 "parallel.microbatches=4")
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))  # fp32 master weights
 
@@ -129,6 +132,7 @@ def test_bf16_pipeline_tracks_fp32(reference_run):
 def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
     """Interleaved runs store layers in pipeline order; a checkpoint restores in model order elsewhere."""
     from conftest import tiny_config
+
     from meshtrain.run.trainer import Trainer
 
     interleaved, _, _ = run_tiny("parallel.mesh=1x2x2x2", "parallel.zero=1", "parallel.schedule=interleaved",
@@ -144,8 +148,9 @@ def test_interleaved_checkpoint_resumes_on_a_plain_mesh(reference_run):
 
 
 def test_bad_pipeline_configs_fail_clearly():
-    from meshtrain.run.trainer import Trainer
     from conftest import tiny_config
+
+    from meshtrain.run.trainer import Trainer
 
     with pytest.raises(UserError, match="model.num_layers=6 is not divisible by pipeline stages"):
         Trainer(tiny_config("parallel.mesh=2x1x1x4", "model.num_layers=6"))
@@ -160,6 +165,7 @@ def test_bad_pipeline_configs_fail_clearly():
 # ---- memory: compiled temp bytes per device vs microbatches (same microbatch size) ----
 def temp_bytes(schedule, micro):
     from conftest import tiny_config
+
     from meshtrain.engine.program import TrainProgram
 
     cfg = tiny_config("parallel.mesh=1x1x1x4", f"parallel.schedule={schedule}", f"parallel.microbatches={micro}",
@@ -181,7 +187,8 @@ def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
 def test_cli_trains_a_1f1b_pipeline(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", TINY, "--devices", "8",
                            "--mesh", "2x1x1x4", "--set", "parallel.schedule=1f1b",
-                           "--set", "parallel.microbatches=8", "--steps", "40", "--set", "train.log_every=10", "--set", "optim.lr=1e-2",
+                           "--set", "parallel.microbatches=8", "--steps", "40", "--set", "train.log_every=10",
+                           "--set", "optim.lr=1e-2",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()

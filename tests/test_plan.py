@@ -7,12 +7,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
 from conftest import TINY
-from meshtrain.planner.hlo import collectives
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from meshtrain.core.metrics import peak_flops
 from meshtrain.plan import main
+from meshtrain.planner.hlo import collectives
 
 
 def one_of_each_collective(a):
@@ -65,8 +66,10 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
                      "generation": report["generation"]["total"]}
     assert report["verdict"]["peak"] == max(steps.values()) and report["verdict"]["status"] == "does not fit"
     assert report["budget"]["usable"] == pytest.approx(100e3 * 0.75)  # JAX's default GPU preallocation
-    assert set(report["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
-    assert {"count", "payload_bytes", "traffic_bytes", "formula_traffic_bytes", "formula"} <= set(report["collectives"]["all-gather"])
+    assert set(report["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                                          "all-to-all"}
+    assert ({"count", "payload_bytes", "traffic_bytes", "formula_traffic_bytes", "formula"}
+            <= set(report["collectives"]["all-gather"]))
     assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers weights
     assert {"compute_s", "comm_s", "step_s", "mfu_ceiling", "pipeline_bubble", "links"} <= set(report["roofline"])
     assert report["corrections"]["all_reduce_as_reduce_scatter"] > 0  # fsdp's gradient reduce-scatters
@@ -113,6 +116,7 @@ def test_model_flops_formula_matches_the_compiled_step(tied):
     reads 8% above, 6LDS for it 5%; leaving the tied head out of N 15% above; counting an untied
     embedding lookup in N 8% below."""
     from conftest import tiny_config
+
     from meshtrain.engine.program import TrainProgram
 
     cfg = tiny_config("parallel.mesh=1", "model.num_layers=1", "model.d_model=128", "model.head_dim=16",
@@ -135,14 +139,16 @@ def test_peak_table_resolves_real_device_kinds(device_kind, peak):
 def test_budget_is_the_runtime_share_less_the_headroom(monkeypatch):
     """usable = memory x fraction (XLA_CLIENT_MEM_FRACTION, its old name, --mem-fraction, JAX's 0.75 on GPUs,
     all of a TPU's); budget = usable x (1 - headroom); FITS within the budget, TIGHT within the usable memory."""
-    from meshtrain.planner.budget import budget, memory_fraction, verdict
     from meshtrain.core.errors import UserError
     from meshtrain.core.metrics import DEVICE_PROFILES
+    from meshtrain.planner.budget import budget, memory_fraction, verdict
 
     h100, tpu = DEVICE_PROFILES["h100"], DEVICE_PROFILES["tpu-v5p"]
     assert memory_fraction(h100, env={})[0] == 0.75
-    assert memory_fraction(h100, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) == (0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION")
-    assert memory_fraction(h100, env={"XLA_CLIENT_MEM_FRACTION": ".95", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})[0] == 0.95
+    assert (memory_fraction(h100, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"})
+            == (0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION"))
+    both = {"XLA_CLIENT_MEM_FRACTION": ".95", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert memory_fraction(h100, env=both)[0] == 0.95
     assert memory_fraction(h100, 0.8, env={"XLA_CLIENT_MEM_FRACTION": ".95"})[0] == 0.8
     assert memory_fraction(tpu, env={"XLA_CLIENT_MEM_FRACTION": ".5"})[0] == 1.0
     for bad in ("1.5", "0", "most"):

@@ -41,7 +41,6 @@ def test_prefetch_off_builds_in_the_loop_and_errors_surface_in_the_loop():
 def test_training_with_and_without_prefetch_is_identical(reference_run):
     import jax
     import numpy as np
-
     from conftest import run_tiny
 
     _, ref_losses, ref_params = reference_run  # data.prefetch=1, the default

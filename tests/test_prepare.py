@@ -7,9 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from meshtrain import data
-from meshtrain.data import tokenizer
 from meshtrain.config.loader import DataConfig, UserError
-from meshtrain.data import prepare, sources
+from meshtrain.data import prepare, sources, tokenizer
 from meshtrain.data.__main__ import main
 
 DOCS = [f"Document {i}: " + "all the world's a stage, " * (i % 5) + "é✓" for i in range(40)]

@@ -7,16 +7,16 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.interop import quantize as qz
-from meshtrain.run.int8_export import export_int8
-from meshtrain.data import tokenizer
 from meshtrain.config.loader import load_config
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
-from meshtrain.testing import MOE_TINY, TINY, run_tiny
+from meshtrain.data import tokenizer
+from meshtrain.interop import quantize as qz
 from meshtrain.models import FAMILIES
 from meshtrain.models.moe import MOE_PARAM_AXES
 from meshtrain.models.transformer import PARAM_AXES
+from meshtrain.run.int8_export import export_int8
+from meshtrain.testing import MOE_TINY, TINY, run_tiny
 
 SCHEMES = qz.SCHEMES
 

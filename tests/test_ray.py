@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import TINY
 
 ray = pytest.importorskip("ray")

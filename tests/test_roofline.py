@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.planner import roofline
-from meshtrain.parallel.mesh import AXES
 from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
+from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
+from meshtrain.planner import roofline
 
 H100 = DEVICE_PROFILES["h100"]
 
@@ -135,6 +135,7 @@ def test_roofs_overlapped_and_serial():
 # ---- the FLOPs convention and recompute ----
 def _program(*overrides, devices=1):
     from conftest import tiny_config
+
     from meshtrain.engine.program import TrainProgram
 
     cfg = tiny_config(f"parallel.mesh={devices}", *overrides)

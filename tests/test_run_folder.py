@@ -1,8 +1,8 @@
 """A run folder belongs to one run: the lock (meshtrain/run/lock.py), the record of what defines the run
 (run.json, meshtrain/run/run_dir.py), the schedule's horizon, and folders that are not runs."""
 import json
-import re
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.run import run_dir
 from meshtrain.config.loader import UserError
 from meshtrain.data.tokens import Tokens
+from meshtrain.run import run_dir
 from meshtrain.run.lock import LOCK_FILE, FolderLock
 from meshtrain.testing import ROOT, tiny_config
 
@@ -120,7 +120,8 @@ FOLDER_CASES = [
     ("only a lock file", [LOCK_FILE], None),
     ("a run (run.json)", ["run.json", "notes.txt"], None),
     ("a run of an earlier version (config.yaml)", ["config.yaml", "metrics.jsonl"], None),
-    ("a user's folder", ["thesis.tex", "data.csv"], "is a folder that is not a meshtrain run (it holds data.csv and 1 more)"),
+    ("a user's folder", ["thesis.tex", "data.csv"],
+     "is a folder that is not a meshtrain run (it holds data.csv and 1 more)"),
     ("metrics alone", ["metrics.jsonl"], "is a folder that is not a meshtrain run (it holds metrics.jsonl)"),
 ]
 

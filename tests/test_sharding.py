@@ -1,9 +1,9 @@
 """PartitionSpecs per parameter / optimizer-state leaf, and per-device bytes vs the ZeRO formulas."""
 import jax
 import pytest
+from conftest import run_tiny, tiny_config
 from jax.sharding import PartitionSpec as P
 
-from conftest import run_tiny, tiny_config
 from meshtrain.config.loader import UserError
 from meshtrain.core.formulas import zero_bytes
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
@@ -21,7 +21,8 @@ def specs_of(tree, name_filter):
 def test_param_and_opt_state_specs_on_2x2x2(zero):
     from meshtrain.engine.program import TrainProgram
 
-    program = TrainProgram.from_config(tiny_config("parallel.mesh=2x2x2", f"parallel.zero={zero}"))  # shardings only: nothing compiled
+    # shardings only: nothing compiled
+    program = TrainProgram.from_config(tiny_config("parallel.mesh=2x2x2", f"parallel.zero={zero}"))
     params = program.state_shardings["params"]
     dp = ("data", "fsdp") if zero >= 3 else "fsdp"
     assert params["embedding"].spec == P("tensor", dp)
@@ -55,8 +56,8 @@ def test_argument_bytes_follow_zero_formula(zero):
 
 
 def test_zero2_shards_gradients_and_cuts_temp_bytes():
-    temp = {z: run_tiny("parallel.mesh=data=8", f"parallel.zero={z}")[0].compiled_step.memory_analysis().temp_size_in_bytes
-            for z in (1, 2)}
+    temp = {z: run_tiny("parallel.mesh=data=8", f"parallel.zero={z}")[0]
+               .compiled_step.memory_analysis().temp_size_in_bytes for z in (1, 2)}
     assert temp[2] < temp[1]
 
 

@@ -1,7 +1,6 @@
 """The train step: compiled once ahead of time, state donated, bf16 through the sharded trainer."""
 import jax
 import numpy as np
-
 from conftest import run_tiny
 
 

@@ -24,9 +24,9 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
-
 from conftest import ROOT, TINY
-from meshtrain.sweep import main
+
+from meshtrain.sweep.__main__ import main
 
 TRIALS = [{"optim.lr": 1e-2, "train.seed": 0}, {"optim.lr": 1e-2, "train.seed": 1},
           {"optim.lr": 3.0, "train.seed": 0}, {"optim.lr": 1e-2, "train.seed": 2}]
@@ -159,7 +159,8 @@ def test_a_failed_run_fails_its_trial_with_its_error_line(tmp_path):
 def test_a_rerun_draws_new_values(tmp_path):
     """The sampler is seeded with --seed plus the trials already in the study: a fresh study draws
     the same values every time, a rerun on a study with trials draws others."""
-    from meshtrain.sweep import distribution, open_study, suggest
+    from meshtrain.sweep.space import distribution, suggest
+    from meshtrain.sweep.study import open_study
 
     space = {"optim.lr": distribution("optim.lr", {"type": "float", "low": 1e-4, "high": 1e-2, "log": True})}
 
@@ -226,7 +227,7 @@ def test_cli_errors_exit_2_before_writing(tmp_path, capsys, monkeypatch):
 def test_parallel_trials_split_the_visible_gpus(monkeypatch):
     """Without a GPU here, the split of --parallel over GPUs is checked on a listed set of them."""
     from meshtrain.core.errors import UserError
-    from meshtrain.sweep import device_slots, visible_gpus
+    from meshtrain.sweep.devices import device_slots, visible_gpus
 
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
@@ -245,7 +246,7 @@ def test_parallel_trials_split_the_visible_gpus(monkeypatch):
 def test_the_example_space_passes_the_sweep_checks():
     """examples/sweep.yaml with the --set items of the command in its comment: every bound is a valid
     config and the base evaluates (what prepare() checks before any trial)."""
-    from meshtrain.sweep import check_space, load_space
+    from meshtrain.sweep.space import check_space, load_space
 
     path = str(ROOT / "examples" / "sweep.yaml")
     sets = ["data.kind=stdlib", "parallel.mesh=1", "train.steps=300", "train.eval_every=50",

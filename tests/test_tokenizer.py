@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from meshtrain.data import tokenizer
 from meshtrain.config.loader import UserError, load_config
+from meshtrain.data import tokenizer
 
 TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n" * 20
 

@@ -19,15 +19,19 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
-
 from conftest import TINY
-from meshtrain import report, sweep_folder
+
+from meshtrain import report
 from meshtrain.core import jsonl
-from meshtrain.run import loggers
-from meshtrain.run.checkpoint import complete_steps
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
-from meshtrain.sweep import Sweep, TrialRun, open_study, write_best
+from meshtrain.run import loggers
+from meshtrain.run.checkpoint import complete_steps
+from meshtrain.sweep import folder as sweep_folder
+from meshtrain.sweep.scheduler import Sweep
+from meshtrain.sweep.study import open_study
+from meshtrain.sweep.summary import write_best
+from meshtrain.sweep.trial import TrialRun
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
 R1, R2 = b'{"step": 1, "loss": 2.0}\n', b'{"step": 2, "eval_loss": 1.5}\n'

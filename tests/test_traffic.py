@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
 from conftest import tiny_config
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.engine.program import TrainProgram
 from meshtrain.planner import hlo, traffic
 from meshtrain.planner.hlo import KINDS, replica_groups
-from meshtrain.engine.program import TrainProgram
 
 
 def compiled_text(fn, mesh, *args):

@@ -6,16 +6,17 @@ within 10%): tests/test_shipped_configs.py; fsdp x tensor at tiny shapes: tests/
 import functools
 
 import pytest
-
 from conftest import ROOT, tiny_config
-from meshtrain.planner import hlo, traffic
+
 from meshtrain.engine.program import TrainProgram
+from meshtrain.planner import hlo, traffic
 
 # Tiny Llama-shaped dims: every layer's structure (GQA, SwiGLU, untied or tied head) kept.
 SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",
           "model.mlp_dim=512", "model.vocab_size=1024", "train.seq_len=64")
 CASES = {  # name: (config, overrides, the kinds that must match within 10%; any other is flagged with its reason)
-    "mixtral_8x7b pod axes (expert parallel)": ("mixtral_8x7b", ("parallel.mesh=fsdp=2,expert=4", "train.batch_size=32"),
+    "mixtral_8x7b pod axes (expert parallel)": ("mixtral_8x7b",
+                                                ("parallel.mesh=fsdp=2,expert=4", "train.batch_size=32"),
                                                 {"all-to-all"}),
     "tiny pod (ZeRO-1, data x fsdp x tensor)": ("tiny", ("parallel.mesh=2x2x2",), {"all-reduce", "reduce-scatter"}),
     "data x tensor": ("llama3_8b", ("parallel.mesh=data=2,tensor=4", "train.batch_size=32"), {"all-reduce"}),
@@ -34,7 +35,8 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
 def compared(name):
     config, overrides, _ = CASES[name]
     shrink = SHRINK if config not in ("tiny", "moe_tiny", "shakespeare_char") else ()
-    program = TrainProgram.from_config(tiny_config(*shrink, *overrides, config=str(ROOT / "configs" / f"{config}.yaml")))
+    cfg = tiny_config(*shrink, *overrides, config=str(ROOT / "configs" / f"{config}.yaml"))
+    program = TrainProgram.from_config(cfg)
     measured = hlo.collectives(program.lower().compile().as_text(), program.mesh.size)
     return traffic.compare(measured, traffic.expected_traffic(program), gaps=traffic.known_gaps(program))
 
@@ -56,7 +58,8 @@ def test_compare_flags_what_is_outside_10_percent_or_has_no_formula():
     rows = traffic.compare(measured, formula, gaps={"all-gather": [("regathered", 1, 1.5)],
                                                     "reduce-scatter": [("regathered", 1, 1.5)]})
     assert rows["all-reduce"]["within"] and rows["all-reduce"]["flag"] is None and rows["all-reduce"]["ratio"] == 1.05
-    assert rows["all-gather"]["flag"].startswith("measured 1.50x the formula: regathered; the roofline uses the measured")
+    assert rows["all-gather"]["flag"].startswith("measured 1.50x the formula: regathered; "
+                                                 "the roofline uses the measured")
     assert traffic.UNEXPLAINED in rows["reduce-scatter"]["flag"]  # 0.5x: outside the known gap's range
     assert rows["all-to-all"]["ratio"] is None and "no formula" in rows["all-to-all"]["flag"]
     assert rows["collective-permute"]["within"]  # scalars only

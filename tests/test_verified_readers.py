@@ -7,8 +7,8 @@ One tiny run (the shared single-device one, step 5) gets a second checkpoint, st
 negated weights; each case damages step 6 (or both) in its own copy."""
 import hashlib
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 from meshtrain import convert, generate
-from meshtrain.interop import hf
-from meshtrain.run import run_dir
-from meshtrain.interop import quantize as qz
-from meshtrain.run.int8_export import export_int8
-from meshtrain.run.checkpoint import Checkpointer
 from meshtrain.config.loader import UserError
-from meshtrain.testing import run_tiny
+from meshtrain.interop import hf
+from meshtrain.interop import quantize as qz
 from meshtrain.models import FAMILIES
+from meshtrain.run import run_dir
+from meshtrain.run.checkpoint import Checkpointer
+from meshtrain.run.int8_export import export_int8
+from meshtrain.testing import run_tiny
 
 OLD, NEW = 5, 6
 

@@ -6,7 +6,7 @@
 - `ParallelPlan` (`parallel:`): how the run executes on the devices: mesh axes, logical-axis
   rules, ZeRO stage, precision, remat policy, attention backend, microbatches, pipeline schedule,
   sequence parallelism. Any of it may change on resume.
-- `OptimSpec` (`optim:`): how it learns (AdamW, schedule, clipping).
+- `OptimSpec` (`optim:`): how it learns (optimizer, schedule, clipping).
 The loop, data, checkpoint, guard and logging sections complete `Config`.
 
 Each setting is declared once, with its default, its meaning (`help`), its allowed values or range
@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
 from meshtrain.core.bounds import setting
 from meshtrain.data.sources import KINDS as DATA_KINDS
+from meshtrain.models import ModelSpec  # noqa: F401 (the model section: its family's spec, models/spec.py)
+from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, describe
 from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
 from meshtrain.parallel.schedules import SCHEDULES
-from meshtrain.models import ModelSpec  # noqa: F401 (the model section: its family's spec, models/spec.py)
 
 MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
 
@@ -75,18 +76,28 @@ class ParallelPlan:
 
 @dataclass
 class OptimSpec:
-    lr: float = setting(1e-3, "peak learning rate (AdamW)", min=0.0)
-    min_lr_ratio: float = setting(0.1, "cosine decays to lr x min_lr_ratio at the schedule's last step", min=0.0,
-                                  max=1.0)
-    schedule_steps: int = setting(0, "the schedule's horizon: warmup + cosine span this many steps, then lr stays "
-                                     "at lr x min_lr_ratio; 0 = train.steps of the run's first start (recorded in "
+    optimizer: str = setting("adamw", "the optimizer (meshtrain/ops/optimizers.py): " + describe(OPTIMIZERS),
+                             choices=tuple(OPTIMIZERS))
+    lr: float = setting(1e-3, "peak learning rate", min=0.0)
+    schedule: str = setting("cosine", "learning rate after the linear warmup: cosine (decay to lr x min_lr_ratio), "
+                                      "linear (decay to it), wsd (warmup-stable-decay: lr, then a linear decay to "
+                                      "it over the horizon's last decay_fraction), constant (lr)",
+                            choices=tuple(LR_SCHEDULES))
+    min_lr_ratio: float = setting(0.1, "cosine, linear and wsd decay to lr x min_lr_ratio at the schedule's last "
+                                       "step", min=0.0, max=1.0)
+    decay_fraction: float = setting(0.2, "wsd: the share of the schedule's horizon that decays", above=0.0, max=1.0)
+    schedule_steps: int = setting(0, "the schedule's horizon: warmup + decay span this many steps, then lr stays "
+                                     "at its last value; 0 = train.steps of the run's first start (recorded in "
                                      "<out>/run.json, so resuming with more --steps continues the same curve)",
                                   min=0)
     warmup_steps: int = setting(20, "linear warmup steps", min=0)
     weight_decay: float = setting(0.1, "decoupled weight decay on matrices (not norms)", min=0.0)
-    b1: float = setting(0.9, "Adam beta1", min=0.0, below=1.0)
-    b2: float = setting(0.95, "Adam beta2", min=0.0, below=1.0)
+    b1: float = setting(0.9, "Adam beta1 (Lion: the update's interpolation beta)", min=0.0, below=1.0)
+    b2: float = setting(0.95, "Adam beta2 (Lion: the momentum's beta)", min=0.0, below=1.0)
     eps: float = setting(1e-8, "Adam epsilon", above=0.0)
+    muon_momentum: float = setting(0.95, "muon: Nesterov momentum of the matrices' updates", min=0.0, below=1.0)
+    muon_ns_steps: int = setting(5, "muon: Newton-Schulz iterations that orthogonalise each matrix's update",
+                                 min=1, max=100)
     clip_norm: float = setting(1.0, "global gradient-norm clipping; 0 disables it", min=0.0)
 
 
@@ -102,9 +113,21 @@ class DataConfig:
     text_field: str = setting("text", "jsonl field / Parquet or datasets column holding each document's text")
     tokenizer: str = setting("auto", "byte, or a tokenizer.json (or a folder holding one); auto = the data's "
                                      "own (a prepared folder's, a token file's sidecar's), byte for raw text")
-    val_fraction: float = setting(0.05, "tail of the token stream held out for eval_loss", min=0.0, below=1.0)
+    sources: list = setting([], "a mixture: [{path: ..., weight: ...}, ...], each entry with the keys path (as "
+                                "data.path), weight (> 0, default 1; a source's share is its weight / the weights' "
+                                "sum), and optionally kind and text_field (default: data.kind, data.text_field); each "
+                                "row of a batch comes from one source, in proportion to the weights "
+                                "(meshtrain/data/mixture.py); [] = the one source data.path")
+    val_fraction: float = setting(0.05, "tail of the token stream (of each source, in a mixture) held out for "
+                                        "eval_loss", min=0.0, below=1.0)
     prefetch: int = setting(1, "batches built ahead in a background thread while the device computes; "
                                "0 builds each one in the loop", min=0, max=64)
+    document_mask: bool = setting(False, "packed documents: attention stays inside each document of a "
+                                         "training window (a token after an EOS starts a new one); false "
+                                         "attends across them (GPT-style)")
+    restart_positions: bool = setting(True, "with document_mask: rotary positions restart at 0 in each document")
+    eos_id: int = setting(-1, "the end-of-document id document_mask splits at; -1 = the tokenizer's (the byte "
+                              "tokenizer has none: prepared byte data ends documents with a newline, 10)", min=-1)
 
 
 @dataclass
@@ -167,7 +190,7 @@ class Config:
     model: ModelSpec = setting(ModelSpec(), "what is trained: the family and its architecture")
     parallel: ParallelPlan = setting(ParallelPlan(), "how it runs: mesh, sharding, precision, remat, attention, "
                                                      "microbatches, pipeline")
-    optim: OptimSpec = setting(OptimSpec(), "how it learns: AdamW, warmup + cosine decay, clipping")
+    optim: OptimSpec = setting(OptimSpec(), "how it learns: optimizer, learning-rate schedule, clipping")
     data: DataConfig = setting(DataConfig(), "where tokens come from")
     train: TrainConfig = setting(TrainConfig(), "the loop")
     generate: GenerateConfig = setting(GenerateConfig(), "text generation from a run: batch and length")

@@ -16,17 +16,19 @@ import math
 import os
 from pathlib import Path
 
-from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
+from meshtrain.config.spec import settings
+from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.core.errors import UserError
 from meshtrain.core.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
+from meshtrain.data.mixture import sources as data_sources
+from meshtrain.data.tokenizer import check_vocab
+from meshtrain.data.tokenizer import load as load_tokenizer
+from meshtrain.models import declaring, family
+from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.parallel.schedules import check as check_schedule
-from meshtrain.parallel.sharding import make_rules
 from meshtrain.parallel.schedules import check_residuals
-from meshtrain.core.bounds import INT_LIMIT
-from meshtrain.config.spec import settings
-from meshtrain.data.tokenizer import check_vocab, load as load_tokenizer
-from meshtrain.models import declaring, family
+from meshtrain.parallel.sharding import make_rules
 
 ABSURD_FACTOR = 4  # a step whose lower bound needs this many times a device's memory is refused
 MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
@@ -65,9 +67,13 @@ def check_config(cfg) -> None:
                         f"parallel.microbatches={par.microbatches}")
     if cfg.data.kind == "synthetic" and cfg.data.path:
         raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
+    data_sources(cfg.data)  # data.sources' entries (meshtrain/data/mixture.py)
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
+    if cfg.data.eos_id >= m.vocab_size:
+        raise UserError(f"data.eos_id={cfg.data.eos_id} is outside model.vocab_size={m.vocab_size}; set the "
+                        f"tokenizer's EOS id, or -1 for the tokenizer's own")
 
 
 def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) -> None:
@@ -93,8 +99,8 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     for name in ("seq", "residual_seq"):
         shards = math.prod(sizes[a] for a in rules[name])
         if t.seq_len % shards:
-            raise UserError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which does not "
-                            f"divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
+            raise UserError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which "
+                            f"does not divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
     tp = sizes["tensor"]
     for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
         if value % tp:
@@ -164,7 +170,8 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
                                    par.sequence_parallel, remat)
     formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
     activations = sum(formed.values()) * m.num_layers / stages
-    states = sum(zero_bytes(program.num_params, sizes, par.zero).values())
+    states = sum(zero_bytes(program.num_params, sizes, par.zero,
+                            optimizer_state=program.optimizer_state_bytes()).values())
     _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
                           f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
                           f"meshtrain/core/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),
@@ -182,4 +189,5 @@ def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, de
                         f"generate fewer tokens")
     need = kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split=len(devices))
     _refuse_beyond_memory(what, need, f"the KV cache of {rows} row(s) x {positions:,} positions, "
-                          f"meshtrain/core/formulas.py", device_memory(devices), "generate fewer tokens or fewer prompts at once")
+                          f"meshtrain/core/formulas.py", device_memory(devices),
+                          "generate fewer tokens or fewer prompts at once")

@@ -24,8 +24,10 @@ class Bounds:
 
     def __str__(self) -> str:
         show = lambda x: f"{x:g}" if isinstance(x, float) else str(x)
-        low = f"[{show(self.min)}" if self.min is not None else f"({show(self.above)}" if self.above is not None else ""
-        high = f"{show(self.max)}]" if self.max is not None else f"{show(self.below)})" if self.below is not None else ""
+        low = (f"[{show(self.min)}" if self.min is not None else
+               f"({show(self.above)}" if self.above is not None else "")
+        high = (f"{show(self.max)}]" if self.max is not None else
+                f"{show(self.below)})" if self.below is not None else "")
         if low and high:
             return f"in {low}, {high}"
         if low:
@@ -56,6 +58,6 @@ def setting(default, help: str, *, choices=(), min=None, max=None, above=None, b
     capacity), so it may differ on resume."""
     meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
             "architecture": architecture}
-    if dataclasses.is_dataclass(default) or isinstance(default, dict):
+    if dataclasses.is_dataclass(default) or isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(), metadata=meta)
     return field(default=default, metadata=meta)

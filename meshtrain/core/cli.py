@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
+import signal
 import sys
+import threading
 import traceback
 
-from meshtrain.core.errors import UserError
 from meshtrain.core.bounds import Bounds
+from meshtrain.core.errors import UserError
 
 EXIT_USER_ERROR, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
 INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it"
@@ -72,9 +75,24 @@ def number(kind: type, allowed: Bounds | None = None, **bounds):
     return parse
 
 
+def raise_interrupt(signum, frame):
+    """SIGINT -> KeyboardInterrupt, as Python's default handler, except inside a garbage-collection
+    callback (JAX registers one), where Python would print the exception as "Exception ignored"
+    with a traceback and go on: there the signal is sent again once the callback has returned."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks:
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
 def interrupt_exits_quietly() -> None:
     """For `python -m meshtrain.<command>` (meshtrain/__init__.py): a Ctrl-C while the command's
     imports load, before `main` runs, is the same one line and exit 130, not a traceback."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, raise_interrupt)
     previous = sys.excepthook
 
     def hook(kind, value, tb):

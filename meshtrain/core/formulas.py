@@ -6,7 +6,6 @@ parameters; N devices in a collective's group; B bytes.
 """
 from __future__ import annotations
 
-
 # ---- memory: ZeRO (Rajbhandari et al. 2020), with fp32 in place of their fp16 copies ----
 ADAM_BYTES = {"parameters": 4, "gradients": 4, "optimizer_state": 8}  # fp32 Adam: 16 bytes/param
 ZERO_STAGE_SHARDS = {"optimizer_state": 1, "gradients": 2, "parameters": 3}  # the stage from which data shards it
@@ -19,19 +18,27 @@ def zero_split(bytes_per_param: dict[str, float], psi: float, data: int, zero: i
             for what, per_param in bytes_per_param.items()}
 
 
-def zero_bytes(psi: float, sizes: dict[str, int], zero: int,
-               stage_replicated: float = 0, experts: float = 0) -> dict[str, float]:
-    """Per device: fp32 parameters 4Psi, gradients 4Psi, Adam moments 8Psi, each divided by
-    F x C x T x P and also by D from stage 3, 2 and 1 respectively (the `embed` rule shards weights
-    over fsdp and context). `stage_replicated`: the parameters every pipeline stage holds whole
-    (embedding, final norm, head: those outside the stacked layers), divided by F x C x T only;
-    `experts`: the MoE experts' parameters, each expert-parallel device holding its own, divided
-    by E too."""
+def zero_bytes(psi: float, sizes: dict[str, int], zero: int, stage_replicated: float = 0, experts: float = 0,
+               optimizer_state: tuple[float, float, float] | None = None) -> dict[str, float]:
+    """Per device: fp32 parameters 4Psi, gradients 4Psi, optimizer state (Adam moments 8Psi), each
+    divided by F x C x T x P and also by D from stage 3, 2 and 1 respectively (the `embed` rule
+    shards weights over fsdp and context). `stage_replicated`: the parameters every pipeline stage
+    holds whole (embedding, final norm, head: those outside the stacked layers), divided by F x C x T
+    only; `experts`: the MoE experts' parameters, each expert-parallel device holding its own,
+    divided by E too. `optimizer_state`: the optimizer's state bytes in all, of the stage-replicated
+    parameters and of the experts' (meshtrain/ops/optimizers.py, summed by traffic.optimizer_state_bytes);
+    default AdamW's, 8 bytes per parameter."""
     split = sizes["fsdp"] * sizes.get("context", 1) * sizes["tensor"]
-    staged = psi - stage_replicated - experts
-    per_device = (staged / (split * sizes["pipeline"]) + stage_replicated / split
-                  + experts / (split * sizes["pipeline"] * sizes.get("expert", 1)))
-    return zero_split(ADAM_BYTES, per_device, sizes["data"], zero)
+
+    def per_device(total, replicated, expert):
+        staged = total - replicated - expert
+        return (staged / (split * sizes["pipeline"]) + replicated / split
+                + expert / (split * sizes["pipeline"] * sizes.get("expert", 1)))
+
+    params = per_device(psi, stage_replicated, experts)
+    state = per_device(*optimizer_state) if optimizer_state else ADAM_BYTES["optimizer_state"] * params
+    whole = {**{k: b * params for k, b in ADAM_BYTES.items()}, "optimizer_state": state}  # before D
+    return zero_split(whole, 1, sizes["data"], zero)
 
 
 def zero_stage_totals(psi: float, data: int, params_bytes: float = 2, grad_bytes: float = 2,

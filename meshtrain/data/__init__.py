@@ -8,6 +8,8 @@
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
 - tokenizer.py: byte-level and Hugging Face tokenizers, training one, recording it in a run.
 - prefetch.py: the next batches built on a background thread while the step runs.
+- mixture.py: `data.sources`: weighted sources, each row from one (Grain's `MapDataset.mix`), each
+  source's share and eval loss; one source is a plain `Batches`.
 """
 from meshtrain.data.corpus import RAW_LIMIT_BYTES, Corpus, load_corpus
 from meshtrain.data.prepare import prepare

@@ -10,11 +10,11 @@ import os
 import sys
 import time
 
-from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.folders import writing_file
+from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
 from meshtrain.data.sources import RAW_KINDS, detect, read, units
-from meshtrain.core.folders import writing_file
 
 
 def parser() -> Parser:
@@ -29,10 +29,12 @@ def parser() -> Parser:
     prep = commands.add_parser("prepare", parents=[source], help="tokenize SRC into shards + manifest.json")
     prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json (or its folder)")
     prep.add_argument("--out", required=True, help="new (or empty) folder for the shards")
-    prep.add_argument("--workers", type=number(int, min=1, max=1024), default=os.cpu_count(), help="tokenizing processes")
+    prep.add_argument("--workers", type=number(int, min=1, max=1024), default=os.cpu_count(),
+                      help="tokenizing processes")
     prep.add_argument("--shard-tokens", type=number(int, min=1), default=SHARD_TOKENS, help="tokens per shard file")
     train = commands.add_parser("train-tokenizer", parents=[source], help="train a byte-level BPE on SRC")
-    train.add_argument("--vocab-size", type=number(int, min=1), required=True, help="ids in the vocabulary, EOS included")
+    train.add_argument("--vocab-size", type=number(int, min=1), required=True,
+                       help="ids in the vocabulary, EOS included")
     train.add_argument("--out", required=True, help="the tokenizer.json to write")
     train.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     train.add_argument("--eos", default="<|endoftext|>", help="the end-of-document special token")

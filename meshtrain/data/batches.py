@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from meshtrain.data.tokens import Tokens
 from meshtrain.core.errors import UserError
+from meshtrain.data.tokens import Tokens
 
 
 class Batches:
@@ -34,7 +34,10 @@ class Batches:
         if self.tokens is None:
             return synthetic_rows(rng, self.seed, self.vocab_size, self.shape)[self.rows]
         starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)[self.rows]
-        rows = self.tokens.windows(starts, self.seq_len + 1)
+        return self.checked(self.tokens.windows(starts, self.seq_len + 1))
+
+    def checked(self, rows: np.ndarray) -> np.ndarray:
+        """`rows`, whose ids the model's embedding must hold."""
         if rows.max() >= self.vocab_size:
             raise UserError(f"token id {rows.max()} >= model.vocab_size={self.vocab_size}; set "
                             f"model.vocab_size to the tokenizer's vocabulary")

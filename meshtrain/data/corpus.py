@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from meshtrain.core.errors import UserError
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import tokenize
 from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
 from meshtrain.data.tokens import Tokens, read_prepared, read_token_file
-from meshtrain.core.errors import UserError
 
 RAW_LIMIT_BYTES = 256 << 20
 

@@ -7,8 +7,8 @@ means that one batch is built in the loop instead.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 
 class Prefetcher:

@@ -9,16 +9,16 @@ folder without one is an unfinished prepare.
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_whole
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
 from meshtrain.data.tokens import MANIFEST, file_meta, sidecar, token_dtype, write_json
-from meshtrain.core.errors import UserError
-from meshtrain.core.folders import writing_whole
 
 SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 import json
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-from meshtrain.data.tokens import MANIFEST
 from meshtrain.core.errors import UserError
+from meshtrain.data.tokens import MANIFEST
 
 # data.kind's values; auto detects one from the path (`detect`).
 KINDS = ("auto", "text", "jsonl", "parquet", "hf_datasets", "tokens", "prepared", "synthetic", "stdlib")

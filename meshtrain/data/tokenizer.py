@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -180,7 +181,8 @@ def train_bpe(files_or_texts: Iterable[str | Path], vocab_size: int, out_path: s
               eos: str = "<|endoftext|>") -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style: any text encodes, no unknown token) with `eos` as its
     one special token; write it to `out_path` and return it. Items are texts (str) or files (Path)."""
-    from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:

@@ -68,7 +68,7 @@ def read_token_file(path: Path, meta: dict | None = None) -> tuple[np.memmap, di
     return np.memmap(path, dtype=dtype, mode="r"), meta
 
 
-def read_prepared(folder: Path) -> tuple["Tokens", dict]:
+def read_prepared(folder: Path) -> tuple[Tokens, dict]:
     """(the corpus's token stream, its manifest) of a prepared folder; the shards stay on disk."""
     if not (Path(folder) / MANIFEST).is_file():
         raise UserError(f"{folder} is not a prepared folder (no {MANIFEST}); write one with python -m "
@@ -89,7 +89,7 @@ class Tokens:
     def __len__(self) -> int:
         return int(self.ends[-1]) if self.parts else 0
 
-    def __getitem__(self, s: slice) -> "Tokens":
+    def __getitem__(self, s: slice) -> Tokens:
         """A contiguous slice (views of the parts)."""
         lo, hi, step = s.indices(len(self))
         assert step == 1, "token streams slice contiguously"

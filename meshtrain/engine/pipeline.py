@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.parallel import data_parallel
+from meshtrain.models.transformer import scan_blocks
 from meshtrain.ops import remat as remat_lib
-from meshtrain.parallel.batching import inputs_and_targets, split_microbatches
 from meshtrain.ops.precision import cast_for_compute
+from meshtrain.parallel import data_parallel
+from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
 from meshtrain.parallel.schedules import executor_tables, tick_phases, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
-from meshtrain.models.transformer import scan_blocks
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -63,21 +63,21 @@ class LayerResiduals:
     def __init__(self, layer, g_stats):
         self.layer, self.g_stats = layer, g_stats
 
-    def _vjp(self, p_layer, x):
-        out, vjp = jax.vjp(self.layer, p_layer, x)
+    def _vjp(self, p_layer, x, *docs):
+        out, vjp = jax.vjp(lambda p, x: self.layer(p, x, *docs), p_layer, x)
         leaves, structure = jax.tree.flatten(vjp)
         params = jax.tree.leaves(p_layer)
         is_param = [next((i for i, p in enumerate(params) if leaf is p), None) for leaf in leaves]
         return out, leaves, structure, is_param
 
-    def forward(self, p_layer, x):
-        """(y, (residuals, stats))."""
-        (y, stats), leaves, _, is_param = self._vjp(p_layer, x)
+    def forward(self, p_layer, x, *docs):
+        """(y, (residuals, stats)); `docs`: the microbatch's packing.Documents, if any."""
+        (y, stats), leaves, _, is_param = self._vjp(p_layer, x, *docs)
         return y, ([leaf for leaf, i in zip(leaves, is_param) if i is None], stats)
 
-    def pullback(self, p_layer, saved, g_y):
-        """(d p_layer, d x) for the output cotangent g_y."""
-        _, _, structure, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype))
+    def pullback(self, p_layer, saved, g_y, *docs):
+        """(d p_layer, d x) for the output cotangent g_y (`docs` as the forward's)."""
+        _, _, structure, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype), *docs)
         params, saved = jax.tree.leaves(p_layer), iter(saved)
         vjp = jax.tree.unflatten(structure, [params[i] if i is not None else next(saved) for i in is_param])
         return vjp((g_y, self.g_stats))
@@ -112,18 +112,20 @@ class StageProgram:
     timetable (meshtrain/parallel/schedules.py)."""
 
     def __init__(self, model, layer, schedule: str, residuals: str, stages: int, micro: int,
-                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None):
+                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
+                 docs_MxbxL=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
         self.save, self.zero_bubble = residuals == "save", schedule == "zb"
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
-        self.outer, self.inputs, self.targets = outer, inputs_MxbxL, targets_MxbxL
+        self.outer, self.inputs, self.targets, self.docs = outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL
         x_like = jax.eval_shape(self.embed, outer, 0)
         self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
         # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro)
-        stats_like = jax.eval_shape(layer, jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x)[1]
+        stats_like = jax.eval_shape(layer, jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x,
+                                    *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
         self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * self.scale / (model.cfg.num_layers * micro),
                                                          g_stats))
@@ -138,6 +140,11 @@ class StageProgram:
     def is_last(self, v):  # the one that applies the head and the loss
         return (self.s == self.stages - 1) & (v == self.virtual - 1)
 
+    def documents(self, m) -> tuple:
+        """(microbatch m's packing.Documents,), or () when the model packs none: the layers' extra
+        arguments, travelling with the microbatch."""
+        return () if self.docs is None else (jax.tree.map(lambda d: _take(d, m), self.docs),)
+
     def embed(self, p_outer, m):
         return self.model.embed(p_outer, _take(self.inputs, m))
 
@@ -149,9 +156,9 @@ class StageProgram:
         loss = self.microbatch_loss(p_outer, y, m)
         return loss * self.scale, loss
 
-    def forward_saving(self, p_chunk, x):
+    def forward_saving(self, p_chunk, x, *docs):
         """(y, (each layer's residuals stacked, the chunk's statistics summed))."""
-        y, (saved, stats) = jax.lax.scan(lambda x, p: self.layers.forward(p, x), x, p_chunk)
+        y, (saved, stats) = jax.lax.scan(lambda x, p: self.layers.forward(p, x, *docs), x, p_chunk)
         return y, (saved, jax.tree.map(lambda s: s.sum(axis=0), stats))
 
     def initial_carry(self) -> dict:
@@ -161,7 +168,7 @@ class StageProgram:
                  "cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
                  "g_chunks": f32_zeros(self.chunks), "g_outer": f32_zeros(self.outer),
                  "loss": jnp.zeros((), jnp.float32)}
-        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.zeros_x)[1]
+        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.zeros_x, *self.documents(0))[1]
         carry["stats"] = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like)
         if self.save:
             carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
@@ -185,12 +192,12 @@ class StageProgram:
 
     # ---- actions ----
     def forward(self, c, m, v):
-        x = self.chunk_input(c, m, v)
+        x, docs = self.chunk_input(c, m, v), self.documents(m)
         if self.save:
-            y, (saved, stats) = self.forward_saving(self.chunk(v), x)
+            y, (saved, stats) = self.forward_saving(self.chunk(v), x, *docs)
             c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
         else:
-            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x)
+            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs)
         c = {**c, "stats": jax.tree.map(lambda a, s: a + s.astype(jnp.float32), c["stats"], stats)}
 
         def head_and_loss(c):
@@ -206,10 +213,11 @@ class StageProgram:
     def backward(self, c, m, v):
         """The input gradient (sent back) and, except under zb, the chunk's weight gradient."""
         g_y = _read(c["cotangents"], m, v, self.slots["cotangent_slots"])
+        docs = self.documents(m)
         if self.save:
             def layer_back(g, xs):
                 p_layer, saved = xs
-                g_p, g_x = self.layers.pullback(p_layer, saved, g)
+                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs)
                 return g_x, (g if self.zero_bubble else g_p)  # zb: keep each layer's output cotangent for W
 
             saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
@@ -220,7 +228,7 @@ class StageProgram:
                 c = self.add_chunk(c, per_layer, v)
         else:
             x = self.chunk_input(c, m, v)
-            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x)
+            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs)
             g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.layers.g_stats))
             c = self.add_chunk(c, g_chunk, v)
 
@@ -231,9 +239,11 @@ class StageProgram:
 
     def weight_grad(self, c, m, v):
         """zb's deferred W: each layer's parameter gradient from its residuals and output cotangent."""
+        docs = self.documents(m)
+
         def layer_w(_, xs):
             p_layer, saved, g = xs
-            return None, self.layers.pullback(p_layer, saved, g)[0]
+            return None, self.layers.pullback(p_layer, saved, g, *docs)[0]
 
         xs = (self.chunk(v), _read(c["residuals"], m, v, self.slots["residual_slots"]),
               _read(c["deferred"], m, v, self.slots["deferred_slots"]))
@@ -257,7 +267,10 @@ class StageProgram:
                 if name in uses:
                     ring = [(i, (i + shift) % self.stages) for i in range(self.stages)]
                     got = jax.lax.ppermute(sent.get(kind, self.zeros_x), "pipeline", ring)
-                    store = lambda b: _write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), self.slots[slots])
+
+                    def store(b, got=got, name=name, n=self.slots[slots]):  # traced by the cond just below
+                        return _write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n)
+
                     c = {**c, buffer: jax.lax.cond(at(name) > 0, store, lambda b: b, c[buffer])}
             return c, None
 
@@ -277,11 +290,11 @@ class StageProgram:
 
 
 def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None):
-    """(params, tokens [B, L+1]) -> (metrics, grads): one step's forward and backward, pipelined as
-    `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
-    own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py). With
-    a `compressor` (meshtrain/parallel/compression.py) the function is (params, tokens, errors[, scale]) ->
-    (metrics, grads, new errors), `errors` the state's `grad_error` laid out as `error_specs`."""
+    """A gradient function (meshtrain/parallel/batching.py): one step's forward and backward, pipelined
+    as `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
+    own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py).
+    With a `compressor` (meshtrain/parallel/compression.py) that reduction is int8 with error feedback:
+    the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out."""
     stages = mesh.shape["pipeline"]
     schedule, residuals, micro = plan.schedule, plan.residuals, plan.num_microbatches(stages)
     virtual = plan.virtual_stages
@@ -293,39 +306,45 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
     outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))
     outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
-    errors_local = [data_parallel.local_specs(error_specs, manual)] if compressor else []
+    errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
     layer = remat_lib.apply(model.block, plan.remat, model.saveable)
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, *rest):
-        errors, scale = (rest[0], rest[1:]) if compressor else (None, rest)
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, step_inputs: StepInputs):
+        scale = step_inputs.loss_scale
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             if data_manual:  # ZeRO-3: whole over data once per step
                 blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
-                                 blocks, outer, inputs_MxbxL, targets_MxbxL, *scale)
+                                 blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL)
             metrics, g_blocks, g_outer = stage.run(phases)
             if not data_manual:
-                return metrics, g_blocks, g_outer
+                return Gradients(metrics, {**g_outer, "blocks": g_blocks})
             metrics = jax.lax.pmean(metrics, data_parallel.AXIS)  # the data-parallel reduction, once per step
             if compressor:  # one compressed exchange for all the gradients
-                grads, errors = compressor.reduce_mean({**g_outer, "blocks": g_blocks}, errors, manual, *scale)
-                return metrics, *split(grads)[::-1], errors
-            return metrics, data_parallel.reduce_mean(g_blocks, blocks_out), data_parallel.reduce_mean(g_outer, outer_out)
+                grads, errors = compressor.reduce_mean({**g_outer, "blocks": g_blocks}, step_inputs.grad_error,
+                                                       manual, scale)
+                return Gradients(metrics, grads, errors)
+            return Gradients(metrics, {**data_parallel.reduce_mean(g_outer, outer_out),
+                                       "blocks": data_parallel.reduce_mean(g_blocks, blocks_out)})
 
     tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
-    staged = lambda *args: jax.shard_map(
-        per_stage, mesh=mesh, out_specs=(P(), blocks_out, outer_out, *errors_local), axis_names=manual,
-        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, *errors_local,
-                  *[P()] * (len(args) - 4 - len(errors_local))), check_vma=False)(*args)
+    grads_out = {**outer_out, "blocks": blocks_out}
+    staged = lambda blocks, outer, inputs, targets, docs, step_inputs: jax.shard_map(
+        per_stage, mesh=mesh, out_specs=Gradients(P(), grads_out, errors_local), axis_names=manual,
+        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, tokens_spec,
+                  data_parallel.input_specs(step_inputs, None, errors_local)),
+        check_vma=False)(blocks, outer, inputs, targets, docs, step_inputs)
 
-    def metrics_and_grads(params, tokens_BxL1, *rest):
+    def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
         compute = cast_for_compute(params, plan.precision)
         outer = {k: v for k, v in compute.items() if k != "blocks"}
         # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
         # resharding collective would wait for the stages that skip the branch.
-        inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-        metrics, g_blocks, g_outer, *errors = staged(compute["blocks"], outer, split_microbatches(inputs, micro),
-                                                     split_microbatches(targets, micro), *rest)
-        return metrics, {**g_outer, "blocks": g_blocks}, *errors  # fp32 sums; the step casts to the params' dtype
+        x, targets = inputs_and_targets(inputs.tokens, model.sequence_order)
+        docs = model.documents(inputs.tokens)  # packed documents travel with their microbatches
+        docs = None if docs is None else jax.tree.map(lambda d: split_microbatches(d, micro), docs)
+        # fp32 sums; the step casts them to the params' dtype. The tokens travel as inputs and targets.
+        return staged(compute["blocks"], outer, split_microbatches(x, micro), split_microbatches(targets, micro),
+                      docs, inputs.with_tokens(None))
 
     return metrics_and_grads

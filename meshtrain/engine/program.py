@@ -11,25 +11,39 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from meshtrain.parallel import compression
-from meshtrain.ops.attention import BACKENDS
-from meshtrain.parallel.batching import split_microbatches
-from meshtrain.parallel.context_parallel import load_balanced_order
-from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
-from meshtrain.engine.pipeline import layer_order
-from meshtrain.ops.precision import initial_loss_scale
-from meshtrain.parallel.sharding import (activation_rules, check_replication, constrain, make_rules, owned_specs, spec_for,
-                                state_shardings)
 from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
-from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
 from meshtrain.config.validate import check_layout
+from meshtrain.engine.pipeline import layer_order
+from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
 from meshtrain.models import FAMILIES
+from meshtrain.ops.attention import BACKENDS
+from meshtrain.ops.context_parallel import load_balanced_order
+from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
+from meshtrain.ops.packing import Packing, packing_of
+from meshtrain.ops.precision import initial_loss_scale
+from meshtrain.parallel import compression
+from meshtrain.parallel.batching import split_microbatches
+from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
+from meshtrain.parallel.sharding import (
+    activation_rules,
+    check_replication,
+    constrain,
+    make_rules,
+    owned_specs,
+    spec_for,
+    stage_replicated,
+    state_shardings,
+)
 
 
 class TrainProgram:
-    def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None):
+    def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None,
+                 packing: Packing | None = None):
+        """`packing`: how a training window splits into documents (meshtrain/ops/packing.py; None:
+        attend across them), from `data.document_mask` (`from_config`)."""
         self.spec, self.plan, self.optim, self.train = model, plan, optim, train
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
@@ -38,7 +52,8 @@ class TrainProgram:
         self.mesh = build_mesh(self.sizes, devices)
         context = self.sizes["context"]
         order = load_balanced_order(t.seq_len, context) if context > 1 else None
-        self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order)
+        self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order,
+                                            packing=packing)
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
@@ -60,18 +75,30 @@ class TrainProgram:
             other["grad_error"] = compression.error_shapes_and_specs(abstract_params, self.owned_specs, self.sizes,
                                                                      plan.zero)[1]
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
-                                                                self.mesh, plan.zero, self.tx, other)
+                                                                self.mesh, plan.zero, map_param_states, other)
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs)
         self.num_params = self.model.num_params(abstract_params)
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
 
+    def optimizer_state_bytes(self) -> tuple[int, int, int]:
+        """The optimizer state's bytes (meshtrain/ops/optimizers.py `state_bytes`) in all, of the
+        stage-replicated parameters and of the experts': `formulas.zero_bytes`'s `optimizer_state`."""
+        state_bytes = OPTIMIZERS[self.optim.optimizer].state_bytes
+        axes = jax.tree.leaves(self.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
+        params = jax.tree.leaves(self.abstract_state["params"])
+        rows = [(state_bytes(leaf.shape, a), a) for leaf, a in zip(params, axes)]
+        return (sum(b for b, _ in rows), sum(b for b, a in rows if stage_replicated(a)),
+                sum(b for b, a in rows if "experts" in a))
+
     @classmethod
-    def from_config(cls, cfg, devices=None) -> "TrainProgram":
+    def from_config(cls, cfg, devices=None, tokenizer_eos: int | None = None) -> TrainProgram:
+        """`tokenizer_eos`: the data's tokenizer's EOS id, which `data.document_mask` splits at
+        unless `data.eos_id` names one."""
         if cfg.devices:
             simulate_cpu_devices(cfg.devices)
-        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices)
+        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices, packing_of(cfg.data, tokenizer_eos))
 
     def init_state(self, key):
         return self.state_from_params(self.model.init(key))

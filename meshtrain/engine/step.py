@@ -1,38 +1,34 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
-nonfinite guard -> AdamW. The state is {'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'},
-and 'grad_error' under int8 gradient compression (meshtrain/parallel/compression.py); the batch is
-[batch, seq_len + 1] tokens."""
+nonfinite guard -> the optimizer (meshtrain/ops/optimizers.py). The state is {'step', 'params',
+'opt_state', 'skipped_steps', 'loss_scale'}, and 'grad_error' under int8 gradient compression
+(meshtrain/parallel/compression.py); the batch is [batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.parallel import compression, data_parallel
-from meshtrain.ops import remat as remat_lib
-from meshtrain.parallel.batching import accumulate, inputs_and_targets
 from meshtrain.engine.pipeline import make_pipeline_grads
-from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
 from meshtrain.models.transformer import scan_blocks
+from meshtrain.ops import remat as remat_lib
+from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
+from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, inputs_and_targets
 
 
 def lr_schedule(ocfg, total_steps: int):
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
-    warmup = min(ocfg.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(total_steps, warmup + 1),
-                                              end_value=ocfg.lr * ocfg.min_lr_ratio)
+    """`optim.schedule` over `total_steps` (meshtrain/ops/optimizers.py LR_SCHEDULES)."""
+    return LR_SCHEDULES[ocfg.schedule](ocfg, total_steps)
 
 
 def make_optimizer(ocfg, total_steps: int, logical_axes):
-    """Global-norm clipping, then AdamW; weight decay only on matrices (not norms). The state's tree
-    does not depend on any hyperparameter (clip_norm=0 is an identity in the clipping slot), so a
-    checkpoint resumes with other optimizer settings."""
-    decay_mask = jax.tree.map(lambda names: len([n for n in names if n != "layers"]) >= 2, logical_axes,
-                              is_leaf=lambda n: isinstance(n, tuple))
-    adamw = optax.adamw(lr_schedule(ocfg, total_steps), b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
-                        weight_decay=ocfg.weight_decay, mask=decay_mask)
+    """Global-norm clipping, then `optim.optimizer` (meshtrain/ops/optimizers.py OPTIMIZERS), which
+    reads the parameters' logical axes (weight decay on matrices, not norms; which dimensions form
+    each matrix). The state's tree does not depend on any other hyperparameter (clip_norm=0 is an
+    identity in the clipping slot), so a checkpoint resumes with other optimizer settings."""
     clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm > 0 else optax.identity()
-    return optax.chain(clip, adamw)
+    return optax.chain(clip, OPTIMIZERS[ocfg.optimizer].build(ocfg, lr_schedule(ocfg, total_steps), logical_axes))
 
 
 def applied_lr(schedule, opt_state):
@@ -52,7 +48,9 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
     def loss_fn(params, tokens_BxL1):
         compute = cast_for_compute(params, precision)
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-        x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs))
+        docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/ops/packing.py), or None
+        x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
+                                     *([] if docs is None else [docs]))
         stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
         loss = model.loss(compute, x_BxLxD, targets)
         return loss + model.auxiliary_loss(stats), {"loss": loss, **stats}
@@ -61,15 +59,15 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
 
 
 def metrics_and_grads(loss_fn):
-    """`loss_fn` -> (params, tokens[, scale]) -> (metrics, gradients of the objective, times `scale`
-    when one is given: fp16's loss scale, meshtrain/ops/precision.py)."""
-    def fn(params, tokens_BxL1, *scale):
+    """`loss_fn` -> a gradient function (meshtrain/parallel/batching.py): the metrics and the gradients
+    of the objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py)."""
+    def fn(params, inputs: StepInputs) -> Gradients:
         def objective(p):
-            value, metrics = loss_fn(p, tokens_BxL1)
-            return (value * scale[0] if scale else value), metrics
+            value, metrics = loss_fn(p, inputs.tokens)
+            return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return metrics, grads
+        return Gradients(metrics, grads)
 
     return fn
 
@@ -99,20 +97,20 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
                                                 **compressed)
         # the gathers move compute-dtype parameters
-        grad_fn = lambda params, *args: per_shard(cast_for_compute(params, plan.precision), *args)
+        grad_fn = lambda params, inputs: per_shard(cast_for_compute(params, plan.precision), inputs)
     else:
         grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro, grad_specs)
 
     def train_step(state, tokens_BxL1):
         params, loss_scale = state["params"], state["loss_scale"]
-        scale = (loss_scale["scale"],) if scales_loss(plan) else ()
-        errors = (state["grad_error"],) if compressor else ()
-        model_metrics, grads, *new_errors = grad_fn(params, tokens_BxL1, *errors, *scale)
+        scale = loss_scale["scale"] if scales_loss(plan) else None
+        out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None))
+        model_metrics = out.metrics
         loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
-        unscale = (lambda g: g / scale[0]) if scale else (lambda g: g)
+        unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
         grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
-                             grads, params, grad_specs)
+                             out.grads, params, grad_specs)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
@@ -126,7 +124,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
                      "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
         if compressor:  # a skipped step's residuals may hold its NaN/Inf: they are dropped with it
-            new_state["grad_error"] = keep_if_skipped(new_errors[0], state["grad_error"])
+            new_state["grad_error"] = keep_if_skipped(out.grad_error, state["grad_error"])
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
                    "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
         if scales_loss(plan):

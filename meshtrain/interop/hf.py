@@ -143,7 +143,8 @@ class SafetensorsFolder:
                 if info["dtype"] not in DTYPES:
                     raise UserError(f"{f}: tensor {name} has dtype {info['dtype']}; meshtrain reads F32, BF16, F16")
                 begin, end = info["data_offsets"]
-                if 8 + length + end > size or end - begin != math.prod(info["shape"]) * np.dtype(DTYPES[info["dtype"]]).itemsize:
+                nbytes = math.prod(info["shape"]) * np.dtype(DTYPES[info["dtype"]]).itemsize
+                if 8 + length + end > size or end - begin != nbytes:
                     raise UserError(f"{f}: tensor {name} lies outside the file or has the wrong size (a truncated "
                                     f"download?); download or export it again")
                 self.tensors[name] = np.memmap(f, dtype=DTYPES[info["dtype"]], mode="r", offset=8 + length + begin,

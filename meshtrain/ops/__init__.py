@@ -1,6 +1,9 @@
 """The numerics a model is built from, chosen by the plan rather than the model.
 
 - attention.py: the backends (xla, blockwise, cudnn, ring) and what each computes.
+- context_parallel.py: ring attention over the `context` axis (load-balanced order, pairs, exchanges).
+- packing.py: the one mask rule (causal, sliding window, same document) and packed documents' segment ids.
+- optimizers.py: optimizers and learning-rate schedules by name, with their state bytes.
 - loss.py: the vocabulary-tiled cross-entropy (never the full fp32 logits).
 - precision.py: compute dtypes and fp16 loss scaling; remat.py: the activation-saving policies.
 """

@@ -1,21 +1,26 @@
 """Attention backends, chosen by the plan (`parallel.attention`), never by the model: the model
 calls the kernel it is given with q [B, L, H, K], k and v [B, L, G, K] (grouped-query: H = G x R)
 and `positions_L`, the true position of each stored sequence position (None: in order; context
-parallelism stores the sequence permuted, meshtrain/parallel/context_parallel.py). Every backend is causal,
-takes the softmax in fp32 and returns [B, L, H, K] in q's dtype.
+parallelism stores the sequence permuted, meshtrain/ops/context_parallel.py). Every backend is causal,
+takes the softmax in fp32 and returns [B, L, H, K] in q's dtype. Two optional masks, in every
+backend (meshtrain/ops/packing.py `visible`): `segment_ids` [B, L] (stored like q; packed documents,
+a query sees only its own document's keys) and `window` (static int, 0 = full causal: query i
+sees keys i - window < j <= i, Mistral / Gemma sliding-window attention).
 
 - `xla`: forms the [B, H, L, L] scores.
 - `blockwise`: online softmax over blocks of positions; never forms them (any device).
 - `cudnn`: cuDNN's fused kernel (NVIDIA GPUs, bf16).
 - `ring`: context parallelism over the mesh's `context` axis: each device keeps its queries and
-  passes keys and values around the ring (meshtrain/parallel/context_parallel.py).
+  passes keys and values around the ring (meshtrain/ops/context_parallel.py).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from meshtrain.parallel.context_parallel import computed_fraction, ring_attention
+from meshtrain.ops.context_parallel import computed_fraction, ring_attention
+from meshtrain.ops.packing import block_reaches, visible
 
 ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel, at most
 MIN_ATTENTION_BLOCK = 128  # smaller blocks run too many serial steps: refused (meshtrain/config/validate.py)
@@ -26,30 +31,42 @@ def attention_block(seq_len: int) -> int:
     return max(b for b in range(1, min(ATTENTION_BLOCK, seq_len) + 1) if seq_len % b == 0)
 
 
-def xla_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None):
+def xla_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment_ids=None, window: int = 0):
     """Forms the [B, G, R, L, L] scores: XLA fuses what it can."""
     B, L, H, K = q_BxLxHxK.shape
     G = k_BxLxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
     scores = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32)
     scores = scores * K ** -0.5
-    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-    scores = jnp.where(causal_LxL, scores, jnp.finfo(jnp.float32).min)
+    pos_L = jnp.arange(L) if positions_L is None else jnp.asarray(positions_L)
+    seg = (None, None) if segment_ids is None else (segment_ids[:, None, None, :, None],
+                                                    segment_ids[:, None, None, None, :])
+    mask = visible(pos_L[:, None], pos_L[None, :], window, *seg)  # [L, L] or [B, 1, 1, L, L]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxLxGxK.dtype)
     out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
     return out.reshape(B, L, H, K)
 
 
-def cudnn_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None):
-    """cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16)."""
-    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True, implementation="cudnn")
+def cudnn_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment_ids=None, window: int = 0):
+    """cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16) through `jax.nn.dot_product_attention`
+    (JAX 0.10 and 0.11 alike): the window as `local_window_size=(window - 1, 0)` (cuDNN's causal
+    sliding window of window - 1 keys left of the query plus itself); segment ids as its boolean
+    `mask` [B, 1, L, L], which JAX turns into an additive bias: the public API has no packed
+    (segment/offset) layout, so a document mask costs an [L, L] bias per row here."""
+    mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
+                                        implementation="cudnn")
 
 
-def blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, block: int | None = None):
+def blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment_ids=None, window: int = 0,
+                        block: int | None = None):
     """The same attention over blocks of `block` queries x `block` keys with an online softmax
     (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022): per query block, running max m,
     normaliser l and output acc are rescaled by exp(m_old - m_new) as each key block arrives, so
-    only [B, G, R, block, block] scores exist at a time. Key blocks above the diagonal are skipped.
+    only [B, G, R, block, block] scores exist at a time. Key blocks above the diagonal, and those
+    wholly outside the `window`, are skipped (no row of a block sees a key yet: p is 0 there).
     The backward rematerialises each query block, then each key block's scores, so residuals stay
     O(L x K), never O(L^2); the price is computing the scores three times instead of FlashAttention's
     two (GPUs use `cudnn`)."""
@@ -61,42 +78,47 @@ def blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, block
     k_NxBxCxGxK = k_BxLxGxK.reshape(B, n, block, G, K).swapaxes(0, 1)
     v_NxBxCxGxK = v_BxLxGxK.reshape(B, n, block, G, K).swapaxes(0, 1)
     pos_C = jnp.arange(block)
+    seg_NxBxC = None if segment_ids is None else segment_ids.reshape(B, n, block).swapaxes(0, 1)
     lowest = jnp.finfo(jnp.float32).min
 
     @jax.checkpoint
-    def query_block(i, q_BxCxGxRxK):
+    def query_block(i, q_BxCxGxRxK, *seg_q):
         def key_block(carry, xs):
-            j, k_BxCxGxK, v_BxCxGxK = xs
+            j, k_BxCxGxK, v_BxCxGxK, *seg_k = xs
 
             @jax.checkpoint  # residuals: the carries (O(block x K)), not this block's scores
             def update(carry):
                 m_BxGxRxC, l_BxGxRxC, acc_BxGxRxCxK = carry
                 s = jnp.einsum("bqgrk,bmgk->bgrqm", q_BxCxGxRxK, k_BxCxGxK, preferred_element_type=jnp.float32)
-                causal_CxC = (i * block + pos_C)[:, None] >= (j * block + pos_C)[None, :]
-                s = jnp.where(causal_CxC, s * K ** -0.5, lowest)
+                segs = (seg_q[0][:, None, None, :, None], seg_k[0][:, None, None, None, :]) if seg_q else ()
+                mask = visible((i * block + pos_C)[:, None], (j * block + pos_C)[None, :], window, *segs)
+                s = jnp.where(mask, s * K ** -0.5, lowest)
                 m_new = jnp.maximum(m_BxGxRxC, s.max(axis=-1))
-                p = jnp.exp(s - m_new[..., None])
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
                 rescale = jnp.exp(m_BxGxRxC - m_new)
                 pv = jnp.einsum("bgrqm,bmgk->bgrqk", p.astype(v_BxCxGxK.dtype), v_BxCxGxK,
                                 preferred_element_type=jnp.float32)
                 return m_new, l_BxGxRxC * rescale + p.sum(axis=-1), acc_BxGxRxCxK * rescale[..., None] + pv
 
-            return jax.lax.cond(j <= i, update, lambda c: c, carry), None
+            needed = (j <= i) & block_reaches(i * block, j * block + block - 1, window)
+            return jax.lax.cond(needed, update, lambda c: c, carry), None
 
         init = (jnp.full((B, G, R, block), lowest), jnp.zeros((B, G, R, block)), jnp.zeros((B, G, R, block, K)))
-        (_, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(n), k_NxBxCxGxK, v_NxBxCxGxK))
+        seg_k = () if seg_NxBxC is None else (seg_NxBxC,)
+        (_, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(n), k_NxBxCxGxK, v_NxBxCxGxK, *seg_k))
         out_BxGxRxCxK = acc / l[..., None]
         return out_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(B, block, H, K)
 
-    out_NxBxCxHxK = jax.lax.map(lambda xs: query_block(*xs), (jnp.arange(n), q_NxBxCxGxRxK))
+    seg_q = () if seg_NxBxC is None else (seg_NxBxC,)
+    out_NxBxCxHxK = jax.lax.map(lambda xs: query_block(*xs), (jnp.arange(n), q_NxBxCxGxRxK, *seg_q))
     return out_NxBxCxHxK.swapaxes(0, 1).reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
 
 
-def context_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None):
+def context_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment_ids=None, window: int = 0):
     """Ring attention over the `context` axis; the sequence in order (no context axis): blockwise."""
     if positions_L is None:
-        return blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
-    return ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L)
+        return blockwise_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids=segment_ids, window=window)
+    return ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, segment_ids=segment_ids, window=window)
 
 
 BACKENDS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention,
@@ -111,24 +133,32 @@ ATTENTION_MATMULS = {"xla": (2, 4), "blockwise": (2, 8), "cudnn": (2, 5), "ring"
 CUDNN_TILE = 128  # positions per causal tile assumed for cuDNN's kernel (not compiled on CPU)
 
 
-def causal_share(n: int) -> float:
-    """Blocks on and below the diagonal of an n x n grid: (n + 1) / (2n)."""
-    return (n + 1) / (2 * n)
+def causal_share(n: int, block: int = 1, window: int = 0) -> float:
+    """Blocks of `block` positions computed on an n x n grid: those on and below the diagonal,
+    (n + 1) / (2n), less those wholly outside a `window` (packing.block_reaches)."""
+    if not window:
+        return (n + 1) / (2 * n)
+    i, j = np.tril_indices(n)
+    return int(np.count_nonzero(block_reaches(i * block, j * block + block - 1, window))) / (n * n)
 
 
-def executed_attention(backend: str, seq_len: int, context: int = 1) -> tuple[tuple[int, int], float]:
+def executed_attention(backend: str, seq_len: int, context: int = 1,
+                       window: int = 0) -> tuple[tuple[int, int], float]:
     """((forward, backward) score-sized matmuls, the share of the [L, L] scores computed) of a
-    backend: xla all of them; blockwise the blocks on and below the diagonal; ring (context > 1)
-    context_parallel.computed_fraction, and blockwise without a context axis; cudnn's causal
-    kernel about half (CUDNN_TILE-position tiles)."""
+    backend: xla all of them; blockwise the blocks on and below the diagonal (within `window`);
+    ring (context > 1) context_parallel.computed_fraction, and blockwise without a context axis;
+    cudnn's causal kernel about half (CUDNN_TILE-position tiles). Document masks skip nothing
+    that is counted here (which blocks they empty depends on the data)."""
     if backend == "ring" and context == 1:
         backend = "blockwise"
     if backend == "xla":
         share = 1.0
     elif backend == "blockwise":
-        share = causal_share(seq_len // attention_block(seq_len))
+        block = attention_block(seq_len)
+        share = causal_share(seq_len // block, block, window)
     elif backend == "ring":
-        share = computed_fraction(seq_len, context)
+        share = computed_fraction(seq_len, context, window)
     else:
-        share = causal_share(max(1, seq_len // CUDNN_TILE))
+        tiles = max(1, seq_len // CUDNN_TILE)
+        share = causal_share(tiles, seq_len // tiles, window)
     return ATTENTION_MATMULS[backend], share

@@ -23,7 +23,8 @@ def policy(name: str, saveable: tuple[str, ...]):
         return cp.nothing_saveable
     if name == "save_matmuls":
         return cp.save_only_these_names(*saveable)
-    return cp.save_and_offload_only_these_names(names_which_can_be_saved=[], names_which_can_be_offloaded=list(saveable),
+    return cp.save_and_offload_only_these_names(names_which_can_be_saved=[],
+                                                names_which_can_be_offloaded=list(saveable),
                                                 offload_src="device", offload_dst="pinned_host")
 
 

@@ -5,5 +5,5 @@
 - data_parallel.py: the once-per-step gradient reduction; compression.py: its int8 form.
 - batching.py: microbatches and accumulation; schedules.py: pipeline schedules as tables (GPipe,
   1F1B, interleaved, zero-bubble) and their timetables.
-- context_parallel.py: ring attention over the `context` axis (load-balanced order, pairs, exchanges).
+Ring attention, the `context` axis's executor, is an attention backend: meshtrain/ops/context_parallel.py.
 """

@@ -1,18 +1,44 @@
 """How a step's batch is cut: into microbatches (gradient accumulation, pipeline microbatches) and
 into the model's inputs and targets in the plan's sequence layout.
 
-Every executor (meshtrain/engine/step.py, meshtrain/parallel/data_parallel.py, meshtrain/engine/pipeline.py) computes
-`(metrics, grads)` for (params, tokens): `metrics` a dict of fp32 scalars, the cross-entropy
-`loss` first, then the model's block statistics (e.g. the MoE router's), each a mean over the
-step's tokens; `grads` the gradients of the training objective (loss + the model's auxiliary
-losses), a mean over the step's microbatches.
+Every executor (meshtrain/engine/step.py, meshtrain/parallel/data_parallel.py, meshtrain/engine/pipeline.py) is a
+gradient function `(params, StepInputs) -> Gradients`: `metrics` a dict of fp32 scalars, the
+cross-entropy `loss` first, then the model's block statistics (e.g. the MoE router's), each a mean
+over the step's tokens; `grads` the gradients of the training objective (loss + the model's
+auxiliary losses), a mean over the step's microbatches.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from meshtrain.parallel.sharding import constrain
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What a gradient function takes besides the parameters. A field that does not apply is None
+    (an empty pytree: nothing is traced or sent for it)."""
+    tokens: Any  # [B, L+1] token ids: inputs and (shifted by one) targets
+    loss_scale: Any = None  # fp16: the objective is multiplied by it (meshtrain/ops/precision.py)
+    grad_error: Any = None  # int8 compression: the residuals carried in (meshtrain/parallel/compression.py)
+
+    def with_tokens(self, tokens) -> StepInputs:
+        return dataclasses.replace(self, tokens=tokens)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """What a gradient function returns: the step's metrics, the gradients of its objective (times
+    the loss scale under fp16) and, under int8 compression, the new residuals."""
+    metrics: Any
+    grads: Any
+    grad_error: Any = None
 
 
 def inputs_and_targets(tokens_BxL1, sequence_order=None):
@@ -34,26 +60,29 @@ def split_microbatches(tokens_BxL1, num_micro: int):
 
 
 def accumulate(grad_fn, microbatches: int, accumulator_specs):
-    """(params, tokens[, scale]) -> (mean metrics, mean gradients) over `microbatches` slices of the batch,
-    summed in a scan. The accumulator is pinned to `accumulator_specs` (PartitionSpecs over the
-    axes that are not manual here), so the sum is kept sharded and never reduced inside the loop."""
+    """A gradient function over `microbatches` slices of the batch: its metrics and gradients are the
+    means of `grad_fn`'s over the slices, summed in a scan. The accumulator is pinned to
+    `accumulator_specs` (PartitionSpecs over the axes that are not manual here), so the sum is kept
+    sharded and never reduced inside the loop."""
     if microbatches == 1:
         return grad_fn
     pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
 
-    def metrics_and_grads(params, tokens_BxL1, *scale):
+    def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
+        micro_inputs = lambda tokens: inputs.with_tokens(constrain(tokens, ("batch", None)))
+
         def add(carry, micro_tokens):
             metric_sums, grad_sums = carry
-            metrics, grads = grad_fn(params, constrain(micro_tokens, ("batch", None)), *scale)
-            grad_sums = pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sums, grads))
-            return (jax.tree.map(jnp.add, metric_sums, metrics), grad_sums), None
+            out = grad_fn(params, micro_inputs(micro_tokens))
+            grad_sums = pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sums, out.grads))
+            return (jax.tree.map(jnp.add, metric_sums, out.metrics), grad_sums), None
 
-        tokens_MxbxL1 = split_microbatches(tokens_BxL1, microbatches)
-        metrics_like = jax.eval_shape(grad_fn, params, tokens_MxbxL1[0], *scale)[0]
+        tokens_MxbxL1 = split_microbatches(inputs.tokens, microbatches)
+        metrics_like = jax.eval_shape(grad_fn, params, micro_inputs(tokens_MxbxL1[0])).metrics
         zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metrics_like),
                  pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))  # fp32 sums
         (metrics, grads), _ = jax.lax.scan(add, zeros, tokens_MxbxL1)
         mean = lambda tree: jax.tree.map(lambda x: x / microbatches, tree)
-        return mean(metrics), mean(grads)
+        return Gradients(mean(metrics), mean(grads))
 
     return metrics_and_grads

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.parallel.batching import Gradients, StepInputs
 from meshtrain.parallel.sharding import axes_entry, entry_axes, manual_axes_rules
 
 AXIS = "data"
@@ -73,31 +74,36 @@ def reduce_mean(tree, specs):
     return jax.tree.map(one, tree, specs, is_leaf=_is_spec)
 
 
+def input_specs(inputs: StepInputs, tokens_spec: P, error_specs) -> StepInputs:
+    """The shard_map specs of a step's inputs: the tokens as given, the loss scale replicated, the
+    residuals as laid out (absent fields stay None)."""
+    return StepInputs(tokens_spec, None if inputs.loss_scale is None else P(),
+                      None if inputs.grad_error is None else error_specs)
+
+
 def data_parallel(metrics_and_grads, mesh, param_specs, grad_specs, batch_spec: P, compressor=None,
                   error_specs=None):
-    """(params, tokens, *scalars) -> (metrics, grads), with `metrics_and_grads` run per data shard on
-    its rows (the scalars, e.g. fp16's loss scale, replicated) and its metrics averaged and gradients
-    reduced over `data` once. With a `compressor` (compression.Int8Reduction) the function is
-    (params, tokens, errors, *scalars) -> (metrics, grads, new errors), `errors` the state's
-    `grad_error` laid out as `error_specs`."""
+    """A gradient function (meshtrain/parallel/batching.py) with `metrics_and_grads` run per data
+    shard on its rows (the loss scale replicated), its metrics averaged and its gradients reduced
+    over `data` once. With a `compressor` (compression.Int8Reduction) the reduction is int8 with
+    error feedback: the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out."""
     manual = {AXIS}
     in_params, out_grads = local_specs(param_specs, manual), local_specs(grad_specs, manual)
     errors_local = local_specs(error_specs, manual) if compressor else None
 
-    def per_shard(params, tokens, *rest):
-        errors, scalars = (rest[0], rest[1:]) if compressor else (None, rest)
+    def per_shard(params, inputs: StepInputs) -> Gradients:
         with manual_axes_rules(manual):  # activations are constrained over the other axes only
-            metrics, grads = metrics_and_grads(gather(params, in_params), tokens, *scalars)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # reduced in fp32
-            metrics = jax.lax.pmean(metrics, AXIS)
+            out = metrics_and_grads(gather(params, in_params), inputs)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), out.grads)  # reduced in fp32
+            metrics = jax.lax.pmean(out.metrics, AXIS)
             if compressor is None:
-                return metrics, reduce_mean(grads, out_grads)
-            return metrics, *compressor.reduce_mean(grads, errors, manual, *scalars[:1])
+                return Gradients(metrics, reduce_mean(grads, out_grads))
+            return Gradients(metrics, *compressor.reduce_mean(grads, inputs.grad_error, manual, inputs.loss_scale))
 
-    def fn(params, tokens, *rest):
-        extra = [errors_local] if compressor else []
-        in_specs = (in_params, local_spec(batch_spec, manual), *extra, *[P()] * (len(rest) - len(extra)))
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=(P(), out_grads, *extra),
-                             axis_names=manual, check_vma=False)(params, tokens, *rest)
+    def fn(params, inputs: StepInputs) -> Gradients:
+        in_specs = (in_params, input_specs(inputs, local_spec(batch_spec, manual), errors_local))
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
+                             out_specs=Gradients(P(), out_grads, errors_local), axis_names=manual,
+                             check_vma=False)(params, inputs)
 
     return fn

@@ -273,16 +273,19 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
         for s, slot in enumerate(row):
             for a in slot:
                 first, last = (s == 0 and a.chunk == 0), (s == S - 1 and a.chunk == V - 1)
-                arrays[a.kind][t, s], arrays[f"{a.kind}_micro"][t, s], arrays[f"{a.kind}_chunk"][t, s] = 1, a.micro, a.chunk
+                arrays[a.kind][t, s] = 1
+                arrays[f"{a.kind}_micro"][t, s], arrays[f"{a.kind}_chunk"][t, s] = a.micro, a.chunk
                 if a.kind == "F":
                     residual_live[(s, a.chunk, a.micro)] = (t, when[(s, Action(last_use, a.micro, a.chunk))])
                 if a.kind == "F" and not last:  # the output goes to the next model stage
                     to, chunk = (s + 1) % S, a.chunk + (s == S - 1)
-                    arrays["recv_f"][t, to], arrays["recv_f_micro"][t, to], arrays["recv_f_chunk"][t, to] = 1, a.micro, chunk
+                    arrays["recv_f"][t, to] = 1
+                    arrays["recv_f_micro"][t, to], arrays["recv_f_chunk"][t, to] = a.micro, chunk
                     input_live[(to, chunk, a.micro)] = (t + 1, when[(to, Action("F", a.micro, chunk))])
                 if a.kind == "B" and not first:  # the input's cotangent goes to the previous model stage
                     to, chunk = (s - 1) % S, a.chunk - (s == 0)
-                    arrays["recv_b"][t, to], arrays["recv_b_micro"][t, to], arrays["recv_b_chunk"][t, to] = 1, a.micro, chunk
+                    arrays["recv_b"][t, to] = 1
+                    arrays["recv_b_micro"][t, to], arrays["recv_b_chunk"][t, to] = a.micro, chunk
                     cotangent_live[(to, chunk, a.micro)] = (t + 1, when[(to, Action("B", a.micro, chunk))])
                 if a.kind == "F" and last:  # the loss's cotangent, from this stage's own forward
                     cotangent_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("B", a.micro, a.chunk))])

@@ -18,7 +18,8 @@ import contextvars
 import math
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.mesh import AXES
@@ -176,18 +177,37 @@ def owned_specs(params, logical_axes, rules, mesh, zero: int):
     return jax.tree.map(lambda spec: P(*map(data_last, spec)), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, tx, other_specs=None):
+def state_spec(state, param, spec: P, mesh) -> P:
+    """The spec of an optimizer state of `param` (spec `spec`): a dimension of the parameter's size
+    is split as the parameter's is. A dimension the state reduced to 1 (Adafactor's factored
+    statistics, meshtrain/ops/optimizers.py) is whole, and its mesh axes move to the largest kept
+    dimensions they divide, so ZeRO still shards the statistics."""
+    if state.ndim != param.ndim:
+        raise ValueError(f"an optimizer state of shape {state.shape} for a parameter of shape {param.shape}: "
+                         f"states keep the parameter's dimensions (reduced ones as 1)")
+    entries = tuple(spec) + (None,) * (param.ndim - len(spec))
+    kept = [state.shape[i] == param.shape[i] for i in range(param.ndim)]
+    dims = [list(entry_axes(e)) if keep else [] for e, keep in zip(entries, kept)]
+    lost = [a for e, keep in zip(entries, kept) if not keep for a in entry_axes(e)]
+    for a in lost:
+        for i in sorted(range(len(dims)), key=lambda i: -state.shape[i]):
+            if kept[i] and state.shape[i] % (math.prod(mesh.shape[x] for x in dims[i]) * mesh.shape[a]) == 0:
+                dims[i].append(a)
+                break
+    return P(*[axes_entry(d) for d in dims])
+
+
+def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, map_states, other_specs=None):
     """NamedShardings for the train state (params, opt_state, the entries of `other_specs`, trees of
     PartitionSpecs such as gradient compression's residuals, and replicated scalar counters) and the
-    PartitionSpecs for gradients."""
+    PartitionSpecs for gradients. `map_states` walks the optimizer state's parameter-shaped parts
+    (meshtrain/ops/optimizers.py `map_param_states`)."""
     params = abstract_state["params"]
     param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "params"))
     opt_param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "opt_state"))
     grad_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "grads"))
-    import optax
-
-    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract_state["opt_state"], opt_param_specs,
-                                      transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    opt_specs = map_states(lambda state, param, spec: state_spec(state, param, spec, mesh),
+                                 abstract_state["opt_state"], params, opt_param_specs, otherwise=lambda _: P())
     named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                        is_leaf=lambda x: isinstance(x, P))
     replicated = NamedSharding(mesh, P())
@@ -257,3 +277,9 @@ def shard_count(name: str) -> int:
         return 1
     rules, mesh = active
     return math.prod(mesh.shape[a] for a in rules.get(name, ()))
+
+
+def stage_replicated(axes: tuple) -> bool:
+    """Whether every pipeline stage holds this parameter whole: it has no `layers` axis (embedding,
+    final norm, head), so it sits outside the stacked layers the stages split."""
+    return "layers" not in axes

@@ -18,20 +18,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from meshtrain.core import formulas
-from meshtrain.planner import traffic
-from meshtrain.planner import roofline as roof
 from meshtrain.config.loader import load_config
-from meshtrain.planner import hlo
-from meshtrain.planner.hlo import KINDS
-from meshtrain.planner import fit
-from meshtrain.planner.budget import budget, memory_fraction, verdict
+from meshtrain.config.validate import check_train_size
+from meshtrain.core import formulas
 from meshtrain.core.errors import UserError
-from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
-from meshtrain.config.validate import check_train_size
+from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
 from meshtrain.parallel.sharding import make_rules
+from meshtrain.planner import fit, hlo, traffic
+from meshtrain.planner import roofline as roof
+from meshtrain.planner.budget import budget, memory_fraction, verdict
+from meshtrain.planner.hlo import KINDS
 
 GB = 1e9
 # XLA's CPU backend widens bf16 arithmetic to f32 and while-loop-invariant code motion then hoists
@@ -147,8 +145,8 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     t, par = cfg.train, cfg.parallel
-    read_once = SimpleNamespace(argument_size_in_bytes=train_memory["arguments"], temp_size_in_bytes=memory["temporaries"],
-                                output_size_in_bytes=train_memory["outputs"])  # the HBM floor's bytes
+    read_once = SimpleNamespace(argument_size_in_bytes=train_memory["arguments"],  # the HBM floor's bytes
+                                temp_size_in_bytes=memory["temporaries"], output_size_in_bytes=train_memory["outputs"])
     roofline = roof.estimate(program, read_once, records, profile, devices_per_node)
     flops = {"compiled_per_device": float(cost.get("flops", 0.0)),
              "model_per_device": roofline["flops"]["model_per_device"],
@@ -156,11 +154,13 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
     return {"config": {"model": dataclasses.asdict(program.model.cfg), "batch_size": t.batch_size, "seq_len": t.seq_len,
                        "precision": par.precision, "zero": par.zero, "remat": par.remat,
                        "attention": par.attention, "sequence_parallel": par.sequence_parallel,
-                       "grad_compression": par.grad_compression, "microbatches": par.num_microbatches(sizes["pipeline"])},
+                       "grad_compression": par.grad_compression, "optimizer": cfg.optim.optimizer,
+                       "microbatches": par.num_microbatches(sizes["pipeline"])},
             "mesh": describe(sizes), "devices": n, "params": program.num_params, "memory": memory,
             "zero_formula": formulas.zero_bytes(program.num_params, sizes, par.zero,
                                                 stage_replicated=traffic.stage_replicated_params(program),
-                                                experts=traffic.expert_params(program)),
+                                                experts=traffic.expert_params(program),
+                                                optimizer_state=program.optimizer_state_bytes()),
             "collectives": comms,
             "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
             "flops": flops, "roofline": roofline, "_program": program,
@@ -198,16 +198,19 @@ def format_plan(r: dict) -> str:
     lines = [f"plan: {r['params'] / 1e6:,.1f}M params on {r['devices']} devices, mesh {r['mesh']}, "
              f"zero={r['config']['zero']}, {r['config']['precision']}, remat={r['config']['remat']}, "
              f"{r['config']['microbatches']} microbatch(es)",
-             "", "train step memory per device    measured      formula (ZeRO, 16 bytes/param)"]
-    for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"), ("gradients", "gradients")):
+             "", "train step memory per device    measured      "
+                 f"formula (ZeRO, {r['config'].get('optimizer', 'adamw')})"]
+    for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"),
+                       ("gradients", "gradients")):
         lines.append(f"  {label:<30} {gb(mem[key]):>12}  {gb(zf[key]):>12}")
     if mem["grad_error"]:
         lines.append(f"  {'int8 residuals':<30} {gb(mem['grad_error']):>12}  (error feedback: the local gradient's "
                      f"fp32 bytes, + 1/D of them at zero 0/1)")
-    lines.append(f"  {'temporaries':<30} {gb(mem['temporaries']):>12}  (activations and gradients, from the compiled step)")
+    lines.append(f"  {'temporaries':<30} {gb(mem['temporaries']):>12}  "
+                 "(activations and gradients, from the compiled step)")
     lines += format_moe(r)
-    lines += ["", *format_run_memory(r), "", "collectives per device per step   count    payload   link traffic   formula traffic"
-              "  measured/formula"]
+    lines += ["", *format_run_memory(r), "",
+              "collectives per device per step   count    payload   link traffic   formula traffic  measured/formula"]
     for kind, c in r["collectives"].items():
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}x"
         lines.append(f"  {kind:<30} {c['count']:>7.0f} {gb(c['payload_bytes']):>12} {gb(c['traffic_bytes']):>12} "
@@ -274,19 +277,21 @@ def format_run_memory(r: dict) -> list[str]:
             f"  train step   {gb(mem['total']):>12}  (parameters, optimizer state, gradients and temporaries{copies})",
             f"  eval step    {gb(ev['total']):>12}  (forward only, {ev['microbatches']} microbatch(es) as training)",
             f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
-            f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; KV cache {gb(gen['kv_cache_formula'])} by formula)",
+            f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
+            f"KV cache {gb(gen['kv_cache_formula'])} by formula)",
             f"usable: {gb(b['device_memory'])} x {b['fraction']:.2f} ({b['fraction_source']}) = {gb(b['usable'])}; "
             f"{b['headroom']:.0%} kept free for fragmentation and collective buffers -> budget {gb(b['budget'])}"]
 
 
 def format_verdict(r: dict) -> str:
     v, b, gb = r["verdict"], r["budget"], human_bytes
-    peak = f"peak {gb(v['peak'])} ({v['peak_of']} step)" if v["peak_of"] != "generation" else f"peak {gb(v['peak'])} (generation)"
+    of = "generation" if v["peak_of"] == "generation" else f"{v['peak_of']} step"
+    peak = f"peak {gb(v['peak'])} ({of})"
     if v["status"] == "fits":
         return f"verdict: FITS in {gb(b['budget'])}: {peak}, margin {gb(v['margin'])}"
     if v["status"] == "tight":
-        return (f"verdict: TIGHT: {peak} fits the usable {gb(b['usable'])} with {gb(b['usable'] - v['peak'])} to spare, "
-                f"less than the {b['headroom']:.0%} headroom ({gb(b['usable'] - b['budget'])})")
+        return (f"verdict: TIGHT: {peak} fits the usable {gb(b['usable'])} with {gb(b['usable'] - v['peak'])} "
+                f"to spare, less than the {b['headroom']:.0%} headroom ({gb(b['usable'] - b['budget'])})")
     return (f"verdict: DOES NOT FIT in {gb(b['usable'])}: {peak}, {gb(-v['margin'])} over the budget; the train "
             f"step's largest consumer is {r['memory']['largest']}")
 
@@ -345,9 +350,9 @@ def format_zero_table(rows) -> str:
              "temporaries | total |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, f = r["memory"], r["zero_formula"]
-        lines.append(f"| {r['config']['zero']} | {m['parameters']:,} | {f['parameters']:,.0f} | {m['optimizer_state']:,} | "
-                     f"{f['optimizer_state']:,.0f} | {m['gradients']:,} | {f['gradients']:,.0f} | "
-                     f"{m['temporaries']:,} | {m['total']:,} |")
+        lines.append(f"| {r['config']['zero']} | {m['parameters']:,} | {f['parameters']:,.0f} | "
+                     f"{m['optimizer_state']:,} | {f['optimizer_state']:,.0f} | "
+                     f"{m['gradients']:,} | {f['gradients']:,.0f} | {m['temporaries']:,} | {m['total']:,} |")
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ class Layout:
     attention: str
 
     @classmethod
-    def of(cls, cfg, sizes: dict) -> "Layout":
+    def of(cls, cfg, sizes: dict) -> Layout:
         par = cfg.parallel
         return cls(tuple((a, sizes[a]) for a in AXES), par.zero, par.remat, par.num_microbatches(sizes["pipeline"]),
                    par.attention)
@@ -57,7 +57,7 @@ class Layout:
                                   remat=self.remat, microbatches=self.microbatches, attention=self.attention)
         return dataclasses.replace(cfg, parallel=par)
 
-    def change(self, **values) -> "Layout":
+    def change(self, **values) -> Layout:
         return dataclasses.replace(self, **values)
 
 

@@ -9,9 +9,9 @@ the ring algorithms' volumes for the group's size (meshtrain/core/formulas.py).
 The planner compiles for GPUs on the CPU backend, which rewrites two things a GPU keeps
 (`correct=True` undoes both and reports what it undid under `corrections`):
 - bf16 collectives run in f32: the operand is a convert from bf16 (a bf16 value widened, alone or
-  at the root of a fusion) and the result is converted back to bf16 (after elementwise arithmetic at most) wherever it goes. Such
-  arrays are counted at their bf16 size. (A gradient the program casts to f32 before reducing it
-  stays f32 after: it is not counted as widened.)
+  at the root of a fusion) and the result is converted back to bf16 (after elementwise arithmetic
+  at most) wherever it goes. Such arrays are counted at their bf16 size. (A gradient the program
+  casts to f32 before reducing it stays f32 after: it is not counted as widened.)
 - A reduce-scatter runs as an all-reduce whose every use is a dynamic slice keeping 1/N of it (N
   the group size), through converts, copies and fusions. Such arrays are counted as the
   reduce-scatter of that 1/N slice: (N-1)/N x B on the links instead of the all-reduce's 2(N-1)/N x B.

@@ -177,7 +177,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     matmul_params = program.model.active_matmul_params(program.abstract_state["params"])
     block_params = matmul_params - m.vocab_size * m.d_model  # the head is not rerun
     model_flops = program.flops_per_token * tokens
-    attention = executed_attention(plan.attention, t.seq_len, sizes.get("context", 1))
+    window = getattr(program.model, "window", 0)  # a model without one attends over the whole causal past
+    attention = executed_attention(plan.attention, t.seq_len, sizes.get("context", 1), window)
     hardware_flops = hardware_flops_per_token(program.flops_per_token, block_params, m.num_layers, width,
                                               t.seq_len, recompute, attention) * tokens
     traffic = traffic_by_axes(((c.groups, c.times * c.traffic) for c in collectives), sizes)

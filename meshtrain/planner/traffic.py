@@ -32,10 +32,11 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
   are all-reduced over E per microbatch, the layers' in the compute dtype.
-- Context parallelism (meshtrain/parallel/context_parallel.py's ring), per layer: 2(C-1) sends of this
+- Context parallelism (meshtrain/ops/context_parallel.py's ring), per layer: 2(C-1) sends of this
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
-  sums (C-1 round the ring, one home); K/V heads split over T.
+  sums (C-1 round the ring, one home); K/V heads split over T. A sliding window shorter than the
+  ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep).
 
 `compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
 flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
@@ -53,14 +54,15 @@ import math
 
 import jax
 
-from meshtrain.parallel import compression, data_parallel
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
-from meshtrain.planner.hlo import KINDS
-from meshtrain.ops.precision import compute_bytes
-from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
-from meshtrain.parallel.sharding import entry_axes
 from meshtrain.models.moe import dispatch_bytes
+from meshtrain.ops.context_parallel import ring_sends
+from meshtrain.ops.precision import compute_bytes
+from meshtrain.parallel import compression, data_parallel
+from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
+from meshtrain.parallel.sharding import entry_axes, stage_replicated
+from meshtrain.planner.hlo import KINDS
 
 
 def _params_with_axes(program):
@@ -68,12 +70,6 @@ def _params_with_axes(program):
     names = jax.tree.leaves(program.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
     return zip(jax.tree.leaves(program.abstract_state["params"]), jax.tree.leaves(program.state_shardings["params"]),
                names)
-
-
-def stage_replicated(axes: tuple) -> bool:
-    """Whether every pipeline stage holds this parameter whole: it has no `layers` axis (embedding,
-    final norm, head), so it sits outside the stacked layers the stages split."""
-    return "layers" not in axes
 
 
 def stage_replicated_params(program) -> int:
@@ -151,10 +147,12 @@ def expected_traffic(program) -> dict[str, dict]:
     if compressed:
         for kind, value in formulas.compressed_reduction_traffic(4 * grads, D, plan.compression_block,
                                                                   zero <= 1).items():
-            add(kind, value, f"int8 data-parallel gradient {'all-to-all' if kind == 'all-to-all' else 'mean all-gather'}"
-                             f" (int8 + a scale per {plan.compression_block}), once per step")
+            what = "all-to-all" if kind == "all-to-all" else "mean all-gather"
+            add(kind, value, f"int8 data-parallel gradient {what} (int8 + a scale per {plan.compression_block}), "
+                             "once per step")
     if zero <= 1 and not compressed:
-        add("all-reduce", over_data("all-reduce", grad_bytes / (F * C)), "data-parallel gradient all-reduce 2(D-1)/D x grads")
+        add("all-reduce", over_data("all-reduce", grad_bytes / (F * C)),
+            "data-parallel gradient all-reduce 2(D-1)/D x grads")
     if zero in (1, 2):
         add("all-gather", over_data("all-gather", 4 * grads), "ZeRO-1/2 all-gather of updated fp32 parameter shards")
     if zero == 2 and not compressed:
@@ -210,14 +208,16 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
             + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
-    if C > 1:  # meshtrain/parallel/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
+    if C > 1:  # meshtrain/ops/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
         kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
-        # forward and backward pass K/V round the ring; remat=full's recomputed forward again, but its
-        # first send is the forward's own (the same permute of the same K/V: XLA keeps one)
-        kv_sends = 2 * (C - 1) + (C - 2 if plan.remat == "full" else 0)
-        add("collective-permute", (kv_sends * kv + C * kv * 4 / act) * m.num_layers / P,
+        # forward and backward pass K/V round the ring (fewer under a short sliding window:
+        # context_parallel.ring_sends); remat=full's recomputed forward again, but the first send of
+        # each leg is the forward's own (the same permute of the same K/V: XLA keeps one)
+        sends = ring_sends(t.seq_len, C, getattr(program.model, "window", 0))
+        kv_sends = 2 * sends["kv"] + (sends["kv"] - sends["legs"] if plan.remat == "full" else 0)
+        add("collective-permute", (kv_sends * kv + sends["grads"] * kv * 4 / act) * m.num_layers / P,
             f"ring attention per layer: {kv_sends} K/V sends (forward, backward"
-            f"{', recomputed forward' if plan.remat == 'full' else ''}), {C} sends of the fp32 dK/dV sums")
+            f"{', recomputed forward' if plan.remat == 'full' else ''}), {sends['grads']} sends of the fp32 dK/dV sums")
     if P > 1:
         tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
         sends = sends_per_step(tables)
@@ -232,7 +232,8 @@ def data_parallel_traffic(program) -> dict:
     plan, sizes = program.plan, program.sizes
     D, zero = sizes["data"], plan.zero
     slices = param_slices(program)
-    grads = 4 * (slices["blocks"] + slices["outer"]) / (sizes["fsdp"] * sizes["context"])  # fp32 bytes reduced over data
+    # the fp32 bytes reduced over data
+    grads = 4 * (slices["blocks"] + slices["outer"]) / (sizes["fsdp"] * sizes["context"])
     fp32 = ring_traffic("all-reduce", grads, D) if zero <= 1 else ring_traffic("all-gather", grads, D)  # RS = AG
     int8 = sum(formulas.compressed_reduction_traffic(grads, D, plan.compression_block, zero <= 1).values())
     return {"compression": plan.grad_compression if compression.applies(plan, sizes) else "none",
@@ -278,7 +279,8 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         why = ("the embedding's and head's gradients (summed over every batch and sequence shard) are "
                "all-reduced whole over the batch axes (fsdp with expert, context or data) and then sliced to this "
                "device's shard, where the formula reduce-scatters them over fsdp x context and all-reduces the "
-               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/planner/hlo.py does not undo it)")
+               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/planner/hlo.py does not "
+               "undo it)")
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
         gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, 2))
@@ -318,8 +320,8 @@ def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | 
         flag = None
         if not within:
             what = f"measured {ratio:.2f}x the formula" if f else "measured bytes with no formula"
-            explains = lambda lo, hi: lo * (1 - tol) <= (ratio or math.inf) <= hi * (1 + tol)
-            why = next((w for w, lo, hi in gaps.get(kind, ()) if explains(lo, hi)), UNEXPLAINED)
+            r = ratio or math.inf
+            why = next((w for w, lo, hi in gaps.get(kind, ()) if lo * (1 - tol) <= r <= hi * (1 + tol)), UNEXPLAINED)
             flag = f"{what}: {why}; the roofline uses the {ROOFLINE_USES} bytes"
         out[kind] = {"measured_bytes": m, "formula_bytes": f, "ratio": ratio, "within": within, "flag": flag}
     return out

@@ -49,7 +49,8 @@ def checksums(state) -> list:
     """Per leaf: the sum of its raw bits as uint32, wrapping. Integer addition is exact and order-free,
     so the value does not depend on the mesh the state is sharded over; any flipped bit changes it."""
     def leaf_sum(x):
-        bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize])
+        uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, uint)
         return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
 
     return [leaf_sum(x) for x in jax.tree.leaves(state)]
@@ -196,8 +197,8 @@ class Checkpointer:
                 if jax.process_index() == 0:
                     print(f"warning: checkpoint {self.path(step)} is damaged ({e}); moved to "
                           f"{moved_to}, falling back to the previous one", file=sys.stderr, flush=True)
-        raise UserError(f"no intact checkpoint in {self.directory} (damaged: {', '.join(map(str, damaged)) or 'none'}); "
-                        f"pass --resume never to start fresh")
+        raise UserError(f"no intact checkpoint in {self.directory} "
+                        f"(damaged: {', '.join(map(str, damaged)) or 'none'}); pass --resume never to start fresh")
 
     def _set_aside(self, step: int) -> Path:
         """Rename a damaged step to `<step>.damaged[-n]`: never loaded again, kept for inspection."""
@@ -277,8 +278,8 @@ def agree(failure: Exception | None) -> Exception | None:
     none), so that no process renames a step or loads one that another could not read."""
     if jax.process_count() == 1:
         return failure
-    from jax.experimental import multihost_utils
     import numpy as np
+    from jax.experimental import multihost_utils
 
     code = 0 if failure is None else 1 if isinstance(failure, Damaged) else 2
     worst = int(np.max(multihost_utils.process_allgather(np.int32(code))))

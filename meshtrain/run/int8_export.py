@@ -15,8 +15,17 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.core.folders import check_new, writing_whole
-from meshtrain.interop.quantize import (INFO_FILE, MODEL_FILE, QTensor, check_scheme, dequantize, describe, flat,
-                                        quantize, tensors)
+from meshtrain.interop.quantize import (
+    INFO_FILE,
+    MODEL_FILE,
+    QTensor,
+    check_scheme,
+    dequantize,
+    describe,
+    flat,
+    quantize,
+    tensors,
+)
 from meshtrain.run import run_dir
 
 
@@ -34,7 +43,8 @@ def evaluate_with(trainer, params) -> float | None:
         trainer.state = own
 
 
-def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=None, step: int | None = None) -> dict:
+def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", devices=None,
+                step: int | None = None) -> dict:
     """Export RUN's checkpoint of `step` (default: the newest intact one, read verified) as int8 into
     OUT (made whole or not at all, with a SHA256SUMS); print and return the eval losses and sizes.
     `devices` as for Trainer (default: all, with the run's mesh)."""
@@ -46,9 +56,9 @@ def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", dev
 
     from meshtrain.data import tokenizer
     from meshtrain.interop.hf import write_sums
+    from meshtrain.models import FAMILIES
     from meshtrain.parallel.mesh import simulate_cpu_devices
     from meshtrain.run.trainer import Trainer
-    from meshtrain.models import FAMILIES
 
     check_scheme(scheme)
     cfg = run_dir.run_config(run)

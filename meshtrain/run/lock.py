@@ -36,7 +36,7 @@ class FolderLock:
         self.held = False
         self.taken_over: dict | None = None  # the holder a stale lock named, once acquired
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self) -> FolderLock:
         if self.held:
             return self
         self.folder.mkdir(parents=True, exist_ok=True)

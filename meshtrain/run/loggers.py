@@ -1,8 +1,9 @@
 """What a run reports while it trains: its metric records, fanned out to sinks, and a profiler window.
 
 A record is a dict with a `step`: a training step's metrics (loss, grad_norm, lr, tokens_per_sec,
-..., the model's own such as router_aux_loss, fp16's loss_scale), an evaluation (`eval_loss`) or an
-async checkpoint start (`checkpoint_blocking_s`). `MetricsLog` stamps each with the wall time, keeps
+..., the model's own such as router_aux_loss, fp16's loss_scale, a mixture's share_<source>), an
+evaluation (`eval_loss`, a mixture's eval_loss_<source>) or an async checkpoint start
+(`checkpoint_blocking_s`). `MetricsLog` stamps each with the wall time, keeps
 them in `history` and hands them to its sinks, each a `Logger`: write(record), rewind(step) (a
 guard rollback is about to train the steps past `step` again: forget them), close().
 
@@ -71,7 +72,9 @@ class MetricsLog:
 def format_record(r: dict) -> str:
     """One console line: `step    300  loss 1.8700  grad_norm ...` (the README's samples parse these)."""
     if "eval_loss" in r:
-        return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}"
+        sources = ", ".join(f"{k.removeprefix('eval_loss_')} {v:.4f}"
+                            for k, v in r.items() if k.startswith("eval_loss_"))
+        return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" + (f" ({sources})" if sources else "")
     if "checkpoint_blocking_s" in r:
         return f"step {r['step']:>6}  checkpoint started (blocked the loop {r['checkpoint_blocking_s'] * 1e3:.1f}ms)"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
@@ -108,8 +111,14 @@ class ProgressBar:
     While it is live, whatever else the run prints goes above the bar too."""
 
     def __init__(self, first: int, steps: int, console=None):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -167,7 +176,7 @@ class Jsonl:
 
 
 # TensorBoard / W&B tag of each record key: <group>/<name>. Keys not listed (loss, grad_norm, lr, a
-# model's new metric) go under train/, memory_* under memory/.
+# model's new metric) go under train/; those starting with a PREFIXES key under its group.
 TAG_GROUPS = {
     "perf": ("tokens_per_sec", "step_time_s", "data_wait_s", "mfu", "tflops_per_device", "checkpoint_blocking_s"),
     "guard": ("skipped_steps",),
@@ -175,6 +184,7 @@ TAG_GROUPS = {
     "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),
 }
 TAGS = {key: f"{group}/{key}" for group, keys in TAG_GROUPS.items() for key in keys} | {"eval_loss": "eval/loss"}
+PREFIXES = {"memory_": "memory/", "share_": "data/share_", "eval_loss_": "eval/loss_"}  # eval_loss_<source>
 NOT_METRICS = ("step", "time")
 FLUSH_SECONDS = 5
 
@@ -182,7 +192,8 @@ FLUSH_SECONDS = 5
 def tag(key: str) -> str:
     if key in TAGS:
         return TAGS[key]
-    return f"memory/{key.removeprefix('memory_')}" if key.startswith("memory_") else f"train/{key}"
+    prefix = next((p for p in PREFIXES if key.startswith(p)), None)
+    return PREFIXES[prefix] + key.removeprefix(prefix) if prefix else f"train/{key}"
 
 
 def scalars(record: dict):

@@ -202,7 +202,7 @@ def _filter_output() -> None:
                        f"answering); {RESUME_HINT}")
 
 
-# ---- meshtrain processes started by a launcher (meshtrain/sweep.py, meshtrain/ray_launch.py) ----
+# ---- meshtrain processes started by a launcher (meshtrain/sweep/, meshtrain/ray_launch.py) ----
 def die_with_parent(parent: int) -> None:
     """In the child, before exec: SIGTERM (meshtrain checkpoints and exits) when the sweep dies."""
     if sys.platform.startswith("linux"):

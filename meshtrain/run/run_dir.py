@@ -2,11 +2,11 @@
 (run.lock, meshtrain/run/lock.py), and written only by a run that starts training (config.yaml and
 run.json here, metrics.jsonl in loggers.py, checkpoints/ in checkpoint.py).
 
-run.json records what defines the run: the model's architecture, the data's fingerprint, the seed
-and the learning-rate schedule's horizon. A later start in the same folder continues that run; one
-that would change any of them is refused (a new run needs a new --out), unless the user says
-`--allow-change`, which records the change as a new phase (the model never changes: its
-checkpoints hold its weights)."""
+run.json records what defines the run: the model's architecture, the data's fingerprint (a
+mixture's: every source's, with its share), the seed and the learning-rate schedule's horizon. A
+later start in the same folder continues that run; one that would change any of them is refused
+(a new run needs a new --out), unless the user says `--allow-change`, which records the change as
+a new phase (the model never changes: its checkpoints hold its weights)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +19,9 @@ import numpy as np
 import yaml
 
 from meshtrain.config.loader import Config, UserError, default_out, to_dict
-from meshtrain.models import make_spec
 from meshtrain.core.folders import replace_file, writable
+from meshtrain.data.mixture import sources as data_sources
+from meshtrain.models import make_spec
 from meshtrain.run.lock import LOCK_FILE
 
 RUN_RECORD = "run.json"
@@ -51,6 +52,14 @@ def data_fingerprint(tokens) -> str:
     digest = hashlib.sha256(str(n).encode())
     digest.update(tokens.windows(starts, width).astype("<i4").tobytes())
     return f"{n}:{digest.hexdigest()[:16]}"
+
+
+def mixture_fingerprint(mix) -> str:
+    """A mixture's identity (meshtrain/data/mixture.py `Mixture`): each source's share and fingerprint, in
+    order (the order decides which rows come from which source); one source: its own fingerprint."""
+    if len(mix.sources) == 1:
+        return data_fingerprint(mix.tokens[0])
+    return "mixture " + ", ".join(f"{s.share:.6g} x {data_fingerprint(t)}" for s, t in zip(mix.sources, mix.tokens))
 
 
 def identity(cfg: Config, data: str) -> dict:
@@ -109,6 +118,9 @@ def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[di
 
 
 def data_source(cfg: Config) -> str:
+    if cfg.data.sources:
+        return "data.sources " + ", ".join(f"{s.path or 'stdlib'} (share {s.share:.3g})"
+                                           for s in data_sources(cfg.data))
     return cfg.data.path or ("synthetic data" if cfg.data.kind == "synthetic" else "the Python standard library")
 
 
@@ -159,8 +171,8 @@ def newest_params(run: str | Path, model, shardings=None, step: int | None = Non
     import jax
     import numpy as np
 
-    from meshtrain.run.checkpoint import read_params
     from meshtrain.engine.program import TrainProgram
+    from meshtrain.run.checkpoint import read_params
 
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     if shardings is None or not isinstance(shardings, dict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import shutil
 import signal
@@ -16,21 +17,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from meshtrain import data as data_lib
-from meshtrain.run import loggers, run_dir
-from meshtrain.data import tokenizer as tokenizer_lib
-from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.config.loader import Config, UserError, to_dict
-from meshtrain.models import make_spec
-from meshtrain.run.lock import LOCK_FILE, FolderLock
-from meshtrain.parallel.mesh import describe
+from meshtrain.config.validate import check_train_size
 from meshtrain.core.metrics import mfu, peak_flops
-from meshtrain.run.multihost import agree_with_process_0, preemption_reached
+from meshtrain.data import mixture
+from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
 from meshtrain.engine.program import TrainProgram
-from meshtrain.config.validate import check_train_size
+from meshtrain.models import make_spec
+from meshtrain.ops.optimizers import map_param_states
+from meshtrain.parallel.mesh import describe
+from meshtrain.run import loggers, run_dir
+from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
+from meshtrain.run.lock import LOCK_FILE, FolderLock
+from meshtrain.run.multihost import agree_with_process_0, preemption_reached
 
 
 class Trainer:
@@ -60,22 +61,25 @@ class Trainer:
         t = cfg.train
         run_dir.set_horizon(self.out, cfg)  # the schedule's, as the run recorded it
         self.cfg = cfg
-        self.program = program = TrainProgram.from_config(cfg, devices)
+        load_mixture = lambda: mixture.load(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        # data.document_mask splits documents at the data's own tokenizer's EOS unless data.eos_id names one
+        early = load_mixture() if cfg.data.document_mask and cfg.data.eos_id < 0 else None
+        eos = None if early is None else getattr(early.tokenizer, "eos_id", None)
+        self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
-        self.corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
+        self.mixture = load_mixture() if early is None else early
         # What defines the run, checked against the folder's record.
-        self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.data_fingerprint(self.corpus.tokens),
+        self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.mixture_fingerprint(self.mixture),
                                                         allow_change)
         if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
             print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
-                  f"{cfg.optim.schedule_steps}): lr stays at optim.lr x min_lr_ratio from there; to decay over a new "
+                  f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay over a new "
                   f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
-        train_tokens, val_tokens = data_lib.split_tokens(self.corpus.tokens, cfg.data.val_fraction, t.seq_len)
-        batches = lambda toks, split: data_lib.Batches(toks, t.batch_size, t.seq_len, t.seed, split,
-                                                       program.batch_sharding, cfg.model.vocab_size)
-        self.train_batches = batches(train_tokens, 0)
-        has_val = cfg.data.val_fraction > 0 or self.corpus.tokens is None
-        self.val_batches = batches(val_tokens, 1) if has_val else None
+        # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
+        self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
+                                                            t.seq_len, t.seed, program.batch_sharding,
+                                                            cfg.model.vocab_size)
+        self.shares = getattr(self.train_batches, "shares", None)  # a mixture's
 
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
         self.resumed_from = None
@@ -132,7 +136,7 @@ class Trainer:
         if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)
         self.resumed_from = reader.path(step)
-        self.skip_batches = sorted(set(self.skip_batches) | set(meta.get("skip_batches", [])))
+        self._skip(meta.get("skip_batches", []))
         if jax.process_index() == 0:
             print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
         return state
@@ -142,10 +146,15 @@ class Trainer:
         run executes or learns may change."""
         saved = make_spec(meta["config"]["model"])
         differ = self.cfg.model.architecture_difference(saved, "this run", f"checkpoint {folder}")
+        own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
+        fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
         if differ:
-            own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
-            fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
             raise UserError(f"{differ}; {fresh}, or use the checkpoint's model config")
+        optimizer = meta["config"].get("optim", {}).get("optimizer", "adamw")  # earlier versions: AdamW
+        if optimizer != self.cfg.optim.optimizer:  # another state layout
+            raise UserError(f"checkpoint {folder} holds the state of optim.optimizer={optimizer}, this run has "
+                            f"{self.cfg.optim.optimizer}; resume with optim.optimizer={optimizer}, or {fresh} "
+                            f"(checkpoint.init_from takes a run's weights with a fresh optimizer)")
 
     def _reorder_layers(self, state, saved_order):
         """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
@@ -157,8 +166,8 @@ class Trainer:
 
         def reorder(state):
             params = jax.tree.map(move, state["params"], p.logical_axes, is_leaf=is_names)
-            opt_state = optax.tree_map_params(p.tx, move, state["opt_state"], p.logical_axes,
-                                              transform_non_params=lambda x: x, is_leaf=is_names)
+            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"], state["params"],
+                                         p.logical_axes)
             return {**state, "params": params, "opt_state": opt_state}
 
         state = jax.jit(reorder, out_shardings=p.state_shardings)(state)
@@ -169,6 +178,10 @@ class Trainer:
     def unpermuted_params(self):
         """The parameters as a single device holds them, on the host."""
         return self.program.in_model_order(jax.device_get(self.state["params"]))
+
+    def _skip(self, batches) -> None:
+        """Add batch indices to those the run skips (`skip_batches`: sorted, each once)."""
+        self.skip_batches = sorted(set(self.skip_batches) | set(batches))
 
     def batch_index(self, step: int) -> int:
         """The data batch of `step`: the step-th batch index, counting from 0, that is not skipped."""
@@ -190,11 +203,20 @@ class Trainer:
         return self.checkpointer.path(int(self.state["step"]))
 
     def evaluate(self) -> float | None:
-        if self.val_batches is None:
-            return None
+        return self.evaluation().get("eval_loss")
+
+    def evaluation(self) -> dict:
+        """{'eval_loss': the mean loss of train.eval_batches validation batches}, {} without validation.
+        A mixture adds each source's `eval_loss_<name>` on its own held-out windows; eval_loss is their
+        mean weighted by the sources' shares."""
+        n = self.cfg.train.eval_batches
         with self.program.context():
-            losses = [self.eval_step(self.state["params"], self.val_batches(i)) for i in range(self.cfg.train.eval_batches)]
-        return float(jnp.mean(jnp.stack(losses)))
+            losses = {name: float(jnp.mean(jnp.stack([self.eval_step(self.state["params"], val(i)) for i in range(n)])))
+                      for name, val in self.val_sets.items()}
+        if len(losses) < 2:
+            return {"eval_loss": next(iter(losses.values()))} if losses else {}
+        record = {"eval_loss": math.fsum(s.share * losses[s.name] for s in self.mixture.sources)}
+        return record | {f"eval_loss_{name}": loss for name, loss in losses.items()}
 
     def fit(self, steps: int | None = None, log: loggers.MetricsLog | None = None) -> list[dict]:
         """Train until `steps` (default train.steps) and return the logged records. `log`: where
@@ -225,7 +247,7 @@ class Trainer:
                 run_dir.write_config(self.out, cfg, self.program.mesh)
                 run_dir.record_start(self.out, self.identity, cfg, first, self.changes)
                 self.changes = []
-                tokenizer_lib.record(self.out, self.corpus.tokenizer)  # so the run's tokens can be decoded
+                tokenizer_lib.record(self.out, self.mixture.tokenizer)  # so the run's tokens can be decoded
             if primary:
                 print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
                       f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
@@ -267,9 +289,8 @@ class Trainer:
                 last_time += trace.before(k + 1)  # tracing's own time is no step's
                 self.state, metrics = self.compiled_step(self.state, batch)
                 # Judge the previous step only now, so the host never waits for the step it just dispatched.
-                if pending is not None and self._guard(*pending):
-                    k, pending = int(self.state["step"]), None  # rolled back: the step in flight is dropped
-                    log.rewind(k)
+                if pending is not None and (back := self._guard(*pending, log)) is not None:
+                    k, pending = back, None  # rolled back: the step in flight is dropped
                     last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
                     continue
                 k = done = k + 1
@@ -282,9 +303,9 @@ class Trainer:
                                            (prefetch.waited - data_wait) / (done - last_step)))
                     last_time, last_step, data_wait = time.perf_counter(), done, prefetch.waited
                 if t.eval_every and (done % t.eval_every == 0 or done == steps):
-                    eval_loss = self.evaluate()
-                    if eval_loss is not None:
-                        log.write({"step": done, "eval_loss": eval_loss})
+                    evaluation = self.evaluation()
+                    if evaluation:
+                        log.write({"step": done, **evaluation})
                     last_time = time.perf_counter()
                 preempted = self._preempted(done, signalled)
                 save_owed = save_owed or self._save_due(done)
@@ -292,10 +313,9 @@ class Trainer:
                     continue
                 # A checkpoint never lands inside a NaN/Inf streak: judge this step before saving it.
                 judged, pending = pending, None
-                if self._guard(*judged):
-                    k = int(self.state["step"])
-                    log.rewind(k)
-                    last_time, last_step = time.perf_counter(), k
+                if (back := self._guard(*judged, log)) is not None:
+                    k = back
+                    last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
                     continue
                 final, path = preempted or done == steps, None
                 if self.bad_batches:  # a periodic save waits for the streak to end
@@ -326,6 +346,8 @@ class Trainer:
                   "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
                   "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "data_wait_s": data_wait}
         record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "finite"})  # the model's
+        if self.shares is not None:  # a mixture: each source's share of the step's tokens
+            record.update(self.shares(self.batch_index(step - 1)))
         flops, n = self.program.flops_per_token, self.program.mesh.size
         util = mfu(tokens_per_sec, flops, n, self.peak)
         if util is not None:
@@ -347,33 +369,40 @@ class Trainer:
         """SIGTERM/SIGINT: at once with one process; with several, at the step all of them agree on."""
         return signalled.is_set() if jax.process_count() == 1 else preemption_reached(step)
 
-    def _guard(self, step: int, metrics) -> bool:
+    def _guard(self, step: int, metrics, log) -> int | None:
         """Count a nonfinite step (its update was already skipped inside the step); after
-        guard.max_consecutive_bad in a row, roll back to the last checkpoint. True if rolled back."""
+        guard.max_consecutive_bad in a row, roll back (`_roll_back`). The step rolled back to, or None."""
         if bool(metrics["finite"]):
             self.bad_batches = []
-            return False
+            return None
         self.bad_batches.append(self.batch_index(step - 1))
-        bad, g = len(self.bad_batches), self.cfg.guard
+        bad = len(self.bad_batches)
         if jax.process_index() == 0:
             print(f"warning: step {step}: loss or gradients are NaN/Inf; update skipped ({bad} in a row)",
                   file=sys.stderr, flush=True)
-        if bad < g.max_consecutive_bad:
-            return False
+        return self._roll_back(step, log) if bad >= self.cfg.guard.max_consecutive_bad else None
+
+    def _roll_back(self, step: int, log) -> int:
+        """After a NaN/Inf streak ending at `step`: the state of the newest intact checkpoint, read as a
+        resume reads it (`_restore`), the streak's batches past it skipped from now on, and `log` rewound
+        to it; returns that step, where the loop trains on. With no checkpoint, or after
+        guard.max_rollbacks, the state is saved instead and the run stops with an error."""
         self.checkpointer.wait()
-        steps = self.checkpointer.steps()
-        if not steps or self.rollbacks >= g.max_rollbacks:
+        steps, bad = self.checkpointer.steps(), len(self.bad_batches)
+        if not steps or self.rollbacks >= self.cfg.guard.max_rollbacks:
             path = self.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
             why = "no checkpoint to roll back to" if not steps else f"still diverging after {self.rollbacks} rollbacks"
             raise UserError(f"{bad} NaN/Inf steps in a row at step {step}, {why}; state saved to {path}; "
                             f"lower optim.lr or check the data, then rerun to resume")
         self.state = self._restore(self.checkpointer.directory, steps,
                                    verb=f"guard: {bad} NaN/Inf steps in a row; rolled back to")
-        resume_index = self.batch_index(int(self.state["step"]))
+        back = int(self.state["step"])
+        resume_index = self.batch_index(back)
         skipped = [b for b in self.bad_batches if b >= resume_index]  # earlier ones precede the checkpoint
-        self.skip_batches = sorted(set(self.skip_batches) | set(skipped))
+        self._skip(skipped)
         if jax.process_index() == 0:
             print(f"guard: skipping batches {skipped}", flush=True)
         self.bad_batches, self.rollbacks = [], self.rollbacks + 1
-        return True
+        log.rewind(back)
+        return back
 

@@ -137,3 +137,9 @@ def orphans(trials, out: Path) -> list:
     """RUNNING trials whose sweep process is gone."""
     return [t for t in trials if t.state.name == "RUNNING" and PROCESS_ATTR in t.user_attrs
             and process_gone(out, t.user_attrs[PROCESS_ATTR])]
+
+
+def shown_path(path) -> str:
+    """A path as the sweep prints it: relative to the working directory when under it."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
