@@ -313,6 +313,7 @@ def test_packed_batch_through_a_pipeline(packed, schedule, residuals):
     one-device packed loss and gradients. (1F1B's actions are zb's, less the deferral.)"""
     from meshtrain.engine.pipeline import make_pipeline_grads
     from meshtrain.engine.program import TrainProgram
+    from meshtrain.parallel.batching import StepInputs
 
     spec, params, tokens, _ = packed
     tokens = jnp.tile(tokens, (2, 1))  # 4 rows: 4 microbatches of 1
@@ -324,5 +325,5 @@ def test_packed_batch_through_a_pipeline(packed, schedule, residuals):
     param_specs = jax.tree.map(lambda s: s.spec, program.state_shardings["params"])
     grads_fn = make_pipeline_grads(program.model, cfg.parallel, program.mesh, param_specs, program.grad_specs)
     with program.context():
-        metrics, grads = jax.jit(grads_fn)(params, tokens)
-    assert_same_step(((None, metrics), grads), want, f"pipeline=2 {schedule} residuals={residuals}")
+        out = jax.jit(grads_fn)(params, StepInputs(tokens))
+    assert_same_step(((None, out.metrics), out.grads), want, f"pipeline=2 {schedule} residuals={residuals}")
