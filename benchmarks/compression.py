@@ -25,7 +25,7 @@ MODES = ("none", "int8")
 
 def run(mode: str, args):
     from meshtrain.config.loader import load_config
-    from meshtrain.planner.aot import hlo
+    from meshtrain.planner import hlo
     from meshtrain.run.loggers import MetricsLog
     from meshtrain.run.trainer import Trainer
 

@@ -13,7 +13,7 @@ import jax
 from meshtrain.config.loader import load_config
 from meshtrain.engine.program import TrainProgram
 from meshtrain.parallel.mesh import simulate_cpu_devices
-from meshtrain.planner.aot import hlo, traffic
+from meshtrain.planner import hlo, traffic
 
 
 def main():

@@ -81,7 +81,7 @@ def sequence_parallel_memory():
     """Compiled temporaries per device of the tiny step on data=4 x tensor=2, without and with
     sequence parallelism, and the all-gathers it adds."""
     from meshtrain.engine.program import TrainProgram
-    from meshtrain.planner.aot import hlo
+    from meshtrain.planner import hlo
     from meshtrain.testing import tiny_config
 
     print("| sequence parallel | temporaries/device | all-gathers | all-reduce payload |")

@@ -34,7 +34,7 @@ def facts(compiled, mesh, sizes: dict) -> dict:
     """What the comparison needs of one compiled program: its mesh's devices in mesh order (global
     id, process), the devices this process runs in the executable's partition order, and every
     collective (meshtrain/planner/hlo.py) with its replica groups as the HLO names them."""
-    from meshtrain.planner.aot import hlo
+    from meshtrain.planner import hlo
 
     return {"sizes": sizes,
             "mesh_device_ids": [d.id for d in mesh.devices.flat],
@@ -50,7 +50,7 @@ def train_step_facts(config: str, mesh: str, overrides: list[str], per_node: int
     from meshtrain.config.loader import load_config
     from meshtrain.core.metrics import DEVICE_PROFILES
     from meshtrain.engine.program import TrainProgram
-    from meshtrain.planner.aot import hlo, roofline
+    from meshtrain.planner import hlo, roofline
 
     cfg = load_config(config, [f"parallel.mesh={mesh}", *overrides])
     cfg.devices = 0
@@ -92,7 +92,7 @@ def verdicts(program: dict, per_node: int) -> list[dict]:
     """Per collective: its link traffic per step, the roofline's verdict (the axes its groups span
     cross nodes of `per_node` consecutive positions) and the truth (a group holds devices of two
     processes, the group's ids read as mesh positions)."""
-    from meshtrain.planner.aot import roofline
+    from meshtrain.planner import roofline
 
     sizes, owner = program["sizes"], program["mesh_processes"]
     return [{"kind": c["kind"], "bytes": c["times"] * c["traffic"],
