@@ -49,3 +49,12 @@ def run_tiny(*overrides, devices=None, config=TINY):
 def max_param_diff(a, b) -> float:
     """The largest absolute difference between two parameter trees."""
     return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def value_and_grads(attend, q, k, v, cot):
+    """An attention kernel's output and d(sum(out * cot))/d(q, k, v): what the kernel parity tests compare."""
+    def loss(q, k, v):
+        out = attend(q, k, v)
+        return jax.numpy.sum(out * cot), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads

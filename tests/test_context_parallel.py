@@ -13,6 +13,7 @@ from meshtrain.ops import context_parallel
 from meshtrain.ops.attention import executed_attention
 from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
 from meshtrain.planner import hlo
+from meshtrain.testing import value_and_grads
 
 B, L, H, G, K = 2, 16, 4, 2, 8
 
@@ -40,15 +41,6 @@ def inputs(seed=0, batch=B):
     v = jax.random.normal(keys[2], (batch, L, G, K))
     cot = jax.random.normal(keys[3], (batch, L, H, K))
     return q, k, v, cot
-
-
-def value_and_grads(attend, q, k, v, cot):
-    """out and d(sum(out * cot))/d(q, k, v), all in true order."""
-    def loss(q, k, v):
-        out = attend(q, k, v)
-        return jnp.sum(out * cot), out
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, grads
 
 
 def ring_in_true_order(positions, constrain=None):

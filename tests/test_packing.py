@@ -19,6 +19,7 @@ from meshtrain.ops.attention import BACKENDS, blockwise_attention, executed_atte
 from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
 from meshtrain.ops.packing import Packing, packing_of, visible
 from meshtrain.planner import hlo
+from meshtrain.testing import value_and_grads
 
 B, L, H, G, K = 2, 64, 4, 2, 8
 EOS = 0
@@ -52,14 +53,6 @@ def inputs(seed=0):
     return q, k, v, cot, Packing(EOS).documents(tokens).segments
 
 
-def values_and_grads(attend, q, k, v, cot):
-    def loss(q, k, v):
-        out = attend(q, k, v)
-        return jnp.sum(out * cot), out
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, grads
-
-
 def assert_close(got, want):
     (got_out, got_grads), (want_out, want_grads) = got, want
     np.testing.assert_allclose(got_out, want_out, atol=1e-5, rtol=1e-5)
@@ -90,9 +83,9 @@ def test_local_kernels_match_the_dense_mask(backend, segmented, window):
     kernel = {"xla": xla_attention,
               "blockwise": lambda *a, **kw: blockwise_attention(*a, block=8, **kw),
               "ring-one-device": lambda q, k, v, **kw: ring_attention(q, k, v, np.arange(L), **kw)}[backend]
-    got = jax.jit(lambda *a: values_and_grads(lambda q, k, v: kernel(q, k, v, segment_ids=segments,
+    got = jax.jit(lambda *a: value_and_grads(lambda q, k, v: kernel(q, k, v, segment_ids=segments,
                                                                      window=window), *a))(q, k, v, cot)
-    want = values_and_grads(lambda q, k, v: reference(q, k, v, segments, window), q, k, v, cot)
+    want = value_and_grads(lambda q, k, v: reference(q, k, v, segments, window), q, k, v, cot)
     print(f"{backend} segments={segmented} window={window}: max |diff| {assert_close(got, want):.2e}")
 
 
@@ -116,8 +109,8 @@ def test_ring_matches_the_dense_mask(cp, ring_block, segmented, window, monkeypa
         return ring_attention(*stored, positions, segment_ids=segs, window=window)[:, inverse]
 
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda *a: values_and_grads(attend, *a))(q, k, v, cot)
-    want = values_and_grads(lambda q, k, v: reference(q, k, v, segments, window), q, k, v, cot)
+        got = jax.jit(lambda *a: value_and_grads(attend, *a))(q, k, v, cot)
+    want = value_and_grads(lambda q, k, v: reference(q, k, v, segments, window), q, k, v, cot)
     print(f"ring cp={cp} segments={segmented} window={window}: max |diff| {assert_close(got, want):.2e}")
 
 
