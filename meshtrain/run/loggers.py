@@ -112,11 +112,12 @@ class Pace:
         return (self.steps - record["step"]) * record["step_time_s"]
 
     def warm_line(self, record: dict, eta: float | None) -> str | None:
-        """`step time after warm-up: 12.3ms (steps 11-20); 980 steps left, ETA 12.1s`, once."""
+        """`after warm-up: 12.3ms per step (steps 11-20); 980 steps left, ETA 12.1s`, once (not
+        starting with `step `: the record lines do)."""
         if eta is None or self.told:
             return None
         self.told = True
-        return (f"step time after warm-up: {record['step_time_s'] * 1e3:.1f}ms (steps {self.warm_from + 1}-"
+        return (f"after warm-up: {record['step_time_s'] * 1e3:.1f}ms per step (steps {self.warm_from + 1}-"
                 f"{record['step']}); {self.steps - record['step']} steps left, ETA {duration(eta)}")
 
 
@@ -205,8 +206,11 @@ class Ticker:
         return self
 
     def _tick(self) -> None:
-        while not self._stop.wait(self.every_s if self.clock() - self.started < 60 else 60):
-            self.print_line(f"{self.doing} ({self.clock() - self.started:.0f} s so far)")
+        wait = self.every_s
+        while not self._stop.wait(wait):
+            elapsed = self.clock() - self.started  # one reading per line
+            self.print_line(f"{self.doing} ({elapsed:.0f} s so far)")
+            wait = self.every_s if elapsed < 60 else 60
 
     def __exit__(self, kind, *_) -> None:
         if not self.enabled:
