@@ -177,10 +177,9 @@ def test_jobset_pods_resolve_to_one_job():
 
 @pytest.mark.parametrize("path", [INDEXED_JOB, JOBSET], ids=["indexed job", "jobset"])
 def test_manifest_commands_load(path):
-    pods = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] in ("Job", "JobSet")]
-    text = yaml.safe_dump(pods)
-    command = re.search(r"command:\n((?:\s*- .*\n)+)", text)[1]
-    argv = [str(a) for a in yaml.safe_load(command)]
+    [job] = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] in ("Job", "JobSet")]
+    job = job["spec"]["replicatedJobs"][0]["template"] if job["kind"] == "JobSet" else job
+    argv = job["spec"]["template"]["spec"]["containers"][0]["command"]
     assert argv[:3] == ["python", "-m", "meshtrain.train"]
     args = parser().parse_args(argv[3:])
     cfg = load_config(str(ROOT / args.config), overrides(args))
@@ -235,7 +234,7 @@ def test_lines_give_the_warm_step_time_and_an_eta(capsys):
     sink = loggers.Lines(first=0, steps=100)
     record = lambda step, t: {"step": step, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 1e3,
                               "step_time_s": t}
-    for r in (record(10, 0.5), {"step": 10, "eval_loss": 2.0}, record(20, 0.1), record(30, 0.2)):
+    for r in (record(10, 0.5), {"step": 10, "eval_loss": 2.0}, record(20, 0.1), record(30, 0.2), record(100, 0.2)):
         sink.write(r)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == loggers.format_record(record(10, 0.5))  # warm-up: no ETA
@@ -243,6 +242,7 @@ def test_lines_give_the_warm_step_time_and_an_eta(capsys):
     assert lines[2] == "after warm-up: 100.0ms per step (steps 11-20); 80 steps left, ETA 8.0s"
     assert lines[3] == loggers.format_record(record(20, 0.1)) + "  ETA 8.0s"
     assert lines[4] == loggers.format_record(record(30, 0.2)) + "  ETA 14.0s"
+    assert lines[5] == loggers.format_record(record(100, 0.2))  # the last step: nothing left
     assert loggers.where(ROOT / "runs/x", True) == (f"run folder {ROOT / 'runs/x'} (config.yaml, metrics.jsonl, "
                                                     f"checkpoints/); TensorBoard: tensorboard --logdir "
                                                     f"{ROOT / 'runs/x/tensorboard'}")

@@ -103,13 +103,15 @@ class Pace:
         self.first, self.steps, self.warm, self.told = first, steps, False, False
 
     def eta(self, record: dict) -> float | None:
-        """Seconds left at this record's pace; None for the warm-up record and non-training ones."""
+        """Seconds left at this record's pace; None for the warm-up record, non-training ones and
+        the last step."""
         if "loss" not in record:
             return None
         if not self.warm:
             self.warm, self.warm_from = True, record["step"]
             return None
-        return (self.steps - record["step"]) * record["step_time_s"]
+        left = self.steps - record["step"]
+        return left * record["step_time_s"] if left > 0 else None
 
     def warm_line(self, record: dict, eta: float | None) -> str | None:
         """`after warm-up: 12.3ms per step (steps 11-20); 980 steps left, ETA 12.1s`, once (not

@@ -244,11 +244,6 @@ def _jobset(env) -> Launch | None:
     return Launch(launcher, f"{name}-{replicated}-0-0.{service}:{K8S_PORT}", num, job * per_job + pod)
 
 
-def launched_by_cluster(env=None) -> bool:
-    """True when this process is one of several (flags aside): a launcher's environment says so."""
-    return resolve_launch(env) is not None
-
-
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, heartbeat_timeout_s: int = 100,
                      init_timeout_s: int = 300) -> Launch | None:
