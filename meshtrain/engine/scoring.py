@@ -137,11 +137,12 @@ class Scorer:
         return np.concatenate(scores)[:n], np.concatenate(greedy)[:n]
 
 
-def for_program(program, tasks=(), rows: int | None = None) -> Scorer:
-    """The scorer of a training program's mesh, rules, precision and parameter layout (storage order,
-    the train state's shardings): `rows` default a training microbatch's rows (the forward of as many
-    as a training step holds), the window the longest of `tasks`' requests (meshtrain/data/tasks.py),
-    rounded up to a whole blockwise-attention block, at most train.seq_len."""
+def for_program(program, tasks=(), rows: int | None = None, model_order: bool = False) -> Scorer:
+    """The scorer of a training program's mesh, rules, precision and parameter layout (the train
+    state's shardings; storage order, or model order with `model_order`): `rows` default a training
+    microbatch's rows (the forward of as many as a training step holds), the window the longest of
+    `tasks`' requests (meshtrain/data/tasks.py), rounded up to a whole blockwise-attention block, at
+    most train.seq_len."""
     from meshtrain.ops.attention import BACKENDS, MIN_ATTENTION_BLOCK
 
     t, plan = program.train, program.plan
@@ -149,9 +150,10 @@ def for_program(program, tasks=(), rows: int | None = None) -> Scorer:
     rows = rows or t.batch_size // plan.num_microbatches(program.sizes["pipeline"])
     attention = BACKENDS[plan.attention] if plan.attention != "ring" else xla_attention
     length = min(t.seq_len, -(-longest // MIN_ATTENTION_BLOCK) * MIN_ATTENTION_BLOCK)
-    return Scorer(program.model, rows, length, mesh=program.mesh,
-                  rules=program.rules, param_shardings=program.state_shardings["params"],
-                  prepare=program.in_model_order, precision=plan.precision, attention=attention)
+    return Scorer(program.model, rows, length, mesh=program.mesh, rules=program.rules,
+                  param_shardings=program.state_shardings["params"],
+                  prepare=None if model_order else program.in_model_order, precision=plan.precision,
+                  attention=attention)
 
 
 def task_metrics(scorer: Scorer, params, tasks) -> dict[str, float]:
