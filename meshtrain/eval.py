@@ -31,10 +31,11 @@ class Loaded:
 
 def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = None, step: int | None = None,
          seq_len: int | None = None, batch_size: int | None = None, data: str | None = None,
-         tokenizer: str | None = None) -> Loaded:
+         tokenizer: str | None = None, devices=None) -> Loaded:
     """A run's checkpoint (the newest intact one, or `step`) or a Hugging Face folder, read onto `mesh`
     (default: the run's parallel.mesh; data=-1 for --hf). `data` replaces the run's data for the
-    validation loss; `tokenizer` the recorded one."""
+    validation loss; `tokenizer` the recorded one; `devices` restricts the mesh to a subset of
+    jax.devices(), as for Trainer."""
     from meshtrain.config.loader import Config, apply_overrides, check_config, load_config
     from meshtrain.data import tokenizer as tokenizer_lib
     from meshtrain.engine.program import TrainProgram
@@ -64,7 +65,7 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
         check_config(cfg)
         tok = tokenizer_lib.load(str(tok_spec))
     tokenizer_lib.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
-    program = TrainProgram.from_config(cfg)
+    program = TrainProgram.from_config(cfg, devices)
     shardings = program.state_shardings["params"]
     if run is not None:
         params, step = run_dir.newest_params(run, program.model, shardings, step)
