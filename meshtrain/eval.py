@@ -168,6 +168,8 @@ def main(argv=None) -> int:
                   batch_size=args.batch_size, data=args.data, tokenizer=args.tokenizer)
     tasks_config = task_entries(args.task, args.limit) if args.task else loaded.cfg.eval.tasks
     val_batches = args.val_batches
+    if args.hf and val_batches and not args.data:
+        raise UserError("--val-batches with --hf needs --data PATH: a Hugging Face folder has no validation data")
     if val_batches is None:
         val_batches = loaded.cfg.train.eval_batches if (args.run or args.data) else 0
     record = evaluate(loaded, tasks_config, val_batches)

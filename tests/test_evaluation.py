@@ -48,25 +48,26 @@ def tiny():
 
     cfg = tiny_config("model.num_layers=2")
     model = FAMILIES[cfg.model.family](cfg.model)
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))
     rng = np.random.default_rng(0)
     requests = [(rng.integers(0, 256, rng.integers(1, 40)), rng.integers(0, 256, rng.integers(1, 8)))
                 for _ in range(9)]
     context = rng.integers(0, 256, 5)  # a continuation the model's argmax produces: greedy
     greedy = np.argmax(logits_of(model, params, context, WINDOW)[-1])
     requests.append((context, np.array([greedy])))
-    return model, params, requests, Scorer(model, 4, WINDOW)(params, requests)
+    scorer = Scorer(model, 4, WINDOW)
+    return model, params, requests, scorer, scorer(params, requests)
 
 
 def test_scores_are_the_logits_log_likelihoods(tiny):
-    model, params, requests, (scores, greedy) = tiny
+    model, params, requests, _, (scores, greedy) = tiny
     expected = [direct(model, params, *r) for r in requests]
     assert np.max(np.abs(scores - [e[0] for e in expected])) < 1e-5
     assert list(greedy) == [e[1] for e in expected] and greedy[-1]
 
 
 def test_scores_on_a_2x2_mesh_equal_one_device(tiny):
-    model, params, requests, (scores, greedy) = tiny
+    model, params, requests, _, (scores, greedy) = tiny
     mesh = build_mesh(parse_mesh("data=2,tensor=2", 4), jax.devices()[:4])
     sharded, sharded_greedy = Scorer(model, 4, WINDOW, mesh=mesh)(place(model, mesh, params=params), requests)
     assert np.max(np.abs(sharded - scores)) < 1e-5
@@ -113,14 +114,9 @@ def test_bad_task_entries_are_config_errors(overrides, error):
         tiny_config(*overrides)
 
 
-def test_missing_task_file_fails_before_compiling(tmp_path):
-    from meshtrain.run.trainer import Trainer
-
-    (tmp_path / "text.txt").write_text("hello\n" * 100)
-    cfg = tiny_config(f"data.path={tmp_path / 'text.txt'}", "data.kind=auto", "train.eval_every=5",
-                      f"eval.tasks=[{tmp_path / 'missing.jsonl'}]")
+def test_a_missing_task_file_is_named(tmp_path):
     with pytest.raises(UserError, match="task file .*missing.jsonl not found"):
-        Trainer(cfg)
+        tasks.load([{"name": "x", "path": str(tmp_path / "missing.jsonl")}], ByteTokenizer())
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +132,9 @@ def run(tmp_path_factory):
              {"context": "", "choices": ["To be", "Not"], "label": 0}]
     (folder / "play.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
     cfg = tiny_config("model.num_layers=2", f"data.path={folder / 'text.txt'}", "data.kind=auto",
-                      "train.steps=4", "train.eval_every=4", f"eval.tasks=[{{path: {folder / 'play.jsonl'}}}]",
-                      "eval.task_every=2", "parallel.mesh=data=2,tensor=2", out=str(folder / "run"))
+                      "train.steps=4", "train.eval_every=4", "train.eval_batches=1",
+                      f"eval.tasks=[{{path: {folder / 'play.jsonl'}}}]", "eval.task_every=2",
+                      "parallel.mesh=data=2,tensor=2", out=str(folder / "run"))
     trainer = Trainer(cfg, devices=jax.devices()[:4])
     return folder, trainer.fit(log=MetricsLog(primary=False))
 
@@ -168,33 +165,35 @@ def test_eval_command_reproduces_the_loop_on_another_mesh(run, capsys):
     assert results["eval_acc_norm_play"] == last["eval_acc_norm_play"]
 
 
-def test_lm_eval_adapter_agrees_with_the_model(run):
+def test_lm_eval_adapter_agrees_with_the_model(tiny, run):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
     from lm_eval.api.model import LM
 
     from meshtrain.eval import harness_lm
+    from meshtrain.interop.harness import HarnessLM
 
     folder, _ = run
-    lm = harness_lm(run=str(folder / "run"), mesh="data=2,tensor=2", devices=jax.devices()[:4])
-    assert isinstance(lm, LM) and lm.window == 16  # the run's train.seq_len
+    from_run = harness_lm(run=str(folder / "run"), mesh="data=2,tensor=2", devices=jax.devices()[:4])
+    assert isinstance(from_run, LM) and from_run.window == 16  # the run's train.seq_len
+    model, params, _, scorer, _ = tiny
+    lm = HarnessLM(model, params, ByteTokenizer(), scorer)
     ask = lambda kind, *args: Instance(kind, {}, args, 0)
-    params = jax.device_get(lm.params)
     pairs = [("To be, or not to", " be"), ("that is the", " question.")]
     got = lm.loglikelihood([ask("loglikelihood", *p) for p in pairs])
     for (context, continuation), (score, greedy) in zip(pairs, got):
         ids = [np.frombuffer(t.encode(), np.uint8).astype(np.int32) for t in (context, continuation)]
-        assert np.allclose((score, greedy), direct(lm.model, params, *ids, window=16), atol=1e-5)
-    text = "To be, or not to be, that is the question."  # 42 bytes: windows of 16, 16 and 10 predicted
+        assert np.allclose((score, greedy), direct(model, params, *ids), atol=1e-5)
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind"  # 74 bytes
     ids = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
-    whole = np.concatenate([[10], ids])
-    expected = sum(direct(lm.model, params, whole[:s + 1], ids[s:s + 16], window=16)[0] for s in (0, 16, 32))
+    whole = np.concatenate([[10], ids])  # windows of 32, 32 and 10 predicted bytes after a newline
+    expected = sum(direct(model, params, whole[:s + 1], ids[s:s + WINDOW])[0] for s in (0, 32, 64))
     assert abs(lm.loglikelihood_rolling([ask("loglikelihood_rolling", text)])[0] - expected) < 1e-4
     greedy = list(ids[:10])  # greedy decoding by full forwards, the reference
     for _ in range(6):
-        greedy.append(int(np.argmax(logits_of(lm.model, params, greedy[-16:], 16)[-1])))
+        greedy.append(int(np.argmax(logits_of(model, params, greedy[-WINDOW:], WINDOW)[-1])))
     full = ByteTokenizer().decode(greedy[10:])
-    until = lambda stop: lm.generate_until([ask("generate_until", text[:10], {"until": stop, "max_gen_toks": 6})])[0]
-    assert until([]) == full
+    until = lambda stop: lm.generate_until([ask("generate_until", text[:10], {"until": stop, "max_gen_toks": 6})])
+    assert until([]) == [full]
     stop = full[2:4] or "x"
-    assert until([stop]) == (full[:full.find(stop)] if stop in full else full)
+    assert until([stop]) == [full[:full.find(stop)] if stop in full else full]

@@ -71,7 +71,10 @@ def pack(requests, rows: int, length: int):
         tokens, targets = np.zeros((2, rows, length), np.int32)
         mask = np.zeros((rows, length), bool)
         for r, (context, continuation) in enumerate(requests[start:start + rows]):
-            if not 0 < len(continuation) <= length:
+            if not len(continuation):
+                raise UserError("a continuation encodes to no tokens, which have no log-likelihood; give each "
+                                "choice some text")
+            if len(continuation) > length:
                 raise UserError(f"a continuation of {len(continuation)} tokens does not fit the scoring window of "
                                 f"{length} tokens (train.seq_len, or --seq-len); shorten the choice or widen it")
             whole = np.concatenate([np.asarray(context, np.int32), np.asarray(continuation, np.int32)])[-(length + 1):]
