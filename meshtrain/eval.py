@@ -156,6 +156,7 @@ def parser() -> Parser:
 @command
 def main(argv=None) -> int:
     from meshtrain.core.folders import replace_file
+    from meshtrain.data import tasks
     from meshtrain.parallel.mesh import describe
     from meshtrain.run.loggers import format_record
 
@@ -164,9 +165,12 @@ def main(argv=None) -> int:
         from meshtrain.parallel.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(args.devices)
+    flagged = task_entries(args.task, args.limit)
+    for entry in tasks.entries(flagged, "--task"):  # a bad --task file is found before any weight is read
+        tasks.read(entry.path, entry.limit)
     loaded = load(args.run, args.hf, mesh=args.mesh, step=args.step, seq_len=args.seq_len,
                   batch_size=args.batch_size, data=args.data, tokenizer=args.tokenizer)
-    tasks_config = task_entries(args.task, args.limit) if args.task else loaded.cfg.eval.tasks
+    tasks_config = flagged or loaded.cfg.eval.tasks
     val_batches = args.val_batches
     if args.hf and val_batches and not args.data:
         raise UserError("--val-batches with --hf needs --data PATH: a Hugging Face folder has no validation data")
