@@ -88,6 +88,13 @@ def test_encode_pair_and_metrics():
     assert metrics == {"acc": 2 / 4, "acc_norm": 3 / 4}
 
 
+def test_the_shipped_example_task_reads():
+    from meshtrain.testing import ROOT
+
+    items = tasks.read(ROOT / "examples" / "shakespeare_tasks.jsonl")
+    assert len(items) == 12 and {item.label for item in items} == {0, 1, 2}
+
+
 @pytest.mark.parametrize("line, error", [
     ("not json", "line 2 is not JSON"),
     ('{"context": "a", "choices": ["x", "y"]}', "lacks context, choices or label"),
