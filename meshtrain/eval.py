@@ -43,7 +43,8 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
 
     if (run is None) == (hf is None):
         raise UserError("pass one of --run RUN or --hf DIR")
-    overrides = [f"parallel.mesh={mesh}"] if mesh else []
+    overrides = ["devices=0"]  # this process's devices (--devices simulates them), not the run's simulated count
+    overrides += [f"parallel.mesh={mesh}"] if mesh else []
     overrides += [f"train.seq_len={seq_len}"] if seq_len else []
     overrides += [f"train.batch_size={batch_size}"] if batch_size else []
     overrides += ["data.sources=[]", f"data.path={data}", "data.kind=auto"] if data else []
