@@ -2,10 +2,10 @@
 
 A record is a dict with a `step`: a training step's metrics (loss, grad_norm, lr, tokens_per_sec,
 ..., the model's own such as router_aux_loss, fp16's loss_scale, a mixture's share_<source>), an
-evaluation (`eval_loss`, a mixture's eval_loss_<source>) or an async checkpoint start
-(`checkpoint_blocking_s`). `MetricsLog` stamps each with the wall time, keeps
-them in `history` and hands them to its sinks, each a `Logger`: write(record), rewind(step) (a
-guard rollback is about to train the steps past `step` again: forget them), close().
+evaluation (`eval_loss`, a mixture's eval_loss_<source>), downstream tasks' accuracies (eval_acc_<task>,
+eval_acc_norm_<task>) or an async checkpoint start (`checkpoint_blocking_s`). `MetricsLog` stamps
+each with the wall time, keeps them in `history` and hands them to its sinks, each a `Logger`:
+write(record), rewind(step) (a guard rollback is about to train the steps past `step` again: forget them), close().
 
 Sinks: `Lines` (the console lines, the format the README's samples show), `ProgressBar` (rich: the
 same lines above a live bar with ETA), `Jsonl` (<out>/metrics.jsonl), `TensorBoard` (event files
@@ -76,6 +76,10 @@ def format_record(r: dict) -> str:
         sources = ", ".join(f"{k.removeprefix('eval_loss_')} {v:.4f}"
                             for k, v in r.items() if k.startswith("eval_loss_"))
         return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" + (f" ({sources})" if sources else "")
+    tasks = [k.removeprefix("eval_acc_") for k in r if k.startswith("eval_acc_") and not k.startswith("eval_acc_norm_")]
+    if tasks:  # downstream tasks (eval.tasks)
+        return f"step {r['step']:>6}  tasks: " + ", ".join(
+            f"{t} acc {r['eval_acc_' + t]:.4f} acc_norm {r['eval_acc_norm_' + t]:.4f}" for t in tasks)
     if "checkpoint_blocking_s" in r:
         return f"step {r['step']:>6}  checkpoint started (blocked the loop {r['checkpoint_blocking_s'] * 1e3:.1f}ms)"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
@@ -269,7 +273,8 @@ TAG_GROUPS = {
     "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),
 }
 TAGS = {key: f"{group}/{key}" for group, keys in TAG_GROUPS.items() for key in keys} | {"eval_loss": "eval/loss"}
-PREFIXES = {"memory_": "memory/", "share_": "data/share_", "eval_loss_": "eval/loss_"}  # eval_loss_<source>
+PREFIXES = {"memory_": "memory/", "share_": "data/share_", "eval_loss_": "eval/loss_",  # eval_loss_<source>
+            "eval_acc_norm_": "eval/acc_norm_", "eval_acc_": "eval/acc_"}  # a task's (eval.tasks); first match wins
 NOT_METRICS = ("step", "time")
 FLUSH_SECONDS = 5
 
