@@ -27,8 +27,9 @@ GATHER_TIMEOUT_MS = 60_000
 
 
 def find_stragglers(host_s: list[float], factor: float) -> tuple[float, list[int]]:
-    """(the median host time per step, the processes slower than factor x it)."""
-    median = statistics.median(host_s)
+    """(the median host time per step, the processes slower than factor x it). The median of an even
+    count is its lower middle value, so that of two processes the faster one is the reference."""
+    median = statistics.median_low(host_s)
     return median, [i for i, t in enumerate(host_s) if t > factor * median]
 
 

@@ -290,7 +290,7 @@ class Trainer:
         k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
         depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
         self.device_wait, device_wait = 0.0, 0.0  # seconds the host waited for steps; its value at the last log
-        dog = self.watchdog
+        dog, evaluated, saved = self.watchdog, False, False
         stragglers = Stragglers(t.straggler_every, t.straggler_factor, jax.process_index(), jax.process_count())
         prefetch = Prefetcher(self.train_batches, depth)
         trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
@@ -329,6 +329,7 @@ class Trainer:
                                                                      self.device_wait)
                 if t.eval_every and (done % t.eval_every == 0 or done == steps):
                     dog.doing(f"evaluating after step {done}")
+                    dog.one_time, evaluated = not evaluated, True  # the first compiles the eval step
                     evaluation = self.evaluation()
                     if evaluation:
                         log.write({"step": done, **evaluation})
@@ -357,6 +358,7 @@ class Trainer:
                 else:
                     started = time.perf_counter()
                     dog.doing(f"saving step {done}")
+                    dog.one_time, saved = not saved, True  # the first sets up the checkpointer
                     path = self.save_checkpoint(wait=final)
                     dog.beat(done)
                     if not final:  # async: the loop waited only for the device-to-host copy and checksums

@@ -4,8 +4,9 @@ restarts it from its last checkpoint (docs/operating.md).
 The training loop tells it what it is doing (`doing`: getting a batch, dispatching or waiting for
 step k, evaluating, saving) and when a step completes (`beat`). Its thread looks every second: once
 no step has completed for `train.step_timeout` seconds (auto: max(AUTO_FLOOR_S, AUTO_FACTOR x the
-slowest logged step time); the floor covers the first step's and the first evaluation's compiles),
-this process
+slowest logged step time); until the first step of a start completes, and during the first
+evaluation and the first save, at least AUTO_FLOOR_S: one-time compiles, autotuning, communicator
+and checkpointer set-up), this process
 - writes <out>/stalls/process<i>-step<k>.txt: host, pid, what it was doing and for how long, the
   Python stack of every thread (`faulthandler`) and its local devices with their memory figures.
   Device stacks cannot be had: JAX has no API that reports where a running device program is (a
@@ -38,6 +39,7 @@ EXIT_STALLED = 4
 AUTO_FLOOR_S, AUTO_FACTOR = 600.0, 10.0
 BACKSTOP_S = 30.0
 PEERS_WAIT_S = 20.0  # how long a process that fired waits for the others' dumps
+LEAVE_S = 0.5  # process 0's grace between the others' last word and its own exit
 KEY = "meshtrain/watchdog"
 
 
@@ -85,6 +87,7 @@ class StepWatchdog:
         self.enabled = timeout_s >= 0
         self.slowest = 0.0
         self.done, self._activity, self._since = first_step, "starting", time.monotonic()
+        self.one_time = True  # the first step's (or evaluation's) one-time work: the floor applies
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
         self._published = None
@@ -97,13 +100,14 @@ class StepWatchdog:
 
     def beat(self, step: int) -> None:
         """Step `step` completed (or an evaluation / save after it): progress."""
-        self.done, self._last_beat = step, time.monotonic()
+        self.done, self._last_beat, self.one_time = step, time.monotonic(), False
 
     def observe(self, step_time_s: float) -> None:
         self.slowest = max(self.slowest, step_time_s)
 
     def timeout(self) -> float:
-        return self.configured if self.configured > 0 else auto_timeout(self.slowest)
+        timeout = self.configured if self.configured > 0 else auto_timeout(self.slowest)
+        return max(timeout, AUTO_FLOOR_S) if self.one_time else timeout
 
     # ---- the thread ----
     def __enter__(self):
@@ -122,7 +126,7 @@ class StepWatchdog:
         faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
-        poll = min(1.0, self.timeout() / 4)
+        poll = min(1.0, (self.configured if self.configured > 0 else AUTO_FLOOR_S) / 4)
         while not self._stop.wait(poll):
             stalled_for = time.monotonic() - self._last_beat
             peer = self._peer_fired()
@@ -175,8 +179,12 @@ class StepWatchdog:
               f"step {self.done}{cause}: {who}; stacks in {path.parent}; {multihost.RESUME_HINT}",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
-        if multi and self.process == 0:  # the coordination service leaves last
-            self._wait_for(lambda: _live() in ({0}, None))
+        if multi and self.process != 0:
+            _kv("key_value_set", f"{KEY}/left/{self.process}", "1", allow_overwrite=True)
+        elif multi:  # the coordination service leaves last
+            self._wait_for(lambda: all(_kv("key_value_try_get", f"{KEY}/left/{i}") is not None
+                                       for i in range(1, self.processes)))
+            time.sleep(LEAVE_S)
         os._exit(EXIT_STALLED)
 
     @staticmethod
@@ -232,11 +240,4 @@ def _kv(method: str, *args, **kwargs):
 
         return getattr(distributed.global_state.client, method)(*args, **kwargs)
     except Exception:  # noqa: BLE001
-        return None
-
-
-def _live() -> set[int] | None:
-    try:
-        return multihost._live_processes()
-    except Exception:  # noqa: BLE001 - the coordinator is gone
         return None
