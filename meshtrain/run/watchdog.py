@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from meshtrain.run import multihost
@@ -131,8 +132,12 @@ class StepWatchdog:
             stalled_for = time.monotonic() - self._last_beat
             peer = self._peer_fired()
             if stalled_for >= self.timeout() or peer is not None:
-                self._fire(stalled_for, peer)
-                return
+                try:
+                    self._fire(stalled_for, peer)
+                except BaseException:  # a full disk, say: the process still ends, with what went wrong
+                    traceback.print_exc()
+                    sys.stderr.flush()
+                    os._exit(EXIT_STALLED)
             self._publish()
             faulthandler.dump_traceback_later(self.timeout() - stalled_for + BACKSTOP_S, exit=True,
                                               file=sys.__stderr__)
