@@ -173,7 +173,8 @@ def test_two_processes_one_stalls_both_exit_with_stacks_and_a_rerun_resumes(tmp_
             cwd=ROOT, stdout=open(tmp_path / f"{name}{i}.out", "w"), stderr=open(tmp_path / f"{name}{i}.err", "w"))
             for i in range(2)]
 
-    procs = launch("p", 8, [("-m", "meshtrain.train"), ("-c", SLOW_THEN_STALLED)])
+    # --steps 1000: the schedule, and so the compiled program, of test_multihost's runs (compiled once)
+    procs = launch("p", 1000, [("-m", "meshtrain.train"), ("-c", SLOW_THEN_STALLED)])
     try:
         deadline = time.time() + 240
         while "step      4" not in (tmp_path / "p0.out").read_text() and time.time() < deadline:
