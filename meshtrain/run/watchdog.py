@@ -173,11 +173,10 @@ class StepWatchdog:
         reports = {self.process: self._report()}
         if multi:
             _kv("key_value_set", f"{KEY}/dumped/{self.process}", "1", allow_overwrite=True)
-            self._wait_for(lambda: all(_kv("key_value_try_get", f"{KEY}/dumped/{i}") is not None
-                                       for i in range(self.processes)))
-            for i in range(self.processes):
-                text = _kv("key_value_try_get", f"{KEY}/progress/{i}")
-                reports[i] = json.loads(text) if text else None
+            self._wait_for(lambda: len(_kv("key_value_dir_get", f"{KEY}/dumped/") or []) == self.processes)
+            published = {int(key.rsplit("/", 1)[1]): json.loads(text)
+                         for key, text in _kv("key_value_dir_get", f"{KEY}/progress/") or []}
+            reports = {i: published.get(i) for i in range(self.processes)}
         who = who_stopped(reports, time.time()) if multi else f"this process was {self._activity}"
         cause = "" if peer is None else f" (process {peer} found it first)"
         print(f"error: no step completed for {stalled_for:.0f} s (train.step_timeout {self.timeout():.0f} s) after "
@@ -187,8 +186,7 @@ class StepWatchdog:
         if multi and self.process != 0:
             _kv("key_value_set", f"{KEY}/left/{self.process}", "1", allow_overwrite=True)
         elif multi:  # the coordination service leaves last
-            self._wait_for(lambda: all(_kv("key_value_try_get", f"{KEY}/left/{i}") is not None
-                                       for i in range(1, self.processes)))
+            self._wait_for(lambda: len(_kv("key_value_dir_get", f"{KEY}/left/") or []) == self.processes - 1)
             time.sleep(LEAVE_S)
         os._exit(EXIT_STALLED)
 
@@ -238,8 +236,9 @@ def _devices() -> str:
 
 
 def _kv(method: str, *args, **kwargs):
-    """A call of JAX's coordination-service client (key-value store); None when it fails (the key is
-    not there, or a peer or the coordinator is gone: the watchdog goes on with what it has)."""
+    """A call of JAX's coordination-service client (key-value store; a folder's keys in one call, so a
+    large job does not send one call per process); None when it fails (the key is not there, or a
+    peer or the coordinator is gone: the watchdog goes on with what it has)."""
     try:
         from jax._src import distributed  # the client has no public handle
 
