@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
@@ -93,11 +94,51 @@ def format_record(r: dict) -> str:
     return "  ".join(parts)
 
 
+class Pace:
+    """How fast the run goes, for a person: the first training record covers the first steps'
+    dispatch and warm-up; from the next one on, each record's step time times the steps left is
+    the ETA, and the first such record also gets a `warm_line` of its own."""
+
+    def __init__(self, first: int, steps: int):
+        self.first, self.steps, self.warm, self.told = first, steps, False, False
+
+    def eta(self, record: dict) -> float | None:
+        """Seconds left at this record's pace; None for the warm-up record, non-training ones and
+        the last step."""
+        if "loss" not in record:
+            return None
+        if not self.warm:
+            self.warm, self.warm_from = True, record["step"]
+            return None
+        left = self.steps - record["step"]
+        return left * record["step_time_s"] if left > 0 else None
+
+    def warm_line(self, record: dict, eta: float | None) -> str | None:
+        """`after warm-up: 12.3ms per step (steps 11-20); 980 steps left, ETA 12.1s`, once (not
+        starting with `step `: the record lines do)."""
+        if eta is None or self.told:
+            return None
+        self.told = True
+        return (f"after warm-up: {record['step_time_s'] * 1e3:.1f}ms per step (steps {self.warm_from + 1}-"
+                f"{record['step']}); {self.steps - record['step']} steps left, ETA {duration(eta)}")
+
+
 class Lines:
-    """A line per record on stdout."""
+    """A line per record on stdout; given the run's `first` and `steps`, training lines end with an
+    ETA once warm (`Pace`)."""
+
+    def __init__(self, first: int | None = None, steps: int | None = None):
+        self.pace = Pace(first, steps) if steps is not None else None
 
     def write(self, record: dict) -> None:
-        print(format_record(record), flush=True)
+        line = format_record(record)
+        eta = self.pace.eta(record) if self.pace else None
+        if eta is not None:
+            warm = self.pace.warm_line(record, eta)
+            if warm:
+                print(warm, flush=True)
+            line += f"  ETA {duration(eta)}"
+        print(line, flush=True)
 
     def rewind(self, step: int) -> None:
         pass
@@ -124,10 +165,13 @@ class ProgressBar:
                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                             TextColumn("{task.fields[last]}"), console=console)
         self.task = self.bar.add_task("train", total=steps, completed=first, last="")
+        self.pace = Pace(first, steps)
         self.bar.start()
 
     def write(self, record: dict) -> None:
-        self.bar.console.print(format_record(record), highlight=False, markup=False, soft_wrap=True)
+        warm = self.pace.warm_line(record, self.pace.eta(record))  # the bar shows the ETA itself
+        for line in ([warm] if warm else []) + [format_record(record)]:
+            self.bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
         if "loss" in record:
             self.bar.update(self.task, completed=record["step"], last=f"loss {record['loss']:.4f}")
 
@@ -136,6 +180,47 @@ class ProgressBar:
 
     def close(self) -> None:
         self.bar.stop()
+
+
+def where(out: Path, tensorboard: bool) -> str:
+    """The start-up line naming the run folder and, when written, the TensorBoard command."""
+    line = f"run folder {out} (config.yaml, metrics.jsonl, checkpoints/)"
+    return line + (f"; TensorBoard: tensorboard --logdir {out / 'tensorboard'}" if tensorboard else "")
+
+
+class Ticker:
+    """While something slow runs in the foreground (compiling the train step): a background thread
+    prints `compiling the train step (10 s so far)` every `every_s` seconds for the first minute,
+    then every minute; on leaving, `compiled the train step in 42.1s`. `clock` and `print_line`
+    are the thread's time source and output (a test passes its own); `enabled=False`: silent."""
+
+    def __init__(self, doing: str, done: str, every_s: float = 10.0, enabled: bool = True,
+                 clock=time.monotonic, print_line=None):
+        self.doing, self.done, self.every_s, self.enabled, self.clock = doing, done, every_s, enabled, clock
+        self.print_line = print_line or (lambda line: print(line, flush=True))
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.started = self.clock()
+        if self.enabled:
+            self._thread = threading.Thread(target=self._tick, name="meshtrain-ticker", daemon=True)
+            self._thread.start()
+        return self
+
+    def _tick(self) -> None:
+        wait = self.every_s
+        while not self._stop.wait(wait):
+            elapsed = self.clock() - self.started  # one reading per line
+            self.print_line(f"{self.doing} ({elapsed:.0f} s so far)")
+            wait = self.every_s if elapsed < 60 else 60
+
+    def __exit__(self, kind, *_) -> None:
+        if not self.enabled:
+            return
+        self._stop.set()
+        self._thread.join()
+        if kind is None:
+            self.print_line(f"{self.done} in {duration(self.clock() - self.started)}")
 
 
 # ---- files ----
@@ -293,7 +378,7 @@ def for_run(out: Path, cfg, primary: bool, first: int, steps: int) -> MetricsLog
 
         sinks.append(WandB(out, lg.wandb_project, lg.wandb_mode, to_dict(cfg)))
     if progress == "lines":
-        sinks.insert(0, Lines())
+        sinks.insert(0, Lines(first, steps))
     elif progress == "bar":
         sinks.insert(0, ProgressBar(first, steps))
     return MetricsLog(sinks=sinks)

@@ -108,7 +108,9 @@ class Trainer:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
-            self.compiled_step = program.lower().compile()
+            primary = jax.process_index() == 0
+            with loggers.Ticker("compiling the train step", "compiled the train step", enabled=primary):
+                self.compiled_step = program.lower().compile()
             self.eval_step = program.eval_step()
         self.peak = peak_flops(program.mesh.devices.flat[0].device_kind)
         self.local_devices = program.mesh.local_devices
@@ -259,6 +261,7 @@ class Trainer:
                 print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
                       f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
                       f"precision={cfg.parallel.precision}, out={self.out}", flush=True)
+                print(loggers.where(self.out, cfg.logging.tensorboard), flush=True)
             log = log or loggers.for_run(self.out, cfg, primary, first, steps)
             started = time.perf_counter()
             self.watchdog = StepWatchdog(t.step_timeout, self.out, jax.process_index(), jax.process_count(), first)
