@@ -295,7 +295,7 @@ class Trainer:
         k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
         depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
         self.device_wait, device_wait = 0.0, 0.0  # seconds the host waited for steps; its value at the last log
-        dog, evaluated, saved = self.watchdog, False, False
+        dog, evaluated, scored, saved = self.watchdog, False, False, False
         stragglers = Stragglers(t.straggler_every, t.straggler_factor, jax.process_index(), jax.process_count())
         prefetch = Prefetcher(self.train_batches, depth)
         trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
@@ -342,7 +342,10 @@ class Trainer:
                     last_time = time.perf_counter()
                 every = self.cfg.eval.task_every or t.eval_every
                 if self.tasks and (done % every == 0 or done == steps):  # downstream tasks (eval.tasks)
+                    dog.doing(f"scoring the downstream tasks after step {done}")
+                    dog.one_time, scored = not scored, True  # the first compiles the scorer
                     log.write({"step": done, **self.task_evaluation()})
+                    dog.beat(done)
                     last_time = time.perf_counter()
                 preempted = self._preempted(done, signalled)
                 save_owed = save_owed or self._save_due(done)
