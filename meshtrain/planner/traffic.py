@@ -36,7 +36,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
   sums (C-1 round the ring, one home); K/V heads split over T. A sliding window shorter than the
-  ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep).
+  ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep), counted
+  per kind of layer (a model's layers may differ in window: `ModelSpec.layer_windows`).
 
 `compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
 flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
@@ -213,11 +214,16 @@ def expected_traffic(program) -> dict[str, dict]:
         # forward and backward pass K/V round the ring (fewer under a short sliding window:
         # context_parallel.ring_sends); remat=full's recomputed forward again, but the first send of
         # each leg is the forward's own (the same permute of the same K/V: XLA keeps one)
-        sends = ring_sends(t.seq_len, C, getattr(program.model, "window", 0))
-        kv_sends = 2 * sends["kv"] + (sends["kv"] - sends["legs"] if plan.remat == "full" else 0)
-        add("collective-permute", (kv_sends * kv + sends["grads"] * kv * 4 / act) * m.num_layers / P,
-            f"ring attention per layer: {kv_sends} K/V sends (forward, backward"
-            f"{', recomputed forward' if plan.remat == 'full' else ''}), {sends['grads']} sends of the fp32 dK/dV sums")
+        windows = m.layer_windows()  # per kind of layer (its sliding window; 0: none)
+        for window in m.window_kinds():
+            sends = ring_sends(t.seq_len, C, window)
+            kv_sends = 2 * sends["kv"] + (sends["kv"] - sends["legs"] if plan.remat == "full" else 0)
+            layers = windows.count(window)
+            which = "" if len(set(windows)) == 1 else f" of the {layers} with window {window or 'none'}"
+            add("collective-permute", (kv_sends * kv + sends["grads"] * kv * 4 / act) * layers / P,
+                f"ring attention per layer{which}: {kv_sends} K/V sends (forward, backward"
+                f"{', recomputed forward' if plan.remat == 'full' else ''}), {sends['grads']} sends of the fp32 "
+                f"dK/dV sums")
     if P > 1:
         tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
         sends = sends_per_step(tables)
