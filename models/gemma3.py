@@ -114,7 +114,7 @@ class Gemma3LanguageModel(LanguageModel):
 
     def embed(self, params, tokens_BxL):
         x_BxLxD = super().embed(params, tokens_BxL)
-        return x_BxLxD * jnp.asarray(self.cfg.d_model ** 0.5, x_BxLxD.dtype)  # the normalizer in x's dtype
+        return constrain(x_BxLxD * jnp.asarray(self.cfg.d_model ** 0.5, x_BxLxD.dtype), RESIDUAL)  # in x's dtype
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """Keys and values [layers, B, T, G, K] of the global layers (T = max_len), and of the
