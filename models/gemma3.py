@@ -53,7 +53,7 @@ class Gemma3Spec(ModelSpec):
                                              "the others local (Gemma 3: 6)", min=1)
     rope_local_theta: float = setting(10000.0, "rotary base of the local layers (rope_theta and rope_scaling are "
                                                "the global layers')", min=1.0)
-    query_pre_attn_scalar: float = setting(0.0, "attention scores are scaled by this^-1/2; 0 = head_dim", min=0.0)
+    query_pre_attn_scalar: int = setting(0, "attention scores are scaled by this^-1/2; 0 = head_dim", min=0)
 
     def layer_windows(self) -> tuple[int, ...]:
         p = self.sliding_window_pattern
@@ -214,7 +214,7 @@ def read_gemma3(c: HFConfig) -> Gemma3Spec:
                            "tie_word_embeddings": c.get("tie_word_embeddings", True)}, c.path)
     return read_llama_config(llama_view, Gemma3Spec, sliding_window=int(c.need("sliding_window")),
                              sliding_window_pattern=read_pattern(c), rope_local_theta=float(local["rope_theta"]),
-                             query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)))
+                             query_pre_attn_scalar=int(c.get("query_pre_attn_scalar", 256)))
 
 
 def write_gemma3(m: Gemma3Spec) -> dict:
