@@ -26,6 +26,10 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
     "context parallel": ("llama3_8b", ("parallel.mesh=tensor=4,context=2", "train.batch_size=32", "train.seq_len=128",
                                        "parallel.attention=ring"),
                          {"all-reduce", "all-gather", "reduce-scatter", "collective-permute"}),
+    "gemma3 context parallel (a local and a global layer)": (
+        "gemma3_4b", ("model.sliding_window_pattern=2", "model.sliding_window=16", "parallel.mesh=tensor=2,context=4",
+                      "train.batch_size=16", "train.seq_len=128", "parallel.attention=ring"),
+        {"collective-permute"}),  # the window reaches one 16-position chunk back: fewer ring exchanges there
     "int8 compression": ("gpt2_124m", ("parallel.mesh=data=8", "parallel.grad_compression=int8", "train.batch_size=16"),
                          {"all-gather", "all-to-all"}),
 }
