@@ -111,6 +111,7 @@ class Gemma3Transformer(Transformer):
 class Gemma3LanguageModel(LanguageModel):
     module = Gemma3Transformer
     param_axes = {**PARAM_AXES, **QK_NORM_AXES}
+    post_norm = True
 
     def embed(self, params, tokens_BxL):
         x_BxLxD = super().embed(params, tokens_BxL)

@@ -309,6 +309,7 @@ class LanguageModel:
     module = Transformer
     saveable = MATMUL_OUTPUTS
     param_axes = PARAM_AXES
+    post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None):
         self.cfg = cfg.resolved()

@@ -206,8 +206,9 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
     # Megatron: 2 forward, 2 backward; the recomputed forward (remat=full) redoes the attention
-    # output's but not the MLP output's, whose only use is the next layer's (saved) input.
-    per_layer = 5 if plan.remat == "full" else 4
+    # output's but not the MLP output's, whose only use is the next layer's (saved) input, unless
+    # the block normalizes it (gemma3's post-MLP norm, whose backward needs it again).
+    per_layer = (6 if program.model.post_norm else 5) if plan.remat == "full" else 4
     tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
     megatron = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, m.num_layers / P, per_layer, act)
     if plan.sequence_parallel:
