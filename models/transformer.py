@@ -162,9 +162,14 @@ class Block(nnx.Module):
         self.w_up = nnx.Param(_init(0, 1)(rngs.params(), (D, F)))
         self.w_down = nnx.Param(_init(0, 1)(rngs.params(), (F, D)))
 
-    def __call__(self, x_BxLxD, attend, positions_L=None, docs=None, kind=0):
+    def __call__(self, x_BxLxD, attend, positions_L=None, docs=None, kind=None):
         """`docs`: the window's packing.Documents (None: one stream, attended across); `kind`: the
-        layer's (an int, or traced)."""
+        layer's (an int, or traced), which layers of several kinds must be given."""
+        if kind is None:
+            if len(self.cfg.window_kinds()) > 1:
+                raise ValueError("this model's layers differ in kind: pass each its own, "
+                                 "scan_blocks(..., kinds=model.layer_kinds)")
+            kind = 0
         positions = positions_L if docs is None or docs.positions is None else docs.positions
         q, k, v = self.project(x_BxLxD, positions, kind)
         masks = {} if docs is None else {"segment_ids": docs.segments}
@@ -352,7 +357,7 @@ class LanguageModel:
         kinds = self.cfg.window_kinds()
         return None if len(kinds) == 1 else np.array([kinds.index(w) for w in windows], np.int32)
 
-    def block(self, params_i, x_BxLxD, docs=None, kind=0):
+    def block(self, params_i, x_BxLxD, docs=None, kind=None):
         return nnx.merge(self._block_graphdef, params_i)(x_BxLxD, self.attention, self.sequence_order, docs, kind)
 
     def final_norm(self, params, x_BxLxD):
