@@ -58,3 +58,17 @@ def value_and_grads(attend, q, k, v, cot):
         return jax.numpy.sum(out * cot), out
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return out, grads
+
+
+def full_forward_greedy(model, params, rows, new):
+    """Greedy tokens by rerunning the whole forward on each row's growing sequence (right-padded:
+    causal, so the padding never reaches a row's last position): what cached generation must equal."""
+    apply = jax.jit(model.apply)
+    buf = np.zeros((len(rows), max(map(len, rows)) + new), np.int32)
+    for b, row in enumerate(rows):
+        buf[b, :len(row)] = row
+    for t in range(new):
+        logits = np.asarray(apply(params, buf))
+        for b, row in enumerate(rows):
+            buf[b, len(row) + t] = logits[b, len(row) + t - 1].argmax()
+    return [buf[b, len(row):len(row) + new] for b, row in enumerate(rows)]

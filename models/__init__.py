@@ -7,18 +7,20 @@ import/export read:
 - moe.py: `moe`, mixture-of-experts MLPs (Mixtral/DeepSeek), expert-parallel dispatch.
 - qwen3.py: `qwen3`, the dense decoder with per-head q/k RMSNorm.
 - qwen3_moe.py: `qwen3_moe`, qwen3 attention with routed experts in every block.
+- gemma3.py: `gemma3`, Gemma 3's text decoder: sliding-window and global layers interleaved.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from meshtrain.core.errors import UserError
-from meshtrain.models import moe, qwen3, qwen3_moe, transformer
+from meshtrain.models import gemma3, moe, qwen3, qwen3_moe, transformer
 from meshtrain.models.moe import MoELanguageModel
 from meshtrain.models.spec import Family, ModelSpec
 from meshtrain.models.transformer import LanguageModel, Transformer
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
+                                                   gemma3.FAMILY)}
 
 
 def family(name: str) -> Family:

@@ -15,7 +15,6 @@ from meshtrain.models.transformer import (
     PARAM_AXES,
     Block,
     LanguageModel,
-    RMSNorm,
     Transformer,
     read_llama_config,
     write_llama_config,
@@ -32,8 +31,8 @@ class Qwen3Block(Block):
 
     def __init__(self, cfg, rngs):
         super().__init__(cfg, rngs)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.q_norm = self.norm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = self.norm(cfg.head_dim, cfg.norm_eps)
 
     def normalize_qk(self, q_BxLxHxK, k_BxLxGxK):
         return self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)

@@ -35,9 +35,11 @@ class ModelSpec:
     mlp_dim: int = setting(0, "SwiGLU hidden width (of each expert in a mixture-of-experts family); 0 = 8/3 x "
                               "d_model rounded up to a multiple of 64", min=0)
     rope_theta: float = setting(10000.0, "rotary embedding base", min=1.0)
-    rope_scaling: str = setting("none", "rotary frequency rescaling for long context: none, or llama3 (Llama "
-                                        "3.1+: the rope_* keys below)", choices=("none", "llama3"))
-    rope_factor: float = setting(8.0, "llama3 rope scaling: low frequencies are divided by this", min=1.0)
+    rope_scaling: str = setting("none", "rotary frequency rescaling for long context: none, llama3 (Llama "
+                                        "3.1+: the rope_* keys below) or linear (every frequency / rope_factor)",
+                                choices=("none", "llama3", "linear"))
+    rope_factor: float = setting(8.0, "llama3 and linear rope scaling: low (linear: all) frequencies are divided "
+                                      "by this", min=1.0)
     rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original_max_len / "
                                                "this are scaled", above=0.0)
     rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original_max_len / "
@@ -55,11 +57,25 @@ class ModelSpec:
         """The family's own checks across its keys (meshtrain/config/validate.py runs the shared
         ones first): a one-line UserError naming the key and the fix. None here."""
 
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding attention window, in model order (0: full causal attention)."""
+        return (0,) * self.num_layers
+
+    def window_kinds(self) -> tuple[int, ...]:
+        """The distinct windows of `layer_windows`, sorted: a layer's kind is its index here."""
+        return tuple(sorted(set(self.layer_windows())))
+
+    def cached_positions(self, positions: int) -> int:
+        """The KV-cache positions generation keeps, summed over layers, for `positions` in all: a
+        windowed layer keeps its window's (a ring buffer), the others all."""
+        return sum(min(w, positions) if w else positions for w in self.layer_windows())
+
     def architecture(self) -> dict:
         """What defines the weights (resolved): a checkpoint resumes only into the same one."""
         resolved = self.resolved()
-        unused = {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
-            if self.rope_scaling == "none" else set()
+        unused = {"rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
+            if self.rope_scaling != "llama3" else set()
+        unused |= {"rope_factor"} if self.rope_scaling == "none" else set()
         return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self)
                 if f.metadata["architecture"] and f.name not in unused}
 

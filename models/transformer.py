@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -30,6 +31,7 @@ from meshtrain.core.metrics import flops_per_token
 from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.loss import cross_entropy
+from meshtrain.ops.packing import visible
 from meshtrain.parallel.sharding import constrain, shard_count
 
 # Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
@@ -71,14 +73,20 @@ def _init(in_axes, out_axes):
 
 
 class RMSNorm(nnx.Module):
+    """x / rms(x) x gain, in fp32 (Zhang & Sennrich 2019); the gain is the `scale` parameter."""
+    initial = 1.0  # the scale's initial value
+
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.scale = nnx.Param(jnp.full((dim,), self.initial, jnp.float32))
         self.eps = eps
+
+    def gain(self):
+        return self.scale[...].astype(jnp.float32)
 
     def __call__(self, x_BxLxD):
         x = x_BxLxD.astype(jnp.float32)
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
+        return (y * self.gain()).astype(x_BxLxD.dtype)
 
 
 def rope_frequencies(cfg):
@@ -86,11 +94,14 @@ def rope_frequencies(cfg):
     rope_scaling=llama3, Llama 3.1's long-context rescaling: wavelengths 2 pi / f longer than
     original_max_len / low_freq_factor are divided by `rope_factor`, shorter than
     original_max_len / high_freq_factor kept, and those between interpolated with
-    s = (original_max_len / wavelength - low) / (high - low): f' = (1 - s) f / factor + s f."""
+    s = (original_max_len / wavelength - low) / (high - low): f' = (1 - s) f / factor + s f; with
+    rope_scaling=linear (position interpolation, Chen et al. 2023), every f / `rope_factor`."""
     K = cfg.head_dim
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
     if cfg.rope_scaling == "none":
         return inv_freq
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
     low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
     wavelength = 2 * jnp.pi / inv_freq
     smooth = (cfg.rope_original_max_len / wavelength - low) / (high - low)
@@ -125,17 +136,24 @@ def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int
 
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `__call__` returns the new x and
-    the block's statistics (a dict of scalars; none for a dense MLP)."""
+    the block's statistics (a dict of scalars; none for a dense MLP).
+
+    Layers may differ in kind (`ModelSpec.window_kinds`: their sliding windows): `kind` is the
+    layer's index there, traced under the layer scan, so the attention kernel, whose window is
+    static, runs behind a `lax.switch` over the kinds; one kind (every family but gemma3) needs none."""
+
+    norm = RMSNorm  # the norm class of the block's norms and the final one
+    activation = staticmethod(jax.nn.silu)  # the gated MLP's: SwiGLU
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.attn_norm = RMSNorm(D, cfg.norm_eps)
+        self.attn_norm = self.norm(D, cfg.norm_eps)
         self.wq = nnx.Param(_init(0, (1, 2))(rngs.params(), (D, H, K)))
         self.wk = nnx.Param(_init(0, (1, 2))(rngs.params(), (D, G, K)))
         self.wv = nnx.Param(_init(0, (1, 2))(rngs.params(), (D, G, K)))
         self.wo = nnx.Param(_init((0, 1), 2)(rngs.params(), (H, K, D)))
-        self.mlp_norm = RMSNorm(D, cfg.norm_eps)
+        self.mlp_norm = self.norm(D, cfg.norm_eps)
         self.init_mlp(cfg, rngs)
 
     def init_mlp(self, cfg, rngs: nnx.Rngs, width: int | None = None):
@@ -144,23 +162,37 @@ class Block(nnx.Module):
         self.w_up = nnx.Param(_init(0, 1)(rngs.params(), (D, F)))
         self.w_down = nnx.Param(_init(0, 1)(rngs.params(), (F, D)))
 
-    def __call__(self, x_BxLxD, attend, positions_L=None, docs=None):
-        """`docs`: the window's packing.Documents (None: one stream, attended across)."""
-        if docs is None:
-            q, k, v = self.project(x_BxLxD, positions_L)
-            return self.finish(x_BxLxD, attend(q, k, v, positions_L))
-        q, k, v = self.project(x_BxLxD, positions_L if docs.positions is None else docs.positions)
-        return self.finish(x_BxLxD, attend(q, k, v, positions_L, segment_ids=docs.segments))
+    def __call__(self, x_BxLxD, attend, positions_L=None, docs=None, kind=None):
+        """`docs`: the window's packing.Documents (None: one stream, attended across); `kind`: the
+        layer's (an int, or traced), which layers of several kinds must be given."""
+        if kind is None:
+            if len(self.cfg.window_kinds()) > 1:
+                raise ValueError("this model's layers differ in kind: pass each its own, "
+                                 "scan_blocks(..., kinds=model.layer_kinds)")
+            kind = 0
+        positions = positions_L if docs is None or docs.positions is None else docs.positions
+        q, k, v = self.project(x_BxLxD, positions, kind)
+        masks = {} if docs is None else {"segment_ids": docs.segments}
+        windows = self.cfg.window_kinds()
+        if windows == (0,):  # full causal attention in every layer: the kernel as it is
+            return self.finish(x_BxLxD, attend(q, k, v, positions_L, **masks))
+        kernels = [functools.partial(attend, positions_L=positions_L, window=w, **masks) for w in windows]
+        ctx = kernels[kind](q, k, v) if isinstance(kind, int) else jax.lax.switch(kind, kernels, q, k, v)
+        return self.finish(x_BxLxD, ctx)
 
-    def project(self, x_BxLxD, positions=None):
+    def rope_frequencies(self, kind=0):
+        """The rotary inverse frequencies of a layer of `kind`: the spec's (`rope_frequencies`)."""
+        return rope_frequencies(self.cfg)
+
+    def project(self, x_BxLxD, positions=None, kind=0):
         """Queries [B, L, H, K], keys and values [B, L, G, K] of norm(x); q and k rotated to their
-        `positions` ([L] or [B, L], see `rotary`)."""
+        `positions` ([L] or [B, L], see `rotary`) with the frequencies of the layer's `kind`."""
         h = self.attn_norm(x_BxLxD)
         q = checkpoint_name(jnp.einsum("bld,dhk->blhk", h, self.wq[...]), "q")
         k = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wk[...]), "k")
         v = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
         q, k = self.normalize_qk(q, k)
-        inv_freq_K2 = rope_frequencies(self.cfg)
+        inv_freq_K2 = self.rope_frequencies(kind)
         q = constrain(rotary(q, inv_freq_K2, positions), ("batch", "seq", "heads", "head_dim"))
         k = constrain(rotary(k, inv_freq_K2, positions), ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, v
@@ -177,12 +209,12 @@ class Block(nnx.Module):
         out, stats = self.mlp(self.mlp_norm(x_BxLxD))
         return constrain(x_BxLxD + out, RESIDUAL), stats
 
-    def decode(self, x_BxLxD, cache_k_BxTxGxK, cache_v_BxTxGxK, start_B, window=None):
+    def decode(self, x_BxLxD, cache_k_BxTxGxK, cache_v_BxTxGxK, start_B, window=None, kind=0):
         """The block on L new positions per row, start_B[b] .. start_B[b] + L - 1, with this layer's
         KV cache: their keys and values are written there, then each query attends to the cache
         positions <= its own (`cached_attention`). Returns the new x and the cache."""
         positions_BxL = start_B[:, None] + jnp.arange(x_BxLxD.shape[1])
-        q, k, v = self.project(x_BxLxD, positions_BxL)
+        q, k, v = self.project(x_BxLxD, positions_BxL, kind)
 
         def write(cache_BxTxGxK, new_BxLxGxK):  # each row at its own start
             put = lambda c_TxGxK, n_LxGxK, s: jax.lax.dynamic_update_slice_in_dim(c_TxGxK, n_LxGxK, s, 0)
@@ -194,11 +226,45 @@ class Block(nnx.Module):
         x_BxLxD, _ = self.finish(x_BxLxD, ctx_BxLxHxK)
         return x_BxLxD, cache_k_BxTxGxK, cache_v_BxTxGxK
 
+    def decode_window(self, x_BxLxD, ring_k_BxWxGxK, ring_v_BxWxGxK, start_B, sliding: int, window=None, kind=0,
+                      ends_B=None):
+        """`decode` for a layer of sliding window `sliding` with a ring buffer of W <= sliding
+        positions (W < sliding only when no more positions are generated): slot t holds the
+        latest position p < start with p = t mod W. Queries attend to the ring and to the L new
+        keys (a prefill longer than W needs keys the ring will not keep), within min(sliding,
+        `window`); then each slot takes the latest new position of its residue below `ends_B`
+        (each row's end; None: all L are real), so a right-padded prompt's padding evicts nothing."""
+        B, L = x_BxLxD.shape[:2]
+        W = ring_k_BxWxGxK.shape[1]
+        positions_BxL = start_B[:, None] + jnp.arange(L)
+        q, k, v = self.project(x_BxLxD, positions_BxL, kind)
+        slot_W = jnp.arange(W)
+        held_BxW = start_B[:, None] - 1 - (start_B[:, None] - 1 - slot_W) % W  # < 0: empty
+        keys_BxTxGxK = jnp.concatenate([ring_k_BxWxGxK, k.astype(ring_k_BxWxGxK.dtype)], axis=1)
+        values_BxTxGxK = jnp.concatenate([ring_v_BxWxGxK, v.astype(ring_v_BxWxGxK.dtype)], axis=1)
+        key_Bx1x1xT = jnp.concatenate([held_BxW, positions_BxL], axis=1)[:, None, None, :]
+        query_Bx1xLx1 = positions_BxL[:, None, :, None]
+        reach = sliding if window is None else jnp.minimum(sliding, window)
+        mask_Bx1xLxT = (key_Bx1x1xT >= 0) & visible(query_Bx1xLx1, key_Bx1x1xT) & (key_Bx1x1xT > query_Bx1xLx1 - reach)
+        ctx_BxLxHxK = jax.nn.dot_product_attention(q, keys_BxTxGxK, values_BxTxGxK, mask=mask_Bx1xLxT)
+        end_B = start_B + L if ends_B is None else jnp.clip(ends_B, start_B, start_B + L)
+        newest_BxW = end_B[:, None] - 1 - (end_B[:, None] - 1 - slot_W) % W  # the slot's latest new position
+        taken_BxW = newest_BxW >= start_B[:, None]
+        offset_BxW = jnp.clip(newest_BxW - start_B[:, None], 0, L - 1)
+
+        def write(ring_BxWxGxK, new_BxLxGxK):
+            picked = jnp.take_along_axis(new_BxLxGxK.astype(ring_BxWxGxK.dtype), offset_BxW[..., None, None], axis=1)
+            ring_BxWxGxK = jnp.where(taken_BxW[..., None, None], picked, ring_BxWxGxK)
+            return constrain(ring_BxWxGxK, ("batch", None, "kv_heads", "head_dim"))
+
+        x_BxLxD, _ = self.finish(x_BxLxD, ctx_BxLxHxK)
+        return x_BxLxD, write(ring_k_BxWxGxK, k), write(ring_v_BxWxGxK, v)
+
     def mlp(self, h_BxLxD):
-        """SwiGLU (Shazeer 2020): (silu(h w_gate) * h w_up) w_down."""
+        """A gated MLP, (act(h w_gate) * h w_up) w_down: SwiGLU (Shazeer 2020) with act = silu."""
         gate_BxLxF = checkpoint_name(jnp.einsum("bld,df->blf", h_BxLxD, self.w_gate[...]), "mlp_gate")
         up_BxLxF = checkpoint_name(jnp.einsum("bld,df->blf", h_BxLxD, self.w_up[...]), "mlp_up")
-        h_BxLxF = constrain(jax.nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "seq", "mlp"))
+        h_BxLxF = constrain(self.activation(gate_BxLxF) * up_BxLxF, ("batch", "seq", "mlp"))
         return checkpoint_name(jnp.einsum("blf,fd->bld", h_BxLxF, self.w_down[...]), "mlp_out"), {}
 
 
@@ -215,16 +281,21 @@ class Transformer(nnx.Module):
             return self.block_type(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = self.block_type.norm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(_init(0, 1)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
 
 
-def scan_blocks(layer, blocks, x_BxLxD, *docs):
+def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None):
     """All stacked layers with one scan (compile time does not grow with depth): the output and the
     layers' statistics summed. `layer(params_i, x[, docs]) -> (x, stats)` is `block`, perhaps under
-    remat; `docs` (the window's documents, if any) go to every layer."""
-    x_BxLxD, stats = jax.lax.scan(lambda x, p: layer(p, x, *docs), x_BxLxD, blocks)
+    remat; `docs` (the window's documents, if any) go to every layer; `kinds` (the stacked layers'
+    kinds, `LanguageModel.layer_kinds`, when they differ) go to each its own as `kind=`."""
+    if kinds is None:
+        x_BxLxD, stats = jax.lax.scan(lambda x, p: layer(p, x, *docs), x_BxLxD, blocks)
+    else:
+        x_BxLxD, stats = jax.lax.scan(lambda x, pk: layer(pk[0], x, *docs, kind=pk[1]), x_BxLxD,
+                                      (blocks, jnp.asarray(kinds, jnp.int32)))
     return x_BxLxD, jax.tree.map(lambda s: s.sum(axis=0), stats)
 
 
@@ -243,7 +314,7 @@ class LanguageModel:
     module = Transformer
     saveable = MATMUL_OUTPUTS
     param_axes = PARAM_AXES
-    window = 0  # its attention's sliding window (0: full causal), which the planner's counts follow
+    post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None):
         self.cfg = cfg.resolved()
@@ -278,8 +349,16 @@ class LanguageModel:
         order; None without `packing`. Pass them to `block` with each layer."""
         return None if self.packing is None else self.packing.documents(tokens_BxL1[:, :-1], self.sequence_order)
 
-    def block(self, params_i, x_BxLxD, docs=None):
-        return nnx.merge(self._block_graphdef, params_i)(x_BxLxD, self.attention, self.sequence_order, docs)
+    @property
+    def layer_kinds(self) -> np.ndarray | None:
+        """Each layer's kind in model order, an index into the spec's `window_kinds`, when the layers
+        differ (None: they do not). Pass it (in the blocks' storage order) to `scan_blocks`."""
+        windows = self.cfg.layer_windows()
+        kinds = self.cfg.window_kinds()
+        return None if len(kinds) == 1 else np.array([kinds.index(w) for w in windows], np.int32)
+
+    def block(self, params_i, x_BxLxD, docs=None, kind=None):
+        return nnx.merge(self._block_graphdef, params_i)(x_BxLxD, self.attention, self.sequence_order, docs, kind)
 
     def final_norm(self, params, x_BxLxD):
         return nnx.merge(self._norm_graphdef, params["final_norm"])(x_BxLxD)
@@ -305,7 +384,8 @@ class LanguageModel:
     def apply(self, params, tokens_BxL, docs=None):
         """Logits of tokens [B, L] (in the sequence order); `docs`: their packing.Documents."""
         x = self.embed(params, tokens_BxL)
-        return self.head(params, scan_blocks(self.block, params["blocks"], x, *([] if docs is None else [docs]))[0])
+        x = scan_blocks(self.block, params["blocks"], x, *([] if docs is None else [docs]), kinds=self.layer_kinds)[0]
+        return self.head(params, x)
 
     def decoding_spec(self):
         """The model spec the cached forward runs with (the moe family's routes dropless)."""
@@ -321,11 +401,13 @@ class LanguageModel:
         zeros = jnp.zeros((c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim), dtype)
         return {"k": zeros, "v": zeros}
 
-    def decode(self, params, tokens_BxL, cache, start_B, window: int | None = None):
+    def decode(self, params, tokens_BxL, cache, start_B, window: int | None = None, ends_B=None):
         """The cached forward: the final hidden states [B, L, D] (before `head`) of L new tokens per
         row at positions start_B[b] .. start_B[b] + L - 1, and the cache with their keys and values
         written. Prefill (a prompt) and one-token decoding are this one function; the layers run
-        under one scan, as `scan_blocks`. `window`: attend to that many latest positions at most."""
+        under one scan, as `scan_blocks`. `window`: attend to that many latest positions at most.
+        `ends_B`: each row's end (a right-padded prompt's), which only windowed caches need
+        (`Block.decode_window`)."""
         def layer(x_BxLxD, xs):
             params_i, k_BxTxGxK, v_BxTxGxK = xs
             block = nnx.merge(self._decode_graphdef, params_i)
@@ -354,9 +436,11 @@ class LanguageModel:
         return self.num_params(params, embedding=self.cfg.tie_embeddings)
 
     def flops_per_token(self, params, seq_len: int) -> float:
-        """Training FLOPs per token, 6N + 12 L (H K) S (meshtrain/core/metrics.py)."""
+        """Training FLOPs per token, 6N + 12 L (H K) S, a windowed layer's S its window when shorter
+        (meshtrain/core/metrics.py)."""
         c = self.cfg
-        return flops_per_token(self.active_matmul_params(params), c.num_layers, c.num_heads * c.head_dim, seq_len)
+        return flops_per_token(self.active_matmul_params(params), c.num_layers, c.num_heads * c.head_dim, seq_len,
+                               c.layer_windows())
 
 
 # ---- the llama family's Hugging Face form (LlamaForCausalLM), which the others build on ----
@@ -384,9 +468,7 @@ def read_llama_config(c: HFConfig, spec_type=ModelSpec, **fields) -> ModelSpec:
     biases and other activations."""
     c.refuse(attention_bias=bool, mlp_bias=bool, hidden_act=lambda v: v != "silu")
     rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UserError(f"{c.path}: rope scaling {rope_type!r} is not implemented (meshtrain has none and llama3)")
+    rope_kind(c, rope)
     heads, width = c.need("num_attention_heads"), c.need("hidden_size")
     shared = dict(
         vocab_size=c.need("vocab_size"), num_layers=c.need("num_hidden_layers"), d_model=width, num_heads=heads,
@@ -396,21 +478,46 @@ def read_llama_config(c: HFConfig, spec_type=ModelSpec, **fields) -> ModelSpec:
     spec = spec_type(**{**shared, **fields})
     if not spec.mlp_dim:
         c.need("intermediate_size")
+    read_rope_scaling(c, rope, spec)
+    return spec
+
+
+def rope_kind(c: HFConfig, rope: dict) -> str:
+    """A config.json rope entry's type, which must be one meshtrain computes (`rope_frequencies`)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise UserError(f"{c.path}: rope scaling {rope_type!r} is not implemented (meshtrain has none, llama3 and "
+                        f"linear)")
+    return rope_type
+
+
+def read_rope_scaling(c: HFConfig, rope: dict, spec: ModelSpec) -> None:
+    """The spec's rope_* fields from a config.json rope entry (`rope_kind`'s types)."""
+    rope_type = rope_kind(c, rope)
+    if rope_type == "linear":
+        spec.rope_scaling, spec.rope_factor = "linear", float(c.need("factor", rope))
     if rope_type == "llama3":
         spec.rope_scaling, spec.rope_factor = "llama3", float(c.need("factor", rope))
         spec.rope_low_freq_factor = float(c.need("low_freq_factor", rope))
         spec.rope_high_freq_factor = float(c.need("high_freq_factor", rope))
         spec.rope_original_max_len = int(c.need("original_max_position_embeddings", rope))
-    return spec
+
+
+def write_rope(m: ModelSpec) -> dict:
+    """A config.json rope entry (transformers 5's `rope_parameters` form) for the spec's rope_* fields."""
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "linear":
+        rope.update(rope_type="linear", factor=m.rope_factor)
+    if m.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=m.rope_factor, low_freq_factor=m.rope_low_freq_factor,
+                    high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
+    return rope
 
 
 def write_llama_config(m: ModelSpec, model_type: str = "llama", architecture: str = "LlamaForCausalLM") -> dict:
     """config.json's decoder fields for a resolved spec: rope given both as `rope_parameters`
     (transformers 5) and as `rope_theta` + `rope_scaling` (earlier versions)."""
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=m.rope_factor, low_freq_factor=m.rope_low_freq_factor,
-                    high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
+    rope = write_rope(m)
     return {
         "architectures": [architecture], "model_type": model_type, "vocab_size": m.vocab_size,
         "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
@@ -418,7 +525,7 @@ def write_llama_config(m: ModelSpec, model_type: str = "llama", architecture: st
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "rope_parameters": rope, "rope_theta": m.rope_theta,
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling != "none" else None,
-        "max_position_embeddings": int(max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling != "none"
+        "max_position_embeddings": int(max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling == "llama3"
                                                                         else 1), 2048)),
         "attention_bias": False, "mlp_bias": False,
     }

@@ -14,6 +14,7 @@ from meshtrain.engine.decode import filter_logits, generate, place
 from meshtrain.generate import main
 from meshtrain.models import FAMILIES
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.testing import full_forward_greedy
 
 NEW = 6
 
@@ -42,20 +43,6 @@ def model_and_params(request):
 def prompts(lengths=(5, 9, 2), seed=1):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
-
-
-def full_forward_greedy(model, params, rows, new):
-    """Greedy tokens by rerunning the whole forward on each row's growing sequence (right-padded:
-    causal, so the padding never reaches a row's last position)."""
-    apply = jax.jit(model.apply)
-    buf = np.zeros((len(rows), max(map(len, rows)) + new), np.int32)
-    for b, row in enumerate(rows):
-        buf[b, :len(row)] = row
-    for t in range(new):
-        logits = np.asarray(apply(params, buf))
-        for b, row in enumerate(rows):
-            buf[b, len(row) + t] = logits[b, len(row) + t - 1].argmax()
-    return [buf[b, len(row):len(row) + new] for b, row in enumerate(rows)]
 
 
 def test_cached_greedy_equals_full_forward_argmax(model_and_params):

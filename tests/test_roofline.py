@@ -211,7 +211,8 @@ def test_estimate_times_collectives_on_the_links_they_cross():
     program = SimpleNamespace(
         sizes=mesh, plan=SimpleNamespace(remat="none", residuals="save", attention="xla"), flops_per_token=0.0,
         train=SimpleNamespace(batch_size=16, seq_len=16),
-        model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1),
+        model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1,
+                                                  layer_windows=lambda: (0,), window_kinds=lambda: (0,)),
                               active_matmul_params=lambda params: 1),
         abstract_state={"params": None})
     data = SimpleNamespace(groups=[[f, 8 + f] for f in range(8)], times=2, traffic=1e9)

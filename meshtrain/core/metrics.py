@@ -7,7 +7,8 @@ N counts the parameters used in matmuls (the embedding table only when it double
 output head; a MoE token's active experts only); the second term is attention's QK^T and AV over
 L layers, H query heads of width K (the attention width H x K, which need not be d_model), S the
 sequence length: 2 x 2HKS forward per token and layer, x3 with the backward, causal masking not
-halved. Recomputed work (remat, a pipeline's recompute) is not model FLOPs: MFU counts the model's
+halved; a sliding-window layer's S is min(S, window) (its keys per query, as MaxText counts Gemma's).
+Recomputed work (remat, a pipeline's recompute) is not model FLOPs: MFU counts the model's
 work once, whatever the run spends (hardware FLOPs, HFU: meshtrain/planner/roofline.py). MFU = achieved
 model FLOP/s divided by the device's dense bf16 peak (not the 2x "sparse" figure).
 """
@@ -61,9 +62,13 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
-def flops_per_token(matmul_params: int, num_layers: int, attention_width: int, seq_len: int) -> float:
-    """6N + 12 L (H K) S: `attention_width` is num_heads x head_dim (see the module docstring)."""
-    return 6.0 * matmul_params + 12.0 * num_layers * attention_width * seq_len
+def flops_per_token(matmul_params: int, num_layers: int, attention_width: int, seq_len: int,
+                    windows: tuple[int, ...] = ()) -> float:
+    """6N + 12 L (H K) S: `attention_width` is num_heads x head_dim (see the module docstring).
+    `windows`: each layer's sliding window (0: none), when some has one: a layer attends over
+    min(S, window) keys, so the second term is 12 (H K) sum_layers min(S, window)."""
+    attended = sum(min(w, seq_len) if w else seq_len for w in windows) if windows else num_layers * seq_len
+    return 6.0 * matmul_params + 12.0 * attention_width * attended
 
 
 def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float | None) -> float | None:

@@ -3,7 +3,8 @@ command `python -m meshtrain.generate --run RUN --prompt "ROMEO:"` is meshtrain/
 
 - The cached forward is the model's (`LanguageModel.decode`): the prompt (prefill) and each new
   token go through one function, which writes their keys and values into a cache [layers, B, T, G, K]
-  and attends over it.
+  and attends over it. A sliding-window layer (gemma3's local ones) keeps a ring buffer of its
+  window's positions instead; the prefill tells it each row's length, so padding evicts nothing.
 - Prompts of different lengths: each row keeps its own length. The prompts are right-padded to the
   longest and prefilled together; row b's first new token comes from position len_b - 1 and its t-th
   is written at position len_b + t, over the padding's keys, which no query of the row has read (a
@@ -86,7 +87,7 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
         n = -(-P // chunk)
         cache = model.init_cache(B, max(n * chunk, P + max_new - 1))
         if n == 1:
-            x_BxPxD, cache = model.decode(params, prompts_BxP, cache, jnp.zeros(B, jnp.int32), window)
+            x_BxPxD, cache = model.decode(params, prompts_BxP, cache, jnp.zeros(B, jnp.int32), window, lengths_B)
             return cache, jnp.take_along_axis(x_BxPxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
         padded_BxNC = jnp.pad(prompts_BxP, ((0, 0), (0, n * chunk - P)))
         last_B = lengths_B - 1
@@ -94,7 +95,8 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
         def step(carry, xs):
             cache, x_BxD = carry
             i, chunk_BxC = xs
-            x_BxCxD, cache = model.decode(params, chunk_BxC, cache, jnp.full(B, i * chunk, jnp.int32), window)
+            x_BxCxD, cache = model.decode(params, chunk_BxC, cache, jnp.full(B, i * chunk, jnp.int32), window,
+                                          lengths_B)
             picked_BxD = jnp.take_along_axis(x_BxCxD, (last_B % chunk)[:, None, None], axis=1)[:, 0]
             return (cache, jnp.where((last_B // chunk == i)[:, None], picked_BxD, x_BxD)), None
 

@@ -63,21 +63,22 @@ class LayerResiduals:
     def __init__(self, layer, g_stats):
         self.layer, self.g_stats = layer, g_stats
 
-    def _vjp(self, p_layer, x, *docs):
-        out, vjp = jax.vjp(lambda p, x: self.layer(p, x, *docs), p_layer, x)
+    def _vjp(self, p_layer, x, *docs, **kind):
+        out, vjp = jax.vjp(lambda p, x: self.layer(p, x, *docs, **kind), p_layer, x)
         leaves, structure = jax.tree.flatten(vjp)
         params = jax.tree.leaves(p_layer)
         is_param = [next((i for i, p in enumerate(params) if leaf is p), None) for leaf in leaves]
         return out, leaves, structure, is_param
 
-    def forward(self, p_layer, x, *docs):
-        """(y, (residuals, stats)); `docs`: the microbatch's packing.Documents, if any."""
-        (y, stats), leaves, _, is_param = self._vjp(p_layer, x, *docs)
+    def forward(self, p_layer, x, *docs, **kind):
+        """(y, (residuals, stats)); `docs`: the microbatch's packing.Documents, if any; `kind`: the
+        layer's, when the model's layers differ (models/transformer.py `scan_blocks`)."""
+        (y, stats), leaves, _, is_param = self._vjp(p_layer, x, *docs, **kind)
         return y, ([leaf for leaf, i in zip(leaves, is_param) if i is None], stats)
 
-    def pullback(self, p_layer, saved, g_y, *docs):
-        """(d p_layer, d x) for the output cotangent g_y (`docs` as the forward's)."""
-        _, _, structure, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype), *docs)
+    def pullback(self, p_layer, saved, g_y, *docs, **kind):
+        """(d p_layer, d x) for the output cotangent g_y (`docs` and `kind` as the forward's)."""
+        _, _, structure, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype), *docs, **kind)
         params, saved = jax.tree.leaves(p_layer), iter(saved)
         vjp = jax.tree.unflatten(structure, [params[i] if i is not None else next(saved) for i in is_param])
         return vjp((g_y, self.g_stats))
@@ -106,6 +107,18 @@ def _zeros(like, *lead):
     return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), like)
 
 
+def _kind(k) -> dict:
+    """A layer's `kind=` keyword (models/transformer.py `scan_blocks`), none when the layers are alike."""
+    return {} if k is None else {"kind": k}
+
+
+def stage_kinds(model, stages: int, virtual: int):
+    """The layers' kinds [stages, virtual, layers per chunk] as the stages store them (`layer_order`),
+    or None when the model's layers are alike."""
+    kinds = model.layer_kinds
+    return None if kinds is None else kinds[layer_order(len(kinds), stages, virtual)].reshape(stages, virtual, -1)
+
+
 class StageProgram:
     """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
@@ -113,18 +126,21 @@ class StageProgram:
 
     def __init__(self, model, layer, schedule: str, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
-                 docs_MxbxL=None):
+                 docs_MxbxL=None, kinds=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
         self.save, self.zero_bubble = residuals == "save", schedule == "zb"
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
+        self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
         self.outer, self.inputs, self.targets, self.docs = outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL
         x_like = jax.eval_shape(self.embed, outer, 0)
         self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
         # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro)
-        stats_like = jax.eval_shape(layer, jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x,
+        first = None if self.kinds is None else self.kinds[0, 0]
+        stats_like = jax.eval_shape(lambda p, x, k, *docs: layer(p, x, *docs, **_kind(k)),
+                                    jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x, first,
                                     *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
         self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * self.scale / (model.cfg.num_layers * micro),
@@ -133,6 +149,10 @@ class StageProgram:
     # ---- pieces ----
     def chunk(self, v):
         return jax.tree.map(lambda p: _take(p, v), self.chunks)
+
+    def chunk_kinds(self, v):
+        """The kinds of chunk v's layers, or None."""
+        return None if self.kinds is None else _take(self.kinds, v)
 
     def is_first(self, v):  # the model stage that embeds
         return (self.s == 0) & (v == 0)
@@ -156,9 +176,10 @@ class StageProgram:
         loss = self.microbatch_loss(p_outer, y, m)
         return loss * self.scale, loss
 
-    def forward_saving(self, p_chunk, x, *docs):
+    def forward_saving(self, p_chunk, kinds, x, *docs):
         """(y, (each layer's residuals stacked, the chunk's statistics summed))."""
-        y, (saved, stats) = jax.lax.scan(lambda x, p: self.layers.forward(p, x, *docs), x, p_chunk)
+        y, (saved, stats) = jax.lax.scan(lambda x, pk: self.layers.forward(pk[0], x, *docs, **_kind(pk[1])), x,
+                                         (p_chunk, kinds))
         return y, (saved, jax.tree.map(lambda s: s.sum(axis=0), stats))
 
     def initial_carry(self) -> dict:
@@ -168,7 +189,8 @@ class StageProgram:
                  "cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
                  "g_chunks": f32_zeros(self.chunks), "g_outer": f32_zeros(self.outer),
                  "loss": jnp.zeros((), jnp.float32)}
-        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.zeros_x, *self.documents(0))[1]
+        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.chunk_kinds(0), self.zeros_x,
+                                                *self.documents(0))[1]
         carry["stats"] = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like)
         if self.save:
             carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
@@ -194,10 +216,10 @@ class StageProgram:
     def forward(self, c, m, v):
         x, docs = self.chunk_input(c, m, v), self.documents(m)
         if self.save:
-            y, (saved, stats) = self.forward_saving(self.chunk(v), x, *docs)
+            y, (saved, stats) = self.forward_saving(self.chunk(v), self.chunk_kinds(v), x, *docs)
             c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
         else:
-            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs)
+            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v))
         c = {**c, "stats": jax.tree.map(lambda a, s: a + s.astype(jnp.float32), c["stats"], stats)}
 
         def head_and_loss(c):
@@ -216,19 +238,19 @@ class StageProgram:
         docs = self.documents(m)
         if self.save:
             def layer_back(g, xs):
-                p_layer, saved = xs
-                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs)
+                p_layer, saved, kind = xs
+                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **_kind(kind))
                 return g_x, (g if self.zero_bubble else g_p)  # zb: keep each layer's output cotangent for W
 
             saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
-            g_x, per_layer = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved), reverse=True)
+            g_x, per_layer = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.chunk_kinds(v)), reverse=True)
             if self.zero_bubble:
                 c = {**c, "deferred": _write(c["deferred"], per_layer, m, v, self.slots["deferred_slots"])}
             else:
                 c = self.add_chunk(c, per_layer, v)
         else:
             x = self.chunk_input(c, m, v)
-            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs)
+            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v))
             g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.layers.g_stats))
             c = self.add_chunk(c, g_chunk, v)
 
@@ -242,11 +264,11 @@ class StageProgram:
         docs = self.documents(m)
 
         def layer_w(_, xs):
-            p_layer, saved, g = xs
-            return None, self.layers.pullback(p_layer, saved, g, *docs)[0]
+            p_layer, saved, g, kind = xs
+            return None, self.layers.pullback(p_layer, saved, g, *docs, **_kind(kind))[0]
 
         xs = (self.chunk(v), _read(c["residuals"], m, v, self.slots["residual_slots"]),
-              _read(c["deferred"], m, v, self.slots["deferred_slots"]))
+              _read(c["deferred"], m, v, self.slots["deferred_slots"]), self.chunk_kinds(v))
         return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
 
     # ---- ticks ----
@@ -308,6 +330,7 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
     errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
     layer = remat_lib.apply(model.block, plan.remat, model.saveable)
+    kinds = stage_kinds(model, stages, virtual)
 
     def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, step_inputs: StepInputs):
         scale = step_inputs.loss_scale
@@ -315,7 +338,8 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
             if data_manual:  # ZeRO-3: whole over data once per step
                 blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
-                                 blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL)
+                                 blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL,
+                                 kinds=kinds)
             metrics, g_blocks, g_outer = stage.run(phases)
             if not data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})

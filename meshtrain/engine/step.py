@@ -50,7 +50,7 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
         docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/ops/packing.py), or None
         x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
-                                     *([] if docs is None else [docs]))
+                                     *([] if docs is None else [docs]), kinds=model.layer_kinds)
         stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
         loss = model.loss(compute, x_BxLxD, targets)
         return loss + model.auxiliary_loss(stats), {"loss": loss, **stats}

@@ -84,7 +84,8 @@ def generation_memory(cfg, program) -> dict:
     """`python -m meshtrain.generate` for generate.batch_size prompts of train.seq_len tokens (the
     longest it takes) and generate.max_new_tokens new ones, on the plan's devices
     (`generation_sizes`), compiled: its total per device, and the KV cache by formula, keys and
-    values [layers, rows, positions, kv heads, head dim] fp32, split over the batch axes and tensor."""
+    values [layers, rows, positions, kv heads, head dim] fp32 (a sliding-window layer's positions
+    its window's), split over the batch axes and tensor."""
     from meshtrain.engine import decode
     from meshtrain.models import FAMILIES
 
@@ -97,7 +98,7 @@ def generation_memory(cfg, program) -> dict:
     m = model.cfg
     positions = prompt + new - 1
     split = math.prod(sizes[a] for a in rules["batch"]) * sizes["tensor"]
-    cache = formulas.kv_cache_bytes(m.num_layers, rows, positions, m.num_kv_heads, m.head_dim, split)
+    cache = formulas.kv_cache_bytes(m.cached_positions(positions), rows, m.num_kv_heads, m.head_dim, split)
     return {**out, "mesh": describe(sizes), "rows": rows, "prompt_len": prompt, "max_new_tokens": new,
             "kv_cache_formula": cache}
 

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from meshtrain.core.metrics import flops_per_token
 from meshtrain.ops.attention import executed_attention
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
@@ -129,19 +130,21 @@ def recomputes(remat: str, residuals: str, stages: int) -> bool:
     return remat == "full" or (stages > 1 and residuals == "recompute")
 
 
-def hardware_flops_per_token(model_flops_per_token: float, block_params: float, num_layers: int,
-                             attention_width: int, seq_len: int, recompute: bool,
-                             attention: tuple[tuple[int, int], float] = ((2, 4), 1.0)) -> float:
+def hardware_flops_per_token(model_flops_per_token: float, block_params: float, attention_width: int,
+                             seq_len: int, recompute: bool, attention: list, windows: tuple[int, ...]) -> float:
     """The FLOPs a step executes per token: the model's dense 6N, plus one more forward of the
     blocks' matmuls, 2·N_blocks, when the forward is rerun (the embedding and the head are not),
-    and attention as its kernel runs it (`attention`: meshtrain.ops.attention.executed_attention's
-    (forward, backward) score-sized matmuls and share of the scores): 2·L·H·K·S per matmul x share
-    x (forward + backward, + forward again when rerun). The model's 12·L·H·K·S is xla's 2 + 4 x 1."""
-    (forward, backward), share = attention
-    per_matmul = 2.0 * num_layers * attention_width * seq_len
-    dense = model_flops_per_token - 6 * per_matmul
+    and attention as its kernel runs it (`attention`: per kind of layer, meshtrain.ops.attention.
+    executed_attention's ((forward, backward) score-sized matmuls, share of the scores) and the
+    kind's layer count): 2·H·K·S per matmul and layer x share x (forward + backward, + forward again
+    when rerun). The model's attention term (metrics.flops_per_token of the layers' `windows`),
+    12·L·H·K·S without windows, is xla's 2 + 4 x 1."""
+    model_attention = flops_per_token(0, len(windows), attention_width, seq_len, windows)
+    dense = model_flops_per_token - model_attention
     rerun = 2.0 * block_params if recompute else 0.0
-    return dense + rerun + per_matmul * share * (forward + backward + (forward if recompute else 0))
+    executed = sum(2.0 * layers * attention_width * seq_len * share * (forward + backward + forward * recompute)
+                   for ((forward, backward), share), layers in attention)
+    return dense + rerun + executed
 
 
 def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes: float, profile: dict,
@@ -177,10 +180,11 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     matmul_params = program.model.active_matmul_params(program.abstract_state["params"])
     block_params = matmul_params - m.vocab_size * m.d_model  # the head is not rerun
     model_flops = program.flops_per_token * tokens
-    window = getattr(program.model, "window", 0)  # a model without one attends over the whole causal past
-    attention = executed_attention(plan.attention, t.seq_len, sizes.get("context", 1), window)
-    hardware_flops = hardware_flops_per_token(program.flops_per_token, block_params, m.num_layers, width,
-                                              t.seq_len, recompute, attention) * tokens
+    windows = m.layer_windows()  # 0: the whole causal past
+    attention = [(executed_attention(plan.attention, t.seq_len, sizes.get("context", 1), w), windows.count(w))
+                 for w in m.window_kinds()]
+    hardware_flops = hardware_flops_per_token(program.flops_per_token, block_params, width, t.seq_len, recompute,
+                                              attention, windows) * tokens
     traffic = traffic_by_axes(((c.groups, c.times * c.traffic) for c in collectives), sizes)
     links = comm_times(traffic, sizes, profile, per_node)
     bubble = 0.0
@@ -193,6 +197,6 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),
             "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops, "recompute": recompute,
-                      "attention_share": attention[1]},
+                      "attention_share": sum(share * n for (_, share), n in attention) / m.num_layers},
             "links": {_label(axes): v for axes, v in links.items()}, "memory_bytes": memory_bytes,
             **roofs, "tokens_per_s": t.batch_size * t.seq_len / roofs["step_s"] if roofs["step_s"] else 0.0}

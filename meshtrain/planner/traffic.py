@@ -36,7 +36,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
   sums (C-1 round the ring, one home); K/V heads split over T. A sliding window shorter than the
-  ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep).
+  ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep), counted
+  per kind of layer (a model's layers may differ in window: `ModelSpec.layer_windows`).
 
 `compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
 flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
@@ -118,6 +119,27 @@ def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
                           compute_bytes(program.plan.precision), sizes["expert"])
 
 
+def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
+    """Ring attention's link bytes per device per step for one layer of each kind (its sliding
+    window, `ModelSpec.window_kinds`), as (window, bytes, K/V sends, dK/dV sends): forward and
+    backward pass this device's K/V round the ring, C-1 sends a pass (fewer under a short window:
+    context_parallel.ring_sends), remat=full's recomputed forward again but for each leg's first
+    send (the forward's own: XLA keeps one; not when the kernels run behind a switch over the
+    layers' kinds, whose forward and recomputed forward are two conditionals), and C sends of the
+    fp32 dK/dV sums."""
+    sizes, plan, m, t = program.sizes, program.plan, program.model.cfg, program.train
+    D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
+    act = compute_bytes(plan.precision)
+    tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
+    out, switched = [], len(m.window_kinds()) > 1
+    for window in m.window_kinds():
+        sends = ring_sends(t.seq_len, C, window)
+        kv_sends = 2 * sends["kv"] + (sends["kv"] - (0 if switched else sends["legs"]) if plan.remat == "full" else 0)
+        out.append((window, kv_sends * kv + sends["grads"] * kv * 4 / act, kv_sends, sends["grads"]))
+    return out
+
+
 def expected_traffic(program) -> dict[str, dict]:
     """Analytical link traffic per device per step, by collective kind, with what it stands for."""
     plan, sizes = program.plan, program.sizes
@@ -184,8 +206,9 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
     # Megatron: 2 forward, 2 backward; the recomputed forward (remat=full) redoes the attention
-    # output's but not the MLP output's, whose only use is the next layer's (saved) input.
-    per_layer = 5 if plan.remat == "full" else 4
+    # output's but not the MLP output's, whose only use is the next layer's (saved) input, unless
+    # the block normalizes it (gemma3's post-MLP norm, whose backward needs it again).
+    per_layer = (6 if program.model.post_norm else 5) if plan.remat == "full" else 4
     tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
     megatron = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, m.num_layers / P, per_layer, act)
     if plan.sequence_parallel:
@@ -208,16 +231,15 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
             + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
-    if C > 1:  # meshtrain/ops/context_parallel.py's ring: C-1 sends of K/V a pass, C of the fp32 dK/dV sums
-        kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
-        # forward and backward pass K/V round the ring (fewer under a short sliding window:
-        # context_parallel.ring_sends); remat=full's recomputed forward again, but the first send of
-        # each leg is the forward's own (the same permute of the same K/V: XLA keeps one)
-        sends = ring_sends(t.seq_len, C, getattr(program.model, "window", 0))
-        kv_sends = 2 * sends["kv"] + (sends["kv"] - sends["legs"] if plan.remat == "full" else 0)
-        add("collective-permute", (kv_sends * kv + sends["grads"] * kv * 4 / act) * m.num_layers / P,
-            f"ring attention per layer: {kv_sends} K/V sends (forward, backward"
-            f"{', recomputed forward' if plan.remat == 'full' else ''}), {sends['grads']} sends of the fp32 dK/dV sums")
+    if C > 1:  # meshtrain/ops/context_parallel.py's ring, per kind of layer
+        windows = m.layer_windows()
+        for window, layer_bytes, kv_sends, grad_sends in ring_layer_traffic(program):
+            layers = windows.count(window)
+            which = "" if len(set(windows)) == 1 else f" of the {layers} with window {window or 'none'}"
+            add("collective-permute", layer_bytes * layers / P,
+                f"ring attention per layer{which}: {kv_sends} K/V sends (forward, backward"
+                f"{', recomputed forward' if plan.remat == 'full' else ''}), {grad_sends} sends of the fp32 "
+                f"dK/dV sums")
     if P > 1:
         tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
         sends = sends_per_step(tables)
@@ -289,6 +311,15 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "remat=full: XLA may gather a layer's MLP (or experts') weights again in the backward (the recomputed "
             "forward's gather and the weight gradient's stay two collectives; llama2_70b's gate and up, "
             "mixtral's experts), up to 3/2 of the layers' formula", 1, 1.5))
+    windows = program.model.cfg.layer_windows()
+    if C > 1 and len(set(windows)) > 1:  # the ring behind each layer's switch over its kinds
+        per_layer = {w: b for w, b, _, _ in ring_layer_traffic(program)}
+        formula = expected_traffic(program)["collective-permute"]["traffic_bytes"]
+        extra = sum(b * (len(windows) - windows.count(w)) for w, b in per_layer.items()) / sizes["pipeline"]
+        gaps["collective-permute"].append((
+            "layers of several kinds (sliding windows): the HLO reader (meshtrain/planner/hlo.py) counts both "
+            "branches of each layer's switch over its kinds' kernels as if taken, so every layer's ring as every "
+            "kind's; the formula counts each layer's own", 1, (formula + extra) / formula))
     if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
         gaps["all-gather"].append((
             "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
