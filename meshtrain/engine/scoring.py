@@ -43,7 +43,8 @@ def score_fn(model, precision: str = "fp32", prepare=None):
     def score(params, tokens_BxL, targets_BxL, mask_BxL):
         params = cast_for_compute(params if prepare is None else prepare(params), precision)
         tokens_BxL = constrain(tokens_BxL, ("batch", "seq"))
-        x_BxLxD = scan_blocks(model.block, params["blocks"], model.embed(params, tokens_BxL))[0]
+        x_BxLxD = scan_blocks(model.block, params["blocks"], model.embed(params, tokens_BxL),
+                              kinds=model.layer_kinds)[0]
         (B, L), V = tokens_BxL.shape, model.cfg.vocab_size
         C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")))
         # chunk n holds positions n, n + L/C, ... (ops/loss.py `_chunks`): sums and alls are order-free
