@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -48,6 +49,7 @@ TEXT_ONLY = {
     ("planner.md", "python -m meshtrain.plan"): "64- and 128-device pods",
     ("sweeps.md", "python -m meshtrain.sweep"): "about 4 minutes on 2 cores",
     ("metrics.md", "tensorboard"): "starts a server",
+    ("multihost.md", "for i in 0"): "as `tests/test_multihost.py` runs them",
     ("multihost.md", "#SBATCH"): "needs a SLURM cluster",
     ("multihost.md", "python -m meshtrain.train"): "needs a Kubernetes cluster",
     ("multihost.md", "ray start"): "needs a Ray cluster",
@@ -159,6 +161,16 @@ def run_snippet(code: str, folder: Path) -> None:
         os.chdir(cwd)
 
 
+def clocks() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter(), own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    now = clocks()
+    return now[0] - start[0], now[1] - start[1]
+
+
 PAGES = nav_pages()
 
 
@@ -167,14 +179,14 @@ def test_page_blocks_run(page, workdir):
     """Each bash command exits 0 and each Python snippet runs, in page order; a command run by an
     earlier page is not run again."""
     folder, ran = workdir["folder"], workdir["ran"]
-    timings = []
+    timings = []  # (command, wall s, CPU s of this process and its children): CPU s, not wall, on a busy machine
     for lang, body, _ in fenced_blocks(page.read_text()):
         if lang == "python":
-            start = time.perf_counter()
             if body not in ran:
+                start = clocks()
                 run_snippet(body, folder)
                 ran.add(body)
-            timings.append((body.split("\n")[0], time.perf_counter() - start))
+                timings.append((body.split("\n")[0], *since(start)))
         elif lang == "bash":
             for cmd in commands(body):
                 if cmd.startswith(SETUP):
@@ -183,11 +195,11 @@ def test_page_blocks_run(page, workdir):
                 key = shlex.join(shlex.split(cmd, comments=True))
                 if key in ran:
                     continue
-                start = time.perf_counter()
+                start = clocks()
                 run_command(cmd, folder)
                 ran.add(key)
-                timings.append((cmd, time.perf_counter() - start))
-    print("\n".join(f"{t:6.1f} s  {c[:100]}" for c, t in timings))
+                timings.append((cmd, *since(start)))
+    print("".join(f"\n{wall:6.1f} s wall {cpu:6.1f} s CPU  {c[:90]}" for c, wall, cpu in timings))
 
 
 def test_text_fenced_commands_are_listed_with_their_reason():
