@@ -78,7 +78,7 @@ def test_console_lines_keep_their_format(run):
     lines = [line for line in stdout.splitlines() if line.startswith("step ")]
     train = [r for r in records(out) if "loss" in r]
     pattern = re.compile(r"step +(\d+)  loss (\d+\.\d{4})  grad_norm \d+\.\d{3}  lr \S+  tokens/s [\d,]+  "
-                         r"step_time [\d.]+ms$")
+                         r"step_time [\d.]+ms(  ETA \S+)?$")  # the ETA once warm (loggers.Pace)
     matched = [pattern.match(line) for line in lines if "eval_loss" not in line]
     assert all(matched), lines
     assert [(int(m[1]), m[2]) for m in matched] == [(r["step"], f"{r['loss']:.4f}") for r in train]

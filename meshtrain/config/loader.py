@@ -270,8 +270,8 @@ def reference_markdown() -> str:
     lines += ["", "## Resuming", "",
               "A checkpoint resumes only into the same model: the `model` keys that define the weights must",
               "match it (compared after resolving `head_dim` and `mlp_dim`). Model keys marked *may change on",
-              "resume*, and every `parallel`, `optim`, `data`, `train`, `checkpoint`, `guard` and top-level key,",
-              "may differ: a run moves to another mesh, remat policy or attention backend freely.", "",
+              "resume*, and every `parallel`, `optim`, `data`, `train`, `eval`, `checkpoint`, `guard` and top-level",
+              "key, may differ: a run moves to another mesh, remat policy or attention backend freely.", "",
               "## Renamed keys", "",
               "Keys of earlier versions still work; each prints a one-line notice naming its new place.", "",
               "| earlier key | today |", "|---|---|"]

@@ -142,6 +142,16 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    tasks: list = setting([], "downstream multiple-choice tasks scored while training: [{name: ..., path: FILE.jsonl}, "
+                              "...], each file JSON lines of {context, choices, label}, each entry with the keys path, "
+                              "name (default: the file's) and limit (the first N items; default all); logged as "
+                              "eval_acc_<name> and eval_acc_norm_<name> (docs/evaluation.md); [] = none")
+    task_every: int = setting(0, "steps between downstream task evaluations (and the last step); 0 = with eval_loss, "
+                                 "every train.eval_every steps", min=0)
+
+
+@dataclass
 class GenerateConfig:
     batch_size: int = setting(8, "prompts generated together (`python -m meshtrain.generate`); the planner sizes "
                                  "generation's KV cache for this many rows", min=1)
@@ -193,6 +203,8 @@ class Config:
     optim: OptimSpec = setting(OptimSpec(), "how it learns: optimizer, learning-rate schedule, clipping")
     data: DataConfig = setting(DataConfig(), "where tokens come from")
     train: TrainConfig = setting(TrainConfig(), "the loop")
+    eval: EvalConfig = setting(EvalConfig(), "downstream tasks scored while training (meshtrain.eval scores them "
+                                             "without training)")
     generate: GenerateConfig = setting(GenerateConfig(), "text generation from a run: batch and length")
     checkpoint: CheckpointConfig = setting(CheckpointConfig(), "saving and resuming")
     guard: GuardConfig = setting(GuardConfig(), "the NaN/Inf guard")

@@ -21,6 +21,7 @@ from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.core.errors import UserError
 from meshtrain.core.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
 from meshtrain.data.mixture import sources as data_sources
+from meshtrain.data.tasks import entries as task_entries
 from meshtrain.data.tokenizer import check_vocab
 from meshtrain.data.tokenizer import load as load_tokenizer
 from meshtrain.models import declaring, family
@@ -68,6 +69,10 @@ def check_config(cfg) -> None:
     if cfg.data.kind == "synthetic" and cfg.data.path:
         raise UserError(f"data.kind=synthetic ignores data.path={cfg.data.path!r}; set data.kind=auto or drop the path")
     data_sources(cfg.data)  # data.sources' entries (meshtrain/data/mixture.py)
+    task_entries(cfg.eval.tasks)  # eval.tasks' entries (meshtrain/data/tasks.py); the files are read by the run
+    if cfg.eval.tasks and not (cfg.eval.task_every or t.eval_every):
+        raise UserError("eval.tasks are set but never scored: eval.task_every and train.eval_every are 0; set "
+                        "eval.task_every=N")
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")

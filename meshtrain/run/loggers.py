@@ -2,10 +2,10 @@
 
 A record is a dict with a `step`: a training step's metrics (loss, grad_norm, lr, tokens_per_sec,
 ..., the model's own such as router_aux_loss, fp16's loss_scale, a mixture's share_<source>), an
-evaluation (`eval_loss`, a mixture's eval_loss_<source>) or an async checkpoint start
-(`checkpoint_blocking_s`). `MetricsLog` stamps each with the wall time, keeps
-them in `history` and hands them to its sinks, each a `Logger`: write(record), rewind(step) (a
-guard rollback is about to train the steps past `step` again: forget them), close().
+evaluation (`eval_loss`, a mixture's eval_loss_<source>), downstream tasks' accuracies (eval_acc_<task>,
+eval_acc_norm_<task>) or an async checkpoint start (`checkpoint_blocking_s`). `MetricsLog` stamps
+each with the wall time, keeps them in `history` and hands them to its sinks, each a `Logger`:
+write(record), rewind(step) (a guard rollback is about to train the steps past `step` again: forget them), close().
 
 Sinks: `Lines` (the console lines, the format the README's samples show), `ProgressBar` (rich: the
 same lines above a live bar with ETA), `Jsonl` (<out>/metrics.jsonl), `TensorBoard` (event files
@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
@@ -75,6 +76,10 @@ def format_record(r: dict) -> str:
         sources = ", ".join(f"{k.removeprefix('eval_loss_')} {v:.4f}"
                             for k, v in r.items() if k.startswith("eval_loss_"))
         return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" + (f" ({sources})" if sources else "")
+    tasks = [k.removeprefix("eval_acc_") for k in r if k.startswith("eval_acc_") and not k.startswith("eval_acc_norm_")]
+    if tasks:  # downstream tasks (eval.tasks)
+        return f"step {r['step']:>6}  tasks: " + ", ".join(
+            f"{t} acc {r['eval_acc_' + t]:.4f} acc_norm {r['eval_acc_norm_' + t]:.4f}" for t in tasks)
     if "checkpoint_blocking_s" in r:
         return f"step {r['step']:>6}  checkpoint started (blocked the loop {r['checkpoint_blocking_s'] * 1e3:.1f}ms)"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
@@ -93,11 +98,51 @@ def format_record(r: dict) -> str:
     return "  ".join(parts)
 
 
+class Pace:
+    """How fast the run goes, for a person: the first training record covers the first steps'
+    dispatch and warm-up; from the next one on, each record's step time times the steps left is
+    the ETA, and the first such record also gets a `warm_line` of its own."""
+
+    def __init__(self, first: int, steps: int):
+        self.first, self.steps, self.warm, self.told = first, steps, False, False
+
+    def eta(self, record: dict) -> float | None:
+        """Seconds left at this record's pace; None for the warm-up record, non-training ones and
+        the last step."""
+        if "loss" not in record:
+            return None
+        if not self.warm:
+            self.warm, self.warm_from = True, record["step"]
+            return None
+        left = self.steps - record["step"]
+        return left * record["step_time_s"] if left > 0 else None
+
+    def warm_line(self, record: dict, eta: float | None) -> str | None:
+        """`after warm-up: 12.3ms per step (steps 11-20); 980 steps left, ETA 12.1s`, once (not
+        starting with `step `: the record lines do)."""
+        if eta is None or self.told:
+            return None
+        self.told = True
+        return (f"after warm-up: {record['step_time_s'] * 1e3:.1f}ms per step (steps {self.warm_from + 1}-"
+                f"{record['step']}); {self.steps - record['step']} steps left, ETA {duration(eta)}")
+
+
 class Lines:
-    """A line per record on stdout."""
+    """A line per record on stdout; given the run's `first` and `steps`, training lines end with an
+    ETA once warm (`Pace`)."""
+
+    def __init__(self, first: int | None = None, steps: int | None = None):
+        self.pace = Pace(first, steps) if steps is not None else None
 
     def write(self, record: dict) -> None:
-        print(format_record(record), flush=True)
+        line = format_record(record)
+        eta = self.pace.eta(record) if self.pace else None
+        if eta is not None:
+            warm = self.pace.warm_line(record, eta)
+            if warm:
+                print(warm, flush=True)
+            line += f"  ETA {duration(eta)}"
+        print(line, flush=True)
 
     def rewind(self, step: int) -> None:
         pass
@@ -124,10 +169,13 @@ class ProgressBar:
                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                             TextColumn("{task.fields[last]}"), console=console)
         self.task = self.bar.add_task("train", total=steps, completed=first, last="")
+        self.pace = Pace(first, steps)
         self.bar.start()
 
     def write(self, record: dict) -> None:
-        self.bar.console.print(format_record(record), highlight=False, markup=False, soft_wrap=True)
+        warm = self.pace.warm_line(record, self.pace.eta(record))  # the bar shows the ETA itself
+        for line in ([warm] if warm else []) + [format_record(record)]:
+            self.bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
         if "loss" in record:
             self.bar.update(self.task, completed=record["step"], last=f"loss {record['loss']:.4f}")
 
@@ -136,6 +184,47 @@ class ProgressBar:
 
     def close(self) -> None:
         self.bar.stop()
+
+
+def where(out: Path, tensorboard: bool) -> str:
+    """The start-up line naming the run folder and, when written, the TensorBoard command."""
+    line = f"run folder {out} (config.yaml, metrics.jsonl, checkpoints/)"
+    return line + (f"; TensorBoard: tensorboard --logdir {out / 'tensorboard'}" if tensorboard else "")
+
+
+class Ticker:
+    """While something slow runs in the foreground (compiling the train step): a background thread
+    prints `compiling the train step (10 s so far)` every `every_s` seconds for the first minute,
+    then every minute; on leaving, `compiled the train step in 42.1s`. `clock` and `print_line`
+    are the thread's time source and output (a test passes its own); `enabled=False`: silent."""
+
+    def __init__(self, doing: str, done: str, every_s: float = 10.0, enabled: bool = True,
+                 clock=time.monotonic, print_line=None):
+        self.doing, self.done, self.every_s, self.enabled, self.clock = doing, done, every_s, enabled, clock
+        self.print_line = print_line or (lambda line: print(line, flush=True))
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.started = self.clock()
+        if self.enabled:
+            self._thread = threading.Thread(target=self._tick, name="meshtrain-ticker", daemon=True)
+            self._thread.start()
+        return self
+
+    def _tick(self) -> None:
+        wait = self.every_s
+        while not self._stop.wait(wait):
+            elapsed = self.clock() - self.started  # one reading per line
+            self.print_line(f"{self.doing} ({elapsed:.0f} s so far)")
+            wait = self.every_s if elapsed < 60 else 60
+
+    def __exit__(self, kind, *_) -> None:
+        if not self.enabled:
+            return
+        self._stop.set()
+        self._thread.join()
+        if kind is None:
+            self.print_line(f"{self.done} in {duration(self.clock() - self.started)}")
 
 
 # ---- files ----
@@ -184,7 +273,8 @@ TAG_GROUPS = {
     "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),
 }
 TAGS = {key: f"{group}/{key}" for group, keys in TAG_GROUPS.items() for key in keys} | {"eval_loss": "eval/loss"}
-PREFIXES = {"memory_": "memory/", "share_": "data/share_", "eval_loss_": "eval/loss_"}  # eval_loss_<source>
+PREFIXES = {"memory_": "memory/", "share_": "data/share_", "eval_loss_": "eval/loss_",  # eval_loss_<source>
+            "eval_acc_norm_": "eval/acc_norm_", "eval_acc_": "eval/acc_"}  # a task's (eval.tasks); first match wins
 NOT_METRICS = ("step", "time")
 FLUSH_SECONDS = 5
 
@@ -291,7 +381,7 @@ def for_run(out: Path, cfg, primary: bool, first: int, steps: int) -> MetricsLog
 
         sinks.append(WandB(out, lg.wandb_project, lg.wandb_mode, to_dict(cfg)))
     if progress == "lines":
-        sinks.insert(0, Lines())
+        sinks.insert(0, Lines(first, steps))
     elif progress == "bar":
         sinks.insert(0, ProgressBar(first, steps))
     return MetricsLog(sinks=sinks)

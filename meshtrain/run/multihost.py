@@ -1,10 +1,10 @@
 """Several processes (one per host) as one job: joining, agreeing, and failing in one line.
 
-- `init_distributed` joins JAX's multi-controller runtime (explicit flags, or SLURM / Open MPI /
-  Kubernetes environment) in JAX's recoverable mode, so a dead peer is reported to the others
-  instead of aborting each of them with a C++ stack trace; a watcher thread then ends this
-  process with one `error:` line naming the lost process, once the coordination service has
-  missed its heartbeats for `heartbeat_timeout_s` (exit code 3).
+- `init_distributed` joins JAX's multi-controller runtime (explicit flags, or the SLURM / Open MPI /
+  Kubernetes Job / JobSet environment, read by `resolve_launch`) in JAX's recoverable mode, so a
+  dead peer is reported to the others instead of aborting each of them with a C++ stack trace; a
+  watcher thread then ends this process with one `error:` line naming the lost process, once the
+  coordination service has missed its heartbeats for `heartbeat_timeout_s` (exit code 3).
 - Decisions that must be the same everywhere (save now, stop now) are agreed: process 0's clock
   decides saves by time (`agree_with_process_0`); a SIGTERM that reaches any process stops all of
   them at the same step (`preemption_reached`, JAX's preemption sync point).
@@ -16,10 +16,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 
 from meshtrain.core.errors import UserError
 
@@ -28,29 +30,230 @@ RESUME_HINT = "rerun the same command on every host to resume from the latest ch
 _run_over = threading.Event()  # set when this process is done: a peer that finished first is not lost
 
 
-def launched_by_cluster() -> bool:
-    """True under a multi-process launcher that jax.distributed.initialize() detects itself."""
-    env = os.environ
-    return (int(env.get("SLURM_NTASKS", "1")) > 1
-            or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-            or "JAX_COORDINATOR_ADDRESS" in env)
+@dataclass(frozen=True)
+class Launch:
+    """One process's place in a multi-process job, as `resolve_launch` reads it."""
+
+    launcher: str  # "flags", "SLURM", "Open MPI", "Kubernetes Job", "JobSet", "JAX" (its own detection)
+    coordinator: str  # host:port of process 0's coordination service
+    num_processes: int | None  # None: JAX's detection says (a Cloud TPU pod)
+    process_id: int | None
+    local_device_ids: tuple[int, ...] | None = None  # None: every accelerator this process sees
+
+
+K8S_PORT = 55527  # JAX's port for Kubernetes (jax/_src/clusters/k8s_cluster.py)
+
+
+def resolve_launch(env=None, coordinator: str | None = None, num_processes: int | None = None,
+                   process_id: int | None = None) -> Launch | None:
+    """Where this process stands in its job, from the flags or else its launcher's environment;
+    None for a single process. Read here, not by `jax.distributed.initialize`'s own detection,
+    which misses an Indexed Job without the `kubernetes` package and API rights, JobSet's
+    variables and Open MPI 5, and under SLURM restricts every task to one GPU (its SLURM_LOCALID),
+    even the only task of an 8-GPU node. Launchers, first found first:
+
+    - flags: --coordinator (or JAX_COORDINATOR_ADDRESS) with --num-processes and --process-id;
+      JAX_COORDINATOR_ADDRESS alone leaves the count and id to JAX's detection (Cloud TPU);
+    - SLURM (srun): SLURM_STEP_NUM_TASKS (or SLURM_NTASKS), SLURM_PROCID, SLURM_LOCALID,
+      SLURM_STEP_NODELIST (its first host is the coordinator), SLURM_STEP_TASKS_PER_NODE,
+      SLURM_GPUS_ON_NODE, SLURM_JOB_ID (the port, as JAX picks it);
+    - Open MPI (mpirun): OMPI_COMM_WORLD_SIZE, _RANK, _LOCAL_RANK, _LOCAL_SIZE, and the
+      launcher's host in OMPI_MCA_orte_hnp_uri (Open MPI 4; else JAX_COORDINATOR_ADDRESS);
+    - Kubernetes, an Indexed Job: JOB_COMPLETION_INDEX, HOSTNAME (`<job>-<index>`), and from the
+      manifest MESHTRAIN_NUM_PROCESSES and MESHTRAIN_SERVICE (the headless Service, the pods'
+      `subdomain`): the coordinator is `<job>-0.<service>`;
+    - a JobSet: JOBSET_NAME, REPLICATED_JOB_NAME, JOB_INDEX (downward API) and
+      JOB_COMPLETION_INDEX, MESHTRAIN_NUM_PROCESSES, MESHTRAIN_PODS_PER_JOB: the process id is
+      JOB_INDEX * pods per job + JOB_COMPLETION_INDEX, the coordinator
+      `<jobset>-<replicated job>-0-0.<subdomain>` (MESHTRAIN_SERVICE, default the JobSet's name).
+
+    JAX_COORDINATOR_ADDRESS replaces the coordinator found, JAX_COORDINATOR_PORT its port, as
+    they do for JAX. A variable a launcher needs and lacks is one UserError naming it."""
+    env = os.environ if env is None else env
+    address = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    if coordinator is not None or num_processes is not None or process_id is not None:
+        launch = _from_flags(address, num_processes, process_id, "--coordinator" if coordinator else
+                             "JAX_COORDINATOR_ADDRESS")
+    elif _count(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") > 1:
+        launch = _slurm(env)
+    elif _count(env, "OMPI_COMM_WORLD_SIZE") > 1:
+        launch = _open_mpi(env)
+    elif "JOB_COMPLETION_INDEX" in env:
+        launch = _jobset(env) if "JOBSET_NAME" in env else _indexed_job(env)
+    elif address:  # JAX's own detection finds the count and id (a Cloud TPU pod's metadata)
+        return Launch("JAX", address, None, None)
+    else:
+        return None
+    if launch is None:
+        return None
+    if address and launch.launcher != "flags":
+        launch = replace(launch, coordinator=address)
+    elif env.get("JAX_COORDINATOR_PORT") and launch.launcher != "flags":
+        launch = replace(launch, coordinator=f"{launch.coordinator.rsplit(':', 1)[0]}:{env['JAX_COORDINATOR_PORT']}")
+    if not 0 <= launch.process_id < launch.num_processes:
+        raise UserError(f"{launch.launcher}: process id {launch.process_id} is not one of the {launch.num_processes} "
+                        f"processes (0 to {launch.num_processes - 1}); check the launcher's process count")
+    return launch
+
+
+def _from_flags(address, num_processes, process_id, named) -> Launch:
+    if address is None or num_processes is None or process_id is None:
+        raise UserError("--coordinator (or JAX_COORDINATOR_ADDRESS), --num-processes and --process-id go together: "
+                        "pass all three, or none under SLURM, Open MPI or Kubernetes")
+    if not 0 <= process_id < num_processes:
+        raise UserError(f"--process-id {process_id} is not one of the {num_processes} processes; give each "
+                        f"process its own id from 0 to {num_processes - 1}")
+    if ":" not in address:
+        raise UserError(f"{named} {address}: give host:port, e.g. 10.0.0.1:1234")
+    return Launch("flags", address, num_processes, process_id)
+
+
+def _need(env, name: str, launcher: str, fix: str) -> str:
+    value = env.get(name, "").strip()
+    if not value:
+        raise UserError(f"{launcher}: {name} is not set; {fix}")
+    return value
+
+
+def _int(env, name: str, launcher: str, fix: str) -> int:
+    value = _need(env, name, launcher, fix)
+    if not value.isdigit():
+        raise UserError(f"{launcher}: {name}={value} is not a count or index; {fix}")
+    return int(value)
+
+
+def _count(env, *names: str) -> int:
+    value = next((env[n] for n in names if env.get(n)), "1")
+    return int(value) if value.isdigit() else 1
+
+
+SRUN = "start each task with srun inside the sbatch script (examples/slurm/train.sbatch)"
+
+
+def _slurm(env) -> Launch:
+    """SLURM's variables for a task that srun started (srun(1), 'OUTPUT ENVIRONMENT VARIABLES')."""
+    launcher = "SLURM"
+    num = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS", launcher, SRUN)
+    nodes = _need(env, "SLURM_STEP_NODELIST", launcher,
+                  f"SLURM_NTASKS={num} but this process was not started by srun: {SRUN}")
+    pid = _int(env, "SLURM_PROCID", launcher, SRUN)
+    local = _int(env, "SLURM_LOCALID", launcher, SRUN)
+    job = _int(env, "SLURM_JOB_ID", launcher, SRUN)
+    tasks_here = _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""),
+                                int(env.get("SLURM_NODEID", "0")))
+    gpus = _gpu_count(env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE"))
+    # --gpus-per-task: srun gave each task its own GPUs (CUDA_VISIBLE_DEVICES): it drives all it sees
+    devices = None if "SLURM_GPUS_PER_TASK" in env else \
+        _local_devices(local, tasks_here, gpus, launcher, "--gpus-per-node", "--ntasks-per-node")
+    port = job % 2**12 + (65535 - 2**12 + 1)  # JAX's choice (slurm_cluster.py): the same on every task
+    return Launch(launcher, f"{first_host(nodes)}:{port}", num, pid, devices)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: 'gpu[003-010,012],cpu1' -> 'gpu003' (each bracket's first)."""
+    host, depth = "", 0
+    for ch in nodelist.strip():
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        host += ch
+    while "[" in host:
+        head, rest = host.split("[", 1)
+        ranges, tail = rest.split("]", 1)
+        host = head + ranges.split(",")[0].split("-")[0] + tail
+    return host
+
+
+def _tasks_on_node(spec: str, node: int) -> int | None:
+    """SLURM_STEP_TASKS_PER_NODE ('4(x2),3' = 4 on each of the first 2 nodes, 3 on the third)."""
+    counts = []
+    for part in filter(None, spec.split(",")):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return counts[node] if node < len(counts) else None
+
+
+def _gpu_count(text: str | None) -> int | None:
+    """'8' or 'h100:8' (SLURM_GPUS_PER_NODE may name the type) -> 8."""
+    tail = (text or "").rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _local_devices(local: int, tasks: int | None, gpus: int | None, launcher: str, gpu_option: str,
+                   task_option: str) -> tuple[int, ...] | None:
+    """The accelerators of the `local`-th of `tasks` processes on a node with `gpus` of them: all
+    for one process per node; else an equal consecutive share (one each when `gpus` is unknown)."""
+    if not tasks or tasks == 1:
+        return None
+    if gpus is None:
+        return (local,)
+    if gpus % tasks:
+        raise UserError(f"{launcher}: {gpus} GPUs on this node do not split evenly over its {tasks} tasks; make "
+                        f"{gpu_option} a multiple of {task_option}")
+    share = gpus // tasks
+    return tuple(range(local * share, (local + 1) * share))
+
+
+def _open_mpi(env) -> Launch:
+    launcher, fix = "Open MPI", "start meshtrain with mpirun"
+    num = _int(env, "OMPI_COMM_WORLD_SIZE", launcher, fix)
+    pid = _int(env, "OMPI_COMM_WORLD_RANK", launcher, fix)
+    local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", launcher, fix)
+    tasks = _count(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    uri = env.get("OMPI_MCA_orte_hnp_uri", "")  # '1531576320.0;tcp://10.96.0.1,10.148.0.1:34911'
+    host = re.search(r"tcp://([^,:;]+)|tcp6://\[([^,\]]+)", uri)
+    if host is None and not env.get("JAX_COORDINATOR_ADDRESS"):
+        raise UserError(f"{launcher}: OMPI_MCA_orte_hnp_uri is not set (Open MPI 4's mpirun sets it; Open MPI 5 does "
+                        f"not); export JAX_COORDINATOR_ADDRESS=<first host>:<port> to every process "
+                        f"(mpirun -x JAX_COORDINATOR_ADDRESS)")
+    port = int(uri.split(".", 1)[0]) // 2**12 % 2**12 + (65535 - 2**12 + 1) if host else 0  # JAX's choice
+    address = f"{next(h for h in host.groups() if h)}:{port}" if host else env["JAX_COORDINATOR_ADDRESS"]
+    return Launch(launcher, address, num, pid, _local_devices(local, tasks, None, launcher, "", ""))
+
+
+K8S_FIX = "set it in the pod template's env (examples/kubernetes/)"
+
+
+def _indexed_job(env) -> Launch | None:
+    launcher = "Kubernetes Job"
+    num = _int(env, "MESHTRAIN_NUM_PROCESSES", launcher, K8S_FIX + ": the Job's parallelism")
+    if num == 1:
+        return None
+    index = _int(env, "JOB_COMPLETION_INDEX", launcher, "use completionMode: Indexed")
+    service = _need(env, "MESHTRAIN_SERVICE", launcher, K8S_FIX + ": the headless Service named in subdomain")
+    hostname = _need(env, "HOSTNAME", launcher, "Kubernetes names an Indexed Job's pods <job>-<index>")
+    job, _, own = hostname.rpartition("-")
+    if own != str(index) or not job:
+        raise UserError(f"{launcher}: HOSTNAME={hostname} is not <job name>-{index}; leave the pod's hostname "
+                        f"to Kubernetes (an Indexed Job names pods <job>-<index>)")
+    return Launch(launcher, f"{job}-0.{service}:{K8S_PORT}", num, index)
+
+
+def _jobset(env) -> Launch | None:
+    launcher = "JobSet"
+    num = _int(env, "MESHTRAIN_NUM_PROCESSES", launcher, K8S_FIX + ": replicas x parallelism")
+    if num == 1:
+        return None
+    per_job = _int(env, "MESHTRAIN_PODS_PER_JOB", launcher, K8S_FIX + ": the replicated job's parallelism")
+    annotation = "from metadata.annotations['jobset.sigs.k8s.io/{}'] (downward API, examples/kubernetes/jobset.yaml)"
+    name = _need(env, "JOBSET_NAME", launcher, "set it " + annotation.format("jobset-name"))
+    replicated = _need(env, "REPLICATED_JOB_NAME", launcher, "set it " + annotation.format("replicatedjob-name"))
+    job = _int(env, "JOB_INDEX", launcher, "set it " + annotation.format("job-index"))
+    pod = _int(env, "JOB_COMPLETION_INDEX", launcher, "JobSet's Jobs are Indexed")
+    service = env.get("MESHTRAIN_SERVICE") or name  # JobSet's headless Service: spec.network.subdomain or its name
+    return Launch(launcher, f"{name}-{replicated}-0-0.{service}:{K8S_PORT}", num, job * per_job + pod)
 
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, heartbeat_timeout_s: int = 100,
-                     init_timeout_s: int = 300) -> None:
-    """Join the job; a no-op for a single process. `init_timeout_s` bounds the wait for all
-    processes to join; `heartbeat_timeout_s` how long a dead peer goes unnoticed."""
+                     init_timeout_s: int = 300) -> Launch | None:
+    """Join the job (`resolve_launch`); a no-op for a single process. `init_timeout_s` bounds the
+    wait for all processes to join; `heartbeat_timeout_s` how long a dead peer goes unnoticed."""
     import jax
 
-    explicit = coordinator is not None
-    if not explicit and not launched_by_cluster():
-        return
-    if explicit and (num_processes is None or process_id is None):
-        raise UserError("--coordinator needs --num-processes and --process-id too")
-    if explicit and not 0 <= process_id < num_processes:
-        raise UserError(f"--process-id {process_id} is not one of the {num_processes} processes; give each "
-                        f"process its own id from 0 to {num_processes - 1}")
+    launch = resolve_launch(None, coordinator, num_processes, process_id)
+    if launch is None:
+        return None
     # On CPU the cross-process collectives go through gloo (a real multi-host test on one machine).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:  # a dead peer is reported to the survivors rather than aborting them (the watcher exits)
@@ -58,12 +261,17 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     except AttributeError:  # a JAX without the option keeps its own fatal exit
         pass
     _filter_output()
-    timeouts = {"initialization_timeout": init_timeout_s, "heartbeat_timeout_seconds": heartbeat_timeout_s}
-    if explicit:
-        jax.distributed.initialize(coordinator, num_processes, process_id, **timeouts)
-    else:
-        jax.distributed.initialize(**timeouts)
+    devices = list(launch.local_device_ids) if launch.local_device_ids is not None else None
+    # All given: JAX's own detection ("deactivate") must not restrict the devices again.
+    detection = None if launch.launcher == "JAX" else "deactivate"
+    jax.distributed.initialize(launch.coordinator, launch.num_processes, launch.process_id, devices,
+                               cluster_detection_method=detection, initialization_timeout=init_timeout_s,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
     _watch_peers(heartbeat_timeout_s)
+    if jax.process_index() == 0:
+        print(f"multi-host: {jax.process_count()} processes ({launch.launcher}), coordinator {launch.coordinator}, "
+              f"{jax.device_count()} devices", flush=True)
+    return launch
 
 
 def _live_processes() -> set[int]:

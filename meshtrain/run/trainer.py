@@ -21,9 +21,10 @@ import numpy as np
 from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
 from meshtrain.core.metrics import mfu, peak_flops
-from meshtrain.data import mixture
+from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
+from meshtrain.engine import scoring
 from meshtrain.engine.program import TrainProgram
 from meshtrain.models import make_spec
 from meshtrain.ops.optimizers import map_param_states
@@ -68,6 +69,7 @@ class Trainer:
         self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         self.mixture = load_mixture() if early is None else early
+        self.tasks = tasks.load(cfg.eval.tasks, self.mixture.tokenizer)  # now: a bad task file costs no compile
         # What defines the run, checked against the folder's record.
         self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.mixture_fingerprint(self.mixture),
                                                         allow_change)
@@ -101,8 +103,11 @@ class Trainer:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
-            self.compiled_step = program.lower().compile()
+            primary = jax.process_index() == 0
+            with loggers.Ticker("compiling the train step", "compiled the train step", enabled=primary):
+                self.compiled_step = program.lower().compile()
             self.eval_step = program.eval_step()
+            self.scorer = scoring.for_program(program, self.tasks) if self.tasks else None
         self.peak = peak_flops(program.mesh.devices.flat[0].device_kind)
         self.local_devices = program.mesh.local_devices
 
@@ -209,14 +214,13 @@ class Trainer:
         """{'eval_loss': the mean loss of train.eval_batches validation batches}, {} without validation.
         A mixture adds each source's `eval_loss_<name>` on its own held-out windows; eval_loss is their
         mean weighted by the sources' shares."""
-        n = self.cfg.train.eval_batches
         with self.program.context():
-            losses = {name: float(jnp.mean(jnp.stack([self.eval_step(self.state["params"], val(i)) for i in range(n)])))
-                      for name, val in self.val_sets.items()}
-        if len(losses) < 2:
-            return {"eval_loss": next(iter(losses.values()))} if losses else {}
-        record = {"eval_loss": math.fsum(s.share * losses[s.name] for s in self.mixture.sources)}
-        return record | {f"eval_loss_{name}": loss for name, loss in losses.items()}
+            return validation(self.eval_step, self.state["params"], self.val_sets, self.mixture.sources,
+                              self.cfg.train.eval_batches)
+
+    def task_evaluation(self) -> dict:
+        """{eval_acc_<task>, eval_acc_norm_<task>} of eval.tasks (meshtrain/engine/scoring.py), {} without."""
+        return scoring.task_metrics(self.scorer, self.state["params"], self.tasks) if self.tasks else {}
 
     def fit(self, steps: int | None = None, log: loggers.MetricsLog | None = None) -> list[dict]:
         """Train until `steps` (default train.steps) and return the logged records. `log`: where
@@ -252,6 +256,7 @@ class Trainer:
                 print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
                       f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
                       f"precision={cfg.parallel.precision}, out={self.out}", flush=True)
+                print(loggers.where(self.out, cfg.logging.tensorboard), flush=True)
             log = log or loggers.for_run(self.out, cfg, primary, first, steps)
             started = time.perf_counter()
             self._loop(first, steps, log, signalled)
@@ -306,6 +311,10 @@ class Trainer:
                     evaluation = self.evaluation()
                     if evaluation:
                         log.write({"step": done, **evaluation})
+                    last_time = time.perf_counter()
+                every = self.cfg.eval.task_every or t.eval_every
+                if self.tasks and (done % every == 0 or done == steps):  # downstream tasks (eval.tasks)
+                    log.write({"step": done, **self.task_evaluation()})
                     last_time = time.perf_counter()
                 preempted = self._preempted(done, signalled)
                 save_owed = save_owed or self._save_due(done)
@@ -406,3 +415,14 @@ class Trainer:
         log.rewind(back)
         return back
 
+
+def validation(eval_step, params, val_sets: dict, sources, batches: int) -> dict:
+    """Trainer.evaluation's record for `params` (the eval step's layout): each validation set's mean
+    loss over `batches` batches; with several sources, eval_loss is their mean weighted by the sources'
+    shares and each adds its eval_loss_<name>. Call it under the program's context."""
+    losses = {name: float(jnp.mean(jnp.stack([eval_step(params, val(i)) for i in range(batches)])))
+              for name, val in val_sets.items()}
+    if len(losses) < 2:
+        return {"eval_loss": next(iter(losses.values()))} if losses else {}
+    record = {"eval_loss": math.fsum(s.share * losses[s.name] for s in sources)}
+    return record | {f"eval_loss_{name}": loss for name, loss in losses.items()}

@@ -1,0 +1,206 @@
+"""Evaluation without and within training: the compiled log-likelihood scorer against the model's own
+logits and across meshes, the task format and its metrics, the in-loop task hook, the eval command
+and the lm-eval-harness adapter (meshtrain/engine/scoring.py, data/tasks.py, eval.py, interop/harness.py)."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain.core.errors import UserError
+from meshtrain.data import tasks
+from meshtrain.data.tokenizer import ByteTokenizer
+from meshtrain.engine.decode import place
+from meshtrain.engine.scoring import Scorer
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.testing import tiny_config
+
+WINDOW = 32
+
+
+_APPLY = {}
+
+
+def logits_of(model, params, tokens, window):
+    """model.apply's logits of one row, run right-padded to `window` (causal: the padding changes no
+    earlier position), jitted once per model and window."""
+    key = (id(model), window)
+    if key not in _APPLY:
+        _APPLY[key] = jax.jit(model.apply)
+    padded = np.zeros((1, window), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return _APPLY[key](params, padded)[0, :len(tokens)]
+
+
+def direct(model, params, context, continuation, window=WINDOW):
+    """The reference: log softmax of model.apply's logits over the left-truncated row, by hand."""
+    whole = np.concatenate([context, continuation])[-(window + 1):]
+    logits = np.asarray(logits_of(model, params, whole[:-1], window), np.float64)  # numpy: no compile per shape
+    n, targets = len(continuation), whole[1:]
+    top = logits.max(-1, keepdims=True)
+    logprobs = (logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True)))[np.arange(len(targets)), targets]
+    return float(logprobs[-n:].sum()), bool((np.argmax(logits, -1)[-n:] == targets[-n:]).all())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from meshtrain.models import FAMILIES
+
+    cfg = tiny_config("model.num_layers=2")
+    model = FAMILIES[cfg.model.family](cfg.model)
+    params = jax.jit(model.init)(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    requests = [(rng.integers(0, 256, rng.integers(1, 40)), rng.integers(0, 256, rng.integers(1, 8)))
+                for _ in range(9)]
+    context = rng.integers(0, 256, 5)  # a continuation the model's argmax produces: greedy
+    greedy = np.argmax(logits_of(model, params, context, WINDOW)[-1])
+    requests.append((context, np.array([greedy])))
+    scorer = Scorer(model, 4, WINDOW)
+    return model, params, requests, scorer, scorer(params, requests)
+
+
+def test_scores_are_the_logits_log_likelihoods(tiny):
+    model, params, requests, _, (scores, greedy) = tiny
+    expected = [direct(model, params, *r) for r in requests]
+    assert np.max(np.abs(scores - [e[0] for e in expected])) < 1e-5
+    assert list(greedy) == [e[1] for e in expected] and greedy[-1]
+
+
+def test_scores_on_a_2x2_mesh_equal_one_device(tiny):
+    model, params, requests, _, (scores, greedy) = tiny
+    mesh = build_mesh(parse_mesh("data=2,tensor=2", 4), jax.devices()[:4])
+    sharded, sharded_greedy = Scorer(model, 4, WINDOW, mesh=mesh)(place(model, mesh, params=params), requests)
+    assert np.max(np.abs(sharded - scores)) < 1e-5
+    assert (sharded_greedy == greedy).all()
+
+
+def test_encode_pair_and_metrics():
+    byte = ByteTokenizer()
+    context, continuation = tasks.encode_pair(byte, "To be ", "or")  # the space moves, as lm-eval's
+    text = lambda ids: bytes(ids.astype(np.uint8))
+    assert text(context) == b"To be" and text(continuation) == b" or"
+    context, continuation = tasks.encode_pair(byte, "", "be")  # empty context: the document end
+    assert text(context) == b"\n" and text(continuation) == b"be"
+    items = [tasks.Item("a", ("x", "yyyy"), 1), tasks.Item("b", ("xx", "y"), 0), tasks.Item("c", ("p", "q"), 0),
+             tasks.Item("d", ("x", "yy"), 0)]
+    # per item (acc's pick, acc_norm's pick: per character): a (x, yyyy), b (y, xx), c (a tie: p, p), d (x, yy)
+    metrics = tasks.choice_metrics(items, [-2.0, -6.0, -2.0, -1.5, -1.0, -1.0, -1.0, -1.5])
+    assert metrics == {"acc": 2 / 4, "acc_norm": 3 / 4}
+
+
+def test_the_shipped_example_task_reads():
+    from meshtrain.testing import ROOT
+
+    items = tasks.read(ROOT / "examples" / "shakespeare_tasks.jsonl")
+    assert len(items) == 12 and {item.label for item in items} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("line, error", [
+    ("not json", "line 2 is not JSON"),
+    ('{"context": "a", "choices": ["x", "y"]}', "lacks context, choices or label"),
+    ('{"context": "a", "choices": ["x"], "label": 0}', "at least 2 non-empty"),
+    ('{"context": "a", "choices": ["x", "y"], "label": 2}', "label=2 is not an index"),
+])
+def test_bad_task_lines_are_one_line_errors(tmp_path, line, error):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"context": "a", "choices": ["x", "y"], "label": 0}\n' + line + "\n")
+    with pytest.raises(UserError, match=error) as e:
+        tasks.read(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["eval.tasks=[{path: a.jsonl, size: 3}]"], r"eval.tasks\[0\] has unknown key 'size'"),
+    (["eval.tasks=[{name: x}]"], r"eval.tasks\[0\] needs a path"),
+    (["eval.tasks=[a/t.jsonl, b/t.jsonl]"], r"eval.tasks\[1\] repeats the task name 't'"),
+    (["eval.tasks=[{path: t.jsonl, limit: -1}]"], r"limit=-1 must be an integer >= 0"),
+    (["eval.tasks=[t.jsonl]", "train.eval_every=0"], "never scored"),
+])
+def test_bad_task_entries_are_config_errors(overrides, error):
+    with pytest.raises(UserError, match=error):
+        tiny_config(*overrides)
+
+
+def test_a_missing_task_file_is_named(tmp_path):
+    with pytest.raises(UserError, match="task file .*missing.jsonl not found"):
+        tasks.load([{"name": "x", "path": str(tmp_path / "missing.jsonl")}], ByteTokenizer())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny run on data=2,tensor=2 scoring a task at steps 2 and 4 (eval.task_every), eval_loss at 4."""
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    folder = tmp_path_factory.mktemp("eval")
+    (folder / "text.txt").write_text("To be, or not to be, that is the question.\n" * 200)
+    items = [{"context": "To be, or not to", "choices": ["be", "go", "sing"], "label": 0},
+             {"context": "that is the", "choices": ["answer", "question."], "label": 1},
+             {"context": "", "choices": ["To be", "Not"], "label": 0}]
+    (folder / "play.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    cfg = tiny_config("model.num_layers=2", f"data.path={folder / 'text.txt'}", "data.kind=auto",
+                      "train.steps=4", "train.eval_every=4", "train.eval_batches=1",
+                      f"eval.tasks=[{{path: {folder / 'play.jsonl'}}}]", "eval.task_every=2",
+                      "parallel.mesh=data=2,tensor=2", out=str(folder / "run"))
+    trainer = Trainer(cfg, devices=jax.devices()[:4])
+    return folder, trainer.fit(log=MetricsLog(primary=False))
+
+
+def test_tasks_are_logged_in_the_loop(run):
+    from meshtrain.run.loggers import format_record, tag
+
+    _, history = run
+    records = [r for r in history if "eval_acc_play" in r]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert 0 <= r["eval_acc_play"] <= 1 and 0 <= r["eval_acc_norm_play"] <= 1
+    assert format_record(records[-1]).startswith("step      4  tasks: play acc ")
+    assert tag("eval_acc_norm_play") == "eval/acc_norm_play" and tag("eval_acc_play") == "eval/acc_play"
+
+
+def test_eval_command_reproduces_the_loop_on_another_mesh(run, capsys):
+    from meshtrain.eval import main
+
+    folder, history = run
+    out = folder / "results.json"
+    assert main(["--run", str(folder / "run"), "--mesh", "fsdp=2,tensor=4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "step 4 on mesh data=1,fsdp=2,tensor=4" in printed and "tasks: play acc" in printed
+    results, last = json.loads(out.read_text()), {k: v for r in history if r["step"] == 4 for k, v in r.items()}
+    assert abs(results["eval_loss"] - last["eval_loss"]) < 1e-5
+    assert results["eval_acc_play"] == last["eval_acc_play"]
+    assert results["eval_acc_norm_play"] == last["eval_acc_norm_play"]
+
+
+def test_lm_eval_adapter_agrees_with_the_model(tiny, run):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import LM
+
+    from meshtrain.eval import harness_lm
+    from meshtrain.interop.harness import HarnessLM
+
+    folder, _ = run
+    from_run = harness_lm(run=str(folder / "run"), mesh="data=2,tensor=2", devices=jax.devices()[:4])
+    assert isinstance(from_run, LM) and from_run.window == 16  # the run's train.seq_len
+    model, params, _, scorer, _ = tiny
+    lm = HarnessLM(model, params, ByteTokenizer(), scorer)
+    ask = lambda kind, *args: Instance(kind, {}, args, 0)
+    pairs = [("To be, or not to", " be"), ("that is the", " question.")]
+    got = lm.loglikelihood([ask("loglikelihood", *p) for p in pairs])
+    for (context, continuation), (score, greedy) in zip(pairs, got):
+        ids = [np.frombuffer(t.encode(), np.uint8).astype(np.int32) for t in (context, continuation)]
+        assert np.allclose((score, greedy), direct(model, params, *ids), atol=1e-5)
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind"  # 74 bytes
+    ids = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+    whole = np.concatenate([[10], ids])  # windows of 32, 32 and 10 predicted bytes after a newline
+    expected = sum(direct(model, params, whole[:s + 1], ids[s:s + WINDOW])[0] for s in (0, 32, 64))
+    assert abs(lm.loglikelihood_rolling([ask("loglikelihood_rolling", text)])[0] - expected) < 1e-4
+    greedy = list(ids[:10])  # greedy decoding by full forwards, the reference
+    for _ in range(6):
+        greedy.append(int(np.argmax(logits_of(model, params, greedy[-WINDOW:], WINDOW)[-1])))
+    full = ByteTokenizer().decode(greedy[10:])
+    until = lambda stop: lm.generate_until([ask("generate_until", text[:10], {"until": stop, "max_gen_toks": 6})])
+    assert until([]) == [full]
+    stop = full[2:4] or "x"
+    assert until([stop]) == [full[:full.find(stop)] if stop in full else full]
