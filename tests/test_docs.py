@@ -49,12 +49,20 @@ TEXT_ONLY = {
     ("planner.md", "python -m meshtrain.plan"): "64- and 128-device pods",
     ("sweeps.md", "python -m meshtrain.sweep"): "about 4 minutes on 2 cores",
     ("metrics.md", "tensorboard"): "starts a server",
-    ("multihost.md", "for i in 0"): "as `tests/test_multihost.py` runs them",
+    ("evaluation.md", "python -m meshtrain.eval"): "a run with a step 400 and a download",
+    ("evaluation.md", "import"): "it needs a task folder",
+    ("multihost.md", "for"): "as `tests/test_multihost.py` runs them",
     ("multihost.md", "#SBATCH"): "needs a SLURM cluster",
     ("multihost.md", "python -m meshtrain.train"): "needs a Kubernetes cluster",
-    ("multihost.md", "ray start"): "needs a Ray cluster",
+    ("multihost.md", "ray"): "needs a Ray cluster",
+    ("clusters.md", "sbatch"): "needs a SLURM cluster",
+    ("clusters.md", "kubectl"): "needs a Kubernetes cluster",
+    ("clusters.md", "ray"): "needs a Ray cluster",
+    ("clusters.md", "mpirun"): "needs an MPI cluster",
+    ("clusters.md", "python -m meshtrain.train"): "needs two hosts",
 }
-COMMAND_START = re.compile(r"^(python3? |#SBATCH|srun |ray |tensorboard |for |mkdocs )")
+COMMAND_START = re.compile(r"^(python3? |#SBATCH|srun |sbatch |kubectl |mpirun |ray |tensorboard |for |mkdocs "
+                           r"|import |from )")
 
 
 def nav_pages() -> list[Path]:
@@ -92,14 +100,12 @@ def commands(body: str) -> list[str]:
 
 
 def command_key(body: str) -> str:
-    """A text block's first command up to its first flag: how TEXT_ONLY names it."""
-    first = next(line for line in body.split("\n") if line.strip())
-    words = []
-    for word in first.split():
-        if word.startswith("--"):
-            break
-        words.append(word)
-    return " ".join(words[:4]) if not first.startswith("#") else first.split()[0]
+    """A text block's first command as TEXT_ONLY names it: `python -m module` (or `python script`), else
+    its first word."""
+    words = next(line for line in body.split("\n") if line.strip()).split()
+    if words[0] in ("python", "python3"):
+        return " ".join(w for w in words[:3] if not w.startswith("-") or w == "-m")
+    return words[0]
 
 
 def stand_in_inputs(folder: Path) -> None:
