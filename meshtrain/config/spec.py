@@ -139,6 +139,19 @@ class TrainConfig:
     log_every: int = setting(10, "steps between log lines and metrics.jsonl records", min=1)
     eval_every: int = setting(50, "steps between eval_loss measurements; 0 disables them", min=0)
     eval_batches: int = setting(4, "batches per evaluation", min=1)
+    step_timeout: float = setting(0.0, "the step watchdog (docs/operating.md): when no step completes for this many "
+                                       "seconds, every process writes its stacks to <out>/stalls/ and exits 4, for "
+                                       "the scheduler to rerun (resuming); 0 = auto: max(600, 10 x the slowest "
+                                       "logged step time); negative = off", min=-1.0)
+    straggler_every: int = setting(0, "several processes: every N steps each reports its host time per step "
+                                      "(outside waiting for the devices) and data wait; one slower than the "
+                                      "median by train.straggler_factor is logged by host name; 0 = off", min=0)
+    straggler_factor: float = setting(2.0, "train.straggler_every: how many times the median host time per step "
+                                           "makes a process a straggler", above=1.0)
+    grad_norms_every: int = setting(0, "every N steps, log the gradient norm of each layer (grad_norm_layer_<i>) "
+                                       "and of each parameter kind (grad_norm_<name>), and the timed "
+                                       "communication share of the step (comm_share); 0 = off (the step then "
+                                       "computes no per-layer norms)", min=0)
 
 
 @dataclass
@@ -177,6 +190,12 @@ class GuardConfig:
     max_consecutive_bad: int = setting(3, "NaN/Inf steps in a row before rolling back to the last checkpoint",
                                        min=1)
     max_rollbacks: int = setting(3, "rollbacks before stopping with an error", min=0)
+    spike_factor: float = setting(0.0, "loss spikes: a step whose loss exceeds this many times the running mean "
+                                       "of the losses before it rolls back to the last checkpoint and skips its "
+                                       "batch, as a NaN/Inf streak does; 0 = off (2 is a cautious value)", min=0.0)
+    spike_window: int = setting(50, "guard.spike_factor: the running mean is an exponential moving average with "
+                                    "weight 1/spike_window on each new loss; judging starts after this many steps "
+                                    "of each (re)start", min=1)
 
 
 @dataclass
@@ -207,7 +226,7 @@ class Config:
                                              "without training)")
     generate: GenerateConfig = setting(GenerateConfig(), "text generation from a run: batch and length")
     checkpoint: CheckpointConfig = setting(CheckpointConfig(), "saving and resuming")
-    guard: GuardConfig = setting(GuardConfig(), "the NaN/Inf guard")
+    guard: GuardConfig = setting(GuardConfig(), "the NaN/Inf and loss-spike guard")
     logging: LoggingConfig = setting(LoggingConfig(), "console, TensorBoard, W&B and profiler output")
     devices: int = setting(0, f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) when no "
                               "accelerator is present; 0 = the machine's devices", min=0, max=MAX_SIMULATED_DEVICES)

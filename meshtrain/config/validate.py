@@ -56,6 +56,13 @@ def check_config(cfg) -> None:
         raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
     m.check()  # the family's own
+    for key in ("straggler_every", "grad_norms_every"):
+        if getattr(t, key) % t.log_every:
+            raise UserError(f"train.{key}={getattr(t, key)} is not a multiple of train.log_every={t.log_every} "
+                            f"(its figures are taken at log steps); use a multiple, or 0 to turn it off")
+    if 0 < cfg.guard.spike_factor <= 1:
+        raise UserError(f"guard.spike_factor={cfg.guard.spike_factor} would call an ordinary step a spike: use a "
+                        f"factor above 1 (2 is a cautious value), or 0 to turn spike detection off")
     if par.loss_scale_min > par.loss_scale_initial:
         raise UserError(f"parallel.loss_scale_min={par.loss_scale_min} exceeds parallel.loss_scale_initial="
                         f"{par.loss_scale_initial}; lower the minimum or raise the initial scale")

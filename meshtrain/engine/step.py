@@ -72,7 +72,19 @@ def metrics_and_grads(loss_fn):
     return fn
 
 
-def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
+def grad_norms_by_group(grads) -> dict:
+    """The gradient norms of each stacked layer ('layer': [layers], storage order, over every block
+    parameter) and of each parameter kind ('kind': {name: norm}, a block parameter over all layers,
+    e.g. 'wq', or a top-level one, e.g. 'embedding'). One sum of squares per layer and leaf: the
+    same reads as the global norm's, plus [layers]-sized results."""
+    squares = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+    per_kind_L = {name: sum(squares(g) for g in jax.tree.leaves(sub)) for name, sub in grads["blocks"].items()}
+    kind = {name: jnp.sqrt(jnp.sum(s_L)) for name, s_L in per_kind_L.items()}
+    kind |= {name: optax.tree.norm(sub) for name, sub in grads.items() if name != "blocks"}
+    return {"layer": jnp.sqrt(sum(per_kind_L.values())), "kind": kind}
+
+
+def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: bool = False):
     """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
     (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
     'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
@@ -80,7 +92,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
     computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
     are reduced over `data` once per step (in int8 with error feedback under compression, which
     keeps the residuals of a skipped step). Otherwise XLA partitions the step from the shardings.
-    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py)."""
+    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py).
+    `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
     micro = plan.num_microbatches(stages)
     compressor = None
@@ -127,6 +140,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict):
             new_state["grad_error"] = keep_if_skipped(out.grad_error, state["grad_error"])
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
                    "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
+        if layer_norms:
+            metrics["grad_norms"] = grad_norms_by_group(grads)
         if scales_loss(plan):
             metrics.update(loss_scale=state["loss_scale"]["scale"], overflows=loss_scale["overflows"])
         return new_state, metrics

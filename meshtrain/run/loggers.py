@@ -271,10 +271,12 @@ TAG_GROUPS = {
     "guard": ("skipped_steps",),
     "precision": ("loss_scale", "overflows"),
     "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),
+    "health": ("loss_spikes", "host_time_spread", "host_time_max_s", "data_wait_max_s", "comm_share", "comm_s"),
 }
 TAGS = {key: f"{group}/{key}" for group, keys in TAG_GROUPS.items() for key in keys} | {"eval_loss": "eval/loss"}
 PREFIXES = {"memory_": "memory/", "share_": "data/share_", "eval_loss_": "eval/loss_",  # eval_loss_<source>
-            "eval_acc_norm_": "eval/acc_norm_", "eval_acc_": "eval/acc_"}  # a task's (eval.tasks); first match wins
+            "eval_acc_norm_": "eval/acc_norm_", "eval_acc_": "eval/acc_",  # a task's (eval.tasks); first match wins
+            "grad_norm_": "grad_norms/"}  # grad_norm_layer_<i>, grad_norm_<kind> (train.grad_norms_every)
 NOT_METRICS = ("step", "time")
 FLUSH_SECONDS = 5
 

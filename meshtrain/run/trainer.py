@@ -31,8 +31,10 @@ from meshtrain.ops.optimizers import map_param_states
 from meshtrain.parallel.mesh import describe
 from meshtrain.run import loggers, run_dir
 from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
+from meshtrain.run.health import CollectiveTimer, SpikeDetector, Stragglers, grad_norm_fields
 from meshtrain.run.lock import LOCK_FILE, FolderLock
 from meshtrain.run.multihost import agree_with_process_0, preemption_reached
+from meshtrain.run.watchdog import StepWatchdog
 
 
 class Trainer:
@@ -88,6 +90,11 @@ class Trainer:
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
         self.rollbacks = 0
+        g = cfg.guard
+        self.spikes = SpikeDetector(g.spike_factor, g.spike_window) if g.spike_factor else None
+        self.loss_spikes = 0  # rolled back, this process's run
+        self.comm_timer = None  # built at the first grad_norms_every step
+        self.watchdog = StepWatchdog(-1, self.out)  # fit() arms its own
         with program.context():
             resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
             if resume_steps:
@@ -259,7 +266,9 @@ class Trainer:
                 print(loggers.where(self.out, cfg.logging.tensorboard), flush=True)
             log = log or loggers.for_run(self.out, cfg, primary, first, steps)
             started = time.perf_counter()
-            self._loop(first, steps, log, signalled)
+            self.watchdog = StepWatchdog(t.step_timeout, self.out, jax.process_index(), jax.process_count(), first)
+            with self.watchdog:
+                self._loop(first, steps, log, signalled)
         except UserError:  # a full disk, say: the saves already started still become durable
             if jax.process_count() == 1:
                 with contextlib.suppress(Exception):
@@ -285,32 +294,51 @@ class Trainer:
         self.last_save = time.monotonic()
         k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
         depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
+        self.device_wait, device_wait = 0.0, 0.0  # seconds the host waited for steps; its value at the last log
+        dog, evaluated, saved = self.watchdog, False, False
+        stragglers = Stragglers(t.straggler_every, t.straggler_factor, jax.process_index(), jax.process_count())
         prefetch = Prefetcher(self.train_batches, depth)
         trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
                                       state=lambda: self.state)
         with self.program.context(), contextlib.closing(prefetch), trace:
             while k < steps:
+                dog.doing(f"getting the batch of step {k + 1}")
                 batch = prefetch.get(self.batch_index(k), [self.batch_index(k + j) for j in range(1, depth + 1)])
                 last_time += trace.before(k + 1)  # tracing's own time is no step's
+                dog.doing(f"dispatching step {k + 1}")
                 self.state, metrics = self.compiled_step(self.state, batch)
                 # Judge the previous step only now, so the host never waits for the step it just dispatched.
-                if pending is not None and (back := self._guard(*pending, log)) is not None:
+                if pending is not None and (back := self._guard(*self._wait(*pending), log)) is not None:
                     k, pending = back, None  # rolled back: the step in flight is dropped
-                    last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
+                    last_time, last_step, data_wait, device_wait = (time.perf_counter(), k, prefetch.waited,
+                                                                    self.device_wait)
                     continue
                 k = done = k + 1
                 last_time += trace.after(done)
                 pending = (done, metrics)
                 if done % t.log_every == 0 or done == steps:
-                    metrics = jax.device_get(metrics)  # waits for the step
-                    dt = (time.perf_counter() - last_time) / (done - last_step)
-                    log.write(self._record(done, metrics, tokens_per_step / dt, dt,
-                                           (prefetch.waited - data_wait) / (done - last_step)))
-                    last_time, last_step, data_wait = time.perf_counter(), done, prefetch.waited
+                    metrics = jax.device_get(self._wait(done, metrics)[1])
+                    n = done - last_step
+                    dt = (time.perf_counter() - last_time) / n
+                    waited = (prefetch.waited - data_wait) / n
+                    record = self._record(done, metrics, tokens_per_step / dt, dt, waited)
+                    dog.observe(dt)
+                    if stragglers.due(done):  # the host's own time per step: outside waiting for the devices
+                        dog.doing(f"waiting for the other processes' step times at step {done}")
+                        record |= stragglers.gather(done, dt, max(0.0, dt - (self.device_wait - device_wait) / n),
+                                                    waited)
+                    if t.grad_norms_every and done % t.grad_norms_every == 0:
+                        record |= self._grad_norms(metrics, dt)
+                    log.write(record)
+                    last_time, last_step, data_wait, device_wait = (time.perf_counter(), done, prefetch.waited,
+                                                                     self.device_wait)
                 if t.eval_every and (done % t.eval_every == 0 or done == steps):
+                    dog.doing(f"evaluating after step {done}")
+                    dog.one_time, evaluated = not evaluated, True  # the first compiles the eval step
                     evaluation = self.evaluation()
                     if evaluation:
                         log.write({"step": done, **evaluation})
+                    dog.beat(done)
                     last_time = time.perf_counter()
                 every = self.cfg.eval.task_every or t.eval_every
                 if self.tasks and (done % every == 0 or done == steps):  # downstream tasks (eval.tasks)
@@ -322,9 +350,10 @@ class Trainer:
                     continue
                 # A checkpoint never lands inside a NaN/Inf streak: judge this step before saving it.
                 judged, pending = pending, None
-                if (back := self._guard(*judged, log)) is not None:
+                if (back := self._guard(*self._wait(*judged), log)) is not None:
                     k = back
-                    last_time, last_step, data_wait = time.perf_counter(), k, prefetch.waited
+                    last_time, last_step, data_wait, device_wait = (time.perf_counter(), k, prefetch.waited,
+                                                                    self.device_wait)
                     continue
                 final, path = preempted or done == steps, None
                 if self.bad_batches:  # a periodic save waits for the streak to end
@@ -337,7 +366,10 @@ class Trainer:
                               file=sys.stderr, flush=True)
                 else:
                     started = time.perf_counter()
+                    dog.doing(f"saving step {done}")
+                    dog.one_time, saved = not saved, True  # the first sets up the checkpointer
                     path = self.save_checkpoint(wait=final)
+                    dog.beat(done)
                     if not final:  # async: the loop waited only for the device-to-host copy and checksums
                         log.write({"step": done, "checkpoint_blocking_s": time.perf_counter() - started})
                         last_time += time.perf_counter() - started
@@ -349,12 +381,32 @@ class Trainer:
                                                                "not saved (inside a NaN/Inf streak)"), flush=True)
                     return
 
+    def _wait(self, step: int, metrics) -> tuple[int, dict]:
+        """(step, metrics) once the step is done on the devices: the host's wait is timed (the straggler
+        figures' device wait) and the watchdog sees the step complete."""
+        self.watchdog.doing(f"waiting for step {step}")
+        started = time.perf_counter()
+        metrics = jax.block_until_ready(metrics)
+        self.device_wait += time.perf_counter() - started
+        self.watchdog.beat(step)
+        return step, metrics
+
+    def _grad_norms(self, metrics, step_time) -> dict:
+        """train.grad_norms_every: each layer's and kind's gradient norm, and the timed communication
+        share of the step (meshtrain/run/health.py)."""
+        if self.comm_timer is None:
+            self.comm_timer = CollectiveTimer(self.program.mesh, self.program.num_params)
+        return grad_norm_fields(metrics["grad_norms"], self.program.layer_order) | self.comm_timer.share(step_time)
+
     def _record(self, step, metrics, tokens_per_sec, step_time, data_wait) -> dict:
         """`data_wait_s`: host seconds per step spent getting the batch (~0 when prefetching keeps up)."""
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
                   "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "data_wait_s": data_wait}
-        record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "finite"})  # the model's
+        if self.spikes is not None:
+            record["loss_spikes"] = self.loss_spikes
+        record.update({k: float(v) for k, v in metrics.items()
+                       if k not in record and k not in ("finite", "grad_norms")})  # the model's
         if self.shares is not None:  # a mixture: each source's share of the step's tokens
             record.update(self.shares(self.batch_index(step - 1)))
         flops, n = self.program.flops_per_token, self.program.mesh.size
@@ -383,7 +435,7 @@ class Trainer:
         guard.max_consecutive_bad in a row, roll back (`_roll_back`). The step rolled back to, or None."""
         if bool(metrics["finite"]):
             self.bad_batches = []
-            return None
+            return self._spike(step, float(metrics["loss"]), log) if self.spikes is not None else None
         self.bad_batches.append(self.batch_index(step - 1))
         bad = len(self.bad_batches)
         if jax.process_index() == 0:
@@ -391,20 +443,39 @@ class Trainer:
                   file=sys.stderr, flush=True)
         return self._roll_back(step, log) if bad >= self.cfg.guard.max_consecutive_bad else None
 
-    def _roll_back(self, step: int, log) -> int:
-        """After a NaN/Inf streak ending at `step`: the state of the newest intact checkpoint, read as a
-        resume reads it (`_restore`), the streak's batches past it skipped from now on, and `log` rewound
-        to it; returns that step, where the loop trains on. With no checkpoint, or after
-        guard.max_rollbacks, the state is saved instead and the run stops with an error."""
+    def _spike(self, step: int, loss: float, log) -> int | None:
+        """guard.spike_factor: a loss spike rolls back at once (its update was applied), skipping its
+        batch; every process judges the same replicated loss, so all of them roll back together."""
+        mean = self.spikes.check(loss)
+        if mean is None:
+            return None
+        self.bad_batches, self.loss_spikes = [self.batch_index(step - 1)], self.loss_spikes + 1
+        if jax.process_index() == 0:
+            print(f"warning: step {step}: loss spike: {loss:.4f} is {loss / mean:.2f}x the running mean {mean:.4f} "
+                  f"(guard.spike_factor={self.cfg.guard.spike_factor}); loss spikes so far: {self.loss_spikes}",
+                  file=sys.stderr, flush=True)
+        return self._roll_back(step, log, f"a loss spike at step {step}")
+
+    def _roll_back(self, step: int, log, spike: str | None = None) -> int:
+        """After a NaN/Inf streak ending at `step` (or `spike`, a loss spike's description): the state of
+        the newest intact checkpoint, read as a resume reads it (`_restore`), the bad batches past it
+        skipped from now on, and `log` rewound to it; returns that step, where the loop trains on. With
+        no checkpoint, or after guard.max_rollbacks, the run stops with an error; after a NaN/Inf
+        streak it first saves the state (no bad step changed it), after a spike it does not (the
+        spike's update was applied)."""
+        self.watchdog.doing(f"rolling back from step {step}")
         self.checkpointer.wait()
         steps, bad = self.checkpointer.steps(), len(self.bad_batches)
+        what = spike or f"{bad} NaN/Inf steps in a row"
         if not steps or self.rollbacks >= self.cfg.guard.max_rollbacks:
-            path = self.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
             why = "no checkpoint to roll back to" if not steps else f"still diverging after {self.rollbacks} rollbacks"
-            raise UserError(f"{bad} NaN/Inf steps in a row at step {step}, {why}; state saved to {path}; "
+            if spike:
+                raise UserError(f"{what}, {why}; the newest checkpoint is step {max(steps, default=0)}; lower "
+                                f"optim.lr, check the data or raise guard.spike_factor, then rerun to resume")
+            path = self.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
+            raise UserError(f"{what} at step {step}, {why}; state saved to {path}; "
                             f"lower optim.lr or check the data, then rerun to resume")
-        self.state = self._restore(self.checkpointer.directory, steps,
-                                   verb=f"guard: {bad} NaN/Inf steps in a row; rolled back to")
+        self.state = self._restore(self.checkpointer.directory, steps, verb=f"guard: {what}; rolled back to")
         back = int(self.state["step"])
         resume_index = self.batch_index(back)
         skipped = [b for b in self.bad_batches if b >= resume_index]  # earlier ones precede the checkpoint
@@ -413,6 +484,7 @@ class Trainer:
             print(f"guard: skipping batches {skipped}", flush=True)
         self.bad_batches, self.rollbacks = [], self.rollbacks + 1
         log.rewind(back)
+        self.watchdog.beat(back)
         return back
 
 
