@@ -11,8 +11,9 @@
   and honest.
 
 All pages run in one folder, in the site's nav order, then the README: a page's blocks run in order
-(a block may use what an earlier one wrote: the Shakespeare run of Getting started is quantized
-and exported by later pages), and a command that already ran (the README repeats a few) runs once.
+(a block may use what an earlier page wrote: the Shakespeare run of Getting started is quantized
+and exported by later pages, the data page's runs/shakes evaluated), and a command that already
+ran (the README repeats a few) runs once.
 The folder holds links to the repository's configs/, examples/ and benchmarks/ and two stand-in
 inputs the pages name: path/to/tinyshakespeare.txt and docs.jsonl (the pages' own text). The site
 itself is built with `mkdocs build --strict` (the `docs` extra).
@@ -40,8 +41,8 @@ DOCS = ROOT / "docs"
 # first's training run is the CLI path every other train block takes, at 300 steps (2 minutes).
 SETUP = "python3 -m venv .venv"
 
-# Command blocks fenced as ```text: (page, the block's first command, up to its first flag) -> the
-# reason, which the page shows in the line before the block.
+# Command blocks fenced as ```text: (page, the block's first command as `command_key` names it) -> the
+# reason, which the page shows within the 3 lines before the block.
 TEXT_ONLY = {
     ("speed.md", "python benchmarks/gpu.py"): "needs an NVIDIA GPU",
     ("zero-fsdp.md", "python -m meshtrain.plan"): "plans a 64-device pod",
