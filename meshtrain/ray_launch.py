@@ -10,7 +10,7 @@ processes' output comes back to this terminal line by line as `[process i] ...` 
 exits non-zero, naming each failed process and its last `error:` line, if any process fails.
 
 Every node must have meshtrain installed (the task runs the worker's own Python) and see `--out` on
-a shared filesystem, as for any multi-host run (README, Multi-host). `--address local` starts a
+a shared filesystem, as for any multi-host run (docs/multihost.md). `--address local` starts a
 Ray instance on this machine instead of joining a cluster.
 """
 from __future__ import annotations

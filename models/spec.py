@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
 
-FAMILY_HELP = "model family (README: Model families); it decides which other model keys exist"
+FAMILY_HELP = "model family (docs/families.md); it decides which other model keys exist"
 
 
 @dataclass

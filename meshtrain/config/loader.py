@@ -284,7 +284,7 @@ def reference_markdown() -> str:
 def _families_reference() -> list[str]:
     """The model families (`model.family`) and the keys each adds to the ones above."""
     lines = ["### Model families", "", "`model.family` picks one; the keys above are every family's, and a family",
-             "may add its own (meshtrain/models/, README: Model families).", "",
+             "may add its own (meshtrain/models/, docs/families.md).", "",
              "| family | what it is | its own keys |", "|---|---|---|"]
     lines += [f"| `{f.name}` | {f.help} | {', '.join(f'`{x.name}`' for x in f.fields()) or '-'} |"
               for f in FAMILIES.values()]

@@ -2,8 +2,9 @@
 contexts, the primitive of multiple-choice tasks (meshtrain/data/tasks.py), of the in-loop task
 evaluation (meshtrain/run/trainer.py) and of the lm-eval-harness adapter (meshtrain/interop/harness.py).
 
-A request (context ids, continuation ids) becomes one row: inputs = (context + continuation)[-(length
-+ 1):][:-1], left-truncated to the window as lm-eval-harness does, right-padded to `length`; the
+A request (context ids, continuation ids) becomes one row:
+`inputs = (context + continuation)[-(length + 1):][:-1]`, left-truncated to the window as lm-eval-harness
+does, right-padded to `length`; the
 targets are the inputs shifted by one and a mask marks the continuation's positions. Its score is
 sum over the mask of log softmax(logits)[target], and `greedy` says whether every continuation token
 is the argmax (target logit = max logit: exact ties count as greedy). Rows start at position 0, as

@@ -47,7 +47,7 @@ tests/test_shipped_configs.py) for data (zero 1 and 3), fsdp, tensor (with fsdp,
 pipeline, expert parallelism's all-to-all, the ring's permutes, int8 compression and each shipped
 pod's main kinds; flagged with their reasons: see `known_gaps`. On the shipped pods
 (`python -m meshtrain.plan --config configs/C.yaml` with the config's `# pod:` flags) the
-README's planner section lists measured/formula per kind.
+docs/planner.md lists measured/formula per kind.
 """
 from __future__ import annotations
 
