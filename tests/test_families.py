@@ -76,6 +76,16 @@ def ours(model, params):
     return np.asarray(model.head(params, x)), float(model.loss(params, x, TOKENS[:, 1:]))
 
 
+def exports_bitwise(model, params, folder, back, hf_logits):
+    """Export gives the imported tensors bitwise and the same config, and transformers loads it."""
+    hf.save_params(params, model.cfg, back)
+    original, exported = hf.SafetensorsFolder(folder), hf.SafetensorsFolder(back)
+    assert original.tensors.keys() == exported.tensors.keys()
+    assert all(np.array_equal(x, exported.get(name)) for name, x in original.tensors.items())
+    assert hf.read_spec(back) == hf.read_spec(folder)
+    np.testing.assert_allclose(hf_outputs(back)[0], hf_logits, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("kind, tied", [("qwen3", False), ("qwen3", True), ("qwen3_moe", False)])
 def test_import_matches_transformers_and_exports_bitwise(tmp_path, kind, tied):
     folder = save_hf(tmp_path / "hf", kind, tie_word_embeddings=tied)
@@ -90,12 +100,7 @@ def test_import_matches_transformers_and_exports_bitwise(tmp_path, kind, tied):
     assert np.abs(ours(plain(with_family(model.cfg, plain.name)), {**params, "blocks": blocks})[0]
                   - hf_logits).max() > 1e-2
 
-    hf.save_params(params, model.cfg, tmp_path / "back")
-    original, back = hf.SafetensorsFolder(folder), hf.SafetensorsFolder(tmp_path / "back")
-    assert original.tensors.keys() == back.tensors.keys()
-    assert all(np.array_equal(x, back.get(name)) for name, x in original.tensors.items())
-    assert hf.read_spec(tmp_path / "back") == hf.read_spec(folder)
-    np.testing.assert_allclose(hf_outputs(tmp_path / "back")[0], hf_logits, atol=0, rtol=0)  # transformers loads it
+    exports_bitwise(model, params, folder, tmp_path / "back", hf_logits)
 
 
 def test_gemma3_matches_transformers_and_exports_bitwise(tmp_path):
@@ -111,12 +116,7 @@ def test_gemma3_matches_transformers_and_exports_bitwise(tmp_path):
     every_layer_global = FAMILIES["gemma3"](dataclasses.replace(model.cfg, sliding_window_pattern=1))
     assert np.abs(ours(every_layer_global, params)[0] - hf_logits).max() > 1e-2
 
-    hf.save_params(params, model.cfg, tmp_path / "back")
-    original, back = hf.SafetensorsFolder(folder), hf.SafetensorsFolder(tmp_path / "back")
-    assert original.tensors.keys() == back.tensors.keys()
-    assert all(np.array_equal(x, back.get(name)) for name, x in original.tensors.items())
-    assert hf.read_spec(tmp_path / "back") == hf.read_spec(folder)
-    np.testing.assert_allclose(hf_outputs(tmp_path / "back")[0], hf_logits, atol=0, rtol=0)  # transformers loads it
+    exports_bitwise(model, params, folder, tmp_path / "back", hf_logits)
 
 
 def test_sharded_import_equals_one_device(tmp_path):
