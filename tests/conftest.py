@@ -6,14 +6,12 @@ import os
 # CPU backend at LLVM optimization level 0 compiles them 2-5x faster (jit(init_state) of the tiny
 # model on fsdp=8: 4.9 s -> 1.0 s) and computes the same values (the 60-step loss of the tiny run is
 # bitwise equal) and the same buffers (the planner's memory figures are equal); runs are a little
-# slower per step, which few tests take many of. XLA's older elemental emitters for CPU fusions
-# (instead of the MLIR fusion emitters) compile the 2x2x2 ZeRO-3 tiny step in 1.4 s of CPU instead of
-# 5.3 s; its 20-step losses agree to the last bit but one (5.4956951 vs 5.4956946 at step 20).
-# The subprocesses the tests start inherit both.
+# slower per step, which few tests take many of. The subprocesses the tests start inherit it.
+# (XLA's older elemental CPU fusion emitters, --xla_cpu_use_fusion_emitters=false, compile the tiny
+# steps ~3x faster, but two full runs with them lost a test worker to a SIGABRT near the end: left out.)
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-       "--xla_cpu_use_fusion_emitters=false"])
+    + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One compilation cache per test session, shared with the CLI subprocesses: tests that compile the
 # same program (a rerun after SIGKILL, a resume) load it instead of compiling it again.
