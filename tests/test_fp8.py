@@ -33,18 +33,16 @@ def one_device(precision):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_representable_values_round_trip_exactly(dtype):
     """Every finite value of the format, times fmax / its amax (so the scale is exactly 1), comes back
-    bitwise; an all-zero tensor gets scale 1 (no division by zero)."""
+    bitwise, and so does a quarter of it (scale 1/4); an all-zero tensor gets scale 1 (no division
+    by zero)."""
     values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
     values = values[np.isfinite(values)]
     assert np.max(np.abs(values)) == fp8_max(dtype)  # 448 (e4m3fn), 57344 (e5m2)
-    q, s = quantize(jnp.asarray(values), dtype)
-    assert float(s) == 1.0 and q.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(dequantize(q, s)), values)
-    q, s = quantize(jnp.asarray(values / 4), dtype)  # a power-of-two scale: still exact
-    assert float(s) == 0.25
-    np.testing.assert_array_equal(np.asarray(dequantize(q, s)), values / 4)
-    q, s = quantize(jnp.zeros((3, 4), jnp.bfloat16), dtype)
-    assert float(s) == 1.0 and not np.any(np.asarray(dequantize(q, s), np.float32))
+    round_trip = jax.jit(lambda t: (quantize(t, dtype), dequantize(*quantize(t, dtype))))
+    for t, scale in ((values, 1.0), (values / 4, 0.25), (np.zeros(8, np.float32), 1.0)):
+        (q, s), back = round_trip(t)
+        assert float(s) == scale and q.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(back), t)
 
 
 SPECS = {"bld,dhk->blhk": ((2, 8, 32), (32, 4, 8)), "blhk,hkd->bld": ((2, 8, 4, 8), (4, 8, 32)),
@@ -65,11 +63,11 @@ def results(spec, x32, w32, g32):
 @pytest.fixture(scope="module")
 def einsums():
     """`results` of every spec, in one jitted program (one compile)."""
-    inputs = {}
-    for i, (spec, (xs, ws)) in enumerate(SPECS.items()):
-        kx, kw, kg = jax.random.split(jax.random.key(i), 3)
-        out = jax.eval_shape(functools.partial(jnp.einsum, spec), jnp.zeros(xs), jnp.zeros(ws)).shape
-        inputs[spec] = (jax.random.normal(kx, xs), jax.random.normal(kw, ws) * 0.1, jax.random.normal(kg, out))
+    rng, inputs = np.random.default_rng(0), {}
+    for spec, (xs, ws) in SPECS.items():
+        out = np.einsum(spec, np.zeros(xs), np.zeros(ws)).shape
+        inputs[spec] = tuple(rng.standard_normal(shape).astype(np.float32) * scale
+                             for shape, scale in ((xs, 1.0), (ws, 0.1), (out, 1.0)))
     return jax.jit(lambda inputs: {spec: results(spec, *args) for spec, args in inputs.items()})(inputs)
 
 
@@ -80,7 +78,7 @@ def test_the_qdq_einsum_is_an_einsum_of_the_dequantized_operands_and_its_gradien
     for got, want in zip(fp8, plain):  # forward: e4m3 operands; backward: e4m3 residuals, e5m2 cotangent
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     # Against fp32: e4m3 rounds to 3 mantissa bits (relative error up to 2^-4, ~3.6% rms), e5m2 to 2
-    # (2^-3); sums of products keep about the operands' rms error. Measured: 3.3-6.1% (y, dx, dw).
+    # (2^-3); sums of products keep about the operands' rms error. Measured: 3.7-6.3% (y, dx, dw).
     errors = [np.linalg.norm(np.asarray(a, np.float32) - b) / np.linalg.norm(b) for a, b in zip(fp8, fp32)]
     print(spec, [f"{e:.1%}" for e in errors])
     assert max(errors) < 0.1
