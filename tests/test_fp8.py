@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_tiny, tiny_config
+from conftest import MOE_TINY, run_tiny, tiny_config
 
 from meshtrain.core.errors import UserError
 from meshtrain.core.formulas import llama_activation_terms
@@ -92,7 +92,7 @@ def runs():
 def test_the_tiny_fp8_run_tracks_bf16(runs):
     (_, bf16, _), (_, fp8, _) = runs["bf16"], runs["fp8"]
     assert len(fp8) == STEPS and bf16[-1] < bf16[0] - 0.05  # it learned (the synthetic data's first steps)
-    print(f"fp8 vs bf16: at most {np.max(np.abs(fp8 - bf16) / bf16):.3%} apart over {STEPS} steps")
+    print(f"fp8 vs bf16: at most {np.max(np.abs(fp8 - bf16) / bf16):.3%} apart over {STEPS} steps")  # 0.17%
     np.testing.assert_allclose(fp8, bf16, rtol=0.02)
     assert not np.array_equal(fp8, bf16)  # fp8 is not bf16
 
@@ -120,6 +120,19 @@ def test_the_step_quantizes_the_projections_and_the_mlp_and_nothing_else(runs):
     compiled = trainer.compiled_step.as_text()
     assert "f8e4m3fn[" in compiled and "f8e5m2[" in compiled
     assert "f8e4m3fn" not in runs["bf16"][0].compiled_step.as_text()
+
+
+def test_capacity_routed_experts_run_in_fp8_and_dropless_ones_in_bf16():
+    """models/moe.py: the capacity routing's expert einsums take the block's matmul; the dropless
+    grouped matmuls do not. Lowered only: moe_tiny's [B, N, E, C, D] = [16, 1, 4, 10, 32] slot buffer
+    (C = ceil(1.25 x 16 x 2 / 4)) enters the experts in e4m3, and the dense shared expert either way."""
+    def lowered(capacity):
+        cfg = tiny_config("parallel.precision=fp8", "parallel.mesh=1", f"model.capacity_factor={capacity}",
+                          config=MOE_TINY)
+        return shapes(TrainProgram.from_config(cfg, devices=jax.devices()[:1]).lower().as_text(), "f8E4M3FN")
+    capacity, dropless = lowered(1.25), lowered(0.0)
+    assert "16x1x4x10x32" in capacity and not any("x10x" in f for f in dropless)
+    assert "32x32" in dropless  # the shared expert's [D, F] weights
 
 
 def test_the_scale_of_a_sharded_tensor_is_the_whole_tensors():

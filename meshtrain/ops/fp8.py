@@ -14,7 +14,9 @@ residuals (1 byte per saved element) and differentiates with the cotangent quant
 Delayed scaling (a scale from an amax history of earlier steps) is left out: it needs per-matmul
 state through the layer scan, the pipeline stages and microbatch accumulation, and torchao removed
 it once current scaling ran as fast. So fp8 adds no train state and nothing to checkpoint, and
-nothing overflows: the scale maps each tensor's own amax onto fmax.
+nothing overflows: the scale maps each tensor's own amax onto fmax. Under jit a sharded tensor's amax
+is the whole tensor's; inside a shard_map (the manual data axis, the MoE row shards) it is the
+device's part's, each device's scale for its own GEMM.
 """
 from __future__ import annotations
 
