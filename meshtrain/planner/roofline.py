@@ -28,7 +28,8 @@ perfectly, the sum when none does):
   analysis, which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the
   lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage. Under
   precision=fp8 the blocks' matmuls (6·N_blocks, and 2·N_blocks rerun) run at the device's fp8 peak,
-  attention and the head at its bf16 peak:
+  attention and the head at its bf16 peak (a MoE block's router, and its experts under dropless
+  routing, run bf16 but are counted as fp8 here: the compute roof is then a little low):
   compute = ((hardware - fp8) FLOPs / peak_bf16 + fp8 FLOPs / peak_fp8) / (1 - bubble).
 - communication = sum over axis sets of ring link traffic (meshtrain/planner/hlo.py) / that set's link
   bandwidth.
