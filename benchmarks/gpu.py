@@ -11,7 +11,18 @@ A variant is `name:key=value,key=value` (config overrides on top of --set). The 
 random token array already on the device, so the figures are the step's, not the data loader's
 (benchmarks/overhead.py measures the loop around it). `--torch` adds a row for the same model and
 step in plain PyTorch (`torch.compile`, SDPA FlashAttention, bf16 autocast: benchmarks/torch_baseline.py)
-with the --set overrides, in its own process.
+with the --set overrides, in its own process. MFU is against the device's dense bf16 peak for every
+row; a precision=fp8 row also shows it against the dense fp8 peak ("MFU fp8").
+
+fp8 against bf16 and torch.compile, each row its own process on the same device (issue 26 §2):
+llama_1b, and Llama 3 8B's layer shape cut to 4 layers to fit one 80 GB device (as
+benchmarks/plan_vs_gpu.py's run in RESULTS.md):
+
+    python benchmarks/gpu.py --config configs/llama_1b.yaml --set train.batch_size=8 --set parallel.attention=cudnn \
+        --steps 10 --variant bf16:parallel.precision=bf16 --variant fp8:parallel.precision=fp8 --torch
+    python benchmarks/gpu.py --config configs/llama3_8b.yaml --set model.num_layers=4 --set train.batch_size=2 \
+        --set parallel.microbatches=1 --set parallel.attention=cudnn --set parallel.remat=full --steps 5 \
+        --variant bf16:parallel.precision=bf16 --variant fp8:parallel.precision=fp8 --torch
 """
 import argparse
 import json
@@ -52,10 +63,12 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
         step_s = (time.perf_counter() - started) / steps
     tokens_per_s = cfg.train.batch_size * cfg.train.seq_len / step_s
     peak = peak_flops(device.device_kind)
+    fp8_peak = peak_flops(device.device_kind, fp8=True) if cfg.parallel.precision == "fp8" else None
     stats = device.memory_stats() or {}
     return {"device": device.device_kind, "step_ms": step_s * 1e3, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * program.flops_per_token / 1e12,
             "mfu": tokens_per_s * program.flops_per_token / peak if peak else None,
+            "mfu_fp8": tokens_per_s * program.flops_per_token / fp8_peak if fp8_peak else None,
             "temp_gb": memory.temp_size_in_bytes / 1e9, "args_gb": memory.argument_size_in_bytes / 1e9,
             "peak_gb": stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None,
             "loss": float(metrics["loss"]), "compile_s": compile_s, "params_m": program.num_params / 1e6}
@@ -63,15 +76,15 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
 
 def table(rows: list[tuple[str, dict]]) -> str:
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
-    lines = ["| variant | step ms | tokens/s | TFLOP/s | MFU | temp GB | peak GB | loss |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | step ms | tokens/s | TFLOP/s | MFU | MFU fp8 | temp GB | peak GB | loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} |||||||")
+            lines.append(f"| {name} | failed: {r['error']} ||||||||")
             continue
         lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-                     f"{fmt(r['mfu'], '.1%')} | {fmt(r['temp_gb'], '.2f')} | {fmt(r['peak_gb'], '.2f')} | "
-                     f"{r['loss']:.4f} |")
+                     f"{fmt(r['mfu'], '.1%')} | {fmt(r.get('mfu_fp8'), '.1%')} | {fmt(r['temp_gb'], '.2f')} | "
+                     f"{fmt(r['peak_gb'], '.2f')} | {r['loss']:.4f} |")
     return "\n".join(lines)
 
 

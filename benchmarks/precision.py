@@ -1,7 +1,9 @@
-"""fp32 vs bf16 vs fp16 (dynamic loss scaling) on the Shakespeare model: the eval-loss curves of
-one run each, same seed, data and batches, and the fp16 run's loss scale and overflows.
+"""fp32 vs bf16 vs fp16 (dynamic loss scaling) vs fp8 (meshtrain/ops/fp8.py) on the Shakespeare model:
+the eval-loss curves of one run each, same seed, data and batches, and the fp16 run's loss scale and
+overflows; fp16 and bf16 are compared with fp32, fp8 with bf16 (the precision it replaces).
 
     python benchmarks/precision.py [--data ../shared/data/tinyshakespeare.txt] [--steps 1000] [--eval-every 100]
+        [--precisions fp32,bf16,fp16,fp8]
 
 On a CPU the three run one after the other (bf16/fp16 are emulated there: the point is the
 numerics, not the speed); on a GPU pass --devices 0 to use it.
@@ -16,7 +18,8 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo's modules bef
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+AGAINST = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16"}  # each compared with
 
 
 def run(precision: str, args):
@@ -45,23 +48,31 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--devices", type=int, default=1, help="simulated CPU devices; 0 = the machine's own")
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help="which to run, comma-separated")
     args = p.parse_args(argv)
+    chosen = args.precisions.split(",")
     print(f"data: {args.data or 'the Python standard library'}", flush=True)
-    results = {prec: run(prec, args) for prec in PRECISIONS}
-    steps = sorted(results["fp32"][0])
-    print("| step | " + " | ".join(f"eval {p}" for p in PRECISIONS)
-          + " | fp16 vs fp32 | bf16 vs fp32 | fp16 loss scale |")
-    print("|---|" + "---|" * (len(PRECISIONS) + 3))
+    results = {prec: run(prec, args) for prec in chosen}
+    pairs = [(p, AGAINST[p]) for p in chosen if AGAINST.get(p) in results]
+    steps = sorted(results[chosen[0]][0])
+    print("| step | " + " | ".join(f"eval {p}" for p in chosen) + "".join(f" | {p} vs {q}" for p, q in pairs)
+          + (" | fp16 loss scale |" if "fp16" in results else " |"))
+    print("|---|" + "---|" * (len(chosen) + len(pairs) + ("fp16" in results)))
     for s in steps:
-        e = {p: results[p][0][s] for p in PRECISIONS}
-        scale = results["fp16"][1].get(s, {}).get("loss_scale", float("nan"))
-        print(f"| {s} | " + " | ".join(f"{e[p]:.4f}" for p in PRECISIONS)
-              + f" | {(e['fp16'] - e['fp32']) / e['fp32']:+.2%} | {(e['bf16'] - e['fp32']) / e['fp32']:+.2%}"
-              + f" | {scale:,.0f} |")
-    last = results["fp16"][1][max(results["fp16"][1])]
-    print(f"fp16: {int(last['overflows'])} overflow steps skipped of {args.steps}; final loss scale "
-          f"{last['loss_scale']:,.0f}")
-
+        e = {p: results[p][0][s] for p in chosen}
+        row = f"| {s} | " + " | ".join(f"{e[p]:.4f}" for p in chosen)
+        row += "".join(f" | {(e[p] - e[q]) / e[q]:+.2%}" for p, q in pairs)
+        if "fp16" in results:
+            row += f" | {results['fp16'][1].get(s, {}).get('loss_scale', float('nan')):,.0f}"
+        print(row + " |")
+    for p, q in pairs:  # the training loss at every logged step, not only the evaluations
+        train = [(r["loss"], results[q][1][s]["loss"]) for s, r in results[p][1].items()]
+        print(f"{p} vs {q}: largest train-loss difference over the {len(train)} logged steps "
+              f"{max(abs(a - b) / b for a, b in train):.2%}")
+    if "fp16" in results:
+        last = results["fp16"][1][max(results["fp16"][1])]
+        print(f"fp16: {int(last['overflows'])} overflow steps skipped of {args.steps}; final loss scale "
+              f"{last['loss_scale']:,.0f}")
 
 if __name__ == "__main__":
     main()

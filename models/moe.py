@@ -142,24 +142,26 @@ def slots(expert_BxKL, num_experts: int, cap: int):
     return slot_BxKL, kept_BxKL, jnp.sum(onehot_BxKLxE, axis=1)
 
 
-def swiglu_experts(buf_BxNxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+def swiglu_experts(buf_BxNxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, einsum=jnp.einsum):
     """Each expert's SwiGLU on its slots, in the buffer's dtype. N: the devices the slots came
-    from (1 without expert parallelism)."""
+    from (1 without expert parallelism); `einsum`: the block's matmul (meshtrain/ops/fp8.py's under
+    fp8, whose per-tensor scales are then this device's: it runs inside the row shard_map)."""
     dtype = buf_BxNxExCxD.dtype
-    gate = jnp.einsum("bnecd,edf->bnecf", buf_BxNxExCxD, w_gate_ExDxF.astype(dtype))
-    up = jnp.einsum("bnecd,edf->bnecf", buf_BxNxExCxD, w_up_ExDxF.astype(dtype))
+    gate = einsum("bnecd,edf->bnecf", buf_BxNxExCxD, w_gate_ExDxF.astype(dtype))
+    up = einsum("bnecd,edf->bnecf", buf_BxNxExCxD, w_up_ExDxF.astype(dtype))
     h_BxNxExCxF = jax.nn.silu(checkpoint_name(gate, "mlp_gate")) * checkpoint_name(up, "mlp_up")
     h_BxNxExCxF = constrain(h_BxNxExCxF, ("batch", None, None, None, "mlp"))
-    out = jnp.einsum("bnecf,efd->bnecd", h_BxNxExCxF, w_down_ExFxD.astype(dtype))
+    out = einsum("bnecf,efd->bnecd", h_BxNxExCxF, w_down_ExFxD.astype(dtype))
     return checkpoint_name(out, "mlp_out")
 
 
-def capacity_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, C: int, axis: str, ep: int):
+def capacity_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, C: int, axis: str, ep: int,
+                   einsum=jnp.einsum):
     """Capacity routing of this device's rows: the [b, E, C, D] slot buffer through the experts;
     per assignment its output (0 when dropped) [b, K*L, D], whether it was kept, and the per-row
     counts [b, E]. ep > 1 (inside a shard_map manual over `axis`): each device sends its slots of
     expert chunk n to device n (an all_to_all on dim N), runs its E/ep experts on the slots of all
-    ep devices, and sends the results back."""
+    ep devices, and sends the results back. `einsum`: the experts' matmul (`swiglu_experts`)."""
     b, L, D = x_bxLxD.shape
     e, KL = w_gate_exDxF.shape[0], expert_bxKL.shape[1]
     E = e * ep
@@ -173,7 +175,7 @@ def capacity_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD,
         x_bxLxD, token_of_slot_bxS)
     buf_bxNxexCxD = buf_bxSxD.reshape(b, ep, e, C, D)
     swap = lambda t: jax.lax.all_to_all(t, axis, 1, 1, tiled=True) if ep > 1 else t
-    out_bxNxexCxD = swap(swiglu_experts(swap(buf_bxNxexCxD), w_gate_exDxF, w_up_exDxF, w_down_exFxD))
+    out_bxNxexCxD = swap(swiglu_experts(swap(buf_bxNxexCxD), w_gate_exDxF, w_up_exDxF, w_down_exFxD, einsum))
     out_bxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
         out_bxNxexCxD.reshape(b, E * C, D), slot_bxKL)
     return out_bxKLxD, kept_bxKL, count_bxE
@@ -362,8 +364,10 @@ def in_row_shards(local, x_BxLxD, expert_BxKL, weights, axis: str, ep: int):
 
 
 def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
-            experts_per_token: int, capacity_factor: float, axis: str = "expert"):
-    """The experts' output [B, L, D] in x's dtype and the routing stats (see the module doc)."""
+            experts_per_token: int, capacity_factor: float, axis: str = "expert", einsum=jnp.einsum):
+    """The experts' output [B, L, D] in x's dtype and the routing stats (see the module doc).
+    `einsum`: the capacity routing's expert matmul (fp8 under precision=fp8); the dropless grouped
+    matmuls run in x's dtype."""
     B, L, D = x_BxLxD.shape
     E, K = router_DxE.shape[1], experts_per_token
     C = capacity(L, E, K, capacity_factor)
@@ -384,8 +388,8 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
         out_BxKLxD = in_row_shards(functools.partial(dropless_local, axis=axis, ep=ep), x_BxLxD, expert_BxKL,
                                    weights, axis, ep)
     else:
-        out_BxKLxD, kept_BxKL, count_BxE = in_row_shards(functools.partial(capacity_local, C=C, axis=axis, ep=ep),
-                                                         x_BxLxD, expert_BxKL, weights, axis, ep)
+        local = functools.partial(capacity_local, C=C, axis=axis, ep=ep, einsum=einsum)
+        out_BxKLxD, kept_BxKL, count_BxE = in_row_shards(local, x_BxLxD, expert_BxKL, weights, axis, ep)
 
     # Combine: each assignment (0 when dropped) weighted by its gate, in fp32.
     gate_BxKxL = gate_BxLxK.swapaxes(1, 2)
@@ -466,7 +470,7 @@ class MoEBlock(Block):
             return super().mlp(h_BxLxD)
         out, stats = moe_mlp(h_BxLxD, self.router[...], self.expert_gate[...], self.expert_up[...],
                              self.expert_down[...], experts_per_token=cfg.experts_per_token,
-                             capacity_factor=cfg.capacity_factor)
+                             capacity_factor=cfg.capacity_factor, einsum=self.einsum)
         if getattr(cfg, "num_shared_experts", 0):
             out = out + super().mlp(h_BxLxD)[0]
         return out, {"router_aux_loss": stats["aux_loss"], "router_z_loss": stats["z_loss"],

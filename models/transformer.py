@@ -144,6 +144,7 @@ class Block(nnx.Module):
 
     norm = RMSNorm  # the norm class of the block's norms and the final one
     activation = staticmethod(jax.nn.silu)  # the gated MLP's: SwiGLU
+    einsum = staticmethod(jnp.einsum)  # the projections' and MLP's matmul (the model's `matmul` in training)
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -188,9 +189,9 @@ class Block(nnx.Module):
         """Queries [B, L, H, K], keys and values [B, L, G, K] of norm(x); q and k rotated to their
         `positions` ([L] or [B, L], see `rotary`) with the frequencies of the layer's `kind`."""
         h = self.attn_norm(x_BxLxD)
-        q = checkpoint_name(jnp.einsum("bld,dhk->blhk", h, self.wq[...]), "q")
-        k = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wk[...]), "k")
-        v = checkpoint_name(jnp.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
+        q = checkpoint_name(self.einsum("bld,dhk->blhk", h, self.wq[...]), "q")
+        k = checkpoint_name(self.einsum("bld,dgk->blgk", h, self.wk[...]), "k")
+        v = checkpoint_name(self.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
         q, k = self.normalize_qk(q, k)
         inv_freq_K2 = self.rope_frequencies(kind)
         q = constrain(rotary(q, inv_freq_K2, positions), ("batch", "seq", "heads", "head_dim"))
@@ -204,7 +205,7 @@ class Block(nnx.Module):
     def finish(self, x_BxLxD, ctx_BxLxHxK):
         """The block after attention: x + ctx wo, then x + mlp(norm(x)); the new x and the stats."""
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_ctx")
-        attn = checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]), "attn_out")
+        attn = checkpoint_name(self.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]), "attn_out")
         x_BxLxD = constrain(x_BxLxD + attn, RESIDUAL)
         out, stats = self.mlp(self.mlp_norm(x_BxLxD))
         return constrain(x_BxLxD + out, RESIDUAL), stats
@@ -262,10 +263,10 @@ class Block(nnx.Module):
 
     def mlp(self, h_BxLxD):
         """A gated MLP, (act(h w_gate) * h w_up) w_down: SwiGLU (Shazeer 2020) with act = silu."""
-        gate_BxLxF = checkpoint_name(jnp.einsum("bld,df->blf", h_BxLxD, self.w_gate[...]), "mlp_gate")
-        up_BxLxF = checkpoint_name(jnp.einsum("bld,df->blf", h_BxLxD, self.w_up[...]), "mlp_up")
+        gate_BxLxF = checkpoint_name(self.einsum("bld,df->blf", h_BxLxD, self.w_gate[...]), "mlp_gate")
+        up_BxLxF = checkpoint_name(self.einsum("bld,df->blf", h_BxLxD, self.w_up[...]), "mlp_up")
         h_BxLxF = constrain(self.activation(gate_BxLxF) * up_BxLxF, ("batch", "seq", "mlp"))
-        return checkpoint_name(jnp.einsum("blf,fd->bld", h_BxLxF, self.w_down[...]), "mlp_out"), {}
+        return checkpoint_name(self.einsum("blf,fd->bld", h_BxLxF, self.w_down[...]), "mlp_out"), {}
 
 
 class Transformer(nnx.Module):
@@ -309,16 +310,19 @@ class LanguageModel:
 
     `attention`: the kernel (meshtrain/ops/attention.py); `sequence_order`: the true position of each
     stored sequence position when the sequence is stored permuted (None: in order); `packing`:
-    how a window splits into documents (meshtrain/ops/packing.py; None: it does not)."""
+    how a window splits into documents (meshtrain/ops/packing.py; None: it does not); `matmul`:
+    the einsum of `block`'s projections and MLP (meshtrain/ops/fp8.py's under fp8; the cached
+    `decode` keeps jnp.einsum)."""
 
     module = Transformer
     saveable = MATMUL_OUTPUTS
     param_axes = PARAM_AXES
     post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
 
-    def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None):
+    def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
         self.cfg = cfg.resolved()
         self.attention, self.sequence_order, self.packing = attention, sequence_order, packing
+        self.matmul = matmul
         abstract = nnx.eval_shape(lambda: self.module(self.cfg, nnx.Rngs(0)))
         self._block_graphdef = nnx.graphdef(abstract.blocks)
         self._norm_graphdef = nnx.graphdef(abstract.final_norm)
@@ -358,7 +362,9 @@ class LanguageModel:
         return None if len(kinds) == 1 else np.array([kinds.index(w) for w in windows], np.int32)
 
     def block(self, params_i, x_BxLxD, docs=None, kind=None):
-        return nnx.merge(self._block_graphdef, params_i)(x_BxLxD, self.attention, self.sequence_order, docs, kind)
+        block = nnx.merge(self._block_graphdef, params_i)
+        block.einsum = self.matmul
+        return block(x_BxLxD, self.attention, self.sequence_order, docs, kind)
 
     def final_norm(self, params, x_BxLxD):
         return nnx.merge(self._norm_graphdef, params["final_norm"])(x_BxLxD)

@@ -45,6 +45,7 @@ SETUP = "python3 -m venv .venv"
 # reason, which the page shows within the 3 lines before the block.
 TEXT_ONLY = {
     ("speed.md", "python benchmarks/gpu.py"): "needs an NVIDIA GPU",
+    ("precision.md", "python benchmarks/gpu.py"): "needs an NVIDIA GPU",
     ("zero-fsdp.md", "python -m meshtrain.plan"): "plans a 64-device pod",
     ("experts.md", "python -m meshtrain.plan"): "plans a 64-device pod",
     ("planner.md", "python -m meshtrain.plan"): "64- and 128-device pods",

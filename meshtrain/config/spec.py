@@ -37,7 +37,9 @@ class ParallelPlan:
     zero: int = setting(1, "what the data axis shards: 0 nothing, 1 optimizer state, 2 + gradients, "
                            "3 + parameters", choices=(0, 1, 2, 3))
     precision: str = setting("fp32", "fp32, or bf16 / fp16 compute with fp32 master weights (fp16 with dynamic "
-                                     "loss scaling: the loss_scale_* keys)", choices=("fp32", "bf16", "fp16"))
+                                     "loss scaling: the loss_scale_* keys), or fp8: bf16 with the attention "
+                                     "projections' and MLP's matmuls in fp8 (e4m3 forward, e5m2 gradients, "
+                                     "per-tensor current scaling)", choices=("fp32", "bf16", "fp16", "fp8"))
     loss_scale_initial: float = setting(65536.0, "fp16: the loss scale at step 0 (2^16, DeepSpeed's default); an "
                                                  "overflowing step is skipped and halves it", min=1.0)
     loss_scale_window: int = setting(1000, "fp16: the scale doubles after this many steps in a row without "

@@ -26,7 +26,7 @@ from meshtrain.data.tokenizer import check_vocab
 from meshtrain.data.tokenizer import load as load_tokenizer
 from meshtrain.models import declaring, family
 from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
-from meshtrain.ops.precision import compute_bytes
+from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
 from meshtrain.parallel.schedules import check as check_schedule
 from meshtrain.parallel.schedules import check_residuals
 from meshtrain.parallel.sharding import make_rules
@@ -179,7 +179,7 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
     remat = par.remat if par.remat in ("none", "save_matmuls", "full") else "full"  # offload: on the host
     terms = llama_activation_terms(t.seq_len / sizes["context"], rows, m.d_model, m.num_heads, m.num_kv_heads,
                                    m.head_dim, m.mlp_dim, compute_bytes(par.precision), sizes["tensor"],
-                                   par.sequence_parallel, remat)
+                                   par.sequence_parallel, remat, saved_matmul_bytes(par.precision))
     formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
     activations = sum(formed.values()) * m.num_layers / stages
     states = sum(zero_bytes(program.num_params, sizes, par.zero,

@@ -71,7 +71,7 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, tensor: int = 1
 
 def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
                            compute_bytes: int = 2, tensor: int = 1, sequence_parallel: bool = False,
-                           remat: str = "none") -> dict[str, float]:
+                           remat: str = "none", matmul_input_bytes: int | None = None) -> dict[str, float]:
     """Bytes one meshtrain Llama block (models/transformer.py) keeps for its backward, by tensor:
     what the compiled step stacks per layer. The paper's accounting (`korthikanti_activation_bytes`)
     with c = compute bytes (2 in bf16) and RMSNorm and softmax internals in fp32:
@@ -89,10 +89,13 @@ def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, he
     parallelism T splits the head- and mlp-wide terms; the width-wide ones [s, b, h] only under
     sequence parallelism. remat=save_matmuls keeps the block input, the attention projection, q, k,
     v, the context, gate and up (the paper's selective recomputation drops the softmax alike); full
-    keeps the block input, as the paper's full recomputation."""
+    keeps the block input, as the paper's full recomputation. `matmul_input_bytes` (default c; 1
+    under fp8, whose matmuls keep their inputs' fp8 copies, meshtrain/ops/fp8.py): the bytes of
+    what only a matmul's backward reads: the norms' outputs, the attention context and gate x up."""
     if remat not in ("none", "save_matmuls", "full"):
         raise ValueError(f"no activation accounting for remat={remat!r} (offload keeps them on the host)")
     n, c, fp32 = s * b, compute_bytes, 4
+    mm = c if matmul_input_bytes is None else matmul_input_bytes
     width = lambda nbytes: nbytes / (tensor if sequence_parallel else 1)  # [s, b, h]-wide
     split = lambda nbytes: nbytes / tensor  # head- or mlp-wide
     qkv_context = split(c * n * (2 * heads + 2 * kv_heads) * head_dim)
@@ -101,11 +104,12 @@ def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, he
     if remat == "save_matmuls":
         return {"block input, attention projection": width(2 * c * n * h),
                 "q, k, v, attention context": qkv_context, "SwiGLU gate, up": split(2 * c * n * mlp)}
-    return {"RMSNorm inputs and normalized (fp32), outputs": width(2 * (2 * fp32 + c) * n * h),
-            "RMSNorm statistics (fp32)": width(2 * 2 * fp32 * n), "q, k, v, attention context": qkv_context,
+    return {"RMSNorm inputs and normalized (fp32), outputs": width(2 * (2 * fp32 + mm) * n * h),
+            "RMSNorm statistics (fp32)": width(2 * 2 * fp32 * n),
+            "q, k, v, attention context": split(n * ((c + mm) * heads + 2 * c * kv_heads) * head_dim),
             "softmax exp (fp32), probabilities": split((fp32 + c) * n * heads * s),
             "softmax row statistics (fp32)": split(2 * fp32 * n * heads),
-            "SwiGLU gate, up, silu (3), gate x up": split(6 * c * n * mlp)}
+            "SwiGLU gate, up, silu (3), gate x up": split((5 * c + mm) * n * mlp)}
 
 
 def kv_cache_bytes(layer_positions: int, rows: int, kv_heads: int, head_dim: int, split: int = 1,

@@ -10,7 +10,9 @@ sequence length: 2 x 2HKS forward per token and layer, x3 with the backward, cau
 halved; a sliding-window layer's S is min(S, window) (its keys per query, as MaxText counts Gemma's).
 Recomputed work (remat, a pipeline's recompute) is not model FLOPs: MFU counts the model's
 work once, whatever the run spends (hardware FLOPs, HFU: meshtrain/planner/roofline.py). MFU = achieved
-model FLOP/s divided by the device's dense bf16 peak (not the 2x "sparse" figure).
+model FLOP/s divided by the device's dense bf16 peak (not the 2x "sparse" figure), under
+precision=fp8 too (the convention: NVIDIA's and torchao's fp8 MFUs are against bf16), with the MFU
+against the dense fp8 peak beside it where the device has one.
 """
 from __future__ import annotations
 
@@ -25,8 +27,15 @@ PEAK_BF16_FLOPS = {
     "TPU v5 lite": 197e12,
     "TPU v4": 275e12,
 }
+# Dense fp8 (e4m3/e5m2) tensor-core peak FLOP/s, 2x bf16 on Hopper; devices without fp8 matmuls absent.
+PEAK_FP8_FLOPS = {
+    "H200": 1979e12,
+    "H100 PCIe": 1513e12,
+    "H100": 1979e12,
+}
 
-# The planner's device profiles (meshtrain/planner/roofline.py): dense bf16 peak FLOP/s, HBM bytes and
+# The planner's device profiles (meshtrain/planner/roofline.py): dense bf16 (and fp8, where the device
+# has fp8 matmuls: `peak_fp8_flops`) peak FLOP/s, HBM bytes and
 # bytes/s, and the two links a device's collectives run on, in bytes/s per device and direction:
 # `in_node_bw` among the `devices_per_node` devices of one node (NVLink through NVSwitch; a TPU
 # slice's ICI), `cross_node_bw` between nodes (the node's NICs / the data-center network, DCN).
@@ -43,9 +52,11 @@ PEAK_BF16_FLOPS = {
 #   ICI domain): 6,144 chips is the largest slice a job can have (16x16x24), so any mesh up to that
 #   is one node unless --devices-per-node says otherwise.
 DEVICE_PROFILES = {
-    "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "hbm_bw": 3.35e12, "memory": 80e9,
+    "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "peak_fp8_flops": PEAK_FP8_FLOPS["H100"],
+             "hbm_bw": 3.35e12, "memory": 80e9,
              "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8},
-    "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "hbm_bw": 4.8e12, "memory": 141e9,
+    "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "peak_fp8_flops": PEAK_FP8_FLOPS["H200"],
+             "hbm_bw": 4.8e12, "memory": 141e9,
              "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8},
     "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "hbm_bw": 2.039e12, "memory": 80e9,
              "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8},
@@ -55,8 +66,9 @@ DEVICE_PROFILES = {
 }
 
 
-def peak_flops(device_kind: str) -> float | None:
-    for name, flops in PEAK_BF16_FLOPS.items():
+def peak_flops(device_kind: str, fp8: bool = False) -> float | None:
+    """The device's dense bf16 peak FLOP/s (fp8: its fp8 peak), None when unknown or absent."""
+    for name, flops in (PEAK_FP8_FLOPS if fp8 else PEAK_BF16_FLOPS).items():
         if name in device_kind:
             return flops
     return None

@@ -21,6 +21,7 @@ from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, mak
 from meshtrain.models import FAMILIES
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.context_parallel import load_balanced_order
+from meshtrain.ops.fp8 import matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
 from meshtrain.ops.packing import Packing, packing_of
 from meshtrain.ops.precision import initial_loss_scale
@@ -53,7 +54,7 @@ class TrainProgram:
         context = self.sizes["context"]
         order = load_balanced_order(t.seq_len, context) if context > 1 else None
         self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order,
-                                            packing=packing)
+                                            packing=packing, matmul=matmul_for(plan.precision))
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))

@@ -1,8 +1,10 @@
 """Dtype policies and dynamic loss scaling. Master parameters and optimizer state are always fp32.
 
-fp32: compute in fp32.  bf16 / fp16: parameters are cast to the compute dtype at the start of the
+fp32: compute in fp32.  bf16 / fp16 / fp8: parameters are cast to the compute dtype at the start of the
 step, matmuls and activations run in it, while RMSNorm, softmax, logits and the loss stay in fp32
-(the model does those upcasts). bf16 has fp32's exponent range and needs no loss scaling.
+(the model does those upcasts). bf16 has fp32's exponent range and needs no loss scaling. fp8 is
+bf16 whose transformer projections and MLP run as fp8 matmuls with per-tensor current scaling
+(meshtrain/ops/fp8.py): no loss scaling either, each tensor's scale maps its own amax onto fp8's range.
 
 fp16 (largest finite 65504, smallest normal 6.1e-5) needs it: small gradients underflow to zero
 in the backward unless the loss is multiplied by a scale S first. The step differentiates S x
@@ -21,12 +23,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+# fp8 computes as bf16 but for the transformer's projection and MLP matmuls (meshtrain/ops/fp8.py).
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16, "fp8": jnp.bfloat16}
 
 
 def compute_bytes(precision: str) -> int:
-    """Bytes per activation (and compute-dtype parameter copy): 2 under bf16 and fp16, 4 under fp32."""
+    """Bytes per activation (and compute-dtype parameter copy): 2 under bf16, fp16 and fp8 (whose
+    matmul inputs are saved at 1: `saved_matmul_bytes`), 4 under fp32."""
     return jnp.dtype(COMPUTE_DTYPES[precision]).itemsize
+
+
+def saved_matmul_bytes(precision: str) -> int:
+    """Bytes per element of what only a matmul's backward reads (its saved input): 1 under fp8 (the
+    fp8 copy, meshtrain/ops/fp8.py), else `compute_bytes`."""
+    return 1 if precision == "fp8" else compute_bytes(precision)
 
 
 def cast_for_compute(params, precision: str):

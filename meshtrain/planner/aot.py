@@ -244,7 +244,9 @@ def format_plan(r: dict) -> str:
                  + (f" (bubble {roof['pipeline_bubble']:.1%})" if roof["pipeline_bubble"] else "")
                  + f", communication {roof['comm_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms -> "
                    f"step >= {roof['step_s'] * 1e3:,.1f} ms ({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms "
-                   f"without overlap), MFU ceiling {roof['mfu_ceiling']:.1%}, {roof['tokens_per_s']:,.0f} tokens/s")
+                   f"without overlap), MFU ceiling {roof['mfu_ceiling']:.1%}"
+                 + (f" ({roof['mfu_fp8_ceiling']:.1%} of the fp8 peak)" if "mfu_fp8_ceiling" in roof else "")
+                 + f", {roof['tokens_per_s']:,.0f} tokens/s")
     lines += ["", format_verdict(r), *format_search(r)]
     return "\n".join(lines)
 

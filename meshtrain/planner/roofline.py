@@ -26,13 +26,18 @@ perfectly, the sum when none does):
   skip the hidden blocks: about half) times its matmuls (flash-style backwards recompute the
   scores; meshtrain/ops/attention.py `executed_attention`). From the formula, not from XLA's cost
   analysis, which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the
-  lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage.
+  lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage. Under
+  precision=fp8 the blocks' matmuls (6·N_blocks, and 2·N_blocks rerun) run at the device's fp8 peak,
+  attention and the head at its bf16 peak (a MoE block's router, and its experts under dropless
+  routing, run bf16 but are counted as fp8 here: the compute roof is then a little low):
+  compute = ((hardware - fp8) FLOPs / peak_bf16 + fp8 FLOPs / peak_fp8) / (1 - bubble).
 - communication = sum over axis sets of ring link traffic (meshtrain/planner/hlo.py) / that set's link
   bandwidth.
 - memory = (argument + output + temporary bytes of the compiled step) / HBM bandwidth: every
   argument read once, every output and temporary written once. A floor, not an estimate: it leaves
   out that weights are read again by every microbatch and activations again by the backward.
-MFU ceiling = model FLOPs (no recompute: that is HFU's) / peak / step.
+MFU ceiling = model FLOPs (no recompute: that is HFU's) / peak / step, against the bf16 peak under
+fp8 too (meshtrain/core/metrics.py), and under fp8 `mfu_fp8_ceiling` against the fp8 peak.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.ops.attention import executed_attention
 from meshtrain.parallel.mesh import AXES
@@ -148,17 +154,22 @@ def hardware_flops_per_token(model_flops_per_token: float, block_params: float, 
 
 
 def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes: float, profile: dict,
-          bubble: float = 0.0) -> dict:
+          bubble: float = 0.0, fp8_flops: float = 0.0) -> dict:
     """The three roofs for one device's step, the step with perfect overlap (their max) and with
-    none (their sum), and the MFU and HFU ceilings at the overlapped step."""
-    compute_s = hardware_flops / profile["peak_flops"] / (1.0 - bubble)
+    none (their sum), and the MFU and HFU ceilings at the overlapped step. `fp8_flops`: the part of
+    the hardware FLOPs that runs at the profile's `peak_fp8_flops` (precision=fp8)."""
+    fp8_s = fp8_flops / profile["peak_fp8_flops"] if fp8_flops else 0.0
+    compute_s = ((hardware_flops - fp8_flops) / profile["peak_flops"] + fp8_s) / (1.0 - bubble)
     memory_s = memory_bytes / profile["hbm_bw"]
     roofs = {"compute": compute_s, "communication": comm_s, "memory": memory_s}
     step_s = max(roofs.values())
-    return {"compute_s": compute_s, "comm_s": comm_s, "memory_s": memory_s, "pipeline_bubble": bubble,
-            "step_s": step_s, "serial_s": sum(roofs.values()), "bound": max(roofs, key=roofs.get),
-            "mfu_ceiling": model_flops / profile["peak_flops"] / step_s if step_s else 0.0,
-            "hfu_ceiling": hardware_flops / profile["peak_flops"] / step_s if step_s else 0.0}
+    out = {"compute_s": compute_s, "comm_s": comm_s, "memory_s": memory_s, "pipeline_bubble": bubble,
+           "step_s": step_s, "serial_s": sum(roofs.values()), "bound": max(roofs, key=roofs.get),
+           "mfu_ceiling": model_flops / profile["peak_flops"] / step_s if step_s else 0.0,
+           "hfu_ceiling": hardware_flops / profile["peak_flops"] / step_s if step_s else 0.0}
+    if fp8_flops:
+        out["mfu_fp8_ceiling"] = model_flops / profile["peak_fp8_flops"] / step_s if step_s else 0.0
+    return out
 
 
 def _label(axes: tuple[str, ...]) -> str:
@@ -193,10 +204,18 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
                            plan.residuals).bubble
     ma = memory_analysis
     memory_bytes = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-    roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile, bubble)
+    fp8_flops = 0.0
+    if plan.precision == "fp8":  # the blocks' projections and MLP (meshtrain/ops/fp8.py), rerun ones included
+        if "peak_fp8_flops" not in profile:
+            raise UserError(f"parallel.precision=fp8: the {profile['name']} has no fp8 matmuls; plan it on an "
+                            f"H100/H200 or set parallel.precision=bf16")
+        fp8_flops = (6.0 + 2.0 * recompute) * block_params * tokens
+    roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
+                  bubble, fp8_flops)
     return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),
-            "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops, "recompute": recompute,
+            "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops,
+                      "fp8_per_device": fp8_flops, "recompute": recompute,
                       "attention_share": sum(share * n for (_, share), n in attention) / m.num_layers},
             "links": {_label(axes): v for axes, v in links.items()}, "memory_bytes": memory_bytes,
             **roofs, "tokens_per_s": t.batch_size * t.seq_len / roofs["step_s"] if roofs["step_s"] else 0.0}
