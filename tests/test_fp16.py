@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, run_tiny, tiny_config
+from conftest import run_tiny, tiny_config
 
 from meshtrain.config.loader import to_dict
 from meshtrain.config.spec import ParallelPlan
@@ -21,24 +21,20 @@ def quiet_fit(trainer, steps=None):
     return trainer.fit(steps, log=MetricsLog(trainer.out, primary=False))
 
 
-def final_eval(precision):
-    """The Shakespeare model's shape (configs/shakespeare_char.yaml) on standard-library text, 100
-    steps at batch 8, one device."""
-    cfg = tiny_config(f"parallel.precision={precision}", "parallel.mesh=1", "data.kind=stdlib", "data.path=",
-                      "train.steps=100", "train.batch_size=8", "train.log_every=50", "train.eval_every=100",
-                      "train.eval_batches=8", "optim.lr=3e-3", config=str(ROOT / "configs" / "shakespeare_char.yaml"))
-    trainer = Trainer(cfg, devices=jax.devices()[:1])
-    history = quiet_fit(trainer)
-    return [r["eval_loss"] for r in history if "eval_loss" in r][-1], history
-
-
-def test_fp16_tracks_fp32_on_the_shakespeare_model():
-    fp32, _ = final_eval("fp32")
-    fp16, history = final_eval("fp16")
-    # Measured at 100 steps: fp32 2.6601, fp16 2.6669 (+0.26%); at 200: 2.3972, 2.4102 (+0.54%).
-    assert abs(fp16 - fp32) / fp32 < 0.02, (fp16, fp32)
-    assert fp32 < 2.8  # both learned: the first loss is ~5.5
-    scales = [r["loss_scale"] for r in history if "loss" in r]
+def test_fp16_tracks_fp32():
+    """The tiny model on standard-library text, one device, 40 steps, fp32 and fp16 from the same seed
+    and batches: fp16's loss stays within 2% of fp32's at every step (measured: 0.10% at most) and
+    both learn (5.56 -> 3.43). The Shakespeare model over 1000 steps: benchmarks/precision.py."""
+    runs = {p: run_tiny(f"parallel.precision={p}", "parallel.mesh=1", "data.kind=stdlib", "data.path=",
+                        "train.steps=40", "train.log_every=1", "optim.lr=1e-2", devices=jax.devices()[:1])
+            for p in ("fp32", "fp16")}
+    (_, fp32, _), (trainer, fp16, _) = runs["fp32"], runs["fp16"]
+    assert len(fp32) == len(fp16) == 40
+    gap = np.max(np.abs(fp16 - fp32) / fp32)
+    print(f"largest loss gap fp16 vs fp32 over 40 steps: {gap:.3%}; last {fp32[-1]:.4f} vs {fp16[-1]:.4f}")
+    assert gap < 0.02, (fp16, fp32)
+    assert fp32[-1] < fp32[0] - 0.5 and fp16[-1] < fp16[0] - 0.5  # both learned
+    scales = [r["loss_scale"] for r in trainer.history if "loss" in r]
     assert all(1 <= s <= 65536 for s in scales)
 
 
