@@ -130,6 +130,30 @@ def test_stragglers_and_watchdog_verdicts(tmp_path):
     assert "device stacks ---\nnot available" in text
 
 
+HOLDS_THE_GIL = """
+import re, sys, time
+from meshtrain.run import watchdog
+watchdog.BACKSTOP_S = 1.0
+with watchdog.StepWatchdog(1.0, sys.argv[1]) as dog:
+    for step in range(1, 5):  # a beat every 0.6 s: the backstop's deadline moves past 2.6 s
+        time.sleep(0.6)
+        dog.beat(step)
+    re.match(r"(a+)+$", "a" * 64 + "b")  # never returns and never lets the watchdog's thread run
+"""
+
+
+def test_a_hang_that_holds_the_gil_ends_by_the_faulthandler_backstop(tmp_path):
+    """The watchdog's thread cannot run while C code holds the GIL: faulthandler's backstop, armed for
+    the last beat + timeout + BACKSTOP_S and re-armed at each beat, prints the stacks and exits 1."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", HOLDS_THE_GIL, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "most recent call first" in done.stderr
+    assert 'File "<string>", line 9 in <module>' in done.stderr  # the regex, not a sleep: re-armed at each beat
+    assert time.monotonic() - start < 60
+
+
 @pytest.mark.parametrize("override, message", [
     ("guard.spike_factor=1", "guard.spike_factor=1.0 would call an ordinary step a spike"),
     ("train.straggler_every=3", "train.straggler_every=3 is not a multiple of train.log_every=2"),

@@ -18,9 +18,9 @@ and checkpointer set-up), this process
   others wait for the step on their devices;
 - prints one `error:` line and exits EXIT_STALLED, the other processes first, then process 0, which
   hosts the coordination service.
-A hang that holds the GIL stops this thread too: faulthandler's own C thread, re-armed every second
-while the thread runs, then prints every thread's Python stack on stderr and exits 1, BACKSTOP_S
-past the deadline.
+A hang that holds the GIL stops this thread too: faulthandler's own C thread, armed for BACKSTOP_S past
+the deadline (re-armed whenever a step completes or the timeout changes), then prints every thread's
+Python stack on stderr and exits 1.
 """
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ class StepWatchdog:
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
         self._published = None
+        self._backstop_at = None  # the monotonic time faulthandler's backstop is armed for
         self.fired = False
         self.host = socket.gethostname()
 
@@ -139,8 +140,10 @@ class StepWatchdog:
                     sys.stderr.flush()
                     os._exit(EXIT_STALLED)
             self._publish()
-            faulthandler.dump_traceback_later(self.timeout() - stalled_for + BACKSTOP_S, exit=True,
-                                              file=sys.__stderr__)
+            backstop_at = self._last_beat + self.timeout() + BACKSTOP_S
+            if backstop_at != self._backstop_at:
+                faulthandler.dump_traceback_later(backstop_at - time.monotonic(), exit=True, file=sys.__stderr__)
+                self._backstop_at = backstop_at
 
     def _report(self) -> dict:
         """What this process is doing, on the shared (wall) clock."""
