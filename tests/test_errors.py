@@ -32,7 +32,7 @@ BAD_INPUTS = [
     (["--set", "parallel.rules.seq=[tensor"], "--set parallel.rules.seq line 1, column 8: expected ',' or ']'"),
     (["--steps", "12", "--set", "train.steps=100"], "--steps 12 and --set train.steps=100 both set train.steps"),
     (["--set", "model.width=64"], "unknown config key 'model.width'"),
-    (["--set", "parallel.precision=fp8"], "parallel.precision='fp8' is not one of fp32, bf16"),
+    (["--set", "parallel.precision=fp4"], "parallel.precision='fp4' is not one of fp32, bf16"),
     (["--set", "train.steps=many"], "train.steps='many' is not a valid int"),
     (["--config", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
     (["--mesh", "data=2,data=4"], "--mesh data=2,data=4 names axis 'data' twice; give each axis once"),
