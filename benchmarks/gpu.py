@@ -39,7 +39,7 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     import jax.numpy as jnp
 
     from meshtrain.config.loader import load_config
-    from meshtrain.core.metrics import peak_flops
+    from meshtrain.core.metrics import mfu, peak_flops
     from meshtrain.engine.program import TrainProgram
 
     cfg = load_config(config, ["parallel.mesh=1", "devices=0", *overrides])
@@ -67,8 +67,8 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     stats = device.memory_stats() or {}
     return {"device": device.device_kind, "step_ms": step_s * 1e3, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * program.flops_per_token / 1e12,
-            "mfu": tokens_per_s * program.flops_per_token / peak if peak else None,
-            "mfu_fp8": tokens_per_s * program.flops_per_token / fp8_peak if fp8_peak else None,
+            "mfu": mfu(tokens_per_s, program.flops_per_token, 1, peak),
+            "mfu_fp8": mfu(tokens_per_s, program.flops_per_token, 1, fp8_peak),
             "temp_gb": memory.temp_size_in_bytes / 1e9, "args_gb": memory.argument_size_in_bytes / 1e9,
             "peak_gb": stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None,
             "loss": float(metrics["loss"]), "compile_s": compile_s, "params_m": program.num_params / 1e6}
