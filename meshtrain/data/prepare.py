@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +41,17 @@ def tokenized(parts: list[Unit], tok, field: str, workers: int) -> Iterator[tupl
     if workers <= 1:
         yield from (tokenize(u, tok, field) for u in parts)
         return
-    # spawn, not fork: the parent may hold JAX's or the tokenizer's threads, which fork would copy mid-work.
-    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tok, field)) as pool:
-        yield from pool.imap(_tokenize_in_worker, parts)
+    # spawn, not fork: the parent may hold JAX's or the tokenizer's threads, which fork would copy
+    # mid-work. An executor, not multiprocessing.Pool: leaving a Pool on an error (a unit without the
+    # text field) terminates its workers, and one killed while it sends its result holds the result
+    # queue's lock forever: the pool's own threads then wait on it and `prepare` hangs (seen in the
+    # suite). The executor cancels the units not started and lets the running ones finish.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(tok, field))
+    try:
+        yield from pool.map(_tokenize_in_worker, parts)  # in order
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 _worker: tuple = ()  # (tokenizer, field) in a worker process
