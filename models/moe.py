@@ -505,8 +505,22 @@ class MoELanguageModel(LanguageModel):
         total = super().active_matmul_params(params)
         if not self.cfg.num_experts:
             return total
-        routed = sum(params["blocks"][name].size for name in ("expert_gate", "expert_up", "expert_down"))
-        return int(total - routed * (1 - self.cfg.experts_per_token / self.cfg.num_experts))
+        return int(total - self._routed_params(params) * (1 - self.cfg.experts_per_token / self.cfg.num_experts))
+
+    def fp8_matmul_params(self, params) -> int:
+        """Less the router's, and under dropless routing (capacity_factor 0) the active routed experts':
+        both run bf16 (the grouped matmuls take no `matmul`)."""
+        fp8 = super().fp8_matmul_params(params)
+        if not self.cfg.num_experts:
+            return fp8
+        fp8 -= params["blocks"]["router"].size
+        if self.cfg.capacity_factor == 0:
+            fp8 -= int(self._routed_params(params) * self.cfg.experts_per_token / self.cfg.num_experts)
+        return fp8
+
+    @staticmethod
+    def _routed_params(params) -> int:
+        return sum(params["blocks"][name].size for name in ("expert_gate", "expert_up", "expert_down"))
 
 
 # ---- its Hugging Face form: MixtralForCausalLM (a moe model without experts is a Llama) ----

@@ -441,6 +441,11 @@ class LanguageModel:
         doubles as the output head."""
         return self.num_params(params, embedding=self.cfg.tie_embeddings)
 
+    def fp8_matmul_params(self, params) -> int:
+        """Of those, the parameters of the matmuls `block` runs through its `matmul` (fp8 under
+        precision=fp8): all but the head's V x D, which runs bf16."""
+        return self.active_matmul_params(params) - self.cfg.vocab_size * self.cfg.d_model
+
     def flops_per_token(self, params, seq_len: int) -> float:
         """Training FLOPs per token, 6N + 12 L (H K) S, a windowed layer's S its window when shorter
         (meshtrain/core/metrics.py)."""

@@ -27,9 +27,9 @@ perfectly, the sum when none does):
   scores; meshtrain/ops/attention.py `executed_attention`). From the formula, not from XLA's cost
   analysis, which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the
   lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage. Under
-  precision=fp8 the blocks' matmuls (6·N_blocks, and 2·N_blocks rerun) run at the device's fp8 peak,
-  attention and the head at its bf16 peak (a MoE block's router, and its experts under dropless
-  routing, run bf16 but are counted as fp8 here: the compute roof is then a little low):
+  precision=fp8 the matmuls the blocks run in fp8 (6·N_fp8, and 2·N_fp8 rerun; N_fp8 the model's
+  `fp8_matmul_params`: the projections, the MLP, capacity-routed experts) run at the device's fp8
+  peak, the rest (attention, the head, a MoE block's router, dropless experts) at its bf16 peak:
   compute = ((hardware - fp8) FLOPs / peak_bf16 + fp8 FLOPs / peak_fp8) / (1 - bubble).
 - communication = sum over axis sets of ring link traffic (meshtrain/planner/hlo.py) / that set's link
   bandwidth.
@@ -205,11 +205,11 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     ma = memory_analysis
     memory_bytes = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
     fp8_flops = 0.0
-    if plan.precision == "fp8":  # the blocks' projections and MLP (meshtrain/ops/fp8.py), rerun ones included
+    if plan.precision == "fp8":  # the blocks' fp8 matmuls (meshtrain/ops/fp8.py), rerun ones included
         if "peak_fp8_flops" not in profile:
             raise UserError(f"parallel.precision=fp8: the {profile['name']} has no fp8 matmuls; plan it on an "
                             f"H100/H200 or set parallel.precision=bf16")
-        fp8_flops = (6.0 + 2.0 * recompute) * block_params * tokens
+        fp8_flops = (6.0 + 2.0 * recompute) * program.model.fp8_matmul_params(program.abstract_state["params"]) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops)
     return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
