@@ -19,6 +19,7 @@ from meshtrain.engine.program import TrainProgram
 from meshtrain.ops.fp8 import E4M3, E5M2, dequantize, fp8_einsum, fp8_max, quantize
 from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
 from meshtrain.planner import roofline
+from meshtrain.run import loggers
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 
@@ -95,6 +96,22 @@ def test_the_tiny_fp8_run_tracks_bf16(runs):
     print(f"fp8 vs bf16: at most {np.max(np.abs(fp8 - bf16) / bf16):.3%} apart over {STEPS} steps")  # 0.17%
     np.testing.assert_allclose(fp8, bf16, rtol=0.02)
     assert not np.array_equal(fp8, bf16)  # fp8 is not bf16
+
+
+def test_an_fp8_run_logs_its_mfu_against_both_peaks(runs, monkeypatch):
+    """MFU keeps the bf16 peak (the convention); an fp8 run logs `mfu_fp8` against the fp8 peak beside it."""
+    monkeypatch.setattr("meshtrain.run.trainer.peak_flops", lambda kind, fp8=False: 1979e12 if fp8 else 989e12)
+    trainer = Trainer(tiny_config(*(o.format("fp8") for o in RUN)), devices=jax.devices()[:1])  # the cached step
+    trainer.close()
+    assert (trainer.peak, trainer.peak_fp8) == (989e12, 1979e12)
+    metrics = {"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped_steps": 0}
+    record = trainer._record(3, metrics, tokens_per_sec=1e9, step_time=1.0, data_wait=0.0)
+    assert record["mfu"] == pytest.approx(1e9 * trainer.program.flops_per_token / 989e12)
+    assert record["mfu_fp8"] == pytest.approx(record["mfu"] * 989 / 1979)
+    assert f"({record['tflops_per_device']:.0f} TFLOP/s/device; {record['mfu_fp8']:.1%} of the fp8 peak)" in \
+        loggers.format_record(record)
+    assert loggers.tag("mfu_fp8") == "perf/mfu_fp8"
+    assert "mfu_fp8" not in runs["bf16"][0]._record(3, metrics, 1e9, 1.0, 0.0)
 
 
 def shapes(text: str, dtype: str) -> set:

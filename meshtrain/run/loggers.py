@@ -92,7 +92,8 @@ def format_record(r: dict) -> str:
         parts.append(f"router aux {r['router_aux_loss']:.3f} z {r['router_z_loss']:.3f} dropped {r['dropped']:.1%} "
                      f"load max/mean {r['expert_load_max']:.2f}")
     if r.get("mfu") is not None:
-        parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device)")
+        fp8 = f"; {r['mfu_fp8']:.1%} of the fp8 peak" if r.get("mfu_fp8") is not None else ""
+        parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device{fp8})")
     if "memory_bytes_in_use" in r:
         parts.append(f"memory {r['memory_bytes_in_use'] / 1e9:.2f} GB (peak {r['memory_peak_bytes_in_use'] / 1e9:.2f})")
     return "  ".join(parts)
@@ -267,7 +268,8 @@ class Jsonl:
 # TensorBoard / W&B tag of each record key: <group>/<name>. Keys not listed (loss, grad_norm, lr, a
 # model's new metric) go under train/; those starting with a PREFIXES key under its group.
 TAG_GROUPS = {
-    "perf": ("tokens_per_sec", "step_time_s", "data_wait_s", "mfu", "tflops_per_device", "checkpoint_blocking_s"),
+    "perf": ("tokens_per_sec", "step_time_s", "data_wait_s", "mfu", "mfu_fp8", "tflops_per_device",
+             "checkpoint_blocking_s"),
     "guard": ("skipped_steps",),
     "precision": ("loss_scale", "overflows"),
     "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),
