@@ -1,18 +1,29 @@
 """8 simulated CPU devices (set before JAX starts), a shared compilation cache, and the tiny-run
 harness (meshtrain/testing.py) with the single-device reference run."""
 import os
+import sys
 
-# The tests' programs are tiny and compiled once each, so compiling is most of the suite's time. XLA's
-# CPU backend at LLVM optimization level 0 compiles them 2-5x faster (jit(init_state) of the tiny
-# model on fsdp=8: 4.9 s -> 1.0 s) and computes the same values (the 60-step loss of the tiny run is
-# bitwise equal) and the same buffers (the planner's memory figures are equal); runs are a little
-# slower per step, which few tests take many of. The subprocesses the tests start inherit it.
-# (XLA's older elemental CPU fusion emitters, --xla_cpu_use_fusion_emitters=false, compile the tiny
-# steps ~3x faster: the suite in 17:46 instead of ~30 min, idle. But two of five full runs with them
-# lost a test worker to a SIGABRT near the end, cause unknown: left out.)
+# The tests' programs are tiny and compiled once each, so compiling is most of the suite's time:
+# - XLA's CPU backend at LLVM optimization level 0 compiles them 2-5x faster (jit(init_state) of the
+#   tiny model on fsdp=8: 4.9 s -> 1.0 s) and computes the same values (the 60-step loss of the tiny
+#   run is bitwise equal) and the same buffers (the planner's memory figures are equal); runs are a
+#   little slower per step, which few tests take many of.
+# - XLA's elemental CPU fusion emitters (--xla_cpu_use_fusion_emitters=false; the MLIR ones are the
+#   default) compile them another 2-3x faster (the tiny 2x2x2 train step: 5.0 s -> 1.9 s of CPU) with
+#   the same losses to the last bit but one at step 20: the suite in ~18 min instead of ~29. (Two full
+#   runs with them lost a worker to a SIGABRT, message unseen, before the watchdog stopped re-arming
+#   faulthandler every second; none of the seven full runs since did. One of those hung instead, in
+#   multiprocessing.Pool's terminate: a race of `prepare`'s, mended in meshtrain/data/prepare.py.
+#   pytest captures output at the sys level (pyproject.toml), so a C++ abort message reaches the log.)
+# The subprocesses the tests start inherit both.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"])
+    + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+       "--xla_cpu_use_fusion_emitters=false"])
+# Where the environment asks Python not to write bytecode, every CLI subprocess would compile
+# meshtrain's sources again (~0.8 s each): the suite writes it (to the ignored __pycache__ folders).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One compilation cache per test session, shared with the CLI subprocesses: tests that compile the
 # same program (a rerun after SIGKILL, a resume) load it instead of compiling it again.
