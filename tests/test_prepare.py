@@ -10,6 +10,7 @@ from meshtrain import data
 from meshtrain.config.loader import DataConfig, UserError
 from meshtrain.data import prepare, sources, tokenizer
 from meshtrain.data.__main__ import main
+from meshtrain.data.prepare import tokenized
 
 DOCS = [f"Document {i}: " + "all the world's a stage, " * (i % 5) + "é✓" for i in range(40)]
 BYTE = tokenizer.ByteTokenizer()
@@ -96,6 +97,20 @@ def test_parallel_prepare_writes_what_serial_prepare_writes(tmp_path, monkeypatc
         for s in serial["shards"]:
             assert (one / s["file"]).read_bytes() == (two / s["file"]).read_bytes()
         assert corpus_ids(two) == expected(BYTE)
+
+
+def test_a_failing_unit_stops_the_workers_and_leaves_none_behind(tmp_path):
+    """Every unit of the source lacks the text field: the first error surfaces from the workers, the
+    queued units are cancelled, and no worker process is left (multiprocessing.Pool's terminate could
+    hang here: meshtrain/data/prepare.py)."""
+    import multiprocessing
+
+    src = write_spark_parquet(tmp_path / "spark")
+    parts = sources.units(sources.detect(str(src)), str(src))
+    assert len(parts) > 3
+    with pytest.raises(UserError, match="has no column 'text'"):
+        list(tokenized(parts, BYTE, "text", workers=2))
+    assert multiprocessing.active_children() == []
 
 
 def test_token_dtype_follows_the_vocabulary(tmp_path):

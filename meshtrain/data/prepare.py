@@ -45,13 +45,11 @@ def tokenized(parts: list[Unit], tok, field: str, workers: int) -> Iterator[tupl
     # mid-work. An executor, not multiprocessing.Pool: leaving a Pool on an error (a unit without the
     # text field) terminates its workers, and one killed while it sends its result holds the result
     # queue's lock forever: the pool's own threads then wait on it and `prepare` hangs (seen in the
-    # suite). The executor cancels the units not started and lets the running ones finish.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_worker, initargs=(tok, field))
-    try:
+    # suite). On an error, or when the caller stops reading, `map` cancels the units still queued and
+    # the executor waits for the few its workers hold (at most workers + 1) and never kills one.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_worker, initargs=(tok, field)) as pool:
         yield from pool.map(_tokenize_in_worker, parts)  # in order
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 _worker: tuple = ()  # (tokenizer, field) in a worker process
