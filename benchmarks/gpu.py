@@ -39,7 +39,7 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     import jax.numpy as jnp
 
     from meshtrain.config.loader import load_config
-    from meshtrain.core.metrics import mfu, peak_flops
+    from meshtrain.core.metrics import mfu, run_peaks
     from meshtrain.engine.program import TrainProgram
 
     cfg = load_config(config, ["parallel.mesh=1", "devices=0", *overrides])
@@ -62,8 +62,7 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
         jax.block_until_ready(state)
         step_s = (time.perf_counter() - started) / steps
     tokens_per_s = cfg.train.batch_size * cfg.train.seq_len / step_s
-    peak = peak_flops(device.device_kind)
-    fp8_peak = peak_flops(device.device_kind, fp8=True) if cfg.parallel.precision == "fp8" else None
+    peak, fp8_peak = run_peaks(device.device_kind, cfg.parallel.precision)
     stats = device.memory_stats() or {}
     return {"device": device.device_kind, "step_ms": step_s * 1e3, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * program.flops_per_token / 1e12,

@@ -505,22 +505,27 @@ class MoELanguageModel(LanguageModel):
         total = super().active_matmul_params(params)
         if not self.cfg.num_experts:
             return total
-        return int(total - self._routed_params(params) * (1 - self.cfg.experts_per_token / self.cfg.num_experts))
+        return total - self._routed_params(params) + self._routed_per_token(params)
 
     def fp8_matmul_params(self, params) -> int:
-        """Less the router's, and under dropless routing (capacity_factor 0) the active routed experts':
-        both run bf16 (the grouped matmuls take no `matmul`)."""
+        """Less the router's (it routes in fp32), and under dropless routing (capacity_factor 0) the
+        active routed experts' (bf16 grouped matmuls): neither takes the block's `matmul`."""
         fp8 = super().fp8_matmul_params(params)
         if not self.cfg.num_experts:
             return fp8
         fp8 -= params["blocks"]["router"].size
         if self.cfg.capacity_factor == 0:
-            fp8 -= int(self._routed_params(params) * self.cfg.experts_per_token / self.cfg.num_experts)
+            fp8 -= self._routed_per_token(params)
         return fp8
 
     @staticmethod
     def _routed_params(params) -> int:
         return sum(params["blocks"][name].size for name in ("expert_gate", "expert_up", "expert_down"))
+
+    def _routed_per_token(self, params) -> int:
+        """The routed expert parameters a token multiplies by: k of the E experts' (exact: each expert
+        tensor's leading axis is E)."""
+        return self._routed_params(params) // self.cfg.num_experts * self.cfg.experts_per_token
 
 
 # ---- its Hugging Face form: MixtralForCausalLM (a moe model without experts is a Llama) ----

@@ -6,7 +6,8 @@ A family is one module of models/ with a `FAMILY = Family(...)`, registered in m
   `model.family` in a config picks the class; the other `model:` keys are its fields, flat.
 - `model`: its `LanguageModel` (models/transformer.py: the protocol the library trains through),
   which holds its modules, the logical axes of its parameters (`param_axes`) and its counts
-  (`num_params`, `active_matmul_params` and `flops_per_token`, the FLOPs model's N and 6N + 12LHKS).
+  (`num_params`, `active_matmul_params` and `flops_per_token`, the FLOPs model's N and 6N + 12LHKS;
+  `block_matmul_params`, N less the head, and `fp8_matmul_params`, the part of it that runs in fp8).
 - `hf`: its Hugging Face form (`HFMap`: the config.json model types it imports, the tensor name map,
   the config translation both ways), which meshtrain/interop/hf.py reads; None when it has none.
 """

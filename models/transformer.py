@@ -441,10 +441,15 @@ class LanguageModel:
         doubles as the output head."""
         return self.num_params(params, embedding=self.cfg.tie_embeddings)
 
-    def fp8_matmul_params(self, params) -> int:
-        """Of those, the parameters of the matmuls `block` runs through its `matmul` (fp8 under
-        precision=fp8): all but the head's V x D, which runs bf16."""
+    def block_matmul_params(self, params) -> int:
+        """Of those, the blocks': all but the head's V x D (the norms' scales, a negligible few, count as
+        they do in N)."""
         return self.active_matmul_params(params) - self.cfg.vocab_size * self.cfg.d_model
+
+    def fp8_matmul_params(self, params) -> int:
+        """Of the blocks', those of the matmuls `block` runs through its `matmul` (fp8 under
+        precision=fp8): all of them here; the head runs bf16."""
+        return self.block_matmul_params(params)
 
     def flops_per_token(self, params, seq_len: int) -> float:
         """Training FLOPs per token, 6N + 12 L (H K) S, a windowed layer's S its window when shorter

@@ -214,7 +214,7 @@ def test_estimate_times_collectives_on_the_links_they_cross():
         train=SimpleNamespace(batch_size=16, seq_len=16),
         model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1,
                                                   layer_windows=lambda: (0,), window_kinds=lambda: (0,)),
-                              active_matmul_params=lambda params: 1),
+                              block_matmul_params=lambda params: 0),
         abstract_state={"params": None})
     data = SimpleNamespace(groups=[[f, 8 + f] for f in range(8)], times=2, traffic=1e9)
     fsdp = SimpleNamespace(groups=[list(range(8)), list(range(8, 16))], times=1, traffic=4.5e9)

@@ -74,6 +74,12 @@ def peak_flops(device_kind: str, fp8: bool = False) -> float | None:
     return None
 
 
+def run_peaks(device_kind: str, precision: str) -> tuple[float | None, float | None]:
+    """A run's MFU denominators: the bf16 peak (MFU's convention, under fp8 too) and, under
+    precision=fp8, the fp8 peak beside it (None where unknown or absent)."""
+    return peak_flops(device_kind), peak_flops(device_kind, fp8=True) if precision == "fp8" else None
+
+
 def flops_per_token(matmul_params: int, num_layers: int, attention_width: int, seq_len: int,
                     windows: tuple[int, ...] = ()) -> float:
     """6N + 12 L (H K) S: `attention_width` is num_heads x head_dim (see the module docstring).

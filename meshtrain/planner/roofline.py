@@ -29,7 +29,7 @@ perfectly, the sum when none does):
   lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage. Under
   precision=fp8 the matmuls the blocks run in fp8 (6·N_fp8, and 2·N_fp8 rerun; N_fp8 the model's
   `fp8_matmul_params`: the projections, the MLP, capacity-routed experts) run at the device's fp8
-  peak, the rest (attention, the head, a MoE block's router, dropless experts) at its bf16 peak:
+  peak, the rest (attention, the head, a MoE block's fp32 router, dropless experts) at its bf16 peak:
   compute = ((hardware - fp8) FLOPs / peak_bf16 + fp8 FLOPs / peak_fp8) / (1 - bubble).
 - communication = sum over axis sets of ring link traffic (meshtrain/planner/hlo.py) / that set's link
   bandwidth.
@@ -188,8 +188,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     tokens = t.batch_size * t.seq_len / n  # per device
     width = m.num_heads * m.head_dim
     recompute = recomputes(plan.remat, plan.residuals, stages)
-    matmul_params = program.model.active_matmul_params(program.abstract_state["params"])
-    block_params = matmul_params - m.vocab_size * m.d_model  # the head is not rerun
+    params = program.abstract_state["params"]
+    block_params = program.model.block_matmul_params(params)  # the head is not rerun
     model_flops = program.flops_per_token * tokens
     windows = m.layer_windows()  # 0: the whole causal past
     attention = [(executed_attention(plan.attention, t.seq_len, sizes.get("context", 1), w), windows.count(w))
@@ -209,7 +209,7 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         if "peak_fp8_flops" not in profile:
             raise UserError(f"parallel.precision=fp8: the {profile['name']} has no fp8 matmuls; plan it on an "
                             f"H100/H200 or set parallel.precision=bf16")
-        fp8_flops = (6.0 + 2.0 * recompute) * program.model.fp8_matmul_params(program.abstract_state["params"]) * tokens
+        fp8_flops = (6.0 + 2.0 * recompute) * program.model.fp8_matmul_params(params) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops)
     return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),

@@ -20,7 +20,7 @@ import numpy as np
 
 from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
-from meshtrain.core.metrics import mfu, peak_flops
+from meshtrain.core.metrics import mfu, run_peaks
 from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
@@ -115,9 +115,7 @@ class Trainer:
                 self.compiled_step = program.lower().compile()
             self.eval_step = program.eval_step()
             self.scorer = scoring.for_program(program, self.tasks) if self.tasks else None
-        kind = program.mesh.devices.flat[0].device_kind
-        self.peak = peak_flops(kind)  # MFU's convention: the bf16 peak, under fp8 too, and the fp8 peak beside it
-        self.peak_fp8 = peak_flops(kind, fp8=True) if program.plan.precision == "fp8" else None
+        self.peak, self.peak_fp8 = run_peaks(program.mesh.devices.flat[0].device_kind, program.plan.precision)
         self.local_devices = program.mesh.local_devices
 
     def _own_folder(self) -> None:
@@ -418,8 +416,8 @@ class Trainer:
         util = mfu(tokens_per_sec, flops, n, self.peak)
         if util is not None:
             record.update(mfu=util, tflops_per_device=tokens_per_sec * flops / n / 1e12)
-        if self.peak_fp8:
-            record["mfu_fp8"] = mfu(tokens_per_sec, flops, n, self.peak_fp8)
+            if self.peak_fp8:
+                record["mfu_fp8"] = mfu(tokens_per_sec, flops, n, self.peak_fp8)
         record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
         return record
 
