@@ -9,19 +9,21 @@ import sys
 #   run is bitwise equal) and the same buffers (the planner's memory figures are equal); runs are a
 #   little slower per step, which few tests take many of.
 # - XLA's elemental CPU fusion emitters (--xla_cpu_use_fusion_emitters=false; the MLIR ones are the
-#   default) compile them another 2-3x faster (the tiny 2x2x2 train step: 5.0 s -> 1.9 s of CPU) with
-#   the same losses to the last bit but one at step 20: the suite in ~18 min instead of ~29. (Two full
-#   runs with them lost a worker to a SIGABRT, message unseen, before the watchdog stopped re-arming
-#   faulthandler every second; none of the seven full runs since did. One of those hung instead, in
+#   default) compile them another 2-3x faster (the tiny 2x2x2 train step: 5.0 s -> 1.9 s of CPU); a
+#   20-step run's losses are equal but for the last bit of step 20's: the suite in ~19 min instead of
+#   ~29. (Two full runs with them lost a worker to a SIGABRT, cause unknown, its message lost to fd
+#   capture; seven full runs with them since, none did. One of those hung instead, in
 #   multiprocessing.Pool's terminate: a race of `prepare`'s, mended in meshtrain/data/prepare.py.
-#   pytest captures output at the sys level (pyproject.toml), so a C++ abort message reaches the log.)
+#   pytest now captures at the sys level (pyproject.toml), so what C++ writes to stderr before an
+#   abort reaches the log.)
 # The subprocesses the tests start inherit both.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
        "--xla_cpu_use_fusion_emitters=false"])
 # Where the environment asks Python not to write bytecode, every CLI subprocess would compile
-# meshtrain's sources again (~0.8 s each): the suite writes it (to the ignored __pycache__ folders).
+# meshtrain's sources again (~0.8 s each): the suite's processes write it (to __pycache__ folders,
+# which git ignores).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
