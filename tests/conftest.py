@@ -10,9 +10,9 @@ import sys
 #   little slower per step, which few tests take many of.
 # - XLA's elemental CPU fusion emitters (--xla_cpu_use_fusion_emitters=false; the MLIR ones are the
 #   default) compile them another 2-3x faster (the tiny 2x2x2 train step: 5.0 s -> 1.9 s of CPU); a
-#   20-step run's losses are equal but for the last bit of step 20's: the suite in ~19 min instead of
-#   ~29. (Two full runs with them lost a worker to a SIGABRT, cause unknown, its message lost to fd
-#   capture; seven full runs with them since, none did. One of those hung instead, in
+#   20-step run's losses are equal but for the last bit of step 20's: the suite in 18:24 instead of
+#   29:04 (clean-clone CI). (Two full runs with them lost a worker to a SIGABRT, cause unknown, its
+#   message lost to fd capture; eight full runs with them since, none did. One of those hung instead, in
 #   multiprocessing.Pool's terminate: a race of `prepare`'s, mended in meshtrain/data/prepare.py.
 #   pytest now captures at the sys level (pyproject.toml), so what C++ writes to stderr before an
 #   abort reaches the log.)
