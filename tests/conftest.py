@@ -10,9 +10,9 @@ import sys
 #   little slower per step, which few tests take many of.
 # - Not XLA's elemental CPU fusion emitters (--xla_cpu_use_fusion_emitters=false): they compile the
 #   tests' programs 2-3x faster (the suite in ~18.5 min instead of ~29), but with them a worker aborts now
-#   and then (3 of 11 full runs): XLA's check failure "AwaitAndLogIfStuck" in
+#   and then (3 of 14 full runs): XLA's check failure "AwaitAndLogIfStuck" in
 #   InProcessCommunicator::AllGather, a rendezvous of the 8 simulated devices that one of them never
-#   reached within XLA's terminate timeout (the stop-34 CI log). None of the runs without them has.
+#   reached within XLA's timeouts (the stop-34 CI log). No run without them is known to have.
 # The subprocesses the tests start inherit it.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
