@@ -518,6 +518,15 @@ class MoELanguageModel(LanguageModel):
             fp8 -= self._routed_per_token(params)
         return fp8
 
+    def slot_matmul_params(self, params, seq_len: int) -> float:
+        """Capacity routing runs each row's E x C slots through the experts, empty or not: C/L of the
+        routed expert parameters per token, against N's k/E (fewer where C < k L / E drops)."""
+        c = self.cfg
+        if not c.num_experts or c.capacity_factor == 0:
+            return 0.0
+        slots = capacity(seq_len, c.num_experts, c.experts_per_token, c.capacity_factor)
+        return self._routed_params(params) * slots / seq_len - self._routed_per_token(params)
+
     @staticmethod
     def _routed_params(params) -> int:
         return sum(params["blocks"][name].size for name in ("expert_gate", "expert_up", "expert_down"))

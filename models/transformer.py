@@ -451,6 +451,11 @@ class LanguageModel:
         precision=fp8): all of them here; the head runs bf16."""
         return self.block_matmul_params(params)
 
+    def slot_matmul_params(self, params, seq_len: int) -> float:
+        """Per token, the matmul parameters the step runs beyond N, on empty slots (the roofline's
+        hardware FLOPs, not MFU's): none here; capacity-routed experts run every slot (moe.py)."""
+        return 0.0
+
     def flops_per_token(self, params, seq_len: int) -> float:
         """Training FLOPs per token, 6N + 12 L (H K) S, a windowed layer's S its window when shorter
         (meshtrain/core/metrics.py)."""

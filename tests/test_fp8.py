@@ -219,16 +219,18 @@ def test_the_roofline_runs_the_blocks_matmuls_at_the_fp8_peak():
 
 def test_the_fp8_roofline_leaves_the_router_and_dropless_experts_at_the_bf16_peak():
     """moe_tiny (4 layers, D 32, F 32, 4 experts, top 2, a shared expert): its router [D, E] runs
-    bf16 either way, and its routed experts run fp8 under capacity routing only."""
+    bf16 either way, and its routed experts run fp8 under capacity routing only, on every slot: at
+    factor 1.25 C = 10 of the 16 positions, 10/16 of the routed parameters per token against N's 2/4."""
     nothing = SimpleNamespace(argument_size_in_bytes=0, output_size_in_bytes=0, temp_size_in_bytes=0)
     L, D, F, E, k, V, tokens = 4, 32, 32, 4, 2, 256, 16 * 16
-    for capacity, bf16_experts in ((1.25, 0), (0.0, L * k * 3 * D * F)):
+    for capacity, bf16_experts, slots in ((1.25, 0, L * E * 3 * D * F * (10 / 16 - k / E)),
+                                          (0.0, L * k * 3 * D * F, 0)):
         program = TrainProgram.from_config(tiny_config("parallel.precision=fp8", "parallel.mesh=1",
                                                        f"model.capacity_factor={capacity}", config=MOE_TINY),
                                            devices=jax.devices()[:1])
         active = program.model.active_matmul_params(program.abstract_state["params"])
         fp8 = roofline.estimate(program, nothing, [], DEVICE_PROFILES["h100"])["flops"]["fp8_per_device"]
-        assert fp8 == 6 * (active - V * D - L * D * E - bf16_experts) * tokens, capacity
+        assert fp8 == 6 * (active - V * D - L * D * E - bf16_experts + slots) * tokens, capacity
 
 
 def test_activations_are_bf16_and_the_matmuls_saved_inputs_one_byte():

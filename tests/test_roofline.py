@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from conftest import MOE_TINY, TINY, tiny_config
 
 from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
 from meshtrain.parallel.mesh import AXES
@@ -133,12 +134,10 @@ def test_roofs_overlapped_and_serial():
 
 
 # ---- the FLOPs convention and recompute ----
-def _program(*overrides, devices=1):
-    from conftest import tiny_config
-
+def _program(*overrides, devices=1, config=TINY):
     from meshtrain.engine.program import TrainProgram
 
-    cfg = tiny_config(f"parallel.mesh={devices}", *overrides)
+    cfg = tiny_config(f"parallel.mesh={devices}", *overrides, config=config)
     return TrainProgram.from_config(cfg, devices=jax.devices()[:devices])
 
 
@@ -164,6 +163,28 @@ def test_mfu_formula_matches_the_compiled_step_when_attention_is_not_d_model_wid
     cost = p.lower().compile().cost_analysis()
     compiled = (cost[0] if isinstance(cost, list) else cost)["flops"]
     assert 1.0 <= compiled / (p.flops_per_token * p.train.batch_size * 64) < 1.05
+
+
+def test_capacity_routing_counts_the_slots_its_experts_run():
+    """Capacity routing runs each row's E*C slots through the experts, empty or not: at factor 1.5
+    (E 4, k 2, L 64: C = 48 slots) C/L = 3/4 of the routed parameters per token, against N's
+    k/E = 1/2, so the executed FLOPs add 6 * (3/4 - 1/2) * E * 3 * D * F. One layer, so XLA's count
+    (which takes a loop body once) holds every matmul: 1.0-1.05x the executed FLOPs, while it is
+    1.32x the model's (measured); MFU still counts the model's."""
+    E, D, F, L = 4, 128, 512, 64
+    p = _program("model.num_layers=1", f"model.d_model={D}", f"model.mlp_dim={F}", f"train.seq_len={L}",
+                 "model.capacity_factor=1.5", config=MOE_TINY)
+    routed = E * 3 * D * F
+    assert p.model.slot_matmul_params(p.abstract_state["params"], L) == routed * 48 / L - routed * 2 / E
+    est = roofline.estimate(p, _no_memory(), [], H100)
+    tokens = p.train.batch_size * L
+    assert est["flops"]["hardware_per_device"] == pytest.approx(est["flops"]["model_per_device"]
+                                                                + 6 * routed / 4 * tokens, rel=1e-12)
+    assert est["mfu_ceiling"] * est["step_s"] * H100["peak_flops"] == pytest.approx(p.flops_per_token * tokens)
+    cost = p.lower().compile().cost_analysis()
+    compiled = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert 1.0 <= compiled / est["flops"]["hardware_per_device"] < 1.05
+    assert compiled / est["flops"]["model_per_device"] > 1.3
 
 
 def _no_memory():
@@ -214,7 +235,7 @@ def test_estimate_times_collectives_on_the_links_they_cross():
         train=SimpleNamespace(batch_size=16, seq_len=16),
         model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1,
                                                   layer_windows=lambda: (0,), window_kinds=lambda: (0,)),
-                              block_matmul_params=lambda params: 0),
+                              block_matmul_params=lambda params: 0, slot_matmul_params=lambda params, seq_len: 0),
         abstract_state={"params": None})
     data = SimpleNamespace(groups=[[f, 8 + f] for f in range(8)], times=2, traffic=1e9)
     fsdp = SimpleNamespace(groups=[list(range(8)), list(range(8, 16))], times=1, traffic=4.5e9)

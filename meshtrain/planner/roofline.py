@@ -19,7 +19,10 @@ ZeRO-3 gather over data and fsdp).
 Times, per device per step (each a lower bound; the step is the largest when all of it overlaps
 perfectly, the sum when none does):
 - compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model's dense
-  6N per token (meshtrain/core/metrics.py), plus the forward the backward reruns, 2·N_blocks, under
+  6N per token (meshtrain/core/metrics.py), plus what capacity-routed experts run on empty slots
+  (each row's E·C slots run through the experts: C/L of the routed parameters per token against
+  N's k/E; the model's `slot_matmul_params`, N_slot, counted with the blocks and, under fp8, with
+  the fp8 matmuls), plus the forward the backward reruns, 2·N_blocks, under
   `parallel.remat=full` or a pipeline's `parallel.residuals=recompute` (`save_matmuls` and
   `offload` keep every matmul output, attention's included, so they rerun no matmul), plus
   attention as its kernel runs it: the share of the causal scores it computes (blockwise and ring
@@ -189,13 +192,14 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     width = m.num_heads * m.head_dim
     recompute = recomputes(plan.remat, plan.residuals, stages)
     params = program.abstract_state["params"]
-    block_params = program.model.block_matmul_params(params)  # the head is not rerun
+    slot_params = program.model.slot_matmul_params(params, t.seq_len)  # the experts' empty slots
+    block_params = program.model.block_matmul_params(params) + slot_params  # the head is not rerun
     model_flops = program.flops_per_token * tokens
     windows = m.layer_windows()  # 0: the whole causal past
     attention = [(executed_attention(plan.attention, t.seq_len, sizes.get("context", 1), w), windows.count(w))
                  for w in m.window_kinds()]
-    hardware_flops = hardware_flops_per_token(program.flops_per_token, block_params, width, t.seq_len, recompute,
-                                              attention, windows) * tokens
+    hardware_flops = hardware_flops_per_token(program.flops_per_token + 6.0 * slot_params, block_params, width,
+                                              t.seq_len, recompute, attention, windows) * tokens
     traffic = traffic_by_axes(((c.groups, c.times * c.traffic) for c in collectives), sizes)
     links = comm_times(traffic, sizes, profile, per_node)
     bubble = 0.0
@@ -209,7 +213,7 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         if "peak_fp8_flops" not in profile:
             raise UserError(f"parallel.precision=fp8: the {profile['name']} has no fp8 matmuls; plan it on an "
                             f"H100/H200 or set parallel.precision=bf16")
-        fp8_flops = (6.0 + 2.0 * recompute) * program.model.fp8_matmul_params(params) * tokens
+        fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + slot_params) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops)
     return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
