@@ -143,13 +143,13 @@ def run(tmp_path_factory):
                       f"eval.tasks=[{{path: {folder / 'play.jsonl'}}}]", "eval.task_every=2",
                       "parallel.mesh=data=2,tensor=2", out=str(folder / "run"))
     trainer = Trainer(cfg, devices=jax.devices()[:4])
-    return folder, trainer.fit(log=MetricsLog(primary=False))
+    return folder, trainer.fit(log=MetricsLog(primary=False)), trainer
 
 
 def test_tasks_are_logged_in_the_loop(run):
     from meshtrain.run.loggers import format_record, tag
 
-    _, history = run
+    _, history, _ = run
     records = [r for r in history if "eval_acc_play" in r]
     assert [r["step"] for r in records] == [2, 4]
     for r in records:
@@ -158,10 +158,28 @@ def test_tasks_are_logged_in_the_loop(run):
     assert tag("eval_acc_norm_play") == "eval/acc_norm_play" and tag("eval_acc_play") == "eval/acc_play"
 
 
+def test_the_planner_compiles_the_scorer_the_run_built(run):
+    """The planner's task-scorer figure (meshtrain/planner/aot.py `scoring_memory`) is the memory of
+    the scorer the run compiled: its rows, window (here the tasks' longest request reaches
+    train.seq_len, the planner's window) and parameter layout."""
+    from meshtrain.planner.aot import compiled_memory, scoring_memory
+
+    _, _, trainer = run
+    scorer = trainer.scorer
+    assert scorer.length == trainer.cfg.train.seq_len
+    ids = jax.ShapeDtypeStruct((scorer.rows, scorer.length), np.int32, sharding=scorer.row_sharding)
+    mask = jax.ShapeDtypeStruct((scorer.rows, scorer.length), np.bool_, sharding=scorer.row_sharding)
+    with scorer.context():
+        ran = compiled_memory(scorer.program.lower(trainer.state["params"], ids, ids, mask), False)
+    planned = scoring_memory(trainer.program)
+    assert (planned["rows"], planned["length"]) == (scorer.rows, scorer.length)
+    assert planned["total"] == ran["total"] > ran["arguments"] > 0
+
+
 def test_eval_command_reproduces_the_loop_on_another_mesh(run, capsys):
     from meshtrain.eval import main
 
-    folder, history = run
+    folder, history, _ = run
     out = folder / "results.json"
     assert main(["--run", str(folder / "run"), "--mesh", "fsdp=2,tensor=4", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -180,7 +198,7 @@ def test_lm_eval_adapter_agrees_with_the_model(tiny, run):
     from meshtrain.eval import harness_lm
     from meshtrain.interop.harness import HarnessLM
 
-    folder, _ = run
+    folder, _, _ = run
     from_run = harness_lm(run=str(folder / "run"), mesh="data=2,tensor=2", devices=jax.devices()[:4])
     assert isinstance(from_run, LM) and from_run.window == 16  # the run's train.seq_len
     model, params, _, scorer, _ = tiny

@@ -54,6 +54,19 @@ def test_plan_reports_zero_bytes_within_5_percent_of_the_formula(capsys):
     assert rows[3]["memory"]["parameters"] * 8 == pytest.approx(rows[0]["memory"]["parameters"], rel=0.01)
 
 
+def test_a_run_with_eval_tasks_plans_its_scorer_too(capsys):
+    """eval.tasks add the task scorer to the programs the verdict weighs (the task file is read by the
+    run, not the planner)."""
+    tasks = ["--set", "eval.tasks=[{path: tasks.jsonl}]", "--set", "eval.task_every=2"]
+    report = plan_json(capsys, "--mesh", "2x2x2", "--search-budget", "0", *tasks)
+    steps, scoring = report["steps"], report["scoring"]
+    assert set(steps) == {"train", "eval", "scoring", "generation"} and steps["scoring"] == scoring["total"]
+    assert (scoring["rows"], scoring["length"]) == (16, 16)  # a training microbatch's rows (one of 16), seq_len
+    assert 0 < scoring["temporaries"] and report["verdict"]["peak"] == max(steps.values())
+    assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--search-budget", "0", *tasks]) == 0
+    assert re.search(r"task scorer +[0-9.]+ [KMG]?B +\(eval.tasks: 16 rows of 16 tokens", capsys.readouterr().out)
+
+
 def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     report = plan_json(capsys, "--mesh", "2x2x2", "--device-memory", "100KB", "--search-budget", "0")
     assert set(report) == {"config", "mesh", "devices", "params", "memory", "zero_formula", "collectives", "flops",

@@ -72,6 +72,22 @@ def eval_step_memory(program) -> dict:
             "microbatches": program.plan.num_microbatches(program.sizes["pipeline"])}
 
 
+def scoring_memory(program) -> dict:
+    """The in-loop task scorer of eval.tasks (meshtrain/engine/scoring.py `for_program`: a training
+    microbatch's rows, the parameters in the train state's layout) compiled on the same mesh, at the
+    longest window it takes, train.seq_len (the run sizes it to its tasks' longest request)."""
+    from meshtrain.engine import scoring
+
+    scorer = scoring.for_program(program)
+    shape = (scorer.rows, scorer.length)
+    ids = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=scorer.row_sharding)
+    mask = jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=scorer.row_sharding)
+    with scorer.context():
+        lowered = scorer.program.lower(program.abstract_state["params"], ids, ids, mask)
+    return {**compiled_memory(lowered, program.plan.precision != "fp32"), "rows": scorer.rows,
+            "length": scorer.length}
+
+
 def generation_sizes(sizes: dict[str, int]) -> dict[str, int]:
     """The mesh generation runs on: the plan's, with `pipeline` and `context` (which decoding does
     not use, meshtrain/generate.py) folded into `data`."""
@@ -169,12 +185,16 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
 
 
 def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None) -> dict:
-    """One verdict for the run: the train step (`train_step_plan`), the eval step and generation,
-    compiled on the same devices, the largest of the three against the budget (meshtrain/planner/budget.py)."""
+    """One verdict for the run: the train step (`train_step_plan`), the eval step, the task scorer
+    (when eval.tasks are set) and generation, compiled on the same devices, the largest against the
+    budget (meshtrain/planner/budget.py)."""
     report = train_step_plan(cfg, profile, devices_per_node)
     program = report.pop("_program")
     ev, gen = eval_step_memory(program), generation_memory(cfg, program)
     steps = {"train": report["memory"]["total"], "eval": ev["total"], "generation": gen["total"]}
+    if cfg.eval.tasks:
+        report["scoring"] = scoring_memory(program)
+        steps["scoring"] = report["scoring"]["total"]
     peak_of = max(steps, key=steps.get)
     run_verdict = {**verdict(steps[peak_of], memory_budget), "peak_of": peak_of}
     report["memory"].update(device_memory=memory_budget["device_memory"], fits=run_verdict["status"] != "does not fit")
@@ -272,13 +292,15 @@ def format_search(r: dict) -> list[str]:
 
 
 def format_run_memory(r: dict) -> list[str]:
-    """The run's three programs, compiled, and the memory they run against."""
+    """The run's programs, compiled, and the memory they run against."""
     gb, mem, ev, gen, b = human_bytes, r["memory"], r["eval_step"], r["generation"], r["budget"]
     copies = (f"; XLA:CPU's f32 copies of bf16 loop values, {gb(mem['cpu_copies'])} more there, left out: GPUs "
               f"compute in bf16" if mem["cpu_copies"] else "")
     return ["run memory per device (compiled)",
             f"  train step   {gb(mem['total']):>12}  (parameters, optimizer state, gradients and temporaries{copies})",
             f"  eval step    {gb(ev['total']):>12}  (forward only, {ev['microbatches']} microbatch(es) as training)",
+            *([f"  task scorer  {gb(sc['total']):>12}  (eval.tasks: {sc['rows']} rows of {sc['length']:,} tokens, "
+               f"forward only)"] if (sc := r.get("scoring")) else []),
             f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
             f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
             f"KV cache {gb(gen['kv_cache_formula'])} by formula)",
@@ -288,7 +310,7 @@ def format_run_memory(r: dict) -> list[str]:
 
 def format_verdict(r: dict) -> str:
     v, b, gb = r["verdict"], r["budget"], human_bytes
-    of = "generation" if v["peak_of"] == "generation" else f"{v['peak_of']} step"
+    of = {"generation": "generation", "scoring": "task scorer"}.get(v["peak_of"], f"{v['peak_of']} step")
     peak = f"peak {gb(v['peak'])} ({of})"
     if v["status"] == "fits":
         return f"verdict: FITS in {gb(b['budget'])}: {peak}, margin {gb(v['margin'])}"
