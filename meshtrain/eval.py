@@ -66,7 +66,7 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
         check_config(cfg)
         tok = tokenizer_lib.load(str(tok_spec))
     tokenizer_lib.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
-    program = TrainProgram.from_config(cfg, devices)
+    program = TrainProgram.from_config(cfg, devices, tokenizer_eos=tok.eos_id)  # data.document_mask splits at it
     shardings = program.state_shardings["params"]
     if run is not None:
         params, step = run_dir.newest_params(run, program.model, shardings, step)

@@ -200,6 +200,29 @@ def test_document_mask_needs_an_eos():
         Trainer(tiny_config("data.document_mask=true"))
 
 
+def test_the_eval_command_splits_a_masked_run_at_its_tokenizers_eos(tmp_path):
+    """data.document_mask with no data.eos_id and a tokenizer that has an EOS (a trained BPE): the run
+    splits at the tokenizer's EOS, and `meshtrain.eval` reads the run with the same split (it asked
+    for data.eos_id), reproducing the run's eval_loss."""
+    from meshtrain.data import tokenizer
+    from meshtrain.eval import load, validation
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    text = "To be, or not to be, that is the question. " * 40
+    tok = tokenizer.train_bpe([text], 300, tmp_path / "tokenizer.json")
+    (tmp_path / "text.txt").write_text(text * 20)
+    cfg = tiny_config("model.vocab_size=300", f"data.path={tmp_path / 'text.txt'}", "data.kind=auto",
+                      f"data.tokenizer={tmp_path / 'tokenizer.json'}", "data.document_mask=true", "train.steps=2",
+                      "train.eval_every=2", "train.eval_batches=1", "parallel.mesh=1", out=str(tmp_path / "run"))
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    logged = [r["eval_loss"] for r in trainer.fit(log=MetricsLog(primary=False)) if "eval_loss" in r]
+    assert trainer.program.model.packing == Packing(tok.eos_id, True) and tok.eos_id is not None
+    loaded = load(run=str(tmp_path / "run"), mesh="1", devices=jax.devices()[:1])
+    assert loaded.program.model.packing == trainer.program.model.packing
+    assert validation(loaded, 1)["eval_loss"] == pytest.approx(logged[-1], abs=1e-5)
+
+
 # ---- the model: a packed batch against its documents one by one ----
 SEQ = 32  # divisible by 2 x 8 for the ring on 8 devices
 DOC_LENGTHS = [(9, 11, 12), (4, 20, 8)]  # per row; every document ends with EOS
