@@ -103,3 +103,16 @@ def test_encode_adds_what_the_files_template_adds_and_survives_undecodable_bytes
     with_bos = tokenizer.HFTokenizer(tmp_path / "tokenizer.json")
     assert list(with_bos.encode("to be")) == [eos, *bpe.encode("to be")]
     assert list(bpe.encode(b"to \xff be".decode("utf-8", "surrogateescape"))) == list(bpe.encode("to \ufffd be"))
+
+
+def test_the_planner_splits_documents_at_a_named_tokenizers_eos(bpe):
+    """data.document_mask without data.eos_id: the planner reads the EOS of the tokenizer file
+    data.tokenizer names, as the run does; 'auto' (the data's) and 'byte' give it none."""
+    from meshtrain.config.spec import DataConfig
+    from meshtrain.planner.aot import named_tokenizer_eos
+
+    assert named_tokenizer_eos(DataConfig(document_mask=True, tokenizer=str(bpe.path))) == bpe.eos_id is not None
+    assert named_tokenizer_eos(DataConfig(document_mask=True, tokenizer=str(bpe.path), eos_id=3)) is None  # its own
+    assert named_tokenizer_eos(DataConfig(tokenizer=str(bpe.path))) is None  # no mask, no split
+    for spec in ("auto", "byte"):
+        assert named_tokenizer_eos(DataConfig(document_mask=True, tokenizer=spec)) is None

@@ -128,10 +128,20 @@ def format_moe(r: dict) -> list[str]:
     return [f"  MoE dispatch buffer per layer: {human_bytes(moe['bytes'])} ({how})"]
 
 
+def named_tokenizer_eos(dcfg) -> int | None:
+    """The EOS id data.document_mask splits at without data.eos_id, where it is known without the
+    data: data.tokenizer's when it names a tokenizer file ('auto' is the data's, 'byte' has none)."""
+    if not dcfg.document_mask or dcfg.eos_id >= 0 or dcfg.tokenizer in ("auto", "byte"):
+        return None
+    from meshtrain.data import tokenizer as tokenizer_lib
+
+    return tokenizer_lib.load(dcfg.tokenizer).eos_id
+
+
 def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> dict:
     """The train step compiled for the config's mesh: memory, collectives beside their formulas,
     FLOPs and the roofline (`plan` adds the eval step, generation and the verdict)."""
-    program = TrainProgram.from_config(cfg)
+    program = TrainProgram.from_config(cfg, tokenizer_eos=named_tokenizer_eos(cfg.data))
     check_train_size(program, (profile["memory"], f"one {profile['name']} has"))  # before an endless compile
     lowered = program.lower()
     compiled = lowered.compile()
