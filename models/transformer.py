@@ -452,8 +452,8 @@ class LanguageModel:
         return self.block_matmul_params(params)
 
     def slot_matmul_params(self, params, seq_len: int) -> float:
-        """Per token, the matmul parameters the step runs beyond N, on empty slots (the roofline's
-        hardware FLOPs, not MFU's): none here; capacity-routed experts run every slot (moe.py)."""
+        """Per token, the matmul parameters the step runs beyond N (the roofline's hardware FLOPs,
+        not MFU's): none here; capacity-routed experts run every slot, empty or not (moe.py)."""
         return 0.0
 
     def flops_per_token(self, params, seq_len: int) -> float:

@@ -61,11 +61,13 @@ def test_a_run_with_eval_tasks_plans_its_scorer_too(capsys):
     tasks = ["--set", "eval.tasks=[{path: tasks.jsonl}]", "--set", "eval.task_every=2"]
     report = plan_json(capsys, "--mesh", "2x2x2", "--search-budget", "0", *tasks)
     steps, scoring = report["steps"], report["scoring"]
-    assert set(steps) == {"train", "eval", "scoring", "generation"} and steps["scoring"] == scoring["total"]
-    assert (scoring["rows"], scoring["length"]) == (16, 16)  # a training microbatch's rows (one of 16), seq_len
+    assert set(steps) == {"train", "eval", "scoring", "generation"}
+    assert steps["scoring"] == scoring["total"] + report["memory"]["optimizer_state"]  # left on the device
+    assert (scoring["rows"], scoring["length"]) == (16, 16)  # the one microbatch's 16 rows, train.seq_len
     assert 0 < scoring["temporaries"] and report["verdict"]["peak"] == max(steps.values())
     printed = "\n".join(format_run_memory(report))  # the text output's memory lines
-    assert re.search(r"task scorer +[0-9.]+ [KMG]?B +\(eval.tasks: 16 rows of 16 tokens", printed)
+    assert re.search(r"task scorer +[0-9.]+ [KMG]?B +\(eval.tasks: 16 rows of 16 tokens, forward only; with the "
+                     r"optimizer state left on the device, [0-9.]+ KB\)", printed)
 
 
 def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
@@ -76,7 +78,10 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     assert 0 < report["eval_step"]["temporaries"] < report["memory"]["temporaries"]  # no gradients, no optimizer
     # one verdict for the run: the largest of the three compiled programs against the usable memory
     steps = report["steps"]
-    assert steps == {"train": report["memory"]["total"], "eval": report["eval_step"]["total"],
+    # the eval step holds its own arguments and temporaries plus the optimizer state the run leaves on the device
+    resident = report["eval_step"]["resident_state"]
+    assert resident == report["memory"]["optimizer_state"] > 0
+    assert steps == {"train": report["memory"]["total"], "eval": report["eval_step"]["total"] + resident,
                      "generation": report["generation"]["total"]}
     assert report["verdict"]["peak"] == max(steps.values()) and report["verdict"]["status"] == "does not fit"
     assert report["budget"]["usable"] == pytest.approx(100e3 * 0.75)  # JAX's default GPU preallocation

@@ -181,6 +181,12 @@ def test_capacity_routing_counts_the_slots_its_experts_run():
     assert est["flops"]["hardware_per_device"] == pytest.approx(est["flops"]["model_per_device"]
                                                                 + 6 * routed / 4 * tokens, rel=1e-12)
     assert est["mfu_ceiling"] * est["step_s"] * H100["peak_flops"] == pytest.approx(p.flops_per_token * tokens)
+    full = _program("model.num_layers=1", f"model.d_model={D}", f"model.mlp_dim={F}", f"train.seq_len={L}",
+                    "model.capacity_factor=1.5", "parallel.remat=full", config=MOE_TINY)
+    rerun = roofline.estimate(full, _no_memory(), [], H100)["flops"]["hardware_per_device"] - \
+        est["flops"]["hardware_per_device"]  # a forward of the blocks, every slot, and attention's 4·H·K·S
+    blocks = p.model.block_matmul_params(p.abstract_state["params"])
+    assert rerun == pytest.approx((2 * (blocks + routed / 4) + 4 * 8 * 8 * L) * tokens, rel=1e-12)
     cost = p.lower().compile().cost_analysis()
     compiled = (cost[0] if isinstance(cost, list) else cost)["flops"]
     assert 1.0 <= compiled / est["flops"]["hardware_per_device"] < 1.05

@@ -111,7 +111,8 @@ def test_the_planner_splits_documents_at_a_named_tokenizers_eos(bpe):
     from meshtrain.config.spec import DataConfig
     from meshtrain.planner.aot import named_tokenizer_eos
 
-    assert named_tokenizer_eos(DataConfig(document_mask=True, tokenizer=str(bpe.path))) == bpe.eos_id is not None
+    assert bpe.eos_id is not None
+    assert named_tokenizer_eos(DataConfig(document_mask=True, tokenizer=str(bpe.path))) == bpe.eos_id
     assert named_tokenizer_eos(DataConfig(document_mask=True, tokenizer=str(bpe.path), eos_id=3)) is None  # its own
     assert named_tokenizer_eos(DataConfig(tokenizer=str(bpe.path))) is None  # no mask, no split
     for spec in ("auto", "byte"):

@@ -199,12 +199,15 @@ def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None =
     (when eval.tasks are set) and generation, compiled on the same devices, the largest against the
     budget (meshtrain/planner/budget.py)."""
     report = train_step_plan(cfg, profile, devices_per_node)
-    program = report.pop("_program")
-    ev, gen = eval_step_memory(program), generation_memory(cfg, program)
-    steps = {"train": report["memory"]["total"], "eval": ev["total"], "generation": gen["total"]}
+    program, mem = report.pop("_program"), report["memory"]
+    # The eval step and the scorer take the parameters only; the rest of the train state (the
+    # optimizer state, int8 compression's residuals) stays on the device beside them.
+    resident = mem["optimizer_state"] + mem["grad_error"]
+    ev, gen = {**eval_step_memory(program), "resident_state": resident}, generation_memory(cfg, program)
+    steps = {"train": mem["total"], "eval": ev["total"] + resident, "generation": gen["total"]}
     if cfg.eval.tasks:
-        report["scoring"] = scoring_memory(program)
-        steps["scoring"] = report["scoring"]["total"]
+        report["scoring"] = {**scoring_memory(program), "resident_state": resident}
+        steps["scoring"] = report["scoring"]["total"] + resident
     peak_of = max(steps, key=steps.get)
     run_verdict = {**verdict(steps[peak_of], memory_budget), "peak_of": peak_of}
     report["memory"].update(device_memory=memory_budget["device_memory"], fits=run_verdict["status"] != "does not fit")
@@ -304,13 +307,15 @@ def format_search(r: dict) -> list[str]:
 def format_run_memory(r: dict) -> list[str]:
     """The run's programs, compiled, and the memory they run against."""
     gb, mem, ev, gen, b = human_bytes, r["memory"], r["eval_step"], r["generation"], r["budget"]
+    resident = f"with the optimizer state left on the device, {gb(ev['resident_state'])}"
     copies = (f"; XLA:CPU's f32 copies of bf16 loop values, {gb(mem['cpu_copies'])} more there, left out: GPUs "
               f"compute in bf16" if mem["cpu_copies"] else "")
     return ["run memory per device (compiled)",
             f"  train step   {gb(mem['total']):>12}  (parameters, optimizer state, gradients and temporaries{copies})",
-            f"  eval step    {gb(ev['total']):>12}  (forward only, {ev['microbatches']} microbatch(es) as training)",
-            *([f"  task scorer  {gb(sc['total']):>12}  (eval.tasks: {sc['rows']} rows of {sc['length']:,} tokens, "
-               f"forward only)"] if (sc := r.get("scoring")) else []),
+            f"  eval step    {gb(r['steps']['eval']):>12}  (forward only, {ev['microbatches']} microbatch(es) as "
+            f"training; {resident})",
+            *([f"  task scorer  {gb(r['steps']['scoring']):>12}  (eval.tasks: {sc['rows']} rows of {sc['length']:,} "
+               f"tokens, forward only; {resident})"] if (sc := r.get("scoring")) else []),
             f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
             f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
             f"KV cache {gb(gen['kv_cache_formula'])} by formula)",

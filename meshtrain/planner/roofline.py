@@ -19,10 +19,10 @@ ZeRO-3 gather over data and fsdp).
 Times, per device per step (each a lower bound; the step is the largest when all of it overlaps
 perfectly, the sum when none does):
 - compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model's dense
-  6N per token (meshtrain/core/metrics.py), plus what capacity-routed experts run on empty slots
-  (each row's E·C slots run through the experts: C/L of the routed parameters per token against
-  N's k/E; the model's `slot_matmul_params`, N_slot, counted with the blocks and, under fp8, with
-  the fp8 matmuls), plus the forward the backward reruns, 2·N_blocks, under
+  6N per token (meshtrain/core/metrics.py), corrected by the model's `slot_matmul_params`, N_slot
+  (capacity routing runs every expert slot, empty or not, not N's k/E share: models/moe.py), which
+  counts with the blocks and, under fp8, with the fp8 matmuls; plus the forward the backward
+  reruns, 2·(N_blocks + N_slot), under
   `parallel.remat=full` or a pipeline's `parallel.residuals=recompute` (`save_matmuls` and
   `offload` keep every matmul output, attention's included, so they rerun no matmul), plus
   attention as its kernel runs it: the share of the causal scores it computes (blockwise and ring
@@ -30,7 +30,7 @@ perfectly, the sum when none does):
   scores; meshtrain/ops/attention.py `executed_attention`). From the formula, not from XLA's cost
   analysis, which counts a loop body (the layer scan, the pipeline ticks) once. The bubble is the
   lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage. Under
-  precision=fp8 the matmuls the blocks run in fp8 (6·N_fp8, and 2·N_fp8 rerun; N_fp8 the model's
+  precision=fp8 the matmuls the blocks run in fp8 (6·(N_fp8 + N_slot), and 2·(N_fp8 + N_slot) rerun; N_fp8 the model's
   `fp8_matmul_params`: the projections, the MLP, capacity-routed experts) run at the device's fp8
   peak, the rest (attention, the head, a MoE block's fp32 router, dropless experts) at its bf16 peak:
   compute = ((hardware - fp8) FLOPs / peak_bf16 + fp8 FLOPs / peak_fp8) / (1 - bubble).
@@ -141,7 +141,8 @@ def recomputes(remat: str, residuals: str, stages: int) -> bool:
 
 def hardware_flops_per_token(model_flops_per_token: float, block_params: float, attention_width: int,
                              seq_len: int, recompute: bool, attention: list, windows: tuple[int, ...]) -> float:
-    """The FLOPs a step executes per token: the model's dense 6N, plus one more forward of the
+    """The FLOPs a step executes per token: the dense 6N of `model_flops_per_token` (the caller adds
+    6·N_slot to it and N_slot to `block_params`), plus one more forward of the
     blocks' matmuls, 2·N_blocks, when the forward is rerun (the embedding and the head are not),
     and attention as its kernel runs it (`attention`: per kind of layer, meshtrain.ops.attention.
     executed_attention's ((forward, backward) score-sized matmuls, share of the scores) and the
@@ -192,7 +193,7 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     width = m.num_heads * m.head_dim
     recompute = recomputes(plan.remat, plan.residuals, stages)
     params = program.abstract_state["params"]
-    slot_params = program.model.slot_matmul_params(params, t.seq_len)  # the experts' empty slots
+    slot_params = program.model.slot_matmul_params(params, t.seq_len)  # N_slot: every expert slot runs
     block_params = program.model.block_matmul_params(params) + slot_params  # the head is not rerun
     model_flops = program.flops_per_token * tokens
     windows = m.layer_windows()  # 0: the whole causal past
