@@ -167,10 +167,11 @@ def test_the_planner_compiles_the_scorer_the_run_built(run):
     _, _, trainer = run
     scorer = trainer.scorer
     assert scorer.length == trainer.cfg.train.seq_len
-    ids = jax.ShapeDtypeStruct((scorer.rows, scorer.length), np.int32, sharding=scorer.row_sharding)
-    mask = jax.ShapeDtypeStruct((scorer.rows, scorer.length), np.bool_, sharding=scorer.row_sharding)
+    from meshtrain.engine.scoring import pack
+
+    batch = pack(trainer.tasks[0].requests, scorer.rows, scorer.length)[0]  # what the run fed its scorer
     with scorer.context():
-        ran = compiled_memory(scorer.program.lower(trainer.state["params"], ids, ids, mask), False)
+        ran = compiled_memory(scorer.program.lower(trainer.state["params"], *map(scorer._put, batch)), False)
     planned = scoring_memory(trainer.program)
     assert (planned["rows"], planned["length"]) == (scorer.rows, scorer.length)
     assert planned["total"] == ran["total"] > ran["arguments"] > 0
