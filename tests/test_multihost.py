@@ -157,3 +157,15 @@ def test_losing_the_coordinator_is_one_line(tmp_path):
         "error: lost the coordinator, process 0 (the JAX distributed service stopped answering); rerun the same "
         "command on every host to resume from the latest checkpoint")
     assert "stack trace" not in err1
+
+
+def test_gloos_interleaved_connection_lines_leave_stdout():
+    """Two Gloo threads announcing their connections at once: every piece is dropped (a bare count
+    left on its own line included), the run's own lines pass in order."""
+    from meshtrain.run.multihost import _FILTER
+
+    gloo = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : "
+    stream = f"{gloo}{gloo}1\n1\n\nstep      1  loss 5.5\n 12 \nerror: 7 steps\n"
+    done = subprocess.run([sys.executable, "-c", _FILTER, json.dumps(["[Gloo]", "peer ranks"]), "", ""],
+                          input=stream, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "step      1  loss 5.5\nerror: 7 steps\n"

@@ -376,7 +376,9 @@ for line in sys.stdin.buffer:
     if fatal and fatal in line:
         out.write(message + b"\n"); out.flush()
         break  # the rest is the stack trace
-    if not any(f in line for f in drop) and not (drop and not line.strip()):  # Gloo leaves bare newlines
+    # Gloo's threads interleave the pieces of "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of
+    # connected peer ranks is : 1": a line of them can be a bare count ("1") or empty
+    if not any(f in line for f in drop) and not (drop and (not line.strip() or line.strip().isdigit())):
         out.write(line); out.flush()
 """
 
@@ -401,8 +403,9 @@ def _filter_fd(fd: int, drop: tuple[str, ...], fatal: str = "", message: str = "
 
 
 def _filter_output() -> None:
-    """Gloo's connection lines (CPU collectives; its threads interleave them: match any fragment)
-    leave stdout; JAX's fatal abort when the coordinator is lost becomes one `error:` line on stderr."""
+    """Gloo's connection lines (CPU collectives; its threads interleave them: match any fragment, and
+    the bare counts the interleaving leaves) leave stdout; JAX's fatal abort when the coordinator is
+    lost becomes one `error:` line on stderr."""
     _filter_fd(1, ("[Gloo]", "peer ranks"))
     _filter_fd(2, ("Using experimental recoverable task feature",),
                fatal="Terminating process because the JAX distributed service detected fatal errors",
