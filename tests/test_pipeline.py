@@ -112,9 +112,11 @@ def test_compiled_sends_are_the_timetables(schedule):
     from meshtrain.parallel.schedules import sends_per_step
     from meshtrain.planner import hlo
 
-    # the parity run's compiled program
-    trainer, _, _ = run_tiny("parallel.mesh=2x1x1x4", "parallel.zero=1", f"parallel.schedule={schedule}",
-                             "parallel.microbatches=4", "parallel.virtual_stages=1")
+    # the parity run's compiled program (PARITY's first entry for the schedule: same overrides, one compile)
+    _, mesh, virtual, zero, more = next(p for p in PARITY if p[0] == schedule)
+    trainer, _, _ = run_tiny(f"parallel.mesh={mesh}", f"parallel.zero={zero}", f"parallel.schedule={schedule}",
+                             "parallel.microbatches=4", f"parallel.virtual_stages={virtual}", *more)
+    assert mesh == "2x1x1x4" and not more
     tables = executor_tables(timetable(schedule, 4, 4))
     sends = sends_per_step(tables)
     permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]
