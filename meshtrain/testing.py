@@ -3,6 +3,8 @@ measured the same way. A tiny run trains configs/tiny.yaml (or another config) f
 a fresh output folder and returns (trainer, per-step losses, final parameters on the host)."""
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,11 +24,24 @@ def benchmark_text() -> str:
 _RUNS: dict = {}
 
 
+_RUN_FOLDERS: list[str] = []  # this process's folder of tiny run folders
+
+
+def fresh_run_folder() -> str:
+    """A new, empty run folder inside one temporary folder per process, removed when the process
+    exits: a test session leaves no run folders behind in the system's temp folder."""
+    if not _RUN_FOLDERS:
+        _RUN_FOLDERS.append(tempfile.mkdtemp(prefix="meshtrain-tiny-"))
+        atexit.register(shutil.rmtree, _RUN_FOLDERS[0], ignore_errors=True)
+    return tempfile.mkdtemp(dir=_RUN_FOLDERS[0])
+
+
 def tiny_config(*overrides, out=None, config=TINY):
-    """The config in a fresh output folder (never resuming another run's checkpoint)."""
+    """The config in a fresh output folder (never resuming another run's checkpoint), removed with
+    this process (`fresh_run_folder`) unless `out` names one."""
     from meshtrain.config.loader import load_config
 
-    out = out or tempfile.mkdtemp(prefix="meshtrain-tiny-")
+    out = out or fresh_run_folder()
     return load_config(config, [f"out={out}", "checkpoint.resume=never", *overrides])
 
 

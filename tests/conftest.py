@@ -24,11 +24,15 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One compilation cache per test session, shared with the CLI subprocesses: tests that compile the
-# same program (a rerun after SIGKILL, a resume) load it instead of compiling it again.
+# same program (a rerun after SIGKILL, a resume) load it instead of compiling it again. The process
+# that makes it (pytest's, before its xdist workers start; they inherit it) removes it at its exit.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtrain-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -31,7 +31,8 @@ def test_notebook_cells_run_as_a_script(tmp_path):
     script = "\n\n".join("".join(c["source"]) for c in code_cells())
     env = dict(os.environ)  # the notebook asks for its 8 devices; the suite's compile flags stay
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    env.update(SHAKESPEARE=str(tmp_path / "text.txt"), STEPS="24", MPLBACKEND="Agg")
+    env.update(SHAKESPEARE=str(tmp_path / "text.txt"), STEPS="24", MPLBACKEND="Agg",
+               TMPDIR=str(tmp_path))  # its run folder (tempfile.mkdtemp) lands in pytest's folder
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "examples", env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
