@@ -307,7 +307,8 @@ def format_search(r: dict) -> list[str]:
 def format_run_memory(r: dict) -> list[str]:
     """The run's programs, compiled, and the memory they run against."""
     gb, mem, ev, gen, b = human_bytes, r["memory"], r["eval_step"], r["generation"], r["budget"]
-    resident = f"with the optimizer state left on the device, {gb(ev['resident_state'])}"
+    held = "the optimizer state" + (" and int8 compression's residuals" if mem["grad_error"] else "")
+    resident = f"with {held} left on the device, {gb(ev['resident_state'])}"
     copies = (f"; XLA:CPU's f32 copies of bf16 loop values, {gb(mem['cpu_copies'])} more there, left out: GPUs "
               f"compute in bf16" if mem["cpu_copies"] else "")
     return ["run memory per device (compiled)",
