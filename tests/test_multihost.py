@@ -160,12 +160,15 @@ def test_losing_the_coordinator_is_one_line(tmp_path):
 
 
 def test_gloos_interleaved_connection_lines_leave_stdout():
-    """Two Gloo threads announcing their connections at once: every piece is dropped (a bare count
-    left on its own line included), the run's own lines pass in order."""
-    from meshtrain.run.multihost import _FILTER
+    """Gloo threads announcing their connections at once: every piece is dropped (a bare count left
+    on its own line, or a middle piece on another thread's line, included), the run's own lines
+    pass in order."""
+    from meshtrain.run.multihost import _FILTER, GLOO_PIECES
 
     gloo = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : "
-    stream = f"{gloo}{gloo}1\n1\n\nstep      1  loss 5.5\n 12 \nerror: 7 steps\n"
-    done = subprocess.run([sys.executable, "-c", _FILTER, json.dumps(["[Gloo]", "peer ranks"]), "", ""],
+    two = f"{gloo}{gloo}1\n1\n\n"  # two threads: the second's count lands on a line of its own
+    three = " is connected to 1\n peer ranks. 1\n"  # a third's middle pieces end on others' lines
+    stream = f"{two}step      1  loss 5.5\n 12 \n{three}error: 7 steps\n"
+    done = subprocess.run([sys.executable, "-c", _FILTER, json.dumps(GLOO_PIECES), "", ""],
                           input=stream, capture_output=True, text=True, timeout=60)
     assert done.stdout == "step      1  loss 5.5\nerror: 7 steps\n"

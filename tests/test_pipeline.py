@@ -114,9 +114,9 @@ def test_compiled_sends_are_the_timetables(schedule):
 
     # the parity run's compiled program (PARITY's first entry for the schedule: same overrides, one compile)
     _, mesh, virtual, zero, more = next(p for p in PARITY if p[0] == schedule)
+    assert mesh == "2x1x1x4" and virtual == 1 and not more  # 4 stages, 4 microbatches: the tables below
     trainer, _, _ = run_tiny(f"parallel.mesh={mesh}", f"parallel.zero={zero}", f"parallel.schedule={schedule}",
                              "parallel.microbatches=4", f"parallel.virtual_stages={virtual}", *more)
-    assert mesh == "2x1x1x4" and not more
     tables = executor_tables(timetable(schedule, 4, 4))
     sends = sends_per_step(tables)
     permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]

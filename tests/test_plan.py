@@ -69,8 +69,8 @@ def test_a_run_with_eval_tasks_plans_its_scorer_too(capsys):
     assert re.search(r"task scorer +[0-9.]+ [KMG]?B +\(eval.tasks: 16 rows of 16 tokens, forward only; with the "
                      r"optimizer state left on the device, [0-9.]+ KB\)", printed)
     report["memory"]["grad_error"] = 4096  # as under int8 compression: its residuals stay too, and are named
-    assert "with the optimizer state and int8 compression's residuals left on the device" in "\n".join(
-        format_run_memory(report))
+    assert "\n".join(format_run_memory(report)).count(  # on the eval step's line and the scorer's
+        "with the optimizer state and int8 compression's residuals left on the device") == 2
 
 
 def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):

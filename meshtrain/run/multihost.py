@@ -377,10 +377,16 @@ for line in sys.stdin.buffer:
         out.write(message + b"\n"); out.flush()
         break  # the rest is the stack trace
     # Gloo's threads interleave the pieces of "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of
-    # connected peer ranks is : 1": a line of them can be a bare count ("1") or empty
+    # connected peer ranks is : 1": a line holds some of its text pieces (`drop` names each), or only its
+    # counts, or nothing. With a drop list, lines of nothing but digits are dropped on both streams.
     if not any(f in line for f in drop) and not (drop and (not line.strip() or line.strip().isdigit())):
         out.write(line); out.flush()
 """
+
+
+# What marks a piece of Gloo's connection line, "[Gloo] Rank 1 is connected to 1 peer ranks. Expected
+# number of connected peer ranks is : 1" (its counts aside).
+GLOO_PIECES = ("[Gloo]", "is connected to", "peer ranks")
 
 
 def _filter_fd(fd: int, drop: tuple[str, ...], fatal: str = "", message: str = "") -> None:
@@ -406,7 +412,7 @@ def _filter_output() -> None:
     """Gloo's connection lines (CPU collectives; its threads interleave them: match any fragment, and
     the bare counts the interleaving leaves) leave stdout; JAX's fatal abort when the coordinator is
     lost becomes one `error:` line on stderr."""
-    _filter_fd(1, ("[Gloo]", "peer ranks"))
+    _filter_fd(1, GLOO_PIECES)
     _filter_fd(2, ("Using experimental recoverable task feature",),
                fatal="Terminating process because the JAX distributed service detected fatal errors",
                message=f"error: lost the coordinator, process 0 (the JAX distributed service stopped "
