@@ -4,6 +4,7 @@ a fresh output folder and returns (trainer, per-step losses, final parameters on
 from __future__ import annotations
 
 import atexit
+import functools
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,16 +25,18 @@ def benchmark_text() -> str:
 _RUNS: dict = {}
 
 
-_RUN_FOLDERS: list[str] = []  # this process's folder of tiny run folders
+@functools.cache
+def _run_folders() -> str:
+    """This process's folder of tiny run folders, removed when the process exits."""
+    folder = tempfile.mkdtemp(prefix="meshtrain-tiny-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def fresh_run_folder() -> str:
-    """A new, empty run folder inside one temporary folder per process, removed when the process
-    exits: a test session leaves no run folders behind in the system's temp folder."""
-    if not _RUN_FOLDERS:
-        _RUN_FOLDERS.append(tempfile.mkdtemp(prefix="meshtrain-tiny-"))
-        atexit.register(shutil.rmtree, _RUN_FOLDERS[0], ignore_errors=True)
-    return tempfile.mkdtemp(dir=_RUN_FOLDERS[0])
+    """A new, empty run folder inside this process's folder of them (`_run_folders`): a test session
+    leaves no run folders behind in the system's temp folder."""
+    return tempfile.mkdtemp(dir=_run_folders())
 
 
 def tiny_config(*overrides, out=None, config=TINY):

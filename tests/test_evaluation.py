@@ -162,16 +162,15 @@ def test_the_planner_compiles_the_scorer_the_run_built(run):
     """The planner's task-scorer figure (meshtrain/planner/aot.py `scoring_memory`) is the memory of
     the scorer the run compiled: its rows, window (here the tasks' longest request reaches
     train.seq_len, the planner's window) and parameter layout."""
+    from meshtrain.engine.scoring import pack
     from meshtrain.planner.aot import compiled_memory, scoring_memory
 
     _, _, trainer = run
     scorer = trainer.scorer
     assert scorer.length == trainer.cfg.train.seq_len
-    from meshtrain.engine.scoring import pack
-
     batch = pack(trainer.tasks[0].requests, scorer.rows, scorer.length)[0]  # what the run fed its scorer
     with scorer.context():
-        ran = compiled_memory(scorer.program.lower(trainer.state["params"], *map(scorer._put, batch)), False)
+        ran = compiled_memory(scorer.program.lower(trainer.state["params"], *map(scorer.put, batch)), False)
     planned = scoring_memory(trainer.program)
     assert (planned["rows"], planned["length"]) == (scorer.rows, scorer.length)
     assert planned["total"] == ran["total"] > ran["arguments"] > 0

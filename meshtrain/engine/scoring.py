@@ -124,7 +124,8 @@ class Scorer:
             stack.enter_context(activation_rules(self.rules, self.mesh))
         return stack
 
-    def _put(self, a):
+    def put(self, a):
+        """A host array of rows (one of `pack`'s), placed as the program takes it."""
         if self.mesh is None:
             return a
         return jax.make_array_from_callback(a.shape, self.row_sharding, lambda index: a[index])
@@ -133,7 +134,7 @@ class Scorer:
         scores, greedy = [], []
         with self.context():
             for batch in pack(requests, self.rows, self.length):
-                ll_B, greedy_B = jax.device_get(self.program(params, *map(self._put, batch)))
+                ll_B, greedy_B = jax.device_get(self.program(params, *map(self.put, batch)))
                 scores.append(ll_B)
                 greedy.append(greedy_B)
         if not requests:
