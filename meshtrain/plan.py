@@ -149,4 +149,9 @@ def parse_bytes(text: str) -> float:
 
 
 if __name__ == "__main__":
+    import os
+
+    from meshtrain.planner.aot import compile_for_analysis_only
+
+    compile_for_analysis_only(os.environ)  # this process never runs what it compiles
     sys.exit(main())

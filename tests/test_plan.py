@@ -2,18 +2,21 @@
 a config that does not fit, the pipeline bubble; the model FLOPs formula against XLA's count; the
 device peak table."""
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TINY
+from conftest import ROOT, TINY
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.metrics import peak_flops
 from meshtrain.plan import main
-from meshtrain.planner.aot import format_run_memory
+from meshtrain.planner.aot import compile_for_analysis_only, format_run_memory
 from meshtrain.planner.hlo import collectives
 
 
@@ -200,3 +203,22 @@ def test_fit_searches_compiled_layouts_for_one_that_fits(capsys):
     again = plan_json(capsys, "--mesh", best["settings"]["parallel.mesh"], "--device-memory", "2MB",
                       "--search-budget", "0", *[x for s in sets for x in ("--set", s)])
     assert again["memory"]["total"] == best["peak"]
+
+
+def test_the_plan_command_compiles_for_analysis_with_the_same_figures(capsys):
+    """`python -m meshtrain.plan` asks XLA:CPU for its fastest compile, LLVM -O0 (it never runs what it
+    compiles, meshtrain/planner/aot.py ANALYSIS_ONLY_XLA_FLAGS), unless the user set the flag: a plan
+    at XLA's default -O2 gives the same bytes and collectives."""
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    compile_for_analysis_only(environ)
+    assert environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    user_set = {"XLA_FLAGS": "--xla_backend_optimization_level=2"}
+    compile_for_analysis_only(user_set)
+    assert user_set == {"XLA_FLAGS": "--xla_backend_optimization_level=2"}
+    argv = ["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--search-budget", "0", "--json"]
+    done = subprocess.run([sys.executable, "-m", "meshtrain.plan", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **user_set})
+    assert done.returncode == 0, done.stderr[-2000:]
+    default, analysis = json.loads(done.stdout), plan_json(capsys, *argv[4:])  # this process: -O0 (conftest)
+    assert analysis["steps"] == default["steps"] and analysis["memory"] == default["memory"]
+    assert analysis["collectives"] == default["collectives"]

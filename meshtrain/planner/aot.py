@@ -38,6 +38,20 @@ GB = 1e9
 # from a compile with that pass off; collectives from the default compile (the pass also hoists
 # loop-invariant gathers, as a GPU's does).
 CPU_F32_COPIES = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# The plan command's process compiles and never runs what it compiles, so it asks XLA:CPU for the
+# fastest compile, not the fastest code: LLVM at -O0, which changes no buffer and no HLO (every shipped
+# config's plan on its pod gives the same bytes and collectives, 1.2-1.4x sooner: docs/planner.md). Not XLA's
+# elemental fusion emitters, though faster still: they move the temporaries (qwen3_30b_a3b's train
+# step -1.4%), and the suite's runs abort with them now and then (tests/conftest.py).
+ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def compile_for_analysis_only(environ) -> None:
+    """Add ANALYSIS_ONLY_XLA_FLAGS to `environ`'s XLA_FLAGS, each unless the user set that flag: for a
+    process that only compiles, before JAX starts its CPU backend (which reads XLA_FLAGS once)."""
+    flags = environ.get("XLA_FLAGS", "").split()
+    named = {f.split("=")[0] for f in flags}
+    environ["XLA_FLAGS"] = " ".join(flags + [f for f in ANALYSIS_ONLY_XLA_FLAGS if f.split("=")[0] not in named])
 
 
 def shard_bytes(tree, shardings) -> int:
