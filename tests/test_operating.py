@@ -69,7 +69,9 @@ def test_layer_and_kind_gradient_norms_add_up_and_match_one_device(never_saw_the
 
 
 def test_a_loss_spike_rolls_back_and_skips_its_batch(never_saw_the_spike, capsys, tmp_path):
-    _, reference, _, _ = never_saw_the_spike
+    """...and the spike detector, restored from the checkpoint rolled back to and from the one a rerun
+    resumes, ends as the run that never saw the batch: the replayed steps' losses enter its mean once."""
+    untouched, reference, _, _ = never_saw_the_spike
     trainer = two_devices(tiny_config(*OVERRIDES, out=str(tmp_path)))
     clean_batches, step = trainer.train_batches, trainer.compiled_step
 
@@ -95,6 +97,10 @@ def test_a_loss_spike_rolls_back_and_skips_its_batch(never_saw_the_spike, capsys
     assert sorted(records) == list(range(1, STEPS + 1))  # the retrained steps once each
     for s in range(1, STEPS + 1):  # bitwise the run that never saw batch 3
         assert records[s]["loss"] == reference[s]["loss"], s
+    assert trainer.spikes.state() == untouched.spikes.state() == {"mean": trainer.spikes.mean, "seen": STEPS}
+    resumed = two_devices(tiny_config(*OVERRIDES, "checkpoint.resume=auto", out=str(tmp_path)))  # its step 6
+    resumed.close()
+    assert resumed.spikes.state() == trainer.spikes.state()
 
 
 def test_spike_detector_numbers():

@@ -79,12 +79,19 @@ class Stragglers:
 class SpikeDetector:
     """A loss above `factor` x the running mean of the losses before it is a spike. The mean is an
     exponential moving average, m <- m + (loss - m) / window, over the losses that were not
-    spikes; steps are judged from the `window`-th loss this detector saw on (it starts with each
-    process, so a resumed run warms up again)."""
+    spikes; steps are judged from the `window`-th loss this detector saw on. Checkpoints keep its
+    `state()` (the trainer's save metadata): a resumed run, or one rolled back to a checkpoint, judges
+    its next steps as the run that never stopped would, with no new warm-up."""
 
     def __init__(self, factor: float, window: int):
         self.factor, self.window = factor, window
         self.mean, self.seen = None, 0
+
+    def state(self) -> dict:
+        return {"mean": self.mean, "seen": self.seen}
+
+    def restore(self, state: dict) -> None:
+        self.mean, self.seen = state["mean"], state["seen"]
 
     def check(self, loss: float) -> float | None:
         """The running mean when `loss` is a spike (it is then left out of the mean), else None."""

@@ -149,6 +149,8 @@ class Trainer:
             state = self._reorder_layers(state, saved_order)
         self.resumed_from = reader.path(step)
         self._skip(meta.get("skip_batches", []))
+        if self.spikes is not None and meta.get("spike_detector"):  # older checkpoints: it warms up again
+            self.spikes.restore(meta["spike_detector"])
         if jax.process_index() == 0:
             print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
         return state
@@ -208,7 +210,8 @@ class Trainer:
         p = self.program
         self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(p.sizes),
                                             "devices": p.mesh.size, "skip_batches": self.skip_batches,
-                                            "layer_order": p.layer_order.tolist()})
+                                            "layer_order": p.layer_order.tolist(),
+                                            "spike_detector": self.spikes and self.spikes.state()})
         self.last_save = time.monotonic()
         if wait:
             self.checkpointer.wait()
