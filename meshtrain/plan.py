@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 from meshtrain.config.spec import MAX_SIMULATED_DEVICES
@@ -148,10 +149,14 @@ def parse_bytes(text: str) -> float:
     return size * units.get(unit, 1)
 
 
-if __name__ == "__main__":
-    import os
-
+def command_line() -> int:
+    """`python -m meshtrain.plan`: `main` in a process that never runs what it compiles, so its XLA
+    compiles for analysis only (meshtrain/planner/aot.py ANALYSIS_ONLY_XLA_FLAGS)."""
     from meshtrain.planner.aot import compile_for_analysis_only
 
-    compile_for_analysis_only(os.environ)  # this process never runs what it compiles
-    sys.exit(main())
+    compile_for_analysis_only(os.environ)
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(command_line())

@@ -97,7 +97,7 @@ def test_a_loss_spike_rolls_back_and_skips_its_batch(never_saw_the_spike, capsys
     assert sorted(records) == list(range(1, STEPS + 1))  # the retrained steps once each
     for s in range(1, STEPS + 1):  # bitwise the run that never saw batch 3
         assert records[s]["loss"] == reference[s]["loss"], s
-    assert trainer.spikes.state() == untouched.spikes.state() == {"mean": trainer.spikes.mean, "seen": STEPS}
+    assert trainer.spikes.state() == untouched.spikes.state() and trainer.spikes.seen == STEPS
     resumed = two_devices(tiny_config(*OVERRIDES, "checkpoint.resume=auto", out=str(tmp_path)))  # its step 6
     resumed.close()
     assert resumed.spikes.state() == trainer.spikes.state()
@@ -110,6 +110,12 @@ def test_spike_detector_numbers():
     mean = detector.mean
     assert detector.check(2.01 * mean) == mean and detector.mean == mean  # a spike stays out of the mean
     assert detector.check(1.99 * mean) is None
+    saved = detector.state()
+    for kept, same_data in ((saved, True), (None, True), (saved, False)):  # a checkpoint's state, or a warm-up
+        resumed = SpikeDetector(factor=2.0, window=4)
+        resumed.mean, resumed.seen = 1.0, 9  # what it held before (a rollback's detector)
+        resumed.resume(kept, same_data)
+        assert resumed.state() == (saved if kept and same_data else {"mean": None, "seen": 0})
 
 
 def test_stragglers_and_watchdog_verdicts(tmp_path):

@@ -14,6 +14,7 @@ from conftest import ROOT, TINY
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import plan as plan_command
 from meshtrain.core.metrics import peak_flops
 from meshtrain.plan import main
 from meshtrain.planner.aot import compile_for_analysis_only, format_run_memory
@@ -205,10 +206,16 @@ def test_fit_searches_compiled_layouts_for_one_that_fits(capsys):
     assert again["memory"]["total"] == best["peak"]
 
 
-def test_the_plan_command_compiles_for_analysis_with_the_same_figures(capsys):
+def test_the_plan_command_compiles_for_analysis_with_the_same_figures(capsys, monkeypatch):
     """`python -m meshtrain.plan` asks XLA:CPU for its fastest compile, LLVM -O0 (it never runs what it
     compiles, meshtrain/planner/aot.py ANALYSIS_ONLY_XLA_FLAGS), unless the user set the flag: a plan
     at XLA's default -O2 gives the same bytes and collectives."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    monkeypatch.setattr(plan_command, "main", lambda: 0)
+    assert plan_command.command_line() == 0  # the module's __main__
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+    monkeypatch.undo()
+    assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"].split()  # this process's (conftest)
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     compile_for_analysis_only(environ)
     assert environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"

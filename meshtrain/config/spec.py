@@ -197,7 +197,8 @@ class GuardConfig:
                                        "batch, as a NaN/Inf streak does; 0 = off (2 is a cautious value)", min=0.0)
     spike_window: int = setting(50, "guard.spike_factor: the running mean is an exponential moving average with "
                                     "weight 1/spike_window on each new loss; judging starts after this many steps "
-                                    "(checkpoints keep the mean: a resumed run does not warm up again)", min=1)
+                                    "(checkpoints keep the mean: a resumed run on the same data does not warm up "
+                                    "again)", min=1)
 
 
 @dataclass

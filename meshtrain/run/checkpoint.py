@@ -2,8 +2,8 @@
 
 A checkpoint holds the train state ({'step', 'params', 'opt_state', 'skipped_steps', 'loss_scale'}) and
 metadata: the resolved config, the mesh it was saved on, the batches the nonfinite guard skipped,
-and a checksum per state leaf. The data position needs no saving beyond that: the batch of step k
-depends only on (seed, k, skipped batches).
+the loss-spike detector's running mean and count, and a checksum per state leaf. The data position
+needs no saving beyond that: the batch of step k depends only on (seed, k, skipped batches).
 
 Integrity: Orbax writes each step into a temporary folder and renames it when complete, so an
 interrupted save is never listed. Once a save is durable, a manifest records the size of each of

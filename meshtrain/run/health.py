@@ -81,7 +81,7 @@ class SpikeDetector:
     exponential moving average, m <- m + (loss - m) / window, over the losses that were not
     spikes; steps are judged from the `window`-th loss this detector saw on. Checkpoints keep its
     `state()` (the trainer's save metadata): a resumed run, or one rolled back to a checkpoint, judges
-    its next steps as the run that never stopped would, with no new warm-up."""
+    its next steps as the run that never stopped would, with no new warm-up (`resume`)."""
 
     def __init__(self, factor: float, window: int):
         self.factor, self.window = factor, window
@@ -90,8 +90,11 @@ class SpikeDetector:
     def state(self) -> dict:
         return {"mean": self.mean, "seen": self.seen}
 
-    def restore(self, state: dict) -> None:
-        self.mean, self.seen = state["mean"], state["seen"]
+    def resume(self, saved: dict | None, same_data: bool) -> None:
+        """Go on from a checkpoint's `saved` state; warm up again where it holds none (an earlier
+        version's checkpoint, or one saved with spike detection off) or its data differ from this
+        run's (`same_data` False: the old data's mean would judge the new data's losses)."""
+        self.mean, self.seen = (saved["mean"], saved["seen"]) if saved and same_data else (None, 0)
 
     def check(self, loss: float) -> float | None:
         """The running mean when `loss` is a spike (it is then left out of the mean), else None."""

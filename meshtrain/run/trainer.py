@@ -149,8 +149,8 @@ class Trainer:
             state = self._reorder_layers(state, saved_order)
         self.resumed_from = reader.path(step)
         self._skip(meta.get("skip_batches", []))
-        if self.spikes is not None and meta.get("spike_detector"):  # older checkpoints: it warms up again
-            self.spikes.restore(meta["spike_detector"])
+        if self.spikes is not None:
+            self.spikes.resume(meta.get("spike_detector"), meta["config"].get("data") == to_dict(self.cfg)["data"])
         if jax.process_index() == 0:
             print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
         return state
@@ -211,7 +211,7 @@ class Trainer:
         self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(p.sizes),
                                             "devices": p.mesh.size, "skip_batches": self.skip_batches,
                                             "layer_order": p.layer_order.tolist(),
-                                            "spike_detector": self.spikes and self.spikes.state()})
+                                            "spike_detector": self.spikes.state() if self.spikes else None})
         self.last_save = time.monotonic()
         if wait:
             self.checkpointer.wait()
