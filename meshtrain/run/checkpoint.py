@@ -83,10 +83,18 @@ class Checkpointer:
             for tmp in sorted(self.directory.glob(f"*{TMP_SUFFIX}*")):
                 shutil.rmtree(tmp, ignore_errors=True)
                 print(f"notice: removed {tmp}, a checkpoint save that was interrupted", flush=True)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True, create=False,  # made by the first save
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests))
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.keep, self._manager = keep, None
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """Orbax's manager, made by the first save (a reader never needs one); `close` ends it and
+        the thread it keeps from its first save on."""
+        if self._manager is None:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.keep, enable_async_checkpointing=True, create=False,  # made by the first save
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests))
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        return self._manager
 
     def _write_manifests(self) -> None:
         """After a save is durable: record every file's size, so truncated or missing files are
@@ -213,7 +221,8 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"meshtrain-set-aside-{step}")
-        self.manager.reload()
+        if self._manager is not None:
+            self._manager.reload()
         return target
 
     def steps(self) -> list[int]:
@@ -223,7 +232,11 @@ class Checkpointer:
         return self.directory / str(step)
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the saves started and end the manager (a later save makes a new one)."""
+        if self._manager is not None:
+            with self._full_disk():
+                self._manager.close()
+            self._manager = None
 
 
 @functools.cache

@@ -283,6 +283,9 @@ class Trainer:
             if log is not None:
                 log.close()
             self.close()
+        # Every save is durable (the last one waited for): Orbax's manager and its thread end here, on
+        # every process alike (a second fit() makes a new one). Not on an error: a peer may be gone.
+        self.checkpointer.close()
         if primary:
             saved = self.checkpointer.steps()
             newest = str(self.checkpointer.path(max(saved))) if saved else None
