@@ -250,3 +250,22 @@ def test_dropless_memory_is_flat_in_experts():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp(32) < 1.3 * temp(8)
+
+
+def test_balance_loss_against_hugging_faces():
+    """docs/huggingface.md's table: on one sequence row of one layer, Hugging Face's balance loss
+    (load_balancing_loss_func, Mixtral's and Qwen3-MoE's) is k x ours; over several rows it is taken
+    over the batch at once, ours per row."""
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    E = 4
+    x, router, *experts = make_inputs(E)
+    ours = lambda rows: float(moe(0.0)(x[rows], router, *experts)[1]["aux_loss"])
+    logits = lambda rows: torch.tensor(np.einsum("bld,de->ble", x[rows], router).reshape(-1, E))
+    theirs = lambda rows: float(load_balancing_loss_func((logits(rows),), E, K))
+    one_row, batch = slice(0, 1), slice(None)
+    assert theirs(one_row) == pytest.approx(K * ours(one_row), rel=1e-5)
+    print(f"one row: HF {theirs(one_row):.5f}, k x ours {K * ours(one_row):.5f}; "
+          f"the batch: HF {theirs(batch):.5f}, k x ours {K * ours(batch):.5f}")
+    assert abs(theirs(batch) - K * ours(batch)) > 1e-2
