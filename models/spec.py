@@ -8,7 +8,8 @@ A family is one module of models/ with a `FAMILY = Family(...)`, registered in m
   which holds its modules, the logical axes of its parameters (`param_axes`) and its counts
   (`num_params`, `active_matmul_params` and `flops_per_token`, the FLOPs model's N and 6N + 12LHKS;
   `block_matmul_params`, N less the head, and `fp8_matmul_params`, the part of it that runs in fp8;
-  `slot_matmul_params`, what the step runs beyond N: capacity routing's every expert slot).
+  `slot_matmul_params`, what the step runs beyond N: capacity routing's every expert slot, dropless
+  expert parallelism's whole receive buffer).
 - `hf`: its Hugging Face form (`HFMap`: the config.json model types it imports, the tensor name map,
   the config translation both ways), which meshtrain/interop/hf.py reads; None when it has none.
 """

@@ -451,9 +451,11 @@ class LanguageModel:
         precision=fp8): all of them here; the head runs bf16."""
         return self.block_matmul_params(params)
 
-    def slot_matmul_params(self, params, seq_len: int) -> float:
+    def slot_matmul_params(self, params, seq_len: int, expert_parallel: int = 1, in_fp8: bool = False) -> float:
         """Per token, the matmul parameters the step runs beyond N (the roofline's hardware FLOPs,
-        not MFU's): none here; capacity-routed experts run every slot, empty or not (moe.py)."""
+        not MFU's) with `expert_parallel` devices on the `expert` axis (`in_fp8`: those the block's
+        fp8 matmul runs): none here; routed experts run every capacity slot, or dropless the whole
+        expert-parallel receive buffer, filled or not (moe.py)."""
         return 0.0
 
     def flops_per_token(self, params, seq_len: int) -> float:

@@ -1,5 +1,6 @@
 """The machine-aware roofline (meshtrain/planner/roofline.py): which mesh axes cross nodes, which axes a
 collective's replica groups span, the timing arithmetic, and the FLOPs convention behind MFU."""
+import re
 from types import SimpleNamespace
 
 import jax
@@ -8,6 +9,7 @@ import pytest
 from conftest import MOE_TINY, TINY, tiny_config
 
 from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
+from meshtrain.models.moe import GMM_TILE
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
 from meshtrain.planner import roofline
@@ -193,6 +195,29 @@ def test_capacity_routing_counts_the_slots_its_experts_run():
     assert compiled / est["flops"]["model_per_device"] > 1.3
 
 
+def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
+    """Dropless under expert=2 (E 4, k 2): a device's grouped matmuls run its whole receive buffer,
+    ep x min(k, E/ep) = 4 rows per token, filled or not (k = 2 when balanced), so the executed FLOPs
+    add 6 (4 - 2)/E of the routed parameters per token (bf16: none in fp8; one device: none). The
+    compiled loops say so: ceil(ep x A / tile) + E/ep - 1 = 3 steps each (3 projections forward, dx
+    and dw), A = b L min(k, E/ep) = 8 x 16 x 2 rows from each sender, where the filled rows alone
+    would take 2."""
+    E, K, ep = 4, 2, 2
+    p = _program("parallel.mesh=expert=2", "model.num_layers=1", devices=ep, config=MOE_TINY)
+    params = p.abstract_state["params"]
+    routed = sum(params["blocks"][n].size for n in ("expert_gate", "expert_up", "expert_down"))
+    L = p.train.seq_len
+    assert p.model.slot_matmul_params(params, L, ep) == routed / E * (ep * min(K, E // ep) - K) == routed / 2
+    assert p.model.slot_matmul_params(params, L, ep, in_fp8=True) == 0 == p.model.slot_matmul_params(params, L)
+    est = roofline.estimate(p, _no_memory(), [], H100)
+    tokens = p.train.batch_size * L / ep
+    assert est["flops"]["hardware_per_device"] == pytest.approx(est["flops"]["model_per_device"]
+                                                                + 6 * routed / 2 * tokens, rel=1e-12)
+    buffer_rows = ep * (p.train.batch_size // ep) * L * min(K, E // ep)
+    trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', p.lower().compile().as_text())]
+    assert trips.count(-(-buffer_rows // GMM_TILE) + E // ep - 1) >= 9, trips
+
+
 def _no_memory():
     return SimpleNamespace(argument_size_in_bytes=0, output_size_in_bytes=0, temp_size_in_bytes=0)
 
@@ -241,7 +266,7 @@ def test_estimate_times_collectives_on_the_links_they_cross():
         train=SimpleNamespace(batch_size=16, seq_len=16),
         model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1,
                                                   layer_windows=lambda: (0,), window_kinds=lambda: (0,)),
-                              block_matmul_params=lambda params: 0, slot_matmul_params=lambda params, seq_len: 0),
+                              block_matmul_params=lambda params: 0, slot_matmul_params=lambda params, *_, **__: 0),
         abstract_state={"params": None})
     data = SimpleNamespace(groups=[[f, 8 + f] for f in range(8)], times=2, traffic=1e9)
     fsdp = SimpleNamespace(groups=[list(range(8)), list(range(8, 16))], times=1, traffic=4.5e9)

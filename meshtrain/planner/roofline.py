@@ -20,8 +20,9 @@ Times, per device per step (each a lower bound; the step is the largest when all
 perfectly, the sum when none does):
 - compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model's dense
   6N per token (meshtrain/core/metrics.py), corrected by the model's `slot_matmul_params`, N_slot
-  (capacity routing runs every expert slot, empty or not, not N's k/E share: models/moe.py), which
-  counts with the blocks and, under fp8, with the fp8 matmuls; plus the forward the backward
+  (capacity routing runs every expert slot, empty or not, not N's k/E share; dropless routing under
+  expert parallelism every row of its receive buffer, filled or not: models/moe.py), which counts
+  with the blocks and, under fp8, with the fp8 matmuls where they run it; plus the forward the backward
   reruns, 2·(N_blocks + N_slot), under
   `parallel.remat=full` or a pipeline's `parallel.residuals=recompute` (`save_matmuls` and
   `offload` keep every matmul output, attention's included, so they rerun no matmul), plus
@@ -193,7 +194,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     width = m.num_heads * m.head_dim
     recompute = recomputes(plan.remat, plan.residuals, stages)
     params = program.abstract_state["params"]
-    slot_params = program.model.slot_matmul_params(params, t.seq_len)  # N_slot: every expert slot runs
+    # N_slot: every capacity slot runs, and dropless every row of the expert-parallel receive buffer
+    slot_params = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1))
     block_params = program.model.block_matmul_params(params) + slot_params  # the head is not rerun
     model_flops = program.flops_per_token * tokens
     windows = m.layer_windows()  # 0: the whole causal past
@@ -214,7 +216,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         if "peak_fp8_flops" not in profile:
             raise UserError(f"parallel.precision=fp8: the {profile['name']} has no fp8 matmuls; plan it on an "
                             f"H100/H200 or set parallel.precision=bf16")
-        fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + slot_params) * tokens
+        fp8_slot = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), in_fp8=True)
+        fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops)
     return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
