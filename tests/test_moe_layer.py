@@ -257,6 +257,7 @@ def test_balance_loss_against_hugging_faces():
     (load_balancing_loss_func, Mixtral's and Qwen3-MoE's) is k x ours; over several rows it is taken
     over the batch at once, ours per row."""
     torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     E = 4

@@ -87,10 +87,10 @@ def test_a_loss_spike_rolls_back_and_skips_its_batch(never_saw_the_spike, capsys
         return state, {**metrics, "loss": jnp.where(jnp.all(batch[0] == 7), 10 * metrics["loss"], metrics["loss"])}
 
     trainer.train_batches, trainer.compiled_step = batches, spiking_step
-    orbax_threads = lambda: sum(t.name.startswith("metadata_store") for t in threading.enumerate())
+    orbax_threads = lambda: {t for t in threading.enumerate() if t.name.startswith("metadata_store")}
     before = orbax_threads()
     records = fit(trainer)
-    assert orbax_threads() == before  # the run's checkpoint manager ended with it (it saved 3 times)
+    assert not orbax_threads() - before  # the run's checkpoint manager ended with it (it saved 3 times)
     captured = capsys.readouterr()
     warning = next(line for line in captured.err.splitlines() if "loss spike" in line)
     print(warning, "\n" + "\n".join(line for line in captured.out.splitlines() if line.startswith("guard")))

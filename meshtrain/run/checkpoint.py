@@ -120,7 +120,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every started save is durable on disk."""
         with self._full_disk():
-            self.manager.wait_until_finished()
+            if self._manager is not None:  # none: nothing was saved since it was made or closed
+                self._manager.wait_until_finished()
             self._write_manifests()
 
     def _full_disk(self):

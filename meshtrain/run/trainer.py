@@ -272,6 +272,10 @@ class Trainer:
             self.watchdog = StepWatchdog(t.step_timeout, self.out, jax.process_index(), jax.process_count(), first)
             with self.watchdog:
                 self._loop(first, steps, log, signalled)
+            # Every save is durable (the last one waited for): Orbax's manager and its thread end here,
+            # on every process alike, before --out is given back (a second fit() makes a new one). Not
+            # on an error: a peer may be gone.
+            self.checkpointer.close()
         except UserError:  # a full disk, say: the saves already started still become durable
             if jax.process_count() == 1:
                 with contextlib.suppress(Exception):
@@ -283,9 +287,6 @@ class Trainer:
             if log is not None:
                 log.close()
             self.close()
-        # Every save is durable (the last one waited for): Orbax's manager and its thread end here, on
-        # every process alike (a second fit() makes a new one). Not on an error: a peer may be gone.
-        self.checkpointer.close()
         if primary:
             saved = self.checkpointer.steps()
             newest = str(self.checkpointer.path(max(saved))) if saved else None
