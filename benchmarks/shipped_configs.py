@@ -5,12 +5,18 @@ worst measured/formula traffic ratio over the collective kinds (meshtrain/planne
 
     python benchmarks/shipped_configs.py            # all of configs/*.yaml (about 2 minutes)
     python benchmarks/shipped_configs.py configs/llama3_8b.yaml
+
+`--compile-speed`: each pod config planned twice, at XLA's default LLVM -O2 and at the -O0 the plan
+command asks for (meshtrain/planner/aot.py ANALYSIS_ONLY_XLA_FLAGS): the wall time of each command and
+whether the two plans' bytes and collectives are equal (docs/planner.md's table).
 """
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from meshtrain.config.loader import documented_pod
@@ -19,14 +25,31 @@ from meshtrain.planner.aot import human_bytes
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def plan(config: Path) -> tuple[list[str], dict]:
+def plan(config: Path, xla_flags: str | None = None) -> tuple[list[str], dict]:
+    """The pod flags and the plan's JSON, in its own process (`xla_flags`: its XLA_FLAGS instead of
+    this environment's); the JSON gets the command's wall time as `_seconds`."""
     flags = documented_pod(config)
     cmd = [sys.executable, "-m", "meshtrain.plan", "--config", str(config.relative_to(ROOT)), *flags,
            "--search-budget", "0", "--json"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    env = os.environ if xla_flags is None else {**os.environ, "XLA_FLAGS": xla_flags}
+    started = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{config.name}: {done.stderr.strip().splitlines()[-1]}")
-    return flags, json.loads(done.stdout)
+    return flags, {**json.loads(done.stdout), "_seconds": time.perf_counter() - started}
+
+
+def compile_speed(configs):
+    """-O2 (XLA's default, set by hand) against the plan command's own -O0, per pod config."""
+    print("| config | pod | -O2 (XLA's default) | -O0 | speed-up | bytes and collectives |")
+    print("|---|---|---|---|---|---|")
+    for config in configs:
+        flags, o2 = plan(config, "--xla_backend_optimization_level=2")
+        o0 = plan(config, "")[1]
+        same = all(o2[k] == o0[k] for k in ("steps", "memory", "collectives", "eval_step", "generation"))
+        print(f"| {config.stem} | {flags[flags.index('--devices') + 1]} | {o2['_seconds']:.1f} s | "
+              f"{o0['_seconds']:.1f} s | {o2['_seconds'] / o0['_seconds']:.2f}x | {'equal' if same else 'DIFFER'} |",
+              flush=True)
 
 
 def worst_traffic(report: dict) -> str:
@@ -44,7 +67,10 @@ def worst_traffic(report: dict) -> str:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("configs", nargs="*", type=Path, default=sorted((ROOT / "configs").glob("*.yaml")))
+    p.add_argument("--compile-speed", action="store_true", help="time each pod config's plan at -O2 and -O0")
     args = p.parse_args()
+    if args.compile_speed:
+        return compile_speed([c.resolve() for c in args.configs if "# pod:" in c.read_text()])
     print("| config | pod | train | eval | generation | usable | budget | verdict | margin "
           "| worst traffic, measured/formula |")
     print("|---|---|---|---|---|---|---|---|---|---|")
