@@ -97,8 +97,15 @@ def dispatch_bytes(rows: float, seq_len: int, num_experts: int, experts_per_toke
     if capacity_factor:
         C = capacity(L, E, K, capacity_factor)
         return {"bytes": rows * E * C * width * act_bytes, "capacity": C, "slot_buffer_bytes": slot_buffer}
-    sent = expert_axis * min(K, E // expert_axis)  # a token's rows in the buffer (K without EP)
+    sent = dropless_rows_per_token(E, K, expert_axis)
     return {"bytes": rows * L * sent * width * act_bytes, "capacity": 0, "slot_buffer_bytes": slot_buffer}
+
+
+def dropless_rows_per_token(num_experts: int, experts_per_token: int, expert_axis: int = 1) -> int:
+    """Rows per token of a dropless layer's buffer on a device: its K assignments without expert
+    parallelism; under it (N = expert_axis) the worst case ep x min(K, E/N) that all_to_all's static
+    shapes need (`dropless_local`), filled or not (K of them when the routing is balanced)."""
+    return expert_axis * min(experts_per_token, num_experts // expert_axis)
 
 
 def expert_parallel_size(axis: str) -> int:
@@ -530,7 +537,7 @@ class MoELanguageModel(LanguageModel):
         if not c.num_experts:
             return 0.0
         if c.capacity_factor == 0:
-            rows = expert_parallel * min(c.experts_per_token, c.num_experts // expert_parallel)
+            rows = dropless_rows_per_token(c.num_experts, c.experts_per_token, expert_parallel)
             return 0.0 if in_fp8 else self._routed_params(params) / c.num_experts * (rows - c.experts_per_token)
         slots = capacity(seq_len, c.num_experts, c.experts_per_token, c.capacity_factor)
         return self._routed_params(params) * slots / seq_len - self._routed_per_token(params)

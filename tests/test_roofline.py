@@ -1,6 +1,5 @@
 """The machine-aware roofline (meshtrain/planner/roofline.py): which mesh axes cross nodes, which axes a
 collective's replica groups span, the timing arithmetic, and the FLOPs convention behind MFU."""
-import re
 from types import SimpleNamespace
 
 import jax
@@ -12,7 +11,7 @@ from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
 from meshtrain.models.moe import GMM_TILE
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
-from meshtrain.planner import roofline
+from meshtrain.planner import hlo, roofline
 
 H100 = DEVICE_PROFILES["h100"]
 
@@ -214,7 +213,7 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
     assert est["flops"]["hardware_per_device"] == pytest.approx(est["flops"]["model_per_device"]
                                                                 + 6 * routed / 2 * tokens, rel=1e-12)
     buffer_rows = ep * (p.train.batch_size // ep) * L * min(K, E // ep)
-    trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', p.lower().compile().as_text())]
+    trips = [int(n) for n in hlo.TRIP_COUNT.findall(p.lower().compile().as_text())]
     assert trips.count(-(-buffer_rows // GMM_TILE) + E // ep - 1) >= 9, trips
 
 

@@ -36,7 +36,7 @@ _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
 _INDEX = re.compile(r"index=(\d+)")
@@ -295,7 +295,7 @@ class Module:
                 return
             times[name] += factor
             for ins in self.comps[name].values():
-                trip, body = _TRIP.search(ins.line), _BODY.search(ins.line)
+                trip, body = TRIP_COUNT.search(ins.line), _BODY.search(ins.line)
                 for callee in _CALLS.findall(ins.line):
                     repeat = int(trip.group(1)) if trip and body and callee == body.group(1) else 1
                     visit(callee, factor * repeat, depth + 1)
