@@ -9,6 +9,10 @@ worst measured/formula traffic ratio over the collective kinds (meshtrain/planne
 `--compile-speed`: each pod config planned twice, at XLA's default LLVM -O2 and at the -O0 the plan
 command asks for (meshtrain/planner/aot.py ANALYSIS_ONLY_XLA_FLAGS): the wall time of each command and
 whether the two plans' bytes and collectives are equal (docs/planner.md's table).
+
+`--gpu-vs-cpu`: each config planned by XLA's GPU compiler (compile-only devices, the plan-gpu extra) and
+by XLA:CPU (meshtrain/planner/compilers.py): train, eval and generation peaks from both, the GPU plan's
+worst traffic ratio and roofline step, and each plan's wall time (docs/planner.md's two-compiler table).
 """
 import argparse
 import json
@@ -25,12 +29,12 @@ from meshtrain.planner.aot import human_bytes
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def plan(config: Path, xla_flags: str | None = None) -> tuple[list[str], dict]:
+def plan(config: Path, xla_flags: str | None = None, compiler: str = "cpu") -> tuple[list[str], dict]:
     """The pod flags and the plan's JSON, in its own process (`xla_flags`: its XLA_FLAGS instead of
     this environment's); the JSON gets the command's wall time as `_seconds`."""
     flags = documented_pod(config)
     cmd = [sys.executable, "-m", "meshtrain.plan", "--config", str(config.relative_to(ROOT)), *flags,
-           "--search-budget", "0", "--json"]
+           "--search-budget", "0", "--json", "--compiler", compiler]
     env = os.environ if xla_flags is None else {**os.environ, "XLA_FLAGS": xla_flags}
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -52,6 +56,20 @@ def compile_speed(configs):
               flush=True)
 
 
+def gpu_vs_cpu(configs):
+    """Each config's plan by the GPU compiler beside XLA:CPU's."""
+    gb = human_bytes
+    print("| config | pod | train GPU / CPU | eval GPU / CPU | generation GPU / CPU | verdict (GPU) | "
+          "worst traffic (GPU) | step >= (GPU roofline) | plan time GPU / CPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for config in configs:
+        flags, g = plan(config, compiler="gpu")
+        c = plan(config, compiler="cpu")[1]
+        peaks = " | ".join(f"{gb(g['steps'][k])} / {gb(c['steps'][k])}" for k in ("train", "eval", "generation"))
+        print(f"| {config.stem} | {' '.join(flags)} | {peaks} | {g['verdict']['status']} | {worst_traffic(g)} | "
+              f"{g['roofline']['step_s'] * 1e3:,.1f} ms | {g['_seconds']:.0f} s / {c['_seconds']:.0f} s |", flush=True)
+
+
 def worst_traffic(report: dict) -> str:
     """The collective kind furthest from its formula, as measured/formula (meshtrain/planner/traffic.py's
     compare; a flagged kind with bytes but no formula counts as furthest; scalars with no formula,
@@ -68,7 +86,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("configs", nargs="*", type=Path, default=sorted((ROOT / "configs").glob("*.yaml")))
     p.add_argument("--compile-speed", action="store_true", help="time each pod config's plan at -O2 and -O0")
+    p.add_argument("--gpu-vs-cpu", action="store_true", help="each config planned by the GPU compiler and by XLA:CPU")
     args = p.parse_args()
+    if args.gpu_vs_cpu:
+        return gpu_vs_cpu([c.resolve() for c in args.configs])
     if args.compile_speed:
         return compile_speed([c.resolve() for c in args.configs if "# pod:" in c.read_text()])
     print("| config | pod | train | eval | generation | usable | budget | verdict | margin "

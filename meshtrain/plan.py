@@ -1,10 +1,12 @@
 """`python -m meshtrain.plan`: know before you pay for the pod.
 
-Plan a run on a target mesh, on any laptop (simulated CPU devices, nothing materialised):
+Plan a run on a target mesh, on any laptop (nothing materialised):
 
     python -m meshtrain.plan --config configs/llama3_8b.yaml --devices 64 --mesh fsdp=8,tensor=8
 
-lowers and compiles the real train step for that mesh ahead of time and reports, per device, the
+lowers and compiles the real train step for that mesh ahead of time, with XLA's GPU compiler for
+`--device` (compile-only devices: no GPU needed; `pip install -e ".[plan-gpu]"`) or else XLA:CPU on
+simulated devices (`--compiler`, meshtrain/planner/compilers.py), and reports, per device, the
 bytes of parameters, optimizer state, gradients and temporaries against --device-memory, the
 collective traffic by kind parsed from the compiled HLO, the FLOPs per step and a roofline
 estimate, each next to its analytical formula. `--compare MESH ...` ranks meshes, `--zero-table`
@@ -33,6 +35,7 @@ from meshtrain.core.formulas import bubble_expression, bubble_terms
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.parallel.schedules import SCHEDULES, executor_tables, timetable
 from meshtrain.planner.budget import HEADROOM
+from meshtrain.planner.compilers import COMPILERS
 from meshtrain.planner.drawing import figure_suffixes, save_timeline
 
 MAX_SCHEDULE_CELLS = 2**16  # stages x microbatches x virtual stages: 64 x 512 simulates in ~4 s
@@ -75,7 +78,11 @@ def parser() -> Parser:
                      help="target device count (simulated on this machine's CPU)")
     run.add_argument("--mesh", help="target mesh, e.g. fsdp=8,tensor=8 or 8x8x4")
     run.add_argument("--device", default="h100", choices=sorted(DEVICE_PROFILES),
-                     help="device profile for the roofline")
+                     help="the target device: the GPU compiler's target and the roofline's profile")
+    run.add_argument("--compiler", default="auto", choices=COMPILERS,
+                     help="gpu: XLA's GPU compiler for --device without a GPU (needs the plan-gpu extra); cpu: XLA:CPU "
+                          "on simulated devices, corrected where it differs from a GPU; auto (default): gpu when "
+                          "installed and --device is a GPU, else cpu, saying why")
     run.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
                      help="memory per device, e.g. 80GB (default: the profile's)")
     run.add_argument("--devices-per-node", type=number(int, min=1), default=None, metavar="N",

@@ -23,6 +23,10 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Tests run on the CPU. With the plan-gpu extra installed (the test extra brings it), JAX would also try
+# the CUDA plugin at start and print that no CUDA driver is there; the planner's GPU compiles take their
+# compile-only devices from a topology (meshtrain/planner/compilers.py), not from a backend.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache per test session, shared with the CLI subprocesses: tests that compile the
 # same program (a rerun after SIGKILL, a resume) load it instead of compiling it again. The process
 # that makes it (pytest's, before its xdist workers start; they inherit it) removes it at its exit.

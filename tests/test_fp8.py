@@ -1,5 +1,5 @@
-"""precision=fp8 (meshtrain/ops/fp8.py): the op's numerics (exact fp8 round trips, the QDQ einsum
-equal to an einsum of the dequantized operands, gradients near fp32's), the compiled step quantizing
+"""precision=fp8 (meshtrain/ops/fp8.py): the op's numerics (exact fp8 round trips, the einsum
+equal to the scaled fp8 GEMM, gradients near fp32's), the compiled step quantizing
 exactly the projections and the MLP, the tiny run tracking bf16, a sharded run matching one device,
 a bitwise resume, and the planner's fp8 roofline and activation bytes."""
 import functools
@@ -51,14 +51,17 @@ SPECS = {"bld,dhk->blhk": ((2, 8, 32), (32, 4, 8)), "blhk,hkd->bld": ((2, 8, 4, 
 
 
 def results(spec, x32, w32, g32):
-    """fp8_einsum's output and gradients, the plain einsum of the dequantized operands and its vjp
-    of the dequantized e5m2 cotangent, and fp32's."""
-    dq = lambda t, dtype: dequantize(*quantize(t, dtype))
+    """fp8_einsum's output and gradients; the fp8 GEMM's by its definition (the fp8 values as fp32,
+    fp32 sums, the product of the two scales applied in fp32, one rounding to bf16), each gradient the
+    vjp of the fp32 einsum of the fp8 values applied to the e5m2 cotangent; and fp32's."""
     x, w, g = (t.astype(jnp.bfloat16) for t in (x32, w32, g32))
     y, vjp = jax.vjp(functools.partial(fp8_einsum, spec), x, w)
-    plain, plain_vjp = jax.vjp(functools.partial(jnp.einsum, spec), dq(x, E4M3), dq(w, E4M3))
+    (qx, sx), (qw, sw), (qg, sg) = quantize(x, E4M3), quantize(w, E4M3), quantize(g, E5M2)
+    f32 = lambda t: t.astype(jnp.float32)
+    gemm, gemm_vjp = jax.vjp(functools.partial(jnp.einsum, spec), f32(qx), f32(qw))
+    (dx, dw), scaled = gemm_vjp(f32(qg)), lambda t, a, b: (t * (f32(a) * f32(b))).astype(jnp.bfloat16)
     y32, vjp32 = jax.vjp(functools.partial(jnp.einsum, spec), x32, w32)
-    return (y, *vjp(g)), (plain, *plain_vjp(dq(g, E5M2))), (y32, *vjp32(g32))
+    return (y, *vjp(g)), (scaled(gemm, sx, sw), scaled(dx, sg, sw), scaled(dw, sx, sg)), (y32, *vjp32(g32))
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +76,10 @@ def einsums():
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_the_qdq_einsum_is_an_einsum_of_the_dequantized_operands_and_its_gradients_track_fp32(einsums, spec):
-    fp8, plain, fp32 = einsums[spec]
+def test_the_fp8_einsum_is_the_scaled_fp8_gemm_and_its_gradients_track_fp32(einsums, spec):
+    fp8, gemm, fp32 = einsums[spec]
     assert all(t.dtype == jnp.bfloat16 for t in fp8)
-    for got, want in zip(fp8, plain):  # forward: e4m3 operands; backward: e4m3 residuals, e5m2 cotangent
+    for got, want in zip(fp8, gemm):  # forward: e4m3 operands; backward: e4m3 residuals, e5m2 cotangent
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     # Against fp32: e4m3 rounds to 3 mantissa bits (relative error up to 2^-4, ~3.6% rms), e5m2 to 2
     # (2^-3); sums of products keep about the operands' rms error. Measured: 3.7-6.3% (y, dx, dw).

@@ -46,7 +46,10 @@ def test_collectives_are_parsed_with_loop_trip_counts():
 
 
 def plan_json(capsys, *extra):
-    assert main(["--config", TINY, "--devices", "8", "--json", *extra]) == 0
+    """A plan's JSON, compiled by XLA:CPU (these tests are of that path and its corrections; the GPU
+    compiler's: tests/test_gpu_compile.py) unless `extra` names --compiler."""
+    compiler = [] if "--compiler" in extra else ["--compiler", "cpu"]
+    assert main(["--config", TINY, "--devices", "8", "--json", *compiler, *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -81,7 +84,8 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     report = plan_json(capsys, "--mesh", "2x2x2", "--device-memory", "100KB", "--search-budget", "0")
     assert set(report) == {"config", "mesh", "devices", "params", "memory", "zero_formula", "collectives", "flops",
                            "roofline", "data_parallel", "corrections", "eval_step", "generation", "steps", "budget",
-                           "verdict"}
+                           "verdict", "compiled_for"}
+    assert report["compiled_for"] == {"platform": "cpu", "device": "h100", "devices": 8, "fallback": "--compiler cpu"}
     assert 0 < report["eval_step"]["temporaries"] < report["memory"]["temporaries"]  # no gradients, no optimizer
     # one verdict for the run: the largest of the three compiled programs against the usable memory
     steps = report["steps"]
@@ -103,7 +107,7 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     assert memory["fits"] is False and memory["total"] > 100e3
     assert memory["largest"] == "activations and temporaries (gradients included)"
     assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--device-memory", "100KB",
-                 "--search-budget", "0"]) == 0
+                 "--search-budget", "0", "--compiler", "cpu"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"verdict: DOES NOT FIT in 75.00 KB: peak [\d.]+ MB \((train step|eval step|generation)\)", out)
     assert "the train step's largest consumer is activations and temporaries" in out
@@ -222,7 +226,8 @@ def test_the_plan_command_compiles_for_analysis_with_the_same_figures(capsys, mo
     user_set = {"XLA_FLAGS": "--xla_backend_optimization_level=2"}
     compile_for_analysis_only(user_set)
     assert user_set == {"XLA_FLAGS": "--xla_backend_optimization_level=2"}
-    argv = ["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--search-budget", "0", "--json"]
+    argv = ["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--search-budget", "0", "--json",
+            "--compiler", "cpu"]
     done = subprocess.run([sys.executable, "-m", "meshtrain.plan", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, **user_set})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -49,7 +49,8 @@ class TrainProgram:
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
         self.rules = make_rules(plan.rules, plan.sequence_parallel)
-        check_layout(model, plan, t, self.sizes, self.rules, jax.default_backend())
+        backend = devices[0].platform if devices is not None else jax.default_backend()  # a plan's GPU target
+        check_layout(model, plan, t, self.sizes, self.rules, backend)
         self.mesh = build_mesh(self.sizes, devices)
         context = self.sizes["context"]
         order = load_balanced_order(t.seq_len, context) if context > 1 else None

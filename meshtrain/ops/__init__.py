@@ -6,5 +6,5 @@
 - optimizers.py: optimizers and learning-rate schedules by name, with their state bytes.
 - loss.py: the vocabulary-tiled cross-entropy (never the full fp32 logits).
 - precision.py: compute dtypes and fp16 loss scaling; remat.py: the activation-saving policies.
-- fp8.py: the fp8 matmul of precision=fp8 (per-tensor current scaling, quantize-dequantize).
+- fp8.py: the fp8 matmul of precision=fp8 (per-tensor current scaling, fp8 operands into the GEMM).
 """

@@ -5,12 +5,17 @@ backward's output cotangent in float8_e5m2 (57344, 2 mantissa bits: range for gr
 Each tensor t gets its own scale from itself, every call ("current" scaling: torchao's tensorwise
 float8 recipe, Transformer Engine's Float8CurrentScaling):
     s = amax(|t|) / fmax   (s = 1 when amax = 0),    q = clip(t / s, -fmax, fmax) -> fp8,    dq = q x s.
-The matmul is a quantize-dequantize (QDQ) pattern around an ordinary einsum of dq's in the compute
-dtype (bf16; fp32 accumulation, as XLA's dots do): XLA's GPU GemmRewriter fuses convert -> multiply
--> dot into one cuBLASLt FP8 GEMM with the scales as its alpha, and on a CPU the same graph
-computes the fp8 numerics exactly. `fp8_einsum` keeps the fp8 operands and their scales as its
-residuals (1 byte per saved element) and differentiates with the cotangent quantized to e5m2:
-    dx = einsum^T(dq(g), dq(w)),    dw = einsum^T(dq(x), dq(g)).
+The matmul takes the fp8 operands themselves, as the GEMM does: an einsum of the fp8 tensors
+accumulated in fp32, times the two scales in fp32, rounded to the output dtype once:
+    y = (sx x sw) . einsum(qx, qw)    (an fp8 GEMM with the scales as its alpha).
+On a GPU, XLA's compiler keeps that form's fp8 operands (a Triton or cuBLASLt fp8 GEMM with the
+scaling fused: `python -m meshtrain.plan` counts its GEMMs by operand type), where a quantize-dequantize
+(QDQ) einsum of bf16 values loses them: the GPU pipeline, allowed excess precision by default, folds
+the bf16 -> fp8 -> bf16 round trip away and runs bf16 GEMMs. On a CPU the same graph computes the
+fp8 GEMM's numbers exactly (products of fp8 values are exact in fp32). `fp8_einsum` keeps the fp8
+operands and their scales as its residuals (1 byte per saved element) and differentiates with the
+cotangent quantized to e5m2, each gradient one more fp8 GEMM:
+    dx = (sg x sw) . einsum^T(qg, qw),    dw = (sx x sg) . einsum^T(qx, qg).
 Delayed scaling (a scale from an amax history of earlier steps) is left out: it needs per-matmul
 state through the layer scan, the pipeline stages and microbatch accumulation, and torchao removed
 it once current scaling ran as fast. So fp8 adds no train state and nothing to checkpoint, and
@@ -47,22 +52,42 @@ def dequantize(q, s):
     return q.astype(s.dtype) * s
 
 
+def scaled_einsum(spec: str, qa, sa, qb, sb):
+    """(sa x sb) . einsum(spec, qa, qb): fp8 operands straight into the dot, fp32 accumulation, the
+    scales applied in fp32 and one rounding to the scales' dtype (the GEMM's alpha and output type)."""
+    y = jnp.einsum(spec, qa, qb, preferred_element_type=jnp.float32)
+    alpha = sa.astype(jnp.float32) * sb.astype(jnp.float32)
+    return (y * alpha).astype(jnp.result_type(sa, sb))
+
+
+def transposed_specs(spec: str) -> tuple[str, str]:
+    """The einsums of the two gradients of `spec` ("x,w->y"): "y,w->x" and "x,y->w". Each index of an
+    operand must be in the other operand or the output (no index summed within one operand alone)."""
+    x, rest = spec.replace(" ", "").split(",")
+    w, y = rest.split("->")
+    if set(x) - set(w + y) or set(w) - set(x + y):
+        raise ValueError(f"fp8_einsum: {spec!r} sums an index within one operand; reduce it first")
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def fp8_einsum(spec: str, x, w):
-    """jnp.einsum(spec, x, w) with both operands through e4m3 (current scaling) and the cotangent
-    through e5m2 in the backward; output in the operands' dtype. A drop-in for the model's einsums."""
+    """jnp.einsum(spec, x, w) as an fp8 GEMM: both operands through e4m3 (current scaling), the
+    cotangent through e5m2 in the backward; output in the operands' dtype. A drop-in for the model's
+    einsums."""
     return _fwd(spec, x, w)[0]
 
 
 def _fwd(spec, x, w):
     (qx, sx), (qw, sw) = quantize(x, E4M3), quantize(w, E4M3)
-    return jnp.einsum(spec, dequantize(qx, sx), dequantize(qw, sw)), (qx, sx, qw, sw)
+    return scaled_einsum(spec, qx, sx, qw, sw), (qx, sx, qw, sw)
 
 
 def _bwd(spec, residuals, g):
     qx, sx, qw, sw = residuals
-    _, transpose = jax.vjp(functools.partial(jnp.einsum, spec), dequantize(qx, sx), dequantize(qw, sw))
-    return transpose(dequantize(*quantize(g, E5M2)))
+    qg, sg = quantize(g, E5M2)
+    dx_spec, dw_spec = transposed_specs(spec)
+    return scaled_einsum(dx_spec, qg, sg, qw, sw), scaled_einsum(dw_spec, qx, sx, qg, sg)
 
 
 fp8_einsum.defvjp(_fwd, _bwd)

@@ -1,10 +1,13 @@
 """The planner behind `python -m meshtrain.plan --config ...`: compile the real train step for a
-target mesh on simulated CPU devices and report memory, collectives, FLOPs and a roofline, each
-next to its analytical formula.
+target mesh and report memory, collectives, kernels, FLOPs and a roofline, each next to its
+analytical formula.
 
-Formulas: meshtrain/planner/traffic.py (collectives), meshtrain/core/formulas.py (ZeRO memory, bubble).
-Collectives are read from the compiled HLO as a GPU runs them (meshtrain/planner/hlo.py corrects the CPU
-backend's rewrites). Roofline: meshtrain/planner/roofline.py (each mesh axis's traffic on the in-node or
+The compiler is the pod's (meshtrain/planner/compilers.py): XLA's GPU compiler on compile-only
+devices of the target GPU when the plan-gpu extra is installed, so memory is the GPU's buffer
+assignment and the collectives and kernels are the GPU program's; else XLA:CPU on simulated devices,
+whose program is corrected where it differs from a GPU's (the f32 copies below; meshtrain/planner/hlo.py
+for the collectives). Formulas: meshtrain/planner/traffic.py (collectives), meshtrain/core/formulas.py
+(ZeRO memory, bubble). Roofline: meshtrain/planner/roofline.py (each mesh axis's traffic on the in-node or
 cross-node link it crosses, compute with recompute and the lockstep bubble, an HBM floor).
 """
 from __future__ import annotations
@@ -24,9 +27,9 @@ from meshtrain.core import formulas
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
-from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh, simulate_cpu_devices
+from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
 from meshtrain.parallel.sharding import make_rules
-from meshtrain.planner import fit, hlo, traffic
+from meshtrain.planner import compilers, fit, hlo, kernels, traffic
 from meshtrain.planner import roofline as roof
 from meshtrain.planner.budget import budget, memory_fraction, verdict
 from meshtrain.planner.hlo import KINDS
@@ -52,6 +55,16 @@ def compile_for_analysis_only(environ) -> None:
     flags = environ.get("XLA_FLAGS", "").split()
     named = {f.split("=")[0] for f in flags}
     environ["XLA_FLAGS"] = " ".join(flags + [f for f in ANALYSIS_ONLY_XLA_FLAGS if f.split("=")[0] not in named])
+
+
+def on_gpu(program) -> bool:
+    """Whether the program is compiled by XLA's GPU compiler (its mesh holds compile-only GPU devices)."""
+    return program.mesh.devices.flat[0].platform == "gpu"
+
+
+def cpu_widened(program) -> bool:
+    """Whether XLA:CPU's f32 copies of bf16/fp16 loop values are to be left out (CPU_F32_COPIES)."""
+    return program.plan.precision != "fp32" and not on_gpu(program)
 
 
 def shard_bytes(tree, shardings) -> int:
@@ -82,7 +95,7 @@ def eval_step_memory(program) -> dict:
     batch = jax.ShapeDtypeStruct(program.batch_shape, jnp.int32, sharding=program.batch_sharding)
     with program.context():
         lowered = program.eval_step().lower(program.abstract_state["params"], batch)
-    return {**compiled_memory(lowered, program.plan.precision != "fp32"),
+    return {**compiled_memory(lowered, cpu_widened(program)),
             "microbatches": program.plan.num_microbatches(program.sizes["pipeline"])}
 
 
@@ -98,7 +111,7 @@ def scoring_memory(program) -> dict:
     mask = jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=scorer.row_sharding)
     with scorer.context():
         lowered = scorer.program.lower(program.abstract_state["params"], ids, ids, mask)
-    return {**compiled_memory(lowered, program.plan.precision != "fp32"), "rows": scorer.rows,
+    return {**compiled_memory(lowered, cpu_widened(program)), "rows": scorer.rows,
             "length": scorer.length}
 
 
@@ -152,15 +165,17 @@ def named_tokenizer_eos(dcfg) -> int | None:
     return tokenizer_lib.load(dcfg.tokenizer).eos_id
 
 
-def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> dict:
-    """The train step compiled for the config's mesh: memory, collectives beside their formulas,
-    FLOPs and the roofline (`plan` adds the eval step, generation and the verdict)."""
-    program = TrainProgram.from_config(cfg, tokenizer_eos=named_tokenizer_eos(cfg.data))
+def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, devices=None) -> dict:
+    """The train step compiled for the config's mesh on `devices` (compile-only GPU devices or CPU
+    devices: meshtrain/planner/compilers.py; default the process's): memory, collectives beside their
+    formulas, the GPU program's kernels, FLOPs and the roofline (`plan` adds the eval step, generation
+    and the verdict)."""
+    program = TrainProgram.from_config(cfg, devices=devices, tokenizer_eos=named_tokenizer_eos(cfg.data))
     check_train_size(program, (profile["memory"], f"one {profile['name']} has"))  # before an endless compile
     lowered = program.lower()
     compiled = lowered.compile()
-    widened = cfg.parallel.precision != "fp32"
-    train_memory = compiled_memory(lowered, widened, default=compiled)
+    train_memory = compiled_memory(lowered, cpu_widened(program), default=compiled)
+    gpu, text = on_gpu(program), compiled.as_text()
     mesh, sizes, n = program.mesh, program.sizes, program.mesh.size
     state, shardings = program.abstract_state, program.state_shardings
     grad_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), program.grad_specs,
@@ -175,7 +190,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
                  "activations and temporaries (gradients included)": memory["temporaries"]}
     memory["largest"] = max(consumers, key=consumers.get)
 
-    records = hlo.read(compiled.as_text(), n)
+    records = hlo.read(text, n, correct=not gpu)  # the GPU's program needs no CPU corrections
     measured = hlo.by_kind(records)
     expected = traffic.expected_traffic(program)
     compared = traffic.compare(measured, expected, gaps=traffic.known_gaps(program))
@@ -183,13 +198,13 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
                  "ratio": compared[k]["ratio"], "within": compared[k]["within"], "flag": compared[k]["flag"]}
              for k in KINDS}
 
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = compiled.cost_analysis() or {}  # the GPU compiler's is empty
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     t, par = cfg.train, cfg.parallel
     read_once = SimpleNamespace(argument_size_in_bytes=train_memory["arguments"],  # the HBM floor's bytes
                                 temp_size_in_bytes=memory["temporaries"], output_size_in_bytes=train_memory["outputs"])
     roofline = roof.estimate(program, read_once, records, profile, devices_per_node)
-    flops = {"compiled_per_device": float(cost.get("flops", 0.0)),
+    flops = {"compiled_per_device": float(cost["flops"]) if "flops" in cost else None,
              "model_per_device": roofline["flops"]["model_per_device"],
              "hardware_per_device": roofline["flops"]["hardware_per_device"]}
     return {"config": {"model": dataclasses.asdict(program.model.cfg), "batch_size": t.batch_size, "seq_len": t.seq_len,
@@ -205,14 +220,15 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None) -> 
             "collectives": comms,
             "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
             "flops": flops, "roofline": roofline, "_program": program,
+            **({"kernels": kernels.read(text)} if gpu else {}),
             **({"moe": moe} if (moe := traffic.moe_dispatch(program)) else {})}
 
 
-def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None) -> dict:
+def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None, devices=None) -> dict:
     """One verdict for the run: the train step (`train_step_plan`), the eval step, the task scorer
     (when eval.tasks are set) and generation, compiled on the same devices, the largest against the
     budget (meshtrain/planner/budget.py)."""
-    report = train_step_plan(cfg, profile, devices_per_node)
+    report = train_step_plan(cfg, profile, devices_per_node, devices)
     program, mem = report.pop("_program"), report["memory"]
     # The eval step and the scorer take the parameters only; the rest of the train state (the
     # optimizer state, int8 compression's residuals) stays on the device beside them.
@@ -246,6 +262,7 @@ def format_plan(r: dict) -> str:
     lines = [f"plan: {r['params'] / 1e6:,.1f}M params on {r['devices']} devices, mesh {r['mesh']}, "
              f"zero={r['config']['zero']}, {r['config']['precision']}, remat={r['config']['remat']}, "
              f"{r['config']['microbatches']} microbatch(es)",
+             *([compilers.summary(r["compiled_for"])] if "compiled_for" in r else []),
              "", "train step memory per device    measured      "
                  f"formula (ZeRO, {r['config'].get('optimizer', 'adamw')})"]
     for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"),
@@ -279,9 +296,11 @@ def format_plan(r: dict) -> str:
                      f"slice as reduce-scatters; {gb(fix['all_reduce_reassociated_bytes'])} of all-reduces summed "
                      f"after reduction counted once")
     f = r["flops"]
-    lines += ["", f"FLOPs per device per step: model (6N + 12·L·H·K·S per token, MFU's) {f['model_per_device']:.3e}; "
-                  f"executed (recompute included, HFU's) {f['hardware_per_device']:.3e}; XLA cost analysis "
-                  f"{f['compiled_per_device']:.3e} (it counts a loop body once, not per layer)",
+    xla = ("none from the GPU compiler" if f["compiled_per_device"] is None else
+           f"{f['compiled_per_device']:.3e} (it counts a loop body once, not per layer)")
+    lines += [*format_kernels(r.get("kernels")),
+              "", f"FLOPs per device per step: model (6N + 12·L·H·K·S per token, MFU's) {f['model_per_device']:.3e}; "
+                  f"executed (recompute included, HFU's) {f['hardware_per_device']:.3e}; XLA cost analysis {xla}",
               f"roofline on {roof['device']} ({roof['devices_per_node']} per node, {roof['nodes']} node(s)):"]
     for axes, link in roof["links"].items():
         if link["traffic_bytes"]:
@@ -296,6 +315,20 @@ def format_plan(r: dict) -> str:
                  + f", {roof['tokens_per_s']:,.0f} tokens/s")
     lines += ["", format_verdict(r), *format_search(r)]
     return "\n".join(lines)
+
+
+def format_kernels(k: dict | None) -> list[str]:
+    """The GPU program's kernels per step (meshtrain/planner/kernels.py)."""
+    if not k:
+        return []
+    by = lambda counts: ", ".join(f"{what} {n:,.0f}" for what, n in sorted(counts.items(), key=lambda i: -i[1]))
+    att = k["attention"]
+    lines = ["", "kernels per device per step (the GPU program)",
+             f"  GEMMs {sum(k['gemms'].values()):,.0f} by operand types: {by(k['gemms']) or 'none'}",
+             f"  fused attention (cuDNN): {att['forward']:,.0f} forward, {att['backward']:,.0f} backward",
+             f"  async collectives {sum(k['collectives'].values()):,.0f}: {by(k['collectives']) or 'none'}",
+             f"  other fusions {k['fusions']:,.0f}", "  largest arrays made:"]
+    return lines + [f"    {a['shape']:<28} {human_bytes(a['bytes']):>10}  {a['op']}" for a in k["largest"][:5]]
 
 
 def format_search(r: dict) -> list[str]:
@@ -352,34 +385,37 @@ def format_verdict(r: dict) -> str:
 
 
 def run(args) -> str:
-    jax.config.update("jax_platforms", "cpu")  # plan on this machine's CPU whatever it has
-    simulate_cpu_devices(args.devices)
     profile = DEVICE_PROFILES[args.device]
+    target = compilers.choose(args.compiler, args.device, args.devices,
+                              args.devices_per_node or profile["devices_per_node"])
+    compiled_for, devices = target.describe(), target.devices
     fraction, source = memory_fraction(profile, args.mem_fraction)
     memory_budget = budget(args.device_memory or profile["memory"], fraction, args.headroom, source)
     overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
     cfg = load_config(args.config, overrides)
     cfg.devices = 0
     if args.zero_table:
-        rows = [plan(with_plan(cfg, zero=z), profile, memory_budget, args.devices_per_node) for z in range(4)]
-        return json.dumps(rows) if args.json else format_zero_table(rows)
+        rows = [{**plan(with_plan(cfg, zero=z), profile, memory_budget, args.devices_per_node, devices),
+                 "compiled_for": compiled_for} for z in range(4)]
+        return json.dumps(rows) if args.json else "\n".join([compilers.summary(compiled_for), format_zero_table(rows)])
     if args.compare:
         rows, skipped = [], []
         for mesh in args.compare:
             try:
-                rows.append(plan(with_plan(cfg, mesh=mesh), profile, memory_budget, args.devices_per_node))
+                rows.append(plan(with_plan(cfg, mesh=mesh), profile, memory_budget, args.devices_per_node, devices))
             except UserError as e:
                 skipped.append({"mesh": mesh, "reason": str(e)})
         rows.sort(key=lambda r: -r["roofline"]["mfu_ceiling"])
-        return json.dumps({"plans": rows, "skipped": skipped}) if args.json else format_compare(rows, skipped)
-    report = plan(cfg, profile, memory_budget, args.devices_per_node)
+        return (json.dumps({"plans": rows, "skipped": skipped, "compiled_for": compiled_for}) if args.json else
+                "\n".join([compilers.summary(compiled_for), format_compare(rows, skipped)]))
+    report = {**plan(cfg, profile, memory_budget, args.devices_per_node, devices), "compiled_for": compiled_for}
     if args.search_budget and (args.fit or report["verdict"]["status"] != "fits"):
         base = fit.Layout.of(cfg, parse_mesh(cfg.parallel.mesh, args.devices))
         known = {base: {"layout": base, "peak": report["memory"]["total"], "step_s": report["roofline"]["step_s"],
                         "fits": report["memory"]["total"] <= memory_budget["budget"],
                         "mfu_ceiling": report["roofline"]["mfu_ceiling"]}}
         found = fit.search(cfg, parse_mesh(cfg.parallel.mesh, args.devices), profile, memory_budget,
-                           args.search_budget, args.devices_per_node, known)
+                           args.search_budget, args.devices_per_node, known, devices)
         report["search"] = {"best": found["best"] and search_row(found["best"], base, args, cfg),
                             "compiled": [search_row(r, base, args, cfg) for r in found["compiled"]],
                             "path": found["path"], "budget": args.search_budget}

@@ -96,13 +96,14 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
     return out
 
 
-def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_per_node=None) -> dict | None:
+def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_per_node=None,
+             devices=None) -> dict | None:
     """The layout's train step compiled: its peak per device, whether it fits the budget, and its
     roofline step time; None (with the reason) when the program refuses the layout."""
     from meshtrain.planner import aot as planner
 
     try:
-        r = planner.train_step_plan(layout.apply(cfg), profile, devices_per_node)
+        r = planner.train_step_plan(layout.apply(cfg), profile, devices_per_node, devices)
     except UserError as e:
         return {"layout": layout, "invalid": str(e)}
     peak = r["memory"]["total"]
@@ -111,17 +112,17 @@ def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_pe
 
 
 def search(cfg, sizes: dict, profile: dict, memory_budget: dict, budget: int = 12, devices_per_node=None,
-           known: dict | None = None) -> dict:
+           known: dict | None = None, devices=None) -> dict:
     """Local search (module doc) from the config's layout, at most `budget` compiles (`known`:
-    layouts already evaluated). Returns the best fitting candidate found (None if none), every
-    candidate compiled, and the moves taken."""
+    layouts already evaluated; `devices`: the compiler's, meshtrain/planner/compilers.py). Returns the
+    best fitting candidate found (None if none), every candidate compiled, and the moves taken."""
     per_node = devices_per_node or profile["devices_per_node"]
     seen: dict[Layout, dict] = dict(known or {})
     limit = budget + len(seen)
 
     def score(layout):
         if layout not in seen and len(seen) < limit:
-            seen[layout] = evaluate(cfg, layout, profile, memory_budget, devices_per_node)
+            seen[layout] = evaluate(cfg, layout, profile, memory_budget, devices_per_node, devices)
         return seen.get(layout)
 
     current, path = score(Layout.of(cfg, sizes)), []

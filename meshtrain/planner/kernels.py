@@ -1,0 +1,109 @@
+"""The kernels of a compiled GPU program, per step, read from its HLO text (meshtrain/planner/hlo.py's
+`Module`, loop bodies by their trip counts).
+
+What XLA's GPU compiler launches is a top-level instruction of a computation that runs (the entry,
+loop bodies, branches, async wrappers), never one inside a fusion: a fusion is one kernel. Kinds:
+- `gemms`: matmuls, by operand types (`bf16 x bf16`, `f8e4m3fn x f8e4m3fn`, `f8e5m2 x f8e4m3fn`...):
+  Triton GEMM fusions (`__triton_gemm`, `__triton_nested_gemm_fusion`; the operands of the `dot`
+  inside) and cuBLAS/cuBLASLt custom calls (`__cublas$...`; the call's first two operands);
+- `attention`: cuDNN fused attention calls (`__cudnn$fmha...`), forward and backward;
+- `collectives`: async collective launches (`all-gather-start`, ...) by kind;
+- `fusions`: every other fusion (elementwise, reductions, transposes), one kernel each;
+- `largest`: the largest arrays the program makes (instruction outputs), name, shape and bytes.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elements
+
+GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas")
+_FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([\w$]+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+_NOT_NEW = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")  # no buffer of their own
+_FUSED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+
+
+def _operand_types(module: Module, comp: str, names: list[str]) -> str:
+    types = [module.comps[comp][n].arrays[0][0] for n in names[:2] if n in module.comps[comp]]
+    return " x ".join(types)
+
+
+def _gemm_types(module: Module, comp: str, ins) -> str | None:
+    """The operand types of a GEMM kernel, None when `ins` is not one."""
+    if ins.op == "custom-call":
+        target = _TARGET.search(ins.line)
+        return _operand_types(module, comp, ins.operands) if target and target.group(1).startswith("__cublas") \
+            else None
+    if ins.op != "fusion":
+        return None
+    kind = _FUSION_KIND.search(ins.line)
+    if not (kind and kind.group(1).startswith(GEMM_FUSIONS)):
+        return None
+    body = module.callee(ins)
+    dots = [i for i in module.comps.get(body, {}).values() if i.op in ("dot", "scaled-dot")]
+    return _operand_types(module, body, dots[0].operands) if dots else None
+
+
+def fused_computations(module: Module) -> set[str]:
+    """Computations that run inside a kernel (fusion bodies, reducers, custom calls' computations)."""
+    inside = set()
+    for comp in module.comps.values():
+        for ins in comp.values():
+            if ins.op in ("fusion", "custom-call") or "to_apply=" in ins.line:
+                inside.update(_FUSED.findall(ins.line))
+    return inside
+
+
+def launches(module: Module):
+    """(instruction, computation, executions per step) of every kernel-level instruction."""
+    inside = fused_computations(module)
+    for comp, times in module.execution_counts().items():
+        if comp not in inside:
+            for ins in module.comps[comp].values():
+                yield ins, comp, times
+
+
+def gemm_sites(hlo_text: str) -> list[dict]:
+    """Every GEMM kernel: its operand types, the op that made it (jit's op_name: the einsum's spec is
+    in it) and its executions per step."""
+    module, sites = Module(hlo_text), []
+    for ins, comp, times in launches(module):
+        if (types := _gemm_types(module, comp, ins)) is not None:
+            name = _OP_NAME.search(ins.line)
+            sites.append({"types": types, "op": name.group(1) if name else ins.name, "times": times})
+    return sites
+
+
+def arrays_made(module: Module):
+    """{name, op, shape, bytes} of each array a kernel-level instruction makes (not a view, a tuple or
+    a parameter)."""
+    for ins, _, _ in launches(module):
+        if ins.shape.startswith("(") or ins.op in _NOT_NEW:
+            continue
+        for dtype, elements in typed_array_elements(ins.shape):
+            name = _OP_NAME.search(ins.line)
+            yield {"name": ins.name, "op": name.group(1) if name else ins.op, "shape": ins.shape.split("{")[0],
+                   "bytes": elements * DTYPE_BYTES[dtype]}
+
+
+def read(hlo_text: str, largest: int = 8) -> dict:
+    """Kernels per step of a compiled GPU program by kind (module doc)."""
+    module = Module(hlo_text)
+    gemms, attention, collectives, fusions = Counter(), Counter(), Counter(), 0.0
+    for ins, comp, times in launches(module):
+        types = _gemm_types(module, comp, ins)
+        target = _TARGET.search(ins.line) if ins.op == "custom-call" else None
+        if types is not None:
+            gemms[types] += times
+        elif target and target.group(1).startswith("__cudnn$fmha"):
+            attention["backward" if "Backward" in target.group(1) else "forward"] += times
+        elif ins.op.endswith("-start") and ins.op.removesuffix("-start") in KINDS:
+            collectives[ins.op.removesuffix("-start")] += times
+        elif ins.op == "fusion":
+            fusions += times
+    return {"gemms": dict(gemms), "attention": {"forward": attention["forward"], "backward": attention["backward"]},
+            "collectives": dict(collectives), "fusions": fusions,
+            "largest": sorted(arrays_made(module), key=lambda a: -a["bytes"])[:largest]}

@@ -1,0 +1,123 @@
+"""The planner on XLA's GPU compiler, without a GPU (meshtrain/planner/compilers.py: compile-only H100
+devices from a topology, the plan-gpu extra): the plan says which compiler made its figures and falls
+back to XLA:CPU with the reason; pods span hosts; and what only the GPU's program shows, checked here:
+fp8 projections run fp8 GEMMs forward and backward (the bf16 step none), cuDNN's fused attention runs
+the kernels per layer docs/speed.md states for each remat policy, and no step holds f32 logits."""
+import json
+import re
+
+import pytest
+from conftest import MOE_TINY, TINY, tiny_config
+
+from meshtrain.core.errors import UserError
+from meshtrain.engine.program import TrainProgram
+from meshtrain.ops.fp8 import transposed_specs
+from meshtrain.plan import main
+from meshtrain.planner import compilers, kernels
+from meshtrain.planner.aot import format_plan
+from meshtrain.planner.hlo import Module
+
+pytestmark = pytest.mark.skipif(compilers.gpu_compiler_missing() is not None,
+                                reason="the compile-only GPU backend (the plan-gpu extra) is not installed")
+
+
+def gpu_devices(count=1, per_node=8):
+    return compilers.choose("gpu", "h100", count, per_node).devices
+
+
+def compiled_step(*overrides, config=TINY, count=1):
+    cfg = tiny_config(*overrides, config=config)
+    return TrainProgram.from_config(cfg, devices=gpu_devices(count)).lower().compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """The tiny model's train step on one H100, by precision (mesh=1: every row on the device)."""
+    return {p: compiled_step("parallel.mesh=1", f"parallel.precision={p}") for p in ("bf16", "fp8")}
+
+
+def test_the_plan_is_the_gpu_programs_and_says_so(capsys):
+    assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--compiler", "gpu", "--json",
+                 "--search-budget", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["compiled_for"] == {"platform": "cuda", "device": "h100", "devices": 8,
+                                      "device_kind": "NVIDIA H100 80GB HBM3", "hosts": 1}
+    assert not any(report["corrections"].values())  # the GPU program is read as it is
+    assert report["memory"]["cpu_copies"] == 0 and report["flops"]["compiled_per_device"] is None
+    k = report["kernels"]
+    assert sum(k["gemms"].values()) > 0 and k["collectives"]["all-reduce"] > 0 and k["fusions"] > 0
+    assert set(k["gemms"]) == {"f32 x f32"}  # the tiny config's fp32
+    assert k["largest"][0]["bytes"] >= k["largest"][-1]["bytes"] > 0
+    text = format_plan(report)
+    assert "compiled by XLA's GPU compiler for 8 x NVIDIA H100 80GB HBM3 (1 host(s) x 8), without a GPU" in text
+    assert re.search(r"GEMMs [\d,]+ by operand types: f32 x f32 [\d,]+", text)
+
+
+def test_a_pod_of_several_hosts_is_a_topology_of_hosts():
+    devices, hosts = compilers.gpu_devices("h200", 16, 8)
+    assert hosts == 2 and [d.process_index for d in devices] == [0] * 8 + [1] * 8
+    assert {d.device_kind for d in devices} == {"NVIDIA H200"}
+    assert compilers.topology_shape(12, 8) == (1, 12)  # 8 does not divide 12: one host of them all
+
+
+def test_without_the_gpu_compiler_the_plan_says_why_and_how(monkeypatch):
+    tpu = compilers.choose("auto", "tpu-v5p", 8, 8)
+    assert tpu.platform == "cpu" and tpu.reason.startswith("no GPU target for --device tpu-v5p")
+    monkeypatch.setattr(compilers, "gpu_compiler_missing", lambda: "the compile-only GPU backend is not installed "
+                                                                   f"({compilers.INSTALL_HINT} brings it)")
+    fallback = compilers.choose("auto", "h100", 8, 8)
+    assert fallback.platform == "cpu" and len(fallback.devices) == 8
+    assert compilers.summary(fallback.describe()).startswith(
+        'compiled by XLA:CPU on 8 simulated devices: the compile-only GPU backend is not installed (pip install -e '
+        '".[plan-gpu]" brings it)')
+    with pytest.raises(UserError, match=r"--compiler gpu: the compile-only GPU backend is not installed"):
+        compilers.choose("gpu", "h100", 8, 8)
+
+
+PROJECTIONS = ("bld,dhk->blhk", "bld,dgk->blgk", "blhk,hkd->bld", "bld,df->blf", "blf,fd->bld")  # the 7
+
+
+def test_fp8_projections_run_fp8_gemms_forward_and_backward_and_bf16_none(steps):
+    """Every GEMM a projection's einsum makes (forward, and both gradients' transposed einsums) takes
+    fp8 operands on the GPU: e4m3 x e4m3 forward, e5m2 cotangents x e4m3 residuals backward; the bf16
+    step has no fp8 GEMM. (XLA may merge the q, k and v GEMMs, which share their input.)"""
+    specs = {spec: "forward" for spec in PROJECTIONS}
+    specs.update({t: "backward" for spec in PROJECTIONS for t in transposed_specs(spec)})
+    fp8 = kernels.gemm_sites(steps["fp8"])
+    made = {}
+    for site in fp8:
+        spec = next((s for s in specs if f"/{s}/" in site["op"]), None)
+        if spec:
+            made.setdefault(specs[spec], set()).add(site["types"])
+    assert made["forward"] == {"f8e4m3fn x f8e4m3fn"}
+    assert made["backward"] == {"f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"}
+    assert not any("f8" in s["types"] for s in kernels.gemm_sites(steps["bf16"]))
+
+
+def test_no_step_holds_f32_logits():
+    """[rows, seq, vocab] in fp32 is never made: the loss takes the head in chunks of a quarter GiB of
+    logits (meshtrain/ops/loss.py), here 8 x 512 x 32768 (512 MiB) in two, and so does the GPU program."""
+    B, L, V = 8, 512, 32768
+    text = compiled_step("parallel.mesh=1", "parallel.precision=bf16", f"model.vocab_size={V}",
+                         f"train.seq_len={L}", f"train.batch_size={B}", "model.num_layers=1")
+    made = list(kernels.arrays_made(Module(text)))
+    assert any(a["shape"].endswith(f",{V}]") and a["bytes"] == 4 * B * L * V // 2 for a in made)  # a chunk's
+    assert not [a for a in made if a["shape"].startswith("f32[") and a["bytes"] >= 4 * B * L * V]
+
+
+@pytest.mark.parametrize("remat,per_layer", [("none", (1, 1)), ("save_matmuls", (2, 1)), ("full", (2, 1))])
+def test_cudnn_attention_runs_the_fused_kernels_per_layer_docs_speed_states(remat, per_layer):
+    """docs/speed.md: one fused forward and one backward per layer; save_matmuls and full rerun the
+    forward in the backward (for its softmax statistics, which JAX does not name)."""
+    layers = 2
+    text = compiled_step("parallel.mesh=1", "parallel.precision=bf16", "parallel.attention=cudnn",
+                         f"parallel.remat={remat}", "model.head_dim=64", f"model.num_layers={layers}",
+                         "train.seq_len=128", "train.batch_size=2")
+    att = kernels.read(text)["attention"]
+    assert (att["forward"], att["backward"]) == (per_layer[0] * layers, per_layer[1] * layers)
+
+
+def test_experts_compile_for_the_gpu_with_their_all_to_alls():
+    """moe_tiny's pod layout (data=2,expert=4) on 8 H100s: the dispatch runs as async all-to-alls."""
+    k = kernels.read(compiled_step("parallel.mesh=data=2,expert=4", config=MOE_TINY, count=8))
+    assert k["collectives"].get("all-to-all", 0) > 0 and sum(k["gemms"].values()) > 0
