@@ -327,15 +327,14 @@ def read(hlo_text: str, num_devices: int, correct: bool = True) -> list[Collecti
                 continue
             groups = replica_groups(ins.line, num_devices)
             n = len(groups[0])
-            result, arrays = ins, typed_array_elements(ins.shape)
-            if ins.op.endswith("-start"):  # an async pair: the payload is what its -done gives
-                result = next((u for u in module.users(comp, ins.name) if u.op == f"{kind}-done"), None)
-                arrays = result.arrays if result else [max(arrays, key=lambda a: a[1] * DTYPE_BYTES[a[0]])]
-                result = result or ins
+            arrays = typed_array_elements(ins.shape)
+            if ins.op.endswith("-start"):  # async: the payload is its -done's result (a combined one's every array)
+                done = next((u for u in module.users(comp, ins.name) if u.op == f"{kind}-done"), None)
+                arrays = done.arrays if done else [max(arrays, key=lambda a: a[1] * DTYPE_BYTES[a[0]])]
             operands = ins.operands if len(ins.operands) == len(arrays) else [None] * len(arrays)
             parts: dict[str, Collective] = {}
             for index, ((dtype, elements), operand) in enumerate(zip(arrays, operands)):
-                values = module.element_values(comp, result, index, len(arrays))
+                values = module.element_values(comp, ins, index, len(arrays))
                 widened = (correct and dtype == "f32" and operand is not None and module.from_bf16(comp, operand)
                            and module.narrowed_to_bf16(comp, values))
                 dtype = "bf16" if widened else dtype
