@@ -2,9 +2,10 @@
 import sys
 
 if sys.argv[:1] == ["-m"]:  # `python -m meshtrain.<command>` is starting: a Ctrl-C now is one line too
-    from meshtrain.core.cli import interrupt_exits_quietly
+    from meshtrain.core.cli import import_jax_without_driver_probe, interrupt_exits_quietly
 
     interrupt_exits_quietly()
+    import_jax_without_driver_probe()
 
 __all__ = ["Config", "UserError", "load_config", "Trainer", "TrainProgram", "simulate_cpu_devices"]
 

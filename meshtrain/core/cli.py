@@ -101,3 +101,40 @@ def interrupt_exits_quietly() -> None:
         print(INTERRUPTED, file=sys.stderr, flush=True)
         os._exit(EXIT_INTERRUPTED)
     sys.excepthook = hook
+
+
+# What JAX's CUDA plugin (the plan-gpu extra: XLA's GPU compiler without a GPU) writes to stderr as it
+# loads on a machine without a GPU driver: absl's pre-initialisation notice and one line per probe.
+# Harmless (JAX runs on the CPU; the planner's compile-only GPU devices need no driver), and not the
+# command's own output: a failing command's stderr stays its one `error:` line.
+CUDA_DRIVER_PROBE = ("All log messages before absl::InitializeLog() is called", "Could not find cuda drivers")
+
+
+def import_jax_without_driver_probe() -> None:
+    """For `python -m meshtrain.<command>` (meshtrain/__init__.py): import JAX, and discover its
+    plugins where JAX_PLATFORMS already leaves CUDA out (the discovery then validates nothing; the
+    platforms a command sets later would come too late to say so), with the CUDA_DRIVER_PROBE lines
+    taken out of what they write to stderr; every other line is written as it came."""
+    import importlib.util
+    import tempfile
+
+    if "jax" in sys.modules or importlib.util.find_spec("jax_cuda12_plugin") is None:
+        return
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            import jax  # noqa: F401
+            from jax._src import xla_bridge
+
+            if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
+                getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not any(p in line for p in CUDA_DRIVER_PROBE)))
+            sys.stderr.flush()
