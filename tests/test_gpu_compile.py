@@ -6,8 +6,13 @@ the kernels per layer docs/speed.md states for each remat policy, and no step ho
 import json
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import MOE_TINY, TINY, tiny_config
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_plan import one_of_each_collective
 
 from meshtrain.core.errors import UserError
 from meshtrain.engine.program import TrainProgram
@@ -15,7 +20,7 @@ from meshtrain.ops.fp8 import transposed_specs
 from meshtrain.plan import main
 from meshtrain.planner import compilers, kernels
 from meshtrain.planner.aot import format_plan
-from meshtrain.planner.hlo import Module
+from meshtrain.planner.hlo import Module, collectives
 
 pytestmark = pytest.mark.skipif(compilers.gpu_compiler_missing() is not None,
                                 reason="the compile-only GPU backend (the plan-gpu extra) is not installed")
@@ -72,6 +77,36 @@ def test_without_the_gpu_compiler_the_plan_says_why_and_how(monkeypatch):
         '".[plan-gpu]" brings it)')
     with pytest.raises(UserError, match=r"--compiler gpu: the compile-only GPU backend is not installed"):
         compilers.choose("gpu", "h100", 8, 8)
+    monkeypatch.setattr(compilers, "gpu_compiler_missing", lambda: None)  # installed, but it fails to start
+    monkeypatch.setattr(compilers, "gpu_devices", raising(RuntimeError("Unable to load cuda plugin\ntraceback...")))
+    broken = compilers.choose("auto", "h100", 8, 8)
+    assert broken.platform == "cpu" and broken.reason.startswith(
+        "XLA's GPU compiler did not start (Unable to load cuda plugin); the figures are XLA:CPU's")
+
+
+def raising(error):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+def test_combined_async_collectives_are_read_whole():
+    """The GPU compiler runs collectives asynchronously and combines several into one launch (one
+    all-gather-start of two arrays here): the payload is every array its -done gives, the same bytes
+    as XLA:CPU's program; one_of_each_collective's kinds carry the bytes test_plan.py counts on the CPU."""
+    mesh = jax.sharding.Mesh(gpu_devices(8), ("x",), axis_types=(AxisType.Auto,))
+    arg = jax.ShapeDtypeStruct((8 * 64,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    two = lambda a: sum(g.sum() for g in jax.lax.all_gather((a, a * 2), "x", tiled=True))
+    read = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False)
+                              ).lower(arg).compile().as_text()
+    local = 64 * 4
+    combined = read(two)
+    assert len(re.findall(r" all-gather-start\(", combined)) == 1  # one launch of both arrays
+    assert collectives(combined, 8, correct=False)["all-gather"]["payload_bytes"] == 2 * 8 * local
+    found = collectives(read(one_of_each_collective), 8, correct=False)
+    for kind, payload in (("all-reduce", 4 * local), ("all-gather", 8 * local), ("reduce-scatter", local / 8),
+                          ("collective-permute", local), ("all-to-all", local)):
+        assert found[kind]["payload_bytes"] == payload, kind
 
 
 PROJECTIONS = ("bld,dhk->blhk", "bld,dgk->blgk", "blhk,hkd->bld", "bld,df->blf", "blf,fd->bld")  # the 7

@@ -198,8 +198,8 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
                  "ratio": compared[k]["ratio"], "within": compared[k]["within"], "flag": compared[k]["flag"]}
              for k in KINDS}
 
-    cost = compiled.cost_analysis() or {}  # the GPU compiler's is empty
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}  # the GPU compiler's is empty
     t, par = cfg.train, cfg.parallel
     read_once = SimpleNamespace(argument_size_in_bytes=train_memory["arguments"],  # the HBM floor's bytes
                                 temp_size_in_bytes=memory["temporaries"], output_size_in_bytes=train_memory["outputs"])

@@ -141,8 +141,12 @@ def choose(compiler: str, device: str, devices: int, per_node: int) -> Target:
         missing = (f"no GPU target for --device {device} (GPU targets: {', '.join(sorted(GPU_TARGETS))})"
                    if device not in GPU_TARGETS else gpu_compiler_missing())
         if missing is None:
-            found, hosts = gpu_devices(device, devices, per_node)
-            return Target("cuda", device, found, hosts)
+            try:
+                found, hosts = gpu_devices(device, devices, per_node)
+                return Target("cuda", device, found, hosts)
+            except Exception as e:  # a plugin of another jaxlib's version, a broken install: said, not raised
+                said = str(e).strip().splitlines() or [type(e).__name__]
+                missing = f"XLA's GPU compiler did not start ({said[0][:200]})"
         if compiler == "gpu":
             raise UserError(f"--compiler gpu: {missing}; or plan with --compiler cpu")
         reason = f"{missing}; the figures are XLA:CPU's, corrected where it differs from a GPU's"
