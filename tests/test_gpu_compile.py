@@ -63,6 +63,8 @@ def test_a_pod_of_several_hosts_is_a_topology_of_hosts():
     assert hosts == 2 and [d.process_index for d in devices] == [0] * 8 + [1] * 8
     assert {d.device_kind for d in devices} == {"NVIDIA H200"}
     assert compilers.topology_shape(12, 8) == (1, 12)  # 8 does not divide 12: one host of them all
+    for device, target in compilers.GPU_TARGETS.items():  # every shipped target makes its devices
+        assert {d.device_kind for d in compilers.gpu_devices(device, 2, 8)[0]} == {target["name"]}
 
 
 def test_without_the_gpu_compiler_the_plan_says_why_and_how(monkeypatch):

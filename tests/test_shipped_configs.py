@@ -22,7 +22,7 @@ def plan(config, capsys) -> dict:
     """The plan's JSON: in this process when the pod has this process's 8 simulated devices, else
     in a subprocess with the pod's device count."""
     argv = ["--config", str(config.relative_to(ROOT)), *documented_pod(config), "--json", "--search-budget", "0",
-            "--compiler", "cpu"]  # the pods by XLA:CPU: 8-15 s each here, 30-60 s by the GPU compiler
+            "--compiler", "cpu"]  # the pods by XLA:CPU: 8-15 s each here, 30-100 s by the GPU compiler
     if argv[argv.index("--devices") + 1] == str(len(jax.devices())):
         capsys.readouterr()
         assert plan_main(argv) in (0, None)
