@@ -4,12 +4,15 @@ back to XLA:CPU with the reason; pods span hosts; and what only the GPU's progra
 fp8 projections run fp8 GEMMs forward and backward (the bf16 step none), cuDNN's fused attention runs
 the kernels per layer docs/speed.md states for each remat policy, and no step holds f32 logits."""
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import MOE_TINY, TINY, tiny_config
+from conftest import MOE_TINY, ROOT, TINY, tiny_config
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_plan import one_of_each_collective
@@ -158,3 +161,16 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls():
     """moe_tiny's pod layout (data=2,expert=4) on 8 H100s: the dispatch runs as async all-to-alls."""
     k = kernels.read(compiled_step("parallel.mesh=data=2,expert=4", config=MOE_TINY, count=8))
     assert k["collectives"].get("all-to-all", 0) > 0 and sum(k["gemms"].values()) > 0
+
+
+@pytest.mark.parametrize("platforms", ["cpu", None])
+def test_a_commands_stderr_is_its_own_with_the_cuda_plugin_installed(platforms):
+    """With the plan-gpu extra on a machine without a GPU driver, JAX's plugin probes for CUDA as it
+    loads; a command's stderr is still only its own (meshtrain/core/cli.py CUDA_DRIVER_PROBE), with
+    JAX_PLATFORMS=cpu and without it."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update({"JAX_PLATFORMS": platforms} if platforms else {})
+    done = subprocess.run([sys.executable, "-m", "meshtrain.plan", "--config", TINY, "--devices", "8",
+                           "--set", "bad.key=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: unknown config key 'bad'"), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr

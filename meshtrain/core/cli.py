@@ -110,17 +110,34 @@ def interrupt_exits_quietly() -> None:
 CUDA_DRIVER_PROBE = ("All log messages before absl::InitializeLog() is called", "Could not find cuda drivers")
 
 
+def no_cuda_driver() -> bool:
+    """Whether this machine has no CUDA driver library to load (so JAX can run nothing on a GPU here)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    return False
+
+
 def import_jax_without_driver_probe() -> None:
-    """For `python -m meshtrain.<command>` (meshtrain/__init__.py): import JAX, and discover its
-    plugins where JAX_PLATFORMS already leaves CUDA out (the discovery then validates nothing; the
-    platforms a command sets later would come too late to say so), with the CUDA_DRIVER_PROBE lines
-    taken out of what they write to stderr; every other line is written as it came."""
+    """For `python -m meshtrain.<command>` (meshtrain/__init__.py), where JAX's CUDA plugin is
+    installed: import JAX and discover its plugins with the CUDA_DRIVER_PROBE lines taken out of what
+    they write to stderr (every other line is written as it came). Plugins are discovered in that
+    window where CUDA is out of the question: JAX_PLATFORMS leaves it out, or there is no CUDA driver,
+    where the plugin's CUDA version check is skipped too (JAX_SKIP_CUDA_CONSTRAINTS_CHECK: it has no
+    CUDA to check, and would print its failure as a traceback before JAX goes on on the CPU)."""
     import importlib.util
     import tempfile
 
     if "jax" in sys.modules or importlib.util.find_spec("jax_cuda12_plugin") is None:
         return
     platforms = os.environ.get("JAX_PLATFORMS", "")
+    no_cuda = bool(platforms) and not {"cuda", "gpu"} & set(platforms.split(","))
+    if not no_cuda and no_cuda_driver():
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+        no_cuda = True
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
@@ -129,7 +146,7 @@ def import_jax_without_driver_probe() -> None:
             import jax  # noqa: F401
             from jax._src import xla_bridge
 
-            if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
+            if no_cuda:
                 getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
         finally:
             os.dup2(saved, 2)
