@@ -3,6 +3,7 @@ devices from a topology, the plan-gpu extra): the plan says which compiler made 
 back to XLA:CPU with the reason; pods span hosts; and what only the GPU's program shows, checked here:
 fp8 projections run fp8 GEMMs forward and backward (the bf16 step none), cuDNN's fused attention runs
 the kernels per layer docs/speed.md states for each remat policy, and no step holds f32 logits."""
+import gc
 import json
 import os
 import re
@@ -27,6 +28,16 @@ from meshtrain.planner.hlo import Module, collectives
 
 pytestmark = pytest.mark.skipif(compilers.gpu_compiler_missing() is not None,
                                 reason="the compile-only GPU backend (the plan-gpu extra) is not installed")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_gpu_programs():
+    """The GPU programs compiled here serve no other test file: their executables leave the worker's
+    jit caches with this file (an xdist worker runs other files after it; a clean-clone CI worker
+    crashed in LLVM with "Cannot allocate memory" a few files later)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def gpu_devices(count=1, per_node=8):
