@@ -111,7 +111,7 @@ def test_an_fp8_run_logs_its_mfu_against_both_peaks(monkeypatch):
         trainer = Trainer(tiny_config(*(o.format(precision) for o in RUN)), devices=jax.devices()[:1])
         trainer.close()
         assert (trainer.peak, trainer.peak_fp8) == (989e12, 1979e12 if precision == "fp8" else None)
-        records[precision] = trainer._record(3, metrics, tokens_per_sec=1e9, step_time=1.0, data_wait=0.0)
+        records[precision] = trainer.record(3, metrics, tokens_per_sec=1e9, step_time=1.0, data_wait=0.0)
     record = records["fp8"]
     assert record["mfu"] == pytest.approx(1e9 * trainer.program.flops_per_token / 989e12)
     assert record["mfu_fp8"] == pytest.approx(record["mfu"] * 989 / 1979)

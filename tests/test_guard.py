@@ -76,7 +76,7 @@ def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_ba
     assert "guard: 2 NaN/Inf steps in a row; rolled back to step 4" in captured.out
     assert "warning: step 6: loss or gradients are NaN/Inf; update skipped (1 in a row)" in err
     assert "(2 in a row)" in err
-    assert trainer.skip_batches == list(BAD) and trainer.rollbacks == 1
+    assert trainer.skip_batches == list(BAD) and trainer.guard.rollbacks == 1
     for step in range(5, STEPS + 1):  # after the rollback to step 4: bitwise the clean run
         assert losses[step] == reference_losses[step], step
     for a, b in zip(jax.tree.leaves(jax.device_get(trainer.state["params"])), jax.tree.leaves(reference_params)):
@@ -102,7 +102,7 @@ def test_a_streak_ending_on_a_save_step_rolls_back_before_the_save(tmp_path, cap
     logged = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, STEPS + 1))
     assert "guard: 2 NaN/Inf steps in a row; rolled back to step 4" in capsys.readouterr().out
-    assert trainer.skip_batches == [6, 7] and trainer.rollbacks == 1
+    assert trainer.skip_batches == [6, 7] and trainer.guard.rollbacks == 1
     losses = {r["step"]: r["loss"] for r in history if "loss" in r}
     for step in range(5, STEPS + 1):
         assert losses[step] == reference_losses[step], step

@@ -74,7 +74,19 @@ def use_console(level: int = logging.INFO) -> ConsoleHandler:
 
 
 def default_console() -> None:
-    """The library's entry points (Trainer) print as the commands do unless the user configured logging
-    (a handler on `meshtrain` or on the root logger): then theirs is the only one."""
-    if not log.handlers and not logging.getLogger().handlers:
+    """The library's entry points (Trainer) print as the commands do, unless the `meshtrain` logger has
+    a handler already or `detach()` was called. Records also propagate to the root logger (pytest's
+    caplog, a Ray job's logging)."""
+    if not log.handlers and not _detached["yes"]:
         use_console()
+
+
+_detached = {"yes": False}
+
+
+def detach() -> None:
+    """Route the library's lines only through the user's own logging set-up (root handlers): the console
+    handler goes and the library adds it no more."""
+    _detached["yes"] = True
+    for handler in [h for h in log.handlers if isinstance(h, ConsoleHandler)]:
+        log.removeHandler(handler)

@@ -5,11 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import shutil
-import signal
-import sys
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -20,7 +16,9 @@ import numpy as np
 
 from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
-from meshtrain.core.metrics import mfu, run_peaks
+from meshtrain.core.console import default_console
+from meshtrain.core.console import log as console
+from meshtrain.core.metrics import run_peaks
 from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
@@ -30,10 +28,19 @@ from meshtrain.models import make_spec
 from meshtrain.ops.optimizers import map_param_states
 from meshtrain.parallel.mesh import describe
 from meshtrain.run import loggers, run_dir
+from meshtrain.run.actions import (
+    Evaluation,
+    Guard,
+    Report,
+    Saving,
+    StepClock,
+    TaskScoring,
+    preemption_signals,
+    throughput_fields,
+)
 from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
-from meshtrain.run.health import CollectiveTimer, SpikeDetector, Stragglers, grad_norm_fields
 from meshtrain.run.lock import LOCK_FILE, FolderLock
-from meshtrain.run.multihost import agree_with_process_0, preemption_reached
+from meshtrain.run.multihost import agree_with_process_0
 from meshtrain.run.watchdog import StepWatchdog
 
 
@@ -47,6 +54,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, devices=None, allow_change: bool = False):
+        default_console()  # its notices print unless the user configured logging
         self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
         self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
         self.lock, created = FolderLock(self.out), not self.out.exists()
@@ -75,10 +83,10 @@ class Trainer:
         # What defines the run, checked against the folder's record.
         self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.mixture_fingerprint(self.mixture),
                                                         allow_change)
-        if t.steps > cfg.optim.schedule_steps and jax.process_index() == 0:
-            print(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
-                  f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay over a new "
-                  f"horizon, pass --set optim.schedule_steps={t.steps} --allow-change", flush=True)
+        if t.steps > cfg.optim.schedule_steps:
+            console.info(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
+                         f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay "
+                         f"over a new horizon, pass --set optim.schedule_steps={t.steps} --allow-change")
         # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
         self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
                                                             t.seq_len, t.seed, program.batch_sharding,
@@ -88,24 +96,18 @@ class Trainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
         self.resumed_from = None
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
-        self.bad_batches: list[int] = []  # the current run of nonfinite steps' batch indices
-        self.rollbacks = 0
-        g = cfg.guard
-        self.spikes = SpikeDetector(g.spike_factor, g.spike_window) if g.spike_factor else None
-        self.loss_spikes = 0  # rolled back, this process's run
-        self.comm_timer = None  # built at the first grad_norms_every step
+        self.guard = Guard(self)  # its loss-spike detector is part of a checkpoint
         self.watchdog = StepWatchdog(-1, self.out)  # fit() arms its own
         with program.context():
             resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
             if resume_steps:
-                self.state = self._restore(resume_root, resume_steps)
+                self.state = self.restore(resume_root, resume_steps)
             elif cfg.checkpoint.init_from:
                 params = run_dir.initial_params(cfg.checkpoint.init_from, program.model,
                                                 program.state_shardings["params"])
                 self.state = jax.jit(program.state_from_params, out_shardings=program.state_shardings,
                                      donate_argnums=0)(params)  # the loaded copy becomes the state's
-                if jax.process_index() == 0:
-                    print(f"initialised from {cfg.checkpoint.init_from}", flush=True)
+                console.info(f"initialised from {cfg.checkpoint.init_from}")
             else:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
@@ -131,13 +133,13 @@ class Trainer:
                                      f"pick another --out")
         notice = self.lock.stale_notice()
         if notice:
-            print(notice, flush=True)
+            console.info(notice)
 
     def close(self) -> None:
         """Give --out back (fit() does at its end; a Trainer that never trains should be closed)."""
         self.lock.release()
 
-    def _restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
+    def restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
         """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
         (elastic: any saved mesh works)."""
         reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
@@ -148,11 +150,11 @@ class Trainer:
         if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)
         self.resumed_from = reader.path(step)
-        self._skip(meta.get("skip_batches", []))
-        if self.spikes is not None:
-            self.spikes.resume(meta.get("spike_detector"), meta["config"].get("data") == to_dict(self.cfg)["data"])
-        if jax.process_index() == 0:
-            print(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})", flush=True)
+        self.skip(meta.get("skip_batches", []))
+        if self.guard.spikes is not None:
+            same_data = meta["config"].get("data") == to_dict(self.cfg)["data"]
+            self.guard.spikes.resume(meta.get("spike_detector"), same_data)
+        console.info(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})")
         return state
 
     def _check_same_model(self, meta, folder) -> None:
@@ -193,7 +195,7 @@ class Trainer:
         """The parameters as a single device holds them, on the host."""
         return self.program.in_model_order(jax.device_get(self.state["params"]))
 
-    def _skip(self, batches) -> None:
+    def skip(self, batches) -> None:
         """Add batch indices to those the run skips (`skip_batches`: sorted, each once)."""
         self.skip_batches = sorted(set(self.skip_batches) | set(batches))
 
@@ -211,8 +213,7 @@ class Trainer:
         self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(p.sizes),
                                             "devices": p.mesh.size, "skip_batches": self.skip_batches,
                                             "layer_order": p.layer_order.tolist(),
-                                            "spike_detector": self.spikes.state() if self.spikes else None})
-        self.last_save = time.monotonic()
+                                            "spike_detector": self.guard.spikes.state() if self.guard.spikes else None})
         if wait:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))
@@ -240,38 +241,28 @@ class Trainer:
         primary = jax.process_index() == 0
         first = int(self.state["step"])
         if first >= steps:
-            if primary:
-                print(f"already at step {first} of {steps}: nothing to train (raise --steps, or use a new --out)",
-                      flush=True)
+            console.info(f"already at step {first} of {steps}: nothing to train (raise --steps, or use a new --out)")
             self.close()
             return []
-        # From before the first write on, a signal finishes the step, checkpoints and exits 0.
-        signalled = threading.Event()
-        handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            if jax.process_count() == 1:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    handlers[sig] = signal.signal(sig, lambda *_: signalled.set())
-            else:  # JAX's runtime notes SIGTERM for the preemption sync point; Ctrl-C becomes one
-                handlers[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         self.preempted = False
         self._own_folder()  # held since __init__, or again for a second fit()
         try:
-            if primary:  # only a run that trains writes into --out
-                run_dir.write_config(self.out, cfg, self.program.mesh)
-                run_dir.record_start(self.out, self.identity, cfg, first, self.changes)
-                self.changes = []
-                tokenizer_lib.record(self.out, self.mixture.tokenizer)  # so the run's tokens can be decoded
-            if primary:
-                print(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh {describe(self.program.sizes)} "
-                      f"({jax.device_count()} {jax.default_backend()} devices), zero={cfg.parallel.zero}, "
-                      f"precision={cfg.parallel.precision}, out={self.out}", flush=True)
-                print(loggers.where(self.out, cfg.logging.tensorboard), flush=True)
-            log = log or loggers.for_run(self.out, cfg, primary, first, steps)
-            started = time.perf_counter()
-            self.watchdog = StepWatchdog(t.step_timeout, self.out, jax.process_index(), jax.process_count(), first)
-            with self.watchdog:
-                self._loop(first, steps, log, signalled)
+            # From before the first write on, a signal finishes the step, checkpoints and exits 0.
+            with preemption_signals() as signalled:
+                if primary:  # only a run that trains writes into --out
+                    run_dir.write_config(self.out, cfg, self.program.mesh)
+                    run_dir.record_start(self.out, self.identity, cfg, first, self.changes)
+                    self.changes = []
+                    tokenizer_lib.record(self.out, self.mixture.tokenizer)  # so the run's tokens can be decoded
+                console.info(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh "
+                             f"{describe(self.program.sizes)} ({jax.device_count()} {jax.default_backend()} devices), "
+                             f"zero={cfg.parallel.zero}, precision={cfg.parallel.precision}, out={self.out}")
+                console.info(loggers.where(self.out, cfg.logging.tensorboard))
+                log = log or loggers.for_run(self.out, cfg, primary, first, steps)
+                started = time.perf_counter()
+                self.watchdog = StepWatchdog(t.step_timeout, self.out, jax.process_index(), jax.process_count(), first)
+                with self.watchdog:
+                    self._loop(first, steps, log, signalled)
             # Every save is durable (the last one waited for): Orbax's manager and its thread end here,
             # on every process alike, before --out is given back (a second fit() makes a new one). Not
             # on an error: a peer may be gone.
@@ -282,222 +273,69 @@ class Trainer:
                     self.checkpointer.wait()
             raise
         finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
             if log is not None:
                 log.close()
             self.close()
         if primary:
             saved = self.checkpointer.steps()
             newest = str(self.checkpointer.path(max(saved))) if saved else None
-            print(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
-                                       time.perf_counter() - started, newest, log.locations()), flush=True)
+            console.info(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
+                                              time.perf_counter() - started, newest, log.locations()))
         return log.history
 
     def _loop(self, first, steps, log, signalled):
-        t = self.cfg.train
-        tokens_per_step = t.batch_size * t.seq_len
-        last_time, last_step = time.perf_counter(), first
-        self.last_save = time.monotonic()
-        k, pending, save_owed = first, None, False  # pending: (step, metrics) not yet judged by the guard
-        depth, data_wait = self.cfg.data.prefetch, 0.0  # data_wait: prefetch.waited at the last log
-        self.device_wait, device_wait = 0.0, 0.0  # seconds the host waited for steps; its value at the last log
-        dog, evaluated, scored, saved = self.watchdog, False, False, False
-        stragglers = Stragglers(t.straggler_every, t.straggler_factor, jax.process_index(), jax.process_count())
+        """The step driver: dispatch a step, then judge the one before it (the host never waits for the step
+        it just dispatched), then run the periodic actions that are due (meshtrain/run/actions.py)."""
+        depth, dog = self.cfg.data.prefetch, self.watchdog
         prefetch = Prefetcher(self.train_batches, depth)
         trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
                                       state=lambda: self.state)
+        clock = StepClock(first, steps, prefetch, dog)
+        periodic = [Report(self, log), Evaluation(self, log), TaskScoring(self, log)]
+        saving = Saving(self, log, signalled)
+        k, pending = first, None  # pending: (step, metrics) not yet judged by the guard
         with self.program.context(), contextlib.closing(prefetch), trace:
             while k < steps:
                 dog.doing(f"getting the batch of step {k + 1}")
                 batch = prefetch.get(self.batch_index(k), [self.batch_index(k + j) for j in range(1, depth + 1)])
-                last_time += trace.before(k + 1)  # tracing's own time is no step's
+                clock.exclude(trace.before(k + 1))  # tracing's own time is no step's
                 dog.doing(f"dispatching step {k + 1}")
                 self.state, metrics = self.compiled_step(self.state, batch)
-                # Judge the previous step only now, so the host never waits for the step it just dispatched.
-                if pending is not None and (back := self._guard(*self._wait(*pending), log)) is not None:
+                if (back := self.guard.judge(pending, clock, log)) is not None:
                     k, pending = back, None  # rolled back: the step in flight is dropped
-                    last_time, last_step, data_wait, device_wait = (time.perf_counter(), k, prefetch.waited,
-                                                                    self.device_wait)
+                    clock.reset(k)
                     continue
                 k = done = k + 1
-                last_time += trace.after(done)
+                clock.exclude(trace.after(done))
                 pending = (done, metrics)
-                if done % t.log_every == 0 or done == steps:
-                    metrics = jax.device_get(self._wait(done, metrics)[1])
-                    n = done - last_step
-                    dt = (time.perf_counter() - last_time) / n
-                    waited = (prefetch.waited - data_wait) / n
-                    record = self._record(done, metrics, tokens_per_step / dt, dt, waited)
-                    dog.observe(dt)
-                    if stragglers.due(done):  # the host's own time per step: outside waiting for the devices
-                        dog.doing(f"waiting for the other processes' step times at step {done}")
-                        record |= stragglers.gather(done, dt, max(0.0, dt - (self.device_wait - device_wait) / n),
-                                                    waited)
-                    if t.grad_norms_every and done % t.grad_norms_every == 0:
-                        record |= self._grad_norms(metrics, dt)
-                    log.write(record)
-                    last_time, last_step, data_wait, device_wait = (time.perf_counter(), done, prefetch.waited,
-                                                                     self.device_wait)
-                if t.eval_every and (done % t.eval_every == 0 or done == steps):
-                    dog.doing(f"evaluating after step {done}")
-                    dog.one_time, evaluated = not evaluated, True  # the first compiles the eval step
-                    evaluation = self.evaluation()
-                    if evaluation:
-                        log.write({"step": done, **evaluation})
-                    dog.beat(done)
-                    last_time = time.perf_counter()
-                every = self.cfg.eval.task_every or t.eval_every
-                if self.tasks and (done % every == 0 or done == steps):  # downstream tasks (eval.tasks)
-                    dog.doing(f"scoring the downstream tasks after step {done}")
-                    dog.one_time, scored = not scored, True  # the first compiles the scorer
-                    log.write({"step": done, **self.task_evaluation()})
-                    dog.beat(done)
-                    last_time = time.perf_counter()
-                preempted = self._preempted(done, signalled)
-                save_owed = save_owed or self._save_due(done)
-                if not (save_owed or preempted or done == steps):
+                for action in periodic:
+                    if action.due(done, clock):
+                        action.run(done, metrics, clock)
+                if not saving.due(done, clock):
                     continue
-                # A checkpoint never lands inside a NaN/Inf streak: judge this step before saving it.
-                judged, pending = pending, None
-                if (back := self._guard(*self._wait(*judged), log)) is not None:
+                judged, pending = pending, None  # a checkpoint never lands inside a NaN/Inf streak
+                if (back := self.guard.judge(judged, clock, log)) is not None:
                     k = back
-                    last_time, last_step, data_wait, device_wait = (time.perf_counter(), k, prefetch.waited,
-                                                                    self.device_wait)
-                    continue
-                final, path = preempted or done == steps, None
-                if self.bad_batches:  # a periodic save waits for the streak to end
-                    save_owed = True
-                    if final:
-                        self.checkpointer.wait()  # earlier async saves are durable before the run ends
-                    if final and jax.process_index() == 0:
-                        print(f"warning: step {done} is inside a NaN/Inf streak: not saved; the newest "
-                              f"checkpoint is step {max(self.checkpointer.steps(), default=0)}",
-                              file=sys.stderr, flush=True)
-                else:
-                    started = time.perf_counter()
-                    dog.doing(f"saving step {done}")
-                    dog.one_time, saved = not saved, True  # the first sets up the checkpointer
-                    path = self.save_checkpoint(wait=final)
-                    dog.beat(done)
-                    if not final:  # async: the loop waited only for the device-to-host copy and checksums
-                        log.write({"step": done, "checkpoint_blocking_s": time.perf_counter() - started})
-                        last_time += time.perf_counter() - started
-                    save_owed = False
-                if preempted:
-                    self.preempted = True
-                    if jax.process_index() == 0:
-                        print(f"preempted at step {done}: " + (f"checkpoint saved to {path}" if path else
-                                                               "not saved (inside a NaN/Inf streak)"), flush=True)
-                    return
+                    clock.reset(k)
+                elif saving.run(done, metrics, clock):
+                    return  # preempted
 
-    def _wait(self, step: int, metrics) -> tuple[int, dict]:
-        """(step, metrics) once the step is done on the devices: the host's wait is timed (the straggler
-        figures' device wait) and the watchdog sees the step complete."""
-        self.watchdog.doing(f"waiting for step {step}")
-        started = time.perf_counter()
-        metrics = jax.block_until_ready(metrics)
-        self.device_wait += time.perf_counter() - started
-        self.watchdog.beat(step)
-        return step, metrics
-
-    def _grad_norms(self, metrics, step_time) -> dict:
-        """train.grad_norms_every: each layer's and kind's gradient norm, and the timed communication
-        share of the step (meshtrain/run/health.py)."""
-        if self.comm_timer is None:
-            self.comm_timer = CollectiveTimer(self.program.mesh, self.program.num_params)
-        return grad_norm_fields(metrics["grad_norms"], self.program.layer_order) | self.comm_timer.share(step_time)
-
-    def _record(self, step, metrics, tokens_per_sec, step_time, data_wait) -> dict:
-        """`data_wait_s`: host seconds per step spent getting the batch (~0 when prefetching keeps up)."""
+    def record(self, step, metrics, tokens_per_sec, step_time, data_wait) -> dict:
+        """A step's metric record. `data_wait_s`: host seconds per step spent getting the batch (~0 when
+        prefetching keeps up)."""
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), "skipped_steps": int(metrics["skipped_steps"]),
                   "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "data_wait_s": data_wait}
-        if self.spikes is not None:
-            record["loss_spikes"] = self.loss_spikes
+        if self.guard.spikes is not None:
+            record["loss_spikes"] = self.guard.loss_spikes
         record.update({k: float(v) for k, v in metrics.items()
                        if k not in record and k not in ("finite", "grad_norms")})  # the model's
         if self.shares is not None:  # a mixture: each source's share of the step's tokens
             record.update(self.shares(self.batch_index(step - 1)))
-        flops, n = self.program.flops_per_token, self.program.mesh.size
-        util = mfu(tokens_per_sec, flops, n, self.peak)
-        if util is not None:
-            record.update(mfu=util, tflops_per_device=tokens_per_sec * flops / n / 1e12)
-            if self.peak_fp8:
-                record["mfu_fp8"] = mfu(tokens_per_sec, flops, n, self.peak_fp8)
+        record.update(throughput_fields(tokens_per_sec, self.program.flops_per_token, self.program.mesh.size,
+                                        self.peak, self.peak_fp8))
         record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
         return record
-
-    def _save_due(self, step: int) -> bool:
-        """checkpoint.every steps, or checkpoint.every_minutes since the last save. With several
-        processes, process 0's clock decides, at log steps only (one tiny broadcast there)."""
-        c = self.cfg.checkpoint
-        if c.every and step % c.every == 0:
-            return True
-        if not c.every_minutes or (jax.process_count() > 1 and step % self.cfg.train.log_every):
-            return False
-        return agree_with_process_0(time.monotonic() - self.last_save >= 60 * c.every_minutes)
-
-    def _preempted(self, step: int, signalled: threading.Event) -> bool:
-        """SIGTERM/SIGINT: at once with one process; with several, at the step all of them agree on."""
-        return signalled.is_set() if jax.process_count() == 1 else preemption_reached(step)
-
-    def _guard(self, step: int, metrics, log) -> int | None:
-        """Count a nonfinite step (its update was already skipped inside the step); after
-        guard.max_consecutive_bad in a row, roll back (`_roll_back`). The step rolled back to, or None."""
-        if bool(metrics["finite"]):
-            self.bad_batches = []
-            return self._spike(step, float(metrics["loss"]), log) if self.spikes is not None else None
-        self.bad_batches.append(self.batch_index(step - 1))
-        bad = len(self.bad_batches)
-        if jax.process_index() == 0:
-            print(f"warning: step {step}: loss or gradients are NaN/Inf; update skipped ({bad} in a row)",
-                  file=sys.stderr, flush=True)
-        return self._roll_back(step, log) if bad >= self.cfg.guard.max_consecutive_bad else None
-
-    def _spike(self, step: int, loss: float, log) -> int | None:
-        """guard.spike_factor: a loss spike rolls back at once (its update was applied), skipping its
-        batch; every process judges the same replicated loss, so all of them roll back together."""
-        mean = self.spikes.check(loss)
-        if mean is None:
-            return None
-        self.bad_batches, self.loss_spikes = [self.batch_index(step - 1)], self.loss_spikes + 1
-        if jax.process_index() == 0:
-            print(f"warning: step {step}: loss spike: {loss:.4f} is {loss / mean:.2f}x the running mean {mean:.4f} "
-                  f"(guard.spike_factor={self.cfg.guard.spike_factor}); loss spikes so far: {self.loss_spikes}",
-                  file=sys.stderr, flush=True)
-        return self._roll_back(step, log, f"a loss spike at step {step}")
-
-    def _roll_back(self, step: int, log, spike: str | None = None) -> int:
-        """After a NaN/Inf streak ending at `step` (or `spike`, a loss spike's description): the state of
-        the newest intact checkpoint, read as a resume reads it (`_restore`), the bad batches past it
-        skipped from now on, and `log` rewound to it; returns that step, where the loop trains on. With
-        no checkpoint, or after guard.max_rollbacks, the run stops with an error; after a NaN/Inf
-        streak it first saves the state (no bad step changed it), after a spike it does not (the
-        spike's update was applied)."""
-        self.watchdog.doing(f"rolling back from step {step}")
-        self.checkpointer.wait()
-        steps, bad = self.checkpointer.steps(), len(self.bad_batches)
-        what = spike or f"{bad} NaN/Inf steps in a row"
-        if not steps or self.rollbacks >= self.cfg.guard.max_rollbacks:
-            why = "no checkpoint to roll back to" if not steps else f"still diverging after {self.rollbacks} rollbacks"
-            if spike:
-                raise UserError(f"{what}, {why}; the newest checkpoint is step {max(steps, default=0)}; lower "
-                                f"optim.lr, check the data or raise guard.spike_factor, then rerun to resume")
-            path = self.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
-            raise UserError(f"{what} at step {step}, {why}; state saved to {path}; "
-                            f"lower optim.lr or check the data, then rerun to resume")
-        self.state = self._restore(self.checkpointer.directory, steps, verb=f"guard: {what}; rolled back to")
-        back = int(self.state["step"])
-        resume_index = self.batch_index(back)
-        skipped = [b for b in self.bad_batches if b >= resume_index]  # earlier ones precede the checkpoint
-        self._skip(skipped)
-        if jax.process_index() == 0:
-            print(f"guard: skipping batches {skipped}", flush=True)
-        self.bad_batches, self.rollbacks = [], self.rollbacks + 1
-        log.rewind(back)
-        self.watchdog.beat(back)
-        return back
 
 
 def validation(eval_step, params, val_sets: dict, sources, batches: int) -> dict:
