@@ -1,6 +1,7 @@
 """A training run: the loop and everything that keeps its folder and its weights safe.
 
-- trainer.py: `Trainer` (start-up, the step loop, eval, the non-finite guard and rollback, logging).
+- trainer.py: `Trainer` (start-up, resume, the step driver); actions.py: what the loop does between steps
+  (metric records, eval, task scoring, saving and preemption, the non-finite and spike guard with rollback).
 - checkpoint.py: Orbax checkpoints with manifests and checksums; the one verified loader.
 - run_dir.py: what defines a run (run.json) and what a folder may hold; lock.py: one run per folder.
 - loggers.py: console, metrics.jsonl, TensorBoard; multihost.py: process start-up and liveness.
