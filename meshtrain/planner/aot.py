@@ -7,8 +7,9 @@ devices of the target GPU when the plan-gpu extra is installed, so memory is the
 assignment and the collectives and kernels are the GPU program's; else XLA:CPU on simulated devices,
 whose program is corrected where it differs from a GPU's (the f32 copies below; meshtrain/planner/hlo.py
 for the collectives). Formulas: meshtrain/planner/traffic.py (collectives), meshtrain/core/formulas.py
-(ZeRO memory, bubble). Roofline: meshtrain/planner/roofline.py (each mesh axis's traffic on the in-node or
-cross-node link it crosses, compute with recompute and the lockstep bubble, an HBM floor).
+(ZeRO memory), meshtrain/parallel/schedules.py (bubble). Roofline: meshtrain/planner/roofline.py (each mesh
+axis's traffic on the in-node or cross-node link it crosses, compute with recompute and the lockstep bubble,
+an HBM floor).
 """
 from __future__ import annotations
 
