@@ -416,7 +416,7 @@ def run(args) -> str:
                         "fits": report["memory"]["total"] <= memory_budget["budget"],
                         "mfu_ceiling": report["roofline"]["mfu_ceiling"]}}
         found = fit.search(cfg, parse_mesh(cfg.parallel.mesh, args.devices), profile, memory_budget,
-                           args.search_budget, args.devices_per_node, known, devices)
+                           args.search_budget, args.devices_per_node, known, devices, measure=train_step_plan)
         report["search"] = {"best": found["best"] and search_row(found["best"], base, args, cfg),
                             "compiled": [search_row(r, base, args, cfg) for r in found["compiled"]],
                             "path": found["path"], "budget": args.search_budget}
