@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshtrain.parallel.schedules import timetable, zero_bubble_order  # noqa: E402
+from meshtrain.parallel.schedules import SCHEDULES, timetable, zero_bubble_order  # noqa: E402
 from meshtrain.run.trainer import Trainer  # noqa: E402
 from meshtrain.testing import run_tiny, tiny_config  # noqa: E402
 
@@ -50,7 +50,7 @@ def main():
     print("| schedule | S | M | V | residuals | ticks | lockstep idle | formula | classic 1F1B idle | "
           "peak in flight (stage 0) |\n|---|---|---|---|---|---|---|---|---|---|")
     for schedule, S, M, V in BUBBLES:
-        for residuals in ("save",) if schedule == "zb" else ("save", "recompute"):
+        for residuals in ("save",) if SCHEDULES[schedule].splits_weight_grad else ("save", "recompute"):
             tt = timetable(schedule, S, M, V, residuals)
             classic = ""
             if schedule == "1f1b":

@@ -31,9 +31,8 @@ from meshtrain.config.spec import MAX_SIMULATED_DEVICES
 from meshtrain.core.cli import Parser, command, number
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
-from meshtrain.core.formulas import bubble_expression, bubble_terms
 from meshtrain.core.metrics import DEVICE_PROFILES
-from meshtrain.parallel.schedules import SCHEDULES, executor_tables, timetable
+from meshtrain.parallel.schedules import SCHEDULES, executor_tables, lookup, timetable
 from meshtrain.planner.budget import HEADROOM
 from meshtrain.planner.compilers import COMPILERS
 from meshtrain.planner.drawing import figure_suffixes, save_timeline
@@ -53,14 +52,15 @@ def schedule_report(schedule: str, stages: int, micro: int, virtual: int, residu
 
 def format_schedule(r: dict) -> str:
     S, M, V = r["stages"], r["microbatches"], r["virtual_stages"]
-    idle, total = bubble_terms(r["schedule"], S, M, V)
+    schedule = lookup(r["schedule"])
+    idle, total = schedule.bubble_terms(S, M, V)
     costs = ", ".join(f"{k}={v}" for k, v in r["costs"].items() if v)
     lines = [f"schedule {r['schedule']}: {S} stages x {M} microbatches, {V} virtual stage(s) per device, "
              f"residuals {r['residuals']}",
              f"ticks: {r['ticks']}, lockstep time {r['time']} (action costs {costs}; a tick lasts as long as "
              f"its slowest stage)",
              f"bubble: {r['bubble']:.1%} of stage-time idle in lockstep; formula "
-             f"{bubble_expression(r['schedule'])} = {idle}/{total} = {r['bubble_formula']:.1%}",
+             f"{schedule.bubble_expression} = {idle}/{total} = {r['bubble_formula']:.1%}",
              f"in flight per stage (microbatch chunks): {' '.join(map(str, r['in_flight']))}; "
              f"buffer slots per chunk: residuals {r['residual_slots']}, received inputs {r['input_slots']}"]
     if r["ticks"] <= 80:
@@ -103,7 +103,7 @@ def parser() -> Parser:
     run.add_argument("--compare", nargs="+", metavar="MESH", help="rank these meshes for the same model and devices")
     run.add_argument("--zero-table", action="store_true", help="ZeRO stages 0-3 side by side, measured vs formula")
     sched = p.add_argument_group("look at a pipeline schedule")
-    sched.add_argument("--schedule", choices=SCHEDULES)
+    sched.add_argument("--schedule", choices=tuple(SCHEDULES))
     sched.add_argument("--stages", type=number(int, min=1))
     sched.add_argument("--microbatches", type=number(int, min=1))
     sched.add_argument("--virtual-stages", type=number(int, min=1), default=1)

@@ -70,3 +70,64 @@ def test_ruff_finds_nothing():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", str(ROOT)],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+# ---- no import cycles between modules (within a layer: across layers the test above already forbids them) ----
+def module_name(layer: str, path: Path) -> str:
+    """meshtrain.<layer>.<module> (a package's __init__.py: meshtrain.<layer>); the commands: meshtrain.<module>."""
+    package = ["meshtrain"] if layer == "top" else ["meshtrain", layer]
+    return ".".join(package if path.stem == "__init__" else [*package, path.stem])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the meshtrain modules it imports, top-level or inside functions. `from package
+    import name` is an edge to the module package.name when there is one (a submodule), else to the
+    package (its __init__.py's name)."""
+    files = {module_name(layer, path): path for layer, path in modules()}
+    files.setdefault("meshtrain", ROOT / "meshtrain" / "__init__.py")
+    known = lambda name: next((n for n in (name, *(name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)))
+                               if n in files), None)
+    graph = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {known(f"{node.module}.{a.name}") for a in node.names}
+        graph[module] = {t for t in targets if t and t != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle found by a depth-first walk, as [a, b, ..., a] (one per back edge)."""
+    cycles, state = [], {}  # state: 1 on the walk's path, 2 done
+
+    def walk(node, path):
+        state[node] = 1
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                walk(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node, [node])
+    return cycles
+
+
+def test_import_cycles_are_found_and_named():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "e2", "e"]]
+    assert import_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_module_imports_itself_through_others():
+    """fit.py and aot.py imported each other once: a cycle makes the import order matter and the
+    two modules one, so none is allowed, within a layer or across."""
+    graph = import_graph()
+    assert "meshtrain.planner.aot" in graph and "meshtrain.planner.fit" in graph["meshtrain.planner.aot"]
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.core import formulas
 from meshtrain.engine.program import TrainProgram
-from meshtrain.parallel.schedules import action_costs, timetable
+from meshtrain.parallel.schedules import SCHEDULES, timetable
 from meshtrain.planner.aot import CPU_F32_COPIES, shard_bytes
 from meshtrain.planner.traffic import expert_params, stage_replicated_params
 
@@ -171,8 +171,8 @@ def test_interleaved_bubble_is_narayanans_fraction_of_the_ideal_time(stages, mic
 def test_zero_bubble_h1_idles_a_third_of_1f1b(stages, micro):
     """Qi et al. 2023, ZB-H1: with the backward split into B (input gradient) and W (weight
     gradient), 1F1B idles (p-1)(T_F + T_B + T_W) per device, ZB-H1 (p-1)(T_F + T_B - T_W)."""
-    f, b, w = (action_costs("zb")[kind] for kind in "FBW")
-    assert action_costs("1f1b")["B"] == b + w  # one backward does both
+    f, b, w = (SCHEDULES["zb"].action_costs()[kind] for kind in "FBW")
+    assert SCHEDULES["1f1b"].action_costs()["B"] == b + w  # one backward does both
     busy = micro * (f + b + w)
     assert timetable("zb", stages, micro).time - busy == (stages - 1) * (f + b - w)
     assert timetable("1f1b", stages, micro).time - busy == (stages - 1) * (f + b + w)

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, TINY, run_tiny
 
 from meshtrain.config.loader import UserError
-from meshtrain.parallel.schedules import Action, executor_tables, timetable
+from meshtrain.parallel.schedules import SCHEDULES, Action, executor_tables, timetable
 
 # ---- tables ----
 TABLES = [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
@@ -22,7 +22,8 @@ TABLES = [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 
 def test_timetable_runs_each_action_once_in_dependency_order(schedule, stages, micro, virtual):
     tt = timetable(schedule, stages, micro, virtual)
     when = tt.when()
-    kinds = "FBW" if schedule == "zb" else "FB"
+    split = SCHEDULES[schedule].splits_weight_grad  # zb: a W action after each B
+    kinds = "FBW" if split else "FB"
     expected = {(s, Action(k, m, v))
                 for s in range(stages) for m in range(micro) for v in range(virtual) for k in kinds}
     assert set(when) == expected and len(when) == sum(len(slot) for row in tt.ticks for slot in row)
@@ -31,7 +32,7 @@ def test_timetable_runs_each_action_once_in_dependency_order(schedule, stages, m
             for v in range(virtual):
                 f, b = when[(s, Action("F", m, v))], when[(s, Action("B", m, v))]
                 assert f <= b  # the same tick only as (F, B) of the last model stage, in that order
-                if schedule == "zb":
+                if split:
                     assert b < when[(s, Action("W", m, v))]
                 if s + 1 < stages:  # data flows one stage per tick
                     assert when[(s + 1, Action("B", m, v))] < b and f < when[(s + 1, Action("F", m, v))]

@@ -4,6 +4,6 @@
 - bounds.py: a setting's allowed range; cli.py: the commands' parser, flags and `@command` wrapper.
 - folders.py: whole writes (write-then-rename), new-folder checks, full-disk errors; jsonl.py: append-only
   logs that tolerate a torn tail.
-- formulas.py: the closed forms (ZeRO bytes, activation terms, ring traffic, bubbles, KV cache) that the
+- formulas.py: the closed forms (ZeRO bytes, activation terms, ring traffic, KV cache) that the
   runtime checks and the planner both cite; metrics.py: device profiles, model FLOPs, MFU.
 """

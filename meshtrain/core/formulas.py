@@ -1,5 +1,6 @@
 """The analytical formulas meshtrain's figures are checked against, each written once: the planner
-prints them beside the compiled facts, the tests and the benchmarks compare with them.
+prints them beside the compiled facts, the tests and the benchmarks compare with them. (A pipeline
+schedule's bubble formula is its own, in its entry of meshtrain/parallel/schedules.py SCHEDULES.)
 
 Sizes: D, F, T, P, E, C the data, fsdp, tensor, pipeline, expert and context axis sizes; Psi
 parameters; N devices in a collective's group; B bytes.
@@ -150,23 +151,6 @@ def compressed_reduction_traffic(grad_bytes: float, n: int, block: int, gathered
     if gathered:
         out["all-gather"] = ring_traffic("all-gather", payload, n)
     return out
-
-
-# ---- pipeline bubble (Narayanan et al. 2021, eq. 1-2; Qi et al. 2023 for ZB-H1) ----
-def bubble_terms(schedule: str, stages: int, micro: int, virtual: int = 1) -> tuple[int, int]:
-    """The idle fraction as (numerator, denominator): (S-1)/(V*M+S-1) for GPipe, 1F1B and
-    interleaved; (S-1)/(3M+S-1) for zb."""
-    S, M, V = stages, micro, virtual
-    return S - 1, (3 * M if schedule == "zb" else V * M) + S - 1
-
-
-def bubble(schedule: str, stages: int, micro: int, virtual: int = 1) -> float:
-    idle, total = bubble_terms(schedule, stages, micro, virtual)
-    return idle / total
-
-
-def bubble_expression(schedule: str) -> str:
-    return "(S-1)/(3M+S-1)" if schedule == "zb" else "(S-1)/(V*M+S-1)"
 
 
 # ---- tensor and expert parallelism ----

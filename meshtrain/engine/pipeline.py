@@ -38,7 +38,7 @@ from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel import data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
-from meshtrain.parallel.schedules import executor_tables, tick_phases, timetable
+from meshtrain.parallel.schedules import Schedule, executor_tables, lookup, tick_phases, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
 
 
@@ -124,12 +124,12 @@ class StageProgram:
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
     timetable (meshtrain/parallel/schedules.py)."""
 
-    def __init__(self, model, layer, schedule: str, residuals: str, stages: int, micro: int,
+    def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
                  docs_MxbxL=None, kinds=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
-        self.save, self.zero_bubble = residuals == "save", schedule == "zb"
+        self.save, self.splits_weight_grad = residuals == "save", schedule.splits_weight_grad
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
@@ -194,7 +194,7 @@ class StageProgram:
         carry["stats"] = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like)
         if self.save:
             carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
-        if self.zero_bubble:
+        if self.splits_weight_grad:
             per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
             carry["deferred"] = _zeros(self.zeros_x, n["deferred_slots"], V, per_chunk)
         return carry
@@ -233,18 +233,19 @@ class StageProgram:
         return jax.lax.cond(self.is_last(v), head_and_loss, lambda c: c, c), y
 
     def backward(self, c, m, v):
-        """The input gradient (sent back) and, except under zb, the chunk's weight gradient."""
+        """The input gradient (sent back) and, unless the schedule splits it off (zb), the chunk's weight
+        gradient."""
         g_y = _read(c["cotangents"], m, v, self.slots["cotangent_slots"])
         docs = self.documents(m)
         if self.save:
             def layer_back(g, xs):
                 p_layer, saved, kind = xs
                 g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **_kind(kind))
-                return g_x, (g if self.zero_bubble else g_p)  # zb: keep each layer's output cotangent for W
+                return g_x, (g if self.splits_weight_grad else g_p)  # zb: keep each layer's output cotangent for W
 
             saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
             g_x, per_layer = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.chunk_kinds(v)), reverse=True)
-            if self.zero_bubble:
+            if self.splits_weight_grad:
                 c = {**c, "deferred": _write(c["deferred"], per_layer, m, v, self.slots["deferred_slots"])}
             else:
                 c = self.add_chunk(c, per_layer, v)
@@ -318,7 +319,7 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     With a `compressor` (meshtrain/parallel/compression.py) that reduction is int8 with error feedback:
     the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out."""
     stages = mesh.shape["pipeline"]
-    schedule, residuals, micro = plan.schedule, plan.residuals, plan.num_microbatches(stages)
+    schedule, residuals, micro = lookup(plan.schedule), plan.residuals, plan.num_microbatches(stages)
     virtual = plan.virtual_stages
     tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
     slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}

@@ -3,7 +3,7 @@
 - mesh.py: the axes (data, fsdp, tensor, pipeline, expert, context), `--mesh` parsing, simulated CPU
   devices; sharding.py: logical-axis rules, ZeRO shardings, activation constraints.
 - data_parallel.py: the once-per-step gradient reduction; compression.py: its int8 form.
-- batching.py: microbatches and accumulation; schedules.py: pipeline schedules as tables (GPipe,
-  1F1B, interleaved, zero-bubble) and their timetables.
+- batching.py: microbatches and accumulation; schedules.py: pipeline schedules (GPipe, 1F1B,
+  interleaved, zero-bubble), one `Schedule` entry each in `SCHEDULES`, and their timetables.
 Ring attention, the `context` axis's executor, is an attention backend: meshtrain/ops/context_parallel.py.
 """

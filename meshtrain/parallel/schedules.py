@@ -25,17 +25,21 @@ So the schedules are written to balance ticks, not only to leave few idle slots:
 Idle fractions these give, lockstep (printed by `python -m meshtrain.plan --schedule ...`):
 (S-1)/(V*M+S-1) for GPipe, 1F1B and interleaved (Narayanan et al. 2021, eq. 1 and 2), and
 (S-1)/(3M+S-1) for zb (ZB-H1's (S-1)(T_F+T_B-T_W) bubble with unit costs).
+
+Each schedule is one `Schedule` entry in `SCHEDULES` (at the end of the orders): its order, its
+action costs, its bubble formula and what sets it apart (a split weight gradient, virtual stages).
+Everything else (the config's choices, the checks, the timetable, the executor's tables and
+program, the planner) asks the entry, never the name: a new schedule is a new entry
+(docs/pipeline.md, "Adding a schedule").
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from meshtrain.core import formulas
 from meshtrain.core.errors import UserError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 @dataclass(frozen=True)
@@ -51,23 +55,40 @@ class Action:
 Slot = tuple[Action, ...]
 
 
-def action_costs(schedule: str, residuals: str = "save") -> dict[str, int]:
-    """Time of each action, one forward = 1 (see the module docstring)."""
-    if schedule == "zb":
-        return {"F": 1, "B": 1, "W": 1}
-    return {"F": 1, "B": 3 if residuals == "recompute" else 2, "W": 0}
+@dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule, all the library knows of it (an entry of `SCHEDULES`)."""
+    name: str  # the value of parallel.schedule and of `plan --schedule`
+    order: Callable[[int, int, int, int], list[Slot]]  # (stages, micro, stage, virtual) -> the stage's slots
+    costs: dict[str, int]  # time of each action ("F", "B", "W"), one forward = 1, with saved residuals
+    bubble_terms: Callable[[int, int, int], tuple[int, int]]  # (S, M, V) -> lockstep idle as (numerator, denominator)
+    bubble_expression: str  # the same in words, printed by the planner
+    splits_weight_grad: bool = False  # B is the input gradient alone; a W action computes the weight gradient later
+    interleaved: bool = False  # V >= 2 chunks of layers per device (parallel.virtual_stages)
+
+    def action_costs(self, residuals: str = "save") -> dict[str, int]:
+        """`costs`; under parallel.residuals=recompute a backward also reruns the forward (+1). (A
+        schedule that splits the weight gradient refuses recompute: `check_residuals`.)"""
+        if residuals == "recompute" and not self.splits_weight_grad:
+            return {**self.costs, "B": self.costs["B"] + 1}
+        return dict(self.costs)
+
+    def bubble(self, stages: int, micro: int, virtual: int = 1) -> float:
+        """The idle fraction its bubble formula gives."""
+        idle, total = self.bubble_terms(stages, micro, virtual)
+        return idle / total
 
 
 def _singles(actions) -> list[Slot]:
     return [(a,) for a in actions]
 
 
-def gpipe_order(stages: int, micro: int, stage: int) -> list[Slot]:
+def gpipe_order(stages: int, micro: int, stage: int, virtual: int = 1) -> list[Slot]:
     """Every forward, then every backward (the backward of m needs all of m's activations)."""
     return _singles([Action("F", m) for m in range(micro)] + [Action("B", m) for m in range(micro)])
 
 
-def one_f_one_b_order(stages: int, micro: int, stage: int) -> list[Slot]:
+def one_f_one_b_order(stages: int, micro: int, stage: int, virtual: int = 1) -> list[Slot]:
     """Warm up with 2(S-1-s) forwards, then one forward and one backward per tick, then drain the
     backwards. Forward m reaches stage s at tick m + s and its backward leaves the last stage with
     it, so backward i is back at stage s at tick i + 2(S-1) - s: a warm-up of 2(S-1-s) pairs them."""
@@ -94,7 +115,7 @@ def interleaved_order(stages: int, micro: int, stage: int, virtual: int) -> list
             + _singles(nth(k, "B") for k in range(total - warmup, total)))
 
 
-def zero_bubble_order(stages: int, micro: int, stage: int) -> list[Slot]:
+def zero_bubble_order(stages: int, micro: int, stage: int, virtual: int = 1) -> list[Slot]:
     """ZB-H1's forwards and input-gradient backwards, in the classic 1F1B order (S-1-s warm-up
     forwards, then alternate); `timetable` slots the weight gradients into it."""
     warmup = min(stages - 1 - stage, micro)
@@ -104,34 +125,65 @@ def zero_bubble_order(stages: int, micro: int, stage: int) -> list[Slot]:
     return _singles(order + [Action("B", m) for m in range(micro - warmup, micro)])
 
 
-def stage_orders(schedule: str, stages: int, micro: int, virtual: int = 1) -> list[list[Slot]]:
-    check(schedule, stages, micro, virtual)
-    if schedule == "interleaved":
-        return [interleaved_order(stages, micro, s, virtual) for s in range(stages)]
-    order = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb": zero_bubble_order}[schedule]
-    return [order(stages, micro, s) for s in range(stages)]
+# ---- the registry: one entry per schedule ----
+FUSED_BACKWARD = {"F": 1, "B": 2, "W": 0}  # a backward computes dX and dW: two matmuls per forward matmul
+SPLIT_BACKWARD = {"F": 1, "B": 1, "W": 1}  # B computes dX alone, W computes dW later
 
 
-def check(schedule: str, stages: int, micro: int, virtual: int) -> None:
+def narayanan_terms(S: int, M: int, V: int) -> tuple[int, int]:
+    """(S-1)/(V*M+S-1): Narayanan et al. 2021, eq. 1 (V = 1) and 2."""
+    return S - 1, V * M + S - 1
+
+
+SCHEDULES = {s.name: s for s in (
+    Schedule(name="gpipe", order=gpipe_order, costs=FUSED_BACKWARD,
+             bubble_terms=narayanan_terms, bubble_expression="(S-1)/(V*M+S-1)"),
+    Schedule(name="1f1b", order=one_f_one_b_order, costs=FUSED_BACKWARD,
+             bubble_terms=narayanan_terms, bubble_expression="(S-1)/(V*M+S-1)"),
+    Schedule(name="interleaved", order=interleaved_order, costs=FUSED_BACKWARD,
+             bubble_terms=narayanan_terms, bubble_expression="(S-1)/(V*M+S-1)", interleaved=True),
+    # ZB-H1 (Qi et al. 2023): its (S-1)(T_F+T_B-T_W) bubble with unit costs
+    Schedule(name="zb", order=zero_bubble_order, costs=SPLIT_BACKWARD,
+             bubble_terms=lambda S, M, V: (S - 1, 3 * M + S - 1), bubble_expression="(S-1)/(3M+S-1)",
+             splits_weight_grad=True),
+)}
+
+
+def lookup(schedule: str | Schedule) -> Schedule:
+    """The entry named `schedule` (an entry is returned as it is)."""
+    if isinstance(schedule, Schedule):
+        return schedule
     if schedule not in SCHEDULES:
         raise UserError(f"parallel.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[schedule]
+
+
+def stage_orders(schedule: str | Schedule, stages: int, micro: int, virtual: int = 1) -> list[list[Slot]]:
+    check(schedule, stages, micro, virtual)
+    return [lookup(schedule).order(stages, micro, s, virtual) for s in range(stages)]
+
+
+def check(schedule: str | Schedule, stages: int, micro: int, virtual: int) -> None:
+    sched = lookup(schedule)
     if micro < stages:
         raise UserError(f"parallel.microbatches={micro} is fewer than the {stages} pipeline stages: stages "
                         f"would wait forever; use at least {stages}")
-    if schedule == "interleaved":
+    if sched.interleaved:
         if virtual < 2:
-            raise UserError("parallel.schedule=interleaved needs parallel.virtual_stages >= 2")
+            raise UserError(f"parallel.schedule={sched.name} needs parallel.virtual_stages >= 2")
         if micro % stages:
-            raise UserError(f"parallel.schedule=interleaved needs parallel.microbatches ({micro}) to be a "
+            raise UserError(f"parallel.schedule={sched.name} needs parallel.microbatches ({micro}) to be a "
                             f"multiple of the pipeline size ({stages})")
     elif virtual != 1:
-        raise UserError(f"parallel.virtual_stages={virtual} needs parallel.schedule=interleaved")
+        interleaved = ", ".join(name for name, s in SCHEDULES.items() if s.interleaved)
+        raise UserError(f"parallel.virtual_stages={virtual} needs parallel.schedule={interleaved}")
 
 
-def check_residuals(schedule: str, residuals: str, remat: str) -> None:
-    if residuals == "recompute" and schedule == "zb":
-        raise UserError("parallel.schedule=zb needs parallel.residuals=save: its weight gradients run after "
-                        "the backward, from the saved residuals")
+def check_residuals(schedule: str | Schedule, residuals: str, remat: str) -> None:
+    sched = lookup(schedule)
+    if residuals == "recompute" and sched.splits_weight_grad:
+        raise UserError(f"parallel.schedule={sched.name} needs parallel.residuals=save: its weight gradients run "
+                        f"after the backward, from the saved residuals")
     if residuals == "recompute" and remat != "none":
         raise UserError(f"parallel.residuals=recompute with parallel.remat={remat} would recompute each chunk "
                         f"twice; use parallel.residuals=save (it keeps only what parallel.remat saves) or "
@@ -156,7 +208,7 @@ def _input_of(action: Action, stage: int, stages: int, virtual: int):
 
 @dataclass
 class Timetable:
-    schedule: str
+    schedule: Schedule
     stages: int
     micro: int
     virtual: int
@@ -165,7 +217,7 @@ class Timetable:
 
     @property
     def costs(self) -> dict[str, int]:
-        return action_costs(self.schedule, self.residuals)
+        return self.schedule.action_costs(self.residuals)
 
     def slot_cost(self, slot: Slot) -> int:
         return sum(self.costs[a.kind] for a in slot)
@@ -187,12 +239,12 @@ class Timetable:
 
     @property
     def bubble_formula(self) -> float:
-        return formulas.bubble(self.schedule, self.stages, self.micro, self.virtual)
+        return self.schedule.bubble(self.stages, self.micro, self.virtual)
 
     def in_flight(self) -> list[int]:
         """Per stage: the most (microbatch, chunk) pairs whose residuals it holds at once (from the
-        forward to the backward, or to the weight gradient under zb)."""
-        release = "W" if self.schedule == "zb" else "B"
+        forward to the backward, or to the weight gradient when the schedule splits it off)."""
+        release = "W" if self.schedule.splits_weight_grad else "B"
         peaks = []
         for s in range(self.stages):
             live = peak = 0
@@ -207,12 +259,14 @@ class Timetable:
         return {(s, a): t for t, row in enumerate(self.ticks) for s, slot in enumerate(row) for a in slot}
 
 
-def timetable(schedule: str, stages: int, micro: int, virtual: int = 1, residuals: str = "save",
+def timetable(schedule: str | Schedule, stages: int, micro: int, virtual: int = 1, residuals: str = "save",
               orders: list[list[Slot]] | None = None) -> Timetable:
-    """Place each stage's slots, in order, at the earliest tick their inputs allow. Under zb a stage
-    runs its oldest queued weight gradient instead when its next slot must wait, when its order is
-    done, or when more than S-1 are queued. `orders` times other orders under a schedule's costs
-    (benchmarks/pipeline.py times the classic 1F1B that way)."""
+    """Place each stage's slots, in order, at the earliest tick their inputs allow. When the
+    schedule splits the weight gradient (zb), each backward queues its W, and a stage runs its oldest
+    queued W instead when its next slot must wait, when its order is done, or when more than S-1 are
+    queued. `orders` times other orders under a schedule's costs (benchmarks/pipeline.py times the
+    classic 1F1B that way)."""
+    schedule = lookup(schedule)
     orders = orders or stage_orders(schedule, stages, micro, virtual)
     done: dict[tuple[int, Action], int] = {}
     position = [0] * stages
@@ -222,13 +276,14 @@ def timetable(schedule: str, stages: int, micro: int, virtual: int = 1, residual
         t = len(ticks)
         row = [_next_slot(orders[s], position[s], queued[s], s, stages, virtual, done, t) for s in range(stages)]
         if not any(row):
-            raise AssertionError(f"{schedule} schedule deadlocks at tick {t}")  # a bug in an order function
+            raise AssertionError(f"{schedule.name} schedule deadlocks at tick {t}")  # a bug in an order function
         for s, slot in enumerate(row):
             if slot and slot[0].kind == "W":
                 queued[s].pop(0)
             elif slot:
                 position[s] += 1
-                queued[s] += [Action("W", a.micro, a.chunk) for a in slot if a.kind == "B" and schedule == "zb"]
+                queued[s] += [Action("W", a.micro, a.chunk) for a in slot
+                              if a.kind == "B" and schedule.splits_weight_grad]
             for a in slot:
                 done[(s, a)] = t
         ticks.append(row)
@@ -266,7 +321,8 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
     names += [f"recv_{d}{suffix}" for d in "fb" for suffix in ("", "_micro", "_chunk")]
     arrays = {k: np.zeros((T, S), np.int32) for k in names}
     when = tt.when()
-    last_use = "W" if tt.schedule == "zb" else "B"
+    split = tt.schedule.splits_weight_grad
+    last_use = "W" if split else "B"
     # (stage, chunk, micro) -> (first tick held, last tick needed)
     input_live, residual_live, cotangent_live, deferred_live = {}, {}, {}, {}
     for t, row in enumerate(tt.ticks):
@@ -289,7 +345,7 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
                     cotangent_live[(to, chunk, a.micro)] = (t + 1, when[(to, Action("B", a.micro, chunk))])
                 if a.kind == "F" and last:  # the loss's cotangent, from this stage's own forward
                     cotangent_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("B", a.micro, a.chunk))])
-                if a.kind == "B" and tt.schedule == "zb":  # each layer's output cotangent, until W
+                if a.kind == "B" and split:  # each layer's output cotangent, until W
                     deferred_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("W", a.micro, a.chunk))])
     if tt.residuals == "recompute":  # a chunk's input is read again by its backward
         input_live = {key: (span[0], when[(key[0], Action("B", key[2], key[1]))]) for key, span in input_live.items()}

@@ -7,8 +7,9 @@ devices of the target GPU when the plan-gpu extra is installed, so memory is the
 assignment and the collectives and kernels are the GPU program's; else XLA:CPU on simulated devices,
 whose program is corrected where it differs from a GPU's (the f32 copies below; meshtrain/planner/hlo.py
 for the collectives). Formulas: meshtrain/planner/traffic.py (collectives), meshtrain/core/formulas.py
-(ZeRO memory, bubble). Roofline: meshtrain/planner/roofline.py (each mesh axis's traffic on the in-node or
-cross-node link it crosses, compute with recompute and the lockstep bubble, an HBM floor).
+(ZeRO memory), meshtrain/parallel/schedules.py (bubble). Roofline: meshtrain/planner/roofline.py (each mesh
+axis's traffic on the in-node or cross-node link it crosses, compute with recompute and the lockstep bubble,
+an HBM floor).
 """
 from __future__ import annotations
 
@@ -415,7 +416,7 @@ def run(args) -> str:
                         "fits": report["memory"]["total"] <= memory_budget["budget"],
                         "mfu_ceiling": report["roofline"]["mfu_ceiling"]}}
         found = fit.search(cfg, parse_mesh(cfg.parallel.mesh, args.devices), profile, memory_budget,
-                           args.search_budget, args.devices_per_node, known, devices)
+                           args.search_budget, args.devices_per_node, known, devices, measure=train_step_plan)
         report["search"] = {"best": found["best"] and search_row(found["best"], base, args, cfg),
                             "compiled": [search_row(r, base, args, cfg) for r in found["compiled"]],
                             "path": found["path"], "budget": args.search_budget}

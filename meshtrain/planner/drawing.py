@@ -66,8 +66,8 @@ def timeline_figure(tt) -> Figure:
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(handles), frameon=False,
               fontsize=7, handlelength=1.2, columnspacing=1.0, borderaxespad=0.2)
     virtual = f" x {tt.virtual} virtual stages" if chunks else ""
-    fig.text(left / width, 1 - 0.06 / height, f"{tt.schedule}: {stages} stages{virtual} x {tt.micro} microbatches, "
-             f"{tt.bubble:.1%} idle in lockstep", fontsize=9, va="top")
+    fig.text(left / width, 1 - 0.06 / height, f"{tt.schedule.name}: {stages} stages{virtual} x {tt.micro} "
+             f"microbatches, {tt.bubble:.1%} idle in lockstep", fontsize=9, va="top")
     return fig
 
 

@@ -2,7 +2,9 @@
 --fit`, and the "would fit" list a plan that does not fit prints.
 
 Every candidate is compiled (`evaluate`: the train step's memory as meshtrain/planner/aot.py reads it,
-its roofline step time), never guessed. The knobs, one move at a time (`moves`):
+its roofline step time), never guessed. The compile is the caller's `measure` (aot.py's `train_step_plan`,
+passed in by aot.py's `run`), so this module imports nothing of the planner's: aot.py uses it, not the
+other way round. The knobs, one move at a time (`moves`):
 - memory moves: twice the microbatches; remat none -> save_matmuls -> full; a higher ZeRO stage
   (with a data axis); blockwise attention in place of xla (no [L, L] scores); a factor of 2 (or the
   axis's smallest prime) moved from `data` to fsdp, tensor, pipeline or context, or from fsdp to
@@ -97,13 +99,12 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
 
 
 def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_per_node=None,
-             devices=None) -> dict | None:
-    """The layout's train step compiled: its peak per device, whether it fits the budget, and its
-    roofline step time; None (with the reason) when the program refuses the layout."""
-    from meshtrain.planner import aot as planner
-
+             devices=None, *, measure) -> dict | None:
+    """The layout's train step compiled by `measure` ((cfg, profile, devices_per_node, devices) ->
+    the step's plan: aot.py's `train_step_plan`): its peak per device, whether it fits the budget,
+    and its roofline step time; None (with the reason) when the program refuses the layout."""
     try:
-        r = planner.train_step_plan(layout.apply(cfg), profile, devices_per_node, devices)
+        r = measure(layout.apply(cfg), profile, devices_per_node, devices)
     except UserError as e:
         return {"layout": layout, "invalid": str(e)}
     peak = r["memory"]["total"]
@@ -112,17 +113,18 @@ def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_pe
 
 
 def search(cfg, sizes: dict, profile: dict, memory_budget: dict, budget: int = 12, devices_per_node=None,
-           known: dict | None = None, devices=None) -> dict:
-    """Local search (module doc) from the config's layout, at most `budget` compiles (`known`:
-    layouts already evaluated; `devices`: the compiler's, meshtrain/planner/compilers.py). Returns the
-    best fitting candidate found (None if none), every candidate compiled, and the moves taken."""
+           known: dict | None = None, devices=None, *, measure) -> dict:
+    """Local search (module doc) from the config's layout, at most `budget` compiles by `measure`
+    (`evaluate`; `known`: layouts already evaluated; `devices`: the compiler's,
+    meshtrain/planner/compilers.py). Returns the best fitting candidate found (None if none), every
+    candidate compiled, and the moves taken."""
     per_node = devices_per_node or profile["devices_per_node"]
     seen: dict[Layout, dict] = dict(known or {})
     limit = budget + len(seen)
 
     def score(layout):
         if layout not in seen and len(seen) < limit:
-            seen[layout] = evaluate(cfg, layout, profile, memory_budget, devices_per_node, devices)
+            seen[layout] = evaluate(cfg, layout, profile, memory_budget, devices_per_node, devices, measure=measure)
         return seen.get(layout)
 
     current, path = score(Layout.of(cfg, sizes)), []
