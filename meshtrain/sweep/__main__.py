@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.config.loader import default_out
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
-from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.cli import Parser, command, devices_flag, number
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error
 from meshtrain.sweep.devices import device_slots, visible_gpus
@@ -32,8 +31,7 @@ def parser() -> Parser:
     p.add_argument("--study", help="study name (default: the --out folder's name)")
     p.add_argument("--out", help="sweep folder: trial-<n>/ runs, logs/, best.json (default runs/<config>-sweep)")
     p.add_argument("--parallel", type=int, default=1, metavar="K", help="trials at once, each on 1/K of the devices")
-    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
-                   help="simulated CPU devices in all; each trial gets devices/K")
+    devices_flag(p, "simulated CPU devices in all; each trial gets devices/K")  # simulated by the trials' runs
     p.add_argument("--pruner", choices=("median", "hyperband", "none"), default="median")
     p.add_argument("--startup-trials", type=number(int, min=0), default=5,
                    help="median pruner: complete trials before any is pruned (default 5)")
