@@ -22,6 +22,7 @@ from pathlib import Path
 
 from meshtrain.config.loader import Config, UserError, commented_yaml
 from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core.console import use_console
 from meshtrain.core.folders import check_new, writing_whole
 from meshtrain.data import tokenizer
 from meshtrain.interop import hf
@@ -51,6 +52,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
+    use_console()
     args = parser().parse_args(argv)
     simulate_devices(args.devices)
     if args.from_hf:

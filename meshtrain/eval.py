@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 
 HF_SEQ_LEN, HF_BATCH = 2048, 8  # --hf's window and rows unless --seq-len / --batch-size say otherwise
@@ -159,6 +160,7 @@ def main(argv=None) -> int:
     from meshtrain.parallel.mesh import describe
     from meshtrain.run.loggers import format_record
 
+    use_console()
     args = parser().parse_args(argv)
     simulate_devices(args.devices)
     flagged = task_entries(args.task, args.limit)

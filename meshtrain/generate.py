@@ -12,6 +12,7 @@ import numpy as np
 
 from meshtrain.config.validate import check_generation_size
 from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
 
@@ -83,6 +84,7 @@ def parser() -> Parser:
 def main(argv=None) -> int:
     from meshtrain.run.run_dir import run_config
 
+    use_console()
     args = parser().parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = run_config(args.run).generate.max_new_tokens

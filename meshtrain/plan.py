@@ -28,6 +28,7 @@ import os
 import sys
 
 from meshtrain.core.cli import Parser, command, devices_flag, number
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.formulas import bubble_expression, bubble_terms
@@ -116,6 +117,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
+    use_console()
     args = parser().parse_args(argv)
     if args.schedule:
         return schedule_main(args)

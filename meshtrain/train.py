@@ -15,6 +15,7 @@ from meshtrain.config.loader import (
     split_override,
 )
 from meshtrain.core.cli import Parser, command, devices_flag, number, raise_interrupt, simulate_devices
+from meshtrain.core.console import use_console
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
@@ -85,6 +86,7 @@ def overrides(args) -> list[str]:
 def main(argv=None) -> int:
     """Ctrl-C during training saves a checkpoint and returns 0 (Trainer.fit); before it, the
     wrapper's one line and 130: nothing was written yet."""
+    use_console()
     args = parser().parse_args(argv)
     if args.config_reference:
         print(reference_markdown(), end="")

@@ -43,7 +43,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from meshtrain.core.console import use_console  # noqa: E402
 from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, tiny_config  # noqa: E402, F401
+
+# The library speaks through the `meshtrain` logger (meshtrain/core/console.py). The tests' processes
+# show it as a command does (info on stdout, `notice:`/`warning:`/`error:` lines on stderr), whichever
+# test ran first: capsys sees what a user would; caplog sees the records.
+use_console()
 
 
 @pytest.fixture(scope="session")
