@@ -1,5 +1,6 @@
 """8 simulated CPU devices (set before JAX starts), a shared compilation cache, and the tiny-run
 harness (meshtrain/testing.py) with the single-device reference run."""
+import logging
 import os
 import sys
 
@@ -48,8 +49,11 @@ from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, ti
 
 # The library speaks through the `meshtrain` logger (meshtrain/core/console.py). The tests' processes
 # show it as a command does (info on stdout, `notice:`/`warning:`/`error:` lines on stderr), whichever
-# test ran first: capsys sees what a user would; caplog sees the records.
+# test ran first: capsys sees what a user would; caplog sees the records, which reach its handler on
+# the root logger because they still propagate here (a command's console stops that; pytest's own
+# root handlers print nothing).
 use_console()
+logging.getLogger("meshtrain").propagate = True
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,11 @@ logger; the commands' handler prints it as they always printed (info on stdout a
 notebook quiets or redirects it with the standard calls."""
 import io
 import logging
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT
 
 from meshtrain.core import console
 from meshtrain.core.console import NOTICE, log, use_console
@@ -92,3 +95,14 @@ def test_while_the_bar_is_live_the_console_writes_above_it(said):
     assert shown.index("resumed from step 3") < shown.index("step      5  loss")
     log.info("done")
     assert said()[0] == "done\n"  # the bar gone: stdout again
+
+
+def test_a_command_console_is_the_only_one():
+    """A library that logs through the module-level functions configures the root logger
+    (logging.basicConfig): the command's lines still show once, in its format."""
+    script = ("import logging; from meshtrain.core.console import log, use_console; use_console(); "
+              "logging.warning('a library speaks'); log.warning('step 4: loss spike'); log.info('resumed')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "resumed\n"
+    assert done.stderr == "WARNING:root:a library speaks\nwarning: step 4: loss spike\n"

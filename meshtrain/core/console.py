@@ -98,13 +98,17 @@ def live_display(write) -> Callable[[], None]:
 
 
 def use_console(level: int = logging.INFO) -> ConsoleHandler:
-    """The commands' console: one ConsoleHandler on the `meshtrain` logger (installed once)."""
+    """The commands' console: one ConsoleHandler on the `meshtrain` logger (installed once), the only
+    output of its records: they no longer propagate to the root logger, where a handler that another
+    library configures (any module-level `logging.warning(...)` calls `logging.basicConfig()` on an
+    unconfigured root) would print each line a second time as `WARNING:meshtrain:...`."""
     for handler in log.handlers:
         if isinstance(handler, ConsoleHandler):
             return handler
     handler = ConsoleHandler(level)
     log.addHandler(handler)
     log.setLevel(min(level, log.level or logging.INFO))
+    log.propagate = False
     return handler
 
 
