@@ -11,7 +11,7 @@ __all__ = ["Config", "UserError", "load_config", "Trainer", "TrainProgram", "sim
 
 _WHERE = {"Config": "meshtrain.config.loader", "UserError": "meshtrain.core.errors",
           "load_config": "meshtrain.config.loader", "Trainer": "meshtrain.run.trainer",
-          "TrainProgram": "meshtrain.engine.program", "simulate_cpu_devices": "meshtrain.parallel.mesh"}
+          "TrainProgram": "meshtrain.engine.program", "simulate_cpu_devices": "meshtrain.core.cli"}
 
 
 def __getattr__(name):

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from meshtrain.config.loader import Config, UserError, commented_yaml
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
-from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core.console import use_console
 from meshtrain.core.folders import check_new, writing_whole
 from meshtrain.data import tokenizer
 from meshtrain.interop import hf
@@ -46,18 +46,15 @@ def parser() -> Parser:
                    help="--to-hf: the mesh the weights are read onto (default: split over every device)")
     p.add_argument("--step", type=number(int, min=0), help="--to-hf, --quantize: read this checkpoint step "
                                                          "(default: the newest intact one)")
-    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
-                   help="simulate this many CPU devices")
+    devices_flag(p, "simulate this many CPU devices")
     return p
 
 
 @command
 def main(argv=None) -> int:
+    use_console()
     args = parser().parse_args(argv)
-    if args.devices:
-        from meshtrain.parallel.mesh import simulate_cpu_devices
-
-        simulate_cpu_devices(args.devices)
+    simulate_devices(args.devices)
     if args.from_hf:
         if args.step is not None:
             raise UserError("--step chooses the checkpoint --to-hf or --quantize reads; --from-hf has none")

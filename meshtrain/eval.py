@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
-from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 
 HF_SEQ_LEN, HF_BATCH = 2048, 8  # --hf's window and rows unless --seq-len / --batch-size say otherwise
@@ -143,8 +143,7 @@ def parser() -> Parser:
                    help="validation batches (default: the run's train.eval_batches; 0 = no validation loss)")
     p.add_argument("--mesh", help="evaluate on this mesh ('tensor=2', 'data=2,fsdp=2'); default: the run's "
                                   "parallel.mesh, data=-1 for --hf")
-    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
-                   help=f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}), no accelerator")
+    devices_flag(p)
     p.add_argument("--seq-len", type=number(int, min=1),
                    help=f"the window (default: the run's train.seq_len; {HF_SEQ_LEN} for --hf)")
     p.add_argument("--batch-size", type=number(int, min=1),
@@ -161,11 +160,9 @@ def main(argv=None) -> int:
     from meshtrain.parallel.mesh import describe
     from meshtrain.run.loggers import format_record
 
+    use_console()
     args = parser().parse_args(argv)
-    if args.devices is not None:
-        from meshtrain.parallel.mesh import simulate_cpu_devices
-
-        simulate_cpu_devices(args.devices)
+    simulate_devices(args.devices)
     flagged = task_entries(args.task, args.limit)
     for entry in tasks.entries(flagged, "--task"):  # a bad --task file is found before any weight is read
         tasks.read(entry.path, entry.limit)

@@ -10,9 +10,9 @@ import time
 import jax
 import numpy as np
 
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
 from meshtrain.config.validate import check_generation_size
-from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
 
@@ -75,23 +75,21 @@ def parser() -> Parser:
     p.add_argument("--step", type=number(int, min=0), help="read this checkpoint step (default: the newest intact one)")
     p.add_argument("--mesh", help="shard over this mesh ('tensor=2', 'data=2,tensor=2'; 'run' = the run's "
                                   "own); default: one device")
-    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
-                   help=f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}), no accelerator")
+    devices_flag(p)
     p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the one the run recorded)")
     return p
 
 
 @command
 def main(argv=None) -> int:
-    from meshtrain.parallel.mesh import simulate_cpu_devices
     from meshtrain.run.run_dir import run_config
 
+    use_console()
     args = parser().parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = run_config(args.run).generate.max_new_tokens
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    if args.devices is not None:
-        simulate_cpu_devices(args.devices)
+    simulate_devices(args.devices)
     tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
     check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
                           args.max_new_tokens, jax.devices())

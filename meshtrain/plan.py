@@ -27,8 +27,8 @@ import json
 import os
 import sys
 
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
-from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.cli import Parser, command, devices_flag, number
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.metrics import DEVICE_PROFILES
@@ -74,8 +74,7 @@ def parser() -> Parser:
     run = p.add_argument_group("plan a training run on a target mesh")
     run.add_argument("--config", help="YAML config (see configs/)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    run.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
-                     help="target device count (simulated on this machine's CPU)")
+    devices_flag(run, "target device count (simulated on this machine's CPU)")  # by planner/compilers.py `choose`
     run.add_argument("--mesh", help="target mesh, e.g. fsdp=8,tensor=8 or 8x8x4")
     run.add_argument("--device", default="h100", choices=sorted(DEVICE_PROFILES),
                      help="the target device: the GPU compiler's target and the roofline's profile")
@@ -118,6 +117,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
+    use_console()
     args = parser().parse_args(argv)
     if args.schedule:
         return schedule_main(args)

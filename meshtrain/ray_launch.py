@@ -21,6 +21,7 @@ import sys
 import time
 
 from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.console import log, use_console
 from meshtrain.core.errors import UserError
 from meshtrain.run.multihost import EXIT_PEER_LOST, die_with_parent, last_error
 
@@ -82,7 +83,7 @@ def run_process(process_id: int, argv: list[str], cwd: str, env: dict) -> dict:
     try:
         for line in proc.stdout:
             tail.append(line.rstrip("\n"))
-            print(f"[process {process_id}] {line}", end="", flush=True)
+            print(f"[process {process_id}] {line}", end="", flush=True)  # relayed as it came: its own console's
         code = proc.wait()
     except BaseException:  # cancelled (the launcher was interrupted): meshtrain checkpoints on SIGTERM
         proc.send_signal(signal.SIGTERM)
@@ -111,7 +112,7 @@ def launch(nodes: int, train_argv: list[str], strategy: str = "STRICT_SPREAD", c
         in_bundle = functools.partial(PlacementGroupSchedulingStrategy, group)
         host, port = ray.get(ray.remote(coordinator).options(
             num_cpus=0, scheduling_strategy=in_bundle(placement_group_bundle_index=0)).remote())
-        print(f"ray_launch: {nodes} processes, coordinator {host}:{port}", flush=True)
+        log.info(f"ray_launch: {nodes} processes, coordinator {host}:{port}")
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
         task = ray.remote(run_process)
         refs = [task.options(num_cpus=cpus, num_gpus=gpus, max_retries=0,
@@ -130,6 +131,7 @@ def launch(nodes: int, train_argv: list[str], strategy: str = "STRICT_SPREAD", c
 
 @command
 def main(argv=None) -> int:
+    use_console()
     argv = sys.argv[1:] if argv is None else argv
     own, train = split_argv(argv)
     args = parser().parse_args(own)

@@ -17,6 +17,7 @@ import numpy as np
 
 from meshtrain.core import jsonl
 from meshtrain.core.cli import Parser, command
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.planner.drawing import figure_suffixes
@@ -100,6 +101,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
+    use_console()
     args = parser().parse_args(argv)
     with writing_file(args.out, "--out", args.force, figure_suffixes()) as tmp:
         runs = [load_run(path) for path in args.runs]

@@ -14,7 +14,8 @@ from meshtrain.config.loader import (
     reference_markdown,
     split_override,
 )
-from meshtrain.core.cli import Parser, command, number, raise_interrupt
+from meshtrain.core.cli import Parser, command, devices_flag, number, raise_interrupt, simulate_devices
+from meshtrain.core.console import use_console
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
@@ -28,8 +29,8 @@ def parser() -> Parser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value by dotted path, e.g. --set model.num_layers=8 (repeatable)")
     p.add_argument("--mesh", help="'8x8x4' (data x fsdp x tensor [x pipeline]) or 'data=2,fsdp=4'; -1 = the rest")
-    p.add_argument("--devices", type=int, help=f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) "
-                                               "when no accelerator is present")
+    devices_flag(p, f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) when no accelerator is present",
+                 type=int)  # the range is checked with the config key's message (`overrides`)
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", type=int, help="global batch size in sequences")
     p.add_argument("--seq-len", type=int)
@@ -85,6 +86,7 @@ def overrides(args) -> list[str]:
 def main(argv=None) -> int:
     """Ctrl-C during training saves a checkpoint and returns 0 (Trainer.fit); before it, the
     wrapper's one line and 130: nothing was written yet."""
+    use_console()
     args = parser().parse_args(argv)
     if args.config_reference:
         print(reference_markdown(), end="")
@@ -99,11 +101,9 @@ def main(argv=None) -> int:
 
 
 def run(cfg, args, interrupted: threading.Event) -> None:
-    from meshtrain.parallel.mesh import simulate_cpu_devices
     from meshtrain.run import multihost
 
-    if cfg.devices:
-        simulate_cpu_devices(cfg.devices)
+    simulate_devices(cfg.devices)  # --devices, or the config's devices key
     multihost.init_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
                                args.init_timeout)
     from meshtrain.run.trainer import Trainer

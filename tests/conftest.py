@@ -1,5 +1,6 @@
 """8 simulated CPU devices (set before JAX starts), a shared compilation cache, and the tiny-run
 harness (meshtrain/testing.py) with the single-device reference run."""
+import logging
 import os
 import sys
 
@@ -43,7 +44,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from meshtrain.core.console import use_console  # noqa: E402
 from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, tiny_config  # noqa: E402, F401
+
+# The library speaks through the `meshtrain` logger (meshtrain/core/console.py). The tests' processes
+# show it as a command does (info on stdout, `notice:`/`warning:`/`error:` lines on stderr), whichever
+# test ran first: capsys sees what a user would; caplog sees the records, which reach its handler on
+# the root logger because they still propagate here (a command's console stops that; pytest's own
+# root handlers print nothing).
+use_console()
+logging.getLogger("meshtrain").propagate = True
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from meshtrain.config.loader import (
     load_config,
     reference_markdown,
 )
+from meshtrain.core.console import NOTICE
 from meshtrain.engine.step import make_optimizer
 from meshtrain.models.moe import MoESpec
 from meshtrain.parallel.mesh import parse_mesh
@@ -135,7 +136,7 @@ def test_mesh_specs(spec, expected):
     assert tuple(sizes.values()) == expected
 
 
-def test_renamed_keys_still_work_with_a_notice(tmp_path, capsys):
+def test_renamed_keys_still_work_with_a_notice(tmp_path, caplog):
     import meshtrain.config.loader as config
 
     config._NOTICED.clear()
@@ -149,9 +150,9 @@ def test_renamed_keys_still_work_with_a_notice(tmp_path, capsys):
     # train.microbatches=1: the old default
     assert (p.rules, p.schedule, p.microbatches) == ({"mlp": ["tensor"]}, "zb", 8)
     assert cfg.model.num_layers == 2 and cfg.train.steps == 7
-    notices = capsys.readouterr().err.splitlines()
-    assert "notice: config key 'model.remat' is now 'parallel.remat' (docs/config.md)" in notices
-    assert len(notices) == 9 and all(line.startswith("notice: config key '") for line in notices)
+    notices = [r.getMessage() for r in caplog.records if r.levelno == NOTICE]  # `notice: ...` on stderr
+    assert "config key 'model.remat' is now 'parallel.remat' (docs/config.md)" in notices
+    assert len(notices) == 9 and all(line.startswith("config key '") for line in notices)
     assert load_config(None, ["train.microbatches=4"]).parallel.microbatches == 4
 
 

@@ -94,7 +94,7 @@ def test_every_executor_scales_the_same_objective(mesh):
     np.testing.assert_allclose(trainer.grad_norms, one[0].grad_norms, rtol=1e-2)
 
 
-def test_resume_restores_the_scale_bitwise_on_any_mesh(tmp_path, capsys):
+def test_resume_restores_the_scale_bitwise_on_any_mesh(tmp_path, caplog):
     # An initial scale of 2^30 overflows until it falls; a window of 2 then doubles it: a moving scale.
     overrides = (FP16, "parallel.loss_scale_initial=1073741824", "parallel.loss_scale_window=2", "train.steps=8")
     straight = Trainer(tiny_config(*overrides, "parallel.mesh=fsdp=8", out=str(tmp_path / "straight")))
@@ -115,8 +115,8 @@ def test_resume_restores_the_scale_bitwise_on_any_mesh(tmp_path, capsys):
     checkpointer = Checkpointer(tmp_path / "old" / "checkpoints", keep=1)
     checkpointer.save(old, {"config": to_dict(resumed.cfg), "mesh": "fsdp=8", "devices": 8, "skip_batches": []})
     checkpointer.wait()
-    capsys.readouterr()
+    caplog.clear()
     fresh = Trainer(tiny_config(*overrides, "parallel.mesh=fsdp=8", "checkpoint.resume=auto",
                                 out=str(tmp_path / "old")))
-    assert "has no 'loss_scale' in this run's layout; it starts fresh" in capsys.readouterr().out
+    assert "has no 'loss_scale' in this run's layout; it starts fresh" in caplog.text  # a notice, logged
     assert float(fresh.state["loss_scale"]["scale"]) == 2.0 ** 30 and int(fresh.state["step"]) == 8

@@ -45,14 +45,14 @@ R1, R2 = b'{"step": 1, "loss": 2.0}\n', b'{"step": 2, "eval_loss": 1.5}\n'
     (b'{"step": 3, "lo\n', [1, 2], 3),  # undecodable, though terminated
     (b'{"step": 3}', [1, 2], 3),  # decodable, but its newline was never written: not whole
 ])
-def test_a_torn_last_record_is_dropped_with_one_warning(tmp_path, capsys, tail, kept, torn_line):
+def test_a_torn_last_record_is_dropped_with_one_warning(tmp_path, caplog, tail, kept, torn_line):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(R1 + R2 + tail)
     assert [r["step"] for r in jsonl.read(path)] == kept
-    err = capsys.readouterr().err
-    assert err == ("" if torn_line is None else
-                   f"warning: {path} line {torn_line} is a torn record (written when a process died or the disk "
-                   f"filled); dropped\n")
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]  # `warning: ...` on stderr
+    assert said == ([] if torn_line is None else
+                    [("WARNING", f"{path} line {torn_line} is a torn record (written when a process died or the "
+                                 f"disk filled); dropped")])
 
 
 @pytest.mark.parametrize("text, line", [(R1 + b"garbage\n" + R2, 2), (b"[1]\n" + R1, 1), (R1 + b'{"st\n\n' + R2, 2)])
@@ -200,10 +200,10 @@ def test_writing_whole_leaves_nothing_when_the_block_fails(tmp_path, failure, ra
 
 
 @pytest.mark.parametrize("left, stays, says", [
-    ("killed", False, "notice: removed"),  # its flock is free: the process is gone
+    ("killed", False, "removed"),  # its flock is free: the process is gone (a notice)
     ("writing", True, ""),  # another process holds its flock
 ])
-def test_temporary_folders_left_by_a_killed_process_go_at_the_next_write(tmp_path, capsys, left, stays, says):
+def test_temporary_folders_left_by_a_killed_process_go_at_the_next_write(tmp_path, caplog, left, stays, says):
     old = tmp_path / ".out.tmp-0badf00d"
     old.mkdir()
     holder = os.open(old, os.O_RDONLY)
@@ -214,7 +214,7 @@ def test_temporary_folders_left_by_a_killed_process_go_at_the_next_write(tmp_pat
     with writing_whole(tmp_path / "out", "--out") as tmp:
         (tmp / "done").write_text("yes")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["done"]
-    assert old.exists() == stays and (says in capsys.readouterr().err)
+    assert old.exists() == stays and (says in caplog.text)
     if left == "writing":
         os.close(holder)
 
@@ -282,7 +282,7 @@ def test_a_sweep_folder_holds_one_study(tmp_path, how, message):
 
 
 @pytest.mark.parametrize("process, retried", [("gone", True), ("lock left free", True), ("alive", False)])
-def test_a_trial_its_killed_sweep_left_running_is_failed_and_resumed(tmp_path, capsys, process, retried):
+def test_a_trial_its_killed_sweep_left_running_is_failed_and_resumed(tmp_path, caplog, process, retried):
     out = tmp_path / "sweep"
     out.mkdir()
     storage, study = opened(out)
@@ -300,7 +300,7 @@ def test_a_trial_its_killed_sweep_left_running_is_failed_and_resumed(tmp_path, c
     sweep.process.release()
     states = [(t.state.name, t.system_attrs.get("failed_trial")) for t in study.get_trials()]
     assert states == ([("FAIL", None), ("WAITING", 0)] if retried else [("RUNNING", None)])
-    said = capsys.readouterr().out
+    said = caplog.text
     assert ("notice: trial 0 was left RUNNING by a sweep that is gone; failed, and queued to resume in" in said) \
         == retried
     if process == "alive":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import typing
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from meshtrain.config.spec import (  # noqa: F401
 )
 from meshtrain.config.validate import check_config
 from meshtrain.core.bounds import Bounds
+from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES, declaring, with_family
 
@@ -195,7 +195,7 @@ def _renamed(key: str, value) -> list[tuple[str, object]]:
         if key == old or key.startswith(old + "."):
             if old not in _NOTICED:
                 _NOTICED.add(old)
-                print(f"notice: config key '{old}' is now '{new}' (docs/config.md)", file=sys.stderr)
+                log.log(NOTICE, f"config key '{old}' is now '{new}' (docs/config.md)")
             if old == "train.microbatches" and _value(value, key) == 1:
                 return []  # the old default, which a pipeline ignored: leaves parallel.microbatches as it is
             return [(new + key[len(old):], value)]

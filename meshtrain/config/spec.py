@@ -19,14 +19,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshtrain.core.bounds import setting
+from meshtrain.core.cli import MAX_SIMULATED_DEVICES
 from meshtrain.data.sources import KINDS as DATA_KINDS
 from meshtrain.models import ModelSpec  # noqa: F401 (the model section: its family's spec, models/spec.py)
 from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, describe
 from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
 from meshtrain.parallel.schedules import SCHEDULES
-
-MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
 
 
 @dataclass

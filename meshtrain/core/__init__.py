@@ -1,7 +1,9 @@
 """The foundation every layer may import; it imports nothing of meshtrain's.
 
 - errors.py: `UserError`, the one-line `error:` a command prints.
-- bounds.py: a setting's allowed range; cli.py: the commands' parser, flags and `@command` wrapper.
+- bounds.py: a setting's allowed range; cli.py: the commands' parser, flags (`--devices` and its preamble)
+  and `@command` wrapper; console.py: the `meshtrain` logger everything the library says goes through,
+  and the commands' console handler.
 - folders.py: whole writes (write-then-rename), new-folder checks, full-disk errors; jsonl.py: append-only
   logs that tolerate a torn tail.
 - formulas.py: the closed forms (ZeRO bytes, activation terms, ring traffic, KV cache) that the

@@ -10,6 +10,10 @@
   catches it itself, saves, and exits 0.
 - Any other exception is a bug, not bad input: its traceback is kept and a last line asks for a
   report, exit 1; it is never dressed up as a one-line `error:`.
+
+The commands that run JAX share their `--devices N` too: `devices_flag(parser)` defines it and
+`simulate_devices(args.devices)` asks JAX for that many CPU devices, which must happen before JAX
+starts its backends (so right after parsing, before anything touches a device).
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from meshtrain.core.bounds import Bounds
 from meshtrain.core.errors import UserError
 
 EXIT_USER_ERROR, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
+MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
+SIMULATE_HELP = f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}), no accelerator"
 INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it"
 
 
@@ -73,6 +79,34 @@ def number(kind: type, allowed: Bounds | None = None, **bounds):
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def devices_flag(parser, help: str = SIMULATE_HELP, type=None) -> None:
+    """`--devices N` on `parser` (or an argument group): 1 to MAX_SIMULATED_DEVICES simulated CPU
+    devices, checked by argparse unless the command passes its own `type` (train checks the range with
+    the config key's message). The command calls `simulate_devices` with it before JAX starts."""
+    parser.add_argument("--devices", type=type or number(int, min=1, max=MAX_SIMULATED_DEVICES), help=help)
+
+
+def simulate_devices(count: int | None) -> None:
+    """The `--devices` preamble: ask JAX for `count` CPU devices (None or 0: the machine's own). Call it
+    before anything starts JAX's backends."""
+    if count:
+        simulate_cpu_devices(count)
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Ask for `count` CPU devices. Must run before JAX initialises its backends (JAX is imported here,
+    when asked: `import meshtrain` stays light). Also meshtrain.simulate_cpu_devices and
+    meshtrain/parallel/mesh.py's."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as e:  # backends already up: only fine if the count already matches
+        if len(jax.devices("cpu")) != count:
+            raise UserError(f"--devices {count} must be set before JAX starts "
+                            f"(it already has {len(jax.devices('cpu'))} CPU devices)") from e
 
 
 def raise_interrupt(signum, frame):

@@ -2,19 +2,32 @@
 `meshtrain` logger, so a notebook, a Ray job or a test can quiet, redirect or capture it
 (`logging.getLogger("meshtrain").setLevel(logging.WARNING)`; pytest's `caplog`).
 
-- `log.info(...)`: notices (resumed from, initialised from, preempted); `log.warning(...)`: problems the
-  run survives (a NaN/Inf step, a loss spike). Messages carry no "warning:" prefix and no process guard:
-  on a multi-process job only the primary process's info and warnings reach the console, the others'
-  are debug records (`set_process` is told the process index when the job is joined).
-- `ConsoleHandler`: what the commands install (`use_console`): info lines to stdout as they are, warnings
-  and errors to stderr as `warning: ...` / `error: ...`, the format the commands always printed.
+- `log.info(...)`: what a run or command is doing (resumed from, initialised from, preempted, compiling);
+  `log.log(NOTICE, ...)`: a note about the user's input or a repair the library made (a renamed config
+  key, a leftover temporary folder removed), on stderr; `log.warning(...)`: problems the run survives (a
+  NaN/Inf step, a loss spike, a damaged checkpoint skipped); `log.error(...)`: the last words of a
+  process that is about to exit. Messages carry no "notice:"/"warning:"/"error:" prefix and no process
+  guard: on a multi-process job only the primary process's info, notices and warnings reach the console,
+  the others' are debug records (`set_process` is told the process index when the job is joined).
+- `ConsoleHandler`: what the commands install (`use_console`): info lines to stdout as they are, notices,
+  warnings and errors to stderr as `notice: ...` / `warning: ...` / `error: ...`, the format the commands
+  always printed. While a live display owns the terminal (the rich progress bar,
+  meshtrain/run/loggers.py `ProgressBar`), `live_display` makes it write every line through the display.
+
+A notebook, a Ray job or a service quiets or redirects the library with the standard calls:
+`logging.getLogger("meshtrain").setLevel(logging.WARNING)` (warnings and errors only), a handler of
+its own on that logger or the root logger (then `Trainer` installs no console: see `default_console`).
 """
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger("meshtrain")
+NOTICE = logging.INFO + 5  # between info and warning: quieted by setLevel(logging.WARNING), shown on stderr
+logging.addLevelName(NOTICE, "NOTICE")
+PREFIXES = ((logging.ERROR, "error: "), (logging.WARNING, "warning: "), (NOTICE, "notice: "))
 _process = {"index": 0}
 
 
@@ -40,9 +53,15 @@ class _PrimaryOnly(logging.Filter):
 log.addFilter(_PrimaryOnly())
 
 
+def prefixed(record: logging.LogRecord, message: str) -> str:
+    """The line as the console shows it: info as it is, the others after their prefix."""
+    return next((prefix for level, prefix in PREFIXES if record.levelno >= level), "") + message
+
+
 class ConsoleHandler(logging.Handler):
-    """Info to stdout, warnings and errors to stderr with their prefix, each line flushed. `write`
-    replaces the stdout writer (rich's live progress bar prints lines above itself)."""
+    """Info to stdout, notices, warnings and errors to stderr with their prefix, each line flushed
+    (the streams are looked up at each line: pytest's capsys and rich's redirection see them). `write`,
+    when set, takes every line instead (`live_display`)."""
 
     def __init__(self, level: int = logging.INFO):
         super().__init__(level)
@@ -50,26 +69,46 @@ class ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            message = record.getMessage()
-            if record.levelno >= logging.WARNING:
-                prefix = "error: " if record.levelno >= logging.ERROR else "warning: "
-                print(prefix + message, file=sys.stderr, flush=True)
-            elif self.write is not None:
-                self.write(message)
-            else:
-                print(message, file=sys.stdout, flush=True)
+            line = prefixed(record, self.format(record))
+            if self.write is not None:
+                self.write(line)
+                return
+            stream = sys.stderr if record.levelno >= NOTICE else sys.stdout
+            stream.write(line + "\n")
+            stream.flush()
         except Exception:  # logging's contract: a handler never raises into the caller
             self.handleError(record)
 
 
+def live_display(write) -> Callable[[], None]:
+    """While a live display owns the terminal (loggers.ProgressBar, rich's bar): every ConsoleHandler on
+    the `meshtrain` logger hands its lines, each with its prefix, to `write`, which prints them above
+    the display. A line written past the display to the terminal's stdout or stderr would be torn by
+    its next refresh (rich also redirects sys.stdout and sys.stderr into the display while it is live,
+    for other libraries' prints). Returns the function that ends it: the handlers write as before."""
+    handlers = [h for h in log.handlers if isinstance(h, ConsoleHandler)]
+    before = [h.write for h in handlers]
+    for handler in handlers:
+        handler.write = write
+
+    def end() -> None:
+        for handler, previous in zip(handlers, before):
+            handler.write = previous
+    return end
+
+
 def use_console(level: int = logging.INFO) -> ConsoleHandler:
-    """The commands' console: one ConsoleHandler on the `meshtrain` logger (installed once)."""
+    """The commands' console: one ConsoleHandler on the `meshtrain` logger (installed once), the only
+    output of its records: they no longer propagate to the root logger, where a handler that another
+    library configures (any module-level `logging.warning(...)` calls `logging.basicConfig()` on an
+    unconfigured root) would print each line a second time as `WARNING:meshtrain:...`."""
     for handler in log.handlers:
         if isinstance(handler, ConsoleHandler):
             return handler
     handler = ConsoleHandler(level)
     log.addHandler(handler)
     log.setLevel(min(level, log.level or logging.INFO))
+    log.propagate = False
     return handler
 
 

@@ -9,11 +9,11 @@ import fcntl
 import glob
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from pathlib import Path
 
+from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
 
 
@@ -149,5 +149,4 @@ def remove_abandoned(parent: Path, name: str) -> None:
         finally:
             os.close(lock)
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"notice: removed {tmp}, left by an interrupted write of {parent / name}", file=sys.stderr,
-              flush=True)
+        log.log(NOTICE, f"removed {tmp}, left by an interrupted write of {parent / name}")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 from pathlib import Path
 
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 
 
@@ -41,8 +41,8 @@ def parse(data: bytes, path: Path, first_line: int = 1, tail_may_be_torn: bool =
                     why = ", and not the last line, which a crash may tear" if tail_may_be_torn else ""
                     raise UserError(f"{path} line {first_line + index} is not a JSON record{why}: the file was "
                                     f"damaged; repair or delete that line")
-                print(f"warning: {path} line {first_line + index} is a torn record (written when a process died "
-                      f"or the disk filled); dropped", file=sys.stderr, flush=True)
+                log.warning(f"{path} line {first_line + index} is a torn record (written when a process died or the "
+                            f"disk filled); dropped")
                 break
             records.append(record)
         spanned += len(line) + terminated

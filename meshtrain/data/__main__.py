@@ -11,6 +11,7 @@ import sys
 import time
 
 from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.console import use_console
 from meshtrain.core.folders import writing_file
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
@@ -43,6 +44,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
+    use_console()
     args = parser().parse_args(argv)
     kind = detect(args.src, args.kind)
     started = time.perf_counter()

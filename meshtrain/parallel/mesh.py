@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from meshtrain.core.cli import simulate_cpu_devices  # noqa: F401 (lives with the commands' --devices preamble)
 from meshtrain.core.errors import UserError
 
 AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
@@ -74,18 +75,6 @@ def shape_str(sizes: dict[str, int]) -> str:
 def describe(sizes: dict[str, int]) -> str:
     """'data=2,fsdp=2,tensor=2,pipeline=1', with expert and context only when they are used."""
     return ",".join(f"{a}={sizes[a]}" for a in AXES if a in POSITIONAL or sizes[a] != 1)
-
-
-def simulate_cpu_devices(count: int) -> None:
-    """Ask for `count` CPU devices. Must run before JAX initialises its backends."""
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError as e:  # backends already up: only fine if the count already matches
-        if len(jax.devices("cpu")) != count:
-            raise UserError(f"--devices {count} must be set before JAX starts "
-                            f"(it already has {len(jax.devices('cpu'))} CPU devices)") from e
 
 
 def build_mesh(sizes: dict[str, int], devices=None, dcn: dict[str, int] | None = None):

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, replace_file
 
@@ -82,7 +83,7 @@ class Checkpointer:
         if owner and jax.process_index() == 0:
             for tmp in sorted(self.directory.glob(f"*{TMP_SUFFIX}*")):
                 shutil.rmtree(tmp, ignore_errors=True)
-                print(f"notice: removed {tmp}, a checkpoint save that was interrupted", flush=True)
+                log.info(f"notice: removed {tmp}, a checkpoint save that was interrupted")
         self.keep, self._manager = keep, None
 
     @property
@@ -176,11 +177,10 @@ class Checkpointer:
             raise Damaged("checksums of the restored arrays differ from those recorded at save time")
         for k in fresh:
             state[k] = optional[k]()
-            if jax.process_index() == 0:
-                print(f"notice: checkpoint {folder} has no '{k}' in this run's layout; it starts fresh", flush=True)
-        if unused and note_unused and jax.process_index() == 0:
-            print(f"notice: checkpoint {folder} holds {', '.join(map(repr, unused))}, which this run does not use; "
-                  f"not read", flush=True)
+            log.info(f"notice: checkpoint {folder} has no '{k}' in this run's layout; it starts fresh")
+        if unused and note_unused:
+            log.info(f"notice: checkpoint {folder} holds {', '.join(map(repr, unused))}, which this run does not use; "
+                     f"not read")
         return {k: state[k] for k in abstract_state}, meta
 
     def restore_params(self, step: int, abstract_params):
@@ -203,9 +203,8 @@ class Checkpointer:
             except Damaged as e:
                 moved_to = self._set_aside(step)
                 damaged.append(step)
-                if jax.process_index() == 0:
-                    print(f"warning: checkpoint {self.path(step)} is damaged ({e}); moved to "
-                          f"{moved_to}, falling back to the previous one", file=sys.stderr, flush=True)
+                log.warning(f"checkpoint {self.path(step)} is damaged ({e}); moved to {moved_to}, falling back to "
+                            f"the previous one")
         raise UserError(f"no intact checkpoint in {self.directory} "
                         f"(damaged: {', '.join(map(str, damaged)) or 'none'}); pass --resume never to start fresh")
 
@@ -408,9 +407,8 @@ def read_params(root: Path, abstract_params, step: int | None = None):
                     raise UserError(f"checkpoint {reader.path(step)} is damaged ({e}); {there}, or omit --step "
                                     f"for the newest intact one") from None
                 damaged.append(candidate)
-                if jax.process_index() == 0:
-                    print(f"warning: checkpoint {reader.path(candidate)} is damaged ({e}); skipped (left in "
-                          f"place), trying the previous one", file=sys.stderr, flush=True)
+                log.warning(f"checkpoint {reader.path(candidate)} is damaged ({e}); skipped (left in place), trying "
+                            f"the previous one")
     finally:
         reader.close()
     raise UserError(f"no intact checkpoint in {root} (damaged: {', '.join(map(str, damaged))}); train again, "

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import numpy as np
+
+from meshtrain.core.console import log
 
 KEY = "meshtrain/stragglers"
 GATHER_TIMEOUT_MS = 60_000
@@ -60,18 +61,18 @@ class Stragglers:
             try:
                 rows.append(json.loads(client.blocking_key_value_get(f"{KEY}/{step}/{i}", GATHER_TIMEOUT_MS)))
             except Exception:  # noqa: BLE001 - a process that far behind is the step watchdog's to judge
-                print(f"warning: step {step}: process {i} sent no step times within {GATHER_TIMEOUT_MS // 1000} s; "
-                      f"no straggler figures at this step", file=sys.stderr, flush=True)
+                log.warning(f"step {step}: process {i} sent no step times within {GATHER_TIMEOUT_MS // 1000} s; "
+                            f"no straggler figures at this step")
                 return {}
             client.key_value_delete(f"{KEY}/{step}/{i}")
         times = [r["host_s"] for r in rows]
         median, slow = find_stragglers(times, self.factor)
         for i in slow:
             r = rows[i]
-            print(f"warning: step {step}: straggler: process {i} (host {r['host']}) adds {r['host_s'] * 1e3:.1f} ms "
-                  f"per step outside the device wait, {r['host_s'] / max(median, 1e-9):.1f}x the median "
-                  f"{median * 1e3:.1f} ms ({r['host_s'] / step_s:.0%} of the {step_s * 1e3:.1f} ms step; "
-                  f"{r['data_s'] * 1e3:.1f} ms of it waiting for data)", file=sys.stderr, flush=True)
+            log.warning(f"step {step}: straggler: process {i} (host {r['host']}) adds {r['host_s'] * 1e3:.1f} ms "
+                        f"per step outside the device wait, {r['host_s'] / max(median, 1e-9):.1f}x the median "
+                        f"{median * 1e3:.1f} ms ({r['host_s'] / step_s:.0%} of the {step_s * 1e3:.1f} ms step; "
+                        f"{r['data_s'] * 1e3:.1f} ms of it waiting for data)")
         return {"host_time_spread": max(times) / max(median, 1e-9), "host_time_max_s": max(times),
                 "data_wait_max_s": max(r["data_s"] for r in rows)}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshtrain.core.console import log
 from meshtrain.core.folders import check_new, writing_whole
 from meshtrain.interop.quantize import (
     INFO_FILE,
@@ -97,7 +98,7 @@ def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", dev
             (tmp / name).write_bytes(data)
         tokenizer.record(tmp, tokenizer.recorded(run))  # None: the run recorded none
         write_sums(tmp)
-    print(table(info), flush=True)
+    log.info(table(info))
     return report
 
 

@@ -11,6 +11,12 @@ Sinks: `Lines` (the console lines, the format the README's samples show), `Progr
 same lines above a live bar with ETA), `Jsonl` (<out>/metrics.jsonl), `TensorBoard` (event files
 under <out>/tensorboard, one scalar per metric, tagged by `tag`), `WandB` (optional). Only process 0
 writes; `for_run` builds the sinks of `logging:` (meshtrain/config/spec.py `LoggingConfig`).
+
+The console sinks write the metric lines themselves, as `Jsonl` writes its file: they are the run's
+metrics, chosen by `logging.progress` (lines, bar, none), not notices, so quieting the `meshtrain`
+logger leaves them (set logging.progress=none for that). Everything else the run says (the `Ticker`,
+the profile's notice) goes through the `meshtrain` logger (meshtrain/core/console.py); while the bar
+is live, the console handler writes those lines above it too.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from meshtrain.core import jsonl
+from meshtrain.core.console import live_display, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, replace_file
 
@@ -129,8 +136,8 @@ class Pace:
 
 
 class Lines:
-    """A line per record on stdout; given the run's `first` and `steps`, training lines end with an
-    ETA once warm (`Pace`)."""
+    """A line per record on stdout (printed: the metric sink's own output); given the run's `first`
+    and `steps`, training lines end with an ETA once warm (`Pace`)."""
 
     def __init__(self, first: int | None = None, steps: int | None = None):
         self.pace = Pace(first, steps) if steps is not None else None
@@ -154,7 +161,9 @@ class Lines:
 
 class ProgressBar:
     """The lines, printed above a live rich bar: step of steps, elapsed time, ETA, the last loss.
-    While it is live, whatever else the run prints goes above the bar too."""
+    While it is live, whatever else the run says goes above the bar too: the console handler's lines
+    through the bar's console (core/console.py `live_display`), other prints through rich's redirection
+    of sys.stdout and sys.stderr."""
 
     def __init__(self, first: int, steps: int, console=None):
         from rich.progress import (
@@ -172,11 +181,16 @@ class ProgressBar:
         self.task = self.bar.add_task("train", total=steps, completed=first, last="")
         self.pace = Pace(first, steps)
         self.bar.start()
+        self.end_live = live_display(self.print_line)
+
+    def print_line(self, line: str) -> None:
+        """A line above the bar, as it is (no rich markup or highlighting)."""
+        self.bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def write(self, record: dict) -> None:
         warm = self.pace.warm_line(record, self.pace.eta(record))  # the bar shows the ETA itself
         for line in ([warm] if warm else []) + [format_record(record)]:
-            self.bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            self.print_line(line)
         if "loss" in record:
             self.bar.update(self.task, completed=record["step"], last=f"loss {record['loss']:.4f}")
 
@@ -184,6 +198,7 @@ class ProgressBar:
         self.bar.update(self.task, completed=step)
 
     def close(self) -> None:
+        self.end_live()
         self.bar.stop()
 
 
@@ -195,14 +210,15 @@ def where(out: Path, tensorboard: bool) -> str:
 
 class Ticker:
     """While something slow runs in the foreground (compiling the train step): a background thread
-    prints `compiling the train step (10 s so far)` every `every_s` seconds for the first minute,
+    says `compiling the train step (10 s so far)` every `every_s` seconds for the first minute,
     then every minute; on leaving, `compiled the train step in 42.1s`. `clock` and `print_line`
-    are the thread's time source and output (a test passes its own); `enabled=False`: silent."""
+    are the thread's time source and output (default: info on the `meshtrain` logger: a notice, not a
+    metric; a test passes its own); `enabled=False`: silent."""
 
     def __init__(self, doing: str, done: str, every_s: float = 10.0, enabled: bool = True,
                  clock=time.monotonic, print_line=None):
         self.doing, self.done, self.every_s, self.enabled, self.clock = doing, done, every_s, enabled, clock
-        self.print_line = print_line or (lambda line: print(line, flush=True))
+        self.print_line = print_line or log.info
         self._stop = threading.Event()
 
     def __enter__(self):
@@ -461,7 +477,7 @@ class ProfileWindow:
             jax.block_until_ready(self.state())
         started = time.perf_counter()
         jax.profiler.stop_trace()
-        print(f"profile of steps {self.window[0]}-{self.window[1]} written to {self.directory}", flush=True)
+        log.info(f"profile of steps {self.window[0]}-{self.window[1]} written to {self.directory}")
         self.active, self.window = False, None
         return time.perf_counter() - started
 

@@ -23,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from meshtrain.core import console
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 
 EXIT_PEER_LOST = 3
@@ -267,10 +269,10 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     jax.distributed.initialize(launch.coordinator, launch.num_processes, launch.process_id, devices,
                                cluster_detection_method=detection, initialization_timeout=init_timeout_s,
                                heartbeat_timeout_seconds=heartbeat_timeout_s)
+    console.set_process(jax.process_index())  # from here on only process 0's notices reach the console
     _watch_peers(heartbeat_timeout_s)
-    if jax.process_index() == 0:
-        print(f"multi-host: {jax.process_count()} processes ({launch.launcher}), coordinator {launch.coordinator}, "
-              f"{jax.device_count()} devices", flush=True)
+    log.info(f"multi-host: {jax.process_count()} processes ({launch.launcher}), coordinator {launch.coordinator}, "
+             f"{jax.device_count()} devices")
     return launch
 
 
@@ -302,8 +304,8 @@ def exit_peer_lost(lost: list[int], heartbeat_timeout_s: int) -> None:
     import jax
 
     which = ", ".join(map(str, lost))
-    print(f"error: process {which} of {jax.process_count()} stopped responding (no heartbeat for "
-          f"{heartbeat_timeout_s} s); {RESUME_HINT}", file=sys.stderr, flush=True)
+    log.error(f"process {which} of {jax.process_count()} stopped responding (no heartbeat for "
+              f"{heartbeat_timeout_s} s); {RESUME_HINT}")
     sys.stdout.flush()
     os._exit(EXIT_PEER_LOST)  # no clean shutdown: it would wait for the lost process
 

@@ -34,6 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
+from meshtrain.core.console import log
 from meshtrain.run import multihost
 
 EXIT_STALLED = 4
@@ -182,9 +183,8 @@ class StepWatchdog:
             reports = {i: published.get(i) for i in range(self.processes)}
         who = who_stopped(reports, time.time()) if multi else f"this process was {self._activity}"
         cause = "" if peer is None else f" (process {peer} found it first)"
-        print(f"error: no step completed for {stalled_for:.0f} s (train.step_timeout {self.timeout():.0f} s) after "
-              f"step {self.done}{cause}: {who}; stacks in {path.parent}; {multihost.RESUME_HINT}",
-              file=sys.stderr, flush=True)
+        log.error(f"no step completed for {stalled_for:.0f} s (train.step_timeout {self.timeout():.0f} s) after "
+                  f"step {self.done}{cause}: {who}; stacks in {path.parent}; {multihost.RESUME_HINT}")
         sys.stdout.flush()
         if multi and self.process != 0:
             _kv("key_value_set", f"{KEY}/left/{self.process}", "1", allow_overwrite=True)

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from meshtrain.config.loader import default_out
-from meshtrain.config.spec import MAX_SIMULATED_DEVICES
-from meshtrain.core.cli import Parser, command, number
+from meshtrain.core.cli import Parser, command, devices_flag, number
+from meshtrain.core.console import log, use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error
 from meshtrain.sweep.devices import device_slots, visible_gpus
@@ -32,8 +32,7 @@ def parser() -> Parser:
     p.add_argument("--study", help="study name (default: the --out folder's name)")
     p.add_argument("--out", help="sweep folder: trial-<n>/ runs, logs/, best.json (default runs/<config>-sweep)")
     p.add_argument("--parallel", type=int, default=1, metavar="K", help="trials at once, each on 1/K of the devices")
-    p.add_argument("--devices", type=number(int, min=1, max=MAX_SIMULATED_DEVICES),
-                   help="simulated CPU devices in all; each trial gets devices/K")
+    devices_flag(p, "simulated CPU devices in all; each trial gets devices/K")  # simulated by the trials' runs
     p.add_argument("--pruner", choices=("median", "hyperband", "none"), default="median")
     p.add_argument("--startup-trials", type=number(int, min=0), default=5,
                    help="median pruner: complete trials before any is pruned (default 5)")
@@ -75,6 +74,7 @@ def prepare(args):
 
 @command
 def main(argv=None) -> int:
+    use_console()
     args = parser().parse_args(argv)
     space, base, slots = prepare(args)
     pruner = make_pruner(args, base, space)
@@ -84,12 +84,12 @@ def main(argv=None) -> int:
     adopt(study, args.config, base, space, args.storage)
     sweep = Sweep(args, space, slots, storage, study)
     finished = sum(t.state.is_finished() for t in counted(study.get_trials(deepcopy=False)))
-    print(f"study {args.study} in {shown_url(args.storage)}: {finished} of {args.trials} trials finished; "
-          f"{args.parallel} at a time, each on {slots[0].label}", flush=True)
+    log.info(f"study {args.study} in {shown_url(args.storage)}: {finished} of {args.trials} trials finished; "
+             f"{args.parallel} at a time, each on {slots[0].label}")
 
     def stop(signum, frame):
         sweep.stopping = True
-        print(f"{signal.Signals(signum).name}: stopping the running trials at their next step", flush=True)
+        log.info(f"{signal.Signals(signum).name}: stopping the running trials at their next step")
 
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     print(table(trials), flush=True)
     best = best_record(study, args.storage, args.config, args.set)
     if sweep.stopping:
-        print("stopped: rerun the same command to finish the study (stopped trials resume from their checkpoints)")
+        log.info("stopped: rerun the same command to finish the study (stopped trials resume from their checkpoints)")
     if best is None:
         if not sweep.stopping:
             print(f"error: no trial of study {args.study} completed; see the table above", file=sys.stderr)

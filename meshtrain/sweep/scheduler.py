@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from meshtrain.config.loader import load_config
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.sweep import folder
 from meshtrain.sweep.devices import Slot
@@ -34,8 +35,8 @@ class Sweep:
         """Trials a killed sweep process left RUNNING: failed, and queued to resume in their folders."""
         for t in folder.orphans(self.study.get_trials(deepcopy=False), self.out):
             self.fail_for_retry(t.number, t._trial_id)
-            print(f"notice: trial {t.number} was left RUNNING by a sweep that is gone; failed, and queued to "
-                  f"resume in {shown_path(t.user_attrs.get('run_dir', self.out / f'trial-{t.number}'))}", flush=True)
+            log.info(f"notice: trial {t.number} was left RUNNING by a sweep that is gone; failed, and queued to "
+                     f"resume in {shown_path(t.user_attrs.get('run_dir', self.out / f'trial-{t.number}'))}")
 
     def run(self) -> None:
         import optuna
@@ -61,9 +62,9 @@ class Sweep:
                     return
                 if waiting_note != others:
                     waiting_note = others
-                    print(f"waiting for trial(s) {', '.join(map(str, others))}, running elsewhere (one that a "
-                          f"killed sweep left is retried here once its heartbeat is {2 * self.args.heartbeat} s old)",
-                          flush=True)
+                    log.info(f"waiting for trial(s) {', '.join(map(str, others))}, running elsewhere (one that "
+                             f"a killed sweep left is retried here once its heartbeat is {2 * self.args.heartbeat} "
+                             f"s old)")
             time.sleep(POLL_S)
 
     def want_more(self, trials) -> bool:
@@ -89,7 +90,7 @@ class Sweep:
         except UserError as e:  # this combination of values is not a valid config
             trial.set_user_attr("error", f"error: {e}")
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            print(f"trial {trial.number} failed: {shown}: error: {e}", flush=True)
+            log.info(f"trial {trial.number} failed: {shown}: error: {e}")
             self.free.append(slot)
             return
         command = [sys.executable, "-m", "meshtrain.train", *train_args(self.args.config, sets, run_dir), *slot.args]
@@ -98,7 +99,7 @@ class Sweep:
             shown_path(run_dir)
         run = TrialRun(trial, run_dir, cfg.train.steps, command, slot, beat=time.monotonic())  # recorded at ask
         self.running.append(run)
-        print(f"trial {trial.number} started: {shown} -> {note} ({slot.label})", flush=True)
+        log.info(f"trial {trial.number} started: {shown} -> {note} ({slot.label})")
         self.poll(run)
 
     def poll(self, run: TrialRun) -> None:
@@ -130,18 +131,16 @@ class Sweep:
                 error = run.error or run.error_line()
                 run.trial.set_user_attr("error", error)
                 self.study.tell(run.trial, state=state.FAIL)
-                print(f"trial {run.number} failed (exit {code}): {error} (log {shown_path(run.logs('err'))})",
-                      flush=True)
+                log.info(f"trial {run.number} failed (exit {code}): {error} (log {shown_path(run.logs('err'))})")
             elif run.last is not None and run.last[0] >= run.steps:
                 self.study.tell(run.trial, run.last[1])
-                print(f"trial {run.number} complete: eval_loss {run.last[1]:.4f} at step {run.last[0]}", flush=True)
+                log.info(f"trial {run.number} complete: eval_loss {run.last[1]:.4f} at step {run.last[0]}")
             else:  # stopped before its last step (this sweep's stop, or a SIGTERM from outside): resume later
                 self.fail_for_retry(run.number, run.trial._trial_id)
-                print(f"trial {run.number} stopped at step {run.step}; it resumes from its checkpoint when the sweep "
-                      f"runs again", flush=True)
+                log.info(f"trial {run.number} stopped at step {run.step}; it resumes from its checkpoint when the "
+                         f"sweep runs again")
         except optuna.exceptions.UpdateFinishedTrialError:
-            print(f"warning: trial {run.number} was retried by another sweep process (its heartbeat was late)",
-                  file=sys.stderr, flush=True)
+            log.warning(f"trial {run.number} was retried by another sweep process (its heartbeat was late)")
 
     def fail_for_retry(self, number: int, trial_id: int) -> None:
         """Fail the trial and queue its retry, as a stale heartbeat does (the storage's callback)."""

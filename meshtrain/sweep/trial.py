@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshtrain.core import jsonl
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.run.multihost import die_with_parent, last_error
 from meshtrain.sweep.devices import Slot
@@ -110,8 +111,7 @@ class TrialRun:
             if step < self.steps and self.trial.should_prune():
                 self.pruned_at = step
                 self.proc.send_signal(signal.SIGTERM)
-                print(f"trial {self.number} pruned at step {step} (eval_loss {value:.4f}); stopping its run",
-                      flush=True)
+                log.info(f"trial {self.number} pruned at step {step} (eval_loss {value:.4f}); stopping its run")
 
     def error_line(self) -> str:
         with open(self.logs("err"), errors="replace") as f:
