@@ -106,3 +106,20 @@ def test_a_command_console_is_the_only_one():
     assert done.returncode == 0, done.stderr
     assert done.stdout == "resumed\n"
     assert done.stderr == "WARNING:root:a library speaks\nwarning: step 4: loss spike\n"
+
+
+def test_a_trainer_adds_its_console_only_where_logging_is_not_set_up(monkeypatch):
+    """default_console (Trainer): none over a configured root logger; detach() gives the records back to it."""
+    monkeypatch.setattr(log, "handlers", [])
+    monkeypatch.setattr(log, "propagate", True)
+    monkeypatch.setitem(console._detached, "yes", False)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    console.default_console()
+    assert log.handlers == [] and log.propagate  # the user's root handler gets the records
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    console.default_console()
+    assert [type(h) for h in log.handlers] == [console.ConsoleHandler] and not log.propagate
+    console.detach()
+    assert log.handlers == [] and log.propagate
+    console.default_console()
+    assert log.handlers == []  # detached for good

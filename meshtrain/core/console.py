@@ -113,10 +113,10 @@ def use_console(level: int = logging.INFO) -> ConsoleHandler:
 
 
 def default_console() -> None:
-    """The library's entry points (Trainer) print as the commands do, unless the `meshtrain` logger has
-    a handler already or `detach()` was called. Records also propagate to the root logger (pytest's
-    caplog, a Ray job's logging)."""
-    if not log.handlers and not _detached["yes"]:
+    """The library's entry points (Trainer) print as the commands do, unless logging is configured
+    already (a handler on the `meshtrain` logger or on the root logger: then the records go there) or
+    `detach()` was called."""
+    if not log.handlers and not logging.getLogger().handlers and not _detached["yes"]:
         use_console()
 
 
@@ -124,8 +124,10 @@ _detached = {"yes": False}
 
 
 def detach() -> None:
-    """Route the library's lines only through the user's own logging set-up (root handlers): the console
-    handler goes and the library adds it no more."""
+    """Route the library's lines only through the user's own logging set-up, one configured after a
+    Trainer installed the console: the console handler goes, the records propagate to the root logger
+    again, and the library installs the console no more."""
     _detached["yes"] = True
     for handler in [h for h in log.handlers if isinstance(h, ConsoleHandler)]:
         log.removeHandler(handler)
+    log.propagate = True
