@@ -24,6 +24,8 @@ from meshtrain.run.actions import (
     preemption_signals,
 )
 
+pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
+
 
 class Dog:
     """A watchdog that records what it is told."""

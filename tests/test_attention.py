@@ -47,6 +47,7 @@ def test_blockwise_model_matches_xla_model(monkeypatch):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_blockwise_never_forms_the_scores():
     """Forward + backward at L=4096, 8 heads: XLA's temporaries hold [B, H, L, L] fp32 scores (512 MiB);
     the blockwise kernel's depend on its 512-position block, not on L: under an eighth of that."""
@@ -61,6 +62,7 @@ def test_blockwise_never_forms_the_scores():
     assert blockwise < scores / 8 < scores <= xla
 
 
+@pytest.mark.fast
 def test_cudnn_needs_a_gpu_and_bf16():
     from meshtrain.engine.program import TrainProgram
 
@@ -75,6 +77,7 @@ def test_cudnn_needs_a_gpu_and_bf16():
         build("parallel.precision=bf16")
 
 
+@pytest.mark.fast
 def test_blockwise_refuses_a_sequence_it_would_split_into_tiny_blocks():
     from meshtrain.engine.program import TrainProgram
 

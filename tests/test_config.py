@@ -22,6 +22,8 @@ from meshtrain.engine.step import make_optimizer
 from meshtrain.models.moe import MoESpec
 from meshtrain.parallel.mesh import parse_mesh
 
+pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
+
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_configs_load_and_print_config_round_trips(path: Path, tmp_path):

@@ -33,6 +33,7 @@ def speak():
     log.error("process 1 stopped responding")
 
 
+@pytest.mark.fast
 def test_the_console_prints_as_the_commands_always_did(said):
     speak()
     out, err = said()
@@ -42,6 +43,7 @@ def test_the_console_prints_as_the_commands_always_did(said):
     assert use_console() is use_console() and sum(isinstance(h, console.ConsoleHandler) for h in log.handlers) == 1
 
 
+@pytest.mark.fast
 def test_a_notebook_quiets_the_library_with_logging(said):
     logging.getLogger("meshtrain").setLevel(logging.WARNING)
     speak()
@@ -49,6 +51,7 @@ def test_a_notebook_quiets_the_library_with_logging(said):
     assert out == "" and err == "warning: step 4: loss spike\nerror: process 1 stopped responding\n"
 
 
+@pytest.mark.fast
 def test_a_handler_of_ones_own_gets_the_records(said):
     records = []
     mine = logging.Handler()
@@ -63,6 +66,7 @@ def test_a_handler_of_ones_own_gets_the_records(said):
         ("WARNING", "step 4: loss spike"), ("ERROR", "process 1 stopped responding")]
 
 
+@pytest.mark.fast
 def test_only_the_primary_process_prints_notices(said, caplog):
     console.set_process(1)
     assert not console.primary()
@@ -79,6 +83,7 @@ def test_only_the_primary_process_prints_notices(said, caplog):
     assert said()[0] == "resumed from step 3\n"
 
 
+@pytest.mark.fast
 def test_while_the_bar_is_live_the_console_writes_above_it(said):
     from rich.console import Console
 
@@ -108,6 +113,7 @@ def test_a_command_console_is_the_only_one():
     assert done.stderr == "WARNING:root:a library speaks\nwarning: step 4: loss spike\n"
 
 
+@pytest.mark.fast
 def test_a_trainer_adds_its_console_only_where_logging_is_not_set_up(monkeypatch):
     """default_console (Trainer): none over a configured root logger; detach() gives the records back to it."""
     monkeypatch.setattr(log, "handlers", [])

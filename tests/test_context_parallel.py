@@ -66,6 +66,7 @@ def check(mesh, positions, constrain=None, batch=B):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.fast
 def test_load_balanced_order():
     assert np.array_equal(load_balanced_order(12, 1), np.arange(12))
     for seq_len, parts in [(16, 2), (32, 4), (24, 3)]:
@@ -97,12 +98,14 @@ def test_ring_in_sub_blocks_matches_reference(parts, monkeypatch):
     check(mesh, load_balanced_order(L, parts))
 
 
+@pytest.mark.fast
 def test_ring_refuses_another_layout():
     """The causal skipping assumes the load-balanced layout: a contiguous one is refused."""
     with pytest.raises(ValueError, match="load-balanced layout"):
         check(mesh_of((4,), ("context",)), np.arange(L))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_schedule_visits_each_visible_score_once(cp, monkeypatch):
     """Ring steps x chunk pairs x sub-blocks, in true positions: every (query, key) with key <= query

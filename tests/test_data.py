@@ -16,6 +16,7 @@ def batches(tokens, sharding, seed=0, split=0):
                         vocab_size=256)
 
 
+@pytest.mark.fast
 def test_batch_depends_only_on_seed_and_step_not_on_mesh():
     tokens = np.arange(1000, dtype=np.uint16) % 256
     one = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
@@ -29,6 +30,7 @@ def test_batch_depends_only_on_seed_and_step_not_on_mesh():
     np.testing.assert_array_equal(np.diff(rows, axis=1) % 256, 1)  # contiguous windows of the stream
 
 
+@pytest.mark.fast
 def test_text_folder_and_token_file_sources(tmp_path):
     (tmp_path / "a.txt").write_text("hello ")
     (tmp_path / "b.md").write_text("world")
@@ -57,6 +59,7 @@ def test_default_corpus_is_the_stdlib_and_splits_off_validation():
     assert len(val) == len(tokens) - len(train) and 0.04 < len(val) / len(tokens) < 0.06
 
 
+@pytest.mark.fast
 def test_short_data_names_the_split_that_is_too_short():
     tokens = np.zeros(1000, np.uint8)
     with pytest.raises(UserError, match=r"the data holds 1,000 tokens, leaving 50 for validation "
@@ -66,12 +69,14 @@ def test_short_data_names_the_split_that_is_too_short():
     assert data.split_tokens(tokens, 0.0, seq_len=64)[1] is None
 
 
+@pytest.mark.fast
 def test_token_file_of_a_partial_token_is_an_error(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     with pytest.raises(UserError, match="has 3 bytes, not a whole number of 2-byte .uint16. tokens"):
         data.load_corpus(DataConfig(path=str(tmp_path / "odd.bin")), 256)
 
 
+@pytest.mark.fast
 def test_each_process_reads_only_its_rows():
     mesh = build_mesh(parse_mesh("data=8", 8))
     b = batches(np.arange(1000) % 256, NamedSharding(mesh, P("data")))
@@ -79,6 +84,7 @@ def test_each_process_reads_only_its_rows():
     assert b.local_rows(0).shape == (8, 6)
 
 
+@pytest.mark.fast
 def test_synthetic_data_is_deterministic():
     sharding = NamedSharding(build_mesh(parse_mesh("1", 1), jax.devices()[:1]), P())
     a, b = batches(None, sharding)(3), batches(None, sharding)(3)
@@ -86,6 +92,7 @@ def test_synthetic_data_is_deterministic():
     assert int(np.asarray(a).max()) < 256
 
 
+@pytest.mark.fast
 def test_windows_cross_shard_boundaries_and_slices_stay_views(tmp_path):
     parts = np.split(np.arange(20, dtype=np.uint16), [7, 9])
     stream = data.Tokens(parts)
@@ -97,6 +104,7 @@ def test_windows_cross_shard_boundaries_and_slices_stay_views(tmp_path):
     assert all(np.shares_memory(a, b) for a, b in zip(middle.parts, parts))
 
 
+@pytest.mark.fast
 def test_sharded_stream_gives_the_same_batches_as_one_array_on_any_mesh():
     whole = (np.arange(1000) % 256).astype(np.uint16)
     sharded = data.Tokens(np.split(whole, [100, 101, 640]))

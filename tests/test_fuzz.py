@@ -27,6 +27,7 @@ def loads_or_refuses(*args) -> None:
         assert "\n" not in str(e)
 
 
+@pytest.mark.fast
 @FUZZ
 @given(st.dictionaries(st.sampled_from(KEYS), VALUES, min_size=1, max_size=4))
 def test_config_files_of_random_values(tmp_path_factory, document):
@@ -41,12 +42,14 @@ def test_config_files_of_random_values(tmp_path_factory, document):
     loads_or_refuses(str(path))
 
 
+@pytest.mark.fast
 @FUZZ
 @given(st.lists(st.tuples(st.sampled_from(KEYS), st.text(max_size=16)), min_size=1, max_size=3))
 def test_overrides_of_random_text(pairs):
     loads_or_refuses(None, [f"{key}={text}" for key, text in pairs])
 
 
+@pytest.mark.fast
 @FUZZ
 @given(st.binary(max_size=64))
 def test_config_files_of_random_bytes(tmp_path_factory, data):

@@ -18,6 +18,8 @@ from meshtrain.run import loggers
 from meshtrain.run.multihost import K8S_PORT, Launch, first_host, resolve_launch
 from meshtrain.train import overrides, parser
 
+pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
+
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 INDEXED_JOB = ROOT / "examples" / "kubernetes" / "indexed-job.yaml"
 JOBSET = ROOT / "examples" / "kubernetes" / "jobset.yaml"

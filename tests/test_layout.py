@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from meshtrain.testing import ROOT
 
 # Bottom to top; a tuple holds independent layers (neither imports the other).
@@ -42,6 +44,7 @@ def imported_layers(path: Path):
                 yield node.lineno, parts[1] if parts[1] in RANK else "top"
 
 
+@pytest.mark.fast
 def test_imports_only_go_down_the_layers():
     upward = []
     for layer, path in modules():
@@ -53,6 +56,7 @@ def test_imports_only_go_down_the_layers():
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
 
 
+@pytest.mark.fast
 def test_every_folder_is_a_declared_layer_and_an_installed_package():
     folders = {p.name for p in (ROOT / "meshtrain").iterdir() if (p / "__init__.py").exists()} | {"models"}
     assert folders == set(RANK)
@@ -118,12 +122,15 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+@pytest.mark.fast
 def test_import_cycles_are_found_and_named():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
     assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "e2", "e"]]
     assert import_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
+@pytest.mark.fast
+@pytest.mark.fast
 def test_no_module_imports_itself_through_others():
     """fit.py and aot.py imported each other once: a cycle makes the import order matter and the
     two modules one, so none is allowed, within a layer or across."""

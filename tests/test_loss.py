@@ -56,6 +56,7 @@ def test_tiled_loss_with_the_vocabulary_split_over_tensor():
         assert_same_loss_and_grads(jax.jit(tiled), x, w, t)
 
 
+@pytest.mark.fast
 def test_no_full_logits_for_a_128k_vocabulary():
     """Vocab 128,256, seq 1024, batch 8, one device: the tiled loss's forward + backward keeps its
     temporaries below a quarter of the [B, L, V] fp32 logits (4.2 GB); the plain loss's exceed them."""

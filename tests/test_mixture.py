@@ -51,6 +51,7 @@ def source_of_rows(rows):
     return np.searchsorted(np.array(BASES), rows[:, 0], side="right") - 1
 
 
+@pytest.mark.fast
 def test_rows_follow_the_weights_and_the_logged_shares(tmp_path):
     paths, weights = token_files(tmp_path), [5, 3, 2]
     b = mixed(paths, weights, one_device())
@@ -70,6 +71,7 @@ def test_rows_follow_the_weights_and_the_logged_shares(tmp_path):
     assert all(abs(v * 16 - 16 * w / 10) <= 1 for k in range(20) for v, w in zip(b.shares(k).values(), weights))
 
 
+@pytest.mark.fast
 def test_interleaving_holds_shares_in_every_window_of_rows():
     """What mixture.py's docstring claims of Grain's mix: any run of consecutive positions holds each
     source's share to within 2.3 rows (2 to 5 random weights)."""
@@ -86,6 +88,7 @@ def test_interleaving_holds_shares_in_every_window_of_rows():
     assert worst <= 2.3
 
 
+@pytest.mark.fast
 def test_rows_depend_only_on_seed_and_step_not_on_mesh_or_process(tmp_path):
     paths, weights = token_files(tmp_path), [5, 3, 2]
     eight = NamedSharding(build_mesh(parse_mesh("data=4,fsdp=2", 8)), P(("data", "fsdp")))
@@ -103,6 +106,7 @@ def test_rows_depend_only_on_seed_and_step_not_on_mesh_or_process(tmp_path):
     assert not np.array_equal(np.asarray(mixed(paths, weights, one_device(), split=1)(7)), np.asarray(one(7)))
 
 
+@pytest.mark.fast
 def test_one_source_mixture_is_the_single_source(tmp_path):
     path = token_files(tmp_path)[0]
     single, listed = DataConfig(path=path), load_config(None, [f"data.sources=[{{path: {path}}}]"]).data
@@ -118,6 +122,7 @@ def test_one_source_mixture_is_the_single_source(tmp_path):
     assert run_dir.mixture_fingerprint(mixture.load(listed, 256)) == run_dir.data_fingerprint(tokens)
 
 
+@pytest.mark.fast
 def test_names_are_derived_from_paths_and_unique():
     assert mixture.names(["a/web.bin", "b/code.jsonl"]) == ["web", "code"]
     assert mixture.names(["x/web/train.bin", "x/code/train.bin"]) == ["web", "code"]
@@ -159,6 +164,7 @@ def test_resume_equals_a_straight_run_and_shares_and_eval_are_logged(tmp_path):
 
 
 # ---- the run's identity ----
+@pytest.mark.fast
 def test_a_weight_or_order_change_is_a_data_change(tmp_path):
     paths = token_files(tmp_path)
     out = tmp_path / "run"
@@ -202,6 +208,7 @@ BAD = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("item,error", BAD, ids=[b[0] for b in BAD])
 def test_bad_entries_are_one_line_errors(item, error):
     with pytest.raises(UserError, match=error) as e:
@@ -209,6 +216,7 @@ def test_bad_entries_are_one_line_errors(item, error):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.fast
 def test_sources_exclude_a_path_and_synthetic_data(tmp_path):
     config = tmp_path / "mix.yaml"
     config.write_text("data:\n  path: x.bin\n  sources:\n    - {path: a.bin, weight: 2}\n")
@@ -222,6 +230,7 @@ def test_sources_exclude_a_path_and_synthetic_data(tmp_path):
     assert [(s.kind, s.text_field, s.share) for s in found] == [("jsonl", "body", 2 / 3), ("parquet", "content", 1 / 3)]
 
 
+@pytest.mark.fast
 def test_sources_must_share_one_tokenizer_and_hold_validation(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)

@@ -69,6 +69,7 @@ def test_bf16_policy_stays_close_to_fp32(model_and_params):
     assert jax.grad(make_loss_fn(model, "bf16"), has_aux=True)(params, tokens)[0]["blocks"]["wq"].dtype == jnp.float32
 
 
+@pytest.mark.fast
 def test_untied_head_and_logical_axes():
     model = LanguageModel(tiny_config("model.tie_embeddings=false").model)
     params = jax.eval_shape(model.init, jax.random.key(0))

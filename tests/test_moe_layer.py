@@ -203,6 +203,7 @@ def test_expert_parallel_inside_a_data_shard_map(capacity_factor):
     assert_close((g_x, *g_weights), grads)
 
 
+@pytest.mark.fast
 def test_errors():
     """E not divisible by the expert axis; rows not divisible by it."""
     args = make_inputs(E=6)
@@ -214,6 +215,7 @@ def test_errors():
             jax.jit(moe(0.0))(x[:2], *weights)
 
 
+@pytest.mark.fast
 def test_grouped_matmul_matches_per_row_products(monkeypatch):
     """Small tiles so that tiles straddle groups, empty groups, a ragged last tile and padding rows
     (group >= G, output 0): y and the gradients equal the per-row products."""

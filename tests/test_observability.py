@@ -73,6 +73,7 @@ def test_profile_traces_the_window_for_tensorboard_and_perfetto(run):
     assert times[3] < 5 * np.median(times[1:]), times
 
 
+@pytest.mark.fast
 def test_console_lines_keep_their_format(run):
     out, stdout = run
     lines = [line for line in stdout.splitlines() if line.startswith("step ")]
@@ -86,6 +87,7 @@ def test_console_lines_keep_their_format(run):
         f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" for r in records(out) if "eval_loss" in r]
 
 
+@pytest.mark.fast
 def test_summary_line_names_the_results_and_where_they_are(run):
     out, stdout = run
     summary = stdout.strip().splitlines()[-1]
@@ -105,6 +107,7 @@ def test_summary_line_names_the_results_and_where_they_are(run):
     assert (out / "checkpoints" / "6").is_dir()
 
 
+@pytest.mark.fast
 def test_mean_tokens_per_sec_weighs_each_record_by_its_steps_past_first():
     # a MetricsLog passed to fit twice: the second run's summary counts its own steps only
     earlier = [{"step": s, "loss": 1.0, "tokens_per_sec": 1.0, "step_time_s": 1.0} for s in (1, 2)]
@@ -116,6 +119,7 @@ def test_mean_tokens_per_sec_weighs_each_record_by_its_steps_past_first():
     assert loggers.mean_tokens_per_sec(earlier, first=2) is None
 
 
+@pytest.mark.fast
 def test_rewind_and_resume_purge_the_steps_tensorboard_will_see_again(tmp_path):
     """A guard rollback retrains steps: TensorBoard, like metrics.jsonl, then holds each step once,
     with the values of the attempt that counts."""
@@ -137,6 +141,7 @@ def test_rewind_and_resume_purge_the_steps_tensorboard_will_see_again(tmp_path):
     assert scalars(tmp_path / "tb", "train/loss") == {1: 1, 2: 2, 3: 3, 4: 40, 5: 7}
 
 
+@pytest.mark.fast
 def test_tags_group_the_metrics():
     assert [loggers.tag(k) for k in ("loss", "eval_loss", "tokens_per_sec", "mfu", "skipped_steps", "loss_scale",
                                      "overflows", "router_aux_loss", "memory_peak_bytes_in_use", "new_metric")] == [
@@ -147,6 +152,7 @@ def test_tags_group_the_metrics():
         "train/loss": 2.5}
 
 
+@pytest.mark.fast
 def test_logging_section_chooses_the_sinks(tmp_path):
     cfg = tiny_config("logging.progress=none", "logging.tensorboard=false", out=str(tmp_path))
     log = loggers.for_run(tmp_path, cfg, True, 0, 5)
@@ -159,6 +165,7 @@ def test_logging_section_chooses_the_sinks(tmp_path):
     assert loggers.for_run(tmp_path, cfg, False, 0, 5).sinks == []  # only process 0 writes
 
 
+@pytest.mark.fast
 def test_progress_bar_prints_the_lines_above_it():
     from rich.console import Console
 
@@ -174,6 +181,7 @@ def test_progress_bar_prints_the_lines_above_it():
     assert loggers.format_record(record).startswith("step      5  loss 1.8700  grad_norm 0.500")
 
 
+@pytest.mark.fast
 def test_device_memory_is_the_largest_reported_and_absent_where_unreported():
     import jax
 
@@ -189,6 +197,7 @@ def test_device_memory_is_the_largest_reported_and_absent_where_unreported():
     assert line.endswith("memory 2.50 GB (peak 3.00)")
 
 
+@pytest.mark.fast
 def test_report_compares_runs_in_a_png_and_a_table(run, tmp_path, capsys):
     out, _ = run
     other = tmp_path / "other"
@@ -222,6 +231,7 @@ def test_report_compares_runs_in_a_png_and_a_table(run, tmp_path, capsys):
     assert table[-1] == f"plot written to {png}"
 
 
+@pytest.mark.fast
 def test_report_errors_are_one_line(tmp_path, capsys):
     assert report.main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
@@ -232,6 +242,7 @@ def test_report_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "holds no training records yet" in err
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("window, says", [("4:2", "1 <= START <= STOP <= 5"), ("two", "pass START:STOP"),
                                           ("2:9", "outside steps 1-5"), ("0:1", "outside steps 1-5")])
 def test_bad_profile_window_is_a_one_line_error(tmp_path, capsys, window, says):
@@ -241,6 +252,7 @@ def test_bad_profile_window_is_a_one_line_error(tmp_path, capsys, window, says):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_wandb_without_the_package_names_the_install(tmp_path, capsys):
     assert main(["--config", TINY, "--out", str(tmp_path / "run"), "--set", "logging.wandb=true"]) == 2
@@ -248,6 +260,7 @@ def test_wandb_without_the_package_names_the_install(tmp_path, capsys):
     assert err.count("\n") == 1 and "pip install wandb" in err
 
 
+@pytest.mark.fast
 def test_schedule_drawing_is_a_png_as_wide_as_the_timeline(tmp_path):
     import matplotlib.image
 

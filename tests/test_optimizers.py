@@ -114,6 +114,7 @@ def test_muon_updates_the_blocks_matrices_and_adamw_the_rest():
     np.testing.assert_allclose(updates["final_norm"]["scale"], expected, rtol=1e-6)
 
 
+@pytest.mark.fast
 def test_adafactor_keeps_row_and_column_statistics_per_matrix():
     params, axes = tiny_moe()
     state = OPTIMIZERS["adafactor"].build(OptimSpec(), 1e-2, axes).init(params)[0]
@@ -141,6 +142,7 @@ def test_adamw_and_cosine_are_todays():
     assert [float(new_schedule(k)) for k in range(12)] == [float(old_schedule(k)) for k in range(12)]
 
 
+@pytest.mark.fast
 def test_schedules():
     """Warmup over 2 steps to lr 1, horizon 10, min_lr_ratio 0.1; wsd decays over the last 20%."""
     ocfg = OptimSpec(lr=1.0, warmup_steps=2, min_lr_ratio=0.1, decay_fraction=0.2)
@@ -172,6 +174,7 @@ def test_state_bytes_formula_matches_the_shardings(name, layout):
     assert measured == pytest.approx(formula, rel=0.12 if wide else 0.02)
 
 
+@pytest.mark.fast
 def test_state_bytes_per_parameter():
     params, axes = tiny_moe()
     leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=lambda n: isinstance(n, tuple))))
@@ -202,6 +205,7 @@ def test_a_compiled_adafactor_step_holds_those_bytes():
     assert arguments == pytest.approx(formula["parameters"] + formula["optimizer_state"] + tokens, rel=0.02)
 
 
+@pytest.mark.fast
 def test_bad_optimizer_or_schedule_is_one_line_naming_the_key():
     with pytest.raises(UserError, match=r"optim\.optimizer.*sgd.*adamw"):
         tiny_config("optim.optimizer=sgd")

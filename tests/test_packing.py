@@ -64,6 +64,7 @@ def assert_close(got, want):
 MASKS = [(False, 5), (True, 0), (True, 13)]  # (segments, window)
 
 
+@pytest.mark.fast
 def test_documents_segments_and_positions():
     tokens = jnp.array([[3, 4, EOS, 5, EOS, EOS, 6, 7]])
     docs = Packing(EOS).documents(tokens)
@@ -114,6 +115,7 @@ def test_ring_matches_the_dense_mask(cp, ring_block, segmented, window, monkeypa
     print(f"ring cp={cp} segments={segmented} window={window}: max |diff| {assert_close(got, want):.2e}")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("cp,window,exchanges", [(8, 0, 7), (8, 5, 2), (8, 9, 4), (8, 13, 6), (8, 17, 7),
                                                  (8, 1, 0), (4, 5, 2), (4, 9, 2), (4, 10, 3), (2, 5, 1)])
 def test_a_short_window_skips_ring_exchanges(cp, window, exchanges):
@@ -122,6 +124,7 @@ def test_a_short_window_skips_ring_exchanges(cp, window, exchanges):
     assert context_parallel.ring_exchanges(L, cp, window) == exchanges
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("cp,window", [(8, 0), (8, 5), (8, 13), (4, 9), (1, 7)])
 def test_computed_fraction_counts_what_the_window_leaves(cp, window, monkeypatch):
     """Ring steps x chunk pairs x needed sub-blocks, in true positions: every visible (query, key)
@@ -153,6 +156,7 @@ def test_computed_fraction_counts_what_the_window_leaves(cp, window, monkeypatch
         assert fraction < context_parallel.computed_fraction(L, cp)
 
 
+@pytest.mark.fast
 def test_blockwise_share_under_a_window(monkeypatch):
     import meshtrain.ops.attention as attention_lib
 
@@ -184,6 +188,7 @@ def test_compiled_ring_sends_what_ring_sends_counts(cp, window):
     assert found["all-gather"]["count"] == 0  # the segment ids are read where they are, never gathered
 
 
+@pytest.mark.fast
 def test_document_mask_needs_an_eos():
     from meshtrain.config.spec import DataConfig
 

@@ -29,6 +29,7 @@ def measured_state_bytes(program) -> dict[str, int]:
             "gradients": shard_bytes(state["params"], grads)}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mesh", ["data=2,pipeline=4", "fsdp=2,pipeline=4"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_bytes_hold_the_embedding_on_every_pipeline_stage(mesh, zero):
@@ -45,6 +46,7 @@ def test_zero_bytes_hold_the_embedding_on_every_pipeline_stage(mesh, zero):
         assert old[key] < 0.9 * got, key
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zero_bytes_split_the_experts_over_the_expert_axis(zero):
     """An MoE layer's experts live on their expert-parallel device: zero_bytes with `experts` (the
@@ -71,6 +73,7 @@ def test_a_compiled_pipelined_step_holds_those_bytes():
     assert arguments == pytest.approx(formula["parameters"] + formula["optimizer_state"] + tokens, rel=0.01)
 
 
+@pytest.mark.fast
 def test_zero_paper_figure_1():
     """Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, N_d = 64, K = 12: 120, 31.4, 16.6 and 1.9 GB
     per device (to the paper's rounding: 0.05 GB or 3%); with meshtrain's bytes (4, 4, K = 8) the
@@ -157,6 +160,7 @@ def test_sequence_parallelism_divides_the_layer_by_tensor():
 
 
 # ---- pipeline bubble ----
+@pytest.mark.fast
 @pytest.mark.parametrize("stages,micro,virtual", [(4, 8, 1), (4, 8, 2), (8, 32, 4)])
 def test_interleaved_bubble_is_narayanans_fraction_of_the_ideal_time(stages, micro, virtual):
     """Narayanan et al. 2021, eq. 2: V chunks per device leave a bubble of (p-1)/(V m) of the ideal
@@ -167,6 +171,7 @@ def test_interleaved_bubble_is_narayanans_fraction_of_the_ideal_time(stages, mic
     assert (tt.time - ideal) / ideal == pytest.approx((stages - 1) / (virtual * micro), abs=1e-12)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("stages,micro", [(4, 8), (8, 24)])
 def test_zero_bubble_h1_idles_a_third_of_1f1b(stages, micro):
     """Qi et al. 2023, ZB-H1: with the backward split into B (input gradient) and W (weight

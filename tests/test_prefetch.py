@@ -16,6 +16,7 @@ def recording_build(log):
     return build
 
 
+@pytest.mark.fast
 def test_prefetch_builds_ahead_in_a_thread_and_misses_rebuild_the_right_batch():
     log = []
     prefetch = Prefetcher(recording_build(log), depth=2)
@@ -27,6 +28,7 @@ def test_prefetch_builds_ahead_in_a_thread_and_misses_rebuild_the_right_batch():
     assert {2, 3, 5, 6} <= in_thread and prefetch.misses == 1  # only the very first batch is a miss
 
 
+@pytest.mark.fast
 def test_prefetch_off_builds_in_the_loop_and_errors_surface_in_the_loop():
     log = []
     prefetch = Prefetcher(recording_build(log), depth=0)

@@ -12,6 +12,8 @@ from meshtrain.data import prepare, sources, tokenizer
 from meshtrain.data.__main__ import main
 from meshtrain.data.prepare import tokenized
 
+pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
+
 DOCS = [f"Document {i}: " + "all the world's a stage, " * (i % 5) + "é✓" for i in range(40)]
 BYTE = tokenizer.ByteTokenizer()
 

@@ -21,6 +21,7 @@ def sizes(**axes):
 
 
 # ---- placement: 16 H100s, 8 per node ----
+@pytest.mark.fast
 @pytest.mark.parametrize("mesh,expected", [
     # data is major: data index d holds ids 8d..8d+7, one node each, so data's groups {f, 8+f} span
     # both nodes and fsdp's groups {8d..8d+7} stay in one.
@@ -36,6 +37,7 @@ def test_axis_placement_on_two_nodes(mesh, expected):
     assert roofline.placement(mesh, devices_per_node=8) == expected
 
 
+@pytest.mark.fast
 def test_device_grid_is_the_mesh_order_and_a_combined_axis_set_can_cross_alone():
     mesh = sizes(data=2, fsdp=8)
     assert roofline.device_grid(mesh).reshape(2, 8).tolist() == [list(range(8)), list(range(8, 16))]
@@ -50,6 +52,7 @@ def _fake_gpus(processes: int, local: int):
             for p in range(processes) for i in range(local)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mesh,nodes", [
     (sizes(data=2, fsdp=8), 2),
     (sizes(data=4, fsdp=2, tensor=2), 2),  # data's factor 4 = 2 across nodes x 2 within one
@@ -72,6 +75,7 @@ def test_device_grid_is_build_mesh_multi_process_layout(mesh, nodes):
 MESH_222 = sizes(data=2, fsdp=2, tensor=2)  # position = 4d + 2f + t
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("groups,axes", [
     ([[0, 1], [2, 3], [4, 5], [6, 7]], ("tensor",)),
     ([[0, 2], [1, 3], [4, 6], [5, 7]], ("fsdp",)),
@@ -88,12 +92,14 @@ def test_replica_groups_map_to_the_axes_they_span(groups, axes):
     assert roofline.axes_of_groups(groups, MESH_222) == axes
 
 
+@pytest.mark.fast
 def test_pipeline_ring_pairs_span_the_pipeline_axis():
     mesh = sizes(data=2, pipeline=4)  # position = 4d + p
     ring = [[4 * d + p, 4 * d + (p + 1) % 4] for d in range(2) for p in range(4)]  # the wrap-around too
     assert roofline.axes_of_groups(ring, mesh) == ("pipeline",)
 
 
+@pytest.mark.fast
 def test_traffic_is_summed_per_axis_set():
     traffic = roofline.traffic_by_axes([([[0, 1], [2, 3], [4, 5], [6, 7]], 10.0),
                                         ([[0, 4], [1, 5], [2, 6], [3, 7]], 5.0),
@@ -102,6 +108,7 @@ def test_traffic_is_summed_per_axis_set():
 
 
 # ---- timing arithmetic ----
+@pytest.mark.fast
 def test_comm_time_puts_each_axis_on_its_link():
     """data=2,fsdp=8 on two H100 nodes: data at 50 GB/s (one 400 Gb/s NIC per GPU), fsdp at
     450 GB/s (NVLink 4, one direction); 1 GB on data and 9 GB on fsdp take 20 ms each."""
@@ -117,6 +124,7 @@ def test_comm_time_puts_each_axis_on_its_link():
         == pytest.approx(1e9 / 450e9)
 
 
+@pytest.mark.fast
 def test_roofs_overlapped_and_serial():
     """Model FLOPs of half a second at peak, 10% more hardware FLOPs (a recompute), a 20% bubble:
     0.55 / 0.8 = 0.6875 s of compute; 0.3 s of communication; 0.1 s of HBM traffic. Overlapped the
@@ -142,6 +150,7 @@ def _program(*overrides, devices=1, config=TINY):
     return TrainProgram.from_config(cfg, devices=jax.devices()[:devices])
 
 
+@pytest.mark.fast
 def test_mfu_attention_term_uses_heads_times_head_dim():
     """d_model 32 with 2 heads of 8: the attention width H*K = 16, not 32. N by hand (tied
     embedding, 4 layers): per block wq and wo D*H*K each, wk and wv D*G*K each, the SwiGLU's
@@ -221,6 +230,7 @@ def _no_memory():
     return SimpleNamespace(argument_size_in_bytes=0, output_size_in_bytes=0, temp_size_in_bytes=0)
 
 
+@pytest.mark.fast
 def test_remat_full_adds_one_forward_of_the_blocks():
     """remat=full: compute grows by one forward of the blocks, 2*N_blocks + 4*L*H*K*S per token
     (N_blocks = N without the V*D head, which is not rerun), over 6N + 12*L*H*K*S; save_matmuls
@@ -241,6 +251,7 @@ def test_remat_full_adds_one_forward_of_the_blocks():
     assert est["full"]["flops"]["recompute"] and not est["none"]["flops"]["recompute"]
 
 
+@pytest.mark.fast
 def test_pipeline_recompute_counts_a_rerun_forward_and_the_bubble():
     """residuals=recompute reruns the chunk's forward like remat=full; on a pipeline the compute
     time is also stretched by the lockstep timetable's bubble (1F1B, 2 stages, 4 microbatches)."""
@@ -255,6 +266,7 @@ def test_pipeline_recompute_counts_a_rerun_forward_and_the_bubble():
     assert est["flops"]["hardware_per_device"] > est["flops"]["model_per_device"]
 
 
+@pytest.mark.fast
 def test_estimate_times_collectives_on_the_links_they_cross():
     """Records as meshtrain/planner/hlo.py gives them: 2 executions of 1 GB over data (cross-node on two
     8-GPU nodes) and 1 of 4.5 GB over fsdp: 2 GB / 50 GB/s + 4.5 GB / 450 GB/s = 50 ms."""

@@ -8,6 +8,8 @@ import pytest
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.schedules import SCHEDULES, Schedule, check, check_residuals, gpipe_order, lookup, timetable
 
+pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
+
 SIZES = [(2, 2, 1), (2, 4, 1), (4, 8, 1), (4, 32, 1), (8, 16, 1), (4, 8, 2), (4, 12, 3), (8, 16, 4)]
 
 

@@ -17,6 +17,7 @@ def specs_of(tree, name_filter):
             if name_filter(jax.tree_util.keystr(p))}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_param_and_opt_state_specs_on_2x2x2(zero):
     from meshtrain.engine.program import TrainProgram
@@ -61,6 +62,7 @@ def test_zero2_shards_gradients_and_cuts_temp_bytes():
     assert temp[2] < temp[1]
 
 
+@pytest.mark.fast
 def test_activation_and_param_specs_resolve_axis_conflicts():
     mesh = build_mesh(parse_mesh("2x2x2", 8))
     rules = make_rules()
@@ -71,6 +73,7 @@ def test_activation_and_param_specs_resolve_axis_conflicts():
     assert spec_for(("embed", "mlp"), rules, mesh, shape=(5, 8)) == P(None, "tensor")
 
 
+@pytest.mark.fast
 def test_rules_are_overridable_from_config():
     rules = make_rules({"mlp": ["tensor", "fsdp"], "embed": None})
     assert rules["mlp"] == ("tensor", "fsdp") and rules["embed"] == ()
@@ -83,6 +86,7 @@ def test_rules_are_overridable_from_config():
         make_rules({"width": "tensor"})
 
 
+@pytest.mark.fast
 def test_mostly_replicated_parameters_are_an_error():
     from meshtrain.run.trainer import Trainer
 

@@ -6,6 +6,8 @@ import pytest
 from meshtrain.config.loader import UserError, load_config
 from meshtrain.data import tokenizer
 
+pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
+
 TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n" * 20
 
 

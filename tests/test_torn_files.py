@@ -38,6 +38,7 @@ R1, R2 = b'{"step": 1, "loss": 2.0}\n', b'{"step": 2, "eval_loss": 1.5}\n'
 
 
 # ---- the tolerant reader ----
+@pytest.mark.fast
 @pytest.mark.parametrize("tail, kept, torn_line", [
     (b"", [1, 2], None),  # whole
     (b'{"step": 3, "lo', [1, 2], 3),  # killed mid-write
@@ -55,6 +56,7 @@ def test_a_torn_last_record_is_dropped_with_one_warning(tmp_path, caplog, tail, 
                                  f"disk filled); dropped")])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, line", [(R1 + b"garbage\n" + R2, 2), (b"[1]\n" + R1, 1), (R1 + b'{"st\n\n' + R2, 2)])
 def test_an_undecodable_line_before_the_last_is_damage(tmp_path, text, line):
     path = tmp_path / "metrics.jsonl"
@@ -75,6 +77,7 @@ def read_with(reader: str, run: Path) -> list[int]:
     return [step for step, _ in trial.read_evals()]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("reader, steps", [("report", [1, 2]), ("resume", [1, 2]), ("sweep", [2])])
 def test_every_reader_takes_the_whole_records_and_refuses_damage(tmp_path, reader, steps):
     (tmp_path / "metrics.jsonl").write_bytes(R1 + R2 + b'{"step": 3, "lo')
@@ -86,6 +89,7 @@ def test_every_reader_takes_the_whole_records_and_refuses_damage(tmp_path, reade
         read_with(reader, tmp_path)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("failure", ["short write", "error after a partial write"])
 def test_a_failed_append_is_cut_off_and_one_user_error(tmp_path, monkeypatch, failure):
     log = loggers.Jsonl(tmp_path)
@@ -180,6 +184,7 @@ def best_json_out_of_space(tmp_path, monkeypatch) -> int:
     return 2
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("write, what", [(prepare_out_of_space, "--out"), (best_json_out_of_space, "best.json")])
 def test_a_full_disk_writing_an_output_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, write, what):
     assert write(tmp_path, monkeypatch) == 2
@@ -189,6 +194,7 @@ def test_a_full_disk_writing_an_output_is_one_line_and_leaves_nothing(tmp_path, 
 
 
 # ---- writing_whole ----
+@pytest.mark.fast
 @pytest.mark.parametrize("failure, raised", [(KeyboardInterrupt, KeyboardInterrupt), (FULL, UserError),
                                              (ValueError("bad input"), ValueError)])
 def test_writing_whole_leaves_nothing_when_the_block_fails(tmp_path, failure, raised):
@@ -199,6 +205,7 @@ def test_writing_whole_leaves_nothing_when_the_block_fails(tmp_path, failure, ra
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("left, stays, says", [
     ("killed", False, "removed"),  # its flock is free: the process is gone (a notice)
     ("writing", True, ""),  # another process holds its flock
@@ -254,6 +261,7 @@ def damage(out: Path, how: str) -> tuple[str, str, Path]:
     return "a", url, out
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("how, message", [
     ("the same study again", None),
     ("another --study", "holds the trials of study a in sqlite:///"),
@@ -281,6 +289,7 @@ def test_a_sweep_folder_holds_one_study(tmp_path, how, message):
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing touched
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("process, retried", [("gone", True), ("lock left free", True), ("alive", False)])
 def test_a_trial_its_killed_sweep_left_running_is_failed_and_resumed(tmp_path, caplog, process, retried):
     out = tmp_path / "sweep"

@@ -20,6 +20,7 @@ def compiled_text(fn, mesh, *args):
                                for a, s in args]).compile().as_text()
 
 
+@pytest.mark.fast
 def test_a_bf16_all_reduce_widened_by_the_cpu_is_counted_at_bf16():
     """psum of a bf16 array: the CPU program reduces f32 (convert, all-reduce, convert back); a
     GPU reduces bf16. A psum of an f32 cast of bf16 values stays f32: the program asked for it."""
@@ -38,6 +39,7 @@ def test_a_bf16_all_reduce_widened_by_the_cpu_is_counted_at_bf16():
     assert hlo.collectives(compiled_text(f32, mesh, arg), 8)["all-reduce"]["dtypes"] == {"f32": 256 * 4}
 
 
+@pytest.mark.fast
 def test_an_all_reduce_sliced_to_the_local_shard_is_a_reduce_scatter():
     """A sum over the sharded axis whose result is sharded: the CPU program all-reduces the whole
     [1024] and slices this device's 128; a GPU's ReduceScatterCreator pass makes it a reduce-scatter
@@ -54,6 +56,7 @@ def test_an_all_reduce_sliced_to_the_local_shard_is_a_reduce_scatter():
     assert hlo.corrections(records)["all_reduce_as_reduce_scatter"] == 1
 
 
+@pytest.mark.fast
 def test_all_reduces_added_together_count_once():
     """psum(a) + psum(b): a GPU's AllReduceReassociate pass reduces a + b once."""
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
@@ -67,6 +70,7 @@ def test_all_reduces_added_together_count_once():
     assert hlo.corrections(records)["all_reduce_reassociated_bytes"] == 256 * 4
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("line,groups", [
     ("replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true", [[0, 4], [1, 5], [2, 6], [3, 7]]),
     ("replica_groups=[2,4]<=[8], use_global_device_ids=true", [[0, 1, 2, 3], [4, 5, 6, 7]]),
@@ -81,6 +85,7 @@ def test_replica_groups_in_every_spelling(line, groups):
     assert replica_groups(line, 8) == groups
 
 
+@pytest.mark.fast
 def test_mesh_spelled_groups_match_the_program_axes():
     """The mesh spelling read from a real program: a psum over the minor axis of a 2x4 mesh groups
     devices that differ in that axis only."""

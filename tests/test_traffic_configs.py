@@ -69,6 +69,7 @@ def test_ring_exchanges_per_kind_of_layer():
     assert compared(name)["collective-permute"]["ratio"] == pytest.approx(bound, rel=1e-6)
 
 
+@pytest.mark.fast
 def test_compare_flags_what_is_outside_10_percent_or_has_no_formula():
     kinds = lambda **b: {k: {"traffic_bytes": b.get(k.replace("-", "_"), 0.0)} for k in hlo.KINDS}
     measured = kinds(all_reduce=105.0, all_gather=150.0, reduce_scatter=50.0, all_to_all=2e6, collective_permute=10.0)
