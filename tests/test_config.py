@@ -19,8 +19,10 @@ from meshtrain.config.loader import (
 )
 from meshtrain.core.console import NOTICE
 from meshtrain.engine.step import make_optimizer
-from meshtrain.models.moe import MoESpec
+from meshtrain.models import family
 from meshtrain.parallel.mesh import parse_mesh
+
+MoESpec = family("moe").spec
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)

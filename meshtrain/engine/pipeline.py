@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.models.transformer import scan_blocks
+from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel import data_parallel

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES
-from meshtrain.models.transformer import scan_blocks
+from meshtrain.models.base import scan_blocks
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.loss import chunk_positions
 from meshtrain.ops.precision import cast_for_compute

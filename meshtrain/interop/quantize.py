@@ -34,7 +34,7 @@ import numpy as np
 from flax import traverse_util
 
 from meshtrain.core.errors import UserError
-from meshtrain.models.transformer import contracted_axes
+from meshtrain.models.base import contracted_axes
 
 SCHEMES = ("symmetric", "affine")
 KEPT = ("router",)  # by param name; 1-D params (norm scales) are kept too
