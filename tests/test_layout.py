@@ -83,7 +83,7 @@ def family_modules() -> set[str]:
 
 def imported_families(source: str, families: set[str]):
     """(line, family) of every import of a family module in `source`: `import meshtrain.models.moe`,
-    `from meshtrain.models.moe import x`, `from meshtrain.models import moe`, at any level."""
+    `from meshtrain.models.moe import x`, `from meshtrain.models import moe`; top-level or in a function."""
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

@@ -34,7 +34,7 @@ from meshtrain.interop.quantize import (
     tensors,
 )
 from meshtrain.models import FAMILIES
-from meshtrain.parallel.mesh import simulate_cpu_devices
+from meshtrain.parallel import mesh
 from meshtrain.run import run_dir
 from meshtrain.run.trainer import Trainer
 
@@ -60,7 +60,7 @@ def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", dev
     cfg = run_dir.run_config(run)
     out = check_new(out, "OUT")
     if cfg.devices and devices is None:  # the run's simulated devices, before reading starts JAX
-        simulate_cpu_devices(cfg.devices)
+        mesh.simulate_cpu_devices(cfg.devices)
     model = FAMILIES[cfg.model.family](cfg.model)
     params, step = run_dir.newest_params(run, model, step=step)  # before any compile: damage is found first
     params = jax.device_get(params)
