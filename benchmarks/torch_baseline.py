@@ -18,7 +18,7 @@ from meshtrain.core.metrics import flops_per_token, peak_flops
 
 
 def rotary(x_BxLxNxK, cos_LxK2, sin_LxK2):
-    """Rotate channel pairs (i, i + K/2), as models/transformer.py does."""
+    """Rotate channel pairs (i, i + K/2), as models/base.py does."""
     x1, x2 = x_BxLxNxK.float().chunk(2, dim=-1)
     cos, sin = cos_LxK2[None, :, None, :], sin_LxK2[None, :, None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x_BxLxNxK)
@@ -57,7 +57,7 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(m) for _ in range(m.num_layers))
         self.final_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
-        nn.init.normal_(self.embedding.weight, std=0.02)  # as models/transformer.py: a tied head starts near ln V
+        nn.init.normal_(self.embedding.weight, std=0.02)  # as models/base.py: a tied head starts near ln V
 
     def forward(self, tokens_BxL):
         L, K = tokens_BxL.shape[1], self.m.head_dim

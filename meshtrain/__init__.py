@@ -1,4 +1,5 @@
 """meshtrain: train transformer language models on a named device mesh with JAX SPMD."""
+import importlib
 import sys
 
 if sys.argv[:1] == ["-m"]:  # `python -m meshtrain.<command>` is starting: a Ctrl-C now is one line too
@@ -18,6 +19,4 @@ def __getattr__(name):
     """Import on first use, so `import meshtrain` is light and --devices can act before JAX starts."""
     if name not in _WHERE:
         raise AttributeError(name)
-    import importlib
-
     return getattr(importlib.import_module(_WHERE[name]), name)

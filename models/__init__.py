@@ -2,8 +2,10 @@
 
 Each family is one module declaring a `FAMILY` (the protocol: models/spec.py), chosen by
 `model.family`; `FAMILIES` is the registry the config, the program, the planner and Hugging Face
-import/export read:
-- transformer.py: `llama`, the dense decoder; the model protocol (`LanguageModel`) and the block scan.
+import/export read. Code outside models/ goes through this package, spec.py and base.py (the model
+protocol `LanguageModel`, the shared blocks, `scan_blocks`, the parameters' logical axes), never
+through a family module, so a family that only changes blocks stays one module (tests/test_layout.py):
+- llama.py: `llama`, the dense decoder (Llama 2/3): base.py's model as it is.
 - moe.py: `moe`, mixture-of-experts MLPs (Mixtral/DeepSeek), expert-parallel dispatch.
 - qwen3.py: `qwen3`, the dense decoder with per-head q/k RMSNorm.
 - qwen3_moe.py: `qwen3_moe`, qwen3 attention with routed experts in every block.
@@ -14,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.core.errors import UserError
-from meshtrain.models import gemma3, moe, qwen3, qwen3_moe, transformer
+from meshtrain.models import gemma3, llama, moe, qwen3, qwen3_moe
+from meshtrain.models.base import LanguageModel, Transformer
 from meshtrain.models.moe import MoELanguageModel
 from meshtrain.models.spec import Family, ModelSpec
-from meshtrain.models.transformer import LanguageModel, Transformer
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (transformer.FAMILY, moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                                                    gemma3.FAMILY)}
 
 

@@ -8,7 +8,7 @@ tanh approximation); tied head. Hugging Face form: `Gemma3ForCausalLM` (model_ty
 logit soft-capping (Gemma 2's; Gemma 3 has none) and bidirectional attention are refused.
 
 The layers differ only in kind (window and rotary base), so they run under the one layer scan with
-their kinds (models/transformer.py `Block`: a switch over the kernels' static windows). Generation
+their kinds (models/base.py `Block`: a switch over the kernels' static windows). Generation
 keeps a ring buffer of `sliding_window` positions for a local layer (`Block.decode_window`) and every
 position for a global one, and runs the layers as a scan over whole patterns (static kinds).
 """
@@ -25,9 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
-from meshtrain.models.qwen3 import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block
-from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec, family_setting
-from meshtrain.models.transformer import (
+from meshtrain.models.base import (
     LAYER,
     LLAMA_TENSORS,
     PARAM_AXES,
@@ -41,6 +39,8 @@ from meshtrain.models.transformer import (
     write_llama_config,
     write_rope,
 )
+from meshtrain.models.qwen3 import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block
+from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec, family_setting
 from meshtrain.parallel.sharding import constrain
 
 

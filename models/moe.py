@@ -64,8 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
-from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec, family_setting
-from meshtrain.models.transformer import (
+from meshtrain.models.base import (
     LAYER,
     LLAMA_TENSORS,
     PARAM_AXES,
@@ -76,6 +75,7 @@ from meshtrain.models.transformer import (
     read_llama_config,
     write_llama_config,
 )
+from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec, family_setting
 from meshtrain.parallel.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
 
 
@@ -541,6 +541,14 @@ class MoELanguageModel(LanguageModel):
             return 0.0 if in_fp8 else self._routed_params(params) / c.num_experts * (rows - c.experts_per_token)
         slots = capacity(seq_len, c.num_experts, c.experts_per_token, c.capacity_factor)
         return self._routed_params(params) * slots / seq_len - self._routed_per_token(params)
+
+    def dispatch_bytes(self, rows: float, seq_len: int, act_bytes: int, expert_parallel: int = 1) -> dict | None:
+        """`dispatch_bytes` for this model's experts and width; None without routed experts."""
+        c = self.cfg
+        if not c.num_experts:
+            return None
+        return dispatch_bytes(rows, seq_len, c.num_experts, c.experts_per_token, c.capacity_factor, c.d_model,
+                              act_bytes, expert_parallel)
 
     @staticmethod
     def _routed_params(params) -> int:

@@ -8,8 +8,7 @@ the only parameters it adds, per layer (`q_norm`, `k_norm`, logical axis head_di
 """
 from __future__ import annotations
 
-from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
-from meshtrain.models.transformer import (
+from meshtrain.models.base import (
     LAYER,
     LLAMA_TENSORS,
     PARAM_AXES,
@@ -19,6 +18,7 @@ from meshtrain.models.transformer import (
     read_llama_config,
     write_llama_config,
 )
+from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
 
 QK_NORM_AXES = {"q_norm": ("head_dim",), "k_norm": ("head_dim",)}
 QK_NORM_TENSORS = {("blocks", "q_norm", "scale"): (LAYER + "self_attn.q_norm.weight", False),

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.core.errors import UserError
+from meshtrain.models.base import LAYER, LLAMA_TENSORS, Transformer, read_llama_config, write_llama_config
 from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts
 from meshtrain.models.qwen3 import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block, refuse_windows
 from meshtrain.models.spec import Family, HFConfig, HFMap, family_setting
-from meshtrain.models.transformer import LAYER, LLAMA_TENSORS, Transformer, read_llama_config, write_llama_config
 
 
 @dataclass

@@ -4,12 +4,12 @@ A family is one module of models/ with a `FAMILY = Family(...)`, registered in m
 - `spec`: its architecture, a `ModelSpec` (sub)class. The fields below are every family's; a family
   adds its own (each a `setting`: default, meaning, range), so a dense model has no MoE fields.
   `model.family` in a config picks the class; the other `model:` keys are its fields, flat.
-- `model`: its `LanguageModel` (models/transformer.py: the protocol the library trains through),
+- `model`: its `LanguageModel` (models/base.py: the protocol the library trains through),
   which holds its modules, the logical axes of its parameters (`param_axes`) and its counts
   (`num_params`, `active_matmul_params` and `flops_per_token`, the FLOPs model's N and 6N + 12LHKS;
   `block_matmul_params`, N less the head, and `fp8_matmul_params`, the part of it that runs in fp8;
   `slot_matmul_params`, what the step runs beyond N: capacity routing's every expert slot, dropless
-  expert parallelism's whole receive buffer).
+  expert parallelism's whole receive buffer; `dispatch_bytes`, a routed-expert layer's dispatch buffer).
 - `hf`: its Hugging Face form (`HFMap`: the config.json model types it imports, the tensor name map,
   the config translation both ways), which meshtrain/interop/hf.py reads; None when it has none.
 """

@@ -19,10 +19,11 @@ from meshtrain.config.loader import (
 )
 from meshtrain.core.console import NOTICE
 from meshtrain.engine.step import make_optimizer
-from meshtrain.models.moe import MoESpec
+from meshtrain.models import family
 from meshtrain.parallel.mesh import parse_mesh
 
 pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
+MoESpec = family("moe").spec
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)

@@ -17,7 +17,7 @@ from meshtrain.config.loader import UserError, load_config
 from meshtrain.engine.decode import generate
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES, make_spec, with_family
-from meshtrain.models.transformer import scan_blocks
+from meshtrain.models.base import scan_blocks
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
 from meshtrain.parallel.sharding import param_shardings
 from meshtrain.testing import full_forward_greedy

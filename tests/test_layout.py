@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.models import FAMILIES
 from meshtrain.testing import ROOT
 
 # Bottom to top; a tuple holds independent layers (neither imports the other).
@@ -66,6 +67,67 @@ def test_every_folder_is_a_declared_layer_and_an_installed_package():
     for name in RANK:  # each folder says what it owns
         doc = ast.get_docstring(ast.parse((folder(name) / "__init__.py").read_text()))
         assert doc and len(doc.splitlines()) >= 2, f"{name}/__init__.py needs a docstring naming what it owns"
+
+
+# The modules of models/ that code outside it may import; every other one is a family's (it declares a
+# FAMILY), reached only through meshtrain.models.FAMILIES and the protocol in models/base.py, so a
+# family that only changes blocks stays one module.
+MODELS_SHARED = {"__init__", "spec", "base"}
+# Files outside models/ that test or time a family module's own internals, and the family they open.
+FAMILY_INTERNALS = {
+    "tests/test_moe_layer.py": "moe",  # the MoE layer's pure functions, with its GMM_TILE monkeypatched
+    "tests/test_roofline.py": "moe",  # moe's GMM_TILE sets the trip counts of the compiled loops it checks
+    "benchmarks/grouped_matmul.py": "moe",  # times moe's grouped matmul alone
+}
+
+
+def family_modules() -> set[str]:
+    return {p.stem for p in folder("models").glob("*.py")} - MODELS_SHARED
+
+
+def imported_families(source: str, families: set[str]):
+    """(line, family) of every import of a family module in `source`: `import meshtrain.models.moe`,
+    `from meshtrain.models.moe import x`, `from meshtrain.models import moe`; top-level or in a function."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [node.module + "." + a.name for a in node.names]
+        else:
+            continue
+        hits = {parts[2] for parts in (name.split(".") for name in names)
+                if parts[:2] == ["meshtrain", "models"] and len(parts) > 2 and parts[2] in families}
+        yield from ((node.lineno, family) for family in sorted(hits))
+
+
+def test_every_module_of_models_is_shared_or_a_registered_family():
+    """Each module of models/ outside MODELS_SHARED declares a FAMILY, registered under its module's name."""
+    declared = {path.stem for path in folder("models").glob("*.py")
+                if any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "FAMILY" for t in n.targets)
+                       for n in ast.parse(path.read_text()).body)}
+    assert declared == family_modules(), "a module of models/ either declares a FAMILY or is in MODELS_SHARED"
+    assert declared == set(FAMILIES), "each family module is registered in models/__init__.py under its name"
+
+
+def test_nothing_outside_models_imports_a_family_module():
+    families = family_modules()
+    assert {"llama", "moe", "qwen3", "qwen3_moe", "gemma3"} <= families
+    caught = [f for _, f in imported_families("import meshtrain.models.moe as m\nfrom meshtrain.models.llama import "
+                                              "FAMILY\nfrom meshtrain.models import gemma3, base\n"
+                                              "def f():\n    from meshtrain.models.qwen3 import Qwen3Block\n",
+                                              families)]
+    assert caught == ["moe", "llama", "gemma3", "qwen3"]
+    files = [p for p in sorted((ROOT / "meshtrain").rglob("*.py")) if p.relative_to(ROOT).parts[1] != "models"]
+    files += [p for folder_ in ("tests", "benchmarks", "examples") for p in sorted((ROOT / folder_).rglob("*.py"))]
+    assert len(files) > 100
+    found = []
+    for path in files:
+        where = path.relative_to(ROOT).as_posix()
+        for line, fam in imported_families(path.read_text(), families):
+            if FAMILY_INTERNALS.get(where) != fam:
+                found.append(f"{where}:{line} imports meshtrain.models.{fam}")
+    assert not found, ("outside models/, go through meshtrain.models (FAMILIES, base, spec) or the family "
+                       "protocol, not a family module:\n" + "\n".join(found))
 
 
 

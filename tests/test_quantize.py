@@ -13,12 +13,12 @@ from meshtrain.core.folders import writing_whole
 from meshtrain.data import tokenizer
 from meshtrain.interop import quantize as qz
 from meshtrain.models import FAMILIES
-from meshtrain.models.moe import MOE_PARAM_AXES
-from meshtrain.models.transformer import PARAM_AXES
+from meshtrain.models.base import PARAM_AXES
 from meshtrain.run.int8_export import export_int8
 from meshtrain.testing import MOE_TINY, TINY, run_tiny
 
 SCHEMES = qz.SCHEMES
+MOE_PARAM_AXES = FAMILIES["moe"].model.param_axes
 
 
 def assert_within_half_step(w, t: qz.QTensor):

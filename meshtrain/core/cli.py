@@ -18,11 +18,14 @@ starts its backends (so right after parsing, before anything touches a device).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
+import importlib.util
 import os
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 
@@ -146,8 +149,6 @@ CUDA_DRIVER_PROBE = ("All log messages before absl::InitializeLog() is called", 
 
 def no_cuda_driver() -> bool:
     """Whether this machine has no CUDA driver library to load (so JAX can run nothing on a GPU here)."""
-    import ctypes
-
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -162,9 +163,6 @@ def import_jax_without_driver_probe() -> None:
     window where CUDA is out of the question: JAX_PLATFORMS leaves it out, or there is no CUDA driver,
     where the plugin's CUDA version check is skipped too (JAX_SKIP_CUDA_CONSTRAINTS_CHECK: it has no
     CUDA to check, and would print its failure as a traceback before JAX goes on on the CPU)."""
-    import importlib.util
-    import tempfile
-
     if "jax" in sys.modules or importlib.util.find_spec("jax_cuda12_plugin") is None:
         return
     platforms = os.environ.get("JAX_PLATFORMS", "")

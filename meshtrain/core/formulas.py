@@ -73,7 +73,7 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, tensor: int = 1
 def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
                            compute_bytes: int = 2, tensor: int = 1, sequence_parallel: bool = False,
                            remat: str = "none", matmul_input_bytes: int | None = None) -> dict[str, float]:
-    """Bytes one meshtrain Llama block (models/transformer.py) keeps for its backward, by tensor:
+    """Bytes one meshtrain Llama block (models/base.py) keeps for its backward, by tensor:
     what the compiled step stacks per layer. The paper's accounting (`korthikanti_activation_bytes`)
     with c = compute bytes (2 in bf16) and RMSNorm and softmax internals in fp32:
       LayerNorm inputs 4sbh         -> per RMSNorm its input and the normalized x in fp32 and its

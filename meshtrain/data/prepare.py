@@ -9,6 +9,7 @@ folder without one is an unfinished prepare.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -56,8 +57,6 @@ _worker: tuple = ()  # (tokenizer, field) in a worker process
 
 
 def _start_worker(tok, field: str) -> None:
-    import os
-
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
     global _worker
     _worker = (tok, field)

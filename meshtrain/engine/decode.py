@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain.core.bounds import Bounds
 from meshtrain.core.errors import UserError
+from meshtrain.parallel.sharding import activation_rules, make_rules, param_shardings, spec_for
 
 
 def filter_logits(logits_BxV, top_k=0, top_p=1.0):
@@ -72,8 +73,6 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
     settings, eos and window are traced, so changing them compiles nothing); traced under `rules`
     (a tuple of items) on `mesh` when one is given. Prompts longer than `chunk` are prefilled
     `chunk` positions at a time (`prefill`)."""
-    from meshtrain.parallel.sharding import activation_rules
-
     def run(params, prompts_BxP, lengths_B, key, settings):
         with activation_rules(dict(rules), mesh) if mesh is not None else contextlib.nullcontext():
             return tokens(params, prompts_BxP, lengths_B, key, **settings)
@@ -141,8 +140,6 @@ def generate(model, params, prompts, max_new_tokens: int, *, temperature: float 
     token; ids >= `vocab` (the tokenizer's size, when the model's vocabulary is larger) are never
     produced. With `mesh`, runs there under the logical `rules` (default: meshtrain's), `params`
     placed by `place`; rows are padded to a multiple of the batch axes and the padding dropped."""
-    from meshtrain.parallel.sharding import make_rules
-
     check_settings(max_new_tokens, temperature, top_k, top_p)
     lengths = [len(p) for p in prompts]
     if not prompts or min(lengths) == 0:
@@ -181,8 +178,6 @@ def padded_rows(rows: int, mesh, rules) -> int:
 
 
 def row_sharding(ndim: int, mesh, rules):
-    from meshtrain.parallel.sharding import spec_for
-
     return NamedSharding(mesh, spec_for(("batch",) + (None,) * (ndim - 1), rules, mesh))
 
 
@@ -191,8 +186,6 @@ def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=N
     materialised; the planner compiles it for its memory): `batch` prompts of `prompt_len` tokens
     (rows padded as `generate` pads them), the parameters laid out by `place`, a KV cache of
     prompt_len + max_new_tokens - 1 positions."""
-    from meshtrain.parallel.sharding import make_rules
-
     rules = rules or make_rules()
     rows = padded_rows(batch, mesh, rules)
     abstract = lambda tree, shardings: jax.tree.map(
@@ -223,7 +216,5 @@ def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: f
 def place(model, mesh, rules=None, params=None):
     """The parameters' shardings on `mesh` (no ZeRO: replicated over data); with `params`, those
     parameters placed there."""
-    from meshtrain.parallel.sharding import param_shardings
-
     shardings = param_shardings(model, mesh, rules, check=True)
     return shardings if params is None else jax.device_put(params, shardings)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.models.transformer import scan_blocks
+from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel import data_parallel
@@ -72,7 +72,7 @@ class LayerResiduals:
 
     def forward(self, p_layer, x, *docs, **kind):
         """(y, (residuals, stats)); `docs`: the microbatch's packing.Documents, if any; `kind`: the
-        layer's, when the model's layers differ (models/transformer.py `scan_blocks`)."""
+        layer's, when the model's layers differ (models/base.py `scan_blocks`)."""
         (y, stats), leaves, _, is_param = self._vjp(p_layer, x, *docs, **kind)
         return y, ([leaf for leaf, i in zip(leaves, is_param) if i is None], stats)
 
@@ -108,7 +108,7 @@ def _zeros(like, *lead):
 
 
 def _kind(k) -> dict:
-    """A layer's `kind=` keyword (models/transformer.py `scan_blocks`), none when the layers are alike."""
+    """A layer's `kind=` keyword (models/base.py `scan_blocks`), none when the layers are alike."""
     return {} if k is None else {"kind": k}
 
 

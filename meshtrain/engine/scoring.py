@@ -30,9 +30,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.errors import UserError
+from meshtrain.data.tasks import choice_metrics
+from meshtrain.engine.decode import padded_rows, place
 from meshtrain.models import FAMILIES
-from meshtrain.models.transformer import scan_blocks
-from meshtrain.ops.attention import xla_attention
+from meshtrain.models.base import scan_blocks
+from meshtrain.ops.attention import BACKENDS, MIN_ATTENTION_BLOCK, xla_attention
 from meshtrain.ops.loss import chunk_positions
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel.sharding import activation_rules, constrain, make_rules, shard_count, spec_for
@@ -98,8 +100,6 @@ class Scorer:
 
     def __init__(self, model, rows: int, length: int, *, mesh=None, rules=None, param_shardings=None,
                  prepare=None, precision: str = "fp32", attention=xla_attention):
-        from meshtrain.engine.decode import padded_rows, place
-
         spec = model.decoding_spec()
         self.model = FAMILIES[spec.family](spec, attention=attention)
         self.mesh, self.rules = mesh, rules or make_rules()
@@ -149,8 +149,6 @@ def for_program(program, tasks=(), rows: int | None = None, model_order: bool = 
     microbatch's rows (the forward of as many as a training step holds), the window the longest of
     `tasks`' requests (meshtrain/data/tasks.py), rounded up to a whole blockwise-attention block, at
     most train.seq_len."""
-    from meshtrain.ops.attention import BACKENDS, MIN_ATTENTION_BLOCK
-
     t, plan = program.train, program.plan
     longest = max((len(c) + len(x) - 1 for task in tasks for c, x in task.requests), default=t.seq_len)
     rows = rows or t.batch_size // plan.num_microbatches(program.sizes["pipeline"])
@@ -164,8 +162,6 @@ def for_program(program, tasks=(), rows: int | None = None, model_order: bool = 
 
 def task_metrics(scorer: Scorer, params, tasks) -> dict[str, float]:
     """{eval_acc_<name>, eval_acc_norm_<name>} of each task (meshtrain/data/tasks.py `choice_metrics`)."""
-    from meshtrain.data.tasks import choice_metrics
-
     record = {}
     for task in tasks:
         metrics = choice_metrics(task.items, scorer(params, task.requests)[0])

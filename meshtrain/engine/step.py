@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from meshtrain.engine.pipeline import make_pipeline_grads
-from meshtrain.models.transformer import scan_blocks
+from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale

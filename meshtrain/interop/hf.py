@@ -33,8 +33,8 @@ from safetensors.numpy import save_file
 
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES, Family, ModelSpec, family
+from meshtrain.models.base import contracted_axes
 from meshtrain.models.spec import HFConfig
-from meshtrain.models.transformer import contracted_axes
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 DTYPE_NAMES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}

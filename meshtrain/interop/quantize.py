@@ -32,9 +32,11 @@ from typing import NamedTuple
 
 import numpy as np
 from flax import traverse_util
+from safetensors.numpy import load_file
 
 from meshtrain.core.errors import UserError
-from meshtrain.models.transformer import contracted_axes
+from meshtrain.interop.hf import check_sums
+from meshtrain.models.base import contracted_axes
 
 SCHEMES = ("symmetric", "affine")
 KEPT = ("router",)  # by param name; 1-D params (norm scales) are kept too
@@ -125,10 +127,6 @@ def describe(qtree, logical_axes, scheme: str) -> dict:
 
 def load(out: str | Path):
     """(quantized tree, quantization.json) of an export folder, once its files match its SHA256SUMS."""
-    from safetensors.numpy import load_file
-
-    from meshtrain.interop.hf import check_sums
-
     check_sums(out)
     info = json.loads((Path(out) / INFO_FILE).read_text())
     stored = load_file(str(Path(out) / MODEL_FILE))

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain.core.errors import UserError
+from meshtrain.parallel.mesh import simulate_cpu_devices
+
 # Per device: SMs (`core_count`), shared memory per SM and the largest opt-in block share, L2, boost
 # clock, compute capability, HBM bytes and bandwidth as the CUDA driver reports them.
 # - H100 SXM5 80GB: the GpuTargetConfigProto XLA's and JAX's own deviceless-compile tests use (a
@@ -132,9 +135,6 @@ def choose(compiler: str, device: str, devices: int, per_node: int) -> Target:
     GPU compiler when `device` is a GPU target and the plugin is installed, else the CPU, with why).
     Call before JAX starts its CPU backend (it reads the simulated device count once)."""
     import jax
-
-    from meshtrain.core.errors import UserError
-    from meshtrain.parallel.mesh import simulate_cpu_devices
 
     jax.config.update("jax_platforms", "cpu")  # no local GPU backend: the topology brings compile-only devices
     if compiler != "cpu":

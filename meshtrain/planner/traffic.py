@@ -57,7 +57,6 @@ import jax
 
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
-from meshtrain.models.moe import dispatch_bytes
 from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.parallel import compression, data_parallel
@@ -108,15 +107,13 @@ def param_slices(program, experts: bool = True) -> dict[str, float]:
 
 
 def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
-    """One MoE layer's dispatch buffer per device (models/moe.py `dispatch_bytes`) for this layout's
-    rows per microbatch (`microbatches`: the plan's unless given); None without routed experts."""
-    m, sizes, t = program.model.cfg, program.sizes, program.train
-    if not getattr(m, "num_experts", 0):
-        return None
+    """One MoE layer's dispatch buffer per device (the model's `dispatch_bytes`, models/moe.py) for
+    this layout's rows per microbatch (`microbatches`: the plan's unless given); None without routed
+    experts."""
+    sizes, t = program.sizes, program.train
     micro = microbatches or program.plan.num_microbatches(sizes["pipeline"])
     rows = t.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro)
-    return dispatch_bytes(rows, t.seq_len, m.num_experts, m.experts_per_token, m.capacity_factor, m.d_model,
-                          compute_bytes(program.plan.precision), sizes["expert"])
+    return program.model.dispatch_bytes(rows, t.seq_len, compute_bytes(program.plan.precision), sizes["expert"])
 
 
 def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:

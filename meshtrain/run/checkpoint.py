@@ -35,7 +35,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
@@ -218,8 +220,6 @@ class Checkpointer:
         if jax.process_index() == 0:
             self.path(step).rename(target)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"meshtrain-set-aside-{step}")
         if self._manager is not None:
             self._manager.reload()
@@ -291,9 +291,6 @@ def agree(failure: Exception | None) -> Exception | None:
     none), so that no process renames a step or loads one that another could not read."""
     if jax.process_count() == 1:
         return failure
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     code = 0 if failure is None else 1 if isinstance(failure, Damaged) else 2
     worst = int(np.max(multihost_utils.process_allgather(np.int32(code))))
     if worst == code:

@@ -16,10 +16,15 @@ loss spikes, per-layer gradient norms and the communication share of the step.
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.console import log
 
@@ -36,8 +41,6 @@ def find_stragglers(host_s: list[float], factor: float) -> tuple[float, list[int
 
 class Stragglers:
     def __init__(self, every: int, factor: float, process: int, processes: int):
-        import socket
-
         self.every, self.factor = every, factor
         self.process, self.processes = process, processes
         self.host = socket.gethostname()
@@ -125,11 +128,6 @@ class CollectiveTimer:
     CAP_BYTES, REPEATS = 64 * 2**20, 3
 
     def __init__(self, mesh, num_params: int):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
         self.axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
         group = int(np.prod([mesh.shape[a] for a in self.axes])) if self.axes else 1
         self.grad_bytes = 4 * num_params * group / mesh.size  # fp32 gradients each device holds before reducing

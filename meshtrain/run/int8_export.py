@@ -10,12 +10,18 @@ accuracy and size, not speed.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
+from safetensors.numpy import save
 
 from meshtrain.core.console import log
 from meshtrain.core.folders import check_new, writing_whole
+from meshtrain.data import tokenizer
+from meshtrain.interop.hf import write_sums
 from meshtrain.interop.quantize import (
     INFO_FILE,
     MODEL_FILE,
@@ -27,13 +33,14 @@ from meshtrain.interop.quantize import (
     quantize,
     tensors,
 )
+from meshtrain.models import FAMILIES
+from meshtrain.parallel import mesh
 from meshtrain.run import run_dir
+from meshtrain.run.trainer import Trainer
 
 
 def evaluate_with(trainer, params) -> float | None:
     """trainer.evaluate() with `params` (in model order, on the host) in place of its own."""
-    import jax
-
     p = trainer.program
     params = {**params, "blocks": p.reorder_blocks(params["blocks"], p.layer_order)}  # storage order
     own = trainer.state
@@ -49,23 +56,11 @@ def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", dev
     """Export RUN's checkpoint of `step` (default: the newest intact one, read verified) as int8 into
     OUT (made whole or not at all, with a SHA256SUMS); print and return the eval losses and sizes.
     `devices` as for Trainer (default: all, with the run's mesh)."""
-    import shutil
-    import tempfile
-
-    import jax
-    from safetensors.numpy import save
-
-    from meshtrain.data import tokenizer
-    from meshtrain.interop.hf import write_sums
-    from meshtrain.models import FAMILIES
-    from meshtrain.parallel.mesh import simulate_cpu_devices
-    from meshtrain.run.trainer import Trainer
-
     check_scheme(scheme)
     cfg = run_dir.run_config(run)
     out = check_new(out, "OUT")
     if cfg.devices and devices is None:  # the run's simulated devices, before reading starts JAX
-        simulate_cpu_devices(cfg.devices)
+        mesh.simulate_cpu_devices(cfg.devices)
     model = FAMILIES[cfg.model.family](cfg.model)
     params, step = run_dir.newest_params(run, model, step=step)  # before any compile: damage is found first
     params = jax.device_get(params)

@@ -13,11 +13,13 @@
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -392,9 +394,6 @@ GLOO_PIECES = ("[Gloo]", "is connected to", "peer ranks")
 
 
 def _filter_fd(fd: int, drop: tuple[str, ...], fatal: str = "", message: str = "") -> None:
-    import atexit
-    import subprocess
-
     (sys.stdout if fd == 1 else sys.stderr).flush()
     real = os.dup(fd)
     child = subprocess.Popen([sys.executable, "-c", _FILTER, json.dumps(drop), fatal, message],

@@ -15,12 +15,15 @@ import json
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import yaml
 
-from meshtrain.config.loader import Config, UserError, default_out, to_dict
+from meshtrain.config.loader import Config, UserError, default_out, load_config, to_dict
 from meshtrain.core.folders import replace_file, writable
 from meshtrain.data.mixture import sources as data_sources
+from meshtrain.engine.program import TrainProgram
+from meshtrain.interop import hf
 from meshtrain.models import make_spec
 from meshtrain.run.lock import LOCK_FILE
 
@@ -155,8 +158,6 @@ def write_config(out: Path, cfg: Config, mesh) -> None:
 
 def run_config(run: str | Path) -> Config:
     """The config a finished or running run recorded (<run>/config.yaml), with out = the run."""
-    from meshtrain.config.loader import load_config
-
     path = Path(run) / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run} is not a meshtrain run folder (no config.yaml); pass the --out of a training run")
@@ -168,11 +169,7 @@ def newest_params(run: str | Path, model, shardings=None, step: int | None = Non
     `step`, verified (meshtrain.run.checkpoint.read_params), read straight into `shardings` (a tree like
     the params, or one sharding for all; default: the first device). Only the parameters are read,
     never the optimizer state."""
-    import jax
-    import numpy as np
-
-    from meshtrain.engine.program import TrainProgram
-    from meshtrain.run.checkpoint import read_params
+    from meshtrain.run.checkpoint import read_params  # orbax: only where a checkpoint is read
 
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     if shardings is None or not isinstance(shardings, dict):
@@ -188,8 +185,6 @@ def initial_params(source: str, model, shardings):
     """checkpoint.init_from: the parameters (model order, in `shardings`) of a Hugging Face folder
     (`hf:DIR`, verified against its SHA256SUMS when it has one) or of a meshtrain run's newest intact
     checkpoint, whose architecture must be this model's."""
-    from meshtrain.interop import hf
-
     if source.startswith("hf:"):
         folder = source[3:]
         spec, fix = hf.read_spec(folder), f"python -m meshtrain.convert --from-hf {folder} --out RUN"

@@ -34,6 +34,8 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+
 from meshtrain.core.console import log
 from meshtrain.run import multihost
 
@@ -224,8 +226,6 @@ class StepWatchdog:
 
 
 def _devices() -> str:
-    import jax
-
     lines = []
     for d in jax.local_devices():
         try:

@@ -12,7 +12,8 @@ from meshtrain.config.loader import default_out
 from meshtrain.core.cli import Parser, command, devices_flag, number
 from meshtrain.core.console import log, use_console
 from meshtrain.core.errors import UserError
-from meshtrain.core.folders import full_disk_is_user_error
+from meshtrain.core.folders import full_disk_is_user_error, writable
+from meshtrain.parallel.mesh import parse_mesh
 from meshtrain.sweep.devices import device_slots, visible_gpus
 from meshtrain.sweep.folder import shown_path
 from meshtrain.sweep.scheduler import Sweep
@@ -48,9 +49,6 @@ def parser() -> Parser:
 
 def prepare(args):
     """Every check before anything is written: the space, the config, the devices, the folder."""
-    from meshtrain.core.folders import writable
-    from meshtrain.parallel.mesh import parse_mesh
-
     for flag, value in (("--trials", args.trials), ("--parallel", args.parallel), ("--heartbeat", args.heartbeat)):
         if value < 1:
             raise UserError(f"{flag} {value} must be >= 1")

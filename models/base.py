@@ -1,7 +1,17 @@
-"""Llama-style decoder-only transformer in Flax NNX: RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU, tied or untied head; layers stacked on a leading `layers` axis and run with scan.
-The `llama` family (`FAMILY`, with its Hugging Face form `LlamaForCausalLM`), the model protocol
-(`LanguageModel`) and the base the other families (models/moe.py, qwen3.py, ...) change parts of.
+"""The base every model family builds on: the model protocol (`LanguageModel`), the shared blocks
+and the Llama-style Hugging Face translation. A family (models/llama.py, moe.py, qwen3.py, ...) is
+one module that changes parts of these (a block's MLP or norms, its parameter axes, its config).
+
+- `LanguageModel`: the protocol meshtrain trains through (init, embed, block, loss, auxiliary_loss,
+  head, logical_axes, the counts, the cached decode), on pure parameter pytrees; `scan_blocks` runs
+  the layers, stacked on a leading `layers` axis, with one scan.
+- The blocks, in Flax NNX: RMSNorm, rotary embeddings (`rope_frequencies`, `rotary`), grouped-query
+  attention, SwiGLU, tied or untied head (`Block`, `Transformer`). With no changes they are the
+  `llama` family's decoder.
+- `PARAM_AXES` and `contracted_axes`: the logical axes of the parameters, which sharding, INT8
+  channels and Hugging Face layouts follow.
+- `LLAMA_TENSORS`, `read_llama_config`, `write_llama_config` and the rope entries: the
+  LlamaForCausalLM config.json and tensor names the other families' Hugging Face forms start from.
 
 `Block` is three pieces: `project` (norm, q/k/v, rotary), the attention kernel, and `finish` (output
 projection, MLP, residuals); training runs them as `__call__`, generation as `decode` (a KV cache).
@@ -28,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
-from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
+from meshtrain.models.spec import HFConfig, ModelSpec
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.ops.packing import visible
@@ -458,6 +468,12 @@ class LanguageModel:
         expert-parallel receive buffer, filled or not (moe.py)."""
         return 0.0
 
+    def dispatch_bytes(self, rows: float, seq_len: int, act_bytes: int, expert_parallel: int = 1) -> dict | None:
+        """One routed-expert layer's dispatch buffer per device, `rows` sequence rows held there and
+        `expert_parallel` devices on the `expert` axis (the planner's memory and all-to-all traffic):
+        None here, without routed experts (moe.py)."""
+        return None
+
     def flops_per_token(self, params, seq_len: int) -> float:
         """Training FLOPs per token, 6N + 12 L (H K) S, a windowed layer's S its window when shorter
         (meshtrain/core/metrics.py)."""
@@ -466,7 +482,7 @@ class LanguageModel:
                                c.layer_windows())
 
 
-# ---- the llama family's Hugging Face form (LlamaForCausalLM), which the others build on ----
+# ---- the Llama-style Hugging Face form (LlamaForCausalLM's) that every family builds on ----
 
 LAYER = "model.layers.{i}."
 LLAMA_TENSORS = {
@@ -552,12 +568,3 @@ def write_llama_config(m: ModelSpec, model_type: str = "llama", architecture: st
                                                                         else 1), 2048)),
         "attention_bias": False, "mlp_bias": False,
     }
-
-
-def read_llama(c: HFConfig) -> ModelSpec:
-    c.refuse(sliding_window=lambda v: v is not None)
-    return read_llama_config(c)
-
-
-FAMILY = Family("llama", "dense decoder (Llama 2/3): GQA, SwiGLU, RoPE (llama3 scaling), tied or untied head",
-                ModelSpec, LanguageModel, HFMap(("llama",), LLAMA_TENSORS, read_llama, write_llama_config))
