@@ -100,6 +100,7 @@ def imported_families(source: str, families: set[str]):
         yield from ((node.lineno, family) for family in sorted(hits))
 
 
+@pytest.mark.fast
 def test_every_module_of_models_is_shared_or_a_registered_family():
     """Each module of models/ outside MODELS_SHARED declares a FAMILY, registered under its module's name."""
     declared = {path.stem for path in folder("models").glob("*.py")
@@ -109,6 +110,7 @@ def test_every_module_of_models_is_shared_or_a_registered_family():
     assert declared == set(FAMILIES), "each family module is registered in models/__init__.py under its name"
 
 
+@pytest.mark.fast
 def test_nothing_outside_models_imports_a_family_module():
     families = family_modules()
     assert {"llama", "moe", "qwen3", "qwen3_moe", "gemma3"} <= families
