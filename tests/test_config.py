@@ -15,8 +15,10 @@ from meshtrain.config.loader import (
     apply_overrides,
     commented_yaml,
     load_config,
+    parse_yaml,
     reference_markdown,
 )
+from meshtrain.core.cli import command
 from meshtrain.core.console import NOTICE
 from meshtrain.engine.step import make_optimizer
 from meshtrain.models import family
@@ -213,3 +215,41 @@ def test_every_number_key_has_a_range_in_the_reference():
         [key for key, f in numbers if f.metadata["bounds"] == Bounds()]
     reference = reference_markdown()
     assert all(f"| `{key}` |" in reference and str(f.metadata["bounds"]) in reference for key, f in numbers)
+
+
+# a billion laughs: five levels of ten aliases each, 10^5 values from five short lines
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n" for a, b in zip("abcd", "bcde"))
+
+
+@pytest.mark.parametrize("text, error", [
+    ("train:\n  steps: 3\nmodel: {}\ntrain:\n  steps: 4\n",
+     "line 4: key 'train' is given twice (first on line 1); keep one"),
+    ("train:\n  steps: 3\n  steps: 4\n", "line 3: key 'steps' is given twice (first on line 2); keep one"),
+    (BOMB, "expands to more than 100,000 values (aliases included)"),
+    ("train: " + "[" * 100 + "]" * 100, "nested deeper than 64 levels"),
+    ("train: " + "[" * 5000 + "]" * 5000, "nested deeper than 64 levels"),
+    ("a: &a\n  b: *a\n", "an alias refers to a value that contains it"),
+    ("a: " + "x" * (1 << 20), "is larger than 1 MB"),
+], ids=["duplicate section", "duplicate key", "alias bomb", "deep", "deeper than the stack", "alias cycle", "huge"])
+def test_a_config_file_is_read_within_limits_and_without_duplicate_keys(tmp_path, text, error):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(str(path))
+    assert str(e.value).startswith(str(path)) and error in str(e.value) and len(str(e.value)) < 300
+
+
+def test_merge_keys_may_be_overridden():
+    assert parse_yaml("base: &b {steps: 3, lr: 1}\ntrain:\n  <<: *b\n  steps: 4\n", "x") == {
+        "base": {"steps": 3, "lr": 1}, "train": {"steps": 4, "lr": 1}}
+
+
+def test_an_error_line_is_bounded(capsys):
+    @command
+    def main(argv):
+        raise UserError("value " + "x" * 50_000 + "\nend")
+
+    assert main([]) == 2
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and len(line) < 2100 and "characters cut" in line and line.endswith("\\nend\n")

@@ -59,14 +59,85 @@ _Loader.add_implicit_resolver(
                        r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
 
 
+# Limits of a YAML text (a config, a sweep space, a --set value): a config is a few KB; an alias bomb
+# (anchors of anchors) expands a few lines into billions of values, and deep nesting overflows the stack.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000  # the values of the document with every alias expanded
+MAX_YAML_DEPTH = 64
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class _Refused(Exception):
+    """A YAML text meshtrain will not read: its message says why and what to do."""
+
+
+def _check_duplicate_keys(node: yaml.MappingNode) -> None:
+    """A key given twice in one mapping is an error (YAML's loaders keep the last in silence); merge
+    keys (`<<: *base`) may be overridden, as YAML defines."""
+    seen = {}
+    for key, _ in node.value:
+        if key.tag == _MERGE or not isinstance(key, yaml.ScalarNode):
+            continue
+        if key.value in seen:
+            raise _Refused(f"line {key.start_mark.line + 1}: key {key.value!r} is given twice (first on line "
+                           f"{seen[key.value] + 1}); keep one")
+        seen[key.value] = key.start_mark.line
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """The number of values of the document with aliases expanded (each alias counts what it names), the
+    mappings checked for duplicate keys on the way; _Refused past the limits or for an alias cycle."""
+    sizes, open_ = {}, set()
+
+    def size(node, depth):
+        if depth > MAX_YAML_DEPTH:
+            raise _Refused(f"nested deeper than {MAX_YAML_DEPTH} levels")
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_:
+            raise _Refused("an alias refers to a value that contains it")
+        open_.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            _check_duplicate_keys(node)
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+        total = 1 + sum(size(child, depth + 1) for child in children)
+        if total > MAX_YAML_VALUES:
+            raise _Refused(f"expands to more than {MAX_YAML_VALUES:,} values (aliases included)")
+        open_.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    return size(root, 0)
+
+
 def parse_yaml(text: str, source: str):
+    """The YAML value of `text` (YAML 1.2-style scalars), read within the limits above; any problem is
+    one UserError naming `source`."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+        raise UserError(f"{source} is larger than {MAX_YAML_BYTES >> 20} MB; a config or search space is a few KB: "
+                        f"check that this is the file you meant")
+    loader = None
     try:
-        return yaml.load(text, Loader=_Loader)
+        loader = _Loader(text)  # its reader refuses control characters at once
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node)
+        return loader.construct_document(node)
+    except _Refused as e:
+        raise UserError(f"{source}: {e}") from None
+    except RecursionError:
+        raise UserError(f"{source}: nested deeper than {MAX_YAML_DEPTH} levels") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"{source}{where}: {problem}; fix the YAML syntax") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 class _Typed(str):

@@ -38,6 +38,18 @@ SIMULATE_HELP = f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}),
 INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it"
 
 
+MAX_ERROR_CHARS = 2000  # an error quoting the user's input (a huge value, a long path) stays a readable line
+
+
+def one_line(message: str) -> str:
+    """An error message as one bounded line: line breaks shown as \\n, the middle of a long one cut."""
+    shown = message.replace("\r", "\\r").replace("\n", "\\n")  # user text may hold line breaks
+    if len(shown) <= MAX_ERROR_CHARS:
+        return shown
+    cut = len(shown) - MAX_ERROR_CHARS
+    return f"{shown[:MAX_ERROR_CHARS * 3 // 4]} [... {cut:,} characters cut ...] {shown[-MAX_ERROR_CHARS // 4:]}"
+
+
 def command(main):
     """Wrap a command's `main(argv) -> int` (see the module doc)."""
     @functools.wraps(main)
@@ -45,8 +57,7 @@ def command(main):
         try:
             return main(argv)
         except UserError as e:
-            shown = str(e).replace("\r", "\\r").replace("\n", "\\n")  # user text may hold line breaks
-            print(f"error: {shown}", file=sys.stderr)
+            print(f"error: {one_line(str(e))}", file=sys.stderr)
             return EXIT_USER_ERROR
         except KeyboardInterrupt:
             print(INTERRUPTED, file=sys.stderr)
