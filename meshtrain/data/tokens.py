@@ -16,11 +16,17 @@ from pathlib import Path
 
 import numpy as np
 
+from meshtrain.core import schema
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import replace_file
 
 MANIFEST = "manifest.json"
 PLAIN_DTYPE = np.dtype(np.uint16)  # a token file without a sidecar, as nanoGPT writes them
+# What the readers use of a sidecar and of a manifest (meshtrain/core/schema.py); prepare writes more.
+DTYPES = ("uint16", "uint32")
+SIDECAR_SCHEMA = {"dtype": DTYPES, "tokens": schema.Optional(schema.Int()), "tokenizer": str,
+                  "vocab_size": schema.Int(1, 1 << 32)}
+MANIFEST_SCHEMA = {"dtype": DTYPES, "tokens": schema.Int(), "shards": [{"file": schema.Name(), "tokens": schema.Int()}]}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -43,17 +49,21 @@ def write_json(path: Path, obj: dict) -> None:
     replace_file(path, json.dumps(obj, indent=1) + "\n")
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, kind: dict) -> dict:
+    """A sidecar or manifest, checked against its schema."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise UserError(f"{path} is unreadable ({e}); prepare the data again") from None
+        raise UserError(f"{path} is unreadable ({schema.shown(e, 120)}); prepare the data again") from None
+    schema.check(value, kind, str(path), "prepare the data again")
+    return value
 
 
 def read_token_file(path: Path, meta: dict | None = None) -> tuple[np.memmap, dict | None]:
     """(memory-mapped ids, sidecar or None). `meta`: the description if the caller has it."""
     path = Path(path)
-    meta = meta if meta is not None else (_read_json(sidecar(path)) if sidecar(path).is_file() else None)
+    meta = meta if meta is not None else (_read_json(sidecar(path), SIDECAR_SCHEMA) if sidecar(path).is_file()
+                                          else None)
     dtype = np.dtype(meta["dtype"]) if meta else PLAIN_DTYPE
     if not path.is_file():
         raise UserError(f"token file {path} is not a file; pass a .bin token file, or set data.kind")
@@ -73,7 +83,7 @@ def read_prepared(folder: Path) -> tuple[Tokens, dict]:
     if not (Path(folder) / MANIFEST).is_file():
         raise UserError(f"{folder} is not a prepared folder (no {MANIFEST}); write one with python -m "
                         f"meshtrain.data prepare, or set data.kind")
-    manifest = _read_json(Path(folder) / MANIFEST)
+    manifest = _read_json(Path(folder) / MANIFEST, MANIFEST_SCHEMA)
     parts = [read_token_file(Path(folder) / s["file"], {"dtype": manifest["dtype"], "tokens": s["tokens"]})[0]
              for s in manifest["shards"]]
     return Tokens(parts), manifest
