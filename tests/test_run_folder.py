@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from meshtrain.config.loader import UserError
 from meshtrain.data.tokens import Tokens
@@ -104,7 +105,7 @@ def test_trainer_refuses_a_locked_out_before_building_anything(tmp_path, holder_
     from meshtrain.run.trainer import Trainer
 
     out = tmp_path / "run"
-    (out / "config.yaml").write_text("out: run\n")  # the running run's files
+    (out / "run.json").write_text("{}")  # the running run's files
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n' * 300)
     started = time.perf_counter()
     with pytest.raises(UserError, match="is in use by pid"):
@@ -114,31 +115,43 @@ def test_trainer_refuses_a_locked_out_before_building_anything(tmp_path, holder_
 
 
 # ---- what is not a run folder ----
+EARLIER = yaml.safe_dump({"model": {"family": "llama"}, "parallel": {}, "optim": {}, "train": {}, "data": {},
+                          "checkpoint": {}})  # an earlier version's config.yaml, without the header
 FOLDER_CASES = [
     ("new folder", [], None),
     ("empty folder", ["."], None),
     ("only a lock file", [LOCK_FILE], None),
     ("a run (run.json)", ["run.json", "notes.txt"], None),
-    ("a run of an earlier version (config.yaml)", ["config.yaml", "metrics.jsonl"], None),
+    ("a run of an earlier version (its config.yaml)", [("config.yaml", EARLIER), "metrics.jsonl"], None),
+    ("a run with meshtrain's header", [("config.yaml", "# written by meshtrain 0.1.0 at the start of training\n"),
+                                       "checkpoints/x"], None),
     ("a user's folder", ["thesis.tex", "data.csv"],
      "is a folder that is not a meshtrain run (it holds data.csv and 1 more)"),
     ("metrics alone", ["metrics.jsonl"], "is a folder that is not a meshtrain run (it holds metrics.jsonl)"),
+    ("a user's notes named config.yaml", [("config.yaml", "notes: my experiment\n")],
+     "is a folder that is not a meshtrain run (it holds config.yaml)"),
+    ("another tool's config and checkpoints", [("config.yaml", "model: {}\ntrain: {}\ndata: {}\n"), "checkpoints/x"],
+     "is a folder that is not a meshtrain run (it holds checkpoints and 1 more)"),
+    ("a config.yaml that is not YAML", [("config.yaml", "a: [\n")],
+     "is a folder that is not a meshtrain run (it holds config.yaml)"),
 ]
 
 
 @pytest.mark.parametrize("case,files,error", FOLDER_CASES, ids=[c[0] for c in FOLDER_CASES])
 def test_out_must_be_new_empty_or_a_run(tmp_path, case, files, error):
     out = tmp_path / "out"
-    for name in files:
+    for name, text in (f if isinstance(f, tuple) else (f, "x") for f in files):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         if name != ".":
-            (out / name).write_text("x")
+            (out / name).write_text(text)
     if error:
         with pytest.raises(UserError, match="^" + re.escape(f"--out {out} {error}; pick a new or empty folder") + "$"):
             run_dir.checked(str(out))
+        assert all((out / name).read_text() == text for name, text in (f for f in files if isinstance(f, tuple)))
     else:
         assert run_dir.checked(str(out)) == out
-    assert sorted(p.name for p in out.iterdir()) == sorted(f for f in files if f != ".") if out.exists() else True
+    made = {(f[0] if isinstance(f, tuple) else f).split("/")[0] for f in files if f != "."}
+    assert sorted(p.name for p in out.iterdir()) == sorted(made) if out.exists() else True  # nothing written
 
 
 # ---- what defines a run ----

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import yaml
 
-from meshtrain.config.loader import Config, UserError, default_out, load_config, to_dict
+from meshtrain.config.loader import Config, UserError, default_out, load_config, parse_yaml, to_dict
 from meshtrain.core.folders import replace_file, writable
 from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
@@ -28,14 +28,32 @@ from meshtrain.models import make_spec
 from meshtrain.run.lock import LOCK_FILE
 
 RUN_RECORD = "run.json"
-RUN_SIGNS = (RUN_RECORD, "config.yaml", "checkpoints")  # a folder holding one of these is a run's
+WRITTEN_SECTIONS = {"model", "parallel", "optim", "train", "data"}  # in every config.yaml meshtrain writes
+HEADER = "# written by meshtrain"
+
+
+def is_run(path: Path) -> bool:
+    """A folder meshtrain made for a run: it holds run.json, or (an earlier version's run) a config.yaml
+    that meshtrain wrote: its header, or the resolved config with every section. A user's file that
+    happens to be named config.yaml (notes, another tool's config) does not make a folder a run."""
+    if (path / RUN_RECORD).is_file():
+        return True
+    config = path / "config.yaml"
+    try:
+        if not config.is_file() or config.stat().st_size > 1 << 20:
+            return False
+        text = config.read_text(encoding="utf-8")
+        written = parse_yaml(text, str(config))
+    except (OSError, UnicodeDecodeError, UserError):
+        return False
+    return text.startswith(HEADER) or isinstance(written, dict) and WRITTEN_SECTIONS <= written.keys()
 
 
 def checked(out: str) -> Path:
     """The output folder, once it is known that it can be created or written and is new, empty or a
     run's; nothing is written."""
     path = writable(Path(out or default_out()), "--out")
-    if path.is_dir() and not any((path / sign).exists() for sign in RUN_SIGNS):
+    if path.is_dir() and not is_run(path):
         foreign = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
         if foreign:
             raise UserError(f"--out {path} is a folder that is not a meshtrain run (it holds {foreign[0]}"
@@ -150,7 +168,7 @@ def write_config(out: Path, cfg: Config, mesh) -> None:
     resolved = to_dict(cfg)
     resolved["model"] = to_dict(cfg.model.resolved())
     device = mesh.devices.flat[0]
-    header = (f"# written by meshtrain {version()} at the start of training on {mesh.size} x "
+    header = (f"{HEADER} {version()} at the start of training on {mesh.size} x "
               f"{device.device_kind} ({device.platform}), {len({d.process_index for d in mesh.devices.flat})} "
               f"process(es)\n")
     replace_file(out / "config.yaml", header + yaml.safe_dump(resolved, sort_keys=False))
