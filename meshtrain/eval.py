@@ -25,7 +25,7 @@ class Loaded:
     cfg: object  # the Config evaluated under (the run's, or one made for the Hugging Face folder)
     program: object  # meshtrain/engine/program.py TrainProgram: mesh, shardings, eval step
     params: dict  # in model order, in the program's parameter shardings
-    tok: object
+    tok: object  # None for a run on synthetic data that records none
     source: str  # what was read: "RUN step N" or "hf:DIR"
 
 
@@ -51,7 +51,9 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
     if run is not None:
         run_dir.run_config(run)  # a folder that is no run: the UserError that says so
         cfg = load_config(str(Path(run) / "config.yaml"), [f"out={run}", *overrides])
-        tok = tokenizer_lib.load(tokenizer) if tokenizer else tokenizer_lib.for_run(run)
+        synthetic = cfg.data.kind == "synthetic" and not cfg.data.sources  # its loss needs no tokenizer
+        tok = (tokenizer_lib.load(tokenizer) if tokenizer else None if synthetic and not tokenizer_lib.recorded(run)
+               else tokenizer_lib.for_run(run))
     else:
         from meshtrain.interop import hf as hf_lib
 
@@ -65,8 +67,9 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
         apply_overrides(cfg, [f"train.seq_len={HF_SEQ_LEN}", f"train.batch_size={HF_BATCH}", *overrides])
         check_config(cfg)
         tok = tokenizer_lib.load(str(tok_spec))
-    tokenizer_lib.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
-    program = TrainProgram.from_config(cfg, devices, tokenizer_eos=tok.eos_id)  # data.document_mask splits at it
+    if tok is not None:
+        tokenizer_lib.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
+    program = TrainProgram.from_config(cfg, devices, tokenizer_eos=getattr(tok, "eos_id", None))  # document_mask
     shardings = program.state_shardings["params"]
     if run is not None:
         params, step = run_dir.newest_params(run, program.model, shardings, step)
@@ -102,12 +105,21 @@ def task_entries(flags: list[str], limit: int) -> list[dict]:
     return entries
 
 
+def needs_tokenizer(loaded: Loaded, what: str) -> None:
+    """A run on synthetic data may record no tokenizer: its validation loss needs none, text does."""
+    if loaded.tok is None:
+        raise UserError(f"{loaded.source} trained on synthetic data and records no tokenizer, which {what} needs "
+                        f"to encode text; name one: --tokenizer byte, or --tokenizer path/to/tokenizer.json")
+
+
 def evaluate(loaded: Loaded, tasks_config: list, val_batches: int) -> dict:
     """The record a training step's evaluations would log: eval_loss (when val_batches > 0 and the data
     holds some out) and each task's eval_acc_<name>, eval_acc_norm_<name>."""
     from meshtrain.data import tasks as tasks_lib
     from meshtrain.engine import scoring
 
+    if tasks_config:
+        needs_tokenizer(loaded, "--task")
     tasks = tasks_lib.load(tasks_config, loaded.tok, "--task")  # read first: a bad file costs no compile
     record = validation(loaded, val_batches) if val_batches else {}
     if tasks:
@@ -123,6 +135,7 @@ def harness_lm(run: str | None = None, hf: str | None = None, **kwargs):
     from meshtrain.interop.harness import HarnessLM
 
     loaded = load(run, hf, **kwargs)
+    needs_tokenizer(loaded, "the lm-eval-harness model")
     scorer = scoring.for_program(loaded.program, model_order=True)
     return HarnessLM(scorer.model, loaded.params, loaded.tok, scorer, loaded.program.mesh, loaded.program.rules)
 

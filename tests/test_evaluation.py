@@ -222,3 +222,22 @@ def test_lm_eval_adapter_agrees_with_the_model(tiny, run):
     assert until([]) == [full]
     stop = full[2:4] or "x"
     assert until([stop]) == [full[:full.find(stop)] if stop in full else full]
+
+
+def test_eval_of_a_run_on_synthetic_data_needs_no_tokenizer(tmp_path, capsys):
+    """configs/tiny.yaml's data is synthetic: the run records no tokenizer, and its loss needs none."""
+    from meshtrain.eval import main
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    out = tmp_path / "run"
+    cfg = tiny_config("model.num_layers=1", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+                      "parallel.mesh=data=8", out=str(out))
+    history = Trainer(cfg).fit(log=MetricsLog(primary=False))
+    results = tmp_path / "results.json"
+    assert main(["--run", str(out), "--json", str(results)]) == 0
+    assert abs(json.loads(results.read_text())["eval_loss"] - history[-1]["eval_loss"]) < 1e-5
+    capsys.readouterr()
+    (tmp_path / "t.jsonl").write_text(json.dumps({"context": "a", "choices": ["b", "c"], "label": 0}) + "\n")
+    assert main(["--run", str(out), "--task", str(tmp_path / "t.jsonl")]) == 2
+    assert "trained on synthetic data and records no tokenizer, which --task needs" in capsys.readouterr().err
