@@ -1,6 +1,7 @@
 """A run folder belongs to one run: the lock (meshtrain/run/lock.py), the record of what defines the run
 (run.json, meshtrain/run/run_dir.py), the schedule's horizon, and folders that are not runs."""
 import json
+import logging
 import os
 import re
 import socket
@@ -223,7 +224,7 @@ def test_an_unreadable_record_is_an_error(tmp_path):
         run_dir.continued(tmp_path, tiny_config(out=str(tmp_path)), "fp", False)
 
 
-def test_more_steps_on_resume_continue_the_schedule_instead_of_rescaling_it(tmp_path):
+def test_more_steps_on_resume_continue_the_schedule_instead_of_rescaling_it(tmp_path, caplog):
     """The bug: --steps 8 on a 4-step run rescaled the schedule already applied (warmup cut). Now the
     horizon is the first start's, and steps 5-8 run at the end value of that curve."""
     from meshtrain.run.loggers import MetricsLog
@@ -242,6 +243,16 @@ def test_more_steps_on_resume_continue_the_schedule_instead_of_rescaling_it(tmp_
     starts = json.loads((tmp_path / "run.json").read_text())["starts"]
     assert [(s["step"], s["steps"]) for s in starts] == [(0, 4), (4, 8)]
     assert (tmp_path / LOCK_FILE).read_text() == ""  # fit() gave the folder back
+    # run.json deleted: the horizon and the seed are read from the newest checkpoint, not moved in silence.
+    (tmp_path / "run.json").unlink()
+    with pytest.raises(UserError, match=r"^the run in .* has train.seed=0, this start 7; use a new --out"):
+        Trainer(tiny_config(*overrides, "train.steps=12", "train.seed=7", out=str(tmp_path)), devices=one)
+    with caplog.at_level(logging.INFO, logger="meshtrain"):
+        again = Trainer(tiny_config(*overrides, "train.steps=12", out=str(tmp_path)), devices=one)
+    assert again.cfg.optim.schedule_steps == 4 and "run.json is missing: what defines the run" in caplog.text
+    again.fit(log=MetricsLog(tmp_path, primary=False))
+    starts = json.loads((tmp_path / "run.json").read_text())["starts"]
+    assert [s["step"] for s in starts] == [8] and starts[0]["record_rebuilt_from"] == str(tmp_path / "checkpoints/8")
 
 
 # ---- files a command writes: never over one it did not create, unless --force ----

@@ -150,7 +150,7 @@ class Checkpointer:
         folder, state = self.path(step), None
         try:
             check_manifest(folder)
-            meta = ocp.JsonCheckpointHandler().restore(folder / "metadata", args=ocp.args.JsonRestore())
+            meta = saved_metadata(folder)
             saved = ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree
             check_metadata(meta, folder)  # UserErrors: the same files give every process the same verdict
             fresh = [k for k in (optional or {}) if k in abstract_state and (
@@ -440,6 +440,11 @@ def resolve_resume(resume: str, out_dir: Path) -> tuple[Path | None, list[int]]:
         raise UserError(f"checkpoint.resume={resume!r} is not a checkpoint folder; pass <out>/checkpoints or "
                         f"<out>/checkpoints/<step>, or auto / never")
     return own if own[1] and own[1][0] > given[1][0] else given
+
+
+def saved_metadata(folder: Path) -> dict:
+    """The metadata a checkpoint step was saved with (the resolved config, mesh, skipped batches, ...)."""
+    return ocp.JsonCheckpointHandler().restore(Path(folder) / "metadata", args=ocp.args.JsonRestore())
 
 
 def complete_steps(root: Path) -> list[int]:

@@ -20,11 +20,13 @@ import numpy as np
 import yaml
 
 from meshtrain.config.loader import Config, UserError, default_out, load_config, parse_yaml, to_dict
+from meshtrain.core.console import NOTICE, log
 from meshtrain.core.folders import replace_file, writable
 from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
 from meshtrain.interop import hf
 from meshtrain.models import make_spec
+from meshtrain.run.checkpoint import complete_steps, saved_metadata
 from meshtrain.run.lock import LOCK_FILE
 
 RUN_RECORD = "run.json"
@@ -102,23 +104,53 @@ def read_record(out: Path) -> dict | None:
     return record
 
 
+def record_or_rebuilt(out: Path) -> dict | None:
+    """run.json; or, where it is missing from a folder with checkpoints (deleted, or an earlier version's
+    run), the identity the newest readable checkpoint records (model, seed, schedule horizon) with
+    `rebuilt_from` naming it; None for a new run."""
+    record = read_record(out)
+    if record is not None:
+        return record
+    root = out / "checkpoints"
+    for step in complete_steps(root):
+        try:
+            saved = saved_metadata(root / str(step))["config"]
+            recorded = {"model": make_spec(saved["model"]).architecture(), "data": None,
+                        "seed": saved["train"]["seed"],
+                        "schedule_steps": saved["optim"].get("schedule_steps") or saved["train"]["steps"]}
+        except Exception:  # noqa: BLE001 - an unreadable step: the previous one may tell
+            continue
+        return {"identity": recorded, "starts": [], "rebuilt_from": str(root / str(step))}
+    if complete_steps(root):
+        raise UserError(f"{out} holds checkpoints but no {RUN_RECORD} (what defines the run), and no checkpoint "
+                        f"records it readably; restore {RUN_RECORD}, or use a new --out for a new run")
+    return None
+
+
 def set_horizon(out: Path, cfg: Config) -> None:
     """optim.schedule_steps = the run's recorded horizon, or this first start's train.steps, unless the
     config sets one."""
     if not cfg.optim.schedule_steps:
-        record = read_record(out)
+        record = record_or_rebuilt(out)
         cfg.optim.schedule_steps = record["identity"]["schedule_steps"] if record else cfg.train.steps
 
 
 def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[dict, list[str]]:
     """(this start's identity, what changes from the recorded run); a change is refused unless
-    `allow_change`. Sets the schedule's horizon (`set_horizon`) if the config does not."""
-    record = read_record(out)
+    `allow_change`. Sets the schedule's horizon (`set_horizon`) if the config does not. A run.json
+    rebuilt from a checkpoint (`record_or_rebuilt`) is said, and its data (which no checkpoint
+    records) taken as this start's."""
+    record = record_or_rebuilt(out)
     recorded = record["identity"] if record else None
     set_horizon(out, cfg)
     mine = identity(cfg, data)
     if recorded is None:
         return mine, []
+    if "rebuilt_from" in record:
+        recorded["data"] = mine["data"]
+        log.log(NOTICE, f"{out / RUN_RECORD} is missing: what defines the run (model, seed, schedule horizon) is "
+                        f"read from checkpoint {record['rebuilt_from']}; the data it trained on is not recorded "
+                        f"there and is taken as this start's, and the earlier starts are lost")
     model_change = cfg.model.architecture_difference(
         make_spec(recorded["model"]), "this start",
         f"the run in {out}")
@@ -148,10 +180,11 @@ def data_source(cfg: Config) -> str:
 def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[str]) -> None:
     """run.json: the run's identity and one entry per start (the step it started at, the changes it
     was allowed to make). Written whole."""
-    record = read_record(out) or {"starts": []}
+    record = record_or_rebuilt(out) or {"starts": []}
+    rebuilt = record.pop("rebuilt_from", None)  # run.json was missing: this start says from where it came
     record.update(identity=mine, data_source=data_source(cfg))
     record["starts"].append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "steps": cfg.train.steps,
-                             "changes": changes})
+                             "changes": changes, **({"record_rebuilt_from": rebuilt} if rebuilt else {})})
     replace_file(out / RUN_RECORD, json.dumps(record, indent=1) + "\n")
 
 
