@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -180,3 +181,24 @@ def test_errors_name_the_problem(tmp_path, capsys):
     assert convert.main(["--from-hf", str(folder), "--out", str(tmp_path / "new"), "--step", "3"]) == 2
     assert capsys.readouterr().err == "error: --step chooses the checkpoint --to-hf or --quantize reads; --from-hf " \
                                       "has none\n" and not (tmp_path / "new").exists()
+
+
+def test_tensors_the_config_does_not_describe_are_refused(tmp_path):
+    """An import accounts for every tensor: a config.json saying fewer layers than its files hold, or a
+    file with a tensor no model part reads, is one error, not a model read in part."""
+    folder = save_hf(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] - 1}))
+    last = config["num_hidden_layers"] - 1
+    with pytest.raises(UserError, match=rf"^{folder}: \d+ tensor\(s\) of its files are no part of the model its "
+                                        rf"config.json describes \(model.layers.{last}\..*, \.\.\.\); fix config.json"):
+        imported(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {n: np.asarray(a) for n, a in hf.SafetensorsFolder(folder).tensors.items()}
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    save_file({**tensors, "model.extra.weight": np.zeros(3, np.float32),
+               "model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(4, np.float32)},
+              str(folder / "model.safetensors"))
+    with pytest.raises(UserError, match=r"1 tensor\(s\) of its files are no part .* \(model.extra.weight\)"):
+        imported(folder)

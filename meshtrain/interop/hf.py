@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -156,9 +157,18 @@ class SafetensorsFolder:
         return self.tensors[name]
 
 
+# Tensors of a Hugging Face checkpoint that are no weights: rotary inverse frequencies an older
+# transformers saved as buffers (recomputed from config.json), and a tied head's copy (transformers ties it
+# to the embedding and ignores it too).
+NOT_WEIGHTS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
 def check_tensors(files: SafetensorsFolder, model, folder) -> None:
-    """Every tensor the model needs is in the files with the shape its config.json implies."""
+    """Every tensor the model needs is in the files with the shape its config.json implies, and every
+    tensor of the files is one the model reads: a checkpoint whose config.json describes less than its
+    files hold (2 layers over a file of 4, an extra head) is refused, not read in part."""
     f = hf_form(model.cfg)
+    used = set()
     for key_path, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(model.init, jax.random.key(0))):
         path = _path(key_path)
         for name, index in tensor_names(f, path, x.shape):
@@ -166,6 +176,13 @@ def check_tensors(files: SafetensorsFolder, model, folder) -> None:
             if files.get(name).shape != needed:
                 raise UserError(f"{folder}: tensor {name} has shape {files.get(name).shape}, the model of its "
                                 f"config.json needs {needed}")
+            used.add(name)
+    unread = sorted(name for name in files.tensors.keys() - used if not NOT_WEIGHTS.search(name)
+                    and not (name == "lm_head.weight" and model.cfg.tie_embeddings))
+    if unread:
+        raise UserError(f"{folder}: {len(unread)} tensor(s) of its files are no part of the model its config.json "
+                        f"describes ({', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}); fix config.json "
+                        f"(its layer count, its architecture) or export the checkpoint again")
 
 
 def load_params(folder: str | Path, model, shardings):
