@@ -110,11 +110,13 @@ def test_resume_restores_the_scale_bitwise_on_any_mesh(tmp_path, caplog):
     final = lambda t: jax.device_get(t.state["loss_scale"])
     assert final(resumed) == final(straight)
 
-    # A checkpoint of an earlier version (no loss_scale) resumes with a fresh scale.
+    # A checkpoint of an earlier version (no loss_scale) resumes with a fresh scale. Its folder holds what
+    # that version wrote: the checkpoints and config.yaml (no run.json, which is rebuilt from the checkpoint).
     old = {k: v for k, v in resumed.state.items() if k != "loss_scale"}
     checkpointer = Checkpointer(tmp_path / "old" / "checkpoints", keep=1)
     checkpointer.save(old, {"config": to_dict(resumed.cfg), "mesh": "fsdp=8", "devices": 8, "skip_batches": []})
     checkpointer.wait()
+    (tmp_path / "old" / "config.yaml").write_text((tmp_path / "run" / "config.yaml").read_text())
     caplog.clear()
     fresh = Trainer(tiny_config(*overrides, "parallel.mesh=fsdp=8", "checkpoint.resume=auto",
                                 out=str(tmp_path / "old")))
