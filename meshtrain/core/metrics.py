@@ -93,3 +93,14 @@ def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float
     if not peak:
         return None
     return tokens_per_sec * flops_token / (num_devices * peak)
+
+
+def throughput_fields(tokens_per_sec: float, flops_per_token: float, devices: int, peak, peak_fp8) -> dict:
+    """MFU and TFLOP/s per device where the device's peak is known (the table above)."""
+    util = mfu(tokens_per_sec, flops_per_token, devices, peak)
+    if util is None:
+        return {}
+    fields = {"mfu": util, "tflops_per_device": tokens_per_sec * flops_per_token / devices / 1e12}
+    if peak_fp8:
+        fields["mfu_fp8"] = mfu(tokens_per_sec, flops_per_token, devices, peak_fp8)
+    return fields

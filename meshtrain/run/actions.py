@@ -21,7 +21,6 @@ import jax
 
 from meshtrain.core.console import log as console
 from meshtrain.core.errors import UserError
-from meshtrain.core.metrics import mfu
 from meshtrain.run.health import CollectiveTimer, SpikeDetector, Stragglers, grad_norm_fields
 from meshtrain.run.multihost import agree_with_process_0, preemption_reached
 
@@ -304,15 +303,3 @@ class Guard:
         log.rewind(back)
         trainer.watchdog.beat(back)
         return back
-
-
-def throughput_fields(tokens_per_sec: float, flops_per_token: float, devices: int, peak, peak_fp8) -> dict:
-    """MFU and TFLOP/s per device where the device's peak is known (core/metrics.py)."""
-    util = mfu(tokens_per_sec, flops_per_token, devices, peak)
-    if util is None:
-        return {}
-    fields = {"mfu": util, "tflops_per_device": tokens_per_sec * flops_per_token / devices / 1e12}
-    if peak_fp8:
-        fields["mfu_fp8"] = mfu(tokens_per_sec, flops_per_token, devices, peak_fp8)
-    return fields
-

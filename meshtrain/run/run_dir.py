@@ -130,8 +130,11 @@ def record_or_rebuilt(out: Path) -> dict | None:
 def set_horizon(out: Path, cfg: Config) -> None:
     """optim.schedule_steps = the run's recorded horizon, or this first start's train.steps, unless the
     config sets one."""
+    _apply_horizon(cfg, record_or_rebuilt(out) if not cfg.optim.schedule_steps else None)
+
+
+def _apply_horizon(cfg: Config, record: dict | None) -> None:
     if not cfg.optim.schedule_steps:
-        record = record_or_rebuilt(out)
         cfg.optim.schedule_steps = record["identity"]["schedule_steps"] if record else cfg.train.steps
 
 
@@ -142,7 +145,7 @@ def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[di
     records) taken as this start's."""
     record = record_or_rebuilt(out)
     recorded = record["identity"] if record else None
-    set_horizon(out, cfg)
+    _apply_horizon(cfg, record)  # the record read once (a rebuilt one reads a checkpoint's metadata)
     mine = identity(cfg, data)
     if recorded is None:
         return mine, []

@@ -18,7 +18,7 @@ from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
 from meshtrain.core.console import default_console
 from meshtrain.core.console import log as console
-from meshtrain.core.metrics import run_peaks
+from meshtrain.core.metrics import run_peaks, throughput_fields
 from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
@@ -36,7 +36,6 @@ from meshtrain.run.actions import (
     StepClock,
     TaskScoring,
     preemption_signals,
-    throughput_fields,
 )
 from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
 from meshtrain.run.lock import LOCK_FILE, FolderLock
