@@ -3,6 +3,9 @@ import importlib
 import sys
 
 if sys.argv[:1] == ["-m"]:  # `python -m meshtrain.<command>` is starting: a Ctrl-C now is one line too
+    from meshtrain.core.exits import take_signals
+
+    take_signals()  # first: a signal during the imports below ends the command with its line
     from meshtrain.core.cli import import_jax_without_driver_probe, interrupt_exits_quietly
 
     interrupt_exits_quietly()

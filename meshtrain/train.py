@@ -110,8 +110,8 @@ def run(cfg, args, interrupted: threading.Event) -> None:
 
     try:
         trainer = Trainer(cfg, allow_change=args.allow_change)
-        if interrupted.is_set():  # a Ctrl-C that a library callback swallowed while starting up
-            raise KeyboardInterrupt
+        if interrupted.is_set():  # a Ctrl-C or SIGTERM that a library callback swallowed while starting up
+            raise_interrupt(interrupted.signum, None)
         trainer.fit()
     except Exception as e:  # noqa: BLE001 - a peer that died is named in one line, not a traceback
         multihost.wait_if_a_peer_died(e, args.heartbeat_timeout)
@@ -123,22 +123,25 @@ def run(cfg, args, interrupted: threading.Event) -> None:
 
 @contextlib.contextmanager
 def noting_interrupts():
-    """Ctrl-C raises KeyboardInterrupt (`cli.raise_interrupt`: after JAX's GC hook returns, where it
-    would be swallowed) and is also remembered, so the run stops before it writes."""
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM `Terminated` (`cli.raise_interrupt`: after JAX's GC
+    hook returns, where it would be swallowed); either is also remembered, so the run stops before it
+    writes."""
     interrupted = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield interrupted
         return
 
-    def on_sigint(signum, frame):
+    def on_signal(signum, frame):
+        interrupted.signum = signum
         interrupted.set()
         raise_interrupt(signum, frame)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield interrupted
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The foundation every layer may import; it imports nothing of meshtrain's.
 
-- errors.py: `UserError`, the one-line `error:` a command prints.
+- errors.py: `UserError`, the one-line `error:` a command prints; exits.py: the exit statuses and the one
+  line for a Ctrl-C or SIGTERM at start-up.
 - bounds.py: a setting's allowed range; cli.py: the commands' parser, flags (`--devices` and its preamble)
   and `@command` wrapper; console.py: the `meshtrain` logger everything the library says goes through,
   and the commands' console handler.

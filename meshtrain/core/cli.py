@@ -6,8 +6,9 @@
 - `UserError` (bad input; each is raised where the input is read and names the file or flag and
   the fix) -> `error: ...` on stderr, exit 2. argparse's usage errors become one such line too
   (`Parser`), and numeric flags take their range from `number` (the config keys' `Bounds`).
-- Ctrl-C (KeyboardInterrupt) where the command has nothing to save -> one line, exit 130. Training
-  catches it itself, saves, and exits 0.
+- Ctrl-C where the command has nothing to save -> one line, exit 130; SIGTERM there -> one line,
+  exit 143 (core/exits.py: at once, or raised as KeyboardInterrupt / `Terminated` where a lock or a
+  write must be unwound first). Training catches both itself once it runs, saves, and exits 0.
 - Any other exception is a bug, not bad input: its traceback is kept and a last line asks for a
   report, exit 1; it is never dressed up as a one-line `error:`.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import gc
 import importlib.util
 import os
 import signal
@@ -29,13 +29,30 @@ import tempfile
 import threading
 import traceback
 
+from meshtrain.core import exits
 from meshtrain.core.bounds import Bounds
 from meshtrain.core.errors import UserError
+from meshtrain.core.exits import (  # noqa: F401 - the statuses and lines, re-exported for the commands
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_USER_ERROR,
+    INTERRUPTED,
+    TERMINATED,
+    Terminated,
+)
 
-EXIT_USER_ERROR, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
 MAX_SIMULATED_DEVICES = 4096  # XLA starts 4096 CPU devices in ~15 s, 8192 in ~100 s
 SIMULATE_HELP = f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}), no accelerator"
-INTERRUPTED = "interrupted (Ctrl-C); run the command again to redo it"
+
+
+def interrupted(error: KeyboardInterrupt) -> int:
+    """The one line for a Ctrl-C or SIGTERM and its exit status; as a process, the exit itself
+    (`exits.end`)."""
+    signum = signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT
+    if exits._as_process:
+        exits.end(signum)
+    return exits.said(signum)
 
 
 MAX_ERROR_CHARS = 2000  # an error quoting the user's input (a huge value, a long path) stays a readable line
@@ -59,9 +76,8 @@ def command(main):
         except UserError as e:
             print(f"error: {one_line(str(e))}", file=sys.stderr)
             return EXIT_USER_ERROR
-        except KeyboardInterrupt:
-            print(INTERRUPTED, file=sys.stderr)
-            return EXIT_INTERRUPTED
+        except KeyboardInterrupt as e:
+            return interrupted(e)
         except Exception:  # noqa: BLE001 - a bug: shown whole, with where to report it
             traceback.print_exc()
             print("internal error: a bug in meshtrain, not in your input; please report it with the traceback "
@@ -103,10 +119,26 @@ def devices_flag(parser, help: str = SIMULATE_HELP, type=None) -> None:
 
 
 def simulate_devices(count: int | None) -> None:
-    """The `--devices` preamble: ask JAX for `count` CPU devices (None or 0: the machine's own). Call it
-    before anything starts JAX's backends."""
+    """The `--devices` preamble: check JAX_PLATFORMS, ask JAX for `count` CPU devices (None or 0: the
+    machine's own). Call it before anything starts JAX's backends."""
+    check_platforms()
     if count:
         simulate_cpu_devices(count)
+
+
+def check_platforms() -> None:
+    """JAX_PLATFORMS naming an accelerator this machine lacks is one line here, not JAX's assertion (or
+    "Unable to initialize backend") deep in start-up."""
+    value = os.environ.get("JAX_PLATFORMS", "")
+    for platform in filter(None, value.split(",")):
+        if platform in ("cuda", "gpu") and no_cuda_driver():
+            lacks = "no CUDA driver: libcuda.so.1 is not found"
+        elif platform == "tpu" and importlib.util.find_spec("libtpu") is None:
+            lacks = "no TPU runtime: libtpu is not installed"
+        else:
+            continue
+        raise UserError(f"JAX_PLATFORMS={value} asks for {platform}, which this machine lacks ({lacks}); unset "
+                        f"JAX_PLATFORMS, or set JAX_PLATFORMS=cpu to run on the CPU")
 
 
 def simulate_cpu_devices(count: int) -> None:
@@ -123,32 +155,30 @@ def simulate_cpu_devices(count: int) -> None:
                             f"(it already has {len(jax.devices('cpu'))} CPU devices)") from e
 
 
-def raise_interrupt(signum, frame):
-    """SIGINT -> KeyboardInterrupt, as Python's default handler, except inside a garbage-collection
-    callback (JAX registers one), where Python would print the exception as "Exception ignored"
-    with a traceback and go on: there the signal is sent again once the callback has returned."""
-    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
-    while frame is not None:
-        if frame.f_code in callbacks:
-            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
-            return
-        frame = frame.f_back
-    raise KeyboardInterrupt
+raise_interrupt = exits.on_signal  # train.py's handler while it starts
 
 
 def interrupt_exits_quietly() -> None:
-    """For `python -m meshtrain.<command>` (meshtrain/__init__.py): a Ctrl-C while the command's
-    imports load, before `main` runs, is the same one line and exit 130, not a traceback."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, raise_interrupt)
+    """For `python -m meshtrain.<command>` (meshtrain/__init__.py, after `exits.take_signals`): a Ctrl-C
+    or SIGTERM raised while the command's imports load, before `main` runs, is the same one line and
+    exit 130 or 143, not a traceback; one raised where Python can only print it is sent again."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         if not issubclass(kind, KeyboardInterrupt):
             return previous(kind, value, tb)
-        print(INTERRUPTED, file=sys.stderr, flush=True)
-        os._exit(EXIT_INTERRUPTED)
+        interrupted(value)
     sys.excepthook = hook
+    previous_unraisable = sys.unraisablehook
+
+    def unraisable(report):
+        """A Ctrl-C or SIGTERM raised where Python can only print it and go on (a `__del__`, a weakref
+        or garbage-collection callback): sent again, to land in the command's own code."""
+        if not isinstance(report.exc_value, KeyboardInterrupt):
+            return previous_unraisable(report)
+        signum = signal.SIGTERM if isinstance(report.exc_value, Terminated) else signal.SIGINT
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+    sys.unraisablehook = unraisable
 
 
 # What JAX's CUDA plugin (the plan-gpu extra: XLA's GPU compiler without a GPU) writes to stderr as it
@@ -185,6 +215,7 @@ def import_jax_without_driver_probe() -> None:
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
         os.dup2(caught.fileno(), 2)
+        exits.line_fd = saved  # a Ctrl-C meanwhile is said where stderr is
         try:
             import jax  # noqa: F401
             from jax._src import xla_bridge
@@ -193,6 +224,7 @@ def import_jax_without_driver_probe() -> None:
                 getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
         finally:
             os.dup2(saved, 2)
+            exits.line_fd = 2
             os.close(saved)
             caught.seek(0)
             lines = caught.read().decode(errors="replace").splitlines(keepends=True)

@@ -19,6 +19,7 @@ import socket
 import time
 from pathlib import Path
 
+from meshtrain.core import exits
 from meshtrain.core.errors import UserError
 
 LOCK_FILE = "run.lock"
@@ -64,6 +65,7 @@ class FolderLock:
             os.close(fd)
             raise
         _HELD[key], self.held = [fd, 1], True
+        exits.held()  # a signal now unwinds to release() instead of ending the process at once
         return self
 
     def release(self) -> None:
@@ -80,6 +82,7 @@ class FolderLock:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
         os.close(fd)  # closing releases the flock
+        exits.released()
 
     def stale_notice(self) -> str | None:
         """The notice for a lock taken over from a killed run (once), or None."""

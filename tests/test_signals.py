@@ -1,0 +1,112 @@
+"""Every command's start-up is interrupt-safe: Ctrl-C is one line and exit 130, SIGTERM one line and
+exit 143, never a traceback or a crash (a segfault, rc 139, after the line was the old failure), and no
+lock or temporary file is left behind. The signal lands at several moments of start-up (while the
+imports load, while JAX starts, while the program compiles); a command that finished first exits 0."""
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, TINY
+
+from meshtrain.core.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, INTERRUPTED, TERMINATED
+
+LINES = {signal.SIGINT: (EXIT_INTERRUPTED, INTERRUPTED), signal.SIGTERM: (EXIT_TERMINATED, TERMINATED)}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished tiny run for the commands that read one."""
+    out = tmp_path_factory.mktemp("signals") / "run"
+    subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", TINY, "--out", str(out), "--steps", "2"],
+                   cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+def signalled(argv: list[str], sig: int, after: float | str, timeout: float = 240) -> tuple[int, str]:
+    """Start `python -m meshtrain.<argv>`, send `sig` after `after` seconds or once its output shows the
+    text `after`, and return (exit status, output: stdout and stderr as they interleave)."""
+    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if isinstance(after, str) and after in line:
+                seen.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if isinstance(after, str):
+            assert seen.wait(timeout), "".join(lines)[-2000:]
+        else:
+            time.sleep(after)
+        proc.send_signal(sig)
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    return proc.returncode, "".join(lines)
+
+
+def check(status: int, output: str, sig: int) -> None:
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+    code, line = LINES[sig]
+    assert status in (code, 0), (status, output[-3000:])  # 0: it had finished (or, training, saved)
+    if status == code:
+        assert output.strip().splitlines()[-1] == line, output[-3000:]
+
+
+def left_behind(folder) -> list[str]:
+    """Locks held or temporary files in a folder a command wrote to (an emptied run.lock is the
+    released lock's file)."""
+    if not folder.exists():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if (p.name == "run.lock" and p.stat().st_size) or ".tmp" in p.name or "tmp" in p.suffix)
+
+
+@pytest.mark.parametrize("sig,after", [(signal.SIGINT, 0.5), (signal.SIGTERM, 1.5), (signal.SIGINT, 4.0),
+                                       (signal.SIGTERM, "compiling the train step")],
+                         ids=["int-imports", "term-jax", "int-startup", "term-compile"])
+def test_train_start_up(tmp_path, sig, after):
+    out = tmp_path / "run"
+    status, output = signalled(["meshtrain.train", "--config", TINY, "--out", str(out), "--steps", "3"], sig, after)
+    check(status, output, sig)
+    assert left_behind(out) == []
+    if status != 0:  # stopped before training: nothing was written, the folder it made is gone
+        assert not out.exists() or not [p for p in out.iterdir() if p.name != "run.lock"], list(out.iterdir())
+
+
+def test_train_signal_once_training_saves_and_exits_0(tmp_path):
+    out = tmp_path / "run"
+    status, output = signalled(["meshtrain.train", "--config", TINY, "--out", str(out), "--steps", "100000",
+                                "--set", "train.log_every=1"], signal.SIGTERM, "step      2")
+    assert status == 0 and "Traceback" not in output, output[-3000:]
+    assert json.loads((out / "run.json").read_text())["starts"] and list((out / "checkpoints").iterdir())
+    assert left_behind(out) == []
+
+
+COMMANDS = {
+    "generate": lambda run, tmp: ["meshtrain.generate", "--run", str(run), "--prompt", "hi", "--max-new-tokens", "4"],
+    "eval": lambda run, tmp: ["meshtrain.eval", "--run", str(run), "--json", str(tmp / "eval.json")],
+    "plan": lambda run, tmp: ["meshtrain.plan", "--config", TINY, "--devices", "8", "--mesh", "2x2x2"],
+    "convert": lambda run, tmp: ["meshtrain.convert", "--to-hf", str(run), str(tmp / "hf")],
+    "quantize": lambda run, tmp: ["meshtrain.convert", "--quantize", "int8", str(run), str(tmp / "int8")],
+    "report": lambda run, tmp: ["meshtrain.report", str(run), "--out", str(tmp / "report.png")],
+    "prepare": lambda run, tmp: ["meshtrain.data", "prepare", str(ROOT / "README.md"), "--out", str(tmp / "data"),
+                                 "--tokenizer", "byte"],
+}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("sig,after", [(signal.SIGINT, 1.0), (signal.SIGTERM, 3.0)], ids=["int", "term"])
+def test_every_command_start_up(run, tmp_path, name, sig, after):
+    status, output = signalled(COMMANDS[name](run, tmp_path), sig, after)
+    check(status, output, sig)
+    assert left_behind(tmp_path) == [] and left_behind(run) == []
