@@ -168,7 +168,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
-    from meshtrain.core.folders import replace_file
+    from meshtrain.core.folders import file_target, replace_file
     from meshtrain.data import tasks
     from meshtrain.parallel.mesh import describe
     from meshtrain.run.loggers import format_record
@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     use_console()
     args = parser().parse_args(argv)
     simulate_devices(args.devices)
+    json_out = args.json and file_target(args.json, "--json")  # checked before any work
     flagged = task_entries(args.task, args.limit)
     for entry in tasks.entries(flagged, "--task"):  # a bad --task file is found before any weight is read
         tasks.read(entry.path, entry.limit)
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     if not record:
         print("nothing to evaluate: no validation data held out and no tasks (pass --task FILE or --data)")
     if args.json:
-        replace_file(Path(args.json), json.dumps({"source": loaded.source, **record}, indent=1) + "\n")
+        replace_file(json_out, json.dumps({"source": loaded.source, **record}, indent=1) + "\n")
     return 0
 
 

@@ -27,7 +27,7 @@ import json
 import os
 import sys
 
-from meshtrain.core.cli import Parser, command, devices_flag, number
+from meshtrain.core.cli import Parser, check_platforms, command, devices_flag, number
 from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
@@ -123,6 +123,7 @@ def main(argv=None) -> int:
         return schedule_main(args)
     if not (args.config and args.devices):
         raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
+    check_platforms()
     from meshtrain.planner import aot as planner
 
     print(planner.run(args))

@@ -103,6 +103,35 @@ def test_bad_files(capsys, tmp_path):
         assert err.endswith("; pick another --out")
 
 
+def test_a_dangling_link_as_out_is_one_line(capsys, tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "gone" / "runs")
+    for out in (tmp_path / "link", tmp_path / "link" / "run"):
+        err = run_main([], capsys, out)
+        assert err == (f"error: --out {out}: {tmp_path / 'link'} is a link to {tmp_path / 'gone' / 'runs'}, which "
+                       f"does not exist; create that folder or pick another --out")
+
+
+@pytest.mark.fast
+def test_a_forced_platform_the_machine_lacks_is_one_line(monkeypatch):
+    from meshtrain.core import cli
+
+    monkeypatch.setattr(cli, "no_cuda_driver", lambda: True)
+    for value, platform in (("cuda", "cuda"), ("cpu,gpu", "gpu")):
+        monkeypatch.setenv("JAX_PLATFORMS", value)
+        with pytest.raises(cli.UserError, match=rf"^JAX_PLATFORMS={value} asks for {platform}, which this machine "
+                                                rf"lacks \(no CUDA driver: libcuda.so.1 is not found\); unset"):
+            cli.simulate_devices(None)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    cli.check_platforms()  # the CPU is always there
+
+
+def test_a_folder_where_a_file_is_due_is_one_line_before_any_work(capsys, tmp_path):
+    from meshtrain import eval as eval_command
+
+    assert eval_command.main(["--run", str(tmp_path / "no-run"), "--json", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --json {tmp_path} is a folder; name a file\n"
+
+
 def test_explicit_data_kind_wins_over_data_flag(capsys, tmp_path):
     (tmp_path / "corpus.txt").write_text("abc" * 1001)  # 3003 bytes: not whole uint16 tokens
     err = run_main(["--data", str(tmp_path / "corpus.txt"), "--set", "data.kind=tokens"], capsys, tmp_path / "run")

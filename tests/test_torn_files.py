@@ -226,6 +226,19 @@ def test_temporary_folders_left_by_a_killed_process_go_at_the_next_write(tmp_pat
         os.close(holder)
 
 
+@pytest.mark.fast
+def test_two_writers_of_one_folder_the_second_is_one_line_and_the_first_is_kept(tmp_path):
+    """Two exports into one folder at once: both pass the new-folder check; the one that finishes second
+    finds it filled and is one error, its own temporary folder gone, the first's output untouched."""
+    with pytest.raises(UserError, match="was filled by another process while this one wrote it"):
+        with writing_whole(tmp_path / "out", "--out") as second:
+            (second / "model.safetensors").write_text("second")
+            with writing_whole(tmp_path / "out", "--out") as first:
+                (first / "model.safetensors").write_text("first")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (tmp_path / "out" / "model.safetensors").read_text() == "first"
+
+
 # ---- sweep folders ----
 def opened(out: Path, name: str = "a", url: str | None = None):
     url = url or f"sqlite:///{out / 'study.db'}"

@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from meshtrain.core import exits
 from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
 
@@ -22,6 +23,9 @@ def writable(path: Path, flag: str) -> Path:
     '--out'); nothing is written."""
     probe = path
     while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():  # dangling: creating `path` would fail on it
+            raise UserError(f"{flag} {path}: {probe} is a link to {os.readlink(probe)}, which does not exist; "
+                            f"create that folder or pick another {flag}")
         probe = probe.parent
     if not probe.is_dir():
         raise UserError(f"{flag} {path}: {probe} is a file, not a folder; pick another {flag}")
@@ -70,25 +74,32 @@ def full_disk_is_user_error(path: str | Path, what: str, then: str = "rerun"):
                         f"another folder, then {then}") from None
 
 
+def file_target(path: str | Path, flag: str) -> Path:
+    """`path`, once it is known that a file can be written there (not a folder, in a writable one);
+    nothing is written."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name a file")
+    writable(path.parent, flag)
+    return path
+
+
 @contextlib.contextmanager
 def writing_file(path: str | Path, flag: str, force: bool = False, suffixes: tuple[str, ...] = ()):
     """Yield a hidden path beside `path`, with its suffix, to write one file into; it replaces `path`
     when the block succeeds and is removed when it fails, so `path` is whole or as it was. An existing
     `path` may be a file of the user's: refused unless `force` (--force). `suffixes`: the formats the
     writer knows (a file's type follows its suffix). Missing folders are made once the file is whole."""
-    path = Path(path)
+    path = file_target(path, flag)
     if suffixes and path.suffix.lower() not in suffixes:
         raise UserError(f"{flag} {path}: unknown file type {path.suffix or '(no suffix)'}; use one of "
                         f"{', '.join(suffixes)}")
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a folder; name a file")
     if path.exists() and not force:
         raise UserError(f"{flag} {path} already exists; pass --force to overwrite it, or pick another {flag}")
-    writable(path.parent, flag)
     parent = next(p for p in path.absolute().parents if p.is_dir())  # folders are made at the end
     tmp = parent / f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}{path.suffix}"
     try:
-        with full_disk_is_user_error(path, f"{flag} {path}"):
+        with exits.unwinding(), full_disk_is_user_error(path, f"{flag} {path}"):
             yield tmp
             path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, path)
@@ -100,8 +111,9 @@ def replace_file(path: Path, text: str) -> None:
     """`path` holds `text` whole, or keeps what it held: written beside it, then renamed over it."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        with exits.unwinding():
+            tmp.write_text(text)
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -119,15 +131,20 @@ def writing_whole(path: str | Path, flag: str):
     tmp = parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     lock = None
     try:
-        with full_disk_is_user_error(path, f"{flag} {path}"):
+        with exits.unwinding(), full_disk_is_user_error(path, f"{flag} {path}"):
             tmp.mkdir()  # not mkdtemp: the folder gets the umask's permissions, not 0700
             lock = os.open(tmp, os.O_RDONLY)  # the folder itself is flocked while this process writes it
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield tmp
-            if path.exists():
-                path.rmdir()  # empty (checked)
             path.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)  # rename(2): over an empty folder too, never over a filled one
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                    raise
+                raise UserError(f"{flag} {path} was filled by another process while this one wrote it (two "
+                                f"commands writing one folder at once?); it is kept as that one wrote it: pick "
+                                f"another {flag} and run this again") from None
     finally:
         if lock is not None:
             os.close(lock)
