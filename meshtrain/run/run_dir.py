@@ -134,14 +134,22 @@ def resolve_data(run: str | Path, cfg: Config) -> None:
         record = read_record(Path(run)) or {}
     except UserError:
         return  # the command that needs the record says it is unreadable
-    files, found = record.get("data_files"), data_sources(cfg.data)
-    if not files or len(files) != len(found):
+    files, found = _data_files(record), data_sources(cfg.data)
+    if len(files) != len(found):
         return
     paths = [_located(run, f) if f["path"] else s.path for s, f in zip(found, files)]
     if cfg.data.sources:
         cfg.data.sources = [{**entry, "path": p} for entry, p in zip(cfg.data.sources, paths)]
     else:
         cfg.data.path = paths[0]
+
+
+def _data_files(record: dict) -> list[dict]:
+    """run.json's `data_files`; [] where it has none (an earlier version's) or they are not as written."""
+    files = record.get("data_files")
+    fits = lambda f: isinstance(f, dict) and (f.get("path") is None or isinstance(f.get("path"), str)
+                                              and isinstance(f.get("from_run"), str))
+    return files if isinstance(files, list) and all(map(fits, files)) else []
 
 
 def _located(run: str | Path, file: dict) -> str:
@@ -153,7 +161,7 @@ def run_mixture(run: str | Path, cfg: Config, other: str | None = None):
     """The data `cfg` (a run's config, `resolve_data` applied) names, loaded and checked to be what
     the run trained on (`check_run_data`); a source that is gone is one error. `other`: how to use
     other data instead (a flag), if the command has a way."""
-    files = (read_record(Path(run)) or {}).get("data_files") or []
+    files = _data_files(read_record(Path(run)) or {})
     for i, s in enumerate(data_sources(cfg.data)):
         if s.path and not os.path.exists(s.path):
             recorded = files[i] if len(files) > i and files[i].get("path") == s.path else None
@@ -170,12 +178,12 @@ def check_run_data(run: str | Path, mix, other: str | None = None) -> None:
     """`mix` is the data the run in `run` trained on last (run.json's identity), or one error naming
     the source that differs and the fix (`other`: how to use other data instead)."""
     record = read_record(Path(run))
-    recorded = record["identity"]["data"] if record else None
+    recorded = record["identity"].get("data") if record else None
     if recorded is None:
         return  # an earlier version's run without run.json: nothing to compare with
     if mixture_fingerprint(mix, windows_fingerprint if earlier_format(recorded) else data_fingerprint) == recorded:
         return
-    files = record.get("data_files") or [{}] * len(mix.sources)  # none: each source may differ
+    files = _data_files(record) or [{}] * len(mix.sources)  # none: each source may differ
     name = lambda s: s.path or "the Python standard library"
     differ = [name(s) for s, t, f in zip(mix.sources, mix.tokens, files)
               if f.get("data") != data_fingerprint(t)] or [name(s) for s in mix.sources]
