@@ -3,8 +3,9 @@ any mesh: the validation loss on the run's held-out data (or `--data`) and the d
 multiple-choice tasks (the run's eval.tasks, or `--task`), as the training loop logs them
 (docs/evaluation.md). The weights are read verified (a run's newest intact checkpoint or `--step`:
 meshtrain/run/run_dir.py `newest_params`; a Hugging Face folder: meshtrain/interop/hf.py) straight
-into the mesh's shardings. `harness_lm(...)` gives the same model to lm-eval-harness
-(meshtrain/interop/harness.py).
+into the mesh's shardings. A run's data is found where run.json says it was, from any working folder,
+and must be what the run trained on (run_dir.py `run_mixture`). `harness_lm(...)` gives the same
+model to lm-eval-harness (meshtrain/interop/harness.py).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Loaded:
     params: dict  # in model order, in the program's parameter shardings
     tok: object  # None for a run on synthetic data that records none
     source: str  # what was read: "RUN step N" or "hf:DIR"
+    data_of: str | None = None  # the run whose own data the validation loss reads (checked); None: --data, --hf
 
 
 def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = None, step: int | None = None,
@@ -36,7 +38,7 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
     (default: the run's parallel.mesh; data=-1 for --hf). `data` replaces the run's data for the
     validation loss; `tokenizer` the recorded one; `devices` restricts the mesh to a subset of
     jax.devices(), as for Trainer."""
-    from meshtrain.config.loader import Config, apply_overrides, check_config, load_config
+    from meshtrain.config.loader import Config, apply_overrides, check_config
     from meshtrain.data import tokenizer as tokenizer_lib
     from meshtrain.engine.program import TrainProgram
     from meshtrain.run import run_dir
@@ -49,8 +51,7 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
     overrides += [f"train.batch_size={batch_size}"] if batch_size else []
     overrides += ["data.sources=[]", f"data.path={data}", "data.kind=auto"] if data else []
     if run is not None:
-        run_dir.run_config(run)  # a folder that is no run: the UserError that says so
-        cfg = load_config(str(Path(run) / "config.yaml"), [f"out={run}", *overrides])
+        cfg = run_dir.run_config(run, overrides)  # its data where run.json says it is, unless --data
         synthetic = cfg.data.kind == "synthetic" and not cfg.data.sources  # its loss needs no tokenizer
         tok = (tokenizer_lib.load(tokenizer) if tokenizer else None if synthetic and not tokenizer_lib.recorded(run)
                else tokenizer_lib.for_run(run))
@@ -76,17 +77,19 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
         source = f"{run} step {step}"
     else:
         params, source = run_dir.initial_params(f"hf:{hf}", program.model, shardings), f"hf:{hf}"
-    return Loaded(cfg, program, params, tok, source)
+    return Loaded(cfg, program, params, tok, source, run if run is not None and not data else None)
 
 
 def validation(loaded: Loaded, batches: int) -> dict:
     """{eval_loss[, eval_loss_<source>]} on `batches` validation batches of the config's data, as the
     training loop measures it (meshtrain/run/trainer.py `validation`); {} when the data holds none out."""
     from meshtrain.data import mixture
+    from meshtrain.run import run_dir
     from meshtrain.run.trainer import validation as mean_losses
 
     cfg, program = loaded.cfg, loaded.program
-    mix = mixture.load(cfg.data, cfg.model.vocab_size)
+    mix = (run_dir.run_mixture(loaded.data_of, cfg, "pass --data PATH to evaluate on other data") if loaded.data_of
+           else mixture.load(cfg.data, cfg.model.vocab_size))
     t = cfg.train
     _, val_sets = mixture.batches(mix, cfg.data.val_fraction, t.batch_size, t.seq_len, t.seed,
                                   program.batch_sharding, cfg.model.vocab_size)

@@ -113,3 +113,47 @@ def test_sharded_stream_gives_the_same_batches_as_one_array_on_any_mesh():
     for step in range(3):
         expected = np.asarray(batches(whole, one)(step))
         np.testing.assert_array_equal(np.asarray(batches(sharded, eight)(step)), expected)
+
+
+# ---- content hashes (meshtrain/data/digest.py): the whole stream, read once per version of a file ----
+@pytest.fixture
+def reads(tmp_path, monkeypatch):
+    """Counts the files digest.py reads, with a cache of this test's own."""
+    from meshtrain.data import digest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    counted, read = [], digest.read_sha256
+    monkeypatch.setattr(digest, "read_sha256", lambda paths: counted.append(list(paths)) or read(paths))
+    return counted
+
+
+@pytest.mark.fast
+def test_a_cached_hash_is_read_once_and_a_touched_or_changed_file_again(tmp_path, monkeypatch, reads):
+    import hashlib
+    import os
+
+    from meshtrain.data import digest
+
+    path = tmp_path / "train.bin"
+    (np.arange(300_000) % 50_000).astype(np.uint16).tofile(path)
+    stream = lambda: data.read_token_file(path)[0]
+    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert data.Tokens([stream()], [path]).sha256() == sha256 == data.Tokens([np.asarray(stream())]).sha256()
+    assert data.Tokens([stream()], [path]).sha256() == sha256 and len(reads) == 2  # just written: not cached
+
+    monkeypatch.setattr(digest, "RACY_NS", 0)  # as if written long ago
+    for _ in range(3):
+        assert data.Tokens([stream()], [path]).sha256() == sha256
+    assert len(reads) == 3  # one read, then the cache
+    assert str(path) in (tmp_path / "cache" / "meshtrain" / "sha256.json").read_text()
+    os.utime(path, ns=(1, os.stat(path).st_mtime_ns - 10**9))  # touched: read again, and still the same
+    assert data.Tokens([stream()], [path]).sha256() == sha256 and len(reads) == 4
+    mtime = os.stat(path).st_mtime_ns
+    with open(path, "r+b") as f:  # 2 bytes changed, size and mtime kept: ctime_ns tells
+        f.seek(400_000)
+        f.write(b"\xff\xff")
+    os.utime(path, ns=(1, mtime))
+    assert data.Tokens([stream()], [path]).sha256() == hashlib.sha256(path.read_bytes()).hexdigest() != sha256
+    assert len(reads) == 5
+    cache = (tmp_path / "cache" / "meshtrain" / "sha256.json").read_text()
+    assert sha256 not in cache  # the entry of the old version is dropped once another is written

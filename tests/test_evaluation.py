@@ -2,6 +2,8 @@
 logits and across meshes, the task format and its metrics, the in-loop task hook, the eval command
 and the lm-eval-harness adapter (meshtrain/engine/scoring.py, data/tasks.py, eval.py, interop/harness.py)."""
 import json
+import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -241,3 +243,46 @@ def test_eval_of_a_run_on_synthetic_data_needs_no_tokenizer(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text(json.dumps({"context": "a", "choices": ["b", "c"], "label": 0}) + "\n")
     assert main(["--run", str(out), "--task", str(tmp_path / "t.jsonl")]) == 2
     assert "trained on synthetic data and records no tokenizer, which --task needs" in capsys.readouterr().err
+
+
+def test_eval_of_a_run_reads_its_own_data_from_any_folder_and_refuses_other_content(tmp_path, monkeypatch, capsys):
+    """The bug: `eval --run` from another working folder read whatever file sat at the run's relative
+    data path and scored it. run.json records where the data was (absolute, and relative to the run
+    folder); eval reads it from there, and other content there is one error naming the file."""
+    from meshtrain.eval import main
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    home, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    text = "To be, or not to be, that is the question.\n" * 100
+    for folder, content in ((home, text), (elsewhere, "Something else entirely. " * 200)):  # a decoy
+        (folder / "data").mkdir(parents=True)
+        (folder / "data" / "text.txt").write_text(content)
+    monkeypatch.chdir(home)
+    cfg = tiny_config("model.num_layers=1", "data.path=data/text.txt", "data.kind=auto", "train.steps=2",
+                      "train.eval_every=2", "train.eval_batches=1", "parallel.mesh=data=8", out="runs/x")
+    loss = Trainer(cfg).fit(log=MetricsLog(primary=False))[-1]["eval_loss"]
+    files = json.loads((home / "runs/x/run.json").read_text())["data_files"]
+    assert [(f["path"], f["from_run"]) for f in files] == [(str(home / "data/text.txt"), "../../data/text.txt")]
+
+    monkeypatch.chdir(elsewhere)
+    evaluated = lambda run: main(["--run", str(run), "--json", "r.json"]) or json.loads(Path("r.json").read_text())
+    assert abs(evaluated(home / "runs/x")["eval_loss"] - loss) < 1e-5
+    (home / "data/text.txt").write_text(text.replace("question", "Question"))
+    capsys.readouterr()
+    assert main(["--run", str(home / "runs/x")]) == 2
+    shown = f"{files[0]['data'][:-52]}..."  # each sha256 in a message: its first 12 digits
+    assert re.fullmatch(rf"error: {re.escape(str(home / 'data/text.txt'))} holds other data than the run in "
+                        rf"{re.escape(str(home / 'runs/x'))} trained on \(fingerprint \d+:uint16:sha256:[0-9a-f]{{12}}"
+                        rf"\.\.\., the run's {re.escape(shown)}\); restore the data it trained on, or pass --data PATH "
+                        rf"to evaluate on other data\n", capsys.readouterr().err)
+    (home / "data/text.txt").write_text(text)  # restored; then the project moved, run and data together
+    home.rename(tmp_path / "moved")
+    assert abs(evaluated(tmp_path / "moved/runs/x")["eval_loss"] - loss) < 1e-5  # found beside the run
+    (tmp_path / "moved/data/text.txt").unlink()
+    assert main(["--run", str(tmp_path / "moved/runs/x")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: the data the run in {tmp_path / 'moved/runs/x'} trained on is not at {home / 'data/text.txt'} "
+        f"(where it trained) nor at {tmp_path / 'moved/runs/x/../../data/text.txt'} (relative to the run); put it "
+        f"back, or pass --data PATH to evaluate on other data\n")

@@ -185,6 +185,38 @@ def test_a_weight_or_order_change_is_a_data_change(tmp_path):
     assert start([1, 1], allow_change=True)[1]  # allowed: a new phase, recorded by record_start
 
 
+@pytest.mark.fast
+def test_a_runs_sources_are_found_from_any_folder_and_the_changed_one_is_named(tmp_path, monkeypatch):
+    """run.json's data_files: each source's absolute path, else its path relative to the run folder;
+    a source whose content changed is named (meshtrain/run/run_dir.py `resolve_data`, `check_run_data`)."""
+    import yaml
+
+    from meshtrain.config.loader import to_dict
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    project = tmp_path / "project"
+    project.mkdir()
+    token_files(project)
+    monkeypatch.chdir(project)
+    cfg = tiny_config("data.kind=auto", sources_set(["web/train.bin", "code/train.bin"], [3, 1]), out="runs/x")
+    mix = mixture.load(cfg.data, 256)
+    (project / "runs/x").mkdir(parents=True)
+    (project / "runs/x/config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    run_dir.record_start(project / "runs/x", run_dir.identity(cfg, run_dir.mixture_fingerprint(mix)), cfg, 0, [],
+                         run_dir.data_files(project / "runs/x", mix))
+    monkeypatch.chdir(tmp_path)
+    found = lambda run: [s["path"] for s in run_dir.run_config(run).data.sources]
+    assert found(project / "runs/x") == [str(project / "web/train.bin"), str(project / "code/train.bin")]
+    project.rename(tmp_path / "moved")  # run and data together: found relative to the run
+    run = tmp_path / "moved/runs/x"
+    assert found(run) == [str(tmp_path / "moved/web/train.bin"), str(tmp_path / "moved/code/train.bin")]
+    run_dir.check_run_data(run, mixture.load(run_dir.run_config(run).data, 256))
+    (np.arange(3000) % 50 + 100).astype(np.uint16)[::-1].tofile(tmp_path / "moved/code/train.bin")
+    with pytest.raises(UserError, match=f"^{tmp_path / 'moved/code/train.bin'} holds other data than the run in "
+                                        f"{run} trained on \\(fingerprint mixture 0.75 x 5000:uint16:sha256:"):
+        run_dir.check_run_data(run, mixture.load(run_dir.run_config(run).data, 256))
+
+
 # ---- mistakes: one line each, naming the entry and the fix ----
 BAD = [
     ("data.sources=[{weight: 1}]", r"data.sources\[0\] has no path; give each source one"),

@@ -183,3 +183,40 @@ def test_bad_sources_are_one_line_errors(bpe, tmp_path, capsys, monkeypatch):
     with pytest.raises(UserError, match=r"more than training tokenizes on load .*; run python -m meshtrain"
                                         r".data prepare .*other.jsonl --tokenizer byte --out DIR once"):
         data.load_corpus(DataConfig(path=str(tmp_path / "other.jsonl"), text_field="content"), 256)
+
+
+def test_a_prepared_folder_carries_its_hash_and_a_run_reads_no_shard_for_it(tmp_path, monkeypatch):
+    """prepare hashes what it writes (each shard in its sidecar and manifest row, the stream in the
+    manifest); a run takes the hash from there, without reading a shard, while no shard changed after
+    the manifest; a changed shard, or a manifest of an earlier version without hashes, is read."""
+    import hashlib
+    import time
+
+    from meshtrain.data import digest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src, out = write_jsonl(tmp_path / "docs.jsonl"), tmp_path / "out"
+    manifest = prepare(str(src), BYTE, out, shard_tokens=700)
+    shards = [out / s["file"] for s in manifest["shards"]]
+    assert len(shards) > 2
+    whole = hashlib.sha256(b"".join(f.read_bytes() for f in shards)).hexdigest()
+    assert manifest["sha256"] == whole
+    for s, f in zip(manifest["shards"], shards):
+        assert s["sha256"] == json.loads(data.tokens.sidecar(f).read_text())["sha256"] == digest.read_sha256([f])
+    reads = []
+    monkeypatch.setattr(digest, "read_sha256", lambda paths: reads.append(paths) or hashlib.sha256(
+        b"".join(open(p, "rb").read() for p in paths)).hexdigest())
+    stream = lambda path: data.load_corpus(DataConfig(path=str(path)), 512).tokens
+    assert stream(out).sha256() == whole and stream(shards[1]).sha256() == manifest["shards"][1]["sha256"]
+    raw = stream(src)  # tokenized on load: the same tokens, the same hash
+    assert raw.sha256() == whole and reads == []
+
+    time.sleep(0.05)  # past the clock tick of the manifest's write
+    prepared = shards[1].read_bytes()
+    shards[1].write_bytes(b"x\0" * 3 + prepared[6:])
+    assert stream(out).sha256() == hashlib.sha256(b"".join(f.read_bytes() for f in shards)).hexdigest() != whole
+    assert reads == [shards] and stream(shards[0]).sha256() == manifest["shards"][0]["sha256"]
+    shards[1].write_bytes(prepared)  # as it was prepared
+    del manifest["sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))  # an earlier version's manifest
+    assert stream(out).sha256() == whole and len(reads) == 2

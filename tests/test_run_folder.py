@@ -1,5 +1,6 @@
 """A run folder belongs to one run: the lock (meshtrain/run/lock.py), the record of what defines the run
 (run.json, meshtrain/run/run_dir.py), the schedule's horizon, and folders that are not runs."""
+import hashlib
 import json
 import logging
 import os
@@ -165,6 +166,76 @@ def test_fingerprint_follows_the_tokens_not_the_file():
     assert run_dir.data_fingerprint(Tokens([changed])) != run_dir.data_fingerprint(a)
     assert run_dir.data_fingerprint(Tokens([np.arange(5001) % 251])) != run_dir.data_fingerprint(a)
     assert run_dir.data_fingerprint(None) == "synthetic"
+    assert run_dir.data_fingerprint(a) == f"5000:int64:sha256:{hashlib.sha256(np.asarray(a).tobytes()).hexdigest()}"
+
+
+def data_start(out, path, allow_change=False, earlier=True):
+    """(config, mixture, identity, changes) of a start in `out` on the token file `path`, as Trainer makes it."""
+    from meshtrain.data import mixture
+
+    cfg = tiny_config(f"data.path={path}", "data.kind=auto", out=str(out))
+    mix = mixture.load(cfg.data, 256)
+    mine, changes = run_dir.continued(out, cfg, run_dir.mixture_fingerprint(mix), allow_change,
+                                      earlier=lambda: run_dir.mixture_fingerprint(mix, run_dir.windows_fingerprint))
+    return cfg, mix, mine, changes
+
+
+def first_start(out, path):
+    out.mkdir()
+    cfg, mix, mine, changes = data_start(out, path)
+    run_dir.record_start(out, mine, cfg, 0, changes, run_dir.data_files(out, mix))
+    return mix
+
+
+@pytest.mark.fast
+def test_a_10kb_change_inside_a_1mb_file_is_refused_at_resume(tmp_path, monkeypatch):
+    """The bug: the fingerprint hashed 64 windows of 1,024 tokens, so a change between them resumed in
+    silence. Now it is the sha256 of every byte."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path, out = tmp_path / "train.bin", tmp_path / "run"
+    tokens = np.random.default_rng(0).integers(0, 256, 1 << 19).astype(np.uint16)  # 1 MiB
+    tokens.tofile(path)
+    before = first_start(out, path).tokens[0]
+    assert data_start(out, path)[3] == []
+    n = len(tokens)
+    lo = int(np.unique(np.linspace(0, n - 1024, 64).astype(np.int64))[31]) + 1024 + 100  # between two windows
+    with open(path, "r+b") as f:
+        f.seek(2 * lo)
+        f.write((tokens[lo:lo + 5120] + 1).tobytes())  # 10 KiB
+    _, mix, _, _ = data_start(out, path, allow_change=True)
+    assert run_dir.windows_fingerprint(mix.tokens[0]) == run_dir.windows_fingerprint(before)  # the old blind spot
+    sha = lambda t: f"{n}:uint16:sha256:{t.sha256()[:12]}..."
+    refusal = (f"the run in {out} trained on other data (fingerprint {sha(before)}, from {path}), this start's is "
+               f"{sha(mix.tokens[0])} (from {path}); use a new --out")
+    with pytest.raises(UserError, match=f"^{re.escape(refusal)}"):
+        data_start(out, path)
+    with pytest.raises(UserError, match=f"^{path} holds other data than the run in {out} trained on"):
+        run_dir.check_run_data(out, mix)
+
+
+@pytest.mark.fast
+def test_a_run_json_of_an_earlier_version_resumes_and_is_upgraded(tmp_path, monkeypatch, caplog):
+    """A run.json with the earlier windowed fingerprint: the same data resumes (compared like with like)
+    and the record is upgraded with a notice; other data is refused, in the earlier format."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path, other, out = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "run"
+    (np.arange(5000) % 251).astype(np.uint16).tofile(path)
+    (np.arange(5000) % 241).astype(np.uint16).tofile(other)
+    mix = first_start(out, path)
+    record = json.loads((out / "run.json").read_text())
+    record["identity"]["data"] = old = run_dir.windows_fingerprint(mix.tokens[0])
+    del record["data_files"]
+    (out / "run.json").write_text(json.dumps(record))  # as an earlier version wrote it
+    run_dir.check_run_data(out, mix)
+    with pytest.raises(UserError, match=rf"^the run in {out} trained on other data \(fingerprint {old}, from {path}\), "
+                                        rf"this start's is 5000:[0-9a-f]{{16}} \(from {other}\)"):
+        data_start(out, other)
+    with caplog.at_level(logging.INFO, logger="meshtrain"):
+        cfg, mix, mine, changes = data_start(out, path)
+    assert changes == [] and f"records its data by an earlier version's fingerprint ({old})" in caplog.text
+    run_dir.record_start(out, mine, cfg, 10, changes, run_dir.data_files(out, mix))
+    upgraded = json.loads((out / "run.json").read_text())["identity"]["data"]
+    assert upgraded == f"5000:uint16:sha256:{mix.tokens[0].sha256()}"
 
 
 # (change at the second start, config overrides, data fingerprint, the refusal's first words)

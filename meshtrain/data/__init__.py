@@ -3,6 +3,7 @@
 - sources.py: raw sources (text, jsonl, Parquet, datasets folders, the standard library), detected
   from the path and read in units.
 - tokens.py: token files (dtype from the vocabulary, sidecars), prepared folders, the `Tokens` stream.
+- digest.py: the sha256 of a token stream's bytes, cached by file (path, size, times).
 - prepare.py: `python -m meshtrain.data prepare`: tokenize once, in parallel, into shards.
 - corpus.py: `load_corpus(data config)` -> the token stream and its tokenizer, for training.
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).

@@ -16,7 +16,7 @@ from meshtrain.core.errors import UserError
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import tokenize
 from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
-from meshtrain.data.tokens import Tokens, read_prepared, read_token_file
+from meshtrain.data.tokens import Tokens, read_prepared, token_stream
 
 RAW_LIMIT_BYTES = 256 << 20
 
@@ -42,8 +42,7 @@ def load_corpus(dcfg, vocab_size: int) -> Corpus:
         tokens, _ = read_prepared(path)
         own = tokenizer_lib.recorded(path)
     else:  # a token file
-        tokens, meta = read_token_file(path)
-        tokens = Tokens([tokens])
+        tokens, meta = token_stream(path)
         beside = None if meta is None else tokenizer_lib.recorded(path.parent)  # a prepared folder's
         same = beside is not None and beside.vocab_size == meta["vocab_size"]
         own = None if meta is None else beside if same else _named(meta["tokenizer"], path)

@@ -4,10 +4,13 @@ Units (meshtrain/data/sources.py) are tokenized by worker processes and written 
 so any number of workers writes the same bytes. Every document is followed by the tokenizer's
 `document_end` (its EOS id; a newline for bytes). The folder holds shard-00000.bin, ... (each with
 its sidecar), the tokenizer (tokenizer.json or tokenizer.txt) and, written last, manifest.json: a
-folder without one is an unfinished prepare.
+folder without one is an unfinished prepare. The sha256 of each shard (in its sidecar and manifest
+row) and of the whole stream (the manifest's) are computed as the bytes are written, so a run on
+the folder reads no shard to know its data's identity (meshtrain/data/tokens.py `vouched`).
 """
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -74,6 +77,7 @@ class ShardWriter:
         self.out, self.tok, self.shard_tokens = out, tok, shard_tokens
         self.shards: list[dict] = []  # the manifest's rows
         self.file, self.tokens, self.documents = None, 0, 0  # the open shard
+        self.sha256, self.shard_sha256 = hashlib.sha256(), hashlib.sha256()  # the stream's, the open shard's
 
     def add(self, ids: np.ndarray, ends: np.ndarray) -> None:
         at = 0
@@ -81,7 +85,10 @@ class ShardWriter:
             if self.file is None:
                 self.file = open(self.out / f"shard-{len(self.shards):05d}.bin", "wb")
             take = min(len(ids) - at, self.shard_tokens - self.tokens)
-            self.file.write(ids[at:at + take].tobytes())
+            piece = ids[at:at + take].tobytes()
+            self.file.write(piece)
+            self.sha256.update(piece)
+            self.shard_sha256.update(piece)
             self.documents += int(np.count_nonzero((ends > at) & (ends <= at + take)))
             self.tokens, at = self.tokens + take, at + take
             if self.tokens == self.shard_tokens:
@@ -90,9 +97,10 @@ class ShardWriter:
     def _finish(self) -> None:
         path = Path(self.file.name)
         self.file.close()
-        write_json(sidecar(path), file_meta(self.tok, self.tokens, self.documents))
-        self.shards.append({"file": path.name, "tokens": self.tokens, "documents": self.documents})
-        self.file, self.tokens, self.documents = None, 0, 0
+        sha256 = self.shard_sha256.hexdigest()
+        write_json(sidecar(path), {**file_meta(self.tok, self.tokens, self.documents), "sha256": sha256})
+        self.shards.append({"file": path.name, "tokens": self.tokens, "documents": self.documents, "sha256": sha256})
+        self.file, self.tokens, self.documents, self.shard_sha256 = None, 0, 0, hashlib.sha256()
 
     def close(self) -> list[dict]:
         if self.file is not None:
@@ -124,6 +132,7 @@ def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = 
             raise UserError(f"{src} holds no documents; pass a source with text in it")
         tokenizer_lib.record(tmp, tok)
         manifest = {**file_meta(tok, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)),
-                    "source": {"path": str(src), "kind": kind, "text_field": text_field}, "shards": shards}
+                    "source": {"path": str(src), "kind": kind, "text_field": text_field},
+                    "sha256": writer.sha256.hexdigest(), "shards": shards}
         write_json(tmp / MANIFEST, manifest)
     return manifest

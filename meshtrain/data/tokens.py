@@ -8,10 +8,16 @@
   its source, and the shards in order); `python -m meshtrain.data prepare` writes it.
 - `Tokens` is one stream over several arrays (memory-mapped shards, or arrays in memory), read by
   windows; slicing it makes views, so a corpus is never loaded into memory.
+- Content hash: `Tokens.sha256()` is the sha256 of the stream's bytes (meshtrain/data/digest.py).
+  `prepare` writes it into the manifest (the whole stream's) and each sidecar (its shard's), and a
+  reader takes it from there while no file it describes changed after it was written (a file's
+  ctime later than the description's: the file is hashed again, through digest.py's cache).
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +25,16 @@ import numpy as np
 from meshtrain.core import schema
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import replace_file
+from meshtrain.data import digest
 
 MANIFEST = "manifest.json"
 PLAIN_DTYPE = np.dtype(np.uint16)  # a token file without a sidecar, as nanoGPT writes them
 # What the readers use of a sidecar and of a manifest (meshtrain/core/schema.py); prepare writes more.
 DTYPES = ("uint16", "uint32")
 SIDECAR_SCHEMA = {"dtype": DTYPES, "tokens": schema.Optional(schema.Int()), "tokenizer": str,
-                  "vocab_size": schema.Int(1, 1 << 32)}
-MANIFEST_SCHEMA = {"dtype": DTYPES, "tokens": schema.Int(), "shards": [{"file": schema.Name(), "tokens": schema.Int()}]}
+                  "vocab_size": schema.Int(1, 1 << 32), "sha256": schema.Optional(str)}
+MANIFEST_SCHEMA = {"dtype": DTYPES, "tokens": schema.Int(), "sha256": schema.Optional(str),
+                   "shards": [{"file": schema.Name(), "tokens": schema.Int()}]}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -78,23 +86,56 @@ def read_token_file(path: Path, meta: dict | None = None) -> tuple[np.memmap, di
     return np.memmap(path, dtype=dtype, mode="r"), meta
 
 
+def token_stream(path: Path) -> tuple[Tokens, dict | None]:
+    """(the stream of one token file, its sidecar or None), its hash the sidecar's where it holds one."""
+    part, meta = read_token_file(path)
+    return Tokens([part], [path], vouched(meta, sidecar(path), [path])), meta
+
+
 def read_prepared(folder: Path) -> tuple[Tokens, dict]:
     """(the corpus's token stream, its manifest) of a prepared folder; the shards stay on disk."""
     if not (Path(folder) / MANIFEST).is_file():
         raise UserError(f"{folder} is not a prepared folder (no {MANIFEST}); write one with python -m "
                         f"meshtrain.data prepare, or set data.kind")
     manifest = _read_json(Path(folder) / MANIFEST, MANIFEST_SCHEMA)
-    parts = [read_token_file(Path(folder) / s["file"], {"dtype": manifest["dtype"], "tokens": s["tokens"]})[0]
-             for s in manifest["shards"]]
-    return Tokens(parts), manifest
+    files = [Path(folder) / s["file"] for s in manifest["shards"]]
+    parts = [read_token_file(f, {"dtype": manifest["dtype"], "tokens": s["tokens"]})[0]
+             for f, s in zip(files, manifest["shards"])]
+    return Tokens(parts, files, vouched(manifest, Path(folder) / MANIFEST, files)), manifest
+
+
+def vouched(meta: dict | None, described_in: Path, files: list[Path]) -> str | None:
+    """The sha256 a sidecar or manifest (`meta`, read from `described_in`) records for `files`, if it
+    records one and no file changed after it was written; else None (the files are hashed)."""
+    sha256 = (meta or {}).get("sha256")
+    if sha256 is None:
+        return None  # written before prepare recorded hashes
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise UserError(f"{described_in}: sha256 must be 64 hex digits, not {schema.shown(sha256)}; prepare the "
+                        f"data again")
+    written = os.stat(described_in).st_ctime_ns
+    return sha256 if all(os.stat(f).st_ctime_ns <= written for f in files) else None
 
 
 class Tokens:
-    """A token stream: `parts` (1-D integer arrays) one after another."""
+    """A token stream: `parts` (1-D integer arrays) one after another. `files`: the files the parts
+    are, whole and in order (a token file, a prepared folder's shards), hashed through the cache;
+    `sha256`: their hash where a sidecar or manifest vouches for it."""
 
-    def __init__(self, parts):
+    def __init__(self, parts, files=(), sha256: str | None = None):
         self.parts = [p for p in parts if len(p)]
         self.ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)  # where each part ends
+        self.files, self._sha256 = list(files), sha256
+
+    def sha256(self) -> str:
+        """sha256 of the stream's bytes (its files', or its parts' in memory), computed once."""
+        if self._sha256 is None:
+            self._sha256 = digest.files_sha256(self.files) if self.files else digest.arrays_sha256(self.parts)
+        return self._sha256
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype if self.parts else PLAIN_DTYPE
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if self.parts else 0

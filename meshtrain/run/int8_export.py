@@ -70,6 +70,7 @@ def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", dev
     cfg.out, cfg.checkpoint.resume, cfg.checkpoint.init_from = scratch, "never", ""
     try:
         trainer = Trainer(cfg, devices=devices)
+        run_dir.check_run_data(run, trainer.mixture)  # its losses are the run's only on the run's data
         axes = model.logical_axes(params)
         qtree = quantize(params, axes, scheme)
         fp32, int8 = evaluate_with(trainer, params), evaluate_with(trainer, dequantize(qtree))

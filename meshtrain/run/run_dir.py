@@ -6,13 +6,21 @@ run.json records what defines the run: the model's architecture, the data's fing
 mixture's: every source's, with its share), the seed and the learning-rate schedule's horizon. A
 later start in the same folder continues that run; one that would change any of them is refused
 (a new run needs a new --out), unless the user says `--allow-change`, which records the change as
-a new phase (the model never changes: its checkpoints hold its weights)."""
+a new phase (the model never changes: its checkpoints hold its weights).
+
+The data's fingerprint is its token count, dtype and the sha256 of every byte of its token stream
+(meshtrain/data/digest.py). run.json also records where each source was (`data_files`: absolute,
+and relative to the run folder), so the commands that read a run's data (eval, int8 export) find it
+from any working folder (`resolve_data`) and refuse other content (`check_run_data`)."""
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
 import json
+import os
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -22,6 +30,7 @@ import yaml
 from meshtrain.config.loader import Config, UserError, default_out, load_config, parse_yaml, to_dict
 from meshtrain.core.console import NOTICE, log
 from meshtrain.core.folders import replace_file, writable
+from meshtrain.data import mixture
 from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
 from meshtrain.interop import hf
@@ -65,8 +74,17 @@ def checked(out: str) -> Path:
 
 
 def data_fingerprint(tokens) -> str:
-    """The token stream's identity, cheap at any size: its length and 64 windows of 1024 tokens spread
-    over it, hashed. Another file with the same tokens has the same fingerprint (a moved dataset)."""
+    """The token stream's identity: its length, dtype and the sha256 of all its bytes (a prepared
+    folder's from its manifest). Another file with the same tokens has the same fingerprint (a moved
+    dataset); any other token changes it."""
+    if tokens is None:
+        return "synthetic"
+    return f"{len(tokens)}:{tokens.dtype.name}:sha256:{tokens.sha256()}"
+
+
+def windows_fingerprint(tokens) -> str:
+    """The fingerprint earlier versions recorded (its length and 64 windows of 1024 tokens spread over
+    it, hashed), computed to compare with a run.json they wrote; blind to a change between windows."""
     if tokens is None:
         return "synthetic"
     n = len(tokens)
@@ -77,12 +95,101 @@ def data_fingerprint(tokens) -> str:
     return f"{n}:{digest.hexdigest()[:16]}"
 
 
-def mixture_fingerprint(mix) -> str:
-    """A mixture's identity (meshtrain/data/mixture.py `Mixture`): each source's share and fingerprint, in
-    order (the order decides which rows come from which source); one source: its own fingerprint."""
+def earlier_format(fingerprint: str | None) -> bool:
+    """A fingerprint of `windows_fingerprint`'s format (a run.json written before whole-stream hashes)."""
+    return fingerprint not in (None, "synthetic") and "sha256:" not in fingerprint
+
+
+def mixture_fingerprint(mix, of: Callable = data_fingerprint) -> str:
+    """A mixture's identity (meshtrain/data/mixture.py `Mixture`): each source's share and fingerprint
+    (`of` its tokens), in order (the order decides which rows come from which source); one source: its
+    own fingerprint."""
     if len(mix.sources) == 1:
-        return data_fingerprint(mix.tokens[0])
-    return "mixture " + ", ".join(f"{s.share:.6g} x {data_fingerprint(t)}" for s, t in zip(mix.sources, mix.tokens))
+        return of(mix.tokens[0])
+    return "mixture " + ", ".join(f"{s.share:.6g} x {of(t)}" for s, t in zip(mix.sources, mix.tokens))
+
+
+def shown(fingerprint: str) -> str:
+    """A fingerprint in a message: each sha256 cut to 12 digits."""
+    return re.sub(r"(sha256:[0-9a-f]{12})[0-9a-f]{52}", r"\1...", str(fingerprint))
+
+
+def data_files(out: Path, mix) -> list[dict]:
+    """Each source of `mix` as run.json records it: its path absolute and relative to the run folder
+    (None: the standard library or synthetic data) and its fingerprint."""
+    files = []
+    for s, tokens in zip(mix.sources, mix.tokens):
+        where = os.path.abspath(s.path) if s.path else None
+        files.append({"path": where, "from_run": where and os.path.relpath(where, os.path.abspath(out)),
+                      "data": data_fingerprint(tokens)})
+    return files
+
+
+def resolve_data(run: str | Path, cfg: Config) -> None:
+    """The run's data paths in `cfg` (its config.yaml's) as run.json's `data_files` records them, the
+    same from any working folder: the absolute path where it exists, else the one relative to the run
+    folder where that exists, else the absolute one (`run_mixture` says it is gone). A run.json of an
+    earlier version (none recorded) leaves the config's paths as they are."""
+    try:
+        record = read_record(Path(run)) or {}
+    except UserError:
+        return  # the command that needs the record says it is unreadable
+    files, found = _data_files(record), data_sources(cfg.data)
+    if len(files) != len(found):
+        return
+    paths = [_located(run, f) if f["path"] else s.path for s, f in zip(found, files)]
+    if cfg.data.sources:
+        cfg.data.sources = [{**entry, "path": p} for entry, p in zip(cfg.data.sources, paths)]
+    else:
+        cfg.data.path = paths[0]
+
+
+def _data_files(record: dict) -> list[dict]:
+    """run.json's `data_files`; [] where it has none (an earlier version's) or they are not as written."""
+    files = record.get("data_files")
+    fits = lambda f: isinstance(f, dict) and (f.get("path") is None or isinstance(f.get("path"), str)
+                                              and isinstance(f.get("from_run"), str))
+    return files if isinstance(files, list) and all(map(fits, files)) else []
+
+
+def _located(run: str | Path, file: dict) -> str:
+    beside = os.path.normpath(Path(run).absolute() / file["from_run"])
+    return beside if not os.path.exists(file["path"]) and os.path.exists(beside) else file["path"]
+
+
+def run_mixture(run: str | Path, cfg: Config, other: str | None = None):
+    """The data `cfg` (a run's config, `resolve_data` applied) names, loaded and checked to be what
+    the run trained on (`check_run_data`); a source that is gone is one error. `other`: how to use
+    other data instead (a flag), if the command has a way."""
+    files = _data_files(read_record(Path(run)) or {})
+    for i, s in enumerate(data_sources(cfg.data)):
+        if s.path and not os.path.exists(s.path):
+            recorded = files[i] if len(files) > i and files[i].get("path") == s.path else None
+            where = (f"{s.path} (where it trained) nor at {Path(run) / recorded['from_run']} (relative to the run)"
+                     if recorded else s.path if os.path.isabs(s.path) else f"{s.path} (from this working folder)")
+            raise UserError(f"the data the run in {run} trained on is not at {where}; put it back"
+                            f"{f', or {other}' if other else ''}")
+    mix = mixture.load(cfg.data, cfg.model.vocab_size)
+    check_run_data(run, mix, other)
+    return mix
+
+
+def check_run_data(run: str | Path, mix, other: str | None = None) -> None:
+    """`mix` is the data the run in `run` trained on last (run.json's identity), or one error naming
+    the source that differs and the fix (`other`: how to use other data instead)."""
+    record = read_record(Path(run))
+    recorded = record["identity"].get("data") if record else None
+    if recorded is None:
+        return  # an earlier version's run without run.json: nothing to compare with
+    if mixture_fingerprint(mix, windows_fingerprint if earlier_format(recorded) else data_fingerprint) == recorded:
+        return
+    files = _data_files(record) or [{}] * len(mix.sources)  # none: each source may differ
+    name = lambda s: s.path or "the Python standard library"
+    differ = [name(s) for s, t, f in zip(mix.sources, mix.tokens, files)
+              if f.get("data") != data_fingerprint(t)] or [name(s) for s in mix.sources]
+    raise UserError(f"{', '.join(differ)} {'holds' if len(differ) == 1 else 'hold'} other data than the run in "
+                    f"{run} trained on (fingerprint {shown(mixture_fingerprint(mix))}, the run's {shown(recorded)}); "
+                    f"restore the data it trained on{f', or {other}' if other else ''}")
 
 
 def identity(cfg: Config, data: str) -> dict:
@@ -138,11 +245,13 @@ def _apply_horizon(cfg: Config, record: dict | None) -> None:
         cfg.optim.schedule_steps = record["identity"]["schedule_steps"] if record else cfg.train.steps
 
 
-def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[dict, list[str]]:
+def continued(out: Path, cfg: Config, data: str, allow_change: bool,
+              earlier: Callable[[], str] | None = None) -> tuple[dict, list[str]]:
     """(this start's identity, what changes from the recorded run); a change is refused unless
     `allow_change`. Sets the schedule's horizon (`set_horizon`) if the config does not. A run.json
     rebuilt from a checkpoint (`record_or_rebuilt`) is said, and its data (which no checkpoint
-    records) taken as this start's."""
+    records) taken as this start's. `earlier`: this start's data fingerprint in the format of an
+    earlier version (`windows_fingerprint`), compared where its run.json recorded that one."""
     record = record_or_rebuilt(out)
     recorded = record["identity"] if record else None
     _apply_horizon(cfg, record)  # the record read once (a rebuilt one reads a checkpoint's metadata)
@@ -160,10 +269,16 @@ def continued(out: Path, cfg: Config, data: str, allow_change: bool) -> tuple[di
     if model_change:  # other weights: no phase of this run can continue from its checkpoints
         raise UserError(f"{model_change}; use a new --out for a new run, or the model section of "
                         f"{out / 'config.yaml'}")
-    changes = []
-    if recorded["data"] != mine["data"]:
-        changes.append(f"the run in {out} trained on other data (fingerprint {recorded['data']}, from "
-                       f"{record.get('data_source')}), this start's is {mine['data']} (from {data_source(cfg)})")
+    changes, then = [], mine["data"]
+    if recorded["data"] != mine["data"] and earlier_format(recorded["data"]) and earlier is not None:
+        then = earlier()  # like with like: the run.json of an earlier version
+        if then == recorded["data"]:
+            log.log(NOTICE, f"{out / RUN_RECORD} records its data by an earlier version's fingerprint "
+                            f"({recorded['data']}), which this start's data matches; from this start on it records "
+                            f"the sha256 of the whole token stream ({shown(mine['data'])})")
+    if then != recorded["data"]:
+        changes.append(f"the run in {out} trained on other data (fingerprint {shown(recorded['data'])}, from "
+                       f"{record.get('data_source')}), this start's is {shown(then)} (from {data_source(cfg)})")
     for key, name in (("seed", "train.seed"), ("schedule_steps", "optim.schedule_steps")):
         if recorded[key] != mine[key]:
             changes.append(f"the run in {out} has {name}={recorded[key]}, this start {mine[key]}")
@@ -180,12 +295,13 @@ def data_source(cfg: Config) -> str:
     return cfg.data.path or ("synthetic data" if cfg.data.kind == "synthetic" else "the Python standard library")
 
 
-def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[str]) -> None:
-    """run.json: the run's identity and one entry per start (the step it started at, the changes it
-    was allowed to make). Written whole."""
+def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[str],
+                 files: list[dict] | None = None) -> None:
+    """run.json: the run's identity, where its data is (`files`: `data_files`), and one entry per start
+    (the step it started at, the changes it was allowed to make). Written whole."""
     record = record_or_rebuilt(out) or {"starts": []}
     rebuilt = record.pop("rebuilt_from", None)  # run.json was missing: this start says from where it came
-    record.update(identity=mine, data_source=data_source(cfg))
+    record.update(identity=mine, data_source=data_source(cfg), **({"data_files": files} if files is not None else {}))
     record["starts"].append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "steps": cfg.train.steps,
                              "changes": changes, **({"record_rebuilt_from": rebuilt} if rebuilt else {})})
     replace_file(out / RUN_RECORD, json.dumps(record, indent=1) + "\n")
@@ -210,12 +326,16 @@ def write_config(out: Path, cfg: Config, mesh) -> None:
     replace_file(out / "config.yaml", header + yaml.safe_dump(resolved, sort_keys=False))
 
 
-def run_config(run: str | Path) -> Config:
-    """The config a finished or running run recorded (<run>/config.yaml), with out = the run."""
+def run_config(run: str | Path, overrides: list[str] = ()) -> Config:
+    """The config a finished or running run recorded (<run>/config.yaml), with out = the run and its
+    data where run.json says it is (`resolve_data`), unless `overrides` name other data."""
     path = Path(run) / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run} is not a meshtrain run folder (no config.yaml); pass the --out of a training run")
-    return load_config(str(path), [f"out={run}"])
+    cfg = load_config(str(path), [f"out={run}", *overrides])
+    if not any(o.startswith(("data.path=", "data.sources=")) for o in overrides):
+        resolve_data(run, cfg)
+    return cfg
 
 
 def newest_params(run: str | Path, model, shardings=None, step: int | None = None):

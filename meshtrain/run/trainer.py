@@ -80,8 +80,9 @@ class Trainer:
         self.mixture = load_mixture() if early is None else early
         self.tasks = tasks.load(cfg.eval.tasks, self.mixture.tokenizer)  # now: a bad task file costs no compile
         # What defines the run, checked against the folder's record.
-        self.identity, self.changes = run_dir.continued(self.out, cfg, run_dir.mixture_fingerprint(self.mixture),
-                                                        allow_change)
+        self.identity, self.changes = run_dir.continued(
+            self.out, cfg, run_dir.mixture_fingerprint(self.mixture), allow_change,
+            earlier=lambda: run_dir.mixture_fingerprint(self.mixture, run_dir.windows_fingerprint))
         if t.steps > cfg.optim.schedule_steps:
             console.info(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
                          f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay "
@@ -250,7 +251,8 @@ class Trainer:
             with preemption_signals() as signalled:
                 if primary:  # only a run that trains writes into --out
                     run_dir.write_config(self.out, cfg, self.program.mesh)
-                    run_dir.record_start(self.out, self.identity, cfg, first, self.changes)
+                    run_dir.record_start(self.out, self.identity, cfg, first, self.changes,
+                                         run_dir.data_files(self.out, self.mixture))
                     self.changes = []
                     tokenizer_lib.record(self.out, self.mixture.tokenizer)  # so the run's tokens can be decoded
                 console.info(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh "
