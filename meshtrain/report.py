@@ -67,7 +67,8 @@ def goodput_table(run: Run) -> str:
     category: seconds and share of the wall time, productive first, then the losses, largest first."""
     g = run.goodput
     if g is None:
-        return f"{run.name}: no goodput recorded (its run.json holds no account: a run of an earlier version)"
+        return f"{run.name}: no goodput recorded (no run.json account beside its metrics.jsonl: a run of an " \
+               f"earlier version, or a copied file)"
     if g["goodput"] is None:
         return f"{run.name}: {goodput.line(g)}"
     head = (f"{run.name}: goodput {g['goodput']:.1%} of {duration(g['wall_s'])} over {g['starts']} start"
