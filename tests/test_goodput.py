@@ -59,6 +59,23 @@ def test_an_account_books_every_second_once_and_retrained_steps_as_replayed():
 
 
 @pytest.mark.fast
+def test_writing_the_account_takes_at_most_one_percent_of_the_time_but_saves_always_write():
+    clock, written = Clock(), []
+
+    def write(account):  # a write that takes 10 ms
+        written.append(account["reached"])
+        clock.now += 0.01
+
+    g = Goodput(begun=0.0, compile_s=0.0, first=0, write=write, clock=clock)
+    g.loop_started()
+    for step in range(1, 11):  # a record every 0.3 s: the next write waits 10 ms / WRITE_SHARE = 1 s
+        clock.now += 0.3
+        g.steps(step - 1, step, seconds=0.3, data_s=0.0)
+    g.spend("checkpoint", 0.0)
+    assert written == [0, 4, 8, 10]  # start-up, then every 4th record (1.2 s), and the save at once
+
+
+@pytest.mark.fast
 def test_the_run_total_sums_its_starts_and_names_the_largest_losses():
     first = {"first": 0, "reached": 6, "replayed_steps": 0, "wall_s": 10.0,
              "seconds": {"productive": 6.0, "startup": 1.0, "compile": 2.0, "checkpoint": 0.5, "other": 0.5}}

@@ -1,6 +1,8 @@
 """Goodput: where a run's wall time went. One account per start (a process's fit()), written into that
-start's entry of run.json (meshtrain/run/run_dir.py) whenever it changes, so a killed process loses
-at most the time since its last record, save or evaluation; `total` sums the starts.
+start's entry of run.json (meshtrain/run/run_dir.py) whenever it changes, at most WRITE_SHARE of the
+time (a write that took w seconds waits w / WRITE_SHARE for the next; the start-up, each save and
+each rollback always write), so a killed process loses the time since its last record, or since
+that wait, whichever is longer; `total` sums the starts.
 
 A start's wall time runs from its beginning to its last written account, and is split into
 - `productive`: the step intervals the loop's clock measures (meshtrain/run/actions.py `StepClock`:
@@ -32,6 +34,8 @@ LABELS = {"productive": "productive steps", "startup": "start-up", "restarts": "
           "checkpoint": "checkpoint", "data": "data waits", "evaluation": "evaluation",
           "replayed": "replayed steps", "other": "other"}
 MEASURED = [c for c in LABELS if c != "other"]  # other = wall - the measured ones
+ALWAYS_WRITTEN = ("startup", "restarts", "checkpoint", "replayed")  # once a start, each save and rollback
+WRITE_SHARE = 0.01  # a rewrite of run.json takes milliseconds: at most 1% of the run's time
 
 
 def process_age() -> float | None:
@@ -64,6 +68,7 @@ class Goodput:
         self.seconds = dict.fromkeys(MEASURED, 0.0)
         self.seconds["compile"] = compile_s
         self.reached, self.replay_until, self.replayed_steps = first, replay_until, 0
+        self.next_write = -float("inf")
 
     def loop_started(self) -> None:
         """The loop is about to dispatch its first step: the start-up is over."""
@@ -72,7 +77,7 @@ class Goodput:
 
     def spend(self, category: str, seconds: float) -> None:
         self.seconds[category] += seconds
-        self.flush()
+        self._changed(category in ALWAYS_WRITTEN)
 
     def steps(self, start: int, end: int, seconds: float, data_s: float) -> None:
         """Steps start + 1 .. end took `seconds` of loop time, `data_s` of them waiting for batches; those
@@ -85,7 +90,7 @@ class Goodput:
         self.seconds["productive"] += busy * (n - again) / n
         self.replayed_steps += again
         self.reached = max(self.reached, end)
-        self.flush()
+        self._changed()
 
     def rolled_back(self, reached: int) -> None:
         """A guard rollback from step `reached`: the steps up to it will be trained again."""
@@ -99,9 +104,18 @@ class Goodput:
         return {"first": self.first, "reached": self.reached, "replayed_steps": self.replayed_steps,
                 "wall_s": round(wall, 3), "seconds": {c: round(s, 3) for c, s in seconds.items()}}
 
+    def _changed(self, always: bool = False) -> None:
+        if always or self.clock() >= self.next_write:
+            self.flush()
+
     def flush(self) -> None:
-        if self.write is not None:
-            self.write(self.account())
+        """Write the account now."""
+        if self.write is None:
+            return
+        started = self.clock()
+        self.write(self.account())
+        finished = self.clock()
+        self.next_write = finished + (finished - started) / WRITE_SHARE
 
 
 def furthest(starts: list[dict]) -> int:
