@@ -31,7 +31,7 @@ class StepClock:
     """Per-step figures since the last record: `reset(step)` starts an interval, `close(step)` ends it,
     `exclude(s, category)` takes time that is no step's out of it, `wait` times the host's wait for the
     devices. The intervals' and the excluded time go to `goodput`, the start's account (default: one
-    kept here only); the loop's first step starts now."""
+    kept here only), whose start-up ends when the loop builds its clock."""
 
     def __init__(self, first: int, last: int, prefetch, watchdog, goodput: Goodput | None = None):
         self.last, self.prefetch, self.watchdog = last, prefetch, watchdog
