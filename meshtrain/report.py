@@ -5,7 +5,9 @@ itself; a torn last record is dropped with a warning, see meshtrain/core/jsonl.p
 loss, eval loss and tokens/s against the step, one color per run, into one PNG
 (default report.png in the current folder), and prints a table: steps, final loss, best eval loss
 and the step it was reached at, median tokens/s (the median: the first steps' warm-up does not
-count).
+count). For a run folder whose run.json holds goodput accounts (meshtrain/run/goodput.py), it then
+prints where the run's wall time went, summed over its starts: goodput (productive / wall) and each
+category's seconds and share, the largest first (docs/operating.md, "Goodput").
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.planner.drawing import figure_suffixes
+from meshtrain.run import goodput
+from meshtrain.run.loggers import duration
 
 
 @dataclass
@@ -28,6 +32,7 @@ class Run:
     name: str
     train: list[dict]  # records with a loss, by step
     evals: list[dict]  # records with an eval_loss, by step
+    goodput: dict | None = None  # its starts' goodput accounts summed (goodput.total), None without
 
     def series(self, records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
         return np.array([r["step"] for r in records]), np.array([r[key] for r in records], float)
@@ -45,7 +50,33 @@ def load_run(path: str) -> Run:
     if not train:
         raise UserError(f"{file} holds no training records yet; pass a run that has logged a step")
     evals = sorted((r for r in records if "eval_loss" in r), key=lambda r: r["step"])
-    return Run(path.rstrip("/"), train, evals)
+    return Run(path.rstrip("/"), train, evals, run_goodput(file.parent))
+
+
+def run_goodput(folder: Path) -> dict | None:
+    """The goodput of the run in `folder`, summed over the starts that recorded an account."""
+    from meshtrain.run.run_dir import read_record  # JAX: only when a report is made
+
+    record = read_record(folder)
+    accounts = [s["goodput"] for s in record.get("starts", []) if "goodput" in s] if record else []
+    return goodput.total(accounts) if accounts else None
+
+
+def goodput_table(run: Run) -> str:
+    """`<run>: goodput 62% of 1m33s over 3 starts (2 restarts), 7 steps replayed`, then a line per
+    category: seconds and share of the wall time, productive first, then the losses, largest first."""
+    g = run.goodput
+    if g is None:
+        return f"{run.name}: no goodput recorded (no run.json account beside its metrics.jsonl: a run of an " \
+               f"earlier version, or a copied file)"
+    if g["goodput"] is None:
+        return f"{run.name}: {goodput.line(g)}"
+    head = (f"{run.name}: goodput {g['goodput']:.1%} of {duration(g['wall_s'])} over {g['starts']} start"
+            f"{'s' * (g['starts'] > 1)} ({g['restarts']} restart{'s' * (g['restarts'] != 1)}), "
+            f"{g['replayed_steps']} step{'s' * (g['replayed_steps'] != 1)} replayed")
+    rows = [("productive", g["goodput"])] + goodput.losses(g)
+    return "\n".join([head] + [f"  {goodput.LABELS[c]:<17} {g['seconds'][c]:>9.1f}s  {share:>6.1%}"
+                                for c, share in rows])
 
 
 def figure(runs: list[Run]):
@@ -108,6 +139,8 @@ def main(argv=None) -> int:
         figure(runs).savefig(tmp, dpi=100)
     out = Path(args.out)
     print(table(runs))
+    for run in runs:
+        print(goodput_table(run))
     print(f"plot written to {out}")
     return 0
 

@@ -84,9 +84,11 @@ def test_the_clock_measures_per_step_time_without_what_it_is_told_to_exclude(mon
     c.reset(6)
     now[0] += 1.0
     assert c.per_step(7) == (1.0, 0.0, 1.0)
-    c.restart()  # after an evaluation: the interval goes on from now
+    now[0] += 4.0
+    c.exclude(4.0, "evaluation")  # an evaluation: its time is no step's, and the goodput account's evaluation
     now[0] += 0.5
-    assert c.per_step(7)[0] == 0.5
+    assert c.per_step(7)[0] == 1.5
+    assert c.goodput.seconds["evaluation"] == 4.0
     assert c.is_last(10) and not c.is_last(9)
 
 
@@ -119,7 +121,7 @@ def test_grad_norms_and_stragglers_are_due_on_their_own_period():
     assert not any(StragglerCheck(t).due(s, clock()) for s in range(1, 7))  # one process: nothing to compare
 
 
-def test_evaluation_writes_its_record_restarts_the_clock_and_lets_the_first_compile():
+def test_evaluation_writes_its_record_keeps_its_time_out_of_the_steps_and_lets_the_first_compile():
     t = trainer()
     t.evaluation = lambda: {"eval_loss": 3.5}
     log, c = Log(), clock(last=6)
@@ -129,6 +131,7 @@ def test_evaluation_writes_its_record_restarts_the_clock_and_lets_the_first_comp
     time.sleep(0.01)
     ev.run(4, None, c)
     assert log.records == [{"step": 4, "eval_loss": 3.5}] and c.since > before
+    assert c.goodput.seconds["evaluation"] == pytest.approx(c.since - before)  # booked as evaluation
     assert t.watchdog.events == [("doing", "evaluating after step 4"), ("beat", 4)]
     assert t.watchdog.one_time is True  # the first evaluation compiles: the watchdog's floor applies
     ev.run(6, None, c)

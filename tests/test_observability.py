@@ -99,7 +99,7 @@ def test_summary_line_names_the_results_and_where_they_are(run):
     seconds = steps * np.array([r["step_time_s"] for r in train])
     rate = np.sum(seconds * [r["tokens_per_sec"] for r in train]) / np.sum(seconds)
     m = re.fullmatch(r"done: steps 1-6 in ([\d.]+)s; loss (\S+), eval_loss (\S+); ([\d,]+) tokens/s mean; "
-                     r"checkpoint (\S+); logs (\S+), (\S+)", summary)
+                     r"checkpoint (\S+); logs (\S+), (\S+); goodput \d+% \(.+\)", summary)
     assert m, summary
     assert (m[2], m[3]) == (f"{train[-1]['loss']:.4f}", f"{last_eval['eval_loss']:.4f}")
     assert abs(int(m[4].replace(",", "")) - rate) <= 1, (m[4], rate)

@@ -7,7 +7,8 @@ After each step the driver asks every action `due(step, clock)` and, if so, call
 - `Saving`: checkpoint.every / every_minutes, a preemption signal, and the last step.
 `Guard` judges each finished step (the NaN/Inf streak and the loss spike, with rollback) before the next is
 dispatched and before any save. `StepClock` owns the timers: the wall time since the last record, the
-host's waits for data and for the devices, and the time that is no step's (tracing, evaluation, saves).
+host's waits for data and for the devices, and the time that is no step's (tracing, evaluation, saves);
+it hands each to the start's goodput account (meshtrain/run/goodput.py).
 """
 from __future__ import annotations
 
@@ -21,16 +22,21 @@ import jax
 
 from meshtrain.core.console import log as console
 from meshtrain.core.errors import UserError
+from meshtrain.run.goodput import Goodput
 from meshtrain.run.health import CollectiveTimer, SpikeDetector, Stragglers, grad_norm_fields
 from meshtrain.run.multihost import agree_with_process_0, preemption_reached
 
 
 class StepClock:
-    """Per-step figures since the last record: `reset(step)` starts an interval, `exclude(s)` takes time
-    that is no step's out of it, `wait` times the host's wait for the devices."""
+    """Per-step figures since the last record: `reset(step)` starts an interval, `close(step)` ends it,
+    `exclude(s, category)` takes time that is no step's out of it, `wait` times the host's wait for the
+    devices. The intervals' and the excluded time go to `goodput`, the start's account (default: one
+    kept here only), whose start-up ends when the loop builds its clock."""
 
-    def __init__(self, first: int, last: int, prefetch, watchdog):
+    def __init__(self, first: int, last: int, prefetch, watchdog, goodput: Goodput | None = None):
         self.last, self.prefetch, self.watchdog = last, prefetch, watchdog
+        self.goodput = goodput or Goodput(time.perf_counter(), 0.0, first)
+        self.goodput.loop_started()
         self.device_wait = 0.0  # seconds the host waited for steps, in all
         self.reset(first)
 
@@ -38,12 +44,12 @@ class StepClock:
         self.since, self.step = time.perf_counter(), step
         self.data_mark, self.device_mark = self.prefetch.waited, self.device_wait
 
-    def exclude(self, seconds: float) -> None:
+    def exclude(self, seconds: float, category: str | None = None) -> None:
+        """`seconds` just spent were no step's; the goodput account books them under `category`
+        (meshtrain/run/goodput.py; None: other)."""
         self.since += seconds
-
-    def restart(self) -> None:
-        """The interval goes on from now (after an evaluation: its time is no step's)."""
-        self.since = time.perf_counter()
+        if category:
+            self.goodput.spend(category, seconds)
 
     def is_last(self, step: int) -> bool:
         return step == self.last
@@ -65,6 +71,24 @@ class StepClock:
         wall = (time.perf_counter() - self.since) / n
         return wall, (self.prefetch.waited - self.data_mark) / n, max(0.0, wall - (self.device_wait -
                                                                                   self.device_mark) / n)
+
+    def close(self, step: int) -> tuple[float, float, float]:
+        """`per_step(step)`, the interval's steps booked in the goodput account."""
+        wall, data, host = self.per_step(step)
+        n = step - self.step
+        self.goodput.steps(self.step, step, wall * n, data * n)
+        return wall, data, host
+
+    def rolled_back(self, reached: int, back: int, seconds: float) -> None:
+        """The guard rolled back from step `reached` to `back` in `seconds`: the interval's steps were
+        trained, the rollback and the steps back + 1 .. `reached`, to be trained again, are replayed."""
+        self.exclude(seconds, "replayed")
+        if reached > self.step:
+            self.close(reached)
+        else:  # recorded already: what followed (dispatching the dropped step) is lost
+            self.goodput.spend("replayed", time.perf_counter() - self.since)
+        self.goodput.rolled_back(reached)
+        self.reset(back)
 
 
 class StragglerCheck:
@@ -111,7 +135,7 @@ class Report:
 
     def run(self, step: int, metrics, clock: StepClock) -> None:
         metrics = jax.device_get(clock.wait(step, metrics)[1])
-        wall, data, host = clock.per_step(step)
+        wall, data, host = clock.close(step)
         t = self.trainer.cfg.train
         record = self.trainer.record(step, metrics, t.batch_size * t.seq_len / wall, wall, data)
         self.trainer.watchdog.observe(wall)
@@ -138,14 +162,14 @@ class Evaluation:
         return self.trainer.evaluation()
 
     def run(self, step: int, metrics, clock: StepClock) -> None:
-        dog = self.trainer.watchdog
+        dog, started = self.trainer.watchdog, time.perf_counter()
         dog.doing(f"{self.what} after step {step}")
         dog.one_time, self.first = self.first, False  # the first compiles the program
         record = self.metrics()
         if record:
             self.log.write({"step": step, **record})
         dog.beat(step)
-        clock.restart()
+        clock.exclude(time.perf_counter() - started, "evaluation")
 
 
 class TaskScoring(Evaluation):
@@ -193,7 +217,7 @@ class Saving:
     def run(self, step: int, metrics, clock: StepClock) -> bool:
         """Save the judged step (not inside a NaN/Inf streak); True when the run stops here, preempted."""
         trainer, dog = self.trainer, self.trainer.watchdog
-        final, path = self.preempted or clock.is_last(step), None
+        final, path, started = self.preempted or clock.is_last(step), None, time.perf_counter()
         if trainer.guard.bad_batches:  # a periodic save waits for the streak to end
             self.owed = True
             if final:
@@ -201,7 +225,6 @@ class Saving:
                 console.warning(f"step {step} is inside a NaN/Inf streak: not saved; the newest checkpoint is step "
                                 f"{max(trainer.checkpointer.steps(), default=0)}")
         else:
-            started = time.perf_counter()
             dog.doing(f"saving step {step}")
             dog.one_time, self.first = self.first, False  # the first sets up the checkpointer
             path = trainer.save_checkpoint(wait=final)
@@ -209,8 +232,8 @@ class Saving:
             dog.beat(step)
             if not final:  # async: the loop waited only for the device-to-host copy and checksums
                 self.log.write({"step": step, "checkpoint_blocking_s": time.perf_counter() - started})
-                clock.exclude(time.perf_counter() - started)
             self.owed = False
+        clock.exclude(time.perf_counter() - started, "checkpoint")
         if self.preempted:
             trainer.preempted = True
             console.info(f"preempted at step {step}: " + (f"checkpoint saved to {path}" if path else
@@ -256,6 +279,13 @@ class Guard:
         if pending is None:
             return None
         step, metrics = clock.wait(*pending)
+        started = time.perf_counter()
+        back = self._verdict(step, metrics, log)
+        if back is not None:
+            clock.rolled_back(step, back, time.perf_counter() - started)
+        return back
+
+    def _verdict(self, step: int, metrics, log) -> int | None:
         if bool(metrics["finite"]):
             self.bad_batches = []
             return self._spike(step, float(metrics["loss"]), log) if self.spikes is not None else None

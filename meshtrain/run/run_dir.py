@@ -6,7 +6,8 @@ run.json records what defines the run: the model's architecture, the data's fing
 mixture's: every source's, with its share), the seed and the learning-rate schedule's horizon. A
 later start in the same folder continues that run; one that would change any of them is refused
 (a new run needs a new --out), unless the user says `--allow-change`, which records the change as
-a new phase (the model never changes: its checkpoints hold its weights).
+a new phase (the model never changes: its checkpoints hold its weights). Each start's entry also
+holds its goodput account (meshtrain/run/goodput.py), rewritten whenever it changes.
 
 The data's fingerprint is its token count, dtype and the sha256 of every byte of its token stream
 (meshtrain/data/digest.py). run.json also records where each source was (`data_files`: absolute,
@@ -29,7 +30,7 @@ import yaml
 
 from meshtrain.config.loader import Config, UserError, default_out, load_config, parse_yaml, to_dict
 from meshtrain.core.console import NOTICE, log
-from meshtrain.core.folders import replace_file, writable
+from meshtrain.core.folders import full_disk_is_user_error, replace_file, writable
 from meshtrain.data import mixture
 from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
@@ -305,6 +306,17 @@ def record_start(out: Path, mine: dict, cfg: Config, step: int, changes: list[st
     record["starts"].append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "steps": cfg.train.steps,
                              "changes": changes, **({"record_rebuilt_from": rebuilt} if rebuilt else {})})
     replace_file(out / RUN_RECORD, json.dumps(record, indent=1) + "\n")
+
+
+def record_goodput(out: Path, account: dict) -> None:
+    """This start's goodput account (meshtrain/run/goodput.py) in its entry of run.json (the last),
+    written whole; not where run.json was removed while the run trains (the next start rebuilds it)."""
+    record = read_record(out)
+    if record is None or not record["starts"]:
+        return
+    record["starts"][-1]["goodput"] = account
+    with full_disk_is_user_error(out, f"{RUN_RECORD}'s goodput account", then="rerun the same command to resume"):
+        replace_file(out / RUN_RECORD, json.dumps(record, indent=1) + "\n")
 
 
 def version() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import shutil
 import time
@@ -27,7 +28,7 @@ from meshtrain.engine.program import TrainProgram
 from meshtrain.models import make_spec
 from meshtrain.ops.optimizers import map_param_states
 from meshtrain.parallel.mesh import describe
-from meshtrain.run import loggers, run_dir
+from meshtrain.run import goodput, loggers, run_dir
 from meshtrain.run.actions import (
     Evaluation,
     Guard,
@@ -53,6 +54,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, devices=None, allow_change: bool = False):
+        self._begun = goodput.start_time()  # the first fit()'s start-up runs from here (or the process's start)
         default_console()  # its notices print unless the user configured logging
         self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
         self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
@@ -113,8 +115,10 @@ class Trainer:
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
             primary = jax.process_index() == 0
+            compiling = time.perf_counter()
             with loggers.Ticker("compiling the train step", "compiled the train step", enabled=primary):
                 self.compiled_step = program.lower().compile()
+            self._compile_s = time.perf_counter() - compiling
             self.eval_step = program.eval_step()
             self.scorer = scoring.for_program(program, self.tasks) if self.tasks else None
         self.peak, self.peak_fp8 = run_peaks(program.mesh.devices.flat[0].device_kind, program.plan.precision)
@@ -246,14 +250,22 @@ class Trainer:
             return []
         self.preempted = False
         self._own_folder()  # held since __init__, or again for a second fit()
+        # This start's goodput account (meshtrain/run/goodput.py); a second fit() starts at its call.
+        fresh = self._begun is not None
+        account = goodput.Goodput(self._begun if fresh else time.perf_counter(), self._compile_s if fresh else 0.0,
+                                  first)
+        self._begun = None
         try:
             # From before the first write on, a signal finishes the step, checkpoints and exits 0.
             with preemption_signals() as signalled:
                 if primary:  # only a run that trains writes into --out
                     run_dir.write_config(self.out, cfg, self.program.mesh)
+                    earlier = run_dir.read_record(self.out)
                     run_dir.record_start(self.out, self.identity, cfg, first, self.changes,
                                          run_dir.data_files(self.out, self.mixture))
                     self.changes = []
+                    account.replay_until = goodput.furthest(earlier["starts"] if earlier else [])
+                    account.write = functools.partial(run_dir.record_goodput, self.out)
                     tokenizer_lib.record(self.out, self.mixture.tokenizer)  # so the run's tokens can be decoded
                 console.info(f"meshtrain: {self.program.num_params / 1e6:.2f}M params, mesh "
                              f"{describe(self.program.sizes)} ({jax.device_count()} {jax.default_backend()} devices), "
@@ -263,35 +275,42 @@ class Trainer:
                 started = time.perf_counter()
                 self.watchdog = StepWatchdog(t.step_timeout, self.out, jax.process_index(), jax.process_count(), first)
                 with self.watchdog:
-                    self._loop(first, steps, log, signalled)
+                    self._loop(first, steps, log, signalled, account)
             # Every save is durable (the last one waited for): Orbax's manager and its thread end here,
             # on every process alike, before --out is given back (a second fit() makes a new one). Not
             # on an error: a peer may be gone.
+            closing = time.perf_counter()
             self.checkpointer.close()
+            account.spend("checkpoint", time.perf_counter() - closing)
         except UserError:  # a full disk, say: the saves already started still become durable
             if jax.process_count() == 1:
                 with contextlib.suppress(Exception):
                     self.checkpointer.wait()
             raise
         finally:
+            with contextlib.suppress(Exception):  # written at its last change; after an error, as far as it got
+                account.flush()
             if log is not None:
                 log.close()
             self.close()
         if primary:
             saved = self.checkpointer.steps()
             newest = str(self.checkpointer.path(max(saved))) if saved else None
+            record = run_dir.read_record(self.out)  # the run's starts, this one's account last
+            accounts = [s["goodput"] for s in record["starts"] if "goodput" in s] if record else [account.account()]
             console.info(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
-                                              time.perf_counter() - started, newest, log.locations()))
+                                              time.perf_counter() - started, newest, log.locations())
+                         + "; " + goodput.line(goodput.total(accounts)))
         return log.history
 
-    def _loop(self, first, steps, log, signalled):
+    def _loop(self, first, steps, log, signalled, account):
         """The step driver: dispatch a step, then judge the one before it (the host never waits for the step
         it just dispatched), then run the periodic actions that are due (meshtrain/run/actions.py)."""
         depth, dog = self.cfg.data.prefetch, self.watchdog
         prefetch = Prefetcher(self.train_batches, depth)
         trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
                                       state=lambda: self.state)
-        clock = StepClock(first, steps, prefetch, dog)
+        clock = StepClock(first, steps, prefetch, dog, account)
         periodic = [Report(self, log), Evaluation(self, log), TaskScoring(self, log)]
         saving = Saving(self, log, signalled)
         k, pending = first, None  # pending: (step, metrics) not yet judged by the guard
@@ -303,8 +322,7 @@ class Trainer:
                 dog.doing(f"dispatching step {k + 1}")
                 self.state, metrics = self.compiled_step(self.state, batch)
                 if (back := self.guard.judge(pending, clock, log)) is not None:
-                    k, pending = back, None  # rolled back: the step in flight is dropped
-                    clock.reset(k)
+                    k, pending = back, None  # rolled back (the clock too): the step in flight is dropped
                     continue
                 k = done = k + 1
                 clock.exclude(trace.after(done))
@@ -317,7 +335,6 @@ class Trainer:
                 judged, pending = pending, None  # a checkpoint never lands inside a NaN/Inf streak
                 if (back := self.guard.judge(judged, clock, log)) is not None:
                     k = back
-                    clock.reset(k)
                 elif saving.run(done, metrics, clock):
                     return  # preempted
 
