@@ -87,16 +87,18 @@ class LocalTier:
         self.wait()
         step = int(state["step"])
         meta = {**metadata, "checksums": state_checksums(state)}
-        leaves, chunks, offset = [], [], 0
+        picked = []  # per leaf: (path, array, its distinct shards on this process's devices)
         for path, x in jax.tree_util.tree_leaves_with_path(state):
-            shards, seen = [], set()
-            for shard in x.addressable_shards:
-                index = _index(shard.index, x.shape)
-                if str(index) in seen:  # a replica this process already holds
-                    continue
-                seen.add(str(index))
+            distinct = {str(_index(s.index, x.shape)): s for s in x.addressable_shards}
+            picked.append((path, x, list(distinct.values())))
+            for shard in distinct.values():
+                shard.data.copy_to_host_async()  # every copy in flight at once, then collected below
+        leaves, chunks, offset = [], [], 0
+        for path, x, distinct in picked:
+            shards = []
+            for shard in distinct:
                 data = np.ascontiguousarray(np.asarray(shard.data))
-                shards.append({"index": index, "offset": offset, "nbytes": data.nbytes})
+                shards.append({"index": _index(shard.index, x.shape), "offset": offset, "nbytes": data.nbytes})
                 chunks.append(data)
                 offset += data.nbytes
             leaves.append({"name": jax.tree_util.keystr(path), "shape": list(x.shape), "dtype": str(x.dtype),
