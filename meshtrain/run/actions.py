@@ -231,7 +231,7 @@ class LocalSaving:
 
     def __init__(self, trainer, log):
         self.trainer, self.log = trainer, log
-        self.owed, self.last_save = False, time.monotonic()
+        self.owed, self.last_save, self.first = False, time.monotonic(), True
 
     def due(self, step: int, clock: StepClock, persistent: bool) -> bool:
         """`persistent`: the persistent tier saves this step, which stands for a local save too."""
@@ -250,6 +250,7 @@ class LocalSaving:
             return  # still owed
         started = time.perf_counter()
         dog.doing(f"saving step {step} to the local tier")
+        dog.one_time, self.first = self.first, False  # the first may compile the checksums
         trainer.save_local()  # returns once the shards are on the host; written in the background
         self.owed, self.last_save = False, time.monotonic()
         dog.beat(step)
