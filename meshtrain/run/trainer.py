@@ -248,10 +248,9 @@ class Trainer:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))
 
-    def save_local(self) -> Path:
+    def save_local(self) -> None:
         """Save to the local tier; returns once this process's shards are on the host."""
         self._local().save(self.state, self.metadata(), describe(self.program.sizes))
-        return self.local_tier.path(int(self.state["step"]))
 
     def evaluate(self) -> float | None:
         return self.evaluation().get("eval_loss")
