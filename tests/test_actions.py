@@ -16,6 +16,7 @@ from meshtrain.run.actions import (
     Evaluation,
     GradNorms,
     Guard,
+    LocalSaving,
     Report,
     Saving,
     StepClock,
@@ -212,6 +213,30 @@ def test_a_save_inside_a_nan_streak_is_owed_and_a_preempted_run_stops(caplog):
         assert saving.due(3, c) and saving.run(3, None, c) is True
     assert t.preempted and saved == [("save", True)]
     assert "preempted at step 3: checkpoint saved to ckpt/1" in caplog.text
+
+
+def test_the_local_tier_saves_between_the_persistent_saves_and_waits_for_a_streak_to_end(monkeypatch):
+    t, _ = saving_trainer(local_dir="/nvme", local_every=2, local_every_minutes=1.0)
+    local = []
+    t.save_local = lambda: local.append(t.step)
+    now = [1000.0]
+    monkeypatch.setattr(actions.time, "monotonic", lambda: now[0])
+    log, c = Log(), clock(last=100)
+    saving = LocalSaving(t, log)
+    for t.step in range(1, 7):
+        if saving.due(t.step, c, persistent=t.step == 4):  # step 4: the persistent tier saves it
+            saving.run(t.step, c)
+    assert local == [2, 6] and [r["step"] for r in log.records] == [2, 6]
+    assert "local_checkpoint_blocking_s" in log.records[0] and t.watchdog.one_time is False
+    now[0] += 61  # local_every_minutes: at a step that is no multiple of local_every
+    t.guard.bad_batches = [107]
+    assert saving.due(7, c, persistent=False)
+    saving.run(7, c)
+    assert local == [2, 6] and saving.owed  # not inside a NaN/Inf streak
+    t.guard.bad_batches = []
+    assert saving.due(8, c, persistent=True) is False and not saving.owed  # the persistent save stands for it
+    off, _ = saving_trainer(local_dir="")
+    assert not LocalSaving(off, Log()).due(2, c, persistent=False)
 
 
 def guard_trainer(**guard):

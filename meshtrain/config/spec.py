@@ -184,6 +184,15 @@ class CheckpointConfig:
     init_from: str = setting("", "weights to start from when there is no checkpoint to resume (fine-tuning): "
                                  "hf:DIR (a Hugging Face checkpoint folder) or a meshtrain run folder; the "
                                  "optimizer starts fresh; '' = random initialisation")
+    local_dir: str = setting("", "the fast local tier (docs/checkpoints.md, Two tiers): a folder on each node's own "
+                                 "disk (NVMe) where every process saves its own shards, more often than the "
+                                 "persistent tier in <out>/checkpoints; a restart on the same processes and mesh "
+                                 "restores from whichever tier is newer; '' = off")
+    local_every: int = setting(0, "checkpoint.local_dir: save there every N steps; 0 = by time only", min=0)
+    local_every_minutes: float = setting(0.0, "checkpoint.local_dir: also save there when this many minutes "
+                                              "passed since the last local save; 0 disables it", min=0.0)
+    local_keep: int = setting(2, "checkpoint.local_dir: keep the newest N local checkpoints of each process",
+                              min=1)
 
 
 @dataclass

@@ -80,12 +80,30 @@ def check_config(cfg) -> None:
     if cfg.eval.tasks and not (cfg.eval.task_every or t.eval_every):
         raise UserError("eval.tasks are set but never scored: eval.task_every and train.eval_every are 0; set "
                         "eval.task_every=N")
+    _check_local_tier(cfg.checkpoint, cfg.out)
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
     if cfg.data.eos_id >= m.vocab_size:
         raise UserError(f"data.eos_id={cfg.data.eos_id} is outside model.vocab_size={m.vocab_size}; set the "
                         f"tokenizer's EOS id, or -1 for the tokenizer's own")
+
+
+def _check_local_tier(c, out: str) -> None:
+    """checkpoint.local_*: the local tier is written when it is set, and is never the persistent tier."""
+    if not c.local_dir:
+        if c.local_every or c.local_every_minutes:
+            raise UserError("checkpoint.local_every / local_every_minutes are set but checkpoint.local_dir is not; "
+                            "name a folder on the node's own disk, or set them to 0")
+        return
+    if not (c.local_every or c.local_every_minutes):
+        raise UserError(f"checkpoint.local_dir={c.local_dir!r} is never written: set checkpoint.local_every (steps) "
+                        f"or checkpoint.local_every_minutes")
+    local = Path(c.local_dir).expanduser().absolute()
+    persistent = (Path(out).expanduser().absolute() / "checkpoints") if out else None
+    if persistent and (local == persistent or persistent in local.parents):
+        raise UserError(f"checkpoint.local_dir={c.local_dir!r} is inside the persistent tier {persistent}; pick a "
+                        f"folder on the node's own disk, outside --out/checkpoints")
 
 
 def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) -> None:

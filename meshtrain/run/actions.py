@@ -4,7 +4,8 @@ After each step the driver asks every action `due(step, clock)` and, if so, call
 - `Report`: the metric record every train.log_every steps and at the last (tokens/s, MFU, memory), with
   `StragglerCheck` (train.straggler_every) and `GradNorms` (train.grad_norms_every) adding their fields;
 - `Evaluation` (train.eval_every) and `TaskScoring` (eval.task_every);
-- `Saving`: checkpoint.every / every_minutes, a preemption signal, and the last step.
+- `Saving`: checkpoint.every / every_minutes, a preemption signal, and the last step; `LocalSaving`:
+  the local tier (checkpoint.local_every / local_every_minutes) at the steps between.
 `Guard` judges each finished step (the NaN/Inf streak and the loss spike, with rollback) before the next is
 dispatched and before any save. `StepClock` owns the timers: the wall time since the last record, the
 host's waits for data and for the devices, and the time that is no step's (tracing, evaluation, saves);
@@ -210,9 +211,7 @@ class Saving:
         c = self.trainer.cfg.checkpoint
         if c.every and step % c.every == 0:
             return True
-        if not c.every_minutes or (processes > 1 and step % self.trainer.cfg.train.log_every):
-            return False
-        return agree_with_process_0(time.monotonic() - self.last_save >= 60 * c.every_minutes)
+        return minutes_passed(self.last_save, c.every_minutes, step, self.trainer.cfg.train.log_every)
 
     def run(self, step: int, metrics, clock: StepClock) -> bool:
         """Save the judged step (not inside a NaN/Inf streak); True when the run stops here, preempted."""
@@ -239,6 +238,47 @@ class Saving:
             console.info(f"preempted at step {step}: " + (f"checkpoint saved to {path}" if path else
                                                           "not saved (inside a NaN/Inf streak)"))
         return self.preempted
+
+
+def minutes_passed(since: float, minutes: float, step: int, log_every: int) -> bool:
+    """`minutes` (0: never) passed since the monotonic time `since`; with several processes, process 0's
+    clock decides, at log steps only (one tiny broadcast)."""
+    if not minutes or (jax.process_count() > 1 and step % log_every):
+        return False
+    return agree_with_process_0(time.monotonic() - since >= 60 * minutes)
+
+
+class LocalSaving:
+    """The local tier (checkpoint.local_every / local_every_minutes, run/local_tier.py) at the steps the
+    persistent tier does not save; never inside a NaN/Inf streak (owed until it ends)."""
+
+    def __init__(self, trainer, log):
+        self.trainer, self.log = trainer, log
+        self.owed, self.last_save, self.first = False, time.monotonic(), True
+
+    def due(self, step: int, clock: StepClock, persistent: bool) -> bool:
+        """`persistent`: the persistent tier saves this step, which stands for a local save too."""
+        c = self.trainer.cfg.checkpoint
+        if not c.local_dir:
+            return False
+        by_time = minutes_passed(self.last_save, c.local_every_minutes, step, self.trainer.cfg.train.log_every)
+        self.owed = self.owed or by_time or bool(c.local_every and step % c.local_every == 0)
+        if persistent:
+            self.owed, self.last_save = False, time.monotonic()
+        return self.owed
+
+    def run(self, step: int, clock: StepClock) -> None:
+        trainer, dog = self.trainer, self.trainer.watchdog
+        if trainer.guard.bad_batches:
+            return  # still owed
+        started = time.perf_counter()
+        dog.doing(f"saving step {step} to the local tier")
+        dog.one_time, self.first = self.first, False  # the first may compile the checksums
+        trainer.save_local()  # returns once the shards are on the host; written in the background
+        self.owed, self.last_save = False, time.monotonic()
+        dog.beat(step)
+        self.log.write({"step": step, "local_checkpoint_blocking_s": time.perf_counter() - started})
+        clock.exclude(time.perf_counter() - started, "checkpoint")
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 A record is a dict with a `step`: a training step's metrics (loss, grad_norm, lr, tokens_per_sec,
 ..., the model's own such as router_aux_loss, fp16's loss_scale, a mixture's share_<source>), an
 evaluation (`eval_loss`, a mixture's eval_loss_<source>), downstream tasks' accuracies (eval_acc_<task>,
-eval_acc_norm_<task>) or an async checkpoint start (`checkpoint_blocking_s`). `MetricsLog` stamps
+eval_acc_norm_<task>) or an async checkpoint start (`checkpoint_blocking_s`; the local tier's
+`local_checkpoint_blocking_s`). `MetricsLog` stamps
 each with the wall time, keeps them in `history` and hands them to its sinks, each a `Logger`:
 write(record), rewind(step) (a guard rollback is about to train the steps past `step` again: forget them), close().
 
@@ -89,6 +90,9 @@ def format_record(r: dict) -> str:
             f"{t} acc {r['eval_acc_' + t]:.4f} acc_norm {r['eval_acc_norm_' + t]:.4f}" for t in tasks)
     if "checkpoint_blocking_s" in r:
         return f"step {r['step']:>6}  checkpoint started (blocked the loop {r['checkpoint_blocking_s'] * 1e3:.1f}ms)"
+    if "local_checkpoint_blocking_s" in r:  # checkpoint.local_dir's tier
+        return f"step {r['step']:>6}  local checkpoint started (blocked the loop " \
+               f"{r['local_checkpoint_blocking_s'] * 1e3:.1f}ms)"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
              f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
     if r.get("skipped_steps"):
@@ -285,7 +289,7 @@ class Jsonl:
 # model's new metric) go under train/; those starting with a PREFIXES key under its group.
 TAG_GROUPS = {
     "perf": ("tokens_per_sec", "step_time_s", "data_wait_s", "mfu", "mfu_fp8", "tflops_per_device",
-             "checkpoint_blocking_s"),
+             "checkpoint_blocking_s", "local_checkpoint_blocking_s"),
     "guard": ("skipped_steps",),
     "precision": ("loss_scale", "overflows"),
     "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),

@@ -19,6 +19,7 @@ from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
 from meshtrain.core.console import default_console
 from meshtrain.core.console import log as console
+from meshtrain.core.folders import writable
 from meshtrain.core.metrics import run_peaks, throughput_fields
 from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
@@ -32,6 +33,7 @@ from meshtrain.run import goodput, loggers, run_dir
 from meshtrain.run.actions import (
     Evaluation,
     Guard,
+    LocalSaving,
     Report,
     Saving,
     StepClock,
@@ -39,6 +41,7 @@ from meshtrain.run.actions import (
     preemption_signals,
 )
 from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
+from meshtrain.run.local_tier import LocalTier, run_folder, run_id
 from meshtrain.run.lock import LOCK_FILE, FolderLock
 from meshtrain.run.multihost import agree_with_process_0
 from meshtrain.run.watchdog import StepWatchdog
@@ -96,21 +99,25 @@ class Trainer:
         self.shares = getattr(self.train_batches, "shares", None)  # a mixture's
 
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
+        self.local_tier = None  # checkpoint.local_dir: made with the run's id (run_dir) by `_local`
+        if cfg.checkpoint.local_dir:  # before any compile: a folder no process can write is one error
+            writable(run_folder(cfg.checkpoint.local_dir, self.out), "checkpoint.local_dir")
         self.resumed_from = None
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.guard = Guard(self)  # its loss-spike detector is part of a checkpoint
         self.watchdog = StepWatchdog(-1, self.out)  # fit() arms its own
         with program.context():
             resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
-            if resume_steps:
-                self.state = self.restore(resume_root, resume_steps)
-            elif cfg.checkpoint.init_from:
+            resuming = cfg.checkpoint.resume != "never"
+            self.state = (self.restore(resume_root, resume_steps) if resume_steps or (resuming and self._local())
+                          else None)  # None: neither tier holds one
+            if self.state is None and cfg.checkpoint.init_from:
                 params = run_dir.initial_params(cfg.checkpoint.init_from, program.model,
                                                 program.state_shardings["params"])
                 self.state = jax.jit(program.state_from_params, out_shardings=program.state_shardings,
                                      donate_argnums=0)(params)  # the loaded copy becomes the state's
                 console.info(f"initialised from {cfg.checkpoint.init_from}")
-            else:
+            elif self.state is None:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
@@ -143,23 +150,44 @@ class Trainer:
         """Give --out back (fit() does at its end; a Trainer that never trains should be closed)."""
         self.lock.release()
 
-    def restore(self, root: Path, steps: list[int], verb: str = "resumed from"):
+    def restore(self, root: Path | None, steps: list[int], verb: str = "resumed from"):
         """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
-        (elastic: any saved mesh works)."""
-        reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
-        step, state, meta = reader.restore_latest_intact(
-            steps, abstract_like(self.program.abstract_state, self.program.state_shardings),
-            self._check_same_model, self.program.optional_state())
+        (elastic: any saved mesh works), or the local tier's newest when it is newer (same mesh
+        only); None when neither has one."""
+        abstract = abstract_like(self.program.abstract_state, self.program.state_shardings)
+        local = self._local()
+        found = local.restore_newer(steps[0] if steps else -1, abstract, describe(self.program.sizes)) \
+            if local else None
+        if found is not None:
+            step, state, meta = found
+            where, tier = local.path(step), "local tier, "
+        elif not steps:
+            return None
+        else:
+            reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
+            step, state, meta = reader.restore_latest_intact(steps, abstract, self._check_same_model,
+                                                             self.program.optional_state())
+            where, tier = reader.path(step), ""
         saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
         if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)
-        self.resumed_from = reader.path(step)
+        self.resumed_from = where
         self.skip(meta.get("skip_batches", []))
         if self.guard.spikes is not None:
             same_data = meta["config"].get("data") == to_dict(self.cfg)["data"]
             self.guard.spikes.resume(meta.get("spike_detector"), same_data)
-        console.info(f"{verb} step {step} ({self.resumed_from}, saved on mesh {meta['mesh']})")
+        console.info(f"{verb} step {step} ({tier}{self.resumed_from}, saved on mesh {meta['mesh']})")
         return state
+
+    def _local(self) -> LocalTier | None:
+        """The local tier (checkpoint.local_dir) of this run, once run.json names the run (its first
+        start); None without one."""
+        c = self.cfg.checkpoint
+        if c.local_dir and self.local_tier is None:
+            owner = run_id(run_dir.read_record(self.out))
+            if owner is not None:
+                self.local_tier = LocalTier(run_folder(c.local_dir, self.out), c.local_keep, owner)
+        return self.local_tier
 
     def _check_same_model(self, meta, folder) -> None:
         """Resume needs the same weights' definition (architecture, resolved); everything about how the
@@ -212,15 +240,22 @@ class Trainer:
             index += 1
         return index
 
-    def save_checkpoint(self, wait: bool = False) -> Path:
+    def metadata(self) -> dict:
+        """What a checkpoint records beside the state (either tier): the resume needs all of it."""
         p = self.program
-        self.checkpointer.save(self.state, {"config": to_dict(self.cfg), "mesh": describe(p.sizes),
-                                            "devices": p.mesh.size, "skip_batches": self.skip_batches,
-                                            "layer_order": p.layer_order.tolist(),
-                                            "spike_detector": self.guard.spikes.state() if self.guard.spikes else None})
+        return {"config": to_dict(self.cfg), "mesh": describe(p.sizes), "devices": p.mesh.size,
+                "skip_batches": self.skip_batches, "layer_order": p.layer_order.tolist(),
+                "spike_detector": self.guard.spikes.state() if self.guard.spikes else None}
+
+    def save_checkpoint(self, wait: bool = False) -> Path:
+        self.checkpointer.save(self.state, self.metadata())
         if wait:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))
+
+    def save_local(self) -> None:
+        """Save to the local tier; returns once this process's shards are on the host."""
+        self._local().save(self.state, self.metadata(), describe(self.program.sizes))
 
     def evaluate(self) -> float | None:
         return self.evaluation().get("eval_loss")
@@ -282,6 +317,8 @@ class Trainer:
             closing = time.perf_counter()
             self.checkpointer.close()
             account.spend("checkpoint", time.perf_counter() - closing)
+            if self.local_tier is not None:
+                self.local_tier.wait()
         except UserError:  # a full disk, say: the saves already started still become durable
             if jax.process_count() == 1:
                 with contextlib.suppress(Exception):
@@ -312,7 +349,7 @@ class Trainer:
                                       state=lambda: self.state)
         clock = StepClock(first, steps, prefetch, dog, account)
         periodic = [Report(self, log), Evaluation(self, log), TaskScoring(self, log)]
-        saving = Saving(self, log, signalled)
+        saving, local_saving = Saving(self, log, signalled), LocalSaving(self, log)
         k, pending = first, None  # pending: (step, metrics) not yet judged by the guard
         with self.program.context(), contextlib.closing(prefetch), trace:
             while k < steps:
@@ -330,11 +367,14 @@ class Trainer:
                 for action in periodic:
                     if action.due(done, clock):
                         action.run(done, metrics, clock)
-                if not saving.due(done, clock):
+                save = saving.due(done, clock)
+                if not (local_saving.due(done, clock, save) or save):
                     continue
                 judged, pending = pending, None  # a checkpoint never lands inside a NaN/Inf streak
                 if (back := self.guard.judge(judged, clock, log)) is not None:
                     k = back
+                elif not save:
+                    local_saving.run(done, clock)
                 elif saving.run(done, metrics, clock):
                     return  # preempted
 
