@@ -10,7 +10,7 @@ from meshtrain import data
 from meshtrain.config.loader import DataConfig, UserError
 from meshtrain.data import prepare, sources, tokenizer
 from meshtrain.data.__main__ import main
-from meshtrain.data.prepare import tokenized
+from meshtrain.data.prepare import tokenize, tokenized
 
 pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
 
@@ -220,3 +220,33 @@ def test_a_prepared_folder_carries_its_hash_and_a_run_reads_no_shard_for_it(tmp_
     del manifest["sha256"]
     (out / "manifest.json").write_text(json.dumps(manifest))  # an earlier version's manifest
     assert stream(out).sha256() == whole and len(reads) == 2
+
+
+def test_a_tokenizer_without_an_unknown_token_that_drops_text_is_an_error_or_a_counted_warning(tmp_path, capsys,
+                                                                                               caplog):
+    """A BPE with no unknown token and no byte fallback maps every character outside its vocabulary to
+    nothing: most of a corpus could vanish at prepare without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz<>|")}
+    rust = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()  # spaces split words: never counted as dropped
+    rust.add_special_tokens(["<|endoftext|>"])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text("plain words here\nÜber 123 straße\n")
+    argv = ["prepare", str(tmp_path / "corpus.txt"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--workers", "1"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    # Ü, 1, 2, 3 and ß: 5 of the 27 characters that are not whitespace
+    assert err == (f"error: tokenizer {tmp_path / 'tokenizer.json'} has no unknown token: it maps 5 characters of "
+                   f"{tmp_path / 'corpus.txt'} to no token (18.52%; most often 'Ü' x 1, '1' x 1, '2' x 1) of what "
+                   f"was read so far; use a tokenizer that covers this text (a byte-level BPE: python -m "
+                   f"meshtrain.data train-tokenizer), or pass --allow-dropped-text to prepare it without them\n")
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--out", str(tmp_path / "out"), "--allow-dropped-text"]) == 0
+    assert "warning: tokenizer" in capsys.readouterr().err and "maps 5 characters" in caplog.text
+    assert (tmp_path / "out" / "manifest.json").exists()
+    # A tokenizer that covers the text (bytes) drops nothing and says nothing.
+    part = tokenize(sources.units("text", str(tmp_path / "corpus.txt"))[0], BYTE, "text")
+    assert part.dropped == {} and len(part.ids)

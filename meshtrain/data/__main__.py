@@ -33,6 +33,9 @@ def parser() -> Parser:
     prep.add_argument("--workers", type=number(int, min=1, max=1024), default=os.cpu_count(),
                       help="tokenizing processes")
     prep.add_argument("--shard-tokens", type=number(int, min=1), default=SHARD_TOKENS, help="tokens per shard file")
+    prep.add_argument("--allow-dropped-text", action="store_true",
+                      help="prepare although the tokenizer (one without an unknown token) maps some characters to "
+                           "no token: a warning with their counts instead of an error")
     train = commands.add_parser("train-tokenizer", parents=[source], help="train a byte-level BPE on SRC")
     train.add_argument("--vocab-size", type=number(int, min=1), required=True,
                        help="ids in the vocabulary, EOS included")
@@ -50,7 +53,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.command == "prepare":
         tok = tokenizer_lib.load(args.tokenizer)
-        m = prepare(args.src, tok, args.out, args.workers, args.text_field, args.shard_tokens, kind)
+        m = prepare(args.src, tok, args.out, args.workers, args.text_field, args.shard_tokens, kind,
+                    args.allow_dropped_text)
         seconds = time.perf_counter() - started
         print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) from {m['documents']:,} documents in "
               f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s)")

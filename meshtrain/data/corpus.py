@@ -14,7 +14,7 @@ import numpy as np
 
 from meshtrain.core.errors import UserError
 from meshtrain.data import tokenizer as tokenizer_lib
-from meshtrain.data.prepare import tokenize
+from meshtrain.data.prepare import DroppedText, tokenize
 from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
 from meshtrain.data.tokens import Tokens, read_prepared, token_stream
 
@@ -63,7 +63,13 @@ def _tokenized(kind: str, dcfg, tok) -> Tokens:
         raise UserError(f"{dcfg.path} holds {size / 1e6:,.0f} MB of {kind}, more than training tokenizes "
                         f"on load ({RAW_LIMIT_BYTES / 1e6:,.0f} MB); run python -m meshtrain.data prepare "
                         f"{dcfg.path} --tokenizer {tok.name} --out DIR once, then train on --data DIR")
-    ids = [tokenize(u, tok, dcfg.text_field)[0] for u in parts]
+    dropped = DroppedText(tok, dcfg.path, False, f"prepare it with python -m meshtrain.data prepare {dcfg.path} "
+                                                f"--tokenizer {tok.name} --allow-dropped-text --out DIR")
+    ids = []
+    for unit in parts:
+        part = tokenize(unit, tok, dcfg.text_field)
+        dropped.add(part)
+        ids.append(part.ids)
     if not any(len(i) for i in ids):
         raise UserError(f"{dcfg.path or 'the data'} holds no documents; pass a source with text in it")
     return Tokens([np.concatenate(ids)])

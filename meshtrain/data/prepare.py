@@ -10,15 +10,18 @@ the folder reads no shard to know its data's identity (meshtrain/data/tokens.py 
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import multiprocessing
 import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
 from meshtrain.data import tokenizer as tokenizer_lib
@@ -28,18 +31,62 @@ from meshtrain.data.tokens import MANIFEST, file_meta, sidecar, token_dtype, wri
 SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 
 
-def tokenize(unit: Unit, tok, field: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, ends): the unit's documents, each followed by document_end(tok), in the token dtype;
-    document i ends before ids[ends[i]]."""
+class Tokenized(NamedTuple):
+    """A unit's documents as tokens: `ids`, each document followed by document_end(tok), in the token
+    dtype; document i ends before ids[ends[i]]. `dropped`: the characters the tokenizer mapped to no
+    token, with their counts, of `characters` (not whitespace) read; empty where it cannot drop any."""
+    ids: np.ndarray
+    ends: np.ndarray
+    characters: int = 0
+    dropped: dict[str, int] = {}
+
+
+def tokenize(unit: Unit, tok, field: str) -> Tokenized:
+    texts = list(read(unit, field))
     end = tokenizer_lib.document_end(tok)
-    pieces = [piece for ids in tok.encode_batch(list(read(unit, field))) for piece in (ids, end)]
+    pieces = [piece for ids in tok.encode_batch(texts) for piece in (ids, end)]
     dtype = token_dtype(tok.vocab_size)
+    characters, dropped = 0, {}
+    if getattr(tok, "may_drop", False):  # a tokenizer with no unknown token: count what it drops
+        counts = collections.Counter()
+        for text in texts:
+            counts.update(text)
+        characters = sum(n for c, n in counts.items() if not c.isspace())
+        dropped = tok.dropped(counts)
     if not pieces:
-        return np.zeros(0, dtype), np.zeros(0, np.int64)
-    return np.concatenate(pieces).astype(dtype), np.cumsum([len(p) for p in pieces])[1::2]
+        return Tokenized(np.zeros(0, dtype), np.zeros(0, np.int64), characters, dropped)
+    return Tokenized(np.concatenate(pieces).astype(dtype), np.cumsum([len(p) for p in pieces])[1::2], characters,
+                     dropped)
 
 
-def tokenized(parts: list[Unit], tok, field: str, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+class DroppedText:
+    """What a tokenizer without an unknown token mapped to nothing, summed over units: an error at the
+    first such character (the model would never see that text), or, where the user allows it, a
+    warning with the counts at the end."""
+
+    def __init__(self, tok, src: str, allowed: bool, how_to_allow: str):
+        self.tok, self.src, self.allowed, self.how_to_allow = tok, src, allowed, how_to_allow
+        self.characters, self.dropped = 0, collections.Counter()
+
+    def add(self, part: Tokenized) -> None:
+        self.characters += part.characters
+        self.dropped.update(part.dropped)
+        if self.dropped and not self.allowed:
+            raise UserError(f"{self.summary()} of what was read so far; use a tokenizer that covers this text (a "
+                            f"byte-level BPE: python -m meshtrain.data train-tokenizer), or {self.how_to_allow}")
+
+    def summary(self) -> str:
+        n = sum(self.dropped.values())
+        common = ", ".join(f"{c!r} x {k:,}" for c, k in self.dropped.most_common(3))
+        return (f"tokenizer {self.tok.name} has no unknown token: it maps {n:,} characters of {self.src} to no "
+                f"token ({n / max(self.characters, 1):.2%}; most often {common})")
+
+    def warn(self) -> None:
+        if self.dropped:
+            log.warning(f"{self.summary()}; they are left out of the tokens")
+
+
+def tokenized(parts: list[Unit], tok, field: str, workers: int) -> Iterator[Tokenized]:
     """`tokenize` of each unit, in order; units spread over `workers` processes."""
     workers = min(workers, len(parts))
     if workers <= 1:
@@ -109,9 +156,10 @@ class ShardWriter:
 
 
 def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = "text",
-            shard_tokens: int = SHARD_TOKENS, kind: str = "auto") -> dict:
+            shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False) -> dict:
     """Tokenize `src` (a raw source: text, jsonl, Parquet, datasets folder) into the empty or new
-    folder `out`; returns the manifest."""
+    folder `out`; returns the manifest. Text the tokenizer maps to no token is an error unless
+    `allow_dropped_text` (then a warning with the counts)."""
     kind = detect(src, kind)
     if kind not in RAW_KINDS:
         raise UserError(f"{src} holds {kind}, not documents; prepare reads text, jsonl, Parquet or a "
@@ -119,17 +167,20 @@ def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = 
     if shard_tokens < 1 or workers < 1:
         raise UserError(f"--shard-tokens {shard_tokens} and --workers {workers} must be >= 1")
     parts = units(kind, src)
+    dropped = DroppedText(tok, src, allow_dropped_text, "pass --allow-dropped-text to prepare it without them")
     with writing_whole(out, "--out") as tmp:
         writer = ShardWriter(tmp, tok, shard_tokens)
         try:
-            for ids, ends in tokenized(parts, tok, text_field, workers):
-                writer.add(ids, ends)
+            for part in tokenized(parts, tok, text_field, workers):
+                dropped.add(part)
+                writer.add(part.ids, part.ends)
             shards = writer.close()
         finally:
             if writer.file is not None:
                 writer.file.close()
         if not shards:
             raise UserError(f"{src} holds no documents; pass a source with text in it")
+        dropped.warn()
         tokenizer_lib.record(tmp, tok)
         manifest = {**file_meta(tok, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)),
                     "source": {"path": str(src), "kind": kind, "text_field": text_field},

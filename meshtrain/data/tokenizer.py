@@ -81,6 +81,20 @@ class HFTokenizer:
         self.name = str(self.path)
         self.vocab_size = self.rust.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos_id(eos)
+        model = json.loads(self.rust.to_str()).get("model", {})
+        # Without an unknown token or byte fallback, a character outside the vocabulary becomes no token
+        self.may_drop = model.get("unk_token") is None and model.get("unk_id") is None and not model.get(
+            "byte_fallback")
+        self._dropped: dict[str, bool] = {}
+
+    def dropped(self, counts: dict[str, int]) -> dict[str, int]:
+        """Of a text's characters (`counts`: character -> occurrences), those that encode to no token
+        (whitespace aside: a pre-tokenizer may split on it by design)."""
+        if not self.may_drop:
+            return {}
+        for c in counts.keys() - self._dropped.keys():
+            self._dropped[c] = not c.isspace() and not self.rust.encode(c, add_special_tokens=False).ids
+        return {c: n for c, n in counts.items() if self._dropped[c]}
 
     def _eos_id(self, eos) -> int | None:
         if isinstance(eos, int):
