@@ -156,6 +156,24 @@ def test_a_full_disk_in_training_is_one_line_and_the_checkpoints_resume(tmp_path
     assert [r["step"] for r in jsonl.read(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_full_disk_that_also_fails_the_tensorboard_flush_is_still_one_line(tmp_path, capsys, monkeypatch):
+    """The disk fills at a checkpoint; closing the TensorBoard writer then fails the same way: the first
+    error is the one said (a traceback before)."""
+    import tensorboardX.event_file_writer as event_file_writer
+
+    from meshtrain.train import main
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    full_at_checkpoint_6(monkeypatch)
+    monkeypatch.setattr(event_file_writer.EventFileWriter, "flush", full)
+    out = tmp_path / "run"
+    assert main(["--config", TINY, "--out", str(out), "--steps", "6", "--set", "checkpoint.every=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the disk holding {out}") and "(writing a checkpoint)" in err
+    assert err.count("\n") == 1, err
+
+
 def prepare_out_of_space(tmp_path, monkeypatch) -> int:
     """python -m meshtrain.data prepare, the disk full as it writes the manifest: no --out made."""
     import importlib

@@ -69,8 +69,15 @@ class MetricsLog:
             sink.rewind(step)
 
     def close(self) -> None:
+        """Close every sink, even after one fails (a full disk): the first failure is raised."""
+        failure = None
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001 - raised below, after the other sinks are closed
+                failure = failure or e
+        if failure is not None:
+            raise failure
 
     def locations(self) -> list[str]:
         """Where the sinks write (metrics.jsonl, the TensorBoard folder, ...)."""
@@ -342,14 +349,20 @@ class TensorBoard:
         from tensorboardX.proto.summary_pb2 import Summary
 
         values = [Summary.Value(tag=name, simple_value=value) for name, value in scalars(record)]
-        self.writer.file_writer.add_summary(Summary(value=values), record["step"], record.get("time"))
+        with self._full_disk():
+            self.writer.file_writer.add_summary(Summary(value=values), record["step"], record.get("time"))
 
     def rewind(self, step: int) -> None:
-        self.writer.close()
+        with self._full_disk():
+            self.writer.close()
         self._open(step + 1)
 
     def close(self) -> None:
-        self.writer.close()
+        with self._full_disk():
+            self.writer.close()  # flushes
+
+    def _full_disk(self):
+        return full_disk_is_user_error(self.path, "TensorBoard events", "rerun the same command: it resumes")
 
 
 _writers = itertools.count()  # TensorBoard writers opened by this process

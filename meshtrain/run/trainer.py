@@ -7,6 +7,7 @@ import copy
 import functools
 import math
 import shutil
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -328,7 +329,9 @@ class Trainer:
             with contextlib.suppress(Exception):  # written at its last change; after an error, as far as it got
                 account.flush()
             if log is not None:
-                log.close()
+                # After an error (a full disk), closing the sinks may fail the same way: the first error is the one said
+                with contextlib.suppress(UserError) if sys.exc_info()[1] is not None else contextlib.nullcontext():
+                    log.close()
             self.close()
         if primary:
             saved = self.checkpointer.steps()
