@@ -47,20 +47,35 @@ MANIFEST = "meshtrain_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
 
 
-@jax.jit
-def leaf_checksum(x):
-    """The sum of a leaf's raw bits as uint32, wrapping. Integer addition is exact and order-free, so
-    the value does not depend on the mesh the leaf is sharded over; any flipped bit changes it."""
+def _bits(x):
+    """`x`'s raw bits as uint32 (8-byte types as two words)."""
     uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(x, uint)
-    return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _leaf_checksum(x, axis: int | None):
+    """The sum of a leaf's raw bits as uint32, wrapping: exact and order-free, so the value does not
+    depend on the mesh or on how the sum is grouped; any flipped bit changes it. XLA:CPU materialises
+    the bitcast, so the bits are taken one slice along `axis` (a dimension no device splits) at a
+    time, summed elementwise on each device, and across devices once at the end."""
+    if axis is None:
+        return jnp.sum(_bits(x), dtype=jnp.uint32)
+    part = lambda i: _bits(jax.lax.dynamic_index_in_dim(x, i, axis, keepdims=False))
+    return jnp.sum(jax.lax.fori_loop(1, x.shape[axis], lambda i, total: total + part(i), part(0)), dtype=jnp.uint32)
 
 
 def state_checksums(state) -> list[int]:
-    """One checksum per leaf, one leaf at a time: XLA:CPU materialises the bitcast, so a program over
-    the whole state held a copy of it (S bytes of temporaries at every save and restore); one leaf's
-    program holds at most that leaf."""
-    return [int(leaf_checksum(x)) for x in jax.tree.leaves(state)]
+    """One checksum per leaf, one leaf (and within it one slice) at a time: a program over the whole
+    state held a copy of it on the CPU (S bytes of temporaries at every save and restore)."""
+    def slice_axis(x):
+        """A dimension every shard holds whole: the shortest of length 8 or more (at most an eighth of
+        the leaf at a time, in few steps), else the longest."""
+        whole = [d for d, (n, k) in enumerate(zip(x.shape, x.sharding.shard_shape(x.shape))) if n == k and n > 1]
+        long = [d for d in whole if x.shape[d] >= 8]
+        return min(long, key=lambda d: x.shape[d]) if long else max(whole, key=lambda d: x.shape[d], default=None)
+
+    return [int(_leaf_checksum(x, slice_axis(x))) for x in jax.tree.leaves(state)]
 
 
 class _FullDiskEchoes(logging.Filter):
