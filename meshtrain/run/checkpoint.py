@@ -47,20 +47,35 @@ MANIFEST = "meshtrain_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
 
 
-@jax.jit
-def checksums(state) -> list:
-    """Per leaf: the sum of its raw bits as uint32, wrapping. Integer addition is exact and order-free,
-    so the value does not depend on the mesh the state is sharded over; any flipped bit changes it."""
-    def leaf_sum(x):
-        uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, uint)
-        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+def _bits(x):
+    """`x`'s raw bits as uint32 (8-byte types as two words)."""
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
 
-    return [leaf_sum(x) for x in jax.tree.leaves(state)]
+
+@functools.partial(jax.jit, static_argnums=1)
+def _leaf_checksum(x, axis: int | None):
+    """The sum of a leaf's raw bits as uint32, wrapping: exact and order-free, so the value does not
+    depend on the mesh or on how the sum is grouped; any flipped bit changes it. XLA:CPU materialises
+    the bitcast, so the bits are taken one slice along `axis` (a dimension no device splits) at a
+    time, summed elementwise on each device, and across devices once at the end."""
+    if axis is None:
+        return jnp.sum(_bits(x), dtype=jnp.uint32)
+    part = lambda i: _bits(jax.lax.dynamic_index_in_dim(x, i, axis, keepdims=False))
+    return jnp.sum(jax.lax.fori_loop(1, x.shape[axis], lambda i, total: total + part(i), part(0)), dtype=jnp.uint32)
 
 
 def state_checksums(state) -> list[int]:
-    return [int(c) for c in jax.device_get(checksums(state))]
+    """One checksum per leaf, one leaf (and within it one slice) at a time: a program over the whole
+    state held a copy of it on the CPU (S bytes of temporaries at every save and restore)."""
+    def slice_axis(x):
+        """A dimension every shard holds whole: the shortest of length 8 or more (at most an eighth of
+        the leaf at a time, in few steps), else the longest."""
+        whole = [d for d, (n, k) in enumerate(zip(x.shape, x.sharding.shard_shape(x.shape))) if n == k and n > 1]
+        long = [d for d in whole if x.shape[d] >= 8]
+        return min(long, key=lambda d: x.shape[d]) if long else max(whole, key=lambda d: x.shape[d], default=None)
+
+    return [int(_leaf_checksum(x, slice_axis(x))) for x in jax.tree.leaves(state)]
 
 
 class _FullDiskEchoes(logging.Filter):
@@ -86,7 +101,7 @@ class Checkpointer:
             for tmp in sorted(self.directory.glob(f"*{TMP_SUFFIX}*")):
                 shutil.rmtree(tmp, ignore_errors=True)
                 log.info(f"notice: removed {tmp}, a checkpoint save that was interrupted")
-        self.keep, self._manager = keep, None
+        self.keep, self._manager, self._in_flight_gb = keep, None, None
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -96,7 +111,9 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep, enable_async_checkpointing=True, create=False,  # made by the first save
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests))
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            state = ocp.StandardCheckpointHandler(save_concurrent_gb=self._in_flight_gb or 96)  # 96: Orbax's default
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+                "state": state, "metadata": ocp.JsonCheckpointHandler()})
         return self._manager
 
     def _write_manifests(self) -> None:
@@ -113,6 +130,8 @@ class Checkpointer:
     def save(self, state, metadata: dict) -> None:
         """Start an async save of `state` at its step; returns once the arrays are copied off-device."""
         step = int(state["step"])
+        if self._manager is None:
+            self._in_flight_gb = in_flight_gb(state)
         if step in self.manager.all_steps():
             return
         metadata = {**metadata, "checksums": state_checksums(state)}
@@ -158,7 +177,8 @@ class Checkpointer:
             read = {k: v for k, v in abstract_state.items() if k not in fresh}
             unused = sorted(saved.keys() - abstract_state.keys())
             check_same_layout(folder, leaf_specs({k: v for k, v in saved.items() if k in read}), leaf_specs(read))
-            state = ocp.PyTreeCheckpointHandler().restore(folder / "state", args=ocp.args.PyTreeRestore(
+            reader = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=in_flight_gb(read))
+            state = reader.restore(folder / "state", args=ocp.args.PyTreeRestore(
                 item=read, restore_args=ocp.checkpoint_utils.construct_restore_args(read), partial_restore=True))
             failure = None
         except UserError:
@@ -237,6 +257,15 @@ class Checkpointer:
             with self._full_disk():
                 self._manager.close()
             self._manager = None
+
+
+def in_flight_gb(state) -> float:
+    """Orbax's cap on the bytes a save or restore has in flight in one process (written or read, not
+    yet done), in its GB (10^9 bytes): an eighth of the process's share of the state, so that its
+    buffers stay within the 0.25 S the docs promise (docs/checkpoints.md, Host memory), and above any
+    single request (one array at most; chunk-aligned reads may round it up, hence twice the largest)."""
+    sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(state)]
+    return max(sum(sizes) // jax.process_count() // 8, 2 * max(sizes, default=0), 1 << 24) / 1e9
 
 
 @functools.cache
