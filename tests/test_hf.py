@@ -202,3 +202,15 @@ def test_tensors_the_config_does_not_describe_are_refused(tmp_path):
               str(folder / "model.safetensors"))
     with pytest.raises(UserError, match=r"1 tensor\(s\) of its files are no part .* \(model.extra.weight\)"):
         imported(folder)
+
+
+def test_nan_or_inf_weights_are_refused_as_they_are_read(tmp_path):
+    folder = save_hf(tmp_path / "hf")
+    tensors = {n: np.array(a) for n, a in hf.SafetensorsFolder(folder).tensors.items()}
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    tensors["model.layers.1.mlp.up_proj.weight"].flat[[0, 5]] = [np.nan, np.inf]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(UserError, match=rf"^{folder}: tensor model.layers.1.mlp.up_proj.weight holds 2 NaN/inf "
+                                        rf"values; the checkpoint is damaged"):
+        imported(folder)

@@ -192,6 +192,14 @@ def load_params(folder: str | Path, model, shardings):
     check_tensors(files, model, folder)
     f = hf_form(model.cfg)
 
+    def finite(name: str, part: np.ndarray) -> np.ndarray:
+        """A weight holding NaN or inf would train to NaN at the first step: refused as it is read."""
+        bad = part.size - np.count_nonzero(np.isfinite(part))
+        if bad:
+            raise UserError(f"{folder}: tensor {name} holds {bad:,} NaN/inf values; the checkpoint is damaged or "
+                            f"was saved from a run that diverged: download or export it again")
+        return part
+
     def load(key_path, x, sharding):
         path = _path(key_path)
         by_index = {index: name for name, index in tensor_names(f, path, x.shape)}
@@ -199,9 +207,10 @@ def load_params(folder: str | Path, model, shardings):
 
         def shard(index):  # one slice per dimension
             outer = [range(*s.indices(n)) for s, n in zip(index[:lead], x.shape[:lead])]
-            parts = [from_hf(f, path, files.get(by_index[ij]), x.shape[lead:])[index[lead:]]
+            parts = [finite(by_index[ij], from_hf(f, path, files.get(by_index[ij]), x.shape[lead:])[index[lead:]])
                      for ij in itertools.product(*outer)]
             return np.stack(parts).reshape(tuple(map(len, outer)) + parts[0].shape).astype(x.dtype)
+
 
         return jax.make_array_from_callback(x.shape, sharding, shard)
 
