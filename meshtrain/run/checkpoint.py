@@ -47,12 +47,14 @@ from meshtrain.models import FAMILIES
 
 MANIFEST = "meshtrain_manifest.json"
 # What the readers use of a checkpoint's files (meshtrain/core/schema.py): the manifest (each file's size) and
-# the metadata `Trainer.save_checkpoint` writes (earlier versions lack the optional keys).
+# the metadata: the checksums `save` adds to what its caller gives (`Trainer.save_checkpoint`: the rest; earlier
+# versions lack some of it).
 MANIFEST_SCHEMA = schema.Table(schema.Int())
 METADATA_SCHEMA = {
-    "config": {"model": {"family": schema.Optional(tuple(FAMILIES))}, "optim": schema.Optional({
-        "optimizer": schema.Optional(str)})},
-    "mesh": str, "devices": schema.Optional(schema.Int(1)), "checksums": [schema.Int(0, 2 ** 32 - 1)],
+    "checksums": [schema.Int(0, 2 ** 32 - 1)],
+    "config": schema.Optional({"model": {"family": schema.Optional(tuple(FAMILIES))}, "optim": schema.Optional({
+        "optimizer": schema.Optional(str)})}),
+    "mesh": schema.Optional(str), "devices": schema.Optional(schema.Int(1)),
     "skip_batches": schema.Optional([schema.Int()]), "layer_order": schema.Optional([schema.Int()]),
     "spike_detector": schema.Optional(schema.Nullable({"mean": schema.Nullable(float), "seen": schema.Int()}))}
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
@@ -466,9 +468,10 @@ def saved_metadata(folder: Path) -> dict:
     meta = ocp.JsonCheckpointHandler().restore(Path(folder) / "metadata", args=ocp.args.JsonRestore())
     where, fix = str(Path(folder) / "metadata"), "resume from another step (--resume <out>/checkpoints/<step>)"
     schema.check(meta, METADATA_SCHEMA, where, fix)
-    check_model(meta["config"]["model"], where, fix, "config.model")
+    model = meta.get("config", {}).get("model", {})
+    check_model(model, where, fix, "config.model")
     order = meta.get("layer_order")
-    if order is not None and sorted(order) != list(range(meta["config"]["model"].get("num_layers", len(order)))):
+    if order is not None and sorted(order) != list(range(model.get("num_layers", len(order)))):
         raise UserError(f"{where}: layer_order is not an order of the model's layers; {fix}")
     return meta
 
