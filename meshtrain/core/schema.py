@@ -14,7 +14,8 @@ A schema is
 - `Settings(cls)`: a mapping whose keys that name fields of the dataclass `cls` (declared with
   meshtrain/core/bounds.py `setting`) hold the field's type, one of its choices, within its bounds
   (a model section recorded in run.json or a checkpoint: its family's spec declares it);
-- `Name()`: a file name inside the folder being read (no separators, not `.` or `..`).
+- `Name()`: a file name inside the folder being read (no separators, not `.` or `..`);
+- `Line()`: text without line breaks or other unprintable characters (a value an error line quotes).
 
 `read_json(path, schema, fix)` reads a JSON file and checks it: unreadable, not UTF-8, not JSON
 (or nested past Python's recursion limit) and the wrong shape are each one UserError naming the file.
@@ -60,6 +61,11 @@ class Settings:
 
 
 @dataclass(frozen=True)
+class Line:
+    """Printable text (an error line that shows it stays one line)."""
+
+
+@dataclass(frozen=True)
 class Name:
     """A file name inside the folder (a manifest never points outside it)."""
 
@@ -70,11 +76,19 @@ def shown(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def printable(name: str) -> str:
+    """A key or name read from a file, as an error line shows it: as it is, or quoted where it holds a
+    line break or another unprintable character (the error stays one line)."""
+    return name if name.isprintable() else repr(name)
+
+
 def _expected(schema) -> str:
     if isinstance(schema, Int):
         return f"an integer from {schema.min:,} to {schema.max:,}"
     if isinstance(schema, Name):
         return "a file name in the folder"
+    if isinstance(schema, Line):
+        return "text on one line"
     if isinstance(schema, tuple):
         return "one of " + ", ".join(map(repr, schema))
     if isinstance(schema, Nullable):
@@ -91,6 +105,8 @@ def _fits(value, schema) -> bool:
         return type(value) is int and schema.min <= value <= schema.max
     if isinstance(schema, Name):
         return type(value) is str and value not in ("", ".", "..") and not any(c in value for c in "/\\\0")
+    if isinstance(schema, Line):
+        return type(value) is str and value.isprintable()
     if isinstance(schema, tuple):
         return any(type(value) is type(v) and value == v for v in schema)
     if isinstance(schema, Nullable):
@@ -108,11 +124,11 @@ def _fits(value, schema) -> bool:
 
 @functools.cache
 def _settings(cls) -> tuple:
-    """(field, schema) of each field of the dataclass `cls`: its choices, or its type (any other
-    type, e.g. a list or a mapping, is not checked here)."""
+    """(field, schema) of each field of the dataclass `cls`: its choices, or its type (text on one line;
+    any other type, e.g. a list or a mapping, is not checked here)."""
     hints = typing.get_type_hints(cls)
-    return tuple((f, f.metadata.get("choices") or (hints[f.name] if hints[f.name] in (int, float, str, bool)
-                                                   else object)) for f in dataclasses.fields(cls))
+    kinds = {int: int, float: float, bool: bool, str: Line()}
+    return tuple((f, f.metadata.get("choices") or kinds.get(hints[f.name], object)) for f in dataclasses.fields(cls))
 
 
 def check(value, schema, where: str, fix: str, key: str = "") -> None:
@@ -129,7 +145,7 @@ def check(value, schema, where: str, fix: str, key: str = "") -> None:
             check(item, schema[0], where, fix, f"{key}[{i}]")
     elif isinstance(schema, Table):
         for name, item in value.items():
-            check(item, schema.schema, where, fix, f"{key}.{name}" if key else name)
+            check(item, schema.schema, where, fix, f"{key}.{printable(name)}" if key else printable(name))
     elif isinstance(schema, Settings):
         for f, kind in _settings(schema.cls):
             if f.name in value:

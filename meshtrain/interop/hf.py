@@ -166,13 +166,15 @@ class SafetensorsFolder:
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
-                schema.check(info, TENSOR_SCHEMA, f"{f}'s header", fix, name)
+                tensor = schema.printable(name)
+                schema.check(info, TENSOR_SCHEMA, f"{f}'s header", fix, tensor)
                 if info["dtype"] not in DTYPES:
-                    raise UserError(f"{f}: tensor {name} has dtype {info['dtype']}; meshtrain reads F32, BF16, F16")
+                    raise UserError(f"{f}: tensor {tensor} has dtype {schema.shown(info['dtype'])}; meshtrain reads "
+                                    f"F32, BF16, F16")
                 begin, end = (info["data_offsets"] + [-1, -1])[:2]
                 nbytes = math.prod(info["shape"]) * np.dtype(DTYPES[info["dtype"]]).itemsize
                 if len(info["data_offsets"]) != 2 or 8 + length + end > size or end - begin != nbytes:
-                    raise UserError(f"{f}: tensor {name} lies outside the file or has the wrong size (a truncated "
+                    raise UserError(f"{f}: tensor {tensor} lies outside the file or has the wrong size (a truncated "
                                     f"download?); {fix}")
                 self.tensors[name] = np.memmap(f, dtype=DTYPES[info["dtype"]], mode="r", offset=8 + length + begin,
                                                shape=tuple(info["shape"]))
@@ -206,9 +208,10 @@ def check_tensors(files: SafetensorsFolder, model, folder) -> None:
     unread = sorted(name for name in files.tensors.keys() - used if not NOT_WEIGHTS.search(name)
                     and not (name == "lm_head.weight" and model.cfg.tie_embeddings))
     if unread:
+        names = ", ".join(map(schema.printable, unread[:3])) + (", ..." if len(unread) > 3 else "")
         raise UserError(f"{folder}: {len(unread)} tensor(s) of its files are no part of the model its config.json "
-                        f"describes ({', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}); fix config.json "
-                        f"(its layer count, its architecture) or export the checkpoint again")
+                        f"describes ({names}); fix config.json (its layer count, its architecture) or export the "
+                        f"checkpoint again")
 
 
 def load_params(folder: str | Path, model, shardings):

@@ -34,9 +34,10 @@ RUN_RECORD = "run.json"
 # What the readers use of run.json (meshtrain/core/schema.py); `record_start` writes it, later versions add keys.
 START_SCHEMA = {"at": str, "step": schema.Int(), "steps": schema.Int(), "changes": [str],
                 "record_rebuilt_from": schema.Optional(str)}
-RUN_SCHEMA = {"identity": {"model": {"family": schema.Optional(tuple(FAMILIES))}, "data": schema.Nullable(str),
+RUN_SCHEMA = {"identity": {"model": {"family": schema.Optional(tuple(FAMILIES))},
+                           "data": schema.Nullable(schema.Line()),
                            "seed": schema.Int(), "schedule_steps": schema.Int(1)},
-              "data_source": schema.Optional(str), "starts": [START_SCHEMA]}
+              "data_source": schema.Optional(schema.Line()), "starts": [START_SCHEMA]}
 WRITTEN_SECTIONS = {"model", "parallel", "optim", "train", "data"}  # in every config.yaml meshtrain writes
 HEADER = "# written by meshtrain"
 
