@@ -4,6 +4,7 @@ manifest, a token file's sidecar, run.json, a run's config.yaml, a checkpoint's 
 sweep.json, a Hugging Face config.json and safetensors header, SHA256SUMS, a task file) with Hypothesis
 putting any JSON (or YAML) value in its file's place, and concrete cases of each. That the files
 meshtrain writes read back: tests/test_schemas_written.py."""
+import copy
 import json
 
 import numpy as np
@@ -129,21 +130,27 @@ def fills(valid: dict):
     return st.fixed_dictionaries({}, optional={k: st.one_of(st.just(v), JSON) for k, v in valid.items()})
 
 
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    from meshtrain.testing import tiny_config
+
+    return tiny_config()
+
+
 @FUZZ
 @given(record=st.one_of(JSON, fills({"identity": None, "starts": [], "data_source": "synthetic data"})),
        identity=fills({"model": {"family": "llama", "num_layers": 4}, "data": "synthetic", "seed": 0,
                        "schedule_steps": 2}),
        model=fills({"family": "llama", "num_layers": 4, "num_heads": 8, "d_model": 32, "head_dim": 0}),
        allow_change=st.booleans())
-def test_any_run_json_continues_or_is_one_user_error(tmp_path, record, identity, model, allow_change):
+def test_any_run_json_continues_or_is_one_user_error(tmp_path, tiny_cfg, record, identity, model, allow_change):
     from meshtrain.run import run_dir
-    from meshtrain.testing import tiny_config
 
     if isinstance(record, dict) and record.get("identity") is None:
         record["identity"] = {**identity, "model": model} if isinstance(identity.get("model"), dict) else identity
     (tmp_path / "run.json").write_text(json.dumps(record))
-    try:
-        run_dir.continued(tmp_path, tiny_config(out=str(tmp_path)), "synthetic", allow_change)
+    try:  # continued() sets the config's horizon: each example its own copy
+        run_dir.continued(tmp_path, copy.deepcopy(tiny_cfg), "synthetic", allow_change)
     except UserError as e:
         one_line(e, tmp_path)
 
