@@ -230,7 +230,11 @@ LLAMA = {"model_type": "llama", "vocab_size": 256, "num_hidden_layers": 2, "hidd
 @FUZZ
 @given(config=st.one_of(JSON, fills(LLAMA), fills({**LLAMA, "model_type": "mixtral", "num_local_experts": 4,
                                                    "num_experts_per_tok": 2}),
-                        fills({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})))
+                        fills({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+                        fills({**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+                        fills({**LLAMA, "model_type": "gemma3_text", "hidden_act": "gelu_pytorch_tanh",
+                               "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {"full_attention": {"rope_theta": 1e6}}})))
 def test_any_hf_config_json_reads_or_is_one_user_error(tmp_path, config):
     from meshtrain.interop import hf
 
@@ -378,6 +382,8 @@ REGRESSIONS = {  # file kind -> (file, its reader, [(content, the error's words)
         ({**LLAMA, "rope_scaling": [8]}, "rope_scaling must be null or a mapping, not \\[8\\]"),
         ({k: v for k, v in LLAMA.items() if k != "vocab_size"}, "lacks 'vocab_size'"),
         ({**MOE, "num_local_experts": -1}, r"\(as meshtrain's config\): model.num_experts=-1 must be"),
+        ({**LLAMA, "rope_parameters": {"rope_type": "default"}},
+         r"is not a llama config.json meshtrain can read \(KeyError: 'rope_theta'\)"),
         (b'{"model_type": "\xff"}', "is unreadable \\(not UTF-8"),
         (b'{"model_type": ' * 100_000, "is unreadable \\(not JSON")]),
     "safetensors header": ("model.safetensors", read_safetensors, [

@@ -55,7 +55,8 @@ CONFIG_SCHEMA = {
     **{k: schema.Optional(schema.Nullable(schema.Int(0, INT_LIMIT)))  # null or 0: the default
        for k in ("num_key_value_heads", "head_dim", "intermediate_size")},
     "rms_norm_eps": schema.Optional(float), "rope_theta": schema.Optional(float),
-    "tie_word_embeddings": schema.Optional(bool), "rope_scaling": schema.Optional(ROPE)}
+    "tie_word_embeddings": schema.Optional(bool), "rope_scaling": schema.Optional(ROPE),
+    "rope_parameters": schema.Optional(schema.Nullable({}))}  # a family's: flat, or per layer type
 INDEX_SCHEMA = {"weight_map": schema.Table(schema.Name())}
 TENSOR_SCHEMA = {"dtype": str, "shape": [schema.Int(0, INT_LIMIT)], "data_offsets": [schema.Int()]}
 
@@ -82,7 +83,13 @@ def read_spec(folder: str | Path) -> ModelSpec:
     if kind not in by_type:
         raise UserError(f"{path}: model_type {kind!r} is not supported; meshtrain imports "
                         f"{', '.join(by_type)} checkpoints")
-    spec = by_type[kind].hf.read(HFConfig(c, path))
+    try:
+        spec = by_type[kind].hf.read(HFConfig(c, path))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as e:
+        # a key of the family's own (models/) of a shape CONFIG_SCHEMA does not declare: the translation
+        # is a pure function of config.json, so what fails in it is the file's
+        raise UserError(f"{path} is not a {kind} config.json meshtrain can read ({type(e).__name__}: "
+                        f"{schema.shown(e, 80)}); {fix}") from None
     schema.check(dataclasses.asdict(spec), schema.Settings(type(spec)), f"{path} (as meshtrain's config)", fix,
                  "model")
     return spec
