@@ -98,8 +98,9 @@ def test_the_shipped_example_task_reads():
 
 
 @pytest.mark.parametrize("line, error", [
-    ("not json", "line 2 is not JSON"),
-    ('{"context": "a", "choices": ["x", "y"]}', "lacks context, choices or label"),
+    ("not json", r"line 2 is unreadable \(not JSON"),
+    ('{"context": "a", "choices": ["x", "y"]}', "line 2: the key label is missing"),
+    ('{"context": "a", "choices": ["x", 2], "label": 0}', r"line 2: choices\[1\] must be text, not 2"),
     ('{"context": "a", "choices": ["x"], "label": 0}', "at least 2 non-empty"),
     ('{"context": "a", "choices": ["x", "y"], "label": 2}', "label=2 is not an index"),
 ])

@@ -290,8 +290,8 @@ def test_another_model_is_another_run_even_with_allow_change(tmp_path, allow_cha
 
 def test_an_unreadable_record_is_an_error(tmp_path):
     (tmp_path / "run.json").write_text('{"identity": ')
-    with pytest.raises(UserError, match=rf"^{tmp_path / 'run.json'} is unreadable; it records what defines this "
-                                        r"run: restore it, or use a new --out for a new run$"):
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'run.json'} is unreadable \(not JSON: .*\); it records what "
+                                        r"defines this run: restore it, or use a new --out for a new run$"):
         run_dir.continued(tmp_path, tiny_config(out=str(tmp_path)), "fp", False)
 
 

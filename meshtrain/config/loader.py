@@ -201,7 +201,7 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
     if head not in names:
         if isinstance(obj, ModelSpec) and not rest and _other_familys_default(obj, head, value, key):
             return
-        raise UserError(f"unknown config key '{key}'; valid keys here: {', '.join(names)}")
+        raise UserError(f"unknown config key {key!r}; valid keys here: {', '.join(names)}")
     current = getattr(obj, head)
     if isinstance(current, ModelSpec) and rest == "family":  # the family decides the section's keys
         return setattr(obj, head, with_family(current, _coerce(value, str, key + ".family")))

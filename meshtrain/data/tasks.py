@@ -14,12 +14,12 @@ boundary is the tokenizer's whole-text one). An empty context is the tokenizer's
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from meshtrain.core import schema
 from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import names
 from meshtrain.data.tokenizer import document_end
@@ -86,11 +86,11 @@ def read(path: str | Path, limit: int = 0) -> list[Item]:
     if not path.is_file():
         raise UserError(f"task file {path} not found; eval.tasks' paths name JSON-lines files of "
                         f"{{context, choices, label}} items")
-    items = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (UnicodeDecodeError, OSError) as e:
-        raise UserError(f"task file {path} cannot be read as UTF-8 text ({e}); check the file") from None
+        lines = path.read_bytes().splitlines()  # only \n and \r end a line (JSON text may hold U+2028)
+    except OSError as e:
+        raise UserError(f"task file {path} cannot be read ({e.strerror}); check the file") from None
+    items = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -103,19 +103,17 @@ def read(path: str | Path, limit: int = 0) -> list[Item]:
     return items
 
 
-def _item(line: str, where: str) -> Item:
+ITEM_SCHEMA = {"context": str, "choices": [str], "label": schema.Int()}  # meshtrain/core/schema.py
+
+
+def _item(line: bytes, where: str) -> Item:
     fix = 'write {"context": TEXT, "choices": [TEXT, ...], "label": INDEX}'
-    try:
-        record = json.loads(line)
-    except ValueError:
-        raise UserError(f"{where} is not JSON; {fix}") from None
-    if not isinstance(record, dict) or not {"context", "choices", "label"} <= record.keys():
-        raise UserError(f"{where} lacks context, choices or label; {fix}")
+    record = schema.parse_json(line, where, fix)
+    schema.check(record, ITEM_SCHEMA, where, fix)
     context, choices, label = record["context"], record["choices"], record["label"]
-    if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
-            or not all(isinstance(c, str) and c for c in choices):
-        raise UserError(f"{where}: context must be text and choices a list of at least 2 non-empty texts; {fix}")
-    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
+    if len(choices) < 2 or not all(choices):
+        raise UserError(f"{where}: choices must be a list of at least 2 non-empty texts; {fix}")
+    if label >= len(choices):
         raise UserError(f"{where}: label={label!r} is not an index into its {len(choices)} choices; {fix}")
     return Item(context, tuple(choices), label)
 

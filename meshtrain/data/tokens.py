@@ -59,12 +59,7 @@ def write_json(path: Path, obj: dict) -> None:
 
 def _read_json(path: Path, kind: dict) -> dict:
     """A sidecar or manifest, checked against its schema."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is unreadable ({schema.shown(e, 120)}); prepare the data again") from None
-    schema.check(value, kind, str(path), "prepare the data again")
-    return value
+    return schema.read_json(path, kind, "prepare the data again")
 
 
 def read_token_file(path: Path, meta: dict | None = None) -> tuple[np.memmap, dict | None]:

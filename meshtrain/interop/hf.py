@@ -19,6 +19,7 @@ its tensor name map, its config translation). This module knows no family.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -32,6 +33,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from meshtrain.core import schema
+from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES, Family, ModelSpec, family
 from meshtrain.models.base import contracted_axes
@@ -41,6 +44,21 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 DTYPE_NAMES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX = "model.safetensors.index.json"
 SUMS = "SHA256SUMS"
+# What meshtrain reads of a Hugging Face folder's files (meshtrain/core/schema.py); the families' translations
+# (models/, `HFMap.read`) read more keys, and the spec they make is checked against its declared settings.
+DIMENSION = schema.Int(1, INT_LIMIT)
+ROPE = schema.Nullable({"rope_type": schema.Optional(str), "type": schema.Optional(str),
+                        "rope_theta": schema.Optional(float), "factor": schema.Optional(float)})
+CONFIG_SCHEMA = {
+    "model_type": schema.Optional(str), **{k: schema.Optional(DIMENSION) for k in (
+        "vocab_size", "num_hidden_layers", "hidden_size", "num_attention_heads")},
+    **{k: schema.Optional(schema.Nullable(schema.Int(0, INT_LIMIT)))  # null or 0: the default
+       for k in ("num_key_value_heads", "head_dim", "intermediate_size")},
+    "rms_norm_eps": schema.Optional(float), "rope_theta": schema.Optional(float),
+    "tie_word_embeddings": schema.Optional(bool), "rope_scaling": schema.Optional(ROPE),
+    "rope_parameters": schema.Optional(schema.Nullable({}))}  # a family's: flat, or per layer type
+INDEX_SCHEMA = {"weight_map": schema.Table(schema.Name())}
+TENSOR_SCHEMA = {"dtype": str, "shape": [schema.Int(0, INT_LIMIT)], "data_offsets": [schema.Int()]}
 
 
 # ---- config.json <-> the family's spec ----
@@ -59,12 +77,22 @@ def read_spec(folder: str | Path) -> ModelSpec:
     if not path.is_file():
         raise UserError(f"{folder} has no config.json; pass a Hugging Face checkpoint folder "
                         f"(save_pretrained's output, or a download of one)")
-    c = json.loads(path.read_text())
+    fix = "download or export the checkpoint again, or fix config.json"
+    c = schema.read_json(path, CONFIG_SCHEMA, fix)
     kind, by_type = c.get("model_type"), importers()
     if kind not in by_type:
         raise UserError(f"{path}: model_type {kind!r} is not supported; meshtrain imports "
                         f"{', '.join(by_type)} checkpoints")
-    return by_type[kind].hf.read(HFConfig(c, path))
+    try:
+        spec = by_type[kind].hf.read(HFConfig(c, path))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as e:
+        # a key of the family's own (models/) of a shape CONFIG_SCHEMA does not declare: the translation
+        # is a pure function of config.json, so what fails in it is the file's
+        raise UserError(f"{path} is not a {kind} config.json meshtrain can read ({type(e).__name__}: "
+                        f"{schema.shown(e, 80)}); {fix}") from None
+    schema.check(dataclasses.asdict(spec), schema.Settings(type(spec)), f"{path} (as meshtrain's config)", fix,
+                 "model")
+    return spec
 
 
 def hf_form(spec_or_family) -> Family:
@@ -123,7 +151,9 @@ class SafetensorsFolder:
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
-        files = ([folder / f for f in sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))]
+        fix = "download or export it again"
+        files = ([folder / f for f in sorted(set(schema.read_json(folder / INDEX, INDEX_SCHEMA, fix)["weight_map"]
+                                                 .values()))]
                  if (folder / INDEX).is_file() else sorted(folder.glob("*.safetensors")))
         if not files:
             raise UserError(f"{folder} holds no .safetensors files (PyTorch .bin checkpoints are not read); "
@@ -131,23 +161,28 @@ class SafetensorsFolder:
         self.tensors = {}
         for f in files:
             try:
+                size = f.stat().st_size
                 with open(f, "rb") as fh:
                     length = int.from_bytes(fh.read(8), "little")
-                    header = json.loads(fh.read(length))
-            except (OSError, ValueError) as e:  # missing, unreadable, or no JSON header
-                raise UserError(f"{f} cannot be read as safetensors ({type(e).__name__}: {e}); download or "
-                                f"export it again") from None
-            size = f.stat().st_size
+                    if not 0 < length <= size - 8:
+                        raise ValueError(f"a header of {length:,} bytes in a file of {size:,}")
+                    header = schema.parse_json(fh.read(length), f"{f}'s header", fix)
+            except (OSError, ValueError) as e:  # missing, unreadable, or no header
+                raise UserError(f"{f} cannot be read as safetensors ({type(e).__name__}: {e}); {fix}") from None
+            schema.check(header, {}, f"{f}'s header", fix)
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
+                tensor = schema.printable(name)
+                schema.check(info, TENSOR_SCHEMA, f"{f}'s header", fix, tensor)
                 if info["dtype"] not in DTYPES:
-                    raise UserError(f"{f}: tensor {name} has dtype {info['dtype']}; meshtrain reads F32, BF16, F16")
-                begin, end = info["data_offsets"]
+                    raise UserError(f"{f}: tensor {tensor} has dtype {schema.shown(info['dtype'])}; meshtrain reads "
+                                    f"F32, BF16, F16")
+                begin, end = (info["data_offsets"] + [-1, -1])[:2]
                 nbytes = math.prod(info["shape"]) * np.dtype(DTYPES[info["dtype"]]).itemsize
-                if 8 + length + end > size or end - begin != nbytes:
-                    raise UserError(f"{f}: tensor {name} lies outside the file or has the wrong size (a truncated "
-                                    f"download?); download or export it again")
+                if len(info["data_offsets"]) != 2 or 8 + length + end > size or end - begin != nbytes:
+                    raise UserError(f"{f}: tensor {tensor} lies outside the file or has the wrong size (a truncated "
+                                    f"download?); {fix}")
                 self.tensors[name] = np.memmap(f, dtype=DTYPES[info["dtype"]], mode="r", offset=8 + length + begin,
                                                shape=tuple(info["shape"]))
 
@@ -180,9 +215,10 @@ def check_tensors(files: SafetensorsFolder, model, folder) -> None:
     unread = sorted(name for name in files.tensors.keys() - used if not NOT_WEIGHTS.search(name)
                     and not (name == "lm_head.weight" and model.cfg.tie_embeddings))
     if unread:
+        names = ", ".join(map(schema.printable, unread[:3])) + (", ..." if len(unread) > 3 else "")
         raise UserError(f"{folder}: {len(unread)} tensor(s) of its files are no part of the model its config.json "
-                        f"describes ({', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}); fix config.json "
-                        f"(its layer count, its architecture) or export the checkpoint again")
+                        f"describes ({names}); fix config.json (its layer count, its architecture) or export the "
+                        f"checkpoint again")
 
 
 def load_params(folder: str | Path, model, shardings):
@@ -311,10 +347,16 @@ def check_sums(folder: str | Path) -> None:
     if not sums.is_file():
         return
     fix = f"export or download it again (or delete {sums} if you changed the file on purpose)"
-    for line in sums.read_text().splitlines():
+    try:
+        lines = sums.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{sums} is not UTF-8 text (byte {e.start}); {fix}") from None
+    for number, line in enumerate(lines, 1):  # the format: 64 hex digits, '  ' (or ' *'), a file of the folder
         digest, mark, name = line[:64], line[64:66], line[66:]
-        if len(digest) != 64 or mark not in ("  ", " *") or not name:
-            raise UserError(f"{sums} has a line that is not '<sha256>  <file>': {line[:80]!r}; {fix}")
+        if (len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest) or mark not in ("  ", " *")
+                or not name or "\0" in name or Path(name).is_absolute() or ".." in Path(name).parts):
+            raise UserError(f"{sums} has a line that is not '<sha256>  <file>': {line[:80]!r} (line {number}, "
+                            f"a file in the folder); {fix}")
         if not (folder / name).is_file():
             raise UserError(f"{folder / name} is listed in {sums} but missing; {fix}")
         if _sha256(folder / name) != digest.lower():

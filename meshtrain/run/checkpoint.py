@@ -39,11 +39,24 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from meshtrain.core import schema
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, replace_file
+from meshtrain.models import FAMILIES
 
 MANIFEST = "meshtrain_manifest.json"
+# What the readers use of a checkpoint's files (meshtrain/core/schema.py): the manifest (each file's size) and
+# the metadata: the checksums `save` adds to what its caller gives (`Trainer.save_checkpoint`: the rest; earlier
+# versions lack some of it).
+MANIFEST_SCHEMA = schema.Table(schema.Int())
+METADATA_SCHEMA = {
+    "checksums": [schema.Int(0, 2 ** 32 - 1)],
+    "config": schema.Optional({"model": {"family": schema.Optional(tuple(FAMILIES))}, "optim": schema.Optional({
+        "optimizer": schema.Optional(str)})}),
+    "mesh": schema.Optional(str), "devices": schema.Optional(schema.Int(1)),
+    "skip_batches": schema.Optional([schema.Int()]), "layer_order": schema.Optional([schema.Int()]),
+    "spike_detector": schema.Optional(schema.Nullable({"mean": schema.Nullable(float), "seen": schema.Int()}))}
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
 
 
@@ -354,12 +367,18 @@ def check_same_layout(folder: Path, saved: dict, current: dict) -> None:
 
 
 def check_manifest(folder: Path) -> None:
-    """Raise if a file recorded in the folder's manifest is missing or has another size."""
+    """Raise if a file recorded in the folder's manifest is missing or has another size. A manifest
+    that is not one (not JSON, the wrong shape, a file outside the folder) proves nothing about the
+    checkpoint: a UserError, nothing set aside."""
     manifest = folder / MANIFEST
     if not manifest.exists():
         return  # written after the save became durable; older checkpoints rely on the read checks
-    for name, size in json.loads(manifest.read_text()).items():
+    fix = f"delete {manifest} (the checkpoint is still verified as it is read) or restore it"
+    sizes = schema.read_json(manifest, MANIFEST_SCHEMA, fix)
+    for name, size in sizes.items():
         path = folder / name
+        if "\0" in name or not Path(name).parts or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise UserError(f"{manifest}: {name!r} is not a file of the checkpoint; {fix}")
         if not path.is_file():
             raise Damaged(f"file {name} is missing")
         if path.stat().st_size != size:
@@ -472,8 +491,25 @@ def resolve_resume(resume: str, out_dir: Path) -> tuple[Path | None, list[int]]:
 
 
 def saved_metadata(folder: Path) -> dict:
-    """The metadata a checkpoint step was saved with (the resolved config, mesh, skipped batches, ...)."""
-    return ocp.JsonCheckpointHandler().restore(Path(folder) / "metadata", args=ocp.args.JsonRestore())
+    """The metadata a checkpoint step was saved with (the resolved config, mesh, skipped batches, ...),
+    checked against METADATA_SCHEMA: the wrong shape is a UserError naming the key (not proof of damage:
+    nothing is set aside); a file Orbax cannot decode is raised as it is (`_as_damage` sorts it)."""
+    meta = ocp.JsonCheckpointHandler().restore(Path(folder) / "metadata", args=ocp.args.JsonRestore())
+    where, fix = str(Path(folder) / "metadata"), "resume from another step (--resume <out>/checkpoints/<step>)"
+    schema.check(meta, METADATA_SCHEMA, where, fix)
+    model = meta.get("config", {}).get("model", {})
+    check_model(model, where, fix, "config.model")
+    order = meta.get("layer_order")
+    if order is not None and sorted(order) != list(range(model.get("num_layers", len(order)))):
+        raise UserError(f"{where}: layer_order is not an order of the model's layers; {fix}")
+    return meta
+
+
+def check_model(model: dict, where: str, fix: str, key: str) -> None:
+    """A recorded model section (run.json's, a checkpoint's) against its family's spec: every key it
+    declares of the right type and range (a UserError naming `where` and `key`, ending with `fix`)."""
+    spec = FAMILIES[model.get("family", "llama")].spec  # the family: checked by the caller's schema
+    schema.check(model, schema.Settings(spec), where, fix, key)
 
 
 def complete_steps(root: Path) -> list[int]:

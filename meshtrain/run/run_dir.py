@@ -29,17 +29,25 @@ import numpy as np
 import yaml
 
 from meshtrain.config.loader import Config, UserError, default_out, load_config, parse_yaml, to_dict
+from meshtrain.core import schema
 from meshtrain.core.console import NOTICE, log
 from meshtrain.core.folders import full_disk_is_user_error, replace_file, writable
 from meshtrain.data import mixture
 from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
 from meshtrain.interop import hf
-from meshtrain.models import make_spec
-from meshtrain.run.checkpoint import complete_steps, saved_metadata
+from meshtrain.models import FAMILIES, make_spec
+from meshtrain.run.checkpoint import check_model, complete_steps, saved_metadata
 from meshtrain.run.lock import LOCK_FILE
 
 RUN_RECORD = "run.json"
+# What the readers use of run.json (meshtrain/core/schema.py); `record_start` writes it, later versions add keys.
+START_SCHEMA = {"at": str, "step": schema.Int(), "steps": schema.Int(), "changes": [str],
+                "record_rebuilt_from": schema.Optional(str)}
+RUN_SCHEMA = {"identity": {"model": {"family": schema.Optional(tuple(FAMILIES))},
+                           "data": schema.Nullable(schema.Line()),
+                           "seed": schema.Int(), "schedule_steps": schema.Int(1)},
+              "data_source": schema.Optional(schema.Line()), "starts": [START_SCHEMA]}
 WRITTEN_SECTIONS = {"model", "parallel", "optim", "train", "data"}  # in every config.yaml meshtrain writes
 HEADER = "# written by meshtrain"
 
@@ -200,15 +208,14 @@ def identity(cfg: Config, data: str) -> dict:
 
 
 def read_record(out: Path) -> dict | None:
+    """run.json (checked against RUN_SCHEMA, its model against its family's spec), or None where
+    there is none."""
     path = out / RUN_RECORD
     if not path.exists():
         return None
-    try:
-        record = json.loads(path.read_text())
-        record["identity"]["schedule_steps"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise UserError(f"{path} is unreadable; it records what defines this run: restore it, or use a new --out "
-                        f"for a new run") from None
+    fix = "it records what defines this run: restore it, or use a new --out for a new run"
+    record = schema.read_json(path, RUN_SCHEMA, fix)
+    check_model(record["identity"]["model"], str(path), fix, "identity.model")
     return record
 
 
@@ -344,7 +351,10 @@ def run_config(run: str | Path, overrides: list[str] = ()) -> Config:
     path = Path(run) / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run} is not a meshtrain run folder (no config.yaml); pass the --out of a training run")
-    cfg = load_config(str(path), [f"out={run}", *overrides])
+    try:  # config.yaml's schema is the config itself (meshtrain/config): its loader checks every key
+        cfg = load_config(str(path), [f"out={run}", *overrides])
+    except UserError as e:  # named the file when the loader did not
+        raise UserError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
     if not any(o.startswith(("data.path=", "data.sources=")) for o in overrides):
         resolve_data(run, cfg)
     return cfg

@@ -23,10 +23,12 @@ import sqlite3
 import uuid
 from pathlib import Path
 
+from meshtrain.core import schema
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import replace_file
 
 RECORD = "sweep.json"
+RECORD_SCHEMA = {"study": str, "storage": str, "id": str}  # meshtrain/core/schema.py; written by `claim`
 STUDY_ATTR = "meshtrain_folder"
 PROCESS_ATTR = "sweep_process"
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -77,7 +79,8 @@ def claim(out: Path, name: str, shown_storage: str, study_exists, load_study, cr
     lock = os.open(out / ".sweep.lock", os.O_CREAT | os.O_RDWR)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        record = json.loads((out / RECORD).read_text()) if (out / RECORD).exists() else None
+        record = (schema.read_json(out / RECORD, RECORD_SCHEMA, "restore it from a backup, or pass a new --out")
+                  if (out / RECORD).exists() else None)
         study = load_study() if study_exists() else None
         owner = study.user_attrs.get(STUDY_ATTR) if study else None
         if record and (record["study"], record["storage"]) != (name, shown_storage):
