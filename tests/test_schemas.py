@@ -355,6 +355,11 @@ REGRESSIONS = {  # file kind -> (file, its reader, [(content, the error's words)
         ({"identity": IDENTITY, "starts": [{"at": "now", "step": 0, "steps": 2}]},
          r"the key starts\[0\].changes is missing"),
         ({"identity": IDENTITY}, "the key starts is missing"),
+        ({"identity": IDENTITY, "starts": [{"at": "now", "step": 0, "steps": 2, "changes": [], "goodput": {
+            "first": 0, "reached": 2, "replayed_steps": 0, "wall_s": 1.0, "seconds": {"compile": "1s"}}}]},
+         r"starts\[0\].goodput.seconds.compile must be"),
+        ({"identity": IDENTITY, "starts": [], "data_files": [{"path": 3, "from_run": None, "data": "x"}]},
+         r"data_files\[0\].path must be"),
         (b'{"identity": "\xff"}', r"is unreadable \(not UTF-8: byte 14 is b'\\xff'\)")]),
     "config.yaml": ("config.yaml", read_run_config, [
         (b"model: {num_layers: x}\n", "config.yaml: model.num_layers='x' is not a valid int"),

@@ -29,11 +29,16 @@ import sys
 import time
 from pathlib import Path
 
+from meshtrain.core import schema
+
 # category -> its name in a line, the losses in the order a tie lists them
 LABELS = {"productive": "productive steps", "startup": "start-up", "restarts": "restarts", "compile": "compile",
           "checkpoint": "checkpoint", "data": "data waits", "evaluation": "evaluation",
           "replayed": "replayed steps", "other": "other"}
 MEASURED = [c for c in LABELS if c != "other"]  # other = wall - the measured ones
+# A start's account as run.json records it (`Goodput.account`), checked where it is read
+ACCOUNT_SCHEMA = {"first": schema.Int(), "reached": schema.Int(), "replayed_steps": schema.Int(), "wall_s": float,
+                  "seconds": schema.Table(float)}
 ALWAYS_WRITTEN = ("startup", "restarts", "checkpoint", "replayed")  # once a start, each save and rollback
 WRITE_SHARE = 0.01  # a rewrite of run.json takes milliseconds: at most 1% of the run's time
 

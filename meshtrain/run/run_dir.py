@@ -37,17 +37,20 @@ from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES, make_spec
+from meshtrain.run import goodput
 from meshtrain.run.checkpoint import check_model, complete_steps, saved_metadata
 from meshtrain.run.lock import LOCK_FILE
 
 RUN_RECORD = "run.json"
 # What the readers use of run.json (meshtrain/core/schema.py); `record_start` writes it, later versions add keys.
 START_SCHEMA = {"at": str, "step": schema.Int(), "steps": schema.Int(), "changes": [str],
-                "record_rebuilt_from": schema.Optional(str)}
+                "record_rebuilt_from": schema.Optional(str), "goodput": schema.Optional(goodput.ACCOUNT_SCHEMA)}
+DATA_FILE_SCHEMA = {"path": schema.Nullable(str), "from_run": schema.Nullable(str), "data": schema.Line()}
 RUN_SCHEMA = {"identity": {"model": {"family": schema.Optional(tuple(FAMILIES))},
                            "data": schema.Nullable(schema.Line()),
                            "seed": schema.Int(), "schedule_steps": schema.Int(1)},
-              "data_source": schema.Optional(schema.Line()), "starts": [START_SCHEMA]}
+              "data_source": schema.Optional(schema.Line()), "starts": [START_SCHEMA],
+              "data_files": schema.Optional([DATA_FILE_SCHEMA])}
 WRITTEN_SECTIONS = {"model", "parallel", "optim", "train", "data"}  # in every config.yaml meshtrain writes
 HEADER = "# written by meshtrain"
 
@@ -154,11 +157,8 @@ def resolve_data(run: str | Path, cfg: Config) -> None:
 
 
 def _data_files(record: dict) -> list[dict]:
-    """run.json's `data_files`; [] where it has none (an earlier version's) or they are not as written."""
-    files = record.get("data_files")
-    fits = lambda f: isinstance(f, dict) and (f.get("path") is None or isinstance(f.get("path"), str)
-                                              and isinstance(f.get("from_run"), str))
-    return files if isinstance(files, list) and all(map(fits, files)) else []
+    """run.json's `data_files` (checked by RUN_SCHEMA); [] where it has none (an earlier version's)."""
+    return [f for f in record.get("data_files", []) if f["path"] is None or f["from_run"] is not None]
 
 
 def _located(run: str | Path, file: dict) -> str:
