@@ -101,7 +101,17 @@ COMMANDS = {
     "report": lambda run, tmp: ["meshtrain.report", str(run), "--out", str(tmp / "report.png")],
     "prepare": lambda run, tmp: ["meshtrain.data", "prepare", str(ROOT / "README.md"), "--out", str(tmp / "data"),
                                  "--tokenizer", "byte"],
+    "train-tokenizer": lambda run, tmp: ["meshtrain.data", "train-tokenizer", str(ROOT / "README.md"), "--vocab-size",
+                                         "300", "--out", str(tmp / "tokenizer.json")],
+    "sweep": lambda run, tmp: sweep(tmp),
 }
+
+
+def sweep(tmp) -> list[str]:
+    (tmp / "space.yaml").write_text("optim.lr: {type: float, low: 1.0e-4, high: 3.0, log: true}\n")
+    return ["meshtrain.sweep", "--config", TINY, "--space", str(tmp / "space.yaml"), "--trials", "1", "--out",
+            str(tmp / "sweep"), "--set", "train.steps=2000", "--set", "train.eval_every=100",
+            "--set", "parallel.mesh=1"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)
@@ -110,3 +120,11 @@ def test_every_command_start_up(run, tmp_path, name, sig, after):
     status, output = signalled(COMMANDS[name](run, tmp_path), sig, after)
     check(status, output, sig)
     assert left_behind(tmp_path) == [] and left_behind(run) == []
+
+
+def test_a_sweep_stopped_while_its_trial_starts_retries_the_trial(tmp_path):
+    """The sweep's SIGTERM reaches its trial's run during the run's start-up: the run exits 143 with
+    nothing saved, and the trial is queued again, not failed."""
+    status, output = signalled(sweep(tmp_path), signal.SIGTERM, "trial 0 started")
+    assert status == 0 and "Traceback" not in output, output[-3000:]
+    assert "retry of trial 0" in output and "stopped: rerun the same command" in output, output[-3000:]

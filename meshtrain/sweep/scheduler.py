@@ -11,6 +11,7 @@ from pathlib import Path
 from meshtrain.config.loader import load_config
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
+from meshtrain.core.exits import EXIT_TERMINATED
 from meshtrain.sweep import folder
 from meshtrain.sweep.devices import Slot
 from meshtrain.sweep.folder import shown_path
@@ -127,6 +128,9 @@ class Sweep:
                 raise optuna.exceptions.UpdateFinishedTrialError
             if run.pruned_at is not None:
                 self.study.tell(run.trial, state=state.PRUNED)
+            elif code in (EXIT_TERMINATED, -signal.SIGTERM) and self.stopping:  # this sweep's stop, at its start-up
+                self.fail_for_retry(run.number, run.trial._trial_id)
+                log.info(f"trial {run.number} stopped while starting; it starts again when the sweep runs again")
             elif code != 0 or run.error:
                 error = run.error or run.error_line()
                 run.trial.set_user_attr("error", error)
