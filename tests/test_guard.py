@@ -89,6 +89,21 @@ def test_consecutive_nonfinite_steps_roll_back_and_skip_the_batches(never_saw_ba
         fit(trainer, STEPS + 6)
 
 
+def test_a_rollback_with_only_a_local_checkpoint_uses_it(never_saw_bad_batches, capsys, tmp_path):
+    """No persistent checkpoint yet, a local one at step 4 (checkpoint.local_dir): the guard rolls back
+    to it, and the run is bitwise the one that never saw the bad batches."""
+    _, reference_losses, reference_params = never_saw_bad_batches
+    trainer = poison(Trainer(tiny_config("parallel.mesh=fsdp=8", f"train.steps={STEPS}", "checkpoint.every=0",
+                                         f"checkpoint.local_dir={tmp_path / 'nvme'}", "checkpoint.local_every=4",
+                                         "guard.max_consecutive_bad=2", out=str(tmp_path / "run"))), set(BAD))
+    losses = fit(trainer, STEPS)
+    assert "guard: 2 NaN/Inf steps in a row; rolled back to step 4 (local tier, " in capsys.readouterr().out
+    for step in range(5, STEPS + 1):
+        assert losses[step] == reference_losses[step], step
+    for a, b in zip(jax.tree.leaves(jax.device_get(trainer.state["params"])), jax.tree.leaves(reference_params)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_streak_ending_on_a_save_step_rolls_back_before_the_save(tmp_path, capsys):
     """Batches 6 and 7 (steps 7 and 8) are bad: step 8, a save step, is judged at once, before its
     save, and ends the streak there. The rollback is the same as one judged a step later (the test

@@ -355,15 +355,19 @@ class Guard:
         trainer.checkpointer.wait()
         steps, bad = trainer.checkpointer.steps(), len(self.bad_batches)
         what = spike or f"{bad} NaN/Inf steps in a row"
-        if not steps or self.rollbacks >= trainer.cfg.guard.max_rollbacks:
-            why = "no checkpoint to roll back to" if not steps else f"still diverging after {self.rollbacks} rollbacks"
+        diverging = self.rollbacks >= trainer.cfg.guard.max_rollbacks
+        # the newest of either tier (a local step alone too: every process agrees in restore)
+        state = None if diverging else trainer.restore(trainer.checkpointer.directory, steps,
+                                                       verb=f"guard: {what}; rolled back to")
+        if state is None:
+            why = f"still diverging after {self.rollbacks} rollbacks" if diverging else "no checkpoint to roll back to"
             if spike:
                 raise UserError(f"{what}, {why}; the newest checkpoint is step {max(steps, default=0)}; lower "
                                 f"optim.lr, check the data or raise guard.spike_factor, then rerun to resume")
             path = trainer.save_checkpoint(wait=True)  # the parameters are intact: bad steps changed nothing
             raise UserError(f"{what} at step {step}, {why}; state saved to {path}; "
                             f"lower optim.lr or check the data, then rerun to resume")
-        trainer.state = trainer.restore(trainer.checkpointer.directory, steps, verb=f"guard: {what}; rolled back to")
+        trainer.state = state
         back = int(trainer.state["step"])
         resume_index = trainer.batch_index(back)
         skipped = [b for b in self.bad_batches if b >= resume_index]  # earlier ones precede the checkpoint
