@@ -109,7 +109,8 @@ def test_train_signal_once_training_saves_and_exits_0(tmp_path):
 
 
 COMMANDS = {
-    "generate": lambda run, tmp: ["meshtrain.generate", "--run", str(run), "--prompt", "hi", "--max-new-tokens", "4"],
+    "generate": lambda run, tmp: ["meshtrain.generate", "--run", str(run), "--prompt", "hi", "--max-new-tokens", "4",
+                                  "--tokenizer", "byte"],
     "eval": lambda run, tmp: ["meshtrain.eval", "--run", str(run), "--json", str(tmp / "eval.json")],
     "plan": lambda run, tmp: ["meshtrain.plan", "--config", TINY, "--devices", "8", "--mesh", "2x2x2"],
     "convert": lambda run, tmp: ["meshtrain.convert", "--to-hf", str(run), str(tmp / "hf")],
