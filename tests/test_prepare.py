@@ -165,7 +165,7 @@ def test_bad_sources_are_one_line_errors(bpe, tmp_path, capsys, monkeypatch):
         (["spark", "--kind", "jsonl"], "new", "no .jsonl files under"),
         (["prepared"], "new", "holds prepared, not documents"),
         (["other.jsonl", "--text-field", "content"], "busy", "busy already exists and is not empty"),
-        (["missing.txt"], "new", "data path"),
+        (["missing.txt"], "new", "missing.txt' does not exist; pass an existing file or folder"),
     ]
     for (src, *flags), out, message in cases:
         assert main(["prepare", str(tmp_path / src), *flags, "--out", str(tmp_path / out)]) == 2

@@ -49,7 +49,7 @@ def parser() -> Parser:
 def main(argv=None) -> int:
     use_console()
     args = parser().parse_args(argv)
-    kind = detect(args.src, args.kind)
+    kind = detect(args.src, args.kind, "SRC")
     started = time.perf_counter()
     if args.command == "prepare":
         tok = tokenizer_lib.load(args.tokenizer)

@@ -48,16 +48,19 @@ def _files(folder: Path, suffix: str) -> list[Path]:
                   and not any(part.startswith((".", "_")) for part in p.relative_to(folder).parts))
 
 
-def detect(path: str, kind: str = "auto") -> str:
+def detect(path: str, kind: str = "auto", flag: str | None = None) -> str:
     """`kind`, or for auto: stdlib without a path; a file by its suffix (text otherwise); a folder by
     its contents (manifest.json: prepared; save_to_disk files: hf_datasets; else .jsonl files, else
-    .parquet files, else text files)."""
+    .parquet files, else text files). `flag`: the command's name for the path in errors (None:
+    training's --data)."""
     if kind != "auto":
         return kind
     if not path:
         return "stdlib"
     p = Path(path)
     if not p.exists():
+        if flag:
+            raise UserError(f"{flag} {path!r} does not exist; pass an existing file or folder")
         raise UserError(f"data path {path!r} does not exist; pass --data FILE_OR_FOLDER "
                         f"(or omit it to train on the Python standard library)")
     if p.is_file():
