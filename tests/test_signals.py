@@ -127,8 +127,7 @@ COMMANDS = {
 def sweep(tmp) -> list[str]:
     (tmp / "space.yaml").write_text("optim.lr: {type: float, low: 1.0e-4, high: 3.0, log: true}\n")
     return ["meshtrain.sweep", "--config", TINY, "--space", str(tmp / "space.yaml"), "--trials", "1", "--out",
-            str(tmp / "sweep"), "--set", "train.steps=2000", "--set", "train.eval_every=100",
-            "--set", "parallel.mesh=1"]
+            str(tmp / "sweep"), "--set", "train.steps=2000", "--set", "train.eval_every=100"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)
