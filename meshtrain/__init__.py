@@ -10,6 +10,10 @@ if sys.argv[:1] == ["-m"]:  # `python -m meshtrain.<command>` is starting: a Ctr
 
     interrupt_exits_quietly()
     import_jax_without_driver_probe()
+elif "jax" not in sys.modules:  # a script or notebook: no CUDA version-check traceback where no driver loads
+    from meshtrain.core.cli import skip_cuda_check
+
+    skip_cuda_check()
 
 __all__ = ["Config", "UserError", "load_config", "Trainer", "TrainProgram", "simulate_cpu_devices"]
 

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_plan import one_of_each_collective
 
+from meshtrain.core import cli
 from meshtrain.core.errors import UserError
 from meshtrain.engine.program import TrainProgram
 from meshtrain.ops.fp8 import transposed_specs
@@ -185,3 +186,15 @@ def test_a_commands_stderr_is_its_own_with_the_cuda_plugin_installed(platforms):
                            "--set", "bad.key=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("error: unknown config key 'bad'"), done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.skipif(not cli.no_cuda_driver(), reason="a CUDA driver loads here: the plugin's version check is real")
+def test_a_script_that_imports_meshtrain_first_gets_no_cuda_check_traceback():
+    """In a script or notebook (`import meshtrain` before JAX) on a machine without a GPU driver, the CUDA
+    plugin's version check is skipped (meshtrain/core/cli.py skip_cuda_check): JAX starts on the CPU
+    without the check's traceback. (absl's probe lines, written by the plugin's C++ as it loads, remain.)"""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+    done = subprocess.run([sys.executable, "-c", "import meshtrain, jax; print(jax.devices()[0].platform)"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "cpu\n", done.stderr
+    assert "Traceback" not in done.stderr and "configuration error" not in done.stderr, done.stderr

@@ -197,6 +197,16 @@ def no_cuda_driver() -> bool:
     return False
 
 
+def skip_cuda_check() -> bool:
+    """Where JAX's CUDA plugin is installed and no CUDA driver loads, skip the plugin's CUDA version
+    check (JAX_SKIP_CUDA_CONSTRAINTS_CHECK): it has no CUDA to check and would print its failure as a
+    traceback on every JAX start before JAX goes on on the CPU. Whether it is skipped."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is None or not no_cuda_driver():
+        return False
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    return True
+
+
 def import_jax_without_driver_probe() -> None:
     """For `python -m meshtrain.<command>` (meshtrain/__init__.py), where JAX's CUDA plugin is
     installed: import JAX and discover its plugins with the CUDA_DRIVER_PROBE lines taken out of what
@@ -207,10 +217,7 @@ def import_jax_without_driver_probe() -> None:
     if "jax" in sys.modules or importlib.util.find_spec("jax_cuda12_plugin") is None:
         return
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    no_cuda = bool(platforms) and not {"cuda", "gpu"} & set(platforms.split(","))
-    if not no_cuda and no_cuda_driver():
-        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-        no_cuda = True
+    no_cuda = (bool(platforms) and not {"cuda", "gpu"} & set(platforms.split(","))) or skip_cuda_check()
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
