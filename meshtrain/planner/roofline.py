@@ -220,7 +220,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops)
-    return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
+    return {"device": profile["name"], "priced_by": "formulas", "devices_per_node": per_node,
+            "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),
             "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops,
                       "fp8_per_device": fp8_flops, "recompute": recompute,
