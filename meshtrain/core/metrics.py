@@ -59,7 +59,7 @@ PEAK_FP8_FLOPS = {
 # the worst |log(predicted / measured)| of the calibration rows, a grid refined twice) on three steps
 # measured with JAX 0.11.2 (benchmarks/RESULTS.md): H200 llama_1b batch 8 with cuDNN attention (272.3
 # ms) and with XLA's attention (674.2 ms), and H100 llama3-8b's shape with 4 layers, batch 2, remat
-# full, blockwise attention (1,131.6 ms). Held out, and within 25% of the prediction: H200 llama_1b
+# full, blockwise attention (1,131.6 ms). Held out, each within 3.2% of its prediction: H200 llama_1b
 # batch 16 cuDNN (530.9 ms), batch 8 blockwise (654.7 ms), H100 llama3-8b batch 4 in 2 microbatches
 # save_matmuls (1,991.1 ms). One set serves the H100 and H200 (one GH100 die); the A100 takes the
 # same shares, not calibrated on an A100.

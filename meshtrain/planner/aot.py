@@ -318,7 +318,7 @@ def format_plan(r: dict) -> str:
                    f"({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms without overlap)"
                  + (f"; priced by the GPU program's kernels: step {roof['step_s'] * 1e3:,.1f} ms"
                     if roof["priced_by"] == "kernels" else "; priced by these formulas")
-                 + f", MFU ceiling {roof['mfu_ceiling']:.1%}"
+                 + f", {'MFU' if roof['priced_by'] == 'kernels' else 'MFU ceiling'} {roof['mfu_ceiling']:.1%}"
                  + (f" ({roof['mfu_fp8_ceiling']:.1%} of the fp8 peak)" if "mfu_fp8_ceiling" in roof else "")
                  + f", {roof['tokens_per_s']:,.0f} tokens/s")
     lines += ["", format_verdict(r), *format_search(r)]
