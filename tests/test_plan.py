@@ -102,6 +102,7 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
             <= set(report["collectives"]["all-gather"]))
     assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers weights
     assert {"compute_s", "comm_s", "step_s", "mfu_ceiling", "pipeline_bubble", "links"} <= set(report["roofline"])
+    assert report["roofline"]["priced_by"] == "formulas"  # XLA:CPU's program has no GPU kernels to price
     assert report["corrections"]["all_reduce_as_reduce_scatter"] > 0  # fsdp's gradient reduce-scatters
     memory = report["memory"]
     assert memory["fits"] is False and memory["total"] > 100e3

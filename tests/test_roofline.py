@@ -286,3 +286,102 @@ def test_estimate_times_collectives_on_the_links_they_cross():
     assert est["links"]["data"]["traffic_bytes"] == 2e9
     assert est["comm_s"] == pytest.approx(2e9 / 50e9 + 4.5e9 / 450e9)
     assert est["step_s"] == est["comm_s"] and est["bound"] == "communication"
+
+
+# ---- the GPU program's step time, kernel by kernel (meshtrain/planner/kernel_time.py) ----
+GEMM = '"fusion_backend_config":{"kind":"__triton_gemm"}'
+WALKED = f"""HloModule walked, is_scheduled=true
+
+%add_body (p0: f32[1024,1024], p1: f32[1024,1024]) -> f32[1024,1024] {{
+  %p0 = f32[1024,1024]{{1,0}} parameter(0)
+  %p1 = f32[1024,1024]{{1,0}} parameter(1)
+  ROOT %add = f32[1024,1024]{{1,0}} add(%p0, %p1)
+}}
+
+%update_body (q0: f32[8,1024,1024], q1: f32[1024,1024], q2: s32[]) -> f32[8,1024,1024] {{
+  %q0 = f32[8,1024,1024]{{2,1,0}} parameter(0)
+  %q1 = f32[1024,1024]{{1,0}} parameter(1)
+  %row = f32[1,1024,1024]{{2,1,0}} bitcast(%q1)
+  %q2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[8,1024,1024]{{2,1,0}} dynamic-update-slice(%q0, %row, %q2, %zero, %zero)
+}}
+
+%gemm_body (g0: bf16[4096,2048], g1: bf16[2048,1024]) -> bf16[4096,1024] {{
+  %g0 = bf16[4096,2048]{{1,0}} parameter(0)
+  %g1 = bf16[2048,1024]{{1,0}} parameter(1)
+  ROOT %dot = bf16[4096,1024]{{1,0}} dot(%g0, %g1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%loop (arg: (s32[], f32[1024,1024], f32[8,1024,1024])) -> (s32[], f32[1024,1024], f32[8,1024,1024]) {{
+  %arg = (s32[], f32[1024,1024]{{1,0}}, f32[8,1024,1024]{{2,1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[1024,1024]{{1,0}} get-tuple-element(%arg), index=1
+  %buf = f32[8,1024,1024]{{2,1,0}} get-tuple-element(%arg), index=2
+  %sum = f32[1024,1024]{{1,0}} fusion(%x, %x), kind=kLoop, calls=%add_body
+  %put = f32[8,1024,1024]{{2,1,0}} fusion(%buf, %sum, %i), kind=kLoop, calls=%update_body
+  ROOT %out = (s32[], f32[1024,1024]{{1,0}}, f32[8,1024,1024]{{2,1,0}}) tuple(%i, %sum, %put)
+}}
+
+%more (c: (s32[], f32[1024,1024], f32[8,1024,1024])) -> pred[] {{
+  %c = (s32[], f32[1024,1024]{{1,0}}, f32[8,1024,1024]{{2,1,0}}) parameter(0)
+  %n = s32[] get-tuple-element(%c), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%n, %four), direction=LT
+}}
+
+ENTRY %main (a: bf16[4096,2048], b: bf16[2048,1024], x: f32[1024,1024], buf: f32[8,1024,1024]) -> bf16[4096,1024] {{
+  %a = bf16[4096,2048]{{1,0}} parameter(0)
+  %b = bf16[2048,1024]{{1,0}} parameter(1)
+  %x = f32[1024,1024]{{1,0}} parameter(2)
+  %buf = f32[8,1024,1024]{{2,1,0}} parameter(3)
+  %ar = f32[1024,1024]{{1,0}} all-reduce-start(%x), replica_groups={{{{0,1}}}}, to_apply=%add_body
+  %mm = bf16[4096,1024]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%gemm_body, backend_config={{{GEMM}}}
+  %ard = f32[1024,1024]{{1,0}} all-reduce-done(%ar)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024,1024]{{1,0}}, f32[8,1024,1024]{{2,1,0}}) tuple(%zero, %ard, %buf)
+  %w = (s32[], f32[1024,1024]{{1,0}}, f32[8,1024,1024]{{2,1,0}}) while(%init), condition=%more, body=%loop, \
+backend_config={{"known_trip_count":{{"n":"4"}}}}
+  ROOT %r = bf16[4096,1024]{{1,0}} copy(%mm)
+}}
+"""
+# round numbers: 1 PFLOP/s bf16, 1 TB/s HBM, 1 us launches, every efficiency 1/2, no GEMM shape penalty
+PROFILE = {"peak_flops": 1e15, "peak_fp8_flops": 2e15, "peak_tf32_flops": 5e14, "hbm_bw": 1e12,
+           "kernels": {"gemm_peak": 0.5, "gemm_half_size": 0, "attention_efficiency": 0.5, "hbm_efficiency": 0.5,
+                       "launch_s": 1e-6}}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("link_s", [1e-5, 1e-4])
+def test_the_gpu_programs_kernels_are_costed_in_schedule_order(link_s):
+    from meshtrain.planner import kernel_time
+
+    r = kernel_time.step_time(WALKED, PROFILE, {"ar": link_s})
+    mib = 2 ** 20
+    gemm = max(2 * 4096 * 2048 * 1024 / (1e15 * 0.5), (16 + 4 + 8) * mib / 0.5e12)  # FLOPs from the dot's shapes
+    add, update = 12 * mib / 0.5e12, 8 * mib / 0.5e12  # a + a -> sum; the update written in place, the buffer unread
+    copy = 2 * 8 * mib / 0.5e12
+    loop = 4 * (add + update) + 5 * 1e-6  # 4 trips; the condition's compare runs 5 times, at the launch floor
+    assert r["by_kind_s"]["gemm"] == pytest.approx(gemm)
+    assert r["by_kind_s"]["memory"] == pytest.approx(4 * (add + update) + 5e-6 + copy)
+    assert r["launches"] == {"gemm": 1, "attention": 0, "memory": 4 * 2 + 5 + 1}
+    # the all-reduce runs beside the GEMM scheduled between its start and done: only what outlasts it shows
+    assert r["step_s"] == pytest.approx(max(gemm, link_s) + loop + copy)
+    assert r["exposed_comm_s"] == pytest.approx(max(0.0, link_s - gemm))
+
+
+@pytest.mark.fast
+def test_a_conditional_costs_the_mean_of_its_branches():
+    from meshtrain.planner import kernel_time
+
+    text = WALKED.replace("%w = (s32[], f32[1024,1024]{1,0}, f32[8,1024,1024]{2,1,0}) while(%init), condition=%more, "
+                          'body=%loop, backend_config={"known_trip_count":{"n":"4"}}',
+                          "%p = pred[] parameter(4)\n  %w = (s32[], f32[1024,1024]{1,0}, f32[8,1024,1024]{2,1,0}) "
+                          "conditional(%p, %init, %init), true_computation=%loop, false_computation=%skip")
+    text = text.replace("ENTRY", "%skip (s: (s32[], f32[1024,1024], f32[8,1024,1024])) -> "
+                        "(s32[], f32[1024,1024], f32[8,1024,1024]) {\n  ROOT %s = (s32[], f32[1024,1024]{1,0}, "
+                        "f32[8,1024,1024]{2,1,0}) parameter(0)\n}\n\nENTRY")
+    mib = 2 ** 20
+    r = kernel_time.step_time(text, PROFILE, {})
+    assert r["launches"]["memory"] == pytest.approx(2 * 0.5 + 1)  # the loop body's two kernels half the time
+    assert r["by_kind_s"]["memory"] == pytest.approx((12 + 8) * mib / 0.5e12 / 2 + 2 * 8 * mib / 0.5e12)

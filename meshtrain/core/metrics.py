@@ -51,15 +51,37 @@ PEAK_FP8_FLOPS = {
 #   bidirectional -> 600 GB/s each way; DCN 50 Gb/s per chip -> 6.25 GB/s. A "node" is a slice (one
 #   ICI domain): 6,144 chips is the largest slice a job can have (16x16x24), so any mesh up to that
 #   is one node unless --devices-per-node says otherwise.
+#
+# The GPU program's step time (meshtrain/planner/kernel_time.py) adds `peak_tf32_flops` (f32 GEMMs run
+# as TF32 on tensor cores, XLA's default precision: dense 494.7 TFLOP/s on H100/H200 SXM, 156 on A100,
+# the datasheets' figures without sparsity) and `kernels`, KERNEL_CONSTANTS: what share of those peaks
+# the kernels reach, and the shortest launch. They are fitted (`python benchmarks/step_time.py --fit`:
+# the worst |log(predicted / measured)| of the calibration rows, a grid refined twice) on three steps
+# measured with JAX 0.11.2 (benchmarks/RESULTS.md): H200 llama_1b batch 8 with cuDNN attention (272.3
+# ms) and with XLA's attention (674.2 ms), and H100 llama3-8b's shape with 4 layers, batch 2, remat
+# full, blockwise attention (1,131.6 ms). Held out, each within 3.2% of its prediction: H200 llama_1b
+# batch 16 cuDNN (530.9 ms), batch 8 blockwise (654.7 ms), H100 llama3-8b batch 4 in 2 microbatches
+# save_matmuls (1,991.1 ms). One set serves the H100 and H200 (one GH100 die); the A100 takes the
+# same shares, not calibrated on an A100.
+# - gemm_peak: a large GEMM's share of the dense peak of its operand type (fitted);
+# - gemm_half_size: a GEMM side of this many rows or columns runs at half that share (the 128-wide
+#   tensor-core tile edge: not fitted);
+# - attention_efficiency: cuDNN's fused attention, its share of the bf16 peak (fitted as gemm_peak:
+#   the three rows cannot tell the two apart);
+# - hbm_efficiency: a memory-bound kernel's share of the HBM bandwidth (fitted);
+# - launch_s: the shortest a kernel takes, launch and issue (fitted).
+KERNEL_CONSTANTS = {"gemm_peak": 0.75, "gemm_half_size": 128, "attention_efficiency": 0.75, "hbm_efficiency": 0.681,
+                    "launch_s": 0.75e-6}
 DEVICE_PROFILES = {
     "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "peak_fp8_flops": PEAK_FP8_FLOPS["H100"],
-             "hbm_bw": 3.35e12, "memory": 80e9,
-             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8},
+             "peak_tf32_flops": 494.7e12, "hbm_bw": 3.35e12, "memory": 80e9,
+             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
     "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "peak_fp8_flops": PEAK_FP8_FLOPS["H200"],
-             "hbm_bw": 4.8e12, "memory": 141e9,
-             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8},
-    "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "hbm_bw": 2.039e12, "memory": 80e9,
-             "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8},
+             "peak_tf32_flops": 494.7e12, "hbm_bw": 4.8e12, "memory": 141e9,
+             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
+    "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "peak_tf32_flops": 156e12,
+             "hbm_bw": 2.039e12, "memory": 80e9,
+             "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
     "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.765e12,
                 "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144,
                 "preallocates": False},

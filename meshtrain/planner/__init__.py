@@ -6,6 +6,7 @@
   memory, and give the verdict; budget.py: the memory a device can give, with headroom.
 - hlo.py: collectives and buffers read from compiled HLO, with the CPU backend's corrections;
   kernels.py: a GPU program's kernels per step (GEMMs by operand type, fused attention, collectives).
-- traffic.py: bytes each axis sends per step, by formula and from the HLO; roofline.py: step time.
+- traffic.py: bytes each axis sends per step, by formula and from the HLO; roofline.py: step time by
+  formula (a bound at datasheet peaks); kernel_time.py: a GPU program's step time, kernel by kernel.
 - fit.py: the search for a layout that fits; drawing.py: timelines and figures.
 """

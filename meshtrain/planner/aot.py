@@ -30,7 +30,7 @@ from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
 from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
 from meshtrain.parallel.sharding import make_rules
-from meshtrain.planner import compilers, fit, hlo, kernels, traffic
+from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, traffic
 from meshtrain.planner import roofline as roof
 from meshtrain.planner.budget import budget, memory_fraction, verdict
 from meshtrain.planner.hlo import KINDS
@@ -205,6 +205,9 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
     read_once = SimpleNamespace(argument_size_in_bytes=train_memory["arguments"],  # the HBM floor's bytes
                                 temp_size_in_bytes=memory["temporaries"], output_size_in_bytes=train_memory["outputs"])
     roofline = roof.estimate(program, read_once, records, profile, devices_per_node)
+    if gpu:  # the GPU program's kernels price the step; the CPU's program has none (the formulas do)
+        roofline = kernel_time.price(text, records, sizes, profile, devices_per_node or profile["devices_per_node"],
+                                     roofline)
     flops = {"compiled_per_device": float(cost["flops"]) if "flops" in cost else None,
              "model_per_device": roofline["flops"]["model_per_device"],
              "hardware_per_device": roofline["flops"]["hardware_per_device"]}
@@ -307,15 +310,32 @@ def format_plan(r: dict) -> str:
         if link["traffic_bytes"]:
             lines.append(f"  over {axes:<22} {gb(link['traffic_bytes']):>12} at {link['bandwidth'] / 1e9:,.0f} GB/s "
                          f"({'cross-node' if link['cross_node'] else 'in-node'}): {link['seconds'] * 1e3:,.1f} ms")
+    lines += format_kernel_time(roof)
     lines.append(f"  compute {roof['compute_s'] * 1e3:,.1f} ms"
                  + (f" (bubble {roof['pipeline_bubble']:.1%})" if roof["pipeline_bubble"] else "")
                  + f", communication {roof['comm_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms -> "
-                   f"step >= {roof['step_s'] * 1e3:,.1f} ms ({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms "
-                   f"without overlap), MFU ceiling {roof['mfu_ceiling']:.1%}"
+                   f"step >= {roof.get('formula_step_s', roof['step_s']) * 1e3:,.1f} ms at the datasheet peaks "
+                   f"({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms without overlap)"
+                 + (f"; priced by the GPU program's kernels: step {roof['step_s'] * 1e3:,.1f} ms"
+                    if roof["priced_by"] == "kernels" else "; priced by these formulas")
+                 + f", {'MFU' if roof['priced_by'] == 'kernels' else 'MFU ceiling'} {roof['mfu_ceiling']:.1%}"
                  + (f" ({roof['mfu_fp8_ceiling']:.1%} of the fp8 peak)" if "mfu_fp8_ceiling" in roof else "")
                  + f", {roof['tokens_per_s']:,.0f} tokens/s")
     lines += ["", format_verdict(r), *format_search(r)]
     return "\n".join(lines)
+
+
+def format_kernel_time(roof: dict) -> list[str]:
+    """The GPU program's step, kernel by kernel (meshtrain/planner/kernel_time.py), when it priced the step."""
+    if roof["priced_by"] != "kernels":
+        return []
+    k, c = roof["kernel_time"], roof["kernel_time"]["by_kind_s"]
+    n = k["launches"]
+    return [f"  GPU kernels (calibrated, meshtrain/core/metrics.py KERNEL_CONSTANTS): GEMMs {c['gemm'] * 1e3:,.1f} ms "
+            f"({n['gemm']:,.0f}), fused attention {c['attention'] * 1e3:,.1f} ms ({n['attention']:,.0f}), "
+            f"memory-bound {c['memory'] * 1e3:,.1f} ms ({n['memory']:,.0f}); "
+            f"collectives {c['collectives'] * 1e3:,.1f} ms on their links, {k['exposed_comm_s'] * 1e3:,.1f} ms of "
+            f"it not hidden -> step {k['step_s'] * 1e3:,.1f} ms"]
 
 
 def format_kernels(k: dict | None) -> list[str]:
@@ -332,22 +352,28 @@ def format_kernels(k: dict | None) -> list[str]:
     return lines + [f"    {a['shape']:<28} {human_bytes(a['bytes']):>10}  {a['op']}" for a in k["largest"][:5]]
 
 
+def step_sign(roof: dict) -> str:
+    """'step ~' for a step the GPU program's kernels priced (a prediction), 'step >=' for the formulas' bound."""
+    return "step ~" if roof["priced_by"] == "kernels" else "step >="
+
+
 def format_search(r: dict) -> list[str]:
     """What the search found (meshtrain/planner/fit.py): the fastest fitting layout and its command."""
     found = r.get("search")
     if not found:
         return []
     tried = [c for c in found["compiled"] if "invalid" not in c]
+    step = step_sign(r["roofline"])
     lines = [f"search: {len(tried)} layout(s) compiled (at most {found['budget']}: --search-budget), moves "
              f"{' -> '.join(found['path']) or 'none'}"]
     for c in sorted(tried, key=lambda c: (not c["fits"], c["step_s"]))[:8]:
-        lines.append(f"  {'fits' if c['fits'] else 'over'}  peak {human_bytes(c['peak']):>11}  step >= "
+        lines.append(f"  {'fits' if c['fits'] else 'over'}  peak {human_bytes(c['peak']):>11}  {step} "
                      f"{human_seconds(c['step_s']):>10}  {c['layout']}")
     best = found["best"]
     if best is None:
         lines.append("no layout searched fits; raise --search-budget, add devices, or shrink the batch or sequence")
     else:
-        lines += [f"fastest that fits: {best['layout']} (step >= {human_seconds(best['step_s'])}, MFU ceiling "
+        lines += [f"fastest that fits: {best['layout']} ({step} {human_seconds(best['step_s'])}, MFU ceiling "
                   f"{best['mfu_ceiling']:.1%})", f"  {best['command']}"]
     return lines
 
@@ -449,7 +475,8 @@ def format_zero_table(rows) -> str:
 
 
 def format_compare(rows, skipped=()) -> str:
-    lines = ["| rank | mesh | verdict | peak/device | link traffic/device | compute | comm | step >= | MFU ceiling |",
+    step = step_sign(rows[0]["roofline"]) if rows else "step >="
+    lines = [f"| rank | mesh | verdict | peak/device | link traffic/device | compute | comm | {step} | MFU ceiling |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         v, roof = r["verdict"], r["roofline"]

@@ -42,6 +42,16 @@ perfectly, the sum when none does):
   out that weights are read again by every microbatch and activations again by the backward.
 MFU ceiling = model FLOPs (no recompute: that is HFU's) / peak / step, against the bf16 peak under
 fp8 too (meshtrain/core/metrics.py), and under fp8 `mfu_fp8_ceiling` against the fp8 peak.
+
+These formulas price the step of a plan compiled by XLA:CPU (`priced_by: "formulas"`), whose program
+has no GPU kernels; they are a bound, 0.16x-0.48x of the steps measured on a GPU. A plan compiled by
+XLA's GPU compiler is priced from its kernels (meshtrain/planner/kernel_time.py, `priced_by:
+"kernels"`, this bound kept as `formula_step_s`), with four constants (meshtrain/core/metrics.py,
+KERNEL_CONSTANTS) calibrated on three measured steps: H200 llama_1b batch 8 with cuDNN attention
+(272.3 ms) and with XLA's (674.2 ms), and H100 llama3-8b's shape with 4 layers, batch 2, remat full
+(1,131.6 ms); held out and predicted within 3.2%: H200 llama_1b batch 16 cuDNN (530.9 ms) and batch 8
+blockwise (654.7 ms), H100 batch 4 in 2 microbatches, save_matmuls (1,991.1 ms). Measured vs predicted:
+benchmarks/RESULTS.md, "A step time to book a pod on".
 """
 from __future__ import annotations
 
@@ -220,7 +230,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops)
-    return {"device": profile["name"], "devices_per_node": per_node, "nodes": math.ceil(n / per_node),
+    return {"device": profile["name"], "priced_by": "formulas", "devices_per_node": per_node,
+            "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),
             "flops": {"model_per_device": model_flops, "hardware_per_device": hardware_flops,
                       "fp8_per_device": fp8_flops, "recompute": recompute,

@@ -1,0 +1,253 @@
+"""A GPU program's step time, kernel by kernel: the roofline the GPU compiler's HLO allows (issue 39,
+section 5). The formula roofline (meshtrain/planner/roofline.py) prices a step at datasheet peaks; this
+one walks what XLA's GPU compiler launches (meshtrain/planner/kernels.py: a top-level instruction of a
+computation that runs, never one inside a fusion) in the compiled schedule's order and costs each:
+
+- GEMM (Triton GEMM fusion, cuBLAS call): FLOPs = 2·m·n·k from the dot's shapes (m the lhs's rows, batch
+  dims included; k the contracted size; n the rest of the result); at the operand type's peak (bf16/f16,
+  fp8; f32 as TF32) x `gemm_efficiency(m, n, k)`;
+- cuDNN fused attention: forward 4·B·H·Lq·Lk·D FLOPs (QK^T and PV), the backward 2.5x that (it reruns
+  QK^T, then dV, dP, dQ, dK: 5 matmuls for 2), a causal mask half of it, a sliding window Lk <= window;
+  at the bf16 peak x `attention_efficiency`;
+- every other kernel (loop/input fusions, Triton block fusions, copies): memory-bound. A kernel's bytes
+  are its operands read and its result written, except that a fusion reads of an operand only what its
+  dynamic-slices/slices take, and a dynamic-update-slice root writes only its update (in place);
+- each kernel takes the longest of its arithmetic at its efficiency, its bytes at HBM bandwidth x
+  `hbm_efficiency` (a GEMM's too), and `launch_s` (`kernel_seconds`); a `while` runs its body
+  trip-count times and its condition once more, a `conditional` costs the mean of its branches
+  (blockwise attention's skipped and computed blocks: about half and half);
+- collectives (meshtrain/planner/hlo.py's records) on the link their replica groups cross (roofline.py),
+  on their own stream: an async `-start` begins when the link is free and its `-done` waits for it, so
+  the kernels scheduled between them hide it; a synchronous one stops the compute stream.
+
+The constants (`KERNEL_CONSTANTS` in meshtrain/core/metrics.py) are calibrated on measured steps and
+stated there with the rows they came from (benchmarks/RESULTS.md, "A step time to book a pod on").
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+
+from meshtrain.planner import hlo, kernels, roofline
+from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elements
+
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\["?([\d",]*)"?\]')
+_BACKEND = re.compile(r"backend_config=(\{.*\})\s*$")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+_FREE = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "copy-done", "send-done", "recv-done", "async-done")  # no kernel of their own
+_SLICES = ("dynamic-slice", "slice", "gather")
+
+
+def _dims(shape: str) -> list[int]:
+    m = _DIMS.search(shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _bytes(shape: str) -> int:
+    return sum(n * DTYPE_BYTES[t] for t, n in typed_array_elements(shape))
+
+
+def gemm_efficiency(m: int, n: int, k: int, c: dict) -> float:
+    """The share of peak a GEMM of [m, k] x [k, n] reaches: `gemm_peak` for a large one, less for a thin
+    one, each side s at s / (s + `gemm_half_size`) (a tile row or column that cannot fill the tensor cores
+    or the SMs; a half-size side reaches half the rate)."""
+    half = c["gemm_half_size"]
+    return c["gemm_peak"] * math.prod(s / (s + half) for s in (m, n, k))
+
+
+def _dot(module: Module, comp: str, ins) -> tuple[str, int, int, int] | None:
+    """(operand type, m, n, k) of a GEMM kernel, None when `ins` is not one (kernels._gemm_types)."""
+    if kernels._gemm_types(module, comp, ins) is None:
+        return None
+    if ins.op == "custom-call":  # cuBLAS: the call's first operand, its own contracting dims
+        lhs = module.comps[comp][ins.operands[0]]
+        contracting = _CUBLAS_CONTRACTING.search(ins.line)
+        picked = [int(d) for d in contracting.group(1).replace('"', "").split(",")] if contracting else [-1]
+        out = _dims(ins.shape if not ins.shape.startswith("(") else ins.shape[1:])
+    else:
+        body = module.callee(ins)
+        dot = next(i for i in module.comps[body].values() if i.op in ("dot", "scaled-dot"))
+        lhs = module.comps[body][dot.operands[0]]
+        picked = [int(d) for d in _CONTRACTING.search(dot.line).group(1).split(",") if d]
+        out = _dims(dot.shape)
+    lhs_dims = _dims(lhs.shape)
+    k = math.prod(lhs_dims[d] for d in picked)
+    rows = math.prod(lhs_dims) // k  # the lhs's free (and batch) dims
+    n = max(1, math.prod(out) // max(rows, 1))
+    return lhs.arrays[0][0], rows, n, k
+
+
+def _attention_flops(ins) -> float:
+    """A cuDNN fused attention call's FLOPs (module doc)."""
+    config = json.loads(_BACKEND.search(ins.line).group(1))["cudnn_fmha_backend_config"]
+    b, h, lq, lk = (int(d) for d in config["intermediate_tensor_shape"]["dimensions"])
+    head_dim = _dims(ins.line.split("operand_layout_constraints={", 1)[1])[-1]
+    window = int(config.get("sliding_window_length", 0))
+    keys = min(lk, window) if window else lk
+    share = 0.5 if config.get("mask_type", "").startswith("CAUSAL") and not window else 1.0
+    forward = 4.0 * b * h * lq * keys * head_dim * share
+    return forward * (2.5 if "Backward" in ins.line.split("custom_call_target=")[1][:60] else 1.0)
+
+
+def _uses(module: Module, comp: str, name: str) -> list[tuple[str, object]]:
+    """(the value's name as used, the user) of each use of a value, through bitcasts (views of it)."""
+    out = []
+    for use in module.users(comp, name):
+        out += _uses(module, comp, use.name) if use.op == "bitcast" else [(name, use)]
+    return out
+
+
+def _fusion_bytes(module: Module, comp: str, ins) -> int:
+    """Bytes a fusion (or a bare instruction) moves: operands as read, its result as written (module doc)."""
+    body = module.callee(ins) if ins.op == "fusion" else None
+    inner = module.comps.get(body, {})
+    read = 0
+    for index, name in enumerate(ins.operands):
+        operand = module.comps[comp].get(name)
+        if operand is None:
+            continue
+        param = module.parameter(body, index) if body else None
+        uses = _uses(module, body, param) if param else []
+        if uses and all(u.op in _SLICES and u.operands[0] == v for v, u in uses):
+            read += sum(_bytes(u.shape) for _, u in uses)
+        elif uses and all(u.op == "dynamic-update-slice" and u.operands[0] == v for v, u in uses):
+            continue  # the buffer updated in place: not read
+        else:
+            read += _bytes(operand.shape)
+    root = inner.get(module.roots.get(body, ""))
+    outputs = [inner[n] for n in root.operands] if root is not None and root.op == "tuple" else [root]
+    written = 0
+    for out in outputs:
+        if out is not None and out.op == "dynamic-update-slice":
+            written += _bytes(inner[out.operands[1]].shape) if out.operands[1] in inner else 0
+        elif out is not None:
+            written += _bytes(out.shape)
+    return read + (written if root is not None else _bytes(ins.shape))
+
+
+def kernel_seconds(kind: str, arithmetic_s: float, nbytes: float, profile: dict) -> float:
+    """One kernel's seconds: the longest of its arithmetic at its kind's efficiency (`gemm_peak` for
+    GEMMs, `attention_efficiency` for fused attention), its bytes at HBM bandwidth x `hbm_efficiency`,
+    and `launch_s`, the shortest a launch takes (the host issues kernels no faster)."""
+    c = profile["kernels"]
+    efficiency = {"gemm": c["gemm_peak"], "attention": c["attention_efficiency"]}.get(kind, 1.0)
+    return max(arithmetic_s / efficiency, nbytes / (profile["hbm_bw"] * c["hbm_efficiency"]), c["launch_s"])
+
+
+class StepTime:
+    """The walk of one compiled GPU program on `profile` (meshtrain/core/metrics.py's DEVICE_PROFILES,
+    its `kernels` constants); `link_s`: {collective instruction name: seconds per execution on its link}."""
+
+    def __init__(self, hlo_text: str, profile: dict, link_s: dict[str, float]):
+        self.module, self.profile, self.c, self.link_s = Module(hlo_text), profile, profile["kernels"], link_s
+        self.parts: dict[str, float] = defaultdict(float)  # seconds per step by kind of work
+        self.counts: dict[str, float] = defaultdict(float)
+        self.launched: list[tuple[str, float, int, float]] = []  # (kind, arithmetic s, bytes, times per step)
+
+    def work(self, comp: str, ins) -> tuple[str, float, int] | None:
+        """(kind, seconds of its arithmetic at the peak, bytes it moves) of a kernel-level instruction,
+        None for one that launches nothing. A GEMM's seconds include its shape's efficiency
+        (`gemm_efficiency` without `gemm_peak`)."""
+        if ins.op in _FREE:
+            return None
+        p, c = self.profile, self.c
+        if (gemm := _dot(self.module, comp, ins)) is not None:
+            dtype, m, n, k = gemm
+            peak = p["peak_fp8_flops"] if dtype.startswith("f8") else p["peak_tf32_flops"] if dtype == "f32" \
+                else p["peak_flops"]
+            shape = gemm_efficiency(m, n, k, c) / c["gemm_peak"]
+            return "gemm", 2.0 * m * n * k / (peak * shape), _fusion_bytes(self.module, comp, ins)
+        target = kernels._TARGET.search(ins.line) if ins.op == "custom-call" else None
+        if target and target.group(1).startswith("__cudnn$fmha"):
+            return "attention", _attention_flops(ins) / p["peak_flops"], 0
+        return "memory", 0.0, _fusion_bytes(self.module, comp, ins)
+
+    def kernel(self, comp: str, ins, times: float) -> float:
+        """Seconds of one launch (`kernel_seconds`), counted `times` per step by kind."""
+        found = self.work(comp, ins)
+        if found is None:
+            return 0.0
+        kind, arithmetic_s, nbytes = found
+        self.launched.append((kind, arithmetic_s, nbytes, times))
+        seconds = kernel_seconds(kind, arithmetic_s, nbytes, self.profile)
+        self.parts[kind] += times * seconds
+        self.counts[kind] += times
+        return seconds
+
+    def run(self, comp: str, times: float = 1.0) -> float:
+        """Seconds of one execution of `comp`: compute stream and collective stream, in schedule order."""
+        clock = link_free = 0.0
+        ends: dict[str, float] = {}
+        for ins in self.module.comps[comp].values():
+            kind = ins.op.removesuffix("-start").removesuffix("-done")
+            if kind in KINDS:
+                seconds = self.link_s.get(ins.name, 0.0)
+                if ins.op.endswith("-done"):
+                    clock = max(clock, ends.pop(ins.operands[0], clock))
+                    continue
+                start = max(clock, link_free)
+                link_free = ends[ins.name] = start + seconds
+                self.parts["collectives"] += times * seconds
+                if not ins.op.endswith("-start"):  # synchronous: the compute stream waits
+                    clock = link_free
+                continue
+            if ins.op == "while":
+                trip = hlo.TRIP_COUNT.search(ins.line)
+                n = int(trip.group(1)) if trip else 1
+                body, cond = hlo._BODY.search(ins.line).group(1), re.search(r"condition=%?([\w.\-]+)", ins.line)
+                clock += n * self.run(body, times * n) + (n + 1) * (self.run(cond.group(1), times * (n + 1))
+                                                                   if cond else 0.0)
+            elif ins.op == "conditional":
+                branches = [b.strip().lstrip("%") for g in hlo._BRANCHES.findall(ins.line) for b in g.split(",")] \
+                    or re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.line)
+                clock += sum(self.run(b, times / len(branches)) for b in branches) / len(branches)
+            elif ins.op == "call" and (callee := re.search(r"to_apply=%?([\w.\-]+)", ins.line)):
+                clock += self.run(callee.group(1), times)
+            else:
+                clock += self.kernel(comp, ins, times)
+        return max(clock, link_free)
+
+
+def step_time(hlo_text: str, profile: dict, link_s: dict[str, float]) -> dict:
+    """The step's seconds by the walk (`StepTime`), with the seconds per step of each kind of work
+    (GEMMs, fused attention, memory-bound kernels, collectives on their links) and the
+    kernels launched of each kind."""
+    walk = StepTime(hlo_text, profile, link_s)
+    step = walk.run(walk.module.entry)
+    busy = sum(walk.parts[k] for k in ("gemm", "attention", "memory"))
+    return {"step_s": step, "kernels_s": busy, "exposed_comm_s": max(0.0, step - busy),
+            "by_kind_s": {k: walk.parts[k] for k in ("gemm", "attention", "memory", "collectives")},
+            "launches": {k: walk.counts[k] for k in ("gemm", "attention", "memory")},
+            "constants": dict(walk.c)}
+
+
+def link_seconds(collectives, sizes: dict[str, int], profile: dict, devices_per_node: int) -> dict[str, float]:
+    """{instruction name: seconds per execution} of each collective (hlo.py's records): its ring link
+    traffic at the bandwidth of the link its replica groups cross (roofline.py); 0 on no axis."""
+    out = {}
+    for c in collectives:
+        axes = roofline.axes_of_groups(c.groups, sizes)
+        bandwidth = roofline.link_bandwidth(profile, roofline.crosses_nodes(axes, sizes, devices_per_node))
+        out[c.name] = out.get(c.name, 0.0) + (c.traffic / bandwidth if axes else 0.0)
+    return out
+
+
+def price(hlo_text: str, collectives, sizes: dict[str, int], profile: dict, devices_per_node: int,
+          formula: dict) -> dict:
+    """The roofline of a GPU plan: `formula` (roofline.estimate's) with the step, the MFU and HFU
+    ceilings and tokens/s from the GPU program's kernels (`step_time`), the formula's step kept as
+    `formula_step_s`, and `priced_by` saying which priced the step."""
+    walked = step_time(hlo_text, profile, link_seconds(collectives, sizes, profile, devices_per_node))
+    step, flops = walked["step_s"], formula["flops"]
+    scale = formula["step_s"] / step if step else 0.0
+    out = {**formula, "priced_by": "kernels", "formula_step_s": formula["step_s"], "step_s": step,
+           "kernel_time": walked, "tokens_per_s": formula["tokens_per_s"] * scale,
+           "mfu_ceiling": flops["model_per_device"] / profile["peak_flops"] / step if step else 0.0,
+           "hfu_ceiling": flops["hardware_per_device"] / profile["peak_flops"] / step if step else 0.0}
+    if "mfu_fp8_ceiling" in formula:
+        out["mfu_fp8_ceiling"] = flops["model_per_device"] / profile["peak_fp8_flops"] / step if step else 0.0
+    return out
