@@ -273,6 +273,20 @@ def test_the_search_compiles_on_the_plans_devices():
 
 
 @pytest.mark.fast
+def test_the_train_command_of_a_layout_keeps_what_was_typed():
+    """fit.command: the user's --set items, a layout key among them replaced by the layout's value
+    (also where it equals it: the config file alone would not set it), and the keys where the layout
+    differs from the config."""
+    typed = ["parallel.microbatches=2", "train.steps=3"]
+    cfg = load_config(TINY, typed)
+    layout = fit.Layout.of(cfg, {"data": 8, "fsdp": 1, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1})
+    assert fit.command("c.yaml", typed, cfg, layout) == \
+        "python -m meshtrain.train --config c.yaml --mesh data=8 --set train.steps=3 --set parallel.microbatches=2"
+    assert fit.command("c.yaml", [], load_config(TINY), layout.change(zero=3, microbatches=1)) == \
+        "python -m meshtrain.train --config c.yaml --mesh data=8 --set parallel.zero=3"
+
+
+@pytest.mark.fast
 def test_the_fit_command_is_the_plan_as_typed_without_its_layout():
     assert plan_command.fit_command(["--config", "c.yaml", "--devices", "64", "--mesh", "data=64", "--json",
                                      "--search-budget", "0", "--set", "parallel.zero=1", "--zero-table"]) == \
