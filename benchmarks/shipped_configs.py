@@ -1,10 +1,12 @@
-"""Every shipped config planned on the pod its `# pod:` comment documents: the run's peak per step
-(train, eval, generation), the usable memory and budget, the verdict with its margin, and the
-worst measured/formula traffic ratio over the collective kinds (meshtrain/planner/traffic.py), one
-`python -m meshtrain.plan` process per config (what tests/test_shipped_configs.py asserts).
+"""Every shipped config planned on the pod its `# pod:` comment documents (its device count; the
+mesh is the config's parallel.mesh, or the comment's --mesh for the CPU-scale configs): the run's
+peak per step (train, eval, generation), the usable memory and budget, the verdict with its margin,
+and the worst measured/formula traffic ratio over the collective kinds (meshtrain/planner/traffic.py),
+one `python -m meshtrain.plan` process per config (what tests/test_shipped_configs.py asserts).
 
-    python benchmarks/shipped_configs.py            # all of configs/*.yaml (about 2 minutes)
+    python benchmarks/shipped_configs.py            # all of configs/*.yaml by XLA:CPU (about 2 minutes)
     python benchmarks/shipped_configs.py configs/llama3_8b.yaml
+    python benchmarks/shipped_configs.py --compiler gpu   # by XLA's GPU compiler (plan-gpu extra; ~15 minutes)
 
 `--compile-speed`: each pod config planned twice, at XLA's default LLVM -O2 and at the -O0 the plan
 command asks for (meshtrain/planner/aot.py ANALYSIS_ONLY_XLA_FLAGS): the wall time of each command and
@@ -29,18 +31,17 @@ from meshtrain.planner.aot import human_bytes
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def plan(config: Path, xla_flags: str | None = None, compiler: str = "cpu") -> tuple[list[str], dict]:
-    """The pod flags and the plan's JSON, in its own process (`xla_flags`: its XLA_FLAGS instead of
+def plan(config: Path, xla_flags: str | None = None, compiler: str = "cpu") -> dict:
+    """The plan's JSON on the config's pod, in its own process (`xla_flags`: its XLA_FLAGS instead of
     this environment's); the JSON gets the command's wall time as `_seconds`."""
-    flags = documented_pod(config)
-    cmd = [sys.executable, "-m", "meshtrain.plan", "--config", str(config.relative_to(ROOT)), *flags,
+    cmd = [sys.executable, "-m", "meshtrain.plan", "--config", str(config.relative_to(ROOT)), *documented_pod(config),
            "--search-budget", "0", "--json", "--compiler", compiler]
     env = os.environ if xla_flags is None else {**os.environ, "XLA_FLAGS": xla_flags}
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{config.name}: {done.stderr.strip().splitlines()[-1]}")
-    return flags, {**json.loads(done.stdout), "_seconds": time.perf_counter() - started}
+    return {**json.loads(done.stdout), "_seconds": time.perf_counter() - started}
 
 
 def compile_speed(configs):
@@ -48,10 +49,9 @@ def compile_speed(configs):
     print("| config | pod | -O2 (XLA's default) | -O0 | speed-up | bytes and collectives |")
     print("|---|---|---|---|---|---|")
     for config in configs:
-        flags, o2 = plan(config, "--xla_backend_optimization_level=2")
-        o0 = plan(config, "")[1]
+        o2, o0 = plan(config, "--xla_backend_optimization_level=2"), plan(config, "")
         same = all(o2[k] == o0[k] for k in ("steps", "memory", "collectives", "eval_step", "generation"))
-        print(f"| {config.stem} | {flags[flags.index('--devices') + 1]} | {o2['_seconds']:.1f} s | "
+        print(f"| {config.stem} | {o2['devices']} | {o2['_seconds']:.1f} s | "
               f"{o0['_seconds']:.1f} s | {o2['_seconds'] / o0['_seconds']:.2f}x | {'equal' if same else 'DIFFER'} |",
               flush=True)
 
@@ -63,11 +63,16 @@ def gpu_vs_cpu(configs):
           "worst traffic (GPU) | step >= (GPU roofline) | plan time GPU / CPU |")
     print("|---|---|---|---|---|---|---|---|---|")
     for config in configs:
-        flags, g = plan(config, compiler="gpu")
-        c = plan(config, compiler="cpu")[1]
+        g, c = plan(config, compiler="gpu"), plan(config, compiler="cpu")
         peaks = " | ".join(f"{gb(g['steps'][k])} / {gb(c['steps'][k])}" for k in ("train", "eval", "generation"))
-        print(f"| {config.stem} | {' '.join(flags)} | {peaks} | {g['verdict']['status']} | {worst_traffic(g)} | "
+        print(f"| {config.stem} | {pod(g)} | {peaks} | {g['verdict']['status']} | {worst_traffic(g)} | "
               f"{g['roofline']['step_s'] * 1e3:,.1f} ms | {g['_seconds']:.0f} s / {c['_seconds']:.0f} s |", flush=True)
+
+
+def pod(report: dict) -> str:
+    """'64 x fsdp=8,tensor=8': the pod's devices and the plan's mesh, its axes of size 1 left out."""
+    mesh = ",".join(a for a in report["mesh"].split(",") if not a.endswith("=1")) or "data=1"
+    return f"{report['devices']} x {mesh}"
 
 
 def worst_traffic(report: dict) -> str:
@@ -87,6 +92,7 @@ def main():
     p.add_argument("configs", nargs="*", type=Path, default=sorted((ROOT / "configs").glob("*.yaml")))
     p.add_argument("--compile-speed", action="store_true", help="time each pod config's plan at -O2 and -O0")
     p.add_argument("--gpu-vs-cpu", action="store_true", help="each config planned by the GPU compiler and by XLA:CPU")
+    p.add_argument("--compiler", default="cpu", choices=("cpu", "gpu"), help="the compiler of the main table")
     args = p.parse_args()
     if args.gpu_vs_cpu:
         return gpu_vs_cpu([c.resolve() for c in args.configs])
@@ -96,10 +102,10 @@ def main():
           "| worst traffic, measured/formula |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for config in args.configs:
-        flags, r = plan(config.resolve())
+        r = plan(config.resolve(), compiler=args.compiler)
         s, b, v = r["steps"], r["budget"], r["verdict"]
         gb = human_bytes
-        print(f"| {config.stem} | {' '.join(flags)} | {gb(s['train'])} | {gb(s['eval'])} | {gb(s['generation'])} | "
+        print(f"| {config.stem} | {pod(r)} | {gb(s['train'])} | {gb(s['eval'])} | {gb(s['generation'])} | "
               f"{gb(b['usable'])} | {gb(b['budget'])} | {v['status']} | {gb(v['margin'])} | {worst_traffic(r)} |",
               flush=True)
 

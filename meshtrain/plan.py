@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sys
 
 from meshtrain.core.cli import Parser, check_platforms, command, devices_flag, number
 from meshtrain.core.console import use_console
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.parallel.schedules import SCHEDULES, executor_tables, lookup, timetable
@@ -126,8 +127,27 @@ def main(argv=None) -> int:
     check_platforms()
     from meshtrain.planner import aot as planner
 
-    print(planner.run(args))
+    try:
+        print(planner.run(args))
+    except LayoutError as e:
+        typed = sys.argv[1:] if argv is None else argv
+        raise UserError(f"{e}; or search the layouts that divide: {fit_command(typed)}") from None
     return 0
+
+
+def fit_command(argv: list[str]) -> str:
+    """The plan command as typed, as a `--fit` search: without the layout it named (--mesh), the
+    table flags and a --search-budget of 0, which would search nothing."""
+    kept, i = [], 0
+    while i < len(argv):
+        flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        if flag in ("--mesh", "--search-budget") and (flag == "--mesh" or value == "0"):
+            i += 2
+            continue
+        if flag not in ("--fit", "--zero-table", "--search-budget=0") and not flag.startswith("--mesh="):
+            kept.append(flag)
+        i += 1
+    return shlex.join(["python", "-m", "meshtrain.plan", *kept, "--fit"])
 
 
 def schedule_main(args) -> int:

@@ -36,6 +36,8 @@ BAD_INPUTS = [
     (["--set", "train.steps=many"], "train.steps='many' is not a valid int"),
     (["--config", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
     (["--mesh", "data=2,data=4"], "--mesh data=2,data=4 names axis 'data' twice; give each axis once"),
+    (["--set", "parallel.mesh=fsdp=-1,tensor=16"],  # a config's mesh for other devices
+     "--mesh fsdp=-1,tensor=16: 8 devices do not divide by 16; change --mesh or --devices"),
     (["--set", "parallel.rules.mlp=[tensor, tensor]"],
      "parallel.rules.mlp=['tensor', 'tensor'] names a mesh axis twice"),
     (["--set", "optim.lr=nan"], "optim.lr=nan must be a finite number >= 0"),
@@ -75,6 +77,18 @@ def run_main(argv, capsys, out):
 @pytest.mark.parametrize("argv,message", BAD_INPUTS)
 def test_bad_input_is_one_line_error(argv, message, capsys, tmp_path):
     assert message in run_main(argv, capsys, tmp_path / "run")
+
+
+def test_a_configs_mesh_gives_way_to_mesh_on_the_command_line(capsys, tmp_path):
+    """A pod config carries its mesh (configs/llama3_8b.yaml: fsdp=-1,tensor=8) and --mesh replaces it;
+    a config's mesh these devices cannot make is one error line naming the fix, nothing written."""
+    llama3 = str(ROOT / "configs" / "llama3_8b.yaml")
+    for flags, mesh in (([], "fsdp=-1,tensor=8"), (["--mesh", "data=8"], "data=8")):
+        assert main(["--config", llama3, *flags, "--print-config"]) == 0
+        assert f"\n  mesh: {mesh}  # " in capsys.readouterr().out
+    (tmp_path / "pod.yaml").write_text(f"{Path(TINY).read_text()}parallel: {{mesh: 'fsdp=2,tensor=8'}}\n")
+    err = run_main(["--config", str(tmp_path / "pod.yaml")], capsys, tmp_path / "run")
+    assert err == "error: mesh 1x2x8 needs 16 devices, found 8; change --mesh or --devices"
 
 
 def test_bad_files(capsys, tmp_path):

@@ -15,8 +15,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import plan as plan_command
+from meshtrain.config.loader import load_config
 from meshtrain.core.metrics import peak_flops
 from meshtrain.plan import main
+from meshtrain.planner import fit
 from meshtrain.planner.aot import compile_for_analysis_only, format_run_memory
 from meshtrain.planner.hlo import collectives
 
@@ -209,6 +211,89 @@ def test_fit_searches_compiled_layouts_for_one_that_fits(capsys):
     again = plan_json(capsys, "--mesh", best["settings"]["parallel.mesh"], "--device-memory", "2MB",
                       "--search-budget", "0", *[x for s in sets for x in ("--set", s)])
     assert again["memory"]["total"] == best["peak"]
+
+
+def test_fit_starts_from_a_valid_layout_when_the_configs_does_not_divide(capsys):
+    """A layout the batch does not divide (data=8 x 4 microbatches of a batch of 16) is one error line
+    naming the --fit command; --fit starts the search from the valid layout nearest the config's
+    (here 2 microbatches), as it does from a mesh for another device count (data=16 on 8)."""
+    argv = ["--config", TINY, "--devices", "8", "--compiler", "cpu", "--mesh", "data=8", "--set",
+            "parallel.microbatches=4"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: train.batch_size=16 is not divisible by the batch axes expert (1) x data (8) x fsdp (1) x "
+        "parallel.microbatches (4); use a multiple of 32; or search the layouts that divide: python -m "
+        f"meshtrain.plan --config {TINY} --devices 8 --compiler cpu --set parallel.microbatches=4 --fit\n")
+    report = plan_json(capsys, *argv[4:], "--fit", "--search-budget", "1")
+    assert report["layout_error"].startswith("train.batch_size=16 is not divisible") and "verdict" not in report
+    best = report["search"]["best"]
+    assert best["fits"] and [c["layout"] for c in report["search"]["compiled"]] == [best["layout"]]
+    assert best["command"] == f"python -m meshtrain.train --config {TINY} --mesh data=8 --set parallel.microbatches=2"
+
+    assert main(["--config", TINY, "--devices", "8", "--compiler", "cpu", "--mesh", "data=16", "--fit",
+                 "--search-budget", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: the config's layout is not valid on 8 devices (mesh 16x1x1 needs 16 devices, "
+                          "found 8; change --mesh or --devices); searching the layouts that are\n")
+    assert out.endswith("fastest that fits: data=8,fsdp=1,tensor=1,pipeline=1, zero=1, remat=none, 1 microbatch(es), "
+                        f"attention=xla (step >= {out.split('(step >= ')[-1].split(')')[0]})\n"
+                        f"  python -m meshtrain.train --config {TINY} --mesh data=8\n")
+
+
+@pytest.mark.fast
+def test_the_search_starts_nearest_the_configs_layout():
+    """fit.valid_layouts: the config's own layout first when it is valid; else the nearest valid one
+    (llama2_70b's batch of 1024 in 32 microbatches on data=128 is not: 8 microbatches are), and of
+    two as near the one that opens no new axis (fsdp=16 before context=2 from fsdp=8,tensor=8)."""
+    path = str(ROOT / "configs" / "llama2_70b.yaml")
+    first = lambda *sets: fit.describe_layout(fit.valid_layouts(load_config(path, list(sets)), 128, 8, "gpu")[0])
+    assert first() == "data=1,fsdp=16,tensor=8,pipeline=1, zero=3, remat=full, 32 microbatch(es), attention=xla"
+    assert first("parallel.mesh=data=-1") == \
+        "data=128,fsdp=1,tensor=1,pipeline=1, zero=3, remat=full, 8 microbatch(es), attention=xla"
+    assert first("parallel.mesh=fsdp=8,tensor=8") == first()
+    batch = load_config(path).train.batch_size
+    for layout in fit.valid_layouts(load_config(path), 128, 4, "gpu"):  # as check_layout takes them; tensor <= 4
+        sizes = layout.mesh
+        assert sizes["tensor"] <= 4 and batch % (sizes["data"] * sizes["fsdp"] * layout.microbatches) == 0
+
+
+@pytest.mark.fast
+def test_the_search_compiles_on_the_plans_devices():
+    """--fit compiles every candidate with the plan's own compiler: `measure` gets the plan's devices."""
+    cfg = load_config(TINY)
+    seen = []
+
+    def measure(cfg, profile, per_node, devices):
+        seen.append(devices)
+        return {"memory": {"total": 1.0}, "roofline": {"step_s": 1.0, "mfu_ceiling": 0.5}}
+
+    devices = object()
+    found = fit.search(cfg, fit.valid_layouts(cfg, 8, 8, "gpu"), {"devices_per_node": 8}, {"budget": 2.0}, 3,
+                       devices=devices, measure=measure)
+    assert found["best"] and seen and all(d is devices for d in seen)
+
+
+@pytest.mark.fast
+def test_the_train_command_of_a_layout_keeps_what_was_typed():
+    """fit.command: the user's --set items, a layout key among them replaced by the layout's value
+    (also where it equals it: the config file alone would not set it), and the keys where the layout
+    differs from the config."""
+    typed = ["parallel.microbatches=2", "train.steps=3"]
+    cfg = load_config(TINY, typed)
+    layout = fit.Layout.of(cfg, {"data": 8, "fsdp": 1, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1})
+    assert fit.command("c.yaml", typed, cfg, layout) == \
+        "python -m meshtrain.train --config c.yaml --mesh data=8 --set train.steps=3 --set parallel.microbatches=2"
+    assert fit.command("c.yaml", [], load_config(TINY), layout.change(zero=3, microbatches=1)) == \
+        "python -m meshtrain.train --config c.yaml --mesh data=8 --set parallel.zero=3"
+
+
+@pytest.mark.fast
+def test_the_fit_command_is_the_plan_as_typed_without_its_layout():
+    assert plan_command.fit_command(["--config", "c.yaml", "--devices", "64", "--mesh", "data=64", "--json",
+                                     "--search-budget", "0", "--set", "parallel.zero=1", "--zero-table"]) == \
+        "python -m meshtrain.plan --config c.yaml --devices 64 --json --set parallel.zero=1 --fit"
+    assert plan_command.fit_command(["--config", "my runs/c.yaml", "--mesh=8x8", "--fit", "--search-budget", "4"]) == \
+        "python -m meshtrain.plan --config 'my runs/c.yaml' --search-budget 4 --fit"
 
 
 def test_the_plan_command_compiles_for_analysis_with_the_same_figures(capsys, monkeypatch):

@@ -1,8 +1,8 @@
-"""Every shipped config on the pod its comment documents (`# pod: --devices N --mesh M`): the
-planner's one verdict for the run (train step, eval step, generation, each compiled for the pod's
-mesh on simulated CPU devices) FITS the memory the runtime can use, with its margin, and the
-collective traffic it prints matches its formula per kind (or the plan flags the kind). One plan
-per config, in a subprocess with the pod's device count."""
+"""Every shipped config on the pod its comment documents (`# pod: --devices N`, the mesh its own
+parallel.mesh): the planner's one verdict for the run (train step, eval step, generation, each
+compiled for the pod's mesh on simulated CPU devices) FITS the memory the runtime can use, with its
+margin, and the collective traffic it prints matches its formula per kind (or the plan flags the
+kind). One plan per config, in a subprocess with the pod's device count."""
 import json
 import subprocess
 import sys
@@ -11,7 +11,8 @@ import jax
 import pytest
 from conftest import ROOT
 
-from meshtrain.config.loader import documented_pod
+from meshtrain.config.loader import documented_pod, load_config
+from meshtrain.parallel.mesh import parse_mesh
 from meshtrain.plan import main as plan_main
 from meshtrain.planner import traffic
 
@@ -44,3 +45,17 @@ def test_shipped_config_fits_its_pod(config, capsys):
     for kind, c in report["collectives"].items():  # within 10% of the formula, or flagged with its reason
         assert c["within"] or (c["flag"] and "roofline uses the measured" in c["flag"]
                                and traffic.UNEXPLAINED not in c["flag"]), (kind, c["ratio"], c["flag"])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_the_mesh_is_in_one_place(config):
+    """A pod config's mesh is its parallel.mesh, which makes the pod's mesh from the comment's
+    --devices alone; a CPU-scale config keeps data=-1 (it trains on any device count) and its comment
+    names the mesh its pod is planned on."""
+    flags, cfg = documented_pod(config), load_config(str(config))
+    devices = int(flags[flags.index("--devices") + 1])
+    if "--mesh" in flags:
+        assert cfg.parallel.mesh == "data=-1" and len(flags) == 4, flags
+    else:
+        assert flags == ["--devices", str(devices)] and parse_mesh(cfg.parallel.mesh, devices)

@@ -282,11 +282,13 @@ POD_COMMENT = re.compile(r"^# pod[^:]*: (.+)$", re.MULTILINE)
 
 
 def documented_pod(path) -> list[str]:
-    """The `python -m meshtrain.plan` flags of the pod a shipped config documents in its
-    `# pod: --devices N --mesh M` comment (tests/test_shipped_configs.py plans each one)."""
+    """The `python -m meshtrain.plan` flags of the pod a shipped config documents in its `# pod:
+    --devices N` comment (tests/test_shipped_configs.py plans each one). A pod config's layout is its
+    own `parallel.mesh`; only the CPU-scale configs, whose mesh stays `data=-1` so they train on any
+    device count, name the mesh their pod is planned on there (`--mesh M`)."""
     found = POD_COMMENT.search(Path(path).read_text())
     if not found:
-        raise UserError(f"{path} documents no pod: add a '# pod: --devices N --mesh M' comment")
+        raise UserError(f"{path} documents no pod: add a '# pod: --devices N' comment")
     return found.group(1).split()
 
 

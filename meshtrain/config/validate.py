@@ -18,7 +18,7 @@ from pathlib import Path
 
 from meshtrain.config.spec import settings
 from meshtrain.core.bounds import INT_LIMIT
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.formulas import kv_cache_bytes, llama_activation_terms, zero_bytes
 from meshtrain.data.mixture import sources as data_sources
 from meshtrain.data.tasks import entries as task_entries
@@ -116,39 +116,39 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
         check_schedule(par.schedule, stages, micro, par.virtual_stages)
         check_residuals(par.schedule, par.residuals, par.remat)
         if m.num_layers % (stages * par.virtual_stages):
-            raise UserError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
-                            f"parallel.virtual_stages ({par.virtual_stages})")
+            raise LayoutError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
+                              f"parallel.virtual_stages ({par.virtual_stages})")
     context = sizes["context"]
     if context > 1:
         if par.attention != "ring":
             raise UserError(f"mesh context={context} splits the sequence, which parallel.attention={par.attention} "
                             f"cannot attend across; set parallel.attention=ring")
         if t.seq_len % (2 * context):
-            raise UserError(f"train.seq_len={t.seq_len} is not divisible by 2 x context ({2 * context}): each "
-                            f"device holds an early and a late chunk; use a multiple of {2 * context}")
+            raise LayoutError(f"train.seq_len={t.seq_len} is not divisible by 2 x context ({2 * context}): each "
+                              f"device holds an early and a late chunk; use a multiple of {2 * context}")
     for name in ("seq", "residual_seq"):
         shards = math.prod(sizes[a] for a in rules[name])
         if t.seq_len % shards:
-            raise UserError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which "
-                            f"does not divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
+            raise LayoutError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which "
+                              f"does not divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
     tp = sizes["tensor"]
     for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
         if value % tp:
-            raise UserError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
+            raise LayoutError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
     experts = sizes["expert"]
     if experts > 1 and not getattr(m, "num_experts", 0):
         raise UserError(f"mesh expert={experts} splits experts, and this model has none; set model.family to one "
                         f"with experts ({', '.join(f.name for f in declaring('num_experts'))}) and "
                         f"model.num_experts, or drop the expert axis")
     if experts > 1 and m.num_experts % experts:
-        raise UserError(f"model.num_experts={m.num_experts} is not divisible by expert={experts}; use an expert "
-                        f"axis size that divides it")
+        raise LayoutError(f"model.num_experts={m.num_experts} is not divisible by expert={experts}; use an expert "
+                          f"axis size that divides it")
     batch_axes = list(rules["batch"])
     dp = math.prod(sizes[a] for a in batch_axes)
     if t.batch_size % (dp * micro):
-        raise UserError(f"train.batch_size={t.batch_size} is not divisible by the batch axes "
-                        f"{' x '.join(f'{a} ({sizes[a]})' for a in batch_axes)} x parallel.microbatches ({micro}); "
-                        f"use a multiple of {dp * micro}")
+        raise LayoutError(f"train.batch_size={t.batch_size} is not divisible by the batch axes "
+                          f"{' x '.join(f'{a} ({sizes[a]})' for a in batch_axes)} x parallel.microbatches ({micro}); "
+                          f"use a multiple of {dp * micro}")
 
 
 def _check_kernels(par, seq_len: int, backend: str) -> None:

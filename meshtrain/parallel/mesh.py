@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from meshtrain.core.cli import simulate_cpu_devices  # noqa: F401 (lives with the commands' --devices preamble)
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import LayoutError, UserError
 
 AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
 POSITIONAL = AXES[:4]
@@ -20,6 +20,22 @@ POSITIONAL = AXES[:4]
 def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
     """'8x8x4' -> data x fsdp x tensor (pipeline 1); four numbers set pipeline too;
     'data=2,fsdp=4' names axes (missing ones are 1); one axis may be -1 = the rest."""
+    sizes = axis_sizes(spec)
+    free = [a for a, s in sizes.items() if s == -1]
+    if free:
+        rest = math.prod(s for s in sizes.values() if s != -1)
+        if num_devices % rest:
+            raise LayoutError(f"--mesh {spec}: {num_devices} devices do not divide by {rest}; change --mesh or "
+                              f"--devices")
+        sizes[free[0]] = num_devices // rest
+    if math.prod(sizes.values()) != num_devices:
+        raise LayoutError(f"mesh {shape_str(sizes)} needs {math.prod(sizes.values())} devices, found {num_devices}; "
+                          f"change --mesh or --devices")
+    return sizes
+
+
+def axis_sizes(spec: str) -> dict[str, int]:
+    """The sizes a mesh spec names, every axis of AXES, -1 (at most one) for the rest of the devices."""
     spec = spec.replace(" ", "")
     sizes = dict.fromkeys(AXES, 1)
     if "=" in spec:
@@ -39,17 +55,8 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
                             f"name the other axes: data=2,expert=4")
         for name, value in zip(POSITIONAL, parts):
             sizes[name] = _axis_size(value, spec)
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
+    if sum(s == -1 for s in sizes.values()) > 1:
         raise UserError(f"--mesh {spec}: only one axis may be -1")
-    if free:
-        rest = math.prod(s for s in sizes.values() if s != -1)
-        if num_devices % rest:
-            raise UserError(f"--mesh {spec}: {num_devices} devices do not divide by {rest}")
-        sizes[free[0]] = num_devices // rest
-    if math.prod(sizes.values()) != num_devices:
-        raise UserError(f"mesh {shape_str(sizes)} needs {math.prod(sizes.values())} devices, found {num_devices}; "
-                        f"change --mesh or --devices")
     return sizes
 
 

@@ -21,7 +21,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.parallel.mesh import AXES
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
@@ -146,9 +146,9 @@ def check_replication(abstract_params, logical_axes, rules, mesh, zero: int) -> 
                 worst = (jax.tree_util.keystr(path), nbytes, x.shape, names)
     if total and lost / total > MAX_REPLICATED_FRACTION:
         name, _, shape, names = worst
-        raise UserError(f"{lost / total:.0%} of parameter bytes stay replicated because the mesh does not divide "
-                        f"them (largest: {name} {shape} with axes {names}); pick mesh sizes that divide "
-                        f"the model's dimensions")
+        raise LayoutError(f"{lost / total:.0%} of parameter bytes stay replicated because the mesh does not divide "
+                          f"them (largest: {name} {shape} with axes {names}); pick mesh sizes that divide "
+                          f"the model's dimensions")
 
 
 def param_shardings(model, mesh, rules=None, check: bool = False):

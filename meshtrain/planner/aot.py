@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from meshtrain.config.loader import load_config
 from meshtrain.config.validate import check_train_size
 from meshtrain.core import formulas
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
 from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
@@ -435,27 +435,44 @@ def run(args) -> str:
         rows.sort(key=lambda r: -r["roofline"]["mfu_ceiling"])
         return (json.dumps({"plans": rows, "skipped": skipped, "compiled_for": compiled_for}) if args.json else
                 "\n".join([compilers.summary(compiled_for), format_compare(rows, skipped)]))
-    report = {**plan(cfg, profile, memory_budget, args.devices_per_node, devices), "compiled_for": compiled_for}
+    try:
+        report = {**plan(cfg, profile, memory_budget, args.devices_per_node, devices), "compiled_for": compiled_for}
+    except LayoutError as e:  # the config's layout does not divide: --fit searches the valid ones
+        if not (args.fit and args.search_budget):
+            raise
+        report = {"layout_error": str(e), "compiled_for": compiled_for}
     if args.search_budget and (args.fit or report["verdict"]["status"] != "fits"):
-        base = fit.Layout.of(cfg, parse_mesh(cfg.parallel.mesh, args.devices))
-        known = {base: {"layout": base, "peak": report["memory"]["total"], "step_s": report["roofline"]["step_s"],
-                        "fits": report["memory"]["total"] <= memory_budget["budget"],
-                        "mfu_ceiling": report["roofline"]["mfu_ceiling"]}}
-        found = fit.search(cfg, parse_mesh(cfg.parallel.mesh, args.devices), profile, memory_budget,
-                           args.search_budget, args.devices_per_node, known, devices, measure=train_step_plan)
-        report["search"] = {"best": found["best"] and search_row(found["best"], base, args, cfg),
-                            "compiled": [search_row(r, base, args, cfg) for r in found["compiled"]],
+        per_node = args.devices_per_node or profile["devices_per_node"]
+        starts, known = fit.valid_layouts(cfg, args.devices, per_node, "gpu" if target.gpu else "cpu"), {}
+        if "verdict" in report:  # the config's own layout, planned above: the first start
+            base = fit.Layout.of(cfg, parse_mesh(cfg.parallel.mesh, args.devices))
+            starts = [base, *(s for s in starts if s != base)]
+            known[base] = {"layout": base, "peak": report["memory"]["total"], "step_s": report["roofline"]["step_s"],
+                           "fits": report["memory"]["total"] <= memory_budget["budget"],
+                           "mfu_ceiling": report["roofline"]["mfu_ceiling"]}
+        found = fit.search(cfg, starts, profile, memory_budget, args.search_budget, args.devices_per_node, known,
+                           devices, measure=train_step_plan)
+        report["search"] = {"best": found["best"] and search_row(found["best"], args, cfg),
+                            "compiled": [search_row(r, args, cfg) for r in found["compiled"]],
                             "path": found["path"], "budget": args.search_budget}
-    return json.dumps(report) if args.json else format_plan(report)
+    if args.json:
+        return json.dumps(report)
+    return format_plan(report) if "verdict" in report else format_layout_search(report, args.devices)
 
 
-def search_row(r: dict, base, args, cfg) -> dict:
+def format_layout_search(r: dict, devices: int) -> str:
+    """`--fit` from a config whose own layout does not divide: why, and what the search found."""
+    return "\n".join([f"plan: the config's layout is not valid on {devices} devices ({r['layout_error']}); "
+                      f"searching the layouts that are", compilers.summary(r["compiled_for"]), "", *format_search(r)])
+
+
+def search_row(r: dict, args, cfg) -> dict:
     layout = r["layout"]
     row = {"layout": fit.describe_layout(layout), "settings": layout.settings()}
     if "invalid" in r:
         return {**row, "invalid": r["invalid"]}
     return {**row, "peak": r["peak"], "fits": r["fits"], "step_s": r["step_s"], "mfu_ceiling": r["mfu_ceiling"],
-            "command": fit.command(args.config, list(args.set), base, layout)}
+            "command": fit.command(args.config, list(args.set), cfg, layout)}
 
 
 def with_plan(cfg, **changes):

@@ -15,14 +15,19 @@ Offload (remat=offload) needs a GPU's host memory space and is not compiled here
 
 `search` is a local search: from the config's layout it follows the memory moves, compiled, to the
 fitting neighbour with the shortest step (or, while none fits, to the neighbour with the smallest
-peak), then the speed moves while one is faster and still fits; at most `budget` compiles.
+peak), then the speed moves while one is faster and still fits; at most `budget` compiles. Where the
+config's own layout is invalid on the device count (a mesh for other devices, a batch the data axis
+does not divide), it starts from the valid layout nearest to it (`valid_layouts`).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from meshtrain.config.validate import check_layout
 from meshtrain.core.errors import UserError
-from meshtrain.parallel.mesh import AXES, describe
+from meshtrain.parallel.mesh import AXES, axis_sizes, describe
+from meshtrain.parallel.sharding import make_rules
 
 MESH_MOVES = [("data", "fsdp"), ("data", "tensor"), ("fsdp", "tensor"), ("data", "pipeline"), ("fsdp", "pipeline"),
               ("data", "context"), ("fsdp", "context"), ("data", "expert"), ("fsdp", "expert")]
@@ -98,6 +103,47 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
     return out
 
 
+def _factorizations(n: int, axes: tuple) -> list[dict]:
+    """Every way to write n as a product of one size per axis in `axes`."""
+    if len(axes) == 1:
+        return [{axes[0]: n}]
+    return [{axes[0]: f, **rest} for f in range(1, n + 1) if n % f == 0
+            for rest in _factorizations(n // f, axes[1:])]
+
+
+def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> list[Layout]:
+    """The layouts valid for the model, batch and device count (meshtrain/config/validate.py
+    `check_layout`; tensor within a node), nearest the config's first: the config's own when it is
+    valid. Near is sum |log2(size / wanted size)| over the mesh axes and the microbatches, the
+    wanted sizes the config's (its -1 axis the rest of `devices`, fractional when they do not
+    divide); of two as near, the one with fewer axes the config leaves at 1. The zero stage and
+    remat policy are the config's; context > 1 takes ring attention."""
+    par, t = cfg.parallel, cfg.train
+    wanted = axis_sizes(par.mesh)
+    named = math.prod(s for s in wanted.values() if s != -1)
+    wanted = {a: devices / named if s == -1 else s for a, s in wanted.items()}
+    wanted_micro = par.num_microbatches(max(1, round(wanted["pipeline"])))
+    rules = make_rules(par.rules, par.sequence_parallel)
+    axes = AXES if getattr(cfg.model, "num_experts", 0) else tuple(a for a in AXES if a != "expert")
+    found = []
+    for mesh in _factorizations(devices, axes):
+        sizes = {a: mesh.get(a, 1) for a in AXES}
+        if sizes["tensor"] > devices_per_node:
+            continue
+        attention = "ring" if sizes["context"] > 1 else par.attention
+        rows = t.batch_size // math.prod(sizes[a] for a in rules["batch"])
+        for micro in (m for m in range(1, rows + 1) if rows % m == 0):
+            layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention)
+            try:
+                check_layout(cfg.model, layout.apply(cfg).parallel, t, sizes, rules, backend)
+            except UserError:
+                continue
+            far = sum(abs(math.log2(sizes[a] / wanted[a])) for a in AXES) + abs(math.log2(micro / wanted_micro))
+            new_axes = sum(sizes[a] > 1 and wanted[a] <= 1 for a in AXES)
+            found.append(((far, new_axes, layout.sizes, micro), layout))
+    return [layout for _, layout in sorted(found, key=lambda f: f[0])]
+
+
 def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_per_node=None,
              devices=None, *, measure) -> dict | None:
     """The layout's train step compiled by `measure` ((cfg, profile, devices_per_node, devices) ->
@@ -112,12 +158,12 @@ def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_pe
             "mfu_ceiling": r["roofline"]["mfu_ceiling"]}
 
 
-def search(cfg, sizes: dict, profile: dict, memory_budget: dict, budget: int = 12, devices_per_node=None,
+def search(cfg, starts: list[Layout], profile: dict, memory_budget: dict, budget: int = 12, devices_per_node=None,
            known: dict | None = None, devices=None, *, measure) -> dict:
-    """Local search (module doc) from the config's layout, at most `budget` compiles by `measure`
-    (`evaluate`; `known`: layouts already evaluated; `devices`: the compiler's,
-    meshtrain/planner/compilers.py). Returns the best fitting candidate found (None if none), every
-    candidate compiled, and the moves taken."""
+    """Local search (module doc) from the first of `starts` (`valid_layouts`) that compiles, at most
+    `budget` compiles by `measure` (`evaluate`; `known`: layouts already evaluated; `devices`: the
+    compiler's, meshtrain/planner/compilers.py, the plan's own). Returns the best fitting candidate
+    found (None if none), every candidate compiled, and the moves taken."""
     per_node = devices_per_node or profile["devices_per_node"]
     seen: dict[Layout, dict] = dict(known or {})
     limit = budget + len(seen)
@@ -127,9 +173,13 @@ def search(cfg, sizes: dict, profile: dict, memory_budget: dict, budget: int = 1
             seen[layout] = evaluate(cfg, layout, profile, memory_budget, devices_per_node, devices, measure=measure)
         return seen.get(layout)
 
-    current, path = score(Layout.of(cfg, sizes)), []
+    current, path = None, []
+    for layout in starts:  # a start the program refuses (a layout check_layout cannot see) gives way
+        current = score(layout)
+        if current is None or "invalid" not in current:
+            break
     for memory in (True, False):  # first to a fitting layout, then faster while it still fits
-        while "invalid" not in current and current["fits"] != memory and len(seen) < limit:
+        while current and "invalid" not in current and current["fits"] != memory and len(seen) < limit:
             options = [(what, score(layout)) for what, layout in
                        moves(current["layout"], cfg.model, cfg.train.seq_len, per_node, memory)]
             options = [(what, r) for what, r in options if r is not None and "invalid" not in r]
@@ -151,12 +201,16 @@ def search(cfg, sizes: dict, profile: dict, memory_budget: dict, budget: int = 1
             "compiled": [r for layout, r in seen.items() if layout not in (known or {})], "path": path}
 
 
-def command(config_path: str, overrides: list[str], base: Layout, layout: Layout) -> str:
+def command(config_path: str, overrides: list[str], cfg, layout: Layout) -> str:
     """`python -m meshtrain.train` for the layout: the config, the user's --set items, then the
-    settings where the layout differs from `base` (the config's own)."""
-    theirs = layout.settings()
-    sets = [o for o in overrides if o.split("=", 1)[0] not in theirs]
-    sets += [f"{k}={v}" for k, v in theirs.items() if k != "parallel.mesh" and base.settings()[k] != v]
+    settings where the layout differs from the config's (`cfg`: the config as the plan read it) or
+    replaces a --set item."""
+    par, theirs = cfg.parallel, layout.settings()
+    own = {"parallel.zero": par.zero, "parallel.remat": par.remat, "parallel.attention": par.attention,
+           "parallel.microbatches": par.num_microbatches(layout.mesh["pipeline"])}
+    typed = {o.split("=", 1)[0].strip() for o in overrides}
+    sets = [o for o in overrides if o.split("=", 1)[0].strip() not in theirs]
+    sets += [f"{k}={v}" for k, v in theirs.items() if k != "parallel.mesh" and (own[k] != v or k in typed)]
     return " ".join([f"python -m meshtrain.train --config {config_path} --mesh {theirs['parallel.mesh']}"]
                     + [f"--set {s}" for s in sets])
 
