@@ -29,7 +29,6 @@ R = H / G query heads per kv head, K head dim, F mlp width, V vocab, T KV-cache 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +42,7 @@ from meshtrain.models.spec import HFConfig, ModelSpec
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.ops.packing import visible
-from meshtrain.parallel.sharding import constrain, shard_count, summed_over_shards
+from meshtrain.parallel.sharding import constrain, shard_count
 
 # Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
 # module is named here); stacked block parameters get a leading "layers".
@@ -77,36 +76,6 @@ def contracted_axes(names: tuple) -> tuple[int, ...]:
 # `attn_ctx` (attention's output, before wo) too, so the recompute never reruns the L^2 attention.
 MATMUL_OUTPUTS = ("q", "k", "v", "attn_ctx", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
 RESIDUAL = ("batch", "residual_seq", "embed")  # the residual stream (sequence-parallel: split on seq)
-
-
-@jax.custom_vjp
-def lookup(table_VxD, tokens_BxL):
-    """The table's rows of the ids: jnp.take from the table gathered over its `embed` shards, whose
-    gradient (a scatter-add of the rows' cotangents) each batch and sequence shard makes apart and
-    `summed_over_shards` reduces onto the table's shards. Left to XLA, that sum is one all-reduce of
-    the whole table over fsdp x expert, then a slice (mixtral-8x7b's pod all-reduce 1.49x the
-    formula, issue 39 section 3)."""
-    return jnp.take(constrain(table_VxD, ("vocab", None)), tokens_BxL, axis=0)
-
-
-def _lookup_fwd(table_VxD, tokens_BxL):
-    return lookup(table_VxD, tokens_BxL), (tokens_BxL, jnp.zeros((table_VxD.shape[0], 0), table_VxD.dtype))
-
-
-def _lookup_bwd(residuals, d_BxLxD):
-    tokens_BxL, empty_Vx0 = residuals  # the table's rows and dtype, without keeping it
-    (B, L), V = tokens_BxL.shape, empty_Vx0.shape[0]
-    G, S = math.gcd(B, shard_count("batch")), math.gcd(L, shard_count("seq"))
-    shards = lambda a: jnp.swapaxes(a.reshape(G, B // G, S, L // S, *a.shape[2:]), 1, 2).reshape(G, S, -1,
-                                                                                                  *a.shape[2:])
-    add_rows = lambda t_N, d_NxD: jnp.zeros((V, d_NxD.shape[-1]), empty_Vx0.dtype).at[t_N].add(
-        d_NxD.astype(empty_Vx0.dtype))
-    d_GxSxVxD = constrain(jax.vmap(jax.vmap(add_rows))(shards(tokens_BxL), shards(d_BxLxD)),
-                          ("batch", "seq", "vocab", None))
-    return summed_over_shards(d_GxSxVxD, ("vocab", "embed")), None
-
-
-lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def _init(in_axes, out_axes):
@@ -380,7 +349,7 @@ class LanguageModel:
         table_VxD = params["embedding"]
         (V, D), S = table_VxD.shape, shard_count("vocab")
         if S == 1 or V % S:  # unsplit, or split unevenly (XLA pads): the gather as it is
-            return constrain(lookup(table_VxD, tokens_BxL), RESIDUAL)
+            return constrain(jnp.take(constrain(table_VxD, ("vocab", None)), tokens_BxL, axis=0), RESIDUAL)
         table_SxVsxD = constrain(table_VxD.reshape(S, V // S, D), ("vocab", None, None))
         local_SxBxL = constrain(tokens_BxL[None] - (jnp.arange(S) * (V // S))[:, None, None], ("vocab", "batch", None))
         mine_SxBxL = (local_SxBxL >= 0) & (local_SxBxL < V // S)

@@ -152,19 +152,17 @@ def test_the_head_is_gathered_once_a_loss_and_its_gradient_reduced_onto_its_shar
     assert [r.group_size for r in records if r.kind == "all-reduce" and r.payload >= head // 2] == [4]
 
 
-@pytest.mark.parametrize("config,mesh,tied", [(TINY, "fsdp=4,tensor=2", False), (TINY, "fsdp=4,tensor=2", True),
-                                               (MOE_TINY, "fsdp=2,expert=4", False)])
-def test_fsdp_formula_holds_on_the_gpu_program(config, mesh, tied):
-    """The pods' layouts (fsdp x tensor, fsdp x expert), tiny, in 2 microbatches on 8 H100s: every kind
-    within 10% of meshtrain/planner/traffic.py's formula on the GPU's program, where the embedding and
-    head are gathered per microbatch, the lookup's gradient reduced in the compute dtype and, over
-    expert, once per step (XLA:CPU's program differs)."""
-    cfg = tiny_config(f"parallel.mesh={mesh}", "parallel.microbatches=2", "parallel.zero=3",
-                      "parallel.precision=bf16", f"model.tie_embeddings={str(tied).lower()}", config=config)
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_formula_holds_on_the_gpu_program(tied):
+    """fsdp x tensor in 2 microbatches on 8 H100s (the pods' layout, tiny): every kind within 10% of
+    meshtrain/planner/traffic.py's formula on the GPU's program, where the embedding and head are
+    gathered per microbatch and the lookup's gradient reduced in the compute dtype (XLA:CPU's differ)."""
+    cfg = tiny_config("parallel.mesh=fsdp=4,tensor=2", "parallel.microbatches=2", "parallel.zero=3",
+                      "parallel.precision=bf16", f"model.tie_embeddings={str(tied).lower()}")
     program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
     measured = collectives(program.lower().compile().as_text(), 8, correct=False)
     expected = traffic.expected_traffic(program)
-    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+    for kind in ("all-reduce", "all-gather", "reduce-scatter"):
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.10), kind
 
 

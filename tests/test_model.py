@@ -4,15 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from meshtrain.engine.step import make_loss_fn
 from meshtrain.models import LanguageModel
-from meshtrain.models.base import lookup
 from meshtrain.ops.attention import xla_attention
-from meshtrain.parallel.mesh import build_mesh
-from meshtrain.parallel.sharding import activation_rules, make_rules
 
 
 @pytest.fixture(scope="module")
@@ -83,25 +78,3 @@ def test_untied_head_and_logical_axes():
     assert axes["blocks"]["wq"] == ("layers", "embed", "heads", "head_dim")
     assert params["blocks"]["wq"].shape == (4, 32, 8, 8)
     assert params["blocks"]["wk"].shape == (4, 32, 4, 8)
-
-
-@pytest.mark.fast
-def test_the_lookups_gradient_is_takes_summed_by_shard():
-    """models/base.py `lookup` on expert=4 x fsdp=2 (the MoE pods): its gradient, made by each batch
-    shard apart and summed onto the table's fsdp shards, is jnp.take's scatter-add."""
-    mesh = build_mesh({"expert": 4, "fsdp": 2}, jax.devices()[:8])
-    V, D, B, L = 64, 16, 8, 6
-    table = jax.random.normal(jax.random.key(0), (V, D))
-    tokens = jax.random.randint(jax.random.key(1), (B, L), 0, V)
-    cotangent = jax.random.normal(jax.random.key(2), (B, L, D))
-    expected = jax.grad(lambda t: jnp.sum(jnp.take(t, tokens, axis=0) * cotangent))(table)
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-
-    def objective(t, ids, c):
-        with activation_rules(make_rules(), mesh):
-            return jnp.sum(lookup(t, ids) * c)
-
-    rows = P(("expert", "fsdp"))
-    with jax.set_mesh(mesh):
-        got = jax.jit(jax.grad(objective))(put(table, P("fsdp")), put(tokens, rows), put(cotangent, rows))
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -18,7 +18,6 @@ import contextvars
 import math
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -288,21 +287,6 @@ def common_shard_count(name: str, other: str) -> int:
         return 1
     rules, mesh = active
     return math.prod(mesh.shape[a] for a in rules.get(name, ()) if a in rules.get(other, ()))
-
-
-def summed_over_shards(x_GxSx, names):
-    """A gradient summed by each batch and sequence shard apart (leading dimensions G and S, split as
-    `batch` and `seq`) summed over them onto the layout `names` of the rest: the shards along the axes
-    that split the weights too (fsdp, the batch's minor factor; context, the sequence's) reduce-scatter
-    onto the weight's shards, and the rest of the batch's (expert, data) all-reduce those. One sum over
-    every shard is an all-reduce of the whole weight over them all, then sliced: mixtral-8x7b's pod
-    (fsdp x expert) all-reduced 2.6x the formula (issue 39, section 3)."""
-    G = x_GxSx.shape[0]
-    F = math.gcd(G, common_shard_count("batch", "embed"))
-    x_RxFxSx = x_GxSx.reshape(G // F, F, *x_GxSx.shape[1:])
-    add = lambda x, dims: jax.lax.reduce(x, np.zeros((), x.dtype), jax.lax.add, dims)  # in x's dtype (jnp.sum: f32)
-    x_Rx = constrain(add(x_RxFxSx, (1, 2)), ("batch", *names))
-    return constrain(add(x_Rx, (0,)), names)
 
 
 def stage_replicated(axes: tuple) -> bool:

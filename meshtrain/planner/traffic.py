@@ -33,9 +33,7 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
 - Expert parallelism: 4 all-to-alls of the dispatch buffer (`moe_dispatch`) per MoE layer (6 under
   remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
-  are all-reduced over E per microbatch, the layers' and the embedding's in the compute dtype, only
-  their fsdp shards (meshtrain/parallel/sharding.py `summed_over_shards`); XLA:GPU reduces the
-  embedding's once per step, after the microbatch loop.
+  are all-reduced over E per microbatch, the layers' in the compute dtype.
 - Context parallelism (meshtrain/ops/context_parallel.py's ring), per layer: 2(C-1) sends of this
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
@@ -220,17 +218,9 @@ def expected_traffic(program) -> dict[str, dict]:
         f"norm's in fp32, the embedding's in {table_grad}")
     if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
         shared = param_slices(program, experts=False)  # per microbatch, the layers' in the compute dtype
-        # the lookup's gradient shard (models/base.py `lookup`) in the compute dtype, the head's and norm's
-        # in fp32 (a tied table's both); XLA:GPU reduces the lookup's once per step, after the microbatch
-        # loop that only adds it up
-        lookup = shared["lookup"]
-        fp32 = shared["outer"] - lookup + (lookup if program.model.cfg.tie_embeddings else 0)
-        looped, once = (shared["blocks"], lookup) if gpu else (shared["blocks"] + lookup, 0)
-        add("all-reduce", micro * ring_traffic("all-reduce", (looped * act + fp32 * 4) / A, E)
-            + ring_traffic("all-reduce", once * act / A, E),
+        add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4) / A, E),
             f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
-            f"layers' and the embedding's in the compute dtype) all-reduced over expert per microbatch x {micro}"
-            + (", the embedding's once per step" if gpu else ""))
+            f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro}")
     if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
         add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
