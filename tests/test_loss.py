@@ -56,6 +56,22 @@ def test_tiled_loss_with_the_vocabulary_split_over_tensor():
         assert_same_loss_and_grads(jax.jit(tiled), x, w, t)
 
 
+def test_tiled_loss_with_the_head_split_over_fsdp_beside_expert():
+    """expert x fsdp (the MoE pods): the head's gradient is summed over the batch shards in two steps
+    (reduce-scattered over fsdp onto the head's shards, all-reduced over expert): the same values."""
+    mesh = build_mesh({"expert": 4, "fsdp": 2}, jax.devices()[:8])
+    x, w, t = inputs(B=8, L=12, D=16, V=64)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    x, w, t = put(x, P(("expert", "fsdp"))), put(w, P("fsdp")), put(t, P(("expert", "fsdp")))
+
+    def tiled(x, w, t):
+        with activation_rules(make_rules(), mesh):
+            return cross_entropy(x, w, t, budget=3 * 64 * 4)  # 4 chunks of 3 positions
+
+    with jax.set_mesh(mesh):
+        assert_same_loss_and_grads(jax.jit(tiled), x, w, t)
+
+
 @pytest.mark.fast
 def test_no_full_logits_for_a_128k_vocabulary():
     """Vocab 128,256, seq 1024, batch 8, one device: the tiled loss's forward + backward keeps its

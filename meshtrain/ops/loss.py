@@ -7,7 +7,10 @@ differentiation (`custom_vjp`) the same pass also forms d loss / d logits = soft
 x^T dlogits, accumulated in fp32 by each batch and sequence shard apart (one reduction after the chunks, not
 one per chunk: the head's gradient reduce-scattered 8 times a microbatch at 8k tokens otherwise,
 llama3-8b's pod reduce-scatter 1.81x the formula); the backward scales them by the loss's cotangent. So the head
-costs the plain loss's three matmuls, and its largest temporaries are one chunk's.
+costs the plain loss's three matmuls, and its largest temporaries are one chunk's and the head.
+The head is gathered over the axes `embed` shards it on (fsdp, context) once, before the chunks: left
+to XLA, its GPU compiler gathers it again in every chunk, forward and backward (gemma3-4b's pod
+all-gather 14x the formula, issue 39 section 3), as it does not hoist a gather out of a loop.
 C is chosen so a chunk's logits take about LOSS_CHUNK_BYTES per device.
 
 The target logit is picked with a one-hot product, not a gather, so a vocabulary split over
@@ -21,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain.parallel.sharding import constrain, shard_count
+from meshtrain.parallel.sharding import common_shard_count, constrain, shard_count
 
 LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, per device
 
@@ -55,6 +58,11 @@ def _logits(x_BxCxD, w_DxV):
     return constrain(logits, ("batch", "seq", "vocab"))
 
 
+def _gathered(w_DxV):
+    """The head whole over `embed`'s axes (still split over `vocab`): one gather per loss, not per chunk."""
+    return constrain(w_DxV, (None, "vocab"))
+
+
 def _one_hot(targets_BxC, vocab: int):
     return jax.nn.one_hot(targets_BxC, vocab, dtype=jnp.float32)
 
@@ -62,7 +70,7 @@ def _one_hot(targets_BxC, vocab: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _loss_sum(x_BxLxD, w_DxV, targets_BxL, C: int):
     """Sum of per-token losses (no gradient work: evaluation runs this)."""
-    V = w_DxV.shape[1]
+    V, w_DxV = w_DxV.shape[1], _gathered(w_DxV)
 
     def chunk(total, xs):
         x_BxCxD, t_BxC = xs
@@ -75,7 +83,7 @@ def _loss_sum(x_BxLxD, w_DxV, targets_BxL, C: int):
 def _loss_sum_fwd(x_BxLxD, w_DxV, targets_BxL, C: int):
     """The loss and, while each chunk's logits exist, its gradients for a cotangent of 1; the
     backward only scales them (as Liger's fused linear cross-entropy does), so no logits are remade."""
-    B, V = x_BxLxD.shape[0], w_DxV.shape[1]
+    B, V, w_DxV = x_BxLxD.shape[0], w_DxV.shape[1], _gathered(w_DxV)
     # batch and sequence shards: each sums its own dw, reduced once after the chunks
     G, S = math.gcd(B, shard_count("batch")), math.gcd(C, shard_count("seq"))
 
@@ -96,9 +104,22 @@ def _loss_sum_fwd(x_BxLxD, w_DxV, targets_BxL, C: int):
 
     zeros = (jnp.zeros((), jnp.float32), jnp.zeros((G, S, *w_DxV.shape), jnp.float32))
     (total, dw_GxSxDxV), dx_NxBxCxD = jax.lax.scan(chunk, zeros, (_chunks(x_BxLxD, C), _chunks(targets_BxL, C)))
-    dw_DxV = constrain(dw_GxSxDxV.sum((0, 1)), ("embed", "vocab"))  # one reduction over the shards per step
+    dw_DxV = _summed_over_shards(dw_GxSxDxV)
     dx_BxLxD = jnp.moveaxis(dx_NxBxCxD, 0, 2).reshape(x_BxLxD.shape).astype(x_BxLxD.dtype)  # `_chunks` undone
     return total, (dx_BxLxD, dw_DxV.astype(w_DxV.dtype))
+
+
+def _summed_over_shards(dw_GxSxDxV):
+    """The head's gradient summed over the batch and sequence shards, once per loss: the shards along
+    the axes `embed` splits the head on (fsdp, the batch's minor factor; context, the sequence's)
+    reduce-scatter onto the head's shards, and the rest of the batch's (expert, data) all-reduce
+    those. One sum over every shard is an all-reduce of the whole head over them all, then sliced:
+    mixtral-8x7b's pod (fsdp x expert) all-reduced 2.6x the formula (issue 39, section 3)."""
+    G = dw_GxSxDxV.shape[0]
+    F = math.gcd(G, common_shard_count("batch", "embed"))
+    dw_RxFxSxDxV = dw_GxSxDxV.reshape(G // F, F, *dw_GxSxDxV.shape[1:])
+    dw_RxDxV = constrain(dw_RxFxSxDxV.sum((1, 2)), ("batch", "embed", "vocab"))
+    return constrain(dw_RxDxV.sum(0), ("embed", "vocab"))
 
 
 def _loss_sum_bwd(C: int, residuals, g):

@@ -279,6 +279,16 @@ def shard_count(name: str) -> int:
     return math.prod(mesh.shape[a] for a in rules.get(name, ()))
 
 
+def common_shard_count(name: str, other: str) -> int:
+    """How many ways the axes the active rules give both `name` and `other` split a dimension (1
+    outside `activation_rules`): e.g. fsdp, which shards the batch and the weights' `embed`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    rules, mesh = active
+    return math.prod(mesh.shape[a] for a in rules.get(name, ()) if a in rules.get(other, ()))
+
+
 def stage_replicated(axes: tuple) -> bool:
     """Whether every pipeline stage holds this parameter whole: it has no `layers` axis (embedding,
     final norm, head), so it sits outside the stacked layers the stages split."""

@@ -34,6 +34,7 @@ from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, traffic
 from meshtrain.planner import roofline as roof
 from meshtrain.planner.budget import budget, memory_fraction, verdict
 from meshtrain.planner.hlo import KINDS
+from meshtrain.planner.traffic import on_gpu
 
 GB = 1e9
 # XLA's CPU backend widens bf16 arithmetic to f32 and while-loop-invariant code motion then hoists
@@ -56,11 +57,6 @@ def compile_for_analysis_only(environ) -> None:
     flags = environ.get("XLA_FLAGS", "").split()
     named = {f.split("=")[0] for f in flags}
     environ["XLA_FLAGS"] = " ".join(flags + [f for f in ANALYSIS_ONLY_XLA_FLAGS if f.split("=")[0] not in named])
-
-
-def on_gpu(program) -> bool:
-    """Whether the program is compiled by XLA's GPU compiler (its mesh holds compile-only GPU devices)."""
-    return program.mesh.devices.flat[0].platform == "gpu"
 
 
 def cpu_widened(program) -> bool:

@@ -18,10 +18,12 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
 - FSDP (over F x C, and D at zero 3 without microbatches or a pipeline), per microbatch: the
   layers' weights all-gathered in the compute dtype in the forward and again in the backward
   (remat=full recomputes with the backward's gather), their gradients reduce-scattered in the
-  compute dtype; the embedding, head and final norm gathered once per step (XLA hoists the gather
-  out of the microbatch loop: an untied table in the compute dtype, the head twice in it) and
-  reduced in fp32 per microbatch (the loss sums the head's gradient over its chunks per batch
-  shard, meshtrain/ops/loss.py, so once).
+  compute dtype; the embedding, head and final norm gathered once per step (XLA:CPU hoists the gather
+  out of the microbatch loop: an untied table in the compute dtype, the head twice in it; XLA:GPU
+  does not: per microbatch, the table and head in the compute dtype) and reduced per microbatch,
+  the head's in fp32 (the loss sums its gradient over its chunks per batch shard, meshtrain/ops/loss.py,
+  so once), the lookup's in fp32 on XLA:CPU, in the compute dtype on XLA:GPU (a tied table's
+  apart from the head's).
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
   when remat=full recomputes the forward (the attention output's; the MLP output's only use is the
   saved next-layer input); under sequence parallelism each becomes a reduce-scatter and an
@@ -65,6 +67,11 @@ from meshtrain.parallel.sharding import entry_axes, stage_replicated
 from meshtrain.planner.hlo import KINDS
 
 
+def on_gpu(program) -> bool:
+    """Whether the program is compiled by XLA's GPU compiler (its mesh holds compile-only GPU devices)."""
+    return program.mesh.devices.flat[0].platform == "gpu"
+
+
 def _params_with_axes(program):
     """(parameter, its sharding, its logical axes) for each parameter."""
     names = jax.tree.leaves(program.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
@@ -92,8 +99,9 @@ def param_slices(program, experts: bool = True) -> dict[str, float]:
     `blocks` (the layer stack) and `outer` (the stage-replicated embedding, head and final norm).
     `experts=False`: the parameters outside the experts only (those the expert axis replicates).
     `table`: of `outer`, an untied embedding table's slice (the lookup gathers it in the compute
-    dtype; a tied table is the head too)."""
-    out = {"blocks": 0.0, "outer": 0.0, "table": 0.0}
+    dtype; a tied table is the head too); `lookup`: the table the lookup reads, tied or not;
+    `vocab`: the parameters with a vocabulary axis (the table and an untied head)."""
+    out = {"blocks": 0.0, "outer": 0.0, "table": 0.0, "lookup": 0.0, "vocab": 0.0}
     tied = program.model.cfg.tie_embeddings
     for leaf, sharding, axes in _params_with_axes(program):
         if not experts and "experts" in axes:
@@ -101,8 +109,10 @@ def param_slices(program, experts: bool = True) -> dict[str, float]:
         split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
                           if a not in GATHERED_AXES)
         out["outer" if stage_replicated(axes) else "blocks"] += leaf.size / split
-        if axes[:1] == ("vocab",) and not tied:
-            out["table"] += leaf.size / split
+        if axes[:1] == ("vocab",):
+            out["lookup"] += leaf.size / split
+            out["table"] += 0 if tied else leaf.size / split
+        out["vocab"] += leaf.size / split if "vocab" in axes else 0
     return out
 
 
@@ -143,6 +153,7 @@ def expected_traffic(program) -> dict[str, dict]:
     D, F, T, P, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context"))
     m, t, zero = program.model.cfg, program.train, plan.zero
     act = compute_bytes(plan.precision)
+    gpu = on_gpu(program)  # XLA:GPU's program: where it differs from XLA:CPU's, said at each term
     slices = param_slices(program)
     slice_params = slices["blocks"] + slices["outer"]
     out = {k: {"traffic_bytes": 0.0, "terms": []} for k in KINDS}
@@ -187,13 +198,24 @@ def expected_traffic(program) -> dict[str, dict]:
     # forward's gather stays live for the backward (outside the layer loop).
     add("all-gather", micro * ring_traffic("all-gather", 2 * slices["blocks"] * act, A),
         f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype, forward and backward")
-    add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4 + slices["table"] * act, A),
-        "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
-        "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
-        "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
-    add("reduce-scatter", micro * ring_traffic("all-gather", slices["blocks"] * act + slices["outer"] * 4, A),
-        f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the "
-        f"embedding's and head's in fp32")
+    if gpu and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop
+        add("all-gather", micro * ring_traffic("all-gather", slices["vocab"] * act + (slices["outer"] - slices["vocab"])
+                                               * 4, A),
+            f"FSDP all-gather of the embedding, head and final norm per microbatch x {micro} (XLA:GPU keeps it in "
+            f"the microbatch loop): the table and head in the compute dtype (a tied table once), the norm in fp32")
+    else:
+        add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4 + slices["table"] * act,
+                                       A),
+            "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
+            "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
+            "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
+    # XLA:GPU reduces the lookup's gradient (its scatter-add) in the compute dtype apart from the head's
+    # fp32 one (meshtrain/ops/loss.py), a tied table's too; XLA:CPU sums both in fp32
+    lookup = slices["lookup"] * (act - (0 if program.model.cfg.tie_embeddings else 4)) if gpu else 0
+    table_grad = "the compute dtype (a tied table also in fp32, as the head)" if gpu else "fp32"
+    add("reduce-scatter", micro * ring_traffic("all-gather", slices["blocks"] * act + slices["outer"] * 4 + lookup, A),
+        f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the head's and "
+        f"norm's in fp32, the embedding's in {table_grad}")
     if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
         shared = param_slices(program, experts=False)  # per microbatch, the layers' in the compute dtype
         add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4) / A, E),
@@ -295,11 +317,10 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         gaps["all-gather"].append((why, 0, 1))
         gaps["reduce-scatter"].append((why, 0, 1))
     if (E > 1 or C > 1 or manual) and F * C > 1:
-        why = ("the embedding's and head's gradients (summed over every batch and sequence shard) are "
-               "all-reduced whole over the batch axes (fsdp with expert, context or data) and then sliced to this "
-               "device's shard, where the formula reduce-scatters them over fsdp x context and all-reduces the "
-               "shard over the rest (a GPU's AllReduceSplitter may split them so; meshtrain/planner/hlo.py does not "
-               "undo it)")
+        why = ("the embedding lookup's gradient (its scatter-add, summed over every batch and sequence shard; on "
+               "XLA:CPU the head's too) is all-reduced whole over the batch axes (fsdp with expert, context or data) "
+               "and then sliced to this device's shard, where the formula reduce-scatters it over fsdp x context and "
+               "all-reduces the shard over the rest, as meshtrain/ops/loss.py sums the head's")
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
         gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, 2))
