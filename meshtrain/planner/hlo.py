@@ -35,9 +35,9 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2
 _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_BODY = re.compile(r"body=%?([\w.\-]+)")
+LOOP_BODY = re.compile(r"body=%?([\w.\-]+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
 _INDEX = re.compile(r"index=(\d+)")
 _LAYOUT = ("bitcast", "copy", "reshape", "transpose")  # the same values, laid out anew
@@ -295,11 +295,11 @@ class Module:
                 return
             times[name] += factor
             for ins in self.comps[name].values():
-                trip, body = TRIP_COUNT.search(ins.line), _BODY.search(ins.line)
+                trip, body = TRIP_COUNT.search(ins.line), LOOP_BODY.search(ins.line)
                 for callee in _CALLS.findall(ins.line):
                     repeat = int(trip.group(1)) if trip and body and callee == body.group(1) else 1
                     visit(callee, factor * repeat, depth + 1)
-                for group in _BRANCHES.findall(ins.line):
+                for group in BRANCHES.findall(ins.line):
                     for callee in group.split(","):
                         visit(callee.strip().lstrip("%"), factor, depth + 1)
 

@@ -60,8 +60,8 @@ def gemm_efficiency(m: int, n: int, k: int, c: dict) -> float:
 
 
 def _dot(module: Module, comp: str, ins) -> tuple[str, int, int, int] | None:
-    """(operand type, m, n, k) of a GEMM kernel, None when `ins` is not one (kernels._gemm_types)."""
-    if kernels._gemm_types(module, comp, ins) is None:
+    """(operand type, m, n, k) of a GEMM kernel, None when `ins` is not one (kernels.gemm_types)."""
+    if kernels.gemm_types(module, comp, ins) is None:
         return None
     if ins.op == "custom-call":  # cuBLAS: the call's first operand, its own contracting dims
         lhs = module.comps[comp][ins.operands[0]]
@@ -161,7 +161,7 @@ class StepTime:
                 else p["peak_flops"]
             shape = gemm_efficiency(m, n, k, c) / c["gemm_peak"]
             return "gemm", 2.0 * m * n * k / (peak * shape), _fusion_bytes(self.module, comp, ins)
-        target = kernels._TARGET.search(ins.line) if ins.op == "custom-call" else None
+        target = kernels.CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
         if target and target.group(1).startswith("__cudnn$fmha"):
             return "attention", _attention_flops(ins) / p["peak_flops"], 0
         return "memory", 0.0, _fusion_bytes(self.module, comp, ins)
@@ -198,11 +198,11 @@ class StepTime:
             if ins.op == "while":
                 trip = hlo.TRIP_COUNT.search(ins.line)
                 n = int(trip.group(1)) if trip else 1
-                body, cond = hlo._BODY.search(ins.line).group(1), re.search(r"condition=%?([\w.\-]+)", ins.line)
+                body, cond = hlo.LOOP_BODY.search(ins.line).group(1), re.search(r"condition=%?([\w.\-]+)", ins.line)
                 clock += n * self.run(body, times * n) + (n + 1) * (self.run(cond.group(1), times * (n + 1))
                                                                    if cond else 0.0)
             elif ins.op == "conditional":
-                branches = [b.strip().lstrip("%") for g in hlo._BRANCHES.findall(ins.line) for b in g.split(",")] \
+                branches = [b.strip().lstrip("%") for g in hlo.BRANCHES.findall(ins.line) for b in g.split(",")] \
                     or re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.line)
                 clock += sum(self.run(b, times / len(branches)) for b in branches) / len(branches)
             elif ins.op == "call" and (callee := re.search(r"to_apply=%?([\w.\-]+)", ins.line)):

@@ -20,7 +20,7 @@ from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elemen
 
 GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas")
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([\w$]+)"')
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _NOT_NEW = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")  # no buffer of their own
 _FUSED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
@@ -31,10 +31,10 @@ def _operand_types(module: Module, comp: str, names: list[str]) -> str:
     return " x ".join(types)
 
 
-def _gemm_types(module: Module, comp: str, ins) -> str | None:
+def gemm_types(module: Module, comp: str, ins) -> str | None:
     """The operand types of a GEMM kernel, None when `ins` is not one."""
     if ins.op == "custom-call":
-        target = _TARGET.search(ins.line)
+        target = CALL_TARGET.search(ins.line)
         return _operand_types(module, comp, ins.operands) if target and target.group(1).startswith("__cublas") \
             else None
     if ins.op != "fusion":
@@ -71,7 +71,7 @@ def gemm_sites(hlo_text: str) -> list[dict]:
     in it) and its executions per step."""
     module, sites = Module(hlo_text), []
     for ins, comp, times in launches(module):
-        if (types := _gemm_types(module, comp, ins)) is not None:
+        if (types := gemm_types(module, comp, ins)) is not None:
             name = _OP_NAME.search(ins.line)
             sites.append({"types": types, "op": name.group(1) if name else ins.name, "times": times})
     return sites
@@ -94,8 +94,8 @@ def read(hlo_text: str, largest: int = 8) -> dict:
     module = Module(hlo_text)
     gemms, attention, collectives, fusions = Counter(), Counter(), Counter(), 0.0
     for ins, comp, times in launches(module):
-        types = _gemm_types(module, comp, ins)
-        target = _TARGET.search(ins.line) if ins.op == "custom-call" else None
+        types = gemm_types(module, comp, ins)
+        target = CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
         if types is not None:
             gemms[types] += times
         elif target and target.group(1).startswith("__cudnn$fmha"):
