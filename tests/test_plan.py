@@ -265,7 +265,7 @@ def test_the_search_compiles_on_the_plans_devices():
 
     def measure(cfg, profile, per_node, devices):
         seen.append(devices)
-        return {"memory": {"total": 1.0}, "roofline": {"step_s": 1.0, "mfu_ceiling": 0.5}}
+        return {"memory": {"total": 1.0}, "roofline": {"step_s": 1.0, "mfu_ceiling": 0.5, "priced_by": "formulas"}}
 
     devices = object()
     found = fit.search(cfg, fit.valid_layouts(cfg, 8, 8, "gpu"), {"devices_per_node": 8}, {"budget": 2.0}, 3,

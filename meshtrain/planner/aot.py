@@ -349,7 +349,8 @@ def format_kernels(k: dict | None) -> list[str]:
 
 
 def step_sign(roof: dict) -> str:
-    """'step ~' for a step the GPU program's kernels priced (a prediction), 'step >=' for the formulas' bound."""
+    """'step ~' for a step the GPU program's kernels priced (a prediction), 'step >=' for the formulas' bound
+    (`roof`: a roofline, or a search candidate, which carries its `priced_by`)."""
     return "step ~" if roof["priced_by"] == "kernels" else "step >="
 
 
@@ -359,7 +360,7 @@ def format_search(r: dict) -> list[str]:
     if not found:
         return []
     tried = [c for c in found["compiled"] if "invalid" not in c]
-    step = step_sign(r["roofline"])
+    step = step_sign(tried[0]) if tried else "step"
     lines = [f"search: {len(tried)} layout(s) compiled (at most {found['budget']}: --search-budget), moves "
              f"{' -> '.join(found['path']) or 'none'}"]
     for c in sorted(tried, key=lambda c: (not c["fits"], c["step_s"]))[:8]:
@@ -445,7 +446,8 @@ def run(args) -> str:
             starts = [base, *(s for s in starts if s != base)]
             known[base] = {"layout": base, "peak": report["memory"]["total"], "step_s": report["roofline"]["step_s"],
                            "fits": report["memory"]["total"] <= memory_budget["budget"],
-                           "mfu_ceiling": report["roofline"]["mfu_ceiling"]}
+                           "mfu_ceiling": report["roofline"]["mfu_ceiling"],
+                           "priced_by": report["roofline"]["priced_by"]}
         found = fit.search(cfg, starts, profile, memory_budget, args.search_budget, args.devices_per_node, known,
                            devices, measure=train_step_plan)
         report["search"] = {"best": found["best"] and search_row(found["best"], args, cfg),
@@ -468,6 +470,7 @@ def search_row(r: dict, args, cfg) -> dict:
     if "invalid" in r:
         return {**row, "invalid": r["invalid"]}
     return {**row, "peak": r["peak"], "fits": r["fits"], "step_s": r["step_s"], "mfu_ceiling": r["mfu_ceiling"],
+            "priced_by": r["priced_by"],
             "command": fit.command(args.config, list(args.set), cfg, layout)}
 
 

@@ -155,7 +155,7 @@ def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_pe
         return {"layout": layout, "invalid": str(e)}
     peak = r["memory"]["total"]
     return {"layout": layout, "peak": peak, "fits": peak <= memory_budget["budget"], "step_s": r["roofline"]["step_s"],
-            "mfu_ceiling": r["roofline"]["mfu_ceiling"]}
+            "mfu_ceiling": r["roofline"]["mfu_ceiling"], "priced_by": r["roofline"]["priced_by"]}
 
 
 def search(cfg, starts: list[Layout], profile: dict, memory_budget: dict, budget: int = 12, devices_per_node=None,
