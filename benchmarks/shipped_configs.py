@@ -14,7 +14,8 @@ whether the two plans' bytes and collectives are equal (docs/planner.md's table)
 
 `--gpu-vs-cpu`: each config planned by XLA's GPU compiler (compile-only devices, the plan-gpu extra) and
 by XLA:CPU (meshtrain/planner/compilers.py): train, eval and generation peaks from both, the GPU plan's
-worst traffic ratio and roofline step, and each plan's wall time (docs/planner.md's two-compiler table).
+worst traffic ratio and step as its kernels price it (meshtrain/planner/kernel_time.py), and each plan's
+wall time (docs/planner.md's two-compiler table).
 """
 import argparse
 import json
@@ -60,7 +61,7 @@ def gpu_vs_cpu(configs):
     """Each config's plan by the GPU compiler beside XLA:CPU's."""
     gb = human_bytes
     print("| config | pod | train GPU / CPU | eval GPU / CPU | generation GPU / CPU | verdict (GPU) | "
-          "worst traffic (GPU) | step >= (GPU roofline) | plan time GPU / CPU |")
+          "worst traffic (GPU) | step (GPU: its kernels priced) | plan time GPU / CPU |")
     print("|---|---|---|---|---|---|---|---|---|")
     for config in configs:
         g, c = plan(config, compiler="gpu"), plan(config, compiler="cpu")
