@@ -11,7 +11,9 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   at the bf16 peak x `attention_efficiency`;
 - every other kernel (loop/input fusions, Triton block fusions, copies): memory-bound. A kernel's bytes
   are its operands read and its result written, except that a fusion reads of an operand only what its
-  dynamic-slices/slices take, and a dynamic-update-slice root writes only its update (in place);
+  dynamic-slices/slices take, a buffer it updates in place (a dynamic-update-slice's operand 0) is not read,
+  also where the fusion reads a slice of it first (the grouped matmul's step: read a tile, write it back),
+  and a dynamic-update-slice root writes only its update;
 - each kernel takes the longest of its arithmetic at its efficiency, its bytes at HBM bandwidth x
   `hbm_efficiency` (a GEMM's too), and `launch_s` (`kernel_seconds`); a `while` runs its body
   trip-count times and its condition once more, a `conditional` costs the mean of its branches
@@ -112,10 +114,10 @@ def _fusion_bytes(module: Module, comp: str, ins) -> int:
             continue
         param = module.parameter(body, index) if body else None
         uses = _uses(module, body, param) if param else []
-        if uses and all(u.op in _SLICES and u.operands[0] == v for v, u in uses):
-            read += sum(_bytes(u.shape) for _, u in uses)
-        elif uses and all(u.op == "dynamic-update-slice" and u.operands[0] == v for v, u in uses):
-            continue  # the buffer updated in place: not read
+        sliced = [u for v, u in uses if u.op in _SLICES and u.operands[0] == v]
+        in_place = [u for v, u in uses if u.op == "dynamic-update-slice" and u.operands[0] == v]
+        if uses and len(sliced) + len(in_place) == len(uses):  # the slices read; the buffer updated in place not
+            read += sum(_bytes(u.shape) for u in sliced)
         else:
             read += _bytes(operand.shape)
     root = inner.get(module.roots.get(body, ""))
