@@ -492,7 +492,8 @@ def format_zero_table(rows) -> str:
 
 def format_compare(rows, skipped=()) -> str:
     step = step_sign(rows[0]["roofline"]) if rows else "step >="
-    lines = [f"| rank | mesh | verdict | peak/device | link traffic/device | compute | comm | {step} | MFU ceiling |",
+    mfu = "MFU" if step == "step ~" else "MFU ceiling"  # a kernel-priced step's MFU is a prediction, not a ceiling
+    lines = [f"| rank | mesh | verdict | peak/device | link traffic/device | compute | comm | {step} | {mfu} |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         v, roof = r["verdict"], r["roofline"]
