@@ -205,9 +205,7 @@ def command(config_path: str, overrides: list[str], cfg, layout: Layout) -> str:
     """`python -m meshtrain.train` for the layout: the config, the user's --set items, then the
     settings where the layout differs from the config's (`cfg`: the config as the plan read it) or
     replaces a --set item."""
-    par, theirs = cfg.parallel, layout.settings()
-    own = {"parallel.zero": par.zero, "parallel.remat": par.remat, "parallel.attention": par.attention,
-           "parallel.microbatches": par.num_microbatches(layout.mesh["pipeline"])}
+    theirs, own = layout.settings(), Layout.of(cfg, layout.mesh).settings()  # own: the config's, on this mesh
     typed = {o.split("=", 1)[0].strip() for o in overrides}
     sets = [o for o in overrides if o.split("=", 1)[0].strip() not in theirs]
     sets += [f"{k}={v}" for k, v in theirs.items() if k != "parallel.mesh" and (own[k] != v or k in typed)]
