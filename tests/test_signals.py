@@ -28,10 +28,11 @@ def run(tmp_path_factory):
     return out
 
 
-def signalled(argv: list[str], sig: int, after: float | str, timeout: float = 240) -> tuple[int, str]:
-    """Start `python -m meshtrain.<argv>`, send `sig` after `after` seconds or once its output shows the
-    text `after`, and return (exit status, output: stdout and stderr as they interleave)."""
-    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+def signalled(argv: list[str], sig: int, after: float | str, timeout: float = 240, run: str = "-m") -> tuple[int, str]:
+    """Start `python -m meshtrain.<argv>` (or `python -c` with `run="-c"`), send `sig` after `after`
+    seconds or once its output shows the text `after`, and return (exit status, output: stdout and
+    stderr as they interleave)."""
+    proc = subprocess.Popen([sys.executable, run, *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     seen = threading.Event()
@@ -144,3 +145,22 @@ def test_a_sweep_stopped_while_its_trial_starts_retries_the_trial(tmp_path):
     status, output = signalled(sweep(tmp_path), signal.SIGTERM, "trial 0 started")
     assert status == 0 and "Traceback" not in output, output[-3000:]
     assert "retry of trial 0" in output and "stopped: rerun the same command" in output, output[-3000:]
+
+
+SLOW_SHUTDOWN = """
+import time
+from meshtrain.core import exits
+exits.take_signals()
+class SlowTeardown:  # as JAX's backends are on a loaded machine
+    def __del__(self):
+        time.sleep(3)
+kept = SlowTeardown()
+print("finished", flush=True)
+"""
+
+
+def test_a_signal_in_the_shutdown_of_a_finished_command_leaves_its_status():
+    """Python resets its signal handlers to the defaults as it shuts down: a SIGTERM landing then killed
+    a command that had finished (status -15, the old failure); now it ends with the command's own 0."""
+    status, output = signalled([SLOW_SHUTDOWN], signal.SIGTERM, "finished", run="-c")
+    assert status == 0 and output.strip() == "finished", (status, output)

@@ -10,7 +10,11 @@ exception (KeyboardInterrupt, `Terminated`), so the `finally` blocks that releas
 the temporary run, and the command's wrapper (core/cli.py) prints the same line. Raising only there
 also keeps the exception out of the C++ of an import or a compile that calls back into Python, where
 it would abort the process. Training replaces both handlers while its loop runs (a signal then
-checkpoints and exits 0: run/actions.py `preemption_signals`)."""
+checkpoints and exits 0: run/actions.py `preemption_signals`). Once the command has returned and its
+exit handlers have run, the interpreter's own shutdown ignores both: Python resets its handlers to the
+default there, and a SIGTERM landing then (JAX's teardown takes seconds on a loaded machine) would
+kill a command that had finished, status -15 instead of its own."""
+import atexit
 import contextlib
 import gc
 import os
@@ -95,3 +99,12 @@ def take_signals() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL):
             signal.signal(sig, on_signal)
+    atexit.register(_ignore_signals_in_shutdown)  # registered first, so it runs last of the exit handlers
+
+
+def _ignore_signals_in_shutdown() -> None:
+    """The command has finished and its status stands: the rest of the shutdown is not cut by a signal
+    (see the module doc)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is on_signal:
+            signal.signal(sig, signal.SIG_IGN)
