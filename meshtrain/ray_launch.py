@@ -138,26 +138,27 @@ def main(argv=None) -> int:
     args = parser().parse_args(own)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every process's lines, not "[repeated 2x]"
     started = time.time()
-    with connected(args.address, num_cpus=max(2, int(args.nodes * args.cpus_per_node))):
+    with connected(args.address, local={"num_cpus": max(2, int(args.nodes * args.cpus_per_node))}):
         results = launch(args.nodes, train, args.strategy, args.cpus_per_node, args.gpus_per_node, args.timeout)
     return summarize(results, time.time() - started)
 
 
 @contextlib.contextmanager
-def connected(address: str, flag: str = "--address", **local):
+def connected(address: str, flag: str = "--address", local: dict | None = None, **init):
     """Connected to the Ray cluster at `address` for the block: `local` starts one on this machine
-    (`local`: its ray.init arguments, e.g. num_cpus), anything else is ray.init's address (auto: the
-    running cluster). A process already connected (a notebook, a test's cluster) stays as it is."""
+    (`local`: ray.init's arguments for that, e.g. num_cpus), anything else is ray.init's address (auto:
+    the running cluster); `init`: ray.init's other arguments. A process already connected (a notebook,
+    a test's cluster) stays as it is. `flag` names the address in errors."""
     import ray
 
     if ray.is_initialized():
         yield
         return
     if address == "local":
-        ray.init(include_dashboard=False, **local)
+        ray.init(include_dashboard=False, **(local or {}), **init)
     else:
         try:
-            ray.init(address=address)
+            ray.init(address=address, **init)
         except ConnectionError as e:
             raise UserError(f"no Ray cluster at {flag} {address} ({str(e).splitlines()[0]}); start one "
                             f"with ray start --head, or pass {flag} local") from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -46,7 +47,7 @@ def prepare_on_ray(src: str, tok, out: str | Path, address: str = "auto", text_f
 
     kind, parts = source_units(src, kind, shard_tokens)
     work = work_folder(out)
-    with connected(address):
+    with connected(address, "--ray", logging_level=logging.WARNING):  # not Ray's start-up lines
         manifest = write_prepared(ray_tokenized(parts, tok, text_field, work, out), src, kind, tok, out, text_field,
                                   shard_tokens, allow_dropped_text)
     shutil.rmtree(work, ignore_errors=True)
