@@ -1,8 +1,8 @@
 """`prepare --ray` (meshtrain/data/cluster.py) on a local Ray cluster of two nodes (two raylets of one
 CPU each, started and stopped here, shared by every test): the shards, manifest and content hash of
 text, jsonl (BPE and bytes) and a Spark Parquet folder equal the one-host prepare's byte for byte; a
-bad file is one `error:` line naming it, and the rerun after fixing it tokenizes only the units not
-done yet; training runs on the result."""
+bad file is one `error:` line naming it, and the rerun after fixing it, or after a Ctrl-C, tokenizes
+only the units not done yet; training runs on the result."""
 import json
 import logging
 
@@ -110,6 +110,38 @@ def test_a_bad_file_is_one_error_and_the_rerun_redoes_only_unfinished_units(two_
     assert "--workers is for one machine" in capsys.readouterr().err
     with pytest.raises(UserError, match=f"{tmp_path / 'gone.txt'} cannot be read \\(No such file"):
         tokenize(sources.Unit("text", str(tmp_path / "gone.txt")), BYTE, "text")  # a file gone since it was listed
+
+
+def test_a_killed_prepare_resumes_without_redoing_finished_units(two_nodes, tmp_path, monkeypatch):
+    """Ctrl-C in the driver after 3 units (its `_load` of the 4th raises): no --out, the finished
+    results kept; the rerun loads those very files (same inode, never rewritten) and ends with the
+    one-host bytes."""
+    monkeypatch.setattr(sources, "UNIT_BYTES", UNIT_BYTES)
+    src, out = write_jsonl(tmp_path / "docs.jsonl"), tmp_path / "out"
+    load, loaded = cluster._load, []
+
+    def interrupted(path):
+        if len(loaded) == 3:
+            raise KeyboardInterrupt
+        loaded.append(path)
+        return load(path)
+    monkeypatch.setattr(cluster, "_load", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.prepare_on_ray(str(src), BYTE, out, shard_tokens=500)
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+    kept = {f.name: f.stat().st_ino for f in cluster.work_folder(out).iterdir()}
+    assert len(kept) >= 3 and {f.name for f in loaded} <= kept.keys()
+
+    seen = {}
+
+    def watched(path):  # the inode of each result as the rerun loads it: a redone unit's is new (os.replace)
+        seen[path.name] = path.stat().st_ino
+        return load(path)
+    monkeypatch.setattr(cluster, "_load", watched)
+    cluster.prepare_on_ray(str(src), BYTE, out, shard_tokens=500)
+    assert len(seen) == len(sources.units("jsonl", str(src))) and {n: seen[n] for n in kept} == kept
+    prepare(str(src), BYTE, tmp_path / "one", workers=1, shard_tokens=500)
+    assert files(tmp_path / "one") == files(out)
 
 
 def test_training_runs_on_a_ray_prepared_folder(prepared):
