@@ -34,7 +34,7 @@ from meshtrain.core.errors import UserError
 from meshtrain.data.prepare import SHARD_TOKENS, Tokenized, source_units, tokenize, write_prepared
 from meshtrain.data.sources import Unit
 
-FORMAT = 1  # of a unit's result file: bump when `_save` changes
+FORMAT = 1  # of a unit's result file (`_tokenize_unit` writes it, `_load` reads it): bump when it changes
 PROGRESS_S = 10.0  # seconds between the driver's progress lines
 
 
