@@ -15,6 +15,7 @@ Ray instance on this machine instead of joining a cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -136,22 +137,35 @@ def main(argv=None) -> int:
     own, train = split_argv(argv)
     args = parser().parse_args(own)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every process's lines, not "[repeated 2x]"
+    started = time.time()
+    with connected(args.address, local={"num_cpus": max(2, int(args.nodes * args.cpus_per_node))}):
+        results = launch(args.nodes, train, args.strategy, args.cpus_per_node, args.gpus_per_node, args.timeout)
+    return summarize(results, time.time() - started)
+
+
+@contextlib.contextmanager
+def connected(address: str, flag: str = "--address", local: dict | None = None, **init):
+    """Connected to the Ray cluster at `address` for the block: `local` starts one on this machine
+    (`local`: ray.init's arguments for that, e.g. num_cpus), anything else is ray.init's address (auto:
+    the running cluster); `init`: ray.init's other arguments. A process already connected (a notebook,
+    a test's cluster) stays as it is. `flag` names the address in errors."""
     import ray
 
-    started = time.time()
-    if args.address == "local":
-        ray.init(num_cpus=max(2, int(args.nodes * args.cpus_per_node)), include_dashboard=False)
+    if ray.is_initialized():
+        yield
+        return
+    if address == "local":
+        ray.init(include_dashboard=False, **(local or {}), **init)
     else:
         try:
-            ray.init(address=args.address)
+            ray.init(address=address, **init)
         except ConnectionError as e:
-            raise UserError(f"no Ray cluster at --address {args.address} ({str(e).splitlines()[0]}); start one "
-                            f"with ray start --head, or pass --address local") from None
+            raise UserError(f"no Ray cluster at {flag} {address} ({str(e).splitlines()[0]}); start one "
+                            f"with ray start --head, or pass {flag} local") from None
     try:
-        results = launch(args.nodes, train, args.strategy, args.cpus_per_node, args.gpus_per_node, args.timeout)
+        yield
     finally:
         ray.shutdown()
-    return summarize(results, time.time() - started)
 
 
 def summarize(results: list[dict], seconds: float) -> int:

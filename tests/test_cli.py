@@ -66,6 +66,7 @@ def stubbed_main(monkeypatch, command: str, work):
     if command == "ray_launch":
         monkeypatch.setitem(sys.modules, "ray", type(sys)("ray"))  # no cluster: launch() is the work
         sys.modules["ray"].init = sys.modules["ray"].shutdown = lambda *a, **k: None
+        sys.modules["ray"].is_initialized = lambda: False
     return module.main, argv
 
 

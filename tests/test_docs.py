@@ -58,6 +58,7 @@ TEXT_ONLY = {
     ("clusters.md", "sbatch"): "needs a SLURM cluster",
     ("clusters.md", "kubectl"): "needs a Kubernetes cluster",
     ("clusters.md", "ray"): "needs a Ray cluster",
+    ("data.md", "python -m meshtrain.data"): "needs a Ray cluster",
     ("clusters.md", "mpirun"): "needs an MPI cluster",
     ("clusters.md", "python -m meshtrain.train"): "needs two hosts",
 }

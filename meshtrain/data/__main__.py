@@ -1,6 +1,7 @@
 """`python -m meshtrain.data prepare | train-tokenizer`: tokenize a corpus once; train a BPE tokenizer.
 
-    python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR [--workers N] [--text-field text]
+    python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR [--workers N | --ray ADDRESS]
+                                     [--text-field text]
     python -m meshtrain.data train-tokenizer SRC --vocab-size N --out tokenizer.json
 """
 from __future__ import annotations
@@ -12,8 +13,10 @@ import time
 
 from meshtrain.core.cli import Parser, command, number
 from meshtrain.core.console import use_console
+from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.data import tokenizer as tokenizer_lib
+from meshtrain.data.cluster import prepare_on_ray
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
 from meshtrain.data.sources import RAW_KINDS, detect, read, units
 
@@ -30,8 +33,11 @@ def parser() -> Parser:
     prep = commands.add_parser("prepare", parents=[source], help="tokenize SRC into shards + manifest.json")
     prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json (or its folder)")
     prep.add_argument("--out", required=True, help="new (or empty) folder for the shards")
-    prep.add_argument("--workers", type=number(int, min=1, max=1024), default=os.cpu_count(),
-                      help="tokenizing processes")
+    prep.add_argument("--workers", type=number(int, min=1, max=1024),
+                      help="tokenizing processes on this machine (default: one per core)")
+    prep.add_argument("--ray", metavar="ADDRESS",
+                      help="tokenize on a Ray cluster instead: auto (the running one), local (start one here) or "
+                           "its address; the same shards, resumable (docs/data.md)")
     prep.add_argument("--shard-tokens", type=number(int, min=1), default=SHARD_TOKENS, help="tokens per shard file")
     prep.add_argument("--allow-dropped-text", action="store_true",
                       help="prepare although the tokenizer (one without an unknown token) maps some characters to "
@@ -53,8 +59,15 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.command == "prepare":
         tok = tokenizer_lib.load(args.tokenizer)
-        m = prepare(args.src, tok, args.out, args.workers, args.text_field, args.shard_tokens, kind,
-                    args.allow_dropped_text)
+        if args.ray is None:
+            m = prepare(args.src, tok, args.out, args.workers or os.cpu_count(), args.text_field, args.shard_tokens,
+                        kind, args.allow_dropped_text)
+        elif args.workers is not None:
+            raise UserError("--workers is for one machine; with --ray each unit is a Ray task on a CPU of the "
+                            "cluster: leave --workers out")
+        else:
+            m = prepare_on_ray(args.src, tok, args.out, args.ray, args.text_field, args.shard_tokens, kind,
+                               args.allow_dropped_text)
         seconds = time.perf_counter() - started
         print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) from {m['documents']:,} documents in "
               f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s)")

@@ -14,7 +14,7 @@ import collections
 import hashlib
 import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -42,7 +42,11 @@ class Tokenized(NamedTuple):
 
 
 def tokenize(unit: Unit, tok, field: str) -> Tokenized:
-    texts = list(read(unit, field))
+    try:
+        texts = list(read(unit, field))
+    except OSError as e:  # unreadable (permissions, a vanished file): the user's to fix, named
+        raise UserError(f"{unit.file} cannot be read ({e.strerror or e}); fix its permissions or remove it "
+                        f"from the source") from None
     end = tokenizer_lib.document_end(tok)
     pieces = [piece for ids in tok.encode_batch(texts) for piece in (ids, end)]
     dtype = token_dtype(tok.vocab_size)
@@ -160,18 +164,33 @@ def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = 
     """Tokenize `src` (a raw source: text, jsonl, Parquet, datasets folder) into the empty or new
     folder `out`; returns the manifest. Text the tokenizer maps to no token is an error unless
     `allow_dropped_text` (then a warning with the counts)."""
+    kind, parts = source_units(src, kind, shard_tokens, workers)
+    return write_prepared(tokenized(parts, tok, text_field, workers), src, kind, tok, out, text_field, shard_tokens,
+                          allow_dropped_text)
+
+
+def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tuple[str, list[Unit]]:
+    """(the source's kind, its units in document order), once the source and settings are checked."""
     kind = detect(src, kind)
     if kind not in RAW_KINDS:
         raise UserError(f"{src} holds {kind}, not documents; prepare reads text, jsonl, Parquet or a "
                         f"datasets save_to_disk folder")
     if shard_tokens < 1 or workers < 1:
         raise UserError(f"--shard-tokens {shard_tokens} and --workers {workers} must be >= 1")
-    parts = units(kind, src)
+    return kind, units(kind, src)
+
+
+def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: str | Path, text_field: str,
+                   shard_tokens: int, allow_dropped_text: bool) -> dict:
+    """The prepared folder `out` (shards, tokenizer, manifest written last) of the units' tokens
+    `parts`, in order, whichever engine made them (`tokenized` here, meshtrain/data/cluster.py on
+    Ray): written whole or not at all (writing_whole), `out` checked before the first part is asked
+    for. Returns the manifest."""
     dropped = DroppedText(tok, src, allow_dropped_text, "pass --allow-dropped-text to prepare it without them")
     with writing_whole(out, "--out") as tmp:
         writer = ShardWriter(tmp, tok, shard_tokens)
         try:
-            for part in tokenized(parts, tok, text_field, workers):
+            for part in parts:
                 dropped.add(part)
                 writer.add(part.ids, part.ends)
             shards = writer.close()
