@@ -129,6 +129,9 @@ class DataConfig:
     restart_positions: bool = setting(True, "with document_mask: rotary positions restart at 0 in each document")
     eos_id: int = setting(-1, "the end-of-document id document_mask splits at; -1 = the tokenizer's (the byte "
                               "tokenizer has none: prepared byte data ends documents with a newline, 10)", min=-1)
+    train_on: str = setting("assistant", "chat data (prepare --chat): assistant = the loss averages over the "
+                                         "assistant turns' tokens only, all = over every token; data without a "
+                                         "loss mask trains on every token either way", choices=("assistant", "all"))
 
 
 @dataclass

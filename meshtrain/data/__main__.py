@@ -1,7 +1,7 @@
 """`python -m meshtrain.data prepare | train-tokenizer`: tokenize a corpus once; train a BPE tokenizer.
 
     python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR [--workers N | --ray ADDRESS]
-                                     [--text-field text]
+                                     [--text-field text] [--chat [--chat-template auto|chatml|FILE]]
     python -m meshtrain.data train-tokenizer SRC --vocab-size N --out tokenizer.json
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from meshtrain.core.cli import Parser, command, number
 from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
+from meshtrain.data import chat as chat_lib
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.cluster import prepare_on_ray
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
@@ -39,6 +40,13 @@ def parser() -> Parser:
                       help="tokenize on a Ray cluster instead: auto (the running one), local (start one here) or "
                            "its address; the same shards, resumable (docs/data.md)")
     prep.add_argument("--shard-tokens", type=number(int, min=1), default=SHARD_TOKENS, help="tokens per shard file")
+    prep.add_argument("--chat", action="store_true",
+                      help="rows are conversations ({\"messages\": [{\"role\", \"content\"}, ...]}; set "
+                           "--text-field for another column): rendered with a chat template, with a loss mask on "
+                           "the assistant turns (docs/fine-tuning.md)")
+    prep.add_argument("--chat-template", default="auto",
+                      help=f"with --chat: auto (the tokenizer's own chat_template), a built-in "
+                           f"({', '.join(chat_lib.BUILTIN)}) or a .jinja file")
     prep.add_argument("--allow-dropped-text", action="store_true",
                       help="prepare although the tokenizer (one without an unknown token) maps some characters to "
                            "no token: a warning with their counts instead of an error")
@@ -59,9 +67,15 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.command == "prepare":
         tok = tokenizer_lib.load(args.tokenizer)
+        if args.chat_template != "auto" and not args.chat:
+            raise UserError("--chat-template renders chat data: pass --chat too")
+        field = chat_lib.MESSAGES if args.chat and args.text_field == "text" else args.text_field
+        chat = chat_lib.load_format(args.chat_template, tok) if args.chat else None
+        if chat and args.ray is not None:
+            raise UserError("--chat is prepared on one machine (--workers); --ray does not write loss masks yet")
         if args.ray is None:
-            m = prepare(args.src, tok, args.out, args.workers or os.cpu_count(), args.text_field, args.shard_tokens,
-                        kind, args.allow_dropped_text)
+            m = prepare(args.src, tok, args.out, args.workers or os.cpu_count(), field, args.shard_tokens,
+                        kind, args.allow_dropped_text, chat)
         elif args.workers is not None:
             raise UserError("--workers is for one machine; with --ray each unit is a Ray task on a CPU of the "
                             "cluster: leave --workers out")
@@ -69,8 +83,9 @@ def main(argv=None) -> int:
             m = prepare_on_ray(args.src, tok, args.out, args.ray, args.text_field, args.shard_tokens, kind,
                                args.allow_dropped_text)
         seconds = time.perf_counter() - started
+        trained = f"; {m['trained_tokens']:,} tokens in assistant turns (the loss mask)" if chat else ""
         print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) from {m['documents']:,} documents in "
-              f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s)")
+              f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s){trained}")
     else:
         texts = itertools.chain.from_iterable(read(u, args.text_field) for u in units(kind, args.src))
         with writing_file(args.out, "--out", args.force, (".json",)) as tmp:  # checked before training

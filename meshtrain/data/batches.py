@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from meshtrain.core.errors import UserError
-from meshtrain.data.tokens import Tokens
+from meshtrain.data.tokens import Tokens, token_ids
 
 
 class Batches:
@@ -37,9 +37,9 @@ class Batches:
         return self.checked(self.tokens.windows(starts, self.seq_len + 1))
 
     def checked(self, rows: np.ndarray) -> np.ndarray:
-        """`rows`, whose ids the model's embedding must hold."""
-        if rows.max() >= self.vocab_size:
-            raise UserError(f"token id {rows.max()} >= model.vocab_size={self.vocab_size}; set "
+        """`rows`, whose ids the model's embedding must hold (untrained ones stored as ~id: tokens.py)."""
+        if (top := token_ids(rows).max()) >= self.vocab_size:
+            raise UserError(f"token id {top} >= model.vocab_size={self.vocab_size}; set "
                             f"model.vocab_size to the tokenizer's vocabulary")
         return rows
 

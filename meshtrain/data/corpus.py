@@ -40,6 +40,8 @@ def load_corpus(dcfg, vocab_size: int) -> Corpus:
     path = Path(dcfg.path)
     if kind == "prepared":
         tokens, _ = read_prepared(path)
+        if dcfg.train_on == "all" and tokens.masks is not None:  # chat data trained on every token
+            tokens = tokens.unmasked()
         own = tokenizer_lib.recorded(path)
     else:  # a token file
         tokens, meta = token_stream(path)

@@ -7,6 +7,8 @@ its sidecar), the tokenizer (tokenizer.json or tokenizer.txt) and, written last,
 folder without one is an unfinished prepare. The sha256 of each shard (in its sidecar and manifest
 row) and of the whole stream (the manifest's) are computed as the bytes are written, so a run on
 the folder reads no shard to know its data's identity (meshtrain/data/tokens.py `vouched`).
+Chat data (`--chat`, meshtrain/data/chat.py) adds a loss mask: `shard-00000.mask`, ..., one uint8 a
+token (1: an assistant token, trained under data.train_on=assistant), hashed into `mask_sha256`.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ import numpy as np
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
+from meshtrain.data import chat as chat_lib
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
-from meshtrain.data.tokens import MANIFEST, file_meta, sidecar, token_dtype, write_json
+from meshtrain.data.tokens import MANIFEST, MASK_SUFFIX, file_meta, sidecar, token_dtype, write_json
 
 SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 
@@ -34,21 +37,32 @@ SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 class Tokenized(NamedTuple):
     """A unit's documents as tokens: `ids`, each document followed by document_end(tok), in the token
     dtype; document i ends before ids[ends[i]]. `dropped`: the characters the tokenizer mapped to no
-    token, with their counts, of `characters` (not whitespace) read; empty where it cannot drop any."""
+    token, with their counts, of `characters` (not whitespace) read; empty where it cannot drop any.
+    `mask`: chat data's loss mask (uint8 a token, 1 on assistant turns; 0 on each document end), None
+    for plain text."""
     ids: np.ndarray
     ends: np.ndarray
     characters: int = 0
     dropped: dict[str, int] = {}
+    mask: np.ndarray | None = None
 
 
-def tokenize(unit: Unit, tok, field: str) -> Tokenized:
+def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = None) -> Tokenized:
+    """`chat`: the unit's rows are conversations in `field`, rendered with this template."""
     try:
-        texts = list(read(unit, field))
+        rows = list(read(unit, field, chat_lib.messages_of if chat else None))
     except OSError as e:  # unreadable (permissions, a vanished file): the user's to fix, named
         raise UserError(f"{unit.file} cannot be read ({e.strerror or e}); fix its permissions or remove it "
                         f"from the source") from None
     end = tokenizer_lib.document_end(tok)
-    pieces = [piece for ids in tok.encode_batch(texts) for piece in (ids, end)]
+    if chat:
+        encoded = chat_lib.encode(chat, tok, rows)
+        texts = [chat.render(messages) for messages in rows]  # what DroppedText counts
+        masks = [m for _, mask in encoded for m in (mask, np.zeros(len(end), np.uint8))]
+        encoded = [ids for ids, _ in encoded]
+    else:
+        texts, masks, encoded = rows, None, tok.encode_batch(rows)
+    pieces = [piece for ids in encoded for piece in (ids, end)]
     dtype = token_dtype(tok.vocab_size)
     characters, dropped = 0, {}
     if getattr(tok, "may_drop", False):  # a tokenizer with no unknown token: count what it drops
@@ -58,9 +72,10 @@ def tokenize(unit: Unit, tok, field: str) -> Tokenized:
         characters = sum(n for c, n in counts.items() if not c.isspace())
         dropped = tok.dropped(counts)
     if not pieces:
-        return Tokenized(np.zeros(0, dtype), np.zeros(0, np.int64), characters, dropped)
+        return Tokenized(np.zeros(0, dtype), np.zeros(0, np.int64), characters, dropped,
+                         None if masks is None else np.zeros(0, np.uint8))
     return Tokenized(np.concatenate(pieces).astype(dtype), np.cumsum([len(p) for p in pieces])[1::2], characters,
-                     dropped)
+                     dropped, None if masks is None else np.concatenate(masks))
 
 
 class DroppedText:
@@ -90,11 +105,11 @@ class DroppedText:
             log.warning(f"{self.summary()}; they are left out of the tokens")
 
 
-def tokenized(parts: list[Unit], tok, field: str, workers: int) -> Iterator[Tokenized]:
+def tokenized(parts: list[Unit], tok, field: str, workers: int, chat=None) -> Iterator[Tokenized]:
     """`tokenize` of each unit, in order; units spread over `workers` processes."""
     workers = min(workers, len(parts))
     if workers <= 1:
-        yield from (tokenize(u, tok, field) for u in parts)
+        yield from (tokenize(u, tok, field, chat) for u in parts)
         return
     # spawn, not fork: the parent may hold JAX's or the tokenizer's threads, which fork would copy
     # mid-work. An executor, not multiprocessing.Pool: leaving a Pool on an error (a unit without the
@@ -103,17 +118,17 @@ def tokenized(parts: list[Unit], tok, field: str, workers: int) -> Iterator[Toke
     # suite). On an error, or when the caller stops reading, `map` cancels the units still queued and
     # the executor waits for the few its workers hold (at most workers + 1) and never kills one.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_start_worker, initargs=(tok, field)) as pool:
+                             initializer=_start_worker, initargs=(tok, field, chat)) as pool:
         yield from pool.map(_tokenize_in_worker, parts)  # in order
 
 
-_worker: tuple = ()  # (tokenizer, field) in a worker process
+_worker: tuple = ()  # (tokenizer, field, chat format) in a worker process
 
 
-def _start_worker(tok, field: str) -> None:
+def _start_worker(tok, field: str, chat) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
     global _worker
-    _worker = (tok, field)
+    _worker = (tok, field, chat)
 
 
 def _tokenize_in_worker(unit: Unit):
@@ -122,24 +137,37 @@ def _tokenize_in_worker(unit: Unit):
 
 class ShardWriter:
     """Appends a token stream to shards of `shard_tokens` tokens (the last one shorter); a document
-    may continue into the next shard and counts in the one holding its end."""
+    may continue into the next shard and counts in the one holding its end. Chat data's loss mask
+    goes to a `.mask` file beside each shard, byte for token."""
 
     def __init__(self, out: Path, tok, shard_tokens: int):
         self.out, self.tok, self.shard_tokens = out, tok, shard_tokens
         self.shards: list[dict] = []  # the manifest's rows
         self.file, self.tokens, self.documents = None, 0, 0  # the open shard
         self.sha256, self.shard_sha256 = hashlib.sha256(), hashlib.sha256()  # the stream's, the open shard's
+        self.masked: bool | None = None  # whether the units carry a mask (all or none do)
+        self.mask_file, self.mask_sha256 = None, hashlib.sha256()  # the open shard's mask, the mask stream's
+        self.trained = 0  # tokens the mask trains
 
-    def add(self, ids: np.ndarray, ends: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, ends: np.ndarray, mask: np.ndarray | None = None) -> None:
+        if self.masked is None:
+            self.masked = mask is not None
+        assert self.masked == (mask is not None), "a prepared folder's units all carry a mask or none does"
         at = 0
         while at < len(ids):
             if self.file is None:
                 self.file = open(self.out / f"shard-{len(self.shards):05d}.bin", "wb")
+                if self.masked:
+                    self.mask_file = open(self.out / f"shard-{len(self.shards):05d}{MASK_SUFFIX}", "wb")
             take = min(len(ids) - at, self.shard_tokens - self.tokens)
             piece = ids[at:at + take].tobytes()
             self.file.write(piece)
             self.sha256.update(piece)
             self.shard_sha256.update(piece)
+            if self.masked:
+                self.mask_file.write(mask_piece := mask[at:at + take].astype(np.uint8).tobytes())
+                self.mask_sha256.update(mask_piece)
+                self.trained += int(np.count_nonzero(mask[at:at + take]))
             self.documents += int(np.count_nonzero((ends > at) & (ends <= at + take)))
             self.tokens, at = self.tokens + take, at + take
             if self.tokens == self.shard_tokens:
@@ -148,6 +176,9 @@ class ShardWriter:
     def _finish(self) -> None:
         path = Path(self.file.name)
         self.file.close()
+        if self.mask_file is not None:
+            self.mask_file.close()
+            self.mask_file = None
         sha256 = self.shard_sha256.hexdigest()
         write_json(sidecar(path), {**file_meta(self.tok, self.tokens, self.documents), "sha256": sha256})
         self.shards.append({"file": path.name, "tokens": self.tokens, "documents": self.documents, "sha256": sha256})
@@ -160,13 +191,15 @@ class ShardWriter:
 
 
 def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = "text",
-            shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False) -> dict:
+            shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False,
+            chat: chat_lib.ChatFormat | None = None) -> dict:
     """Tokenize `src` (a raw source: text, jsonl, Parquet, datasets folder) into the empty or new
     folder `out`; returns the manifest. Text the tokenizer maps to no token is an error unless
-    `allow_dropped_text` (then a warning with the counts)."""
+    `allow_dropped_text` (then a warning with the counts). `chat`: rows are conversations in
+    `text_field`, rendered with this format, and a loss mask is written beside the tokens."""
     kind, parts = source_units(src, kind, shard_tokens, workers)
-    return write_prepared(tokenized(parts, tok, text_field, workers), src, kind, tok, out, text_field, shard_tokens,
-                          allow_dropped_text)
+    return write_prepared(tokenized(parts, tok, text_field, workers, chat), src, kind, tok, out, text_field,
+                          shard_tokens, allow_dropped_text, chat)
 
 
 def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tuple[str, list[Unit]]:
@@ -181,7 +214,7 @@ def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tu
 
 
 def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: str | Path, text_field: str,
-                   shard_tokens: int, allow_dropped_text: bool) -> dict:
+                   shard_tokens: int, allow_dropped_text: bool, chat: chat_lib.ChatFormat | None = None) -> dict:
     """The prepared folder `out` (shards, tokenizer, manifest written last) of the units' tokens
     `parts`, in order, whichever engine made them (`tokenized` here, meshtrain/data/cluster.py on
     Ray): written whole or not at all (writing_whole), `out` checked before the first part is asked
@@ -192,17 +225,21 @@ def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: st
         try:
             for part in parts:
                 dropped.add(part)
-                writer.add(part.ids, part.ends)
+                writer.add(part.ids, part.ends, part.mask)
             shards = writer.close()
         finally:
-            if writer.file is not None:
-                writer.file.close()
+            for file in (writer.file, writer.mask_file):
+                if file is not None:
+                    file.close()
         if not shards:
             raise UserError(f"{src} holds no documents; pass a source with text in it")
         dropped.warn()
         tokenizer_lib.record(tmp, tok)
         manifest = {**file_meta(tok, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)),
-                    "source": {"path": str(src), "kind": kind, "text_field": text_field},
+                    "source": {"path": str(src), "kind": kind, "text_field": text_field,
+                               **({"chat_template": chat.name} if chat else {})},
                     "sha256": writer.sha256.hexdigest(), "shards": shards}
+        if writer.masked:  # chat data: the loss mask's own hash (the data's identity covers both)
+            manifest.update(mask_sha256=writer.mask_sha256.hexdigest(), trained_tokens=writer.trained)
         write_json(tmp / MANIFEST, manifest)
     return manifest

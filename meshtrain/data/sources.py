@@ -106,17 +106,22 @@ def source_bytes(parts: list[Unit]) -> int:
     return sum(Path(f).stat().st_size for f in {u.file for u in parts})
 
 
-def read(unit: Unit, field: str) -> Iterator[str]:
+def read(unit: Unit, field: str, value=None) -> Iterator:
     """The unit's documents: a text file whole (undecodable bytes kept as surrogate escapes, so the
-    byte tokenizer sees the file's own bytes); jsonl lines' / Parquet or Arrow rows' `field`."""
+    byte tokenizer sees the file's own bytes); jsonl lines' / Parquet or Arrow rows' `field`, checked
+    by `value(field value, field, where)` (default: text; meshtrain/data/chat.py: a conversation)."""
+    value = value or _text
     if unit.kind == "text":
+        if value is not _text:
+            raise UserError(f"{unit.file} is a text file; chat data is rows of messages (jsonl, Parquet or a "
+                            f"datasets folder)")
         yield Path(unit.file).read_bytes().decode("utf-8", errors="surrogateescape")
     elif unit.kind == "jsonl":
-        yield from _jsonl(unit, field)
+        yield from _jsonl(unit, field, value)
     else:
         table = _parquet_rows(unit, field) if unit.kind == "parquet" else _arrow_rows(unit, field)
-        for i, text in enumerate(table.column(field).to_pylist()):
-            yield _text(text, field, f"{unit.file} ({unit.kind} part {unit.lo}, row {i})")
+        for i, row in enumerate(table.column(field).to_pylist()):
+            yield value(row, field, f"{unit.file} ({unit.kind} part {unit.lo}, row {i})")
 
 
 def _text(value, field: str, where: str) -> str:
@@ -126,7 +131,7 @@ def _text(value, field: str, where: str) -> str:
     return value
 
 
-def _jsonl(unit: Unit, field: str) -> Iterator[str]:
+def _jsonl(unit: Unit, field: str, value) -> Iterator:
     """Lines that start in [lo, hi): a line crossing `hi` belongs to this unit, not the next."""
     with open(unit.file, "rb") as f:
         if unit.lo:
@@ -144,7 +149,7 @@ def _jsonl(unit: Unit, field: str) -> Iterator[str]:
                 keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
                 raise UserError(f"{unit.file}, line at byte {at}: no field {field!r} (has: {keys}); set "
                                 f"data.text_field (--text-field) to the field holding the text")
-            yield _text(row[field], field, f"{unit.file}, line at byte {at}")
+            yield value(row[field], field, f"{unit.file}, line at byte {at}")
 
 
 def _parquet(file: Path):

@@ -12,9 +12,15 @@
   `prepare` writes it into the manifest (the whole stream's) and each sidecar (its shard's), and a
   reader takes it from there while no file it describes changed after it was written (a file's
   ctime later than the description's: the file is hashed again, through digest.py's cache).
+- Loss masks (chat data, meshtrain/data/chat.py): a prepared folder may hold a `.mask` file beside
+  each shard, a uint8 a token (1: trained). A masked stream's windows carry the mask in the ids
+  themselves: an untrained token is stored as ~id = -1 - id (`with_mask`), so every executor moves
+  it with the tokens; `token_ids` recovers the ids and a target < 0 adds no loss
+  (meshtrain/ops/loss.py). Its content hash covers both streams (`Tokens.sha256`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -28,13 +34,26 @@ from meshtrain.core.folders import replace_file
 from meshtrain.data import digest
 
 MANIFEST = "manifest.json"
+MASK_SUFFIX = ".mask"  # a shard's loss mask: shard-00000.mask beside shard-00000.bin
 PLAIN_DTYPE = np.dtype(np.uint16)  # a token file without a sidecar, as nanoGPT writes them
 # What the readers use of a sidecar and of a manifest (meshtrain/core/schema.py); prepare writes more.
 DTYPES = ("uint16", "uint32")
 SIDECAR_SCHEMA = {"dtype": DTYPES, "tokens": schema.Optional(schema.Int()), "tokenizer": str,
                   "vocab_size": schema.Int(1, 1 << 32), "sha256": schema.Optional(str)}
 MANIFEST_SCHEMA = {"dtype": DTYPES, "tokens": schema.Int(), "sha256": schema.Optional(str),
-                   "shards": [{"file": schema.Name(), "tokens": schema.Int()}]}
+                   "shards": [{"file": schema.Name(), "tokens": schema.Int()}],
+                   "mask_sha256": schema.Optional(str)}
+
+
+def with_mask(ids, mask):
+    """int32 ids with the loss mask folded in: a token with mask 0 becomes ~id (< 0)."""
+    ids = np.asarray(ids, np.int32)
+    return np.where(np.asarray(mask) > 0, ids, ~ids)
+
+
+def token_ids(rows):
+    """The ids of `with_mask`'s rows (numpy or jax int32): ~x for x < 0, i.e. x ^ (x >> 31)."""
+    return rows ^ (rows >> 31)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -96,7 +115,14 @@ def read_prepared(folder: Path) -> tuple[Tokens, dict]:
     files = [Path(folder) / s["file"] for s in manifest["shards"]]
     parts = [read_token_file(f, {"dtype": manifest["dtype"], "tokens": s["tokens"]})[0]
              for f, s in zip(files, manifest["shards"])]
-    return Tokens(parts, files, vouched(manifest, Path(folder) / MANIFEST, files)), manifest
+    tokens = Tokens(parts, files, vouched(manifest, Path(folder) / MANIFEST, files))
+    if manifest.get("mask_sha256") is not None:
+        mask_files = [f.with_suffix(MASK_SUFFIX) for f in files]
+        masks = [read_token_file(f, {"dtype": "uint8", "tokens": s["tokens"]})[0]
+                 for f, s in zip(mask_files, manifest["shards"])]
+        tokens.masks = Tokens(masks, mask_files, vouched({"sha256": manifest["mask_sha256"]},
+                                                         Path(folder) / MANIFEST, mask_files))
+    return tokens, manifest
 
 
 def vouched(meta: dict | None, described_in: Path, files: list[Path]) -> str | None:
@@ -115,18 +141,26 @@ def vouched(meta: dict | None, described_in: Path, files: list[Path]) -> str | N
 class Tokens:
     """A token stream: `parts` (1-D integer arrays) one after another. `files`: the files the parts
     are, whole and in order (a token file, a prepared folder's shards), hashed through the cache;
-    `sha256`: their hash where a sidecar or manifest vouches for it."""
+    `sha256`: their hash where a sidecar or manifest vouches for it. `masks`: the loss mask, a
+    uint8 `Tokens` of the same length, or None (every token trained)."""
 
-    def __init__(self, parts, files=(), sha256: str | None = None):
+    def __init__(self, parts, files=(), sha256: str | None = None, masks: Tokens | None = None):
         self.parts = [p for p in parts if len(p)]
         self.ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)  # where each part ends
-        self.files, self._sha256 = list(files), sha256
+        self.files, self._sha256, self.masks = list(files), sha256, masks
 
     def sha256(self) -> str:
-        """sha256 of the stream's bytes (its files', or its parts' in memory), computed once."""
+        """sha256 of the stream's bytes (its files', or its parts' in memory), computed once; with a
+        mask, the sha256 of the two streams' hashes ("<tokens>:<mask>")."""
         if self._sha256 is None:
             self._sha256 = digest.files_sha256(self.files) if self.files else digest.arrays_sha256(self.parts)
-        return self._sha256
+        if self.masks is None:
+            return self._sha256
+        return hashlib.sha256(f"{self._sha256}:{self.masks.sha256()}".encode()).hexdigest()
+
+    def unmasked(self) -> Tokens:
+        """The stream without its loss mask (data.train_on=all): every token trained."""
+        return Tokens(self.parts, self.files, self._sha256)
 
     @property
     def dtype(self) -> np.dtype:
@@ -140,10 +174,14 @@ class Tokens:
         lo, hi, step = s.indices(len(self))
         assert step == 1, "token streams slice contiguously"
         starts = self.ends - [len(p) for p in self.parts]
-        return Tokens([p[max(lo - a, 0):max(hi - a, 0)] for p, a in zip(self.parts, starts)])
+        return Tokens([p[max(lo - a, 0):max(hi - a, 0)] for p, a in zip(self.parts, starts)],
+                      masks=None if self.masks is None else self.masks[s])
 
     def windows(self, starts_N: np.ndarray, length: int) -> np.ndarray:
-        """[N, length] int32: the stream's `length` tokens from each start (across part boundaries)."""
+        """[N, length] int32: the stream's `length` tokens from each start (across part boundaries),
+        untrained tokens as ~id where the stream has a mask (`with_mask`)."""
+        if self.masks is not None:
+            return with_mask(self.unmasked().windows(starts_N, length), self.masks.windows(starts_N, length))
         if len(self.parts) == 1:
             return np.asarray(self.parts[0][starts_N[:, None] + np.arange(length)[None, :]], np.int32)
         out_NxL = np.empty((len(starts_N), length), np.int32)
