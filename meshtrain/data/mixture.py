@@ -25,6 +25,7 @@ batches and identity are exactly a single source's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -40,6 +41,7 @@ from meshtrain.data.batches import Batches, split_tokens
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sources import KINDS
 from meshtrain.data.tokenizer import ByteTokenizer
+from meshtrain.data.tokens import MANIFEST
 
 ENTRY_KEYS = ("path", "weight", "kind", "text_field")  # an entry's own keys; kind, text_field default to data.'s
 MAX_WEIGHT_RATIO = 1e6  # Grain scales the smallest weight to 100 and makes integers of the rest
@@ -144,6 +146,19 @@ def load(dcfg, vocab_size: int) -> Mixture:
                             f"data.sources[{first}] ({found[first].path}) by {other.name} ({other.vocab_size} ids); "
                             f"a model reads one vocabulary: prepare every source with one tokenizer")
     return Mixture(found, [c.tokens for c in corpora], known[0][1] if known else None)
+
+
+def trains_on_mask(dcfg) -> bool:
+    """Whether training applies a loss mask: data.train_on=assistant and a source is a prepared
+    folder of chat data (its manifest records a mask: meshtrain/data/prepare.py). Reads manifests only."""
+    if dcfg.train_on != "assistant" or dcfg.kind == "synthetic":
+        return False
+    for s in sources(dcfg):
+        manifest = Path(s.path) / MANIFEST
+        if s.kind in ("auto", "prepared") and manifest.is_file() and json.loads(manifest.read_text()).get(
+                "mask_sha256"):
+            return True
+    return False
 
 
 def _same_tokenizer(a, b) -> bool:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.data.tokens import token_ids
 from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
@@ -312,12 +313,14 @@ class StageProgram:
         return metrics, g_blocks, g_outer
 
 
-def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None):
+def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None,
+                        loss_mask: bool = False):
     """A gradient function (meshtrain/parallel/batching.py): one step's forward and backward, pipelined
     as `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
     own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py).
     With a `compressor` (meshtrain/parallel/compression.py) that reduction is int8 with error feedback:
-    the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out."""
+    the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out. `loss_mask`: the
+    tokens carry a loss mask (meshtrain/engine/step.py `make_loss_fn`): the targets keep it."""
     stages = mesh.shape["pipeline"]
     schedule, residuals, micro = lookup(plan.schedule), plan.residuals, plan.num_microbatches(stages)
     virtual = plan.virtual_stages
@@ -366,7 +369,9 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
         # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
         # resharding collective would wait for the stages that skip the branch.
         x, targets = inputs_and_targets(inputs.tokens, model.sequence_order)
-        docs = model.documents(inputs.tokens)  # packed documents travel with their microbatches
+        tokens = token_ids(inputs.tokens) if loss_mask else inputs.tokens
+        x = token_ids(x) if loss_mask else x
+        docs = model.documents(tokens)  # packed documents travel with their microbatches
         docs = None if docs is None else jax.tree.map(lambda d: split_microbatches(d, micro), docs)
         # fp32 sums; the step casts them to the params' dtype. The tokens travel as inputs and targets.
         return staged(compute["blocks"], outer, split_microbatches(x, micro), split_microbatches(targets, micro),

@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.config.validate import check_layout
+from meshtrain.core.errors import UserError
+from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine.pipeline import layer_order
-from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step
+from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step, trained_share
 from meshtrain.models import FAMILIES
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.context_parallel import load_balanced_order
@@ -42,9 +44,15 @@ from meshtrain.parallel.sharding import (
 
 class TrainProgram:
     def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None,
-                 packing: Packing | None = None):
+                 packing: Packing | None = None, loss_mask: bool = False):
         """`packing`: how a training window splits into documents (meshtrain/ops/packing.py; None:
-        attend across them), from `data.document_mask` (`from_config`)."""
+        attend across them), from `data.document_mask` (`from_config`). `loss_mask`: the batches
+        carry chat data's loss mask and the loss averages over the trained tokens (data.train_on)."""
+        if loss_mask and getattr(model, "num_experts", 0) and (model.router_aux_loss or model.router_z_loss):
+            raise UserError("a loss mask (chat data, data.train_on=assistant) would rescale the MoE router's "
+                            "auxiliary losses with the trained share of each batch; set model.router_aux_loss=0 "
+                            "and model.router_z_loss=0, or data.train_on=all")
+        self.loss_mask = loss_mask
         self.spec, self.plan, self.optim, self.train = model, plan, optim, train
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
@@ -81,7 +89,7 @@ class TrainProgram:
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs,
-                                       layer_norms=t.grad_norms_every > 0)
+                                       layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask)
         self.num_params = self.model.num_params(abstract_params)
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
 
@@ -101,7 +109,8 @@ class TrainProgram:
         unless `data.eos_id` names one."""
         if cfg.devices:
             simulate_cpu_devices(cfg.devices)
-        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices, packing_of(cfg.data, tokenizer_eos))
+        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices, packing_of(cfg.data, tokenizer_eos),
+                   trains_on_mask(cfg.data))
 
     def init_state(self, key):
         return self.state_from_params(self.model.init(key))
@@ -148,16 +157,20 @@ class TrainProgram:
         """The jitted eval step: (params in storage order, tokens) -> the mean loss, replicated. The
         batch is cut into the train step's microbatches and their losses summed in a scan (equal
         sizes: the mean of the means is the batch's mean), so an evaluation never holds more
-        activations than a training microbatch. The trainer runs it; the planner compiles it."""
-        eval_loss = make_loss_fn(self.model, self.plan.precision)
+        activations than a training microbatch. The trainer runs it; the planner compiles it. With a
+        loss mask, the mean over the batch's trained tokens (`trained_share`)."""
+        eval_loss = make_loss_fn(self.model, self.plan.precision, loss_mask=self.loss_mask)
         micro = self.plan.num_microbatches(self.sizes["pipeline"])
 
-        def mean_loss(params, tokens_BxL1):
-            params = self.in_model_order(params)
+        def all_positions(params, tokens_BxL1):
             if micro == 1:
                 return eval_loss(params, tokens_BxL1)[1]["loss"]
             add = lambda total, tokens: (total + eval_loss(params, constrain(tokens, ("batch", None)))[1]["loss"], None)
             return jax.lax.scan(add, jnp.zeros((), jnp.float32), split_microbatches(tokens_BxL1, micro))[0] / micro
+
+        def mean_loss(params, tokens_BxL1):
+            loss = all_positions(self.in_model_order(params), tokens_BxL1)
+            return loss / trained_share(tokens_BxL1) if self.loss_mask else loss
 
         return jax.jit(mean_loss, in_shardings=(self.state_shardings["params"], self.batch_sharding),
                        out_shardings=NamedSharding(self.mesh, P()))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain.data.tokens import token_ids
 from meshtrain.engine.pipeline import make_pipeline_grads
 from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
@@ -39,15 +40,19 @@ def applied_lr(schedule, opt_state):
     return schedule(count)
 
 
-def make_loss_fn(model, precision: str, remat: str = "none"):
+def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = False):
     """(params, tokens [B, L+1]) -> (objective, metrics): the mean cross-entropy plus the model's
     auxiliary losses, and the metrics (meshtrain/parallel/batching.py). The blocks run under the plan's remat
-    policy; their statistics are reported as means over layers."""
+    policy; their statistics are reported as means over layers. `loss_mask`: the tokens carry a loss
+    mask (meshtrain/data/tokens.py `with_mask`): the inputs are its ids, an untrained target adds
+    nothing, and the loss is still divided by all B x L positions (`trained_share` rescales it)."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
     def loss_fn(params, tokens_BxL1):
         compute = cast_for_compute(params, precision)
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
+        if loss_mask:
+            inputs, tokens_BxL1 = token_ids(inputs), token_ids(tokens_BxL1)
         docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/ops/packing.py), or None
         x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
                                      *([] if docs is None else [docs]), kinds=model.layer_kinds)
@@ -56,6 +61,14 @@ def make_loss_fn(model, precision: str, remat: str = "none"):
         return loss + model.auxiliary_loss(stats), {"loss": loss, **stats}
 
     return loss_fn
+
+
+def trained_share(tokens_BxL1):
+    """The fraction of the batch's B x L targets that are trained (>= 0), at least one token's: the
+    executors average the masked loss over all positions, so loss / share is the sum of the trained
+    tokens' losses over their number, for the whole batch and every layout."""
+    trained_BxL = tokens_BxL1[:, 1:] >= 0
+    return jnp.maximum(jnp.mean(trained_BxL, dtype=jnp.float32), 1.0 / trained_BxL.size)
 
 
 def metrics_and_grads(loss_fn):
@@ -84,7 +97,8 @@ def grad_norms_by_group(grads) -> dict:
     return {"layer": jnp.sqrt(sum(per_kind_L.values())), "kind": kind}
 
 
-def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: bool = False):
+def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: bool = False,
+                    loss_mask: bool = False):
     """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
     (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
     'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
@@ -93,7 +107,9 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     are reduced over `data` once per step (in int8 with error feedback under compression, which
     keeps the residuals of a skipped step). Otherwise XLA partitions the step from the shardings.
     Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py).
-    `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`)."""
+    `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`).
+    `loss_mask` (chat data, data.train_on=assistant): the loss and its gradients average over the
+    trained tokens only (`trained_share`), and the metric 'trained_tokens' counts them."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
     micro = plan.num_microbatches(stages)
     compressor = None
@@ -101,27 +117,35 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         compressor = compression.Int8Reduction(mesh, grad_specs, specs["owned"], plan.compression_block, plan.zero)
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
     if stages > 1:
-        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, **compressed)
+        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, loss_mask=loss_mask,
+                                      **compressed)
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
                                  compressed=compressor is not None):
         others = set(mesh.axis_names) - {data_parallel.AXIS}
-        local = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro,
+        local = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat, loss_mask)), micro,
                            data_parallel.local_specs(grad_specs, others))
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
                                                 **compressed)
         # the gathers move compute-dtype parameters
         grad_fn = lambda params, inputs: per_shard(cast_for_compute(params, plan.precision), inputs)
     else:
-        grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat)), micro, grad_specs)
+        grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat, loss_mask)), micro,
+                             grad_specs)
 
     def train_step(state, tokens_BxL1):
         params, loss_scale = state["params"], state["loss_scale"]
         scale = loss_scale["scale"] if scales_loss(plan) else None
         out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None))
         model_metrics = out.metrics
+        share = trained_share(tokens_BxL1) if loss_mask else None
+        if loss_mask:  # the mean over trained tokens (the model's statistics stay means over all tokens)
+            model_metrics = {**model_metrics, "loss": model_metrics["loss"] / share,
+                             "trained_tokens": jnp.sum(tokens_BxL1[:, 1:] >= 0, dtype=jnp.float32)}
         loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
         unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
+        if loss_mask:
+            unscale = (lambda g: g / share) if scale is None else (lambda g: g / (scale * share))
         grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
                              out.grads, params, grad_specs)
         grad_norm = optax.tree.norm(grads)

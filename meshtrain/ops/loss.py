@@ -14,7 +14,9 @@ all-gather 14x the formula, issue 39 section 3), as it does not hoist a gather o
 C is chosen so a chunk's logits take about LOSS_CHUNK_BYTES per device.
 
 The target logit is picked with a one-hot product, not a gather, so a vocabulary split over
-`tensor` stays split (XLA's gather partitioning fails inside pipeline stages).
+`tensor` stays split (XLA's gather partitioning fails inside pipeline stages). A target < 0 is not
+trained (a loss mask, meshtrain/data/tokens.py `with_mask`): its loss and its d loss / d logits
+are 0 (its one-hot row is already 0), and it still counts in the B x L the mean divides by.
 """
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def _loss_sum(x_BxLxD, w_DxV, targets_BxL, C: int):
     def chunk(total, xs):
         x_BxCxD, t_BxC = xs
         logits = _logits(x_BxCxD, w_DxV)
-        return total + jnp.sum(jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * _one_hot(t_BxC, V), -1)), None
+        losses_BxC = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * _one_hot(t_BxC, V), -1)
+        return total + jnp.sum(jnp.where(t_BxC >= 0, losses_BxC, 0.0)), None
 
     return jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (_chunks(x_BxLxD, C), _chunks(targets_BxL, C)))[0]
 
@@ -92,9 +95,10 @@ def _loss_sum_fwd(x_BxLxD, w_DxV, targets_BxL, C: int):
         x_BxCxD, t_BxC = xs
         logits = _logits(x_BxCxD, w_DxV)
         lse_BxC = jax.nn.logsumexp(logits, axis=-1)
-        one_hot = _one_hot(t_BxC, V)
-        total = total + jnp.sum(lse_BxC - jnp.sum(logits * one_hot, axis=-1))
-        dlogits = (jnp.exp(logits - lse_BxC[..., None]) - one_hot).astype(x_BxCxD.dtype)
+        one_hot, trained_BxC = _one_hot(t_BxC, V), t_BxC >= 0
+        total = total + jnp.sum(jnp.where(trained_BxC, lse_BxC - jnp.sum(logits * one_hot, axis=-1), 0.0))
+        softmax = jnp.where(trained_BxC[..., None], jnp.exp(logits - lse_BxC[..., None]), 0.0)
+        dlogits = (softmax - one_hot).astype(x_BxCxD.dtype)
         dx_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits, w_DxV, preferred_element_type=jnp.float32)
         group = lambda a: a.reshape(G, B // G, S, C // S, a.shape[-1])
         dw_GxSxDxV = dw_GxSxDxV + jnp.einsum("gbscd,gbscv->gsdv", group(x_BxCxD), group(dlogits),

@@ -102,6 +102,8 @@ def format_record(r: dict) -> str:
                f"{r['local_checkpoint_blocking_s'] * 1e3:.1f}ms)"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
              f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
+    if "trained_tokens_per_sec" in r:  # a loss mask: the loss is over these tokens only
+        parts.insert(4, f"trained tokens/s {r['trained_tokens_per_sec']:,.0f}")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}")
     if "loss_scale" in r:
@@ -295,7 +297,8 @@ class Jsonl:
 # TensorBoard / W&B tag of each record key: <group>/<name>. Keys not listed (loss, grad_norm, lr, a
 # model's new metric) go under train/; those starting with a PREFIXES key under its group.
 TAG_GROUPS = {
-    "perf": ("tokens_per_sec", "step_time_s", "data_wait_s", "mfu", "mfu_fp8", "tflops_per_device",
+    "perf": ("tokens_per_sec", "trained_tokens_per_sec", "trained_tokens", "step_time_s", "data_wait_s", "mfu",
+             "mfu_fp8", "tflops_per_device",
              "checkpoint_blocking_s", "local_checkpoint_blocking_s"),
     "guard": ("skipped_steps",),
     "precision": ("loss_scale", "overflows"),
