@@ -194,3 +194,15 @@ def test_a_model_learns_the_answers_and_not_the_prompts(chat_folder):
     assert answer_0 > 4 and answer < 0.05
     assert prompt_end > 0.8 * prompt_0 > 3.5  # never pulled towards ln 27 = 3.3
     trainer.close()
+
+
+@pytest.mark.fast
+def test_a_loss_mask_with_moe_router_losses_is_refused():
+    """Their weights would be divided by each batch's trained share: the user picks what to do."""
+    from conftest import MOE_TINY
+
+    from meshtrain.engine.program import TrainProgram
+
+    cfg = tiny_config(config=MOE_TINY)
+    with pytest.raises(UserError, match="router_aux_loss=0"):
+        TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, loss_mask=True)

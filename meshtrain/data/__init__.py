@@ -5,6 +5,8 @@
 - tokens.py: token files (dtype from the vocabulary, sidecars), prepared folders, the `Tokens` stream.
 - digest.py: the sha256 of a token stream's bytes, cached by file (path, size, times).
 - prepare.py: `python -m meshtrain.data prepare`: tokenize once, in parallel, into shards.
+- chat.py: `prepare --chat`: conversations rendered with a chat template, a loss mask on the
+  assistant turns.
 - cluster.py: `prepare --ray`: the same shards, the units tokenized by Ray tasks on a cluster, resumable.
 - corpus.py: `load_corpus(data config)` -> the token stream and its tokenizer, for training.
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
