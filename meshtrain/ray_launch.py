@@ -15,7 +15,6 @@ Ray instance on this machine instead of joining a cluster.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
@@ -24,6 +23,7 @@ import time
 from meshtrain.core.cli import Parser, command, number
 from meshtrain.core.console import log, use_console
 from meshtrain.core.errors import UserError
+from meshtrain.core.ray_cluster import connected
 from meshtrain.run.multihost import EXIT_PEER_LOST, die_with_parent, last_error
 
 SET_BY_LAUNCHER = ("--coordinator", "--num-processes", "--process-id")
@@ -141,31 +141,6 @@ def main(argv=None) -> int:
     with connected(args.address, local={"num_cpus": max(2, int(args.nodes * args.cpus_per_node))}):
         results = launch(args.nodes, train, args.strategy, args.cpus_per_node, args.gpus_per_node, args.timeout)
     return summarize(results, time.time() - started)
-
-
-@contextlib.contextmanager
-def connected(address: str, flag: str = "--address", local: dict | None = None, **init):
-    """Connected to the Ray cluster at `address` for the block: `local` starts one on this machine
-    (`local`: ray.init's arguments for that, e.g. num_cpus), anything else is ray.init's address (auto:
-    the running cluster); `init`: ray.init's other arguments. A process already connected (a notebook,
-    a test's cluster) stays as it is. `flag` names the address in errors."""
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    if address == "local":
-        ray.init(include_dashboard=False, **(local or {}), **init)
-    else:
-        try:
-            ray.init(address=address, **init)
-        except ConnectionError as e:
-            raise UserError(f"no Ray cluster at {flag} {address} ({str(e).splitlines()[0]}); start one "
-                            f"with ray start --head, or pass {flag} local") from None
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def summarize(results: list[dict], seconds: float) -> int:

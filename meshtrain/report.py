@@ -19,12 +19,11 @@ import numpy as np
 
 from meshtrain.core import jsonl
 from meshtrain.core.cli import Parser, command
-from meshtrain.core.console import use_console
+from meshtrain.core.console import duration, use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.planner.drawing import figure_suffixes
 from meshtrain.run import goodput
-from meshtrain.run.loggers import duration
 
 
 @dataclass

@@ -131,3 +131,11 @@ def detach() -> None:
     for handler in [h for h in log.handlers if isinstance(h, ConsoleHandler)]:
         log.removeHandler(handler)
     log.propagate = True
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a person reads them: 4.2s, 3m05s, 2h07m."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes}m{s:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"

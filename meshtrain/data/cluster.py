@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtrain.core.console import log
+from meshtrain.core.console import duration, log
 from meshtrain.core.errors import UserError
+from meshtrain.core.ray_cluster import connected
 from meshtrain.data.prepare import SHARD_TOKENS, Tokenized, source_units, tokenize, write_prepared
 from meshtrain.data.sources import Unit
 
@@ -43,8 +44,6 @@ def prepare_on_ray(src: str, tok, out: str | Path, address: str = "auto", text_f
     """prepare.py `prepare`, its units tokenized on the Ray cluster at `address` (auto: the running
     one; local: one started on this machine; the one this process is connected to, if any).
     Returns the manifest."""
-    from meshtrain.ray_launch import connected
-
     kind, parts = source_units(src, kind, shard_tokens)
     work = work_folder(out)
     with connected(address, "--ray", logging_level=logging.WARNING):  # not Ray's start-up lines
@@ -177,8 +176,6 @@ class Progress:
             self.line()
 
     def line(self) -> None:
-        from meshtrain.run.loggers import duration
-
         self.shown = time.perf_counter()
         seconds = max(self.shown - self.started, 1e-9)
         rate = self.fresh_bytes / seconds

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 from meshtrain.core import jsonl
-from meshtrain.core.console import live_display, log
+from meshtrain.core.console import duration, live_display, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, replace_file
 
@@ -509,13 +509,6 @@ class ProfileWindow:
 
 
 # ---- the end of a run ----
-def duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, s = divmod(round(seconds), 60)
-    return f"{minutes}m{s:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
-
-
 def mean_tokens_per_sec(history: list[dict], first: int) -> float | None:
     """Tokens trained / seconds in steps over the records of steps past `first` (each covers the
     steps since the previous one; evaluations and checkpoint saves are not step time)."""
