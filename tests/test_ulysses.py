@@ -113,3 +113,21 @@ def test_training_matches_single_device(overrides, reference_run):
 def test_context_strategy_errors(overrides, message):
     with pytest.raises(UserError, match=message):
         TrainProgram.from_config(tiny_config(*overrides))
+
+
+def test_plan_compare_ranks_the_strategies(capsys):
+    """`plan --compare` with settings per entry: Ulysses and hybrid on the same mesh, each planned
+    with its own traffic: Ulysses all-to-alls and no ring permutes' formula, hybrid both, each
+    all-to-all formula within 10% of the compiled step's (the ring's row: docs/context.md's table)."""
+    from test_plan import plan_json
+    mesh = "data=2,context=4"
+    compared = plan_json(capsys, "--set", "parallel.attention=ring", "--compare",
+                         f"{mesh} parallel.context_strategy=ulysses parallel.attention=xla",
+                         f"{mesh} parallel.context_strategy=hybrid parallel.ulysses_degree=2")
+    assert not compared["skipped"]
+    rows = {r["config"]["context_strategy"]: r["collectives"] for r in compared["plans"]}
+    assert rows["ulysses"]["collective-permute"]["formula_traffic_bytes"] == 0
+    assert rows["hybrid"]["collective-permute"]["formula_traffic_bytes"] > 0
+    for strategy in ("ulysses", "hybrid"):
+        a2a = rows[strategy]["all-to-all"]
+        assert a2a["traffic_bytes"] == pytest.approx(a2a["formula_traffic_bytes"], rel=0.10), strategy

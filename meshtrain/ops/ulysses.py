@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.ops.context_parallel import Ring, load_balanced_order
-from meshtrain.parallel.sharding import mesh_axis
+from meshtrain.parallel.sharding import mesh_axis, rule_axes
 
 
 def groups_of(c: int, degree: int):
@@ -72,9 +72,16 @@ def ulysses_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment
     segments = () if segment_ids is None else (segment_ids,)
     if manual:
         return attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *segments)
-    seq = P(None, axis)  # batch and head dims: left to the compiler (other axes stay automatic)
-    return jax.shard_map(attend, mesh=mesh, in_specs=(seq, seq, seq) + (P(),) * len(segments), out_specs=seq,
-                         axis_names={axis}, check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *segments)
+    # The batch's and heads' own splits (data/fsdp, tensor) are manual too, so the all-to-all moves this
+    # device's rows and heads: left to the compiler, it gathers them first (2x the bytes at fsdp=2).
+    split = lambda name: tuple(a for a in rule_axes(name) if mesh.shape.get(a, 1) > 1 and a != axis
+                               and a not in mesh.manual_axes)
+    batch, heads = split("batch"), tuple(a for a in split("heads") if a in split("kv_heads"))
+    spec = P(batch or None, axis, heads or None)
+    whole = (P(batch or None),) * len(segments)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec) + whole, out_specs=spec,
+                         axis_names={axis, *batch, *heads}, check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK,
+                                                                             *segments)
 
 
 def context_layout(strategy: str, attention, context: int, seq_len: int, degree: int = 0):
