@@ -131,3 +131,23 @@ def test_plan_compare_ranks_the_strategies(capsys):
     for strategy in ("ulysses", "hybrid"):
         a2a = rows[strategy]["all-to-all"]
         assert a2a["traffic_bytes"] == pytest.approx(a2a["formula_traffic_bytes"], rel=0.10), strategy
+
+
+@pytest.mark.fast
+def test_size_check_counts_the_whole_sequences_scores():
+    """check_train_size's lower bound with the xla kernel: under Ulysses a device forms the [L, L]
+    scores of H/C heads, C = 4 times the (L/C)^2 x H of a sequence slice; refused at 4x a memory
+    the ring-style accounting would pass."""
+    from meshtrain.config.validate import check_train_size
+    from meshtrain.core.formulas import llama_activation_terms
+    cfg = tiny_config("parallel.mesh=data=2,context=4", "parallel.context_strategy=ulysses",
+                      "parallel.attention=xla", "train.seq_len=4096", "train.batch_size=2", "model.num_layers=1")
+    program = TrainProgram.from_config(cfg)
+    m = cfg.model
+    terms = llama_activation_terms(1024, 1, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, 4)
+    scores = terms["softmax exp (fp32), probabilities"]
+    slice_only = sum(terms.values())
+    assert scores == (4 + 4) * 1024 * m.num_heads * 1024
+    check_train_size(program, memory=(2 * slice_only, "a test device"))
+    with pytest.raises(UserError, match=r"activations 0.3 GB"):  # 4 x 67 MB of scores: over 4 x 34 MB
+        check_train_size(program, memory=(slice_only / 2, "a test device"))

@@ -237,7 +237,11 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
     terms = llama_activation_terms(t.seq_len / sizes["context"], rows, m.d_model, m.num_heads, m.num_kv_heads,
                                    m.head_dim, m.mlp_dim, compute_bytes(par.precision), sizes["tensor"],
                                    par.sequence_parallel, remat, saved_matmul_bytes(par.precision))
-    formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
+    # [L, L] scores where the kernel forms them: under Ulysses each device forms H/C heads of the whole
+    # sequence's, C times the terms' (L/C)^2 x H
+    whole = sizes["context"] if par.context_strategy == "ulysses" else 1
+    formed = {k: v * (whole if k.startswith("softmax exp") else 1) for k, v in terms.items()
+              if par.attention == "xla" or "softmax" not in k}
     activations = sum(formed.values()) * m.num_layers / stages
     states = sum(zero_bytes(program.num_params, sizes, par.zero,
                             optimizer_state=program.optimizer_state_bytes()).values())
