@@ -157,7 +157,7 @@ def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
 def context_degrees(plan, C: int) -> tuple[int, int]:
     """(devices round the ring, devices per all-to-all group) of `parallel.context_strategy` on a
     context axis of C: ring (C, 1), ulysses (1, C), hybrid (C / u, u)."""
-    u = {"ring": 1, "ulysses": C}.get(plan.context_strategy, plan.ulysses_degree or 1)
+    u = {"ring": 1, "ulysses": C}.get(plan.context_strategy, plan.ulysses_degree or 1) if C > 1 else 1
     return C // u, u
 
 
@@ -354,8 +354,8 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
                "all-reduces the shard over the rest, as meshtrain/ops/loss.py sums the head's")
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
-        # without the ring (Ulysses) those permutes are all there is: no formula to be a ratio of
-        permutes_hi = 2 if context_degrees(plan, C)[0] > 1 or sizes["pipeline"] > 1 else math.inf
+        # under Ulysses (no ring) those permutes are all there is: no formula to be a ratio of
+        permutes_hi = math.inf if C > 1 and context_degrees(plan, C)[0] == 1 else 2
         gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, permutes_hi))
     if plan.remat == "full" and F * C > 1:
         gaps["all-gather"].append((
