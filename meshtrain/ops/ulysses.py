@@ -74,14 +74,16 @@ def ulysses_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment
         return attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *segments)
     # The batch's and heads' own splits (data/fsdp, tensor) are manual too, so the all-to-all moves this
     # device's rows and heads: left to the compiler, it gathers them first (2x the bytes at fsdp=2).
+    # Every other axis is manual as well (replicated in the specs): cuDNN's kernel is custom-partitioned,
+    # which fails inside a partly manual region on XLA's GPU compiler.
     split = lambda name: tuple(a for a in rule_axes(name) if mesh.shape.get(a, 1) > 1 and a != axis
                                and a not in mesh.manual_axes)
     batch, heads = split("batch"), tuple(a for a in split("heads") if a in split("kv_heads"))
     spec = P(batch or None, axis, heads or None)
     whole = (P(batch or None),) * len(segments)
+    manual_here = set(mesh.axis_names) - set(mesh.manual_axes)
     return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec) + whole, out_specs=spec,
-                         axis_names={axis, *batch, *heads}, check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK,
-                                                                             *segments)
+                         axis_names=manual_here, check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *segments)
 
 
 def context_layout(strategy: str, attention, context: int, seq_len: int, degree: int = 0):
