@@ -100,7 +100,9 @@ def parser() -> Parser:
     run.add_argument("--search-budget", type=number(int, min=0), default=12, metavar="N",
                      help="at most N compiles for --fit and for the search a plan that does not fit runs "
                           "(default 12; 0: no search)")
-    run.add_argument("--compare", nargs="+", metavar="MESH", help="rank these meshes for the same model and devices")
+    run.add_argument("--compare", nargs="+", metavar="MESH", help="rank these meshes for the same model and devices; "
+                     "an entry may add its own settings after the mesh, e.g. 'context=4 "
+                     "parallel.context_strategy=ulysses parallel.attention=blockwise'")
     run.add_argument("--zero-table", action="store_true", help="ZeRO stages 0-3 side by side, measured vs formula")
     sched = p.add_argument_group("look at a pipeline schedule")
     sched.add_argument("--schedule", choices=tuple(SCHEDULES))

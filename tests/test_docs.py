@@ -49,6 +49,7 @@ TEXT_ONLY = {
     ("zero-fsdp.md", "python -m meshtrain.plan"): "plans a 64-device pod",
     ("experts.md", "python -m meshtrain.plan"): "plans a 64-device pod",
     ("planner.md", "python -m meshtrain.plan"): "64- and 128-device pods",
+    ("context.md", "python -m meshtrain.plan"): "about 6 minutes on 2 cores",
     ("sweeps.md", "python -m meshtrain.sweep"): "about 4 minutes on 2 cores",
     ("metrics.md", "tensorboard"): "starts a server",
     ("evaluation.md", "python -m meshtrain.eval"): "a run with a step 400 and a download",

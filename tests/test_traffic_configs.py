@@ -30,6 +30,13 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
         "gemma3_4b", ("model.sliding_window_pattern=2", "model.sliding_window=16", "parallel.mesh=tensor=2,context=4",
                       "train.batch_size=16", "train.seq_len=128", "parallel.attention=ring"),
         {"all-reduce", "reduce-scatter"}),  # permutes flagged: the HLO reader counts both kinds' rings in each layer
+    "ulysses context parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,context=4", "train.batch_size=32",
+                                               "parallel.context_strategy=ulysses", "parallel.attention=blockwise"),
+                                 {"all-to-all"}),  # permutes flagged: the embedding gradient's (known_gaps)
+    "hybrid context parallel": ("llama3_8b", ("parallel.mesh=tensor=2,context=4", "train.batch_size=16",
+                                              "parallel.context_strategy=hybrid", "parallel.ulysses_degree=2",
+                                              "parallel.attention=ring"),
+                                {"all-to-all", "collective-permute"}),
     "int8 compression": ("gpt2_124m", ("parallel.mesh=data=8", "parallel.grad_compression=int8", "train.batch_size=16"),
                          {"all-gather", "all-to-all"}),
 }

@@ -57,6 +57,13 @@ class ParallelPlan:
                                     "softmax over blocks of positions, any device), cudnn (fused, GPU, bf16), "
                                     "ring (context parallelism: keys/values passed around the context axis)",
                              choices=tuple(ATTENTION_BACKENDS))
+    context_strategy: str = setting("ring", "how attention spans a `context` axis > 1: ring (parallel.attention=ring: "
+                                            "K/V passed around the axis), ulysses (all-to-all to whole sequences "
+                                            "of heads/context heads, then the local kernel parallel.attention), "
+                                            "hybrid (ulysses within groups of parallel.ulysses_degree devices, "
+                                            "the ring across groups)", choices=("ring", "ulysses", "hybrid"))
+    ulysses_degree: int = setting(0, "context_strategy=hybrid: devices per all-to-all group; divides the context "
+                                     "axis, and the ring runs over context / ulysses_degree groups", min=0)
     microbatches: int = setting(0, "microbatches per step: gradient accumulation, or the pipeline's "
                                    "microbatches (>= stages); 0 = 1 without a pipeline, 2 x stages with one",
                                 min=0)

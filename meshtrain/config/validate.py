@@ -118,23 +118,16 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
         if m.num_layers % (stages * par.virtual_stages):
             raise LayoutError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
                               f"parallel.virtual_stages ({par.virtual_stages})")
-    context = sizes["context"]
-    if context > 1:
-        if par.attention != "ring":
-            raise UserError(f"mesh context={context} splits the sequence, which parallel.attention={par.attention} "
-                            f"cannot attend across; set parallel.attention=ring")
-        if t.seq_len % (2 * context):
-            raise LayoutError(f"train.seq_len={t.seq_len} is not divisible by 2 x context ({2 * context}): each "
-                              f"device holds an early and a late chunk; use a multiple of {2 * context}")
+    tp = sizes["tensor"]
+    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+        if value % tp:
+            raise LayoutError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
+    _check_context(m, par, t.seq_len, sizes["context"], tp)
     for name in ("seq", "residual_seq"):
         shards = math.prod(sizes[a] for a in rules[name])
         if t.seq_len % shards:
             raise LayoutError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which "
                               f"does not divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
-    tp = sizes["tensor"]
-    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
-        if value % tp:
-            raise LayoutError(f"model.{key}={value} is not divisible by tensor={tp}; use a tensor size that divides it")
     experts = sizes["expert"]
     if experts > 1 and not getattr(m, "num_experts", 0):
         raise UserError(f"mesh expert={experts} splits experts, and this model has none; set model.family to one "
@@ -149,6 +142,52 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
         raise LayoutError(f"train.batch_size={t.batch_size} is not divisible by the batch axes "
                           f"{' x '.join(f'{a} ({sizes[a]})' for a in batch_axes)} x parallel.microbatches ({micro}); "
                           f"use a multiple of {dp * micro}")
+
+
+def _check_context(m, par, seq_len: int, context: int, tensor: int) -> None:
+    """parallel.context_strategy on a context axis of `context` (meshtrain/ops/ulysses.py): the ring
+    needs the ring kernel; ulysses a local kernel and heads (per tensor shard) that divide by the
+    axis; hybrid the ring kernel across groups of parallel.ulysses_degree devices, which divides it."""
+    strategy, degree = par.context_strategy, par.ulysses_degree
+    if degree and strategy != "hybrid":
+        raise UserError(f"parallel.ulysses_degree={degree} sizes the all-to-all groups of "
+                        f"parallel.context_strategy=hybrid; set that, or drop parallel.ulysses_degree")
+    if context == 1:
+        return
+    if strategy == "ulysses":
+        if par.attention == "ring":
+            raise UserError("parallel.context_strategy=ulysses gives each device whole sequences of some heads and "
+                            "runs a local kernel on them; set parallel.attention to xla, blockwise or cudnn")
+        degree = context
+    elif par.attention != "ring":
+        raise UserError(f"mesh context={context} splits the sequence, which parallel.attention={par.attention} "
+                        f"cannot attend across; set parallel.attention=ring, or parallel.context_strategy=ulysses")
+    if strategy == "hybrid" and (degree < 2 or degree >= context or context % degree):
+        divisors = [d for d in range(2, context) if context % d == 0]
+        raise UserError(f"parallel.context_strategy=hybrid needs parallel.ulysses_degree (devices per all-to-all "
+                        f"group) dividing context={context} strictly between 1 and it: "
+                        + (f"one of {', '.join(map(str, divisors))}" if divisors else
+                           "none exists; use context_strategy=ring or ulysses"))
+    if strategy in ("ulysses", "hybrid"):
+        q, kv = m.num_heads // tensor, m.num_kv_heads // tensor  # heads per tensor shard
+        if q % degree or kv % degree:
+            shard = f" per tensor shard (tensor={tensor})" if tensor > 1 else ""
+            fits = [d for d in range(2, kv + 1) if q % d == 0 and kv % d == 0]
+            hint = (f"a degree that divides both: {', '.join(map(str, fits))}" if fits
+                    else "parallel.context_strategy=ring")
+            raise UserError(f"parallel.context_strategy={strategy} splits the heads {degree} ways, and {q} query and "
+                            f"{kv} kv heads{shard} do not both divide by {degree}; use {hint}")
+    if strategy == "ring":
+        if seq_len % (2 * context):
+            raise LayoutError(f"train.seq_len={seq_len} is not divisible by 2 x context ({2 * context}): each "
+                              f"device holds an early and a late chunk; use a multiple of {2 * context}")
+        return
+    ring = context // degree  # hybrid: groups round the ring, each an early and a late chunk over its devices
+    chunks = context if ring == 1 else math.lcm(context, 2 * ring)
+    if seq_len % chunks:
+        raise LayoutError(f"train.seq_len={seq_len} is not divisible by {chunks}: context_strategy={strategy} "
+                          f"splits it over context={context}" + (f" in {2 * ring} chunks" if ring > 1 else "")
+                          + f"; use a multiple of {chunks}")
 
 
 def _check_kernels(par, seq_len: int, backend: str) -> None:
@@ -198,7 +237,11 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
     terms = llama_activation_terms(t.seq_len / sizes["context"], rows, m.d_model, m.num_heads, m.num_kv_heads,
                                    m.head_dim, m.mlp_dim, compute_bytes(par.precision), sizes["tensor"],
                                    par.sequence_parallel, remat, saved_matmul_bytes(par.precision))
-    formed = {k: v for k, v in terms.items() if par.attention == "xla" or "softmax" not in k}  # [L, L] scores
+    # [L, L] scores where the kernel forms them: under Ulysses each device forms H/C heads of the whole
+    # sequence's, C times the terms' (L/C)^2 x H
+    whole = sizes["context"] if par.context_strategy == "ulysses" else 1
+    formed = {k: v * (whole if k.startswith("softmax exp") else 1) for k, v in terms.items()
+              if par.attention == "xla" or "softmax" not in k}
     activations = sum(formed.values()) * m.num_layers / stages
     states = sum(zero_bytes(program.num_params, sizes, par.zero,
                             optimizer_state=program.optimizer_state_bytes()).values())

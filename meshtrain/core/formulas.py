@@ -171,3 +171,15 @@ def moe_all_to_all_bytes(buffer_bytes: float, expert_axis: int, moe_layers: floa
     forward_runs = passes // 2 - 1
     return moe_layers * (passes * ring_traffic("all-to-all", buffer_bytes, expert_axis)
                          + forward_runs * ring_traffic("all-to-all", count_bytes, expert_axis))
+
+
+# ---- context parallelism ----
+def ulysses_all_to_all_bytes(tokens_per_device: float, heads: float, kv_heads: float, head_dim: int, degree: int,
+                             act_bytes: int, passes: int = 2) -> float:
+    """Ulysses context parallelism (meshtrain/ops/ulysses.py), one layer: q, k and v all-to-all'd
+    from sequence- to head-sharded and the output back (4 all-to-alls) per forward run, their
+    transposes in the backward (4 more; `passes` 3 when remat reruns the forward), each (u-1)/u of
+    the tensor's local bytes over a group of u = `degree` devices: q and the output
+    tokens x heads x head_dim, k and v tokens x kv_heads x head_dim (heads per tensor shard)."""
+    local = tokens_per_device * (2 * heads + 2 * kv_heads) * head_dim * act_bytes
+    return passes * ring_traffic("all-to-all", local, degree)

@@ -22,11 +22,11 @@ from meshtrain.engine.pipeline import layer_order
 from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step, trained_share
 from meshtrain.models import FAMILIES
 from meshtrain.ops.attention import BACKENDS
-from meshtrain.ops.context_parallel import load_balanced_order
 from meshtrain.ops.fp8 import matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
 from meshtrain.ops.packing import Packing, packing_of
 from meshtrain.ops.precision import initial_loss_scale
+from meshtrain.ops.ulysses import context_layout
 from meshtrain.parallel import compression
 from meshtrain.parallel.batching import split_microbatches
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
@@ -60,9 +60,9 @@ class TrainProgram:
         backend = devices[0].platform if devices is not None else jax.default_backend()  # a plan's GPU target
         check_layout(model, plan, t, self.sizes, self.rules, backend)
         self.mesh = build_mesh(self.sizes, devices)
-        context = self.sizes["context"]
-        order = load_balanced_order(t.seq_len, context) if context > 1 else None
-        self.model = FAMILIES[model.family](model, attention=BACKENDS[plan.attention], sequence_order=order,
+        attention, order = context_layout(plan.context_strategy, BACKENDS[plan.attention], self.sizes["context"],
+                                          t.seq_len, plan.ulysses_degree)
+        self.model = FAMILIES[model.family](model, attention=attention, sequence_order=order,
                                             packing=packing, matmul=matmul_for(plan.precision))
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.

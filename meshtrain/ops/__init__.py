@@ -2,6 +2,7 @@
 
 - attention.py: the backends (xla, blockwise, cudnn, ring) and what each computes.
 - context_parallel.py: ring attention over the `context` axis (load-balanced order, pairs, exchanges).
+- ulysses.py: Ulysses and hybrid context parallelism (all-to-all to head-sharded, any local kernel).
 - packing.py: the one mask rule (causal, sliding window, same document) and packed documents' segment ids.
 - optimizers.py: optimizers and learning-rate schedules by name, with their state bytes.
 - loss.py: the vocabulary-tiled cross-entropy (never the full fp32 logits).

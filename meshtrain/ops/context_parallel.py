@@ -337,11 +337,19 @@ class Ring(NamedTuple):
     backward (a second trip round the ring). `axis` None: one device holding everything (no
     communication). `gather`: the blocks come from one all-gather of K/V over the axis instead of
     the ring (Llama 3's all-gather context parallelism), and the backward's dK/dV are
-    reduce-scattered home."""
+    reduce-scattered home. `group`: devices per ring member (hybrid context parallelism,
+    meshtrain/ops/ulysses.py): device d of the axis is member d // group, and K/V pass between the
+    devices of the same place d % group in their groups."""
     cp: int
     axis: str | None
     window: int = 0
     gather: bool = False
+    group: int = 1
+
+    def member_groups(self):
+        """The axis's devices by place in their group, each list one ring (None: the whole axis)."""
+        g = self.group
+        return None if g == 1 else [[m * g + j for m in range(self.cp)] for j in range(g)]
 
     def attend(self, q_BxCxHxK, k_BxCxGxK, v_BxCxGxK, segment_ids_BxL=None):
         """The ring's attention of this device's slot, with its custom VJP."""
@@ -389,7 +397,7 @@ class _Layout(NamedTuple):
         return bool(self.ring.window)
 
     def me(self):
-        return jax.lax.axis_index(self.ring.axis) if self.ring.cp > 1 else 0
+        return jax.lax.axis_index(self.ring.axis) // self.ring.group if self.ring.cp > 1 else 0
 
     def source(self, t):
         return (self.me() - t) % self.ring.cp
@@ -419,8 +427,8 @@ class _Layout(NamedTuple):
 
     def send(self, x, hop: int):
         """To the device `hop` places on along the ring."""
-        cp = self.ring.cp
-        return jax.lax.ppermute(x, self.ring.axis, [(i, (i + hop) % cp) for i in range(cp)])
+        cp, g = self.ring.cp, self.ring.group
+        return jax.lax.ppermute(x, self.ring.axis, [(i, ((i // g + hop) % cp) * g + i % g) for i in range(cp * g)])
 
     def legs(self):
         return ring_legs(self.ring.cp, self.Lc, self.ring.window)
@@ -431,7 +439,7 @@ class _Layout(NamedTuple):
         step's work, so the two overlap), or from one all-gather (`gather`)."""
         carry = first(carry, kv)
         if self.ring.gather and self.ring.cp > 1:
-            blocks = [jax.lax.all_gather(x, self.ring.axis) for x in kv]
+            blocks = [jax.lax.all_gather(x, self.ring.axis, axis_index_groups=self.ring.member_groups()) for x in kv]
             held = lambda t: [_at(b, self.source(t)) for b in blocks]
             steps = jnp.asarray([t for _, ts in self.legs() for t in ts])
             return jax.lax.scan(lambda c, t: (rest(c, t, held(t)), None), carry, steps)[0]
@@ -502,7 +510,8 @@ def _ring_backward(layout: _Layout, residuals, dout_BxCxHxK):
         slots = tuple(jnp.zeros((cp,) + z.shape) for z in zeros_kv)
         dq, slots = layout.around_ring(lambda c, kv: own(c, kv, into_slots),
                                        lambda c, t, kv: other(c, t, kv, into_slots), (dq0, slots), kv)
-        dk, dv = (jax.lax.psum_scatter(s, axis, scatter_dimension=0) for s in slots)
+        dk, dv = (jax.lax.psum_scatter(s, axis, scatter_dimension=0, axis_index_groups=layout.ring.member_groups())
+                  for s in slots)
     else:
         dq, dkv = block_grads(dq0, zeros_kv, own_pairs(cp), layout.me(), kv)
         dk, dv = zeros_kv if layout.legs() else dkv  # the own block's sums travel with the first leg

@@ -209,7 +209,8 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
              "hardware_per_device": roofline["flops"]["hardware_per_device"]}
     return {"config": {"model": dataclasses.asdict(program.model.cfg), "batch_size": t.batch_size, "seq_len": t.seq_len,
                        "precision": par.precision, "zero": par.zero, "remat": par.remat,
-                       "attention": par.attention, "sequence_parallel": par.sequence_parallel,
+                       "attention": par.attention, "context_strategy": par.context_strategy,
+                       "ulysses_degree": par.ulysses_degree, "sequence_parallel": par.sequence_parallel,
                        "grad_compression": par.grad_compression, "optimizer": cfg.optim.optimizer,
                        "microbatches": par.num_microbatches(sizes["pipeline"])},
             "mesh": describe(sizes), "devices": n, "params": program.num_params, "memory": memory,
@@ -424,11 +425,16 @@ def run(args) -> str:
         return json.dumps(rows) if args.json else "\n".join([compilers.summary(compiled_for), format_zero_table(rows)])
     if args.compare:
         rows, skipped = [], []
-        for mesh in args.compare:
+        for entry in args.compare:  # a mesh, then any KEY=VALUE settings of its own (as --set)
+            mesh, *settings = entry.split()
             try:
-                rows.append(plan(with_plan(cfg, mesh=mesh), profile, memory_budget, args.devices_per_node, devices))
+                entry_cfg = load_config(args.config, [*overrides, f"parallel.mesh={mesh}", *settings]) if settings \
+                    else with_plan(cfg, mesh=mesh)
+                entry_cfg.devices = 0
+                row = plan(entry_cfg, profile, memory_budget, args.devices_per_node, devices)
+                rows.append({**row, "settings": settings})
             except UserError as e:
-                skipped.append({"mesh": mesh, "reason": str(e)})
+                skipped.append({"mesh": entry, "reason": str(e)})
         rows.sort(key=lambda r: -r["roofline"]["mfu_ceiling"])
         return (json.dumps({"plans": rows, "skipped": skipped, "compiled_for": compiled_for}) if args.json else
                 "\n".join([compilers.summary(compiled_for), format_compare(rows, skipped)]))
@@ -498,7 +504,8 @@ def format_compare(rows, skipped=()) -> str:
     for i, r in enumerate(rows, 1):
         v, roof = r["verdict"], r["roofline"]
         traffic = sum(c["traffic_bytes"] for c in r["collectives"].values())
-        lines.append(f"| {i} | {r['mesh']} | {v['status']} | {v['peak'] / GB:,.2f} GB ({v['peak_of']}) | "
+        label = " ".join([r["mesh"], *r.get("settings", ())])
+        lines.append(f"| {i} | {label} | {v['status']} | {v['peak'] / GB:,.2f} GB ({v['peak_of']}) | "
                      f"{traffic / GB:,.2f} GB | {roof['compute_s'] * 1e3:,.1f} ms | {roof['comm_s'] * 1e3:,.1f} ms | "
                      f"{roof['step_s'] * 1e3:,.1f} ms | {roof['mfu_ceiling']:.1%} |")
     lines += [f"skipped {s['mesh']}: {s['reason']}" for s in skipped]

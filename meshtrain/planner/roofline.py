@@ -66,6 +66,7 @@ from meshtrain.core.metrics import flops_per_token
 from meshtrain.ops.attention import executed_attention
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
+from meshtrain.planner.traffic import context_degrees
 
 
 # ---- where the axes run ----
@@ -209,7 +210,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     block_params = program.model.block_matmul_params(params) + slot_params  # the head is not rerun
     model_flops = program.flops_per_token * tokens
     windows = m.layer_windows()  # 0: the whole causal past
-    attention = [(executed_attention(plan.attention, t.seq_len, sizes.get("context", 1), w), windows.count(w))
+    ring = context_degrees(plan, sizes.get("context", 1))[0]  # hybrid: the ring over C / u groups
+    attention = [(executed_attention(plan.attention, t.seq_len, ring, w), windows.count(w))
                  for w in m.window_kinds()]
     hardware_flops = hardware_flops_per_token(program.flops_per_token + 6.0 * slot_params, block_params, width,
                                               t.seq_len, recompute, attention, windows) * tokens

@@ -34,6 +34,10 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
   are all-reduced over E per microbatch, the layers' in the compute dtype.
+- Ulysses context parallelism (meshtrain/ops/ulysses.py), per layer: 4 all-to-alls forward (q, k,
+  v to head-sharded, the output back) and their 4 transposes backward (4 more under remat=full),
+  each (u-1)/u of the tensor's local bytes, u the all-to-all group (C; hybrid: ulysses_degree).
+  Hybrid runs the ring below over its C/u groups: the same K/V bytes per device, C/u for C.
 - Context parallelism (meshtrain/ops/context_parallel.py's ring), per layer: 2(C-1) sends of this
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
@@ -138,13 +142,34 @@ def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
     D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
     act = compute_bytes(plan.precision)
     tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
-    kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act  # this device's keys and values (heads split over T)
+    # this device's keys and values (heads split over T): under hybrid a ring member's slot of C/u
+    # of the sequence holds 1/u of the kv heads, the same bytes
+    kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act
+    ring = C // context_degrees(plan, C)[1]  # devices (hybrid: groups) round the ring
     out, switched = [], len(m.window_kinds()) > 1
     for window in m.window_kinds():
-        sends = ring_sends(t.seq_len, C, window)
+        sends = ring_sends(t.seq_len, ring, window)
         kv_sends = 2 * sends["kv"] + (sends["kv"] - (0 if switched else sends["legs"]) if plan.remat == "full" else 0)
         out.append((window, kv_sends * kv + sends["grads"] * kv * 4 / act, kv_sends, sends["grads"]))
     return out
+
+
+def context_degrees(plan, C: int) -> tuple[int, int]:
+    """(devices round the ring, devices per all-to-all group) of `parallel.context_strategy` on a
+    context axis of C: ring (C, 1), ulysses (1, C), hybrid (C / u, u)."""
+    u = {"ring": 1, "ulysses": C}.get(plan.context_strategy, plan.ulysses_degree or 1) if C > 1 else 1
+    return C // u, u
+
+
+def ulysses_layer_traffic(program) -> float:
+    """Ulysses' all-to-all link bytes per device per step for one layer (`formulas.ulysses_all_to_all_bytes`):
+    forward and backward, and the recomputed forward under remat=full."""
+    sizes, plan, m, t = program.sizes, program.plan, program.model.cfg, program.train
+    D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
+    tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    return formulas.ulysses_all_to_all_bytes(tokens, m.num_heads / T, m.num_kv_heads / T, m.head_dim,
+                                             context_degrees(plan, C)[1], compute_bytes(plan.precision),
+                                             3 if plan.remat == "full" else 2)
 
 
 def expected_traffic(program) -> dict[str, dict]:
@@ -250,7 +275,13 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
             + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
-    if C > 1:  # meshtrain/ops/context_parallel.py's ring, per kind of layer
+    ring, group = context_degrees(plan, C)
+    if group > 1:  # meshtrain/ops/ulysses.py's all-to-alls, the same in every layer
+        passes = "forward, recomputed forward and backward" if plan.remat == "full" else "forward and backward"
+        add("all-to-all", ulysses_layer_traffic(program) * m.num_layers / P,
+            f"Ulysses context parallelism per layer: q, k, v and the output all-to-all'd over groups of {group} "
+            f"({passes}), (u-1)/u of each")
+    if ring > 1:  # meshtrain/ops/context_parallel.py's ring, per kind of layer
         windows = m.layer_windows()
         for window, layer_bytes, kv_sends, grad_sends in ring_layer_traffic(program):
             layers = windows.count(window)
@@ -323,7 +354,9 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
                "all-reduces the shard over the rest, as meshtrain/ops/loss.py sums the head's")
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
-        gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, 2))
+        # under Ulysses (no ring) those permutes are all there is: no formula to be a ratio of
+        permutes_hi = math.inf if C > 1 and context_degrees(plan, C)[0] == 1 else 2
+        gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, permutes_hi))
     if plan.remat == "full" and F * C > 1:
         gaps["all-gather"].append((
             "remat=full: XLA may gather a layer's MLP (or experts') weights again in the backward (the recomputed "
