@@ -198,8 +198,8 @@ class Int8Reduction:
         packed = [i for i, f in enumerate(found) if f is not None]
         if packed:
             # Each local gradient in its residual's split shape: dimension d as (B, N, after), B the
-            # compiler-managed axes before `data` in its entry (1 for zero 2/3's data-major layout:
-            # psum_scatter's cut), which then stay where they are. Row i: what data shard i owns.
+            # compiler-managed axes before `data` in its entry, which then stay where they are. Row i:
+            # what data shard i owns.
             dims = [found[i][0] for i in packed]
             bs = [errors["shards"][i].shape[1 + d] for i, d in zip(packed, dims)]
             rows = [_to_rows(leaves[i].reshape(errors["shards"][i].shape[1:]), d) for i, d in zip(packed, dims)]
@@ -220,8 +220,9 @@ class Int8Reduction:
                 if self.gathers:
                     results[i] = _from_rows(reduced[k], d, b).reshape(leaves[i].shape)
                     errors["owned"][i] = e_out["owned"][k].reshape(errors["owned"][i].shape)
-                else:
-                    assert b == 1, owned[i]  # the reduce-scatter's layout: data-major
+                else:  # the owned slice: this shard's row of each B block, B major, which the data executor
+                    # unfolds (data_parallel.unfold); the pipeline's out specs take B = 1 only
+                    assert b == 1 or set(manual) == {AXIS}, owned[i]
                     results[i] = reduced[k]
                 errors["shards"][i] = _from_rows(e_out["shards"][k], d, b)[None]
         return tree.unflatten(results), {k: tree.unflatten(v) for k, v in errors.items()}
