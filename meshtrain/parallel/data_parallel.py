@@ -8,6 +8,11 @@ averaged (pmean) where they are replicated over `data` (zero 0/1), reduce-scatte
 all-gathered once, in the compute dtype, before the loop. Left to XLA, the accumulator's sharding
 would ask for a reduction every microbatch.
 
+Beside compiler-managed axes (tensor), the gather and reduce-scatter over `data` run on each
+device's block, in a shard_map over those axes too (`_per_block`), on arrays unfolded so that
+`data`, the minor factor of a dimension it shares, has a dimension of its own (`unfold`); the
+pipeline (meshtrain/engine/pipeline.py) does the same.
+
 With `parallel.grad_compression=int8` (meshtrain/parallel/compression.py) the reduction moves int8 blocks
 and their scales instead (an all-to-all, and at zero 0/1 an all-gather), with each data shard's
 error-feedback residuals passed in and out beside the gradients.
@@ -104,11 +109,35 @@ def _per_block(fn, x, spec: P):
     that other, compiler-managed axes split by first gathering it whole over them (19x the formula's
     all-gather beside `tensor`): made manual too, they stay where they are."""
     mesh = jax.sharding.get_abstract_mesh()
-    others = {a for a in mesh.axis_names if a != AXIS and mesh.shape[a] > 1}
+    others = {a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1}
     if not others:
         return fn(x)
     local = local_spec(spec, others)
     return jax.shard_map(fn, mesh=mesh, in_specs=local, out_specs=local, axis_names=others, check_vma=False)(x)
+
+
+def layouts(specs):
+    """`unfold_spec` of every spec."""
+    return jax.tree.map(unfold_spec, specs, is_leaf=_is_spec)
+
+
+def unfolded(tree, specs, sizes, mesh=None):
+    """`unfold` of every leaf (laid out as `specs`); with `mesh`, outside the shard_map, pinned to
+    the unfolded layout (a local reshape)."""
+    def one(spec, x):
+        x = unfold(x, spec, sizes)
+        return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, unfold_spec(spec)))
+
+    return jax.tree.map(one, specs, tree, is_leaf=_is_spec)
+
+
+def folded(tree, specs, mesh=None):
+    """`fold` of every leaf back to `specs`' shape; with `mesh`, outside the shard_map, pinned to `specs`."""
+    def one(spec, x):
+        x = fold(x, spec)
+        return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, specs, tree, is_leaf=_is_spec)
 
 
 def gather(tree, specs, layouts=None):
@@ -156,33 +185,26 @@ def data_parallel(metrics_and_grads, mesh, param_specs, grad_specs, batch_spec: 
     manual = {AXIS}
     # the leaves `data` splits as a minor factor are unfolded (`unfold`) on the way in and out, and
     # gathered and reduce-scattered over `data` per device block
-    unfolded = lambda specs: jax.tree.map(unfold_spec, specs, is_leaf=_is_spec)
-    param_layouts, grad_layouts = unfolded(param_specs), unfolded(grad_specs)
+    param_layouts, grad_layouts = layouts(param_specs), layouts(grad_specs)
     in_params, out_grads = local_specs(param_layouts, manual), local_specs(grad_layouts, manual)
     errors_local = local_specs(error_specs, manual) if compressor else None
-    reshaped = lambda f, tree, specs, *a: jax.tree.map(lambda s, x: f(x, s, *a), specs, tree, is_leaf=_is_spec)
-    pinned = lambda tree, specs: jax.tree.map(lambda s, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
-                                              specs, tree, is_leaf=_is_spec)
 
     def per_shard(params, inputs: StepInputs) -> Gradients:
         with manual_axes_rules(manual):  # activations are constrained over the other axes only
-            params = reshaped(fold, gather(params, in_params, param_layouts), param_specs)
-            out = metrics_and_grads(params, inputs)
+            out = metrics_and_grads(folded(gather(params, in_params, param_layouts), param_specs), inputs)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), out.grads)  # reduced in fp32
             metrics = jax.lax.pmean(out.metrics, AXIS)
             if compressor is None:
-                grads = reshaped(unfold, grads, grad_specs, mesh.shape)
-                return Gradients(metrics, reduce_mean(grads, out_grads, grad_layouts))
+                return Gradients(metrics, reduce_mean(unfolded(grads, grad_specs, mesh.shape), out_grads, grad_layouts))
             grads, errors = compressor.reduce_mean(grads, inputs.grad_error, manual, inputs.loss_scale)
             # each owned slice (this shard's row of every B block: compression.Int8Reduction) unfolded
-            return Gradients(metrics, reshaped(unfold, grads, grad_specs, mesh.shape), errors)
+            return Gradients(metrics, unfolded(grads, grad_specs, mesh.shape), errors)
 
     def fn(params, inputs: StepInputs) -> Gradients:
         in_specs = (in_params, input_specs(inputs, local_spec(batch_spec, manual), errors_local))
-        params = pinned(reshaped(unfold, params, param_specs, mesh.shape), param_layouts)  # local reshapes
         out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
                             out_specs=Gradients(P(), out_grads, errors_local), axis_names=manual,
-                            check_vma=False)(params, inputs)
-        return dataclasses.replace(out, grads=pinned(reshaped(fold, out.grads, grad_specs), grad_specs))
+                            check_vma=False)(unfolded(params, param_specs, mesh.shape, mesh), inputs)
+        return dataclasses.replace(out, grads=folded(out.grads, grad_specs, mesh))
 
     return fn
