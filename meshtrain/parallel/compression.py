@@ -18,8 +18,9 @@ The reduction, inside `jax.shard_map` over `data` (N shards), on each device's l
    without it a value below half a step of its block would be rounded away on every step), and
    all-gathered as int8 + scales; every shard dequantizes the same bytes. Here `data` is the minor
    factor of the owned dimension, so rows are cut from each device's slice where it lies and
-   nothing moves over `fsdp`/`tensor`. (Zero 2/3's data-major layout asks XLA to move the fp32
-   gradient over those axes first, as the fp32 reduce-scatter does.)
+   nothing moves over `fsdp`/`tensor`. (At zero 2/3 `data` is the minor factor beside `tensor`
+   too, but the major one of fsdp's dimension: that layout asks XLA to move the fp32 gradient over
+   `fsdp` first.)
 Bytes per device for G bytes of fp32 gradient (G/4 values): each exchange moves G/4 int8 + G/b of
 scales, (N-1)/N of it over the links: the all-to-all replaces the fp32 reduce-scatter's
 (N-1)/N x G, all-to-all + all-gather replace the all-reduce's 2(N-1)/N x G, a ratio of
