@@ -32,7 +32,8 @@ def test_data_parallel_collectives_do_not_grow_with_microbatches(zero):
     assert bytes_4 >= 4 * num_params / (8 if zero >= 2 else 1)
 
 
-@pytest.mark.parametrize("mesh,zero", [("data=4,fsdp=2", 3), ("data=2,tensor=4", 2)])
+@pytest.mark.parametrize("mesh,zero", [("data=4,fsdp=2", 3), ("data=2,tensor=4", 2), ("data=2,tensor=4", 3),
+                                       ("2x2x2", 3)])
 def test_accumulating_per_data_shard_matches_single_device(mesh, zero, reference_run):
     reference, ref_losses, ref_params = reference_run
     trainer, losses, params = run_tiny(f"parallel.mesh={mesh}", f"parallel.zero={zero}", "parallel.microbatches=2")

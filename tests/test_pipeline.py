@@ -90,6 +90,7 @@ PARITY = [  # (schedule, data x fsdp x tensor x pipeline, virtual stages, zero, 
     ("gpipe", "2x2x1x2", 1, 3, ()), ("interleaved", "1x2x2x2", 2, 1, ()),
     ("zb", "2x1x1x4", 1, 2, ()), ("zb", "1x2x2x2", 1, 0, ()),  # zero 2: gradients reduce-scattered over data
     ("1f1b", "2x2x1x2", 1, 3, ("parallel.residuals=recompute",)),
+    ("gpipe", "2x1x2x2", 1, 3, ()),  # data the minor factor of tensor's dimensions, gathered per block
     ("1f1b", "2x1x1x4", 1, 1, ("parallel.remat=full",)),  # residuals from the remat policy: one recompute
 ]
 

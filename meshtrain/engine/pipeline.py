@@ -28,6 +28,8 @@ ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -330,8 +332,10 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     data_manual = data_parallel.is_manual(mesh.shape[data_parallel.AXIS], pipelined=True)
     manual = {"pipeline", data_parallel.AXIS} if data_manual else {"pipeline"}
     split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
-    outer_in, blocks_in = split(data_parallel.local_specs(param_specs, manual))
-    outer_out, blocks_out = split(data_parallel.local_specs(grad_specs, manual))
+    # unfolded in and out, gathered and reduced per device block (data_parallel.unfold)
+    param_layouts, grad_layouts = data_parallel.layouts(param_specs), data_parallel.layouts(grad_specs)
+    outer_in, blocks_in = split(data_parallel.local_specs(param_layouts, manual))
+    outer_out, blocks_out = split(data_parallel.local_specs(grad_layouts, manual))
     errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
     layer = remat_lib.apply(model.block, plan.remat, model.saveable)
     kinds = stage_kinds(model, stages, virtual)
@@ -340,7 +344,9 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
         scale = step_inputs.loss_scale
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             if data_manual:  # ZeRO-3: whole over data once per step
-                blocks, outer = data_parallel.gather(blocks, blocks_in), data_parallel.gather(outer, outer_in)
+                params = data_parallel.gather({**outer, "blocks": blocks}, {**outer_in, "blocks": blocks_in},
+                                              param_layouts)
+                outer, blocks = split(data_parallel.folded(params, param_specs))
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
                                  blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL,
                                  kinds=kinds)
@@ -348,12 +354,13 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
             if not data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})
             metrics = jax.lax.pmean(metrics, data_parallel.AXIS)  # the data-parallel reduction, once per step
+            grads, local_sizes = {**g_outer, "blocks": g_blocks}, {**mesh.shape, "pipeline": 1}  # this stage's
             if compressor:  # one compressed exchange for all the gradients
-                grads, errors = compressor.reduce_mean({**g_outer, "blocks": g_blocks}, step_inputs.grad_error,
-                                                       manual, scale)
-                return Gradients(metrics, grads, errors)
-            return Gradients(metrics, {**data_parallel.reduce_mean(g_outer, outer_out),
-                                       "blocks": data_parallel.reduce_mean(g_blocks, blocks_out)})
+                grads, errors = compressor.reduce_mean(grads, step_inputs.grad_error, manual, scale)
+                return Gradients(metrics, data_parallel.unfolded(grads, grad_specs, local_sizes), errors)
+            grads = data_parallel.unfolded(grads, grad_specs, local_sizes)
+            return Gradients(metrics, data_parallel.reduce_mean(grads, {**outer_out, "blocks": blocks_out},
+                                                                grad_layouts))
 
     tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
     grads_out = {**outer_out, "blocks": blocks_out}
@@ -364,8 +371,9 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
         check_vma=False)(blocks, outer, inputs, targets, docs, step_inputs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
-        compute = cast_for_compute(params, plan.precision)
-        outer = {k: v for k, v in compute.items() if k != "blocks"}
+        # unfolded on the way in, the gradients folded on the way out (local reshapes)
+        outer, blocks = split(data_parallel.unfolded(cast_for_compute(params, plan.precision), param_specs,
+                                                     mesh.shape, mesh))
         # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
         # resharding collective would wait for the stages that skip the branch.
         x, targets = inputs_and_targets(inputs.tokens, model.sequence_order)
@@ -374,7 +382,8 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
         docs = model.documents(tokens)  # packed documents travel with their microbatches
         docs = None if docs is None else jax.tree.map(lambda d: split_microbatches(d, micro), docs)
         # fp32 sums; the step casts them to the params' dtype. The tokens travel as inputs and targets.
-        return staged(compute["blocks"], outer, split_microbatches(x, micro), split_microbatches(targets, micro),
-                      docs, inputs.with_tokens(None))
+        out = staged(blocks, outer, split_microbatches(x, micro), split_microbatches(targets, micro),
+                     docs, inputs.with_tokens(None))
+        return dataclasses.replace(out, grads=data_parallel.folded(out.grads, grad_specs, mesh))
 
     return metrics_and_grads

@@ -12,15 +12,15 @@ The reduction, inside `jax.shard_map` over `data` (N shards), on each device's l
 1. reduce-scatter as an all-to-all: each shard's c is cut into N rows, row i being the slice shard
    i owns (sharding.owned_specs); rows are quantized and exchanged (int8 + scales), so each shard
    receives every shard's row of its own, dequantizes and sums them in fp32, and divides by N.
-   Under zero 2/3 (gradients sharded over `data`, data-major as ZeRO-2 lays them out) that mean is
-   the result.
+   Under zero 2/3 (gradients sharded over `data` as ZeRO-2 lays them out) that mean is the result.
 2. zero 0/1 (gradients replicated over `data`): the owned mean m is quantized again, with a second
    residual on the owned slice (1-bit Adam's "server" error: c2 = m + e2, e2' = c2 - deq(q2);
    without it a value below half a step of its block would be rounded away on every step), and
    all-gathered as int8 + scales; every shard dequantizes the same bytes. Here `data` is the minor
    factor of the owned dimension, so rows are cut from each device's slice where it lies and
-   nothing moves over `fsdp`/`tensor`. (Zero 2/3's data-major layout asks XLA to move the fp32
-   gradient over those axes first, as the fp32 reduce-scatter does.)
+   nothing moves over `fsdp`/`tensor`. (At zero 2/3 `data` is the minor factor beside `tensor`
+   too, but the major one of fsdp's dimension: that layout asks XLA to move the fp32 gradient over
+   `fsdp` first.)
 Bytes per device for G bytes of fp32 gradient (G/4 values): each exchange moves G/4 int8 + G/b of
 scales, (N-1)/N of it over the links: the all-to-all replaces the fp32 reduce-scatter's
 (N-1)/N x G, all-to-all + all-gather replace the all-reduce's 2(N-1)/N x G, a ratio of
@@ -198,8 +198,8 @@ class Int8Reduction:
         packed = [i for i, f in enumerate(found) if f is not None]
         if packed:
             # Each local gradient in its residual's split shape: dimension d as (B, N, after), B the
-            # compiler-managed axes before `data` in its entry (1 for zero 2/3's data-major layout:
-            # psum_scatter's cut), which then stay where they are. Row i: what data shard i owns.
+            # compiler-managed axes before `data` in its entry, which then stay where they are. Row i:
+            # what data shard i owns.
             dims = [found[i][0] for i in packed]
             bs = [errors["shards"][i].shape[1 + d] for i, d in zip(packed, dims)]
             rows = [_to_rows(leaves[i].reshape(errors["shards"][i].shape[1:]), d) for i, d in zip(packed, dims)]
@@ -220,8 +220,8 @@ class Int8Reduction:
                 if self.gathers:
                     results[i] = _from_rows(reduced[k], d, b).reshape(leaves[i].shape)
                     errors["owned"][i] = e_out["owned"][k].reshape(errors["owned"][i].shape)
-                else:
-                    assert b == 1, owned[i]  # the reduce-scatter's layout: data-major
+                else:  # the owned slice: this shard's row of each B block, B major (the executors unfold
+                    # it as data_parallel.unfold lays it out)
                     results[i] = reduced[k]
                 errors["shards"][i] = _from_rows(e_out["shards"][k], d, b)[None]
         return tree.unflatten(results), {k: tree.unflatten(v) for k, v in errors.items()}

@@ -75,9 +75,10 @@ def spec_for(names, rules, mesh, shape=None, extra_axes=()) -> P:
 
     With `shape`, an axis that does not divide its dimension is dropped (see `check_replication`).
     `extra_axes` (the ZeRO `data` axis) go on the dimension that already holds `fsdp` if they
-    divide it, else on the largest dimension they divide. They split it as the major factor, except
-    under `pipeline`, where they are the minor one: each stage's layers stay one contiguous block
-    that the data shards divide, which the pipeline's gather over `data` relies on.
+    divide it, else on the largest dimension they divide. They split a dimension of `fsdp`'s as its
+    major factor and any other as the minor one: each `tensor` (or pipeline stage's) block is then cut
+    into data shards where it lies, so the manual data executor's gather over `data` (and its
+    reduce-scatter) moves nothing over the other axes (meshtrain/parallel/data_parallel.py `unfold`).
     """
     used, dims = set(), []
     for i, name in enumerate(names):
@@ -96,7 +97,7 @@ def spec_for(names, rules, mesh, shape=None, extra_axes=()) -> P:
         order = sorted(range(len(dims)), key=lambda i: ("fsdp" not in dims[i], -(shape[i] if shape else 0)))
         for i in order:
             if shape is None or shape[i] % (math.prod(mesh.shape[x] for x in dims[i]) * mesh.shape[a]) == 0:
-                dims[i] = dims[i] + [a] if "pipeline" in dims[i] else [a] + dims[i]
+                dims[i] = [a] + dims[i] if "fsdp" in dims[i] else dims[i] + [a]
                 used.add(a)
                 break
     return P(*[axes_entry(d) for d in dims])

@@ -334,13 +334,6 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         gaps["collective-permute"].append((
             "ZeRO-1's update reshards the fp32 parameter shards between the data-sharded optimizer layout and "
             "the tensor/fsdp layout: permutes with no formula", 0, math.inf))
-    if manual and plan.zero >= 2 and T > 1:
-        why = ("ZeRO-2/3 under the manual data executor beside tensor: inside its data-manual shard_map XLA runs "
-               "the once-per-step gather/reduce-scatter over data by first gathering the parameters/gradients "
-               "whole over tensor (data is the major factor of dimensions tensor splits too), about T x the "
-               "formula; a fix needs data as the minor factor and a shard_map entry that keeps that layout")
-        gaps["all-gather"].append((why, 1, math.inf))
-        gaps["reduce-scatter"].append((why, 1, math.inf))
     if manual and F * C > 1:
         why = ("the manual data executor (a shard_map over data) beside fsdp: the parameters do not change within "
                "the step, so XLA hoists loop-invariant FSDP gathers (and moves reduce-scatters) out of the "
