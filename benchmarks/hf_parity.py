@@ -1,8 +1,11 @@
 """Hugging Face import/export parity: max |logit difference| between meshtrain and transformers
 (CPU torch, fp32) for random-weight Llama, Mixtral, Qwen3 and Qwen3-MoE checkpoints built from small configs (nothing
 downloaded), and for a meshtrain run exported to Hugging Face and loaded with from_pretrained.
+--expert-mesh: instead, tiny Mixtral-form and Qwen3-MoE runs trained 2 steps on expert meshes (and one
+resumed onto another expert count), exported with convert --to-hf (tests/test_hf_moe.py's cases).
 
     python benchmarks/hf_parity.py [--width 256 --layers 4 --seq 256]
+    python benchmarks/hf_parity.py --expert-mesh
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from pathlib import Path
 
 # the repository instead of this folder: transformers imports a package named `kernels` if it finds one
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -25,6 +28,13 @@ from meshtrain.interop import hf  # noqa: E402
 from meshtrain.models import FAMILIES  # noqa: E402
 from meshtrain.parallel.mesh import build_mesh, parse_mesh  # noqa: E402
 from meshtrain.parallel.sharding import param_shardings  # noqa: E402
+from meshtrain.testing import (  # noqa: E402
+    MOE_EXPORT_FAMILIES,
+    MOE_EXPORT_LAYOUTS,
+    MOE_RESUMED_ON,
+    hf_export_parity,
+    trained_run,
+)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -69,7 +79,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--expert-mesh", action="store_true", help="MoE runs trained on expert meshes, exported")
     args = ap.parse_args()
+    if args.expert_mesh:
+        return expert_mesh_exports()
     torch.manual_seed(0)
     tokens = np.random.default_rng(0).integers(0, 1000, (2, args.seq))
     mesh = build_mesh(parse_mesh("fsdp=2,tensor=2", 4), jax.devices()[:4])
@@ -89,6 +102,22 @@ def main() -> None:
             same = all(np.array_equal(a.get(n), b.get(n)) for n in a.tensors) and a.tensors.keys() == b.tensors.keys()
             print(f"| {name} | {np.abs(ours - theirs).max():.2e} ({np.abs(theirs).max():.1f}) | "
                   f"{np.abs(logits(back, tokens) - ours).max():.2e} | {'yes' if same else 'NO'} |")
+
+
+def expert_mesh_exports() -> None:
+    tokens = np.random.default_rng(1).integers(0, 256, (2, 24))
+    print("| run | max abs logit diff (max abs logit) | import(export) - trained |\n|---|---|---|")
+    row = lambda name, parity: print(f"| {name} | {parity[0]:.1e} ({parity[1]:.1f}) | {parity[2]:.1e} |")
+    for family, (config, model_overrides) in MOE_EXPORT_FAMILIES.items():
+        for layout, overrides in MOE_EXPORT_LAYOUTS.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                trainer = trained_run(Path(tmp) / "run", config, (*model_overrides, *overrides), steps=2)
+                row(f"{family}, {layout}", hf_export_parity(trainer, Path(tmp) / "hf", tokens))
+                if family == "qwen3_moe" and layout == "data=2,expert=4":
+                    resumed = trained_run(Path(tmp) / "run", config, (*model_overrides, MOE_RESUMED_ON), steps=3,
+                                          resume=True)
+                    row(f"{family}, {layout} resumed on {MOE_RESUMED_ON.split('=', 1)[1]}",
+                        hf_export_parity(resumed, Path(tmp) / "hf2", tokens))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 MOE_TINY = str(ROOT / "configs" / "moe_tiny.yaml")
+QWEN3_MOE_TINY = str(ROOT / "configs" / "qwen3_moe_tiny.yaml")
 SHAKESPEARE_TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"  # beside the clone, where there is one
 
 
@@ -90,3 +91,50 @@ def full_forward_greedy(model, params, rows, new):
         for b, row in enumerate(rows):
             buf[b, len(row) + t] = logits[b, len(row) + t - 1].argmax()
     return [buf[b, len(row):len(row) + new] for b, row in enumerate(rows)]
+
+
+# MoE runs trained on expert meshes, exported to Hugging Face (tests/test_hf_moe.py, benchmarks/hf_parity.py
+# --expert-mesh): each family's tiny config (Mixtral's form has no shared experts) on each layout.
+MOE_EXPORT_FAMILIES = {"mixtral": (MOE_TINY, ("model.num_shared_experts=0",)), "qwen3_moe": (QWEN3_MOE_TINY, ())}
+MOE_EXPORT_LAYOUTS = {"data=2,expert=4": ("parallel.mesh=data=2,expert=4",),
+                      "fsdp=2,expert=4, ZeRO-3": ("parallel.mesh=fsdp=2,expert=4", "parallel.zero=3")}
+MOE_RESUMED_ON = "parallel.mesh=expert=2,data=2,fsdp=2"  # qwen3_moe's 8 experts: 2, then 4 per device
+
+
+def trained_run(out, config, overrides, steps, resume=False):
+    """A run of `config` trained for `steps` in the folder `out` (resuming its checkpoint when `resume`),
+    its final save written: the trainer."""
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    trainer = Trainer(tiny_config(*overrides, *(["checkpoint.resume=auto"] if resume else []), out=str(out),
+                                  config=config))
+    trainer.fit(steps, log=MetricsLog(trainer.out, primary=False))  # ends with its save of `steps`
+    trainer.checkpointer.wait()
+    return trainer
+
+
+def hf_export_parity(trainer, folder, tokens) -> tuple[float, float, float]:
+    """Export the trainer's run with `convert --to-hf` into `folder`, load it with transformers (fp32,
+    CPU torch) and import it back onto one device: (max |logit difference| from meshtrain's on `tokens`,
+    the largest |logit|, max |imported - trained| parameter difference)."""
+    import torch
+    import transformers
+
+    from meshtrain import convert
+    from meshtrain.interop import hf
+    from meshtrain.models import FAMILIES
+    from meshtrain.parallel.mesh import build_mesh, parse_mesh
+    from meshtrain.parallel.sharding import param_shardings
+
+    convert.to_hf(str(trainer.out), str(folder), "float32", 1 << 30, "fsdp=-1")
+    params = jax.device_get(trainer.unpermuted_params())
+    ours = np.asarray(trainer.program.model.apply(params, tokens))
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = theirs_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+    spec = hf.read_spec(folder)
+    model = FAMILIES[spec.family](spec)
+    one = build_mesh(parse_mesh("1", 1), jax.devices()[:1])
+    imported = jax.device_get(hf.load_params(folder, model, param_shardings(model, one)))
+    return float(np.abs(theirs - ours).max()), float(np.abs(ours).max()), max_param_diff(imported, params)
