@@ -21,6 +21,8 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
     "tiny pod (ZeRO-1, data x fsdp x tensor)": ("tiny", ("parallel.mesh=2x2x2",), {"all-reduce", "reduce-scatter"}),
     "data x tensor": ("llama3_8b", ("parallel.mesh=data=2,tensor=4", "train.batch_size=32"),  # ZeRO-3, manual data
                       {"all-reduce", "all-gather", "reduce-scatter"}),
+    "pipeline x data x tensor": ("llama3_8b", ("parallel.mesh=data=2,pipeline=2,tensor=2", "train.batch_size=32"),
+                                 {"all-reduce", "all-gather", "reduce-scatter"}),  # ZeRO-3: the pipeline's executor
     "data x fsdp": ("llama3_8b", ("parallel.mesh=data=2,fsdp=4", "train.batch_size=128"), set()),
     "sequence parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "parallel.sequence_parallel=true",
                                         "train.batch_size=32"), {"reduce-scatter"}),
