@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from meshtrain.core.console import duration, log
 from meshtrain.core.errors import UserError
+from meshtrain.core.folders import writing_file
 from meshtrain.core.ray_cluster import connected
 from meshtrain.data.prepare import SHARD_TOKENS, Tokenized, source_units, tokenize, write_prepared
 from meshtrain.data.sources import Unit
@@ -127,14 +127,9 @@ def _tokenize_unit(unit: Unit, tok, field: str, path: str) -> None:
     """A Ray task: the unit's tokens, saved whole at `path`."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per task: the tasks are the parallelism
     part = tokenize(unit, tok, field)
-    tmp = Path(f"{path}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, ids=part.ids, ends=part.ends,
-                     counts=np.array(json.dumps({"characters": part.characters, "dropped": part.dropped})))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with writing_file(path, "the unit's result", force=True) as tmp, open(tmp, "wb") as f:  # a full disk: one line
+        np.savez(f, ids=part.ids, ends=part.ends,
+                 counts=np.array(json.dumps({"characters": part.characters, "dropped": part.dropped})))
 
 
 def _load(path: Path) -> Tokenized:

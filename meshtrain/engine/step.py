@@ -4,6 +4,8 @@ nonfinite guard -> the optimizer (meshtrain/ops/optimizers.py). The state is {'s
 (meshtrain/parallel/compression.py); the batch is [batch, seq_len + 1] tokens."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -137,15 +139,15 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         scale = loss_scale["scale"] if scales_loss(plan) else None
         out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None))
         model_metrics = out.metrics
-        share = trained_share(tokens_BxL1) if loss_mask else None
+        divisors = [] if scale is None else [scale]  # the gradients are of the objective times these
         if loss_mask:  # the mean over trained tokens (the model's statistics stay means over all tokens)
+            share = trained_share(tokens_BxL1)
             model_metrics = {**model_metrics, "loss": model_metrics["loss"] / share,
                              "trained_tokens": jnp.sum(tokens_BxL1[:, 1:] >= 0, dtype=jnp.float32)}
+            divisors.append(share)
         loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
-        unscale = (lambda g: g) if scale is None else (lambda g: g / scale)
-        if loss_mask:
-            unscale = (lambda g: g / share) if scale is None else (lambda g: g / (scale * share))
+        unscale = (lambda g: g / math.prod(divisors)) if divisors else (lambda g: g)
         grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
                              out.grads, params, grad_specs)
         grad_norm = optax.tree.norm(grads)

@@ -8,7 +8,7 @@ j G/c ..: with H = G x R grouped contiguously, its query heads' kv heads). The l
 (`parallel.attention`: xla, blockwise, cudnn) runs on that unchanged, with the whole sequence's
 positions, document ids and window; a fourth all-to-all takes the output back to
 sequence-sharded. Autodiff transposes each all-to-all into the reverse one (4 more backward).
-Each moves (c-1)/c of the tensor's local bytes off the device (`formulas.ulysses_bytes`).
+Each moves (c-1)/c of the tensor's local bytes off the device (`formulas.ulysses_all_to_all_bytes`).
 
 Hybrid (USP, Fang & Zhao 2024; Megatron's hierarchical CP): the axis is cut into c/u groups of
 u = `parallel.ulysses_degree` consecutive devices. The sequence is stored in the ring's
