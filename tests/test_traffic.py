@@ -118,7 +118,7 @@ def test_formula_within_10_percent_of_the_compiled_step(layout, precision):
     compared = 0
     for kind in KINDS:
         measured, expected = found[kind]["traffic_bytes"], formula[kind]["traffic_bytes"]
-        if kind == "collective-permute" and not expected:
+        if kind == "collective-permute" and not expected and "fsdp" in layout:
             continue  # ZeRO-1's resharding permutes with data beside fsdp: no formula yet (docs/planner.md)
         if expected == 0:  # scalars only: the loss, the norm, the guard
             assert measured < 1e3, (kind, measured)

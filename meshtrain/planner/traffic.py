@@ -330,10 +330,10 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
     manual = data_parallel.is_manual(D, microbatches=micro, pipelined=sizes["pipeline"] > 1, zero=plan.zero,
                                      compressed=compression.applies(plan, sizes))
     gaps: dict[str, list] = {k: [] for k in KINDS}
-    if plan.zero == 1 and D > 1 and (T > 1 or F > 1):
+    if plan.zero == 1 and D > 1 and F > 1:  # beside tensor alone, data is the minor factor: no reshard
         gaps["collective-permute"].append((
             "ZeRO-1's update reshards the fp32 parameter shards between the data-sharded optimizer layout and "
-            "the tensor/fsdp layout: permutes with no formula", 0, math.inf))
+            "the fsdp layout: permutes with no formula", 0, math.inf))
     if manual and F * C > 1:
         why = ("the manual data executor (a shard_map over data) beside fsdp: the parameters do not change within "
                "the step, so XLA hoists loop-invariant FSDP gathers (and moves reduce-scatters) out of the "
