@@ -214,6 +214,20 @@ def test_cudnn_attention_runs_the_fused_kernels_per_layer_docs_speed_states(rema
     assert (att["forward"], att["backward"]) == (per_layer[0] * layers, per_layer[1] * layers)
 
 
+def test_ulysses_runs_cudnns_kernel_per_layer_and_moves_its_formulas_all_to_all_bytes():
+    """docs/context.md: under Ulysses cuDNN's fused kernel runs on the whole sequence (the shard_map is
+    manual over every axis: XLA's GPU compiler refuses its custom partitioning in a partly manual
+    region), and the step's all-to-alls move exactly the formula's bytes."""
+    cfg = tiny_config("parallel.mesh=data=2,context=4", "parallel.precision=bf16", "train.seq_len=256",
+                      "train.batch_size=2", "parallel.context_strategy=ulysses", "parallel.attention=cudnn")
+    program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
+    text = program.lower().compile().as_text()
+    att, layers = kernels.read(text)["attention"], cfg.model.num_layers
+    assert att["forward"] >= layers and att["backward"] == layers, att
+    expected = traffic.expected_traffic(program)["all-to-all"]["traffic_bytes"]
+    assert expected > 0 and collectives(text, 8)["all-to-all"]["traffic_bytes"] == expected
+
+
 def test_experts_compile_for_the_gpu_with_their_all_to_alls():
     """moe_tiny's pod layout (data=2,expert=4) on 8 H100s: the dispatch runs as async all-to-alls."""
     k = kernels.read(compiled_step("parallel.mesh=data=2,expert=4", config=MOE_TINY, count=8))
