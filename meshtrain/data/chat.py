@@ -152,8 +152,8 @@ def messages_of(value, field: str, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def encode(fmt: ChatFormat, tok, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each conversation's (token ids, uint8 mask: 1 on the assistant turns' tokens)."""
+def encode(fmt: ChatFormat, tok, conversations: list[list[dict]]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Each conversation's (rendered text, token ids, uint8 mask: 1 on the assistant turns' tokens)."""
     out = []
     for messages in conversations:
         text, spans = fmt.spans(messages)
@@ -161,7 +161,7 @@ def encode(fmt: ChatFormat, tok, conversations: list[list[dict]]) -> list[tuple[
         inside = np.zeros(len(text) + 1, np.int8)
         for lo, hi in spans:
             inside[lo:hi] = 1
-        out.append((ids, inside[starts].astype(np.uint8)))
+        out.append((text, ids, inside[starts].astype(np.uint8)))
     return out
 
 

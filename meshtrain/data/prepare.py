@@ -56,10 +56,8 @@ def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = Non
                         f"from the source") from None
     end = tokenizer_lib.document_end(tok)
     if chat:
-        encoded = chat_lib.encode(chat, tok, rows)
-        texts = [chat.render(messages) for messages in rows]  # what DroppedText counts
-        masks = [m for _, mask in encoded for m in (mask, np.zeros(len(end), np.uint8))]
-        encoded = [ids for ids, _ in encoded]
+        texts, encoded, masks = zip(*chat_lib.encode(chat, tok, rows)) if rows else ((), (), ())
+        masks = [m for mask in masks for m in (mask, np.zeros(len(end), np.uint8))]
     else:
         texts, masks, encoded = rows, None, tok.encode_batch(rows)
     pieces = [piece for ids in encoded for piece in (ids, end)]
