@@ -5,6 +5,7 @@ bad file is one `error:` line naming it, and the rerun after fixing it, or after
 only the units not done yet; training runs on the result."""
 import json
 import logging
+import os
 
 import jax
 import pytest
@@ -152,3 +153,15 @@ def test_training_runs_on_a_ray_prepared_folder(prepared):
     assert [r["step"] for r in history if "loss" in r] == [1, 2]
     sha256 = json.loads((folder / "manifest.json").read_text())["sha256"]
     assert sha256 in (trainer.out / "run.json").read_text()  # its data identity: the manifest's content hash
+
+
+def test_a_second_prepare_of_the_same_out_is_refused_while_the_first_runs(tmp_path):
+    """The work folder is locked by its driver: another driver for the same --out stops with one line."""
+    out = tmp_path / "data"
+    work = cluster.work_folder(out)
+    first = cluster._claim(work, set(), out)
+    try:
+        with pytest.raises(UserError, match="another prepare is writing"):
+            cluster._claim(work, set(), out)
+    finally:
+        os.close(first)
