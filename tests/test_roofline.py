@@ -272,7 +272,8 @@ def test_estimate_times_collectives_on_the_links_they_cross():
     8-GPU nodes) and 1 of 4.5 GB over fsdp: 2 GB / 50 GB/s + 4.5 GB / 450 GB/s = 50 ms."""
     mesh = sizes(data=2, fsdp=8)
     program = SimpleNamespace(
-        sizes=mesh, plan=SimpleNamespace(remat="none", residuals="save", attention="xla", precision="bf16"),
+        sizes=mesh, plan=SimpleNamespace(remat="none", residuals="save", attention="xla", precision="bf16",
+                                         context_strategy="ring", ulysses_degree=0),
         flops_per_token=0.0,
         train=SimpleNamespace(batch_size=16, seq_len=16),
         model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1,

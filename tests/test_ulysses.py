@@ -156,10 +156,8 @@ def test_size_check_counts_the_whole_sequences_scores():
 @pytest.mark.fast
 def test_context_degrees_of_each_strategy():
     """(devices round the ring, devices per all-to-all group): the planner's split of the context axis."""
-    from meshtrain.config.spec import ParallelPlan
-    from meshtrain.planner.traffic import context_degrees
-    plan = lambda strategy, u=0: ParallelPlan(context_strategy=strategy, ulysses_degree=u)
-    assert context_degrees(plan("ring"), 8) == (8, 1)
-    assert context_degrees(plan("ulysses"), 8) == (1, 8)
-    assert context_degrees(plan("hybrid", 2), 8) == (4, 2)
-    assert context_degrees(plan("hybrid", 2), 1) == context_degrees(plan("ulysses"), 1) == (1, 1)  # no context axis
+    from meshtrain.ops.ulysses import context_degrees
+    assert context_degrees("ring", 8) == (8, 1)
+    assert context_degrees("ulysses", 8) == (1, 8)
+    assert context_degrees("hybrid", 8, 2) == (4, 2)
+    assert context_degrees("hybrid", 1, 2) == context_degrees("ulysses", 1) == (1, 1)  # no context axis

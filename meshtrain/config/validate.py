@@ -27,6 +27,7 @@ from meshtrain.data.tokenizer import load as load_tokenizer
 from meshtrain.models import declaring, family
 from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
+from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel.schedules import check as check_schedule
 from meshtrain.parallel.schedules import check_residuals
 from meshtrain.parallel.sharding import make_rules
@@ -158,7 +159,6 @@ def _check_context(m, par, seq_len: int, context: int, tensor: int) -> None:
         if par.attention == "ring":
             raise UserError("parallel.context_strategy=ulysses gives each device whole sequences of some heads and "
                             "runs a local kernel on them; set parallel.attention to xla, blockwise or cudnn")
-        degree = context
     elif par.attention != "ring":
         raise UserError(f"mesh context={context} splits the sequence, which parallel.attention={par.attention} "
                         f"cannot attend across; set parallel.attention=ring, or parallel.context_strategy=ulysses")
@@ -168,6 +168,7 @@ def _check_context(m, par, seq_len: int, context: int, tensor: int) -> None:
                         f"group) dividing context={context} strictly between 1 and it: "
                         + (f"one of {', '.join(map(str, divisors))}" if divisors else
                            "none exists; use context_strategy=ring or ulysses"))
+    ring, degree = context_degrees(strategy, context, degree)
     if strategy in ("ulysses", "hybrid"):
         q, kv = m.num_heads // tensor, m.num_kv_heads // tensor  # heads per tensor shard
         if q % degree or kv % degree:
@@ -182,7 +183,7 @@ def _check_context(m, par, seq_len: int, context: int, tensor: int) -> None:
             raise LayoutError(f"train.seq_len={seq_len} is not divisible by 2 x context ({2 * context}): each "
                               f"device holds an early and a late chunk; use a multiple of {2 * context}")
         return
-    ring = context // degree  # hybrid: groups round the ring, each an early and a late chunk over its devices
+    # hybrid: groups round the ring, each an early and a late chunk over its devices
     chunks = context if ring == 1 else math.lcm(context, 2 * ring)
     if seq_len % chunks:
         raise LayoutError(f"train.seq_len={seq_len} is not divisible by {chunks}: context_strategy={strategy} "

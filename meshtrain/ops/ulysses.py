@@ -86,14 +86,22 @@ def ulysses_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment
                          axis_names=manual_here, check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *segments)
 
 
+def context_degrees(strategy: str, C: int, ulysses_degree: int = 0) -> tuple[int, int]:
+    """(devices round the ring (hybrid: groups), devices per all-to-all group) of
+    `parallel.context_strategy` on a context axis of C: ring (C, 1), ulysses (1, C), hybrid (C / u, u)
+    with u `parallel.ulysses_degree`; (1, 1) without a context axis."""
+    u = {"ring": 1, "ulysses": C}.get(strategy, ulysses_degree or 1) if C > 1 else 1
+    return C // u, u
+
+
 def context_layout(strategy: str, attention, context: int, seq_len: int, degree: int = 0):
     """(the attention kernel, the sequence's storage order or None) the model runs with on a
     context axis of `context` under `parallel.context_strategy` (`attention`: the configured
     backend's function, meshtrain.ops.attention.BACKENDS)."""
     if context == 1:
         return attention, None
+    ring, degree = context_degrees(strategy, context, degree)
+    order = None if ring == 1 else load_balanced_order(seq_len, ring)
     if strategy == "ring":
-        return attention, load_balanced_order(seq_len, context)
-    degree = context if strategy == "ulysses" else degree
-    order = None if degree == context else load_balanced_order(seq_len, context // degree)
+        return attention, order
     return functools.partial(ulysses_attention, local=attention, degree=degree), order

@@ -64,9 +64,9 @@ import numpy as np
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.ops.attention import executed_attention
+from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
-from meshtrain.planner.traffic import context_degrees
 
 
 # ---- where the axes run ----
@@ -210,7 +210,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     block_params = program.model.block_matmul_params(params) + slot_params  # the head is not rerun
     model_flops = program.flops_per_token * tokens
     windows = m.layer_windows()  # 0: the whole causal past
-    ring = context_degrees(plan, sizes.get("context", 1))[0]  # hybrid: the ring over C / u groups
+    # hybrid: the ring over C / u groups
+    ring = context_degrees(plan.context_strategy, sizes.get("context", 1), plan.ulysses_degree)[0]
     attention = [(executed_attention(plan.attention, t.seq_len, ring, w), windows.count(w))
                  for w in m.window_kinds()]
     hardware_flops = hardware_flops_per_token(program.flops_per_token + 6.0 * slot_params, block_params, width,

@@ -65,6 +65,7 @@ from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
 from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.ops.precision import compute_bytes
+from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
 from meshtrain.parallel.sharding import entry_axes, stage_replicated
@@ -145,7 +146,7 @@ def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
     # this device's keys and values (heads split over T): under hybrid a ring member's slot of C/u
     # of the sequence holds 1/u of the kv heads, the same bytes
     kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act
-    ring = C // context_degrees(plan, C)[1]  # devices (hybrid: groups) round the ring
+    ring = context_degrees(plan.context_strategy, C, plan.ulysses_degree)[0]  # devices (hybrid: groups) round the ring
     out, switched = [], len(m.window_kinds()) > 1
     for window in m.window_kinds():
         sends = ring_sends(t.seq_len, ring, window)
@@ -154,21 +155,15 @@ def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
     return out
 
 
-def context_degrees(plan, C: int) -> tuple[int, int]:
-    """(devices round the ring, devices per all-to-all group) of `parallel.context_strategy` on a
-    context axis of C: ring (C, 1), ulysses (1, C), hybrid (C / u, u)."""
-    u = {"ring": 1, "ulysses": C}.get(plan.context_strategy, plan.ulysses_degree or 1) if C > 1 else 1
-    return C // u, u
-
-
 def ulysses_layer_traffic(program) -> float:
     """Ulysses' all-to-all link bytes per device per step for one layer (`formulas.ulysses_all_to_all_bytes`):
     forward and backward, and the recomputed forward under remat=full."""
     sizes, plan, m, t = program.sizes, program.plan, program.model.cfg, program.train
     D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
     tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    group = context_degrees(plan.context_strategy, C, plan.ulysses_degree)[1]
     return formulas.ulysses_all_to_all_bytes(tokens, m.num_heads / T, m.num_kv_heads / T, m.head_dim,
-                                             context_degrees(plan, C)[1], compute_bytes(plan.precision),
+                                             group, compute_bytes(plan.precision),
                                              3 if plan.remat == "full" else 2)
 
 
@@ -275,7 +270,7 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
             + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
-    ring, group = context_degrees(plan, C)
+    ring, group = context_degrees(plan.context_strategy, C, plan.ulysses_degree)
     if group > 1:  # meshtrain/ops/ulysses.py's all-to-alls, the same in every layer
         passes = "forward, recomputed forward and backward" if plan.remat == "full" else "forward and backward"
         add("all-to-all", ulysses_layer_traffic(program) * m.num_layers / P,
@@ -348,7 +343,8 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         gaps["all-reduce"].append((why, 1, math.inf))
         gaps["reduce-scatter"].append((why, 0, 1))
         # under Ulysses (no ring) those permutes are all there is: no formula to be a ratio of
-        permutes_hi = math.inf if C > 1 and context_degrees(plan, C)[0] == 1 else 2
+        no_ring = C > 1 and context_degrees(plan.context_strategy, C, plan.ulysses_degree)[0] == 1
+        permutes_hi = math.inf if no_ring else 2
         gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, permutes_hi))
     if plan.remat == "full" and F * C > 1:
         gaps["all-gather"].append((
