@@ -58,16 +58,28 @@ def compile_speed(configs):
 
 
 def gpu_vs_cpu(configs):
-    """Each config's plan by the GPU compiler beside XLA:CPU's."""
+    """Each config's plan by the GPU compiler beside XLA:CPU's (benchmarks/RESULTS.md's table)."""
     gb = human_bytes
     print("| config | pod | train GPU / CPU | eval GPU / CPU | generation GPU / CPU | verdict (GPU) | "
-          "worst traffic (GPU) | step (GPU: its kernels priced) | plan time GPU / CPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "worst traffic (GPU) | step predicted (GEMMs / memory-bound / collectives not hidden) | formula bound "
+          "| plan time GPU / CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for config in configs:
         g, c = plan(config, compiler="gpu"), plan(config, compiler="cpu")
         peaks = " | ".join(f"{gb(g['steps'][k])} / {gb(c['steps'][k])}" for k in ("train", "eval", "generation"))
         print(f"| {config.stem} | {pod(g)} | {peaks} | {g['verdict']['status']} | {worst_traffic(g)} | "
-              f"{g['roofline']['step_s'] * 1e3:,.1f} ms | {g['_seconds']:.0f} s / {c['_seconds']:.0f} s |", flush=True)
+              f"{predicted_step(g['roofline'])} | {g['roofline'].get('formula_step_s', g['roofline']['step_s']):.2f} s "
+              f"| {g['_seconds']:.0f} s / {c['_seconds']:.0f} s |", flush=True)
+
+
+def predicted_step(roof: dict) -> str:
+    """'34.1 s, MFU 11.2% (12.9 / 17.7 / 3.6 s)': the step as the GPU program's kernels price it
+    (meshtrain/planner/kernel_time.py), its MFU, and its GEMM, memory-bound and exposed collective seconds."""
+    if roof["priced_by"] != "kernels":
+        return f"not priced by kernels ({roof['priced_by']})"
+    k = roof["kernel_time"]
+    return (f"{roof['step_s']:.1f} s, MFU {roof['mfu_ceiling']:.1%} ({k['by_kind_s']['gemm']:.1f} / "
+            f"{k['by_kind_s']['memory']:.1f} / {k['exposed_comm_s']:.1f} s)")
 
 
 def pod(report: dict) -> str:
