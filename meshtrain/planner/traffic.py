@@ -131,6 +131,13 @@ def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
     return program.model.dispatch_bytes(rows, t.seq_len, compute_bytes(program.plan.precision), sizes["expert"])
 
 
+def tokens_per_device(program) -> float:
+    """The tokens one device holds per step: the batch split over data, fsdp and expert, the sequence
+    over context."""
+    sizes, t = program.sizes, program.train
+    return t.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"]) * t.seq_len / sizes["context"]
+
+
 def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
     """Ring attention's link bytes per device per step for one layer of each kind (its sliding
     window, `ModelSpec.window_kinds`), as (window, bytes, K/V sends, dK/dV sends): forward and
@@ -140,9 +147,9 @@ def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
     layers' kinds, whose forward and recomputed forward are two conditionals), and C sends of the
     fp32 dK/dV sums."""
     sizes, plan, m, t = program.sizes, program.plan, program.model.cfg, program.train
-    D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
+    T, C = sizes["tensor"], sizes["context"]
     act = compute_bytes(plan.precision)
-    tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    tokens = tokens_per_device(program)
     # this device's keys and values (heads split over T): under hybrid a ring member's slot of C/u
     # of the sequence holds 1/u of the kv heads, the same bytes
     kv = tokens * 2 * m.num_kv_heads / T * m.head_dim * act
@@ -158,9 +165,9 @@ def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
 def ulysses_layer_traffic(program) -> float:
     """Ulysses' all-to-all link bytes per device per step for one layer (`formulas.ulysses_all_to_all_bytes`):
     forward and backward, and the recomputed forward under remat=full."""
-    sizes, plan, m, t = program.sizes, program.plan, program.model.cfg, program.train
-    D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
-    tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    sizes, plan, m = program.sizes, program.plan, program.model.cfg
+    T, C = sizes["tensor"], sizes["context"]
+    tokens = tokens_per_device(program)
     group = context_degrees(plan.context_strategy, C, plan.ulysses_degree)[1]
     return formulas.ulysses_all_to_all_bytes(tokens, m.num_heads / T, m.num_kv_heads / T, m.head_dim,
                                              group, compute_bytes(plan.precision),
@@ -171,7 +178,7 @@ def expected_traffic(program) -> dict[str, dict]:
     """Analytical link traffic per device per step, by collective kind, with what it stands for."""
     plan, sizes = program.plan, program.sizes
     D, F, T, P, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context"))
-    m, t, zero = program.model.cfg, program.train, plan.zero
+    m, zero = program.model.cfg, plan.zero
     act = compute_bytes(plan.precision)
     gpu = on_gpu(program)  # XLA:GPU's program: where it differs from XLA:CPU's, said at each term
     slices = param_slices(program)
@@ -248,7 +255,7 @@ def expected_traffic(program) -> dict[str, dict]:
     # output's but not the MLP output's, whose only use is the next layer's (saved) input, unless
     # the block normalizes it (gemma3's post-MLP norm, whose backward needs it again).
     per_layer = (6 if program.model.post_norm else 5) if plan.remat == "full" else 4
-    tokens = t.batch_size / (D * F * E) * t.seq_len / C  # per device
+    tokens = tokens_per_device(program)
     megatron = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, m.num_layers / P, per_layer, act)
     if plan.sequence_parallel:
         add("reduce-scatter", megatron / 2, f"Megatron-SP: {per_layer} activation reduce-scatters per layer")
