@@ -185,3 +185,16 @@ def test_dpo_settings_that_cannot_work_are_refused(pairs_folder):
         tiny_config("train.objective=dpo")  # synthetic data
     with pytest.raises(UserError, match="holds none: prepare"):
         read_pairs(pairs_folder.parent)
+
+
+def test_the_plan_of_a_dpo_run_holds_the_reference_and_no_eval_step(pairs_folder, capsys):
+    from conftest import TINY
+
+    from meshtrain.plan import main as plan
+
+    assert plan(["--config", TINY, "--set", "train.objective=dpo", "--set", f"data.path={pairs_folder}", "--set",
+                 "data.kind=auto", "--devices", "8", "--mesh", "fsdp=4,tensor=2", "--compiler", "cpu",
+                 "--search-budget", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory"]["reference"] == report["memory"]["parameters"] > 0  # one more copy, laid out as them
+    assert report["eval_step"] is None and set(report["steps"]) == {"train", "generation"}
