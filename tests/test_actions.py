@@ -64,7 +64,8 @@ def trainer(**sections):
     for name, values in sections.items():
         cfg[name] |= values
     return SimpleNamespace(cfg=SimpleNamespace(**{k: SimpleNamespace(**v) for k, v in cfg.items()}),
-                           watchdog=Dog(), tasks=[], program=None, preempted=False, skip_batches=[],
+                           watchdog=Dog(), tasks=[], program=SimpleNamespace(tokens_per_step=2 * 8),  # batch x seq
+                           preempted=False, skip_batches=[],
                            batch_index=lambda step: step + 100)
 
 

@@ -142,6 +142,15 @@ class DataConfig:
 
 
 @dataclass
+class DPOConfig:
+    beta: float = setting(0.1, "the DPO temperature: the implicit reward is beta x (policy - reference) log-prob "
+                               "of a response", above=0.0)
+    label_smoothing: float = setting(0.0, "the share of pairs taken as mislabelled (conservative DPO): the loss is "
+                                          "-(1 - ls) log sigmoid(beta m) - ls log sigmoid(-beta m)",
+                                     min=0.0, below=0.5)
+
+
+@dataclass
 class TrainConfig:
     steps: int = setting(200, "optimizer steps", min=1)
     batch_size: int = setting(32, "global batch, in sequences", min=1)
@@ -163,6 +172,10 @@ class TrainConfig:
                                        "and of each parameter kind (grad_norm_<name>), and the timed "
                                        "communication share of the step (comm_share); 0 = off (the step then "
                                        "computes no per-layer norms)", min=0)
+    objective: str = setting("sft", "sft: next-token cross-entropy (with chat data's loss mask); dpo: direct "
+                                    "preference optimisation on data from prepare --preference, train.batch_size "
+                                    "pairs a batch (docs/fine-tuning.md)", choices=("sft", "dpo"))
+    dpo: DPOConfig = setting(DPOConfig(), "train.objective=dpo: its temperature and label smoothing")
 
 
 @dataclass

@@ -82,12 +82,25 @@ def check_config(cfg) -> None:
         raise UserError("eval.tasks are set but never scored: eval.task_every and train.eval_every are 0; set "
                         "eval.task_every=N")
     _check_local_tier(cfg.checkpoint, cfg.out)
+    if t.objective == "dpo":
+        _check_dpo(cfg)
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
     if cfg.data.eos_id >= m.vocab_size:
         raise UserError(f"data.eos_id={cfg.data.eos_id} is outside model.vocab_size={m.vocab_size}; set the "
                         f"tokenizer's EOS id, or -1 for the tokenizer's own")
+
+
+def _check_dpo(cfg) -> None:
+    """train.objective=dpo reads one folder of preference pairs and has no eval_loss yet."""
+    d, t = cfg.data, cfg.train
+    if d.sources or d.kind == "synthetic" or not d.path or d.train_on != "assistant":
+        raise UserError("train.objective=dpo trains on one folder from python -m meshtrain.data prepare --preference "
+                        "(data.path, with data.train_on=assistant and no data.sources)")
+    if t.eval_every:
+        raise UserError(f"train.objective=dpo computes no eval_loss yet; set train.eval_every=0 (it is "
+                        f"{t.eval_every}): the step's reward_accuracy and reward_margin follow training")
 
 
 def _check_local_tier(c, out: str) -> None:
@@ -113,6 +126,9 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     _check_kernels(par, t.seq_len, backend)
     stages = sizes["pipeline"]
     micro = par.num_microbatches(stages)
+    if stages > 1 and t.objective == "dpo":
+        raise LayoutError("train.objective=dpo runs without a pipeline axis (the pipeline executor computes the "
+                          "token loss only); drop pipeline from parallel.mesh")
     if stages > 1:
         check_schedule(par.schedule, stages, micro, par.virtual_stages)
         check_residuals(par.schedule, par.residuals, par.remat)

@@ -1,7 +1,8 @@
 """`python -m meshtrain.data prepare | train-tokenizer`: tokenize a corpus once; train a BPE tokenizer.
 
     python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR [--workers N | --ray ADDRESS]
-                                     [--text-field text] [--chat [--chat-template auto|chatml|FILE]]
+                                     [--text-field text] [--chat | --preference]
+                                     [--chat-template auto|chatml|FILE]
     python -m meshtrain.data train-tokenizer SRC --vocab-size N --out tokenizer.json
 """
 from __future__ import annotations
@@ -44,9 +45,14 @@ def parser() -> Parser:
                       help="rows are conversations ({\"messages\": [{\"role\", \"content\"}, ...]}; set "
                            "--text-field for another column): rendered with a chat template, with a loss mask on "
                            "the assistant turns (docs/fine-tuning.md)")
-    prep.add_argument("--chat-template", default="auto",
-                      help=f"with --chat: auto (the tokenizer's own chat_template), a built-in "
-                           f"({', '.join(chat_lib.BUILTIN)}) or a .jinja file")
+    prep.add_argument("--preference", action="store_true",
+                      help="jsonl rows are preference pairs {\"prompt\", \"chosen\", \"rejected\"} (text, or "
+                           "messages rendered with --chat-template) for train.objective=dpo: two sequences an "
+                           "example, a loss mask on the responses (docs/fine-tuning.md)")
+    prep.add_argument("--chat-template",
+                      help=f"with --chat (default auto) or --preference (default none: rows of text): auto (the "
+                           f"tokenizer's own chat_template), a built-in ({', '.join(chat_lib.BUILTIN)}) or a "
+                           f".jinja file")
     prep.add_argument("--allow-dropped-text", action="store_true",
                       help="prepare although the tokenizer (one without an unknown token) maps some characters to "
                            "no token: a warning with their counts instead of an error")
@@ -67,15 +73,19 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.command == "prepare":
         tok = tokenizer_lib.load(args.tokenizer)
-        if args.chat_template != "auto" and not args.chat:
-            raise UserError("--chat-template renders chat data: pass --chat too")
+        if args.chat and args.preference:
+            raise UserError("--chat prepares conversations, --preference preference pairs: pass one")
+        if args.chat_template is not None and not (args.chat or args.preference):
+            raise UserError("--chat-template renders chat data: pass --chat (or --preference) too")
         field = chat_lib.MESSAGES if args.chat and args.text_field == "text" else args.text_field
-        chat = chat_lib.load_format(args.chat_template, tok) if args.chat else None
-        if chat and args.ray is not None:
-            raise UserError("--chat is prepared on one machine (--workers); --ray does not write loss masks yet")
+        templated = args.chat or args.chat_template is not None  # preference pairs: where one is named
+        chat = chat_lib.load_format(args.chat_template or "auto", tok) if templated else None
+        if (args.chat or args.preference) and args.ray is not None:
+            raise UserError(f"{'--chat' if args.chat else '--preference'} is prepared on one machine (--workers); "
+                            f"--ray does not write loss masks yet")
         if args.ray is None:
             m = prepare(args.src, tok, args.out, args.workers or os.cpu_count(), field, args.shard_tokens,
-                        kind, args.allow_dropped_text, chat)
+                        kind, args.allow_dropped_text, chat, args.preference)
         elif args.workers is not None:
             raise UserError("--workers is for one machine; with --ray each unit is a Ray task on a CPU of the "
                             "cluster: leave --workers out")
@@ -83,7 +93,9 @@ def main(argv=None) -> int:
             m = prepare_on_ray(args.src, tok, args.out, args.ray, args.text_field, args.shard_tokens, kind,
                                args.allow_dropped_text)
         seconds = time.perf_counter() - started
-        trained = f"; {m['trained_tokens']:,} tokens in assistant turns (the loss mask)" if chat else ""
+        trained = f"; {m['trained_tokens']:,} tokens in assistant turns (the loss mask)" if args.chat else ""
+        if args.preference:
+            trained = f"; {m['pairs']:,} preference pairs, {m['trained_tokens']:,} response tokens (the loss mask)"
         print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) from {m['documents']:,} documents in "
               f"{len(m['shards'])} shard(s), {seconds:.1f} s ({m['tokens'] / seconds:,.0f} tokens/s){trained}")
     else:

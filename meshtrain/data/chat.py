@@ -157,7 +157,7 @@ def encode(fmt: ChatFormat, tok, conversations: list[list[dict]]) -> list[tuple[
     out = []
     for messages in conversations:
         text, spans = fmt.spans(messages)
-        ids, starts = _ids_and_starts(tok, text)
+        ids, starts = ids_and_starts(tok, text)
         inside = np.zeros(len(text) + 1, np.int8)
         for lo, hi in spans:
             inside[lo:hi] = 1
@@ -165,7 +165,7 @@ def encode(fmt: ChatFormat, tok, conversations: list[list[dict]]) -> list[tuple[
     return out
 
 
-def _ids_and_starts(tok, text: str) -> tuple[np.ndarray, np.ndarray]:
+def ids_and_starts(tok, text: str) -> tuple[np.ndarray, np.ndarray]:
     """The text's ids (no special tokens added) and each token's first character."""
     if getattr(tok, "rust", None) is None:  # bytes: every byte of a character starts at it
         ids = tok.encode(text)

@@ -9,6 +9,8 @@ row) and of the whole stream (the manifest's) are computed as the bytes are writ
 the folder reads no shard to know its data's identity (meshtrain/data/tokens.py `vouched`).
 Chat data (`--chat`, meshtrain/data/chat.py) adds a loss mask: `shard-00000.mask`, ..., one uint8 a
 token (1: an assistant token, trained under data.train_on=assistant), hashed into `mask_sha256`.
+Preference data (`--preference`, meshtrain/data/preference.py) is stored so too, two documents an
+example (the response's tokens masked in), and `pairs.npy` locates each pair.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
 from meshtrain.data import chat as chat_lib
+from meshtrain.data import preference as preference_lib
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
 from meshtrain.data.tokens import MANIFEST, MASK_SUFFIX, file_meta, sidecar, token_dtype, write_json
@@ -47,16 +50,22 @@ class Tokenized(NamedTuple):
     mask: np.ndarray | None = None
 
 
-def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = None) -> Tokenized:
-    """`chat`: the unit's rows are conversations in `field`, rendered with this template."""
+def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = None,
+             preference: bool = False) -> Tokenized:
+    """`chat`: the unit's rows are conversations in `field`, rendered with this template.
+    `preference`: the rows are preference pairs (rendered with `chat` where it is given)."""
     try:
-        rows = list(read(unit, field, chat_lib.messages_of if chat else None))
+        if preference:
+            rows = list(read(unit, None, preference_lib.example_of))
+        else:
+            rows = list(read(unit, field, chat_lib.messages_of if chat else None))
     except OSError as e:  # unreadable (permissions, a vanished file): the user's to fix, named
         raise UserError(f"{unit.file} cannot be read ({e.strerror or e}); fix its permissions or remove it "
                         f"from the source") from None
     end = tokenizer_lib.document_end(tok)
-    if chat:
-        texts, encoded, masks = zip(*chat_lib.encode(chat, tok, rows)) if rows else ((), (), ())
+    if chat or preference:
+        encode = preference_lib.encode if preference else chat_lib.encode
+        texts, encoded, masks = zip(*encode(chat, tok, rows)) if rows else ((), (), ())
         masks = [m for mask in masks for m in (mask, np.zeros(len(end), np.uint8))]
     else:
         texts, masks, encoded = rows, None, tok.encode_batch(rows)
@@ -103,11 +112,12 @@ class DroppedText:
             log.warning(f"{self.summary()}; they are left out of the tokens")
 
 
-def tokenized(parts: list[Unit], tok, field: str, workers: int, chat=None) -> Iterator[Tokenized]:
+def tokenized(parts: list[Unit], tok, field: str, workers: int, chat=None,
+              preference: bool = False) -> Iterator[Tokenized]:
     """`tokenize` of each unit, in order; units spread over `workers` processes."""
     workers = min(workers, len(parts))
     if workers <= 1:
-        yield from (tokenize(u, tok, field, chat) for u in parts)
+        yield from (tokenize(u, tok, field, chat, preference) for u in parts)
         return
     # spawn, not fork: the parent may hold JAX's or the tokenizer's threads, which fork would copy
     # mid-work. An executor, not multiprocessing.Pool: leaving a Pool on an error (a unit without the
@@ -116,17 +126,17 @@ def tokenized(parts: list[Unit], tok, field: str, workers: int, chat=None) -> It
     # suite). On an error, or when the caller stops reading, `map` cancels the units still queued and
     # the executor waits for the few its workers hold (at most workers + 1) and never kills one.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_start_worker, initargs=(tok, field, chat)) as pool:
+                             initializer=_start_worker, initargs=(tok, field, chat, preference)) as pool:
         yield from pool.map(_tokenize_in_worker, parts)  # in order
 
 
-_worker: tuple = ()  # (tokenizer, field, chat format) in a worker process
+_worker: tuple = ()  # (tokenizer, field, chat format, preference) in a worker process
 
 
-def _start_worker(tok, field: str, chat) -> None:
+def _start_worker(tok, field: str, chat, preference: bool) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
     global _worker
-    _worker = (tok, field, chat)
+    _worker = (tok, field, chat, preference)
 
 
 def _tokenize_in_worker(unit: Unit):
@@ -190,14 +200,15 @@ class ShardWriter:
 
 def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = "text",
             shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False,
-            chat: chat_lib.ChatFormat | None = None) -> dict:
+            chat: chat_lib.ChatFormat | None = None, preference: bool = False) -> dict:
     """Tokenize `src` (a raw source: text, jsonl, Parquet, datasets folder) into the empty or new
     folder `out`; returns the manifest. Text the tokenizer maps to no token is an error unless
     `allow_dropped_text` (then a warning with the counts). `chat`: rows are conversations in
-    `text_field`, rendered with this format, and a loss mask is written beside the tokens."""
+    `text_field`, rendered with this format, and a loss mask is written beside the tokens.
+    `preference`: jsonl rows are preference pairs (meshtrain/data/preference.py)."""
     kind, parts = source_units(src, kind, shard_tokens, workers)
-    return write_prepared(tokenized(parts, tok, text_field, workers, chat), src, kind, tok, out, text_field,
-                          shard_tokens, allow_dropped_text, chat)
+    return write_prepared(tokenized(parts, tok, text_field, workers, chat, preference), src, kind, tok, out,
+                          text_field, shard_tokens, allow_dropped_text, chat, preference)
 
 
 def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tuple[str, list[Unit]]:
@@ -212,7 +223,8 @@ def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tu
 
 
 def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: str | Path, text_field: str,
-                   shard_tokens: int, allow_dropped_text: bool, chat: chat_lib.ChatFormat | None = None) -> dict:
+                   shard_tokens: int, allow_dropped_text: bool, chat: chat_lib.ChatFormat | None = None,
+                   preference: bool = False) -> dict:
     """The prepared folder `out` (shards, tokenizer, manifest written last) of the units' tokens
     `parts`, in order, whichever engine made them (`tokenized` here, meshtrain/data/cluster.py on
     Ray): written whole or not at all (writing_whole), `out` checked before the first part is asked
@@ -220,9 +232,11 @@ def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: st
     dropped = DroppedText(tok, src, allow_dropped_text, "pass --allow-dropped-text to prepare it without them")
     with writing_whole(out, "--out") as tmp:
         writer = ShardWriter(tmp, tok, shard_tokens)
+        ends = []  # preference data: every document's end in the stream
         try:
             for part in parts:
                 dropped.add(part)
+                ends.append(part.ends + sum(s["tokens"] for s in writer.shards) + writer.tokens)
                 writer.add(part.ids, part.ends, part.mask)
             shards = writer.close()
         finally:
@@ -235,9 +249,12 @@ def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: st
         tokenizer_lib.record(tmp, tok)
         manifest = {**file_meta(tok, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)),
                     "source": {"path": str(src), "kind": kind, "text_field": text_field,
-                               **({"chat_template": chat.name} if chat else {})},
+                               **({"chat_template": chat.name} if chat else {}),
+                               **({"preference": True} if preference else {})},
                     "sha256": writer.sha256.hexdigest(), "shards": shards}
         if writer.masked:  # chat data: the loss mask's own hash (the data's identity covers both)
             manifest.update(mask_sha256=writer.mask_sha256.hexdigest(), trained_tokens=writer.trained)
+        if preference:
+            manifest.update(preference_lib.write_pairs(tmp, np.concatenate(ends)))
         write_json(tmp / MANIFEST, manifest)
     return manifest

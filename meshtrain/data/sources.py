@@ -109,8 +109,11 @@ def source_bytes(parts: list[Unit]) -> int:
 def read(unit: Unit, field: str, value=None) -> Iterator:
     """The unit's documents: a text file whole (undecodable bytes kept as surrogate escapes, so the
     byte tokenizer sees the file's own bytes); jsonl lines' / Parquet or Arrow rows' `field`, checked
-    by `value(field value, field, where)` (default: text; meshtrain/data/chat.py: a conversation)."""
+    by `value(field value, field, where)` (default: text; meshtrain/data/chat.py: a conversation);
+    `field` None: jsonl lines' whole rows (meshtrain/data/preference.py: a preference pair)."""
     value = value or _text
+    if field is None and unit.kind != "jsonl":  # a whole row (meshtrain/data/preference.py)
+        raise UserError(f"{unit.file} is {unit.kind}; preference data is read from jsonl rows")
     if unit.kind == "text":
         if value is not _text:
             raise UserError(f"{unit.file} is a text file; chat data is rows of messages (jsonl, Parquet or a "
@@ -145,6 +148,9 @@ def _jsonl(unit: Unit, field: str, value) -> Iterator:
             except ValueError as e:
                 raise UserError(f"{unit.file}, line at byte {at}: not JSON ({e}); fix the line or the "
                                 f"file (one JSON object per line)") from None
+            if field is None:
+                yield value(row, field, f"{unit.file}, line at byte {at}")
+                continue
             if not isinstance(row, dict) or field not in row:
                 keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
                 raise UserError(f"{unit.file}, line at byte {at}: no field {field!r} (has: {keys}); set "

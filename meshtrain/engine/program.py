@@ -47,7 +47,11 @@ class TrainProgram:
                  packing: Packing | None = None, loss_mask: bool = False):
         """`packing`: how a training window splits into documents (meshtrain/ops/packing.py; None:
         attend across them), from `data.document_mask` (`from_config`). `loss_mask`: the batches
-        carry chat data's loss mask and the loss averages over the trained tokens (data.train_on)."""
+        carry chat data's loss mask and the loss averages over the trained tokens (data.train_on).
+        Under train.objective=dpo the batches are preference pairs [B, 2 (L + 1)] (their mask marks
+        the responses) and the state holds the reference parameters (meshtrain/engine/dpo.py)."""
+        self.dpo = train.dpo if train.objective == "dpo" else None
+        loss_mask = loss_mask and self.dpo is None
         if loss_mask and getattr(model, "num_experts", 0) and (model.router_aux_loss or model.router_z_loss):
             raise UserError("a loss mask (chat data, data.train_on=assistant) would rescale the MoE router's "
                             "auxiliary losses with the trained share of each batch; set model.router_aux_loss=0 "
@@ -67,7 +71,8 @@ class TrainProgram:
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
-        self.batch_shape = (t.batch_size, t.seq_len + 1)
+        self.batch_shape = (t.batch_size, (t.seq_len + 1) * (1 if self.dpo is None else 2))
+        self.tokens_per_step = t.batch_size * t.seq_len * (1 if self.dpo is None else 2)  # tokens/s counts these
 
         abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))
         self.logical_axes = self.model.logical_axes(abstract_params)
@@ -86,10 +91,12 @@ class TrainProgram:
                                                                      plan.zero)[1]
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, plan.zero, map_param_states, other)
+        if self.dpo is not None:  # the frozen reference: laid out as the parameters
+            self.state_shardings["reference"] = self.state_shardings["params"]
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs,
-                                       layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask)
+                                       layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask, dpo=self.dpo)
         self.num_params = self.model.num_params(abstract_params)
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
 
@@ -125,6 +132,8 @@ class TrainProgram:
                  "loss_scale": initial_loss_scale(self.plan)}
         if compression.applies(self.plan, self.sizes):
             state["grad_error"] = self.fresh_grad_error(params)
+        if self.dpo is not None:  # DPO's reference model: these parameters, frozen
+            state["reference"] = params
         return state
 
     def fresh_grad_error(self, params):

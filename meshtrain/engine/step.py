@@ -1,7 +1,8 @@
 """Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
 nonfinite guard -> the optimizer (meshtrain/ops/optimizers.py). The state is {'step', 'params',
 'opt_state', 'skipped_steps', 'loss_scale'}, and 'grad_error' under int8 gradient compression
-(meshtrain/parallel/compression.py); the batch is [batch, seq_len + 1] tokens."""
+(meshtrain/parallel/compression.py), 'reference' under DPO (meshtrain/engine/dpo.py); the batch is
+[batch, seq_len + 1] tokens, [batch, 2 (seq_len + 1)] preference pairs under DPO."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from meshtrain.data.tokens import token_ids
+from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
 from meshtrain.engine.pipeline import make_pipeline_grads
 from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
@@ -77,8 +79,10 @@ def metrics_and_grads(loss_fn):
     """`loss_fn` -> a gradient function (meshtrain/parallel/batching.py): the metrics and the gradients
     of the objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py)."""
     def fn(params, inputs: StepInputs) -> Gradients:
+        reference = [] if inputs.reference is None else [inputs.reference]  # DPO's (meshtrain/engine/dpo.py)
+
         def objective(p):
-            value, metrics = loss_fn(p, inputs.tokens)
+            value, metrics = loss_fn(p, inputs.tokens, *reference)
             return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -100,7 +104,7 @@ def grad_norms_by_group(grads) -> dict:
 
 
 def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: bool = False,
-                    loss_mask: bool = False):
+                    loss_mask: bool = False, dpo=None):
     """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
     (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
     'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
@@ -111,33 +115,41 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py).
     `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`).
     `loss_mask` (chat data, data.train_on=assistant): the loss and its gradients average over the
-    trained tokens only (`trained_share`), and the metric 'trained_tokens' counts them."""
+    trained tokens only (`trained_share`), and the metric 'trained_tokens' counts them. `dpo`
+    (train.dpo, under train.objective=dpo; no pipeline axis): the batch is preference pairs and the
+    objective DPO's (meshtrain/engine/dpo.py), the reference log-probs taken first from
+    `reference_params(state)`."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
     micro = plan.num_microbatches(stages)
     compressor = None
     if compression.applies(plan, mesh.shape):
         compressor = compression.Int8Reduction(mesh, grad_specs, specs["owned"], plan.compression_block, plan.zero)
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
+    if dpo is not None:
+        loss_fn = make_dpo_loss_fn(model, plan.precision, plan.remat, dpo.beta, dpo.label_smoothing)
+        reference_fn = make_reference_log_probs(model, plan.precision, micro)
+    else:
+        loss_fn = make_loss_fn(model, plan.precision, plan.remat, loss_mask)
     if stages > 1:
+        assert dpo is None, "config/validate.py refuses DPO on a pipeline"
         grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, loss_mask=loss_mask,
                                       **compressed)
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
                                  compressed=compressor is not None):
         others = set(mesh.axis_names) - {data_parallel.AXIS}
-        local = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat, loss_mask)), micro,
-                           data_parallel.local_specs(grad_specs, others))
+        local = accumulate(metrics_and_grads(loss_fn), micro, data_parallel.local_specs(grad_specs, others))
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
                                                 **compressed)
         # the gathers move compute-dtype parameters
         grad_fn = lambda params, inputs: per_shard(cast_for_compute(params, plan.precision), inputs)
     else:
-        grad_fn = accumulate(metrics_and_grads(make_loss_fn(model, plan.precision, plan.remat, loss_mask)), micro,
-                             grad_specs)
+        grad_fn = accumulate(metrics_and_grads(loss_fn), micro, grad_specs)
 
     def train_step(state, tokens_BxL1):
         params, loss_scale = state["params"], state["loss_scale"]
         scale = loss_scale["scale"] if scales_loss(plan) else None
-        out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None))
+        reference = None if dpo is None else reference_fn(reference_params(state), tokens_BxL1)
+        out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None, reference))
         model_metrics = out.metrics
         divisors = [] if scale is None else [scale]  # the gradients are of the objective times these
         if loss_mask:  # the mean over trained tokens (the model's statistics stay means over all tokens)
@@ -158,7 +170,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         loss_scale, overflow, bad = update_loss_scale(plan, loss_scale, jnp.isfinite(loss), jnp.isfinite(grad_norm))
         applied = ~(bad | overflow)
         keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
-        new_state = {"step": state["step"] + 1,
+        new_state = {**state, "step": state["step"] + 1,
                      "params": keep_if_skipped(optax.apply_updates(params, updates), params),
                      "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}

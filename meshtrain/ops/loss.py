@@ -132,3 +132,25 @@ def _loss_sum_bwd(C: int, residuals, g):
 
 
 _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
+
+
+def sequence_log_probs(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES):
+    """[B]: each row's sum of log softmax(x w)[target] over its trained targets (>= 0), fp32; DPO's
+    sequence log-probability (meshtrain/engine/dpo.py). Chunked as `cross_entropy`, each chunk
+    rematerialised (`jax.checkpoint`): the backward remakes one chunk's logits at a time, so no
+    [B, L, V] logits are held, at one more head matmul than the custom VJP of `_loss_sum` (whose
+    gradients are scaled by one scalar cotangent, not one per row)."""
+    B, L, _ = x_BxLxD.shape
+    V = w_DxV.shape[1]
+    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget)
+    w_DxV = _gathered(w_DxV)
+
+    @jax.checkpoint
+    def chunk(total_B, xs):
+        x_BxCxD, t_BxC = xs
+        logits = _logits(x_BxCxD, w_DxV)
+        logp_BxC = jnp.sum(logits * _one_hot(t_BxC, V), -1) - jax.nn.logsumexp(logits, axis=-1)
+        return total_B + jnp.sum(jnp.where(t_BxC >= 0, logp_BxC, 0.0), -1), None
+
+    zeros_B = constrain(jnp.zeros((B,), jnp.float32), ("batch",))
+    return jax.lax.scan(chunk, zeros_B, (_chunks(x_BxLxD, C), _chunks(targets_BxL, C)))[0]

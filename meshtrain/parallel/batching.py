@@ -26,9 +26,11 @@ class StepInputs:
     tokens: Any  # [B, L+1] token ids: inputs and (shifted by one) targets
     loss_scale: Any = None  # fp16: the objective is multiplied by it (meshtrain/ops/precision.py)
     grad_error: Any = None  # int8 compression: the residuals carried in (meshtrain/parallel/compression.py)
+    reference: Any = None  # DPO: [B, 2] the reference model's log-probs of each row (meshtrain/engine/dpo.py)
 
-    def with_tokens(self, tokens) -> StepInputs:
-        return dataclasses.replace(self, tokens=tokens)
+    def with_tokens(self, tokens, reference=None) -> StepInputs:
+        """These rows' tokens (and their reference log-probs): a microbatch's."""
+        return dataclasses.replace(self, tokens=tokens, reference=reference)
 
 
 @jax.tree_util.register_dataclass
@@ -69,19 +71,21 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
     pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
-        micro_inputs = lambda tokens: inputs.with_tokens(constrain(tokens, ("batch", None)))
+        rows = lambda x: None if x is None else constrain(x, ("batch", None))
+        micro_inputs = lambda tokens, reference=None: inputs.with_tokens(rows(tokens), rows(reference))
 
-        def add(carry, micro_tokens):
+        def add(carry, micro_rows):
             metric_sums, grad_sums = carry
-            out = grad_fn(params, micro_inputs(micro_tokens))
+            out = grad_fn(params, micro_inputs(*micro_rows))
             grad_sums = pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sums, out.grads))
             return (jax.tree.map(jnp.add, metric_sums, out.metrics), grad_sums), None
 
-        tokens_MxbxL1 = split_microbatches(inputs.tokens, microbatches)
-        metrics_like = jax.eval_shape(grad_fn, params, micro_inputs(tokens_MxbxL1[0])).metrics
+        split = lambda x: None if x is None else split_microbatches(x, microbatches)
+        micro_rows = (split(inputs.tokens), split(inputs.reference))  # the same rows of each
+        metrics_like = jax.eval_shape(grad_fn, params, micro_inputs(*jax.tree.map(lambda x: x[0], micro_rows))).metrics
         zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metrics_like),
                  pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))  # fp32 sums
-        (metrics, grads), _ = jax.lax.scan(add, zeros, tokens_MxbxL1)
+        (metrics, grads), _ = jax.lax.scan(add, zeros, micro_rows)
         mean = lambda tree: jax.tree.map(lambda x: x / microbatches, tree)
         return Gradients(mean(metrics), mean(grads))
 

@@ -182,7 +182,9 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
               "gradients": shard_bytes(state["params"], grad_shardings),
               "temporaries": train_memory["temporaries"], "total": train_memory["total"],
               "cpu_copies": train_memory["cpu_copies"],
-              "grad_error": shard_bytes(state["grad_error"], shardings["grad_error"]) if "grad_error" in state else 0}
+              "grad_error": shard_bytes(state["grad_error"], shardings["grad_error"]) if "grad_error" in state else 0,
+              # DPO's frozen reference (meshtrain/engine/dpo.py): one more copy of the parameters, no state
+              "reference": shard_bytes(state["reference"], shardings["reference"]) if "reference" in state else 0}
     consumers = {"parameters": memory["parameters"], "optimizer state": memory["optimizer_state"],
                  "activations and temporaries (gradients included)": memory["temporaries"]}
     memory["largest"] = max(consumers, key=consumers.get)
@@ -233,9 +235,13 @@ def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None =
     program, mem = report.pop("_program"), report["memory"]
     # The eval step and the scorer take the parameters only; the rest of the train state (the
     # optimizer state, int8 compression's residuals) stays on the device beside them.
-    resident = mem["optimizer_state"] + mem["grad_error"]
-    ev, gen = {**eval_step_memory(program), "resident_state": resident}, generation_memory(cfg, program)
-    steps = {"train": mem["total"], "eval": ev["total"] + resident, "generation": gen["total"]}
+    resident = mem["optimizer_state"] + mem["grad_error"] + mem["reference"]
+    gen = generation_memory(cfg, program)
+    steps = {"train": mem["total"], "generation": gen["total"]}
+    ev = None  # DPO has no eval step yet (config/validate.py refuses train.eval_every with it)
+    if program.dpo is None:
+        ev = {**eval_step_memory(program), "resident_state": resident}
+        steps["eval"] = ev["total"] + resident
     if cfg.eval.tasks:
         report["scoring"] = {**scoring_memory(program), "resident_state": resident}
         steps["scoring"] = report["scoring"]["total"] + resident
@@ -269,6 +275,9 @@ def format_plan(r: dict) -> str:
     for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"),
                        ("gradients", "gradients")):
         lines.append(f"  {label:<30} {gb(mem[key]):>12}  {gb(zf[key]):>12}")
+    if mem["reference"]:
+        lines.append(f"  {'DPO reference parameters':<30} {gb(mem['reference']):>12}  (the frozen initial parameters, "
+                     f"laid out as the parameters; no gradient or optimizer state)")
     if mem["grad_error"]:
         lines.append(f"  {'int8 residuals':<30} {gb(mem['grad_error']):>12}  (error feedback: the local gradient's "
                      f"fp32 bytes, + 1/D of them at zero 0/1)")
@@ -380,13 +389,14 @@ def format_run_memory(r: dict) -> list[str]:
     """The run's programs, compiled, and the memory they run against."""
     gb, mem, ev, gen, b = human_bytes, r["memory"], r["eval_step"], r["generation"], r["budget"]
     held = "the optimizer state" + (" and int8 compression's residuals" if mem["grad_error"] else "")
-    resident = f"with {held} left on the device, {gb(ev['resident_state'])}"
+    held += " and the DPO reference" if mem["reference"] else ""
+    resident = f"with {held} left on the device, {gb(mem['optimizer_state'] + mem['grad_error'] + mem['reference'])}"
     copies = (f"; XLA:CPU's f32 copies of bf16 loop values, {gb(mem['cpu_copies'])} more there, left out: GPUs "
               f"compute in bf16" if mem["cpu_copies"] else "")
     return ["run memory per device (compiled)",
             f"  train step   {gb(mem['total']):>12}  (parameters, optimizer state, gradients and temporaries{copies})",
-            f"  eval step    {gb(r['steps']['eval']):>12}  (forward only, {ev['microbatches']} microbatch(es) as "
-            f"training; {resident})",
+            *([f"  eval step    {gb(r['steps']['eval']):>12}  (forward only, {ev['microbatches']} microbatch(es) as "
+               f"training; {resident})"] if ev else []),
             *([f"  task scorer  {gb(r['steps']['scoring']):>12}  (eval.tasks: {sc['rows']} rows of {sc['length']:,} "
                f"tokens, forward only; {resident})"] if (sc := r.get("scoring")) else []),
             f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "

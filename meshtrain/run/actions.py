@@ -137,8 +137,7 @@ class Report:
     def run(self, step: int, metrics, clock: StepClock) -> None:
         metrics = jax.device_get(clock.wait(step, metrics)[1])
         wall, data, host = clock.close(step)
-        t = self.trainer.cfg.train
-        record = self.trainer.record(step, metrics, t.batch_size * t.seq_len / wall, wall, data)
+        record = self.trainer.record(step, metrics, self.trainer.program.tokens_per_step / wall, wall, data)
         self.trainer.watchdog.observe(wall)
         for extra in self.extras:
             if extra.due(step, clock):

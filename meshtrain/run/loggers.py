@@ -104,6 +104,8 @@ def format_record(r: dict) -> str:
              f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
     if "trained_tokens_per_sec" in r:  # a loss mask: the loss is over these tokens only
         parts.insert(4, f"trained tokens/s {r['trained_tokens_per_sec']:,.0f}")
+    if "reward_accuracy" in r:  # DPO (meshtrain/engine/dpo.py)
+        parts.insert(2, f"reward acc {r['reward_accuracy']:.2f} margin {r['reward_margin']:.3f}")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}")
     if "loss_scale" in r:

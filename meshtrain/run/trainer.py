@@ -22,7 +22,7 @@ from meshtrain.core.console import default_console
 from meshtrain.core.console import log as console
 from meshtrain.core.folders import writable
 from meshtrain.core.metrics import run_peaks, throughput_fields
-from meshtrain.data import mixture, tasks
+from meshtrain.data import mixture, preference, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
 from meshtrain.engine import scoring
@@ -94,9 +94,14 @@ class Trainer:
                          f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay "
                          f"over a new horizon, pass --set optim.schedule_steps={t.steps} --allow-change")
         # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
-        self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
-                                                            t.seq_len, t.seed, program.batch_sharding,
-                                                            cfg.model.vocab_size)
+        if program.dpo is None:
+            self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
+                                                                t.seq_len, t.seed, program.batch_sharding,
+                                                                cfg.model.vocab_size)
+        else:  # preference pairs (meshtrain/data/preference.py), no validation yet
+            self.train_batches, self.val_sets = preference.batches(
+                self.mixture.tokens[0], preference.read_pairs(cfg.data.path), t.batch_size, t.seq_len, t.seed,
+                program.batch_sharding, cfg.model.vocab_size), {}
         self.shares = getattr(self.train_batches, "shares", None)  # a mixture's
 
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)

@@ -1,0 +1,96 @@
+"""Direct preference optimisation (issue 43, section 3; Rafailov et al. 2023, label smoothing as in
+cDPO): a batch is [B, 2 (L + 1)] rows, one pair each, chosen then rejected (meshtrain/data/
+preference.py). With π and ref the policy's and the reference model's summed response log-probs,
+
+    m = (π_c - ref_c) - (π_r - ref_r),   loss = -(1 - ls) log σ(β m) - ls log σ(-β m),
+
+averaged over the pairs. Every microbatch and data shard holds the same number of pairs, so the
+mean of their means (what every executor forms) is the mean over the whole batch: exact on every
+layout. The reference model is a frozen copy of the initial parameters, `state['reference']`
+(`reference_params`, the one place that says which weights it is), run forward once per batch
+before the gradient pass: no gradient, no optimizer state, one more copy of the parameters in
+memory (the compiled step's, so the planner's memory figure, holds it)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain.data.tokens import token_ids
+from meshtrain.models.base import scan_blocks
+from meshtrain.ops import remat as remat_lib
+from meshtrain.ops.loss import sequence_log_probs
+from meshtrain.ops.precision import cast_for_compute
+from meshtrain.parallel.batching import inputs_and_targets, split_microbatches
+from meshtrain.parallel.sharding import constrain
+
+
+def reference_params(state):
+    """The weights the reference log-probs come from: the initial parameters, kept in the state."""
+    return state["reference"]
+
+
+def sequences(pairs_BxP):
+    """[B, 2 (L + 1)] pairs -> [2B, L + 1] sequences: chosen 0, rejected 0, chosen 1, ..."""
+    B, P = pairs_BxP.shape
+    return constrain(pairs_BxP.reshape(2 * B, P // 2), ("batch", None))
+
+
+def make_log_probs(model, precision: str, remat: str = "none"):
+    """(params, pairs [B, 2 (L + 1)]) -> ([B, 2] summed response log-probs, chosen then rejected;
+    the blocks' statistics as means over layers). Untrained targets (the prompt, the padding: ~id,
+    meshtrain/data/tokens.py) add nothing."""
+    layer = remat_lib.apply(model.block, remat, model.saveable)
+
+    def log_probs(params, pairs_BxP):
+        compute = cast_for_compute(params, precision)
+        rows = sequences(pairs_BxP)
+        inputs, targets = inputs_and_targets(rows, model.sequence_order)
+        inputs, ids = token_ids(inputs), token_ids(rows)
+        docs = model.documents(ids)
+        x_NxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
+                                     *([] if docs is None else [docs]), kinds=model.layer_kinds)
+        logp_N = sequence_log_probs(model.final_norm(compute, x_NxLxD), model.unembedding(compute), targets)
+        return logp_N.reshape(-1, 2), jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
+
+    return log_probs
+
+
+def dpo_loss(policy_Bx2, reference_Bx2, beta: float, label_smoothing: float):
+    """(the mean loss over the pairs, its metrics). -log σ(x) = softplus(-x)."""
+    rewards_Bx2 = beta * (policy_Bx2 - reference_Bx2)
+    margin_B = rewards_Bx2[:, 0] - rewards_Bx2[:, 1]  # β m
+    losses_B = (1 - label_smoothing) * jax.nn.softplus(-margin_B) + label_smoothing * jax.nn.softplus(margin_B)
+    loss = jnp.mean(losses_B)
+    return loss, {"loss": loss, "reward_margin": jnp.mean(margin_B),
+                  "reward_accuracy": jnp.mean(margin_B > 0, dtype=jnp.float32),
+                  "logp_chosen": jnp.mean(policy_Bx2[:, 0]), "logp_rejected": jnp.mean(policy_Bx2[:, 1]),
+                  "reward_chosen": jnp.mean(rewards_Bx2[:, 0]), "reward_rejected": jnp.mean(rewards_Bx2[:, 1])}
+
+
+def make_dpo_loss_fn(model, precision: str, remat: str, beta: float, label_smoothing: float):
+    """(params, pairs [B, 2 (L + 1)], reference log-probs [B, 2]) -> (objective, metrics): the DPO
+    loss plus the model's auxiliary losses (the MoE router's), as `step.make_loss_fn` gives them."""
+    log_probs = make_log_probs(model, precision, remat)
+
+    def loss_fn(params, pairs_BxP, reference_Bx2):
+        policy_Bx2, stats = log_probs(params, pairs_BxP)
+        loss, metrics = dpo_loss(policy_Bx2, reference_Bx2, beta, label_smoothing)
+        return loss + model.auxiliary_loss(stats), {**metrics, **stats}
+
+    return loss_fn
+
+
+def make_reference_log_probs(model, precision: str, microbatches: int):
+    """(reference params, pairs [B, 2 (L + 1)]) -> [B, 2], without gradient, a microbatch at a time
+    (rows as `split_microbatches` cuts them), so it holds no more activations than the train step."""
+    log_probs = make_log_probs(model, precision)
+
+    def reference(params, pairs_BxP):
+        params = jax.lax.stop_gradient(params)
+        if microbatches == 1:
+            return log_probs(params, pairs_BxP)[0]
+        one = lambda _, micro: (None, log_probs(params, constrain(micro, ("batch", None)))[0])
+        out_MxbX2 = jax.lax.scan(one, None, split_microbatches(pairs_BxP, microbatches))[1]
+        return out_MxbX2.swapaxes(0, 1).reshape(pairs_BxP.shape[0], 2)  # row j * M + m, as split
+
+    return reference

@@ -1,0 +1,200 @@
+"""DPO (issue 43, section 3): preference pairs prepared with a mask on the responses, the loss and
+its gradients against the direct formula, the same steps on every layout, and a tiny model that
+learns to prefer the chosen answer on prompts it never saw."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_tiny, tiny_config
+
+from meshtrain.core.errors import LayoutError, UserError
+from meshtrain.data import chat, preference, tokenizer
+from meshtrain.data.__main__ import main
+from meshtrain.data.prepare import prepare
+from meshtrain.data.tokens import read_prepared, token_ids
+from meshtrain.engine.dpo import dpo_loss, make_dpo_loss_fn, make_log_probs
+from meshtrain.engine.program import TrainProgram
+
+LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+CHOSEN, REJECTED = "yes", "no"
+
+
+def write_pairs(path, n: int, seed: int = 0):
+    """Prompts of random letters; the chosen answer is always CHOSEN, the rejected one REJECTED."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            prompt = "".join(rng.choice(LETTERS, rng.integers(4, 12))) + "? "
+            f.write(json.dumps({"prompt": prompt, "chosen": CHOSEN, "rejected": REJECTED}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs_folder(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pairs")
+    assert main(["prepare", str(write_pairs(tmp / "pairs.jsonl", 200)), "--preference", "--out",
+                 str(tmp / "prepared"), "--workers", "1"]) == 0
+    return tmp / "prepared"
+
+
+def texts(folder):
+    """Each pair's (chosen, rejected) as (whole text, masked-in text)."""
+    tokens, _ = read_prepared(folder)
+    decode = lambda ids: bytes(np.asarray(ids, np.uint8)).decode()
+    out = []
+    for c, r, end in preference.read_pairs(folder):
+        rows = [tokens.windows(np.array([lo]), hi - lo)[0] for lo, hi in ((c, r), (r, end))]
+        out.append([(decode(token_ids(row)), decode(row[row >= 0])) for row in rows])
+    return out
+
+
+@pytest.mark.fast
+def test_prepare_stores_each_pair_with_its_responses_masked_in(pairs_folder, tmp_path):
+    _, manifest = read_prepared(pairs_folder)
+    assert manifest["pairs"] == 200 and manifest["documents"] == 400
+    assert manifest["trained_tokens"] == 200 * (len(CHOSEN) + len(REJECTED))
+    for (chosen, chosen_in), (rejected, rejected_in) in texts(pairs_folder):
+        assert (chosen_in, rejected_in) == (CHOSEN, REJECTED)  # the response only; its end (a newline) not
+        assert chosen == chosen[:-len(CHOSEN) - 1] + CHOSEN + "\n" and rejected.endswith(REJECTED + "\n")
+        assert chosen[:-len(CHOSEN) - 1] == rejected[:-len(REJECTED) - 1]  # one prompt
+    # messages, rendered with a chat template: a string prompt is a user turn, a string answer an assistant one
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+             "chosen": "4", "rejected": [{"role": "assistant", "content": "5"}]}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["prepare", str(tmp_path / "chat.jsonl"), "--preference", "--chat-template", "chatml", "--out",
+                 str(tmp_path / "chat"), "--workers", "1"]) == 0
+    (chosen, chosen_in), (rejected, rejected_in) = texts(tmp_path / "chat")[0]
+    assert (chosen_in, rejected_in) == ("4<|im_end|>\n", "5<|im_end|>\n")
+    fmt = chat.load_format("chatml", tokenizer.ByteTokenizer())
+    assert chosen == fmt.render(rows[0]["prompt"] + [{"role": "assistant", "content": "4"}]) + "\n"
+
+
+@pytest.mark.fast
+def test_bad_preference_rows_are_one_error_naming_the_line_and_write_nothing(tmp_path, capsys):
+    good = json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+    for row, message in ((json.dumps({"prompt": "a", "chosen": "b"}), "needs the fields prompt, chosen and"),
+                         (json.dumps({"prompt": "a", "chosen": "b", "rejected": 3}), "'rejected' is not a convers"),
+                         (json.dumps({"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}),
+                          "the row holds messages: pass --chat-template")):
+        (tmp_path / "bad.jsonl").write_text(good + row + "\n")
+        assert main(["prepare", str(tmp_path / "bad.jsonl"), "--preference", "--out", str(tmp_path / "out"),
+                     "--workers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / 'bad.jsonl'}, line at byte {len(good)}: ") and message in err
+        assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match="preference data is read from jsonl rows"):
+        (tmp_path / "t.txt").write_text("text")
+        prepare(str(tmp_path / "t.txt"), tokenizer.ByteTokenizer(), tmp_path / "out", preference=True)
+    assert main(["prepare", str(tmp_path / "bad.jsonl"), "--preference", "--chat", "--out", str(tmp_path / "o")]) == 2
+
+
+def direct_log_probs(model, params, pairs):
+    """[B, 2] summed response log-probs from the model's full logits (`apply`), the definition."""
+    rows = pairs.reshape(2 * pairs.shape[0], -1)
+    ids = token_ids(rows)
+    logp = jax.nn.log_softmax(model.apply(params, ids[:, :-1]), -1)
+    picked = jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+    return jnp.sum(jnp.where(rows[:, 1:] >= 0, picked, 0.0), -1).reshape(-1, 2)
+
+
+def test_the_loss_and_its_gradients_are_the_direct_formulas(pairs_folder):
+    import torch
+
+    beta, smoothing = 0.5, 0.1
+    cfg = tiny_config("parallel.mesh=1", "parallel.precision=fp32", "train.objective=dpo",
+                      f"data.path={pairs_folder}", "data.kind=auto", "train.batch_size=4")
+    program = TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices=jax.devices()[:1])
+    model, params = program.model, program.model.init(jax.random.key(0))
+    noise = jax.tree.map(lambda p: 0.3 * jax.random.normal(jax.random.key(1), p.shape), params)
+    reference = jax.tree.map(jnp.add, params, noise)  # a reference other than the policy: margins not 0
+    tokens, _ = read_prepared(pairs_folder)
+    pairs = preference.PairBatches(tokens, preference.read_pairs(pairs_folder), 4, 16, 0, 0,
+                                   program.batch_sharding, 256).local_rows(0)
+    assert (pairs[:, 17:] != ~0).any(axis=1).all()  # each row holds a rejected sequence in its second half
+    with program.context():
+        ref_Bx2 = jax.jit(make_log_probs(model, "fp32"))(reference, pairs)[0]
+        direct_Bx2 = jax.jit(lambda p: direct_log_probs(model, p, pairs))
+        np.testing.assert_allclose(ref_Bx2, direct_Bx2(reference), rtol=1e-5)
+        loss_fn = make_dpo_loss_fn(model, "fp32", "none", beta, smoothing)
+        (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, pairs, ref_Bx2)
+        direct = lambda p: dpo_loss(direct_log_probs(model, p, pairs), ref_Bx2, beta, smoothing)[0]
+        direct_grads = jax.jit(jax.grad(direct))(params)
+        policy = torch.tensor(np.asarray(direct_Bx2(params), np.float64))
+    ref = torch.tensor(np.asarray(ref_Bx2, np.float64))
+    m = (policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1])
+    logsigmoid = torch.nn.functional.logsigmoid
+    expected = (-(1 - smoothing) * logsigmoid(beta * m) - smoothing * logsigmoid(-beta * m)).mean()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    assert float(metrics["reward_accuracy"]) == (m > 0).double().mean().item()
+    np.testing.assert_allclose(metrics["reward_margin"], (beta * m).mean().item(), rtol=1e-4, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(direct_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def dpo_run(folder, mesh: str, n: int, *extra):
+    return run_tiny(f"data.path={folder}", "data.kind=auto", "train.objective=dpo", "parallel.precision=fp32",
+                    "train.steps=8", "optim.lr=1e-2", "train.batch_size=8", f"parallel.mesh={mesh}", *extra,
+                    devices=jax.devices()[:n])
+
+
+LAYOUTS = {"fsdp=2,tensor=2": 4, "data=2": 2}  # data=2: the manual data executor
+
+
+def test_dpo_steps_are_the_same_on_every_layout(pairs_folder):
+    trainer, losses, params = dpo_run(pairs_folder, "1", 1)
+    keys = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "reward_chosen", "reward_rejected")
+    reference = {k: np.array([r[k] for r in trainer.history if "loss" in r]) for k in keys}
+    for mesh, n in LAYOUTS.items():
+        micro = ("parallel.microbatches=2",) if "fsdp" in mesh else ()
+        other, other_losses, _ = dpo_run(pairs_folder, mesh, n, *micro)
+        np.testing.assert_allclose(other_losses, losses, rtol=1e-5, atol=1e-5, err_msg=mesh)
+        for k in keys:
+            got = np.array([r[k] for r in other.history if "loss" in r])
+            np.testing.assert_allclose(got, reference[k], rtol=1e-5, atol=1e-5, err_msg=f"{mesh} {k}")
+    with pytest.raises(LayoutError, match="dpo runs without a pipeline axis"):
+        dpo_run(pairs_folder, "pipeline=2", 2)
+
+
+def test_a_model_learns_to_prefer_the_chosen_answer_on_new_prompts(pairs_folder, tmp_path):
+    """After 8 steps the rewards order new pairs (prompts never trained on) as the data does."""
+    trainer, _, params = dpo_run(pairs_folder, "1", 1)
+    assert trainer.history[0]["reward_accuracy"] == 0  # the policy starts as the reference: every margin 0
+    assert prepare(str(write_pairs(tmp_path / "new.jsonl", 64, seed=1)), tokenizer.ByteTokenizer(), tmp_path / "new",
+                   preference=True)
+    tokens, _ = read_prepared(tmp_path / "new")
+    pairs = preference.PairBatches(tokens, preference.read_pairs(tmp_path / "new"), 64, 16, 0, 0,
+                                   trainer.program.batch_sharding, 256).local_rows(0)
+    start = trainer.program.init_state(jax.random.key(trainer.cfg.train.seed))["params"]
+    with trainer.program.context():
+        log_probs = make_log_probs(trainer.program.model, "fp32")
+        trained, reference = log_probs(params, pairs)[0], log_probs(start, pairs)[0]
+    _, metrics = dpo_loss(trained, reference, trainer.cfg.train.dpo.beta, 0.0)
+    assert metrics["reward_accuracy"] > 0.9 and metrics["reward_margin"] > 0.5
+
+
+@pytest.mark.fast
+def test_dpo_settings_that_cannot_work_are_refused(pairs_folder):
+    from meshtrain.data.preference import read_pairs
+
+    dpo = ("train.objective=dpo", "data.kind=auto", f"data.path={pairs_folder}")
+    with pytest.raises(UserError, match="set train.eval_every=0"):
+        tiny_config(*dpo, "train.eval_every=5")
+    with pytest.raises(UserError, match="one folder from python -m meshtrain.data prepare --preference"):
+        tiny_config("train.objective=dpo")  # synthetic data
+    with pytest.raises(UserError, match="holds none: prepare"):
+        read_pairs(pairs_folder.parent)
+
+
+def test_the_plan_of_a_dpo_run_holds_the_reference_and_no_eval_step(pairs_folder, capsys):
+    from conftest import TINY
+
+    from meshtrain.plan import main as plan
+
+    assert plan(["--config", TINY, "--set", "train.objective=dpo", "--set", f"data.path={pairs_folder}", "--set",
+                 "data.kind=auto", "--devices", "8", "--mesh", "fsdp=4,tensor=2", "--compiler", "cpu",
+                 "--search-budget", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory"]["reference"] == report["memory"]["parameters"] > 0  # one more copy, laid out as them
+    assert report["eval_step"] is None and set(report["steps"]) == {"train", "generation"}
