@@ -78,9 +78,9 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
             return (jax.tree.map(jnp.add, metric_sums, out.metrics), grad_sums), None
 
         tokens_MxbxL1 = split_microbatches(inputs.tokens, microbatches)
-        metrics_like = jax.eval_shape(grad_fn, params, micro_inputs(tokens_MxbxL1[0])).metrics
-        zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metrics_like),
-                 pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))  # fp32 sums
+        like = jax.eval_shape(grad_fn, params, micro_inputs(tokens_MxbxL1[0]))  # grads: the trained params'
+        zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), like.metrics),
+                 pin(jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), like.grads)))  # fp32 sums
         (metrics, grads), _ = jax.lax.scan(add, zeros, tokens_MxbxL1)
         mean = lambda tree: jax.tree.map(lambda x: x / microbatches, tree)
         return Gradients(mean(metrics), mean(grads))

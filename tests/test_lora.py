@@ -1,0 +1,56 @@
+"""LoRA (models/spec.py LoraSpec, docs/fine-tuning.md): adapters on a frozen base, the same run on
+every layout, only the adapters trained and given optimizer state."""
+import jax
+import numpy as np
+import pytest
+from conftest import run_tiny, tiny_config
+
+from meshtrain.config.validate import check_config
+from meshtrain.core.errors import UserError
+from meshtrain.ops.trainable import select
+from meshtrain.testing import MOE_TINY, max_param_diff
+
+LORA = ("model.lora.rank=4", "parallel.precision=fp32")
+LAYOUTS = {"fsdp=2,tensor=2": 4, "pipeline=2": 2}  # mesh: its devices
+
+
+def is_adapter(path) -> bool:
+    return path[-1].startswith("lora_")
+
+
+def test_a_lora_step_is_the_same_on_every_layout_and_trains_only_the_adapters():
+    trainer, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
+    start = jax.device_get(jax.jit(trainer.program.init_state)(jax.random.key(trainer.cfg.train.seed))["params"])
+    frozen = lambda tree: select(tree, lambda path: not is_adapter(path))
+    assert max_param_diff(frozen(start), frozen(params)) == 0  # the base is bitwise unchanged
+    assert max_param_diff(select(start, is_adapter), select(params, is_adapter)) > 1e-4  # the adapters moved
+    # Adam's two moments for the adapters only: the base has no optimizer state
+    adapters = sum(x.size for x in jax.tree.leaves(select(params, is_adapter)))
+    state = sum(x.size for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim)
+    assert state == 2 * adapters and adapters < 0.2 * sum(x.size for x in jax.tree.leaves(params))
+    for mesh, n in LAYOUTS.items():
+        micro = ("parallel.microbatches=2",) if "fsdp" in mesh else ()
+        _, losses, other = run_tiny(*LORA, f"parallel.mesh={mesh}", *micro, devices=jax.devices()[:n])
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5, err_msg=mesh)
+        assert max_param_diff(params, other) < 1e-5, mesh
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("setting, message", [
+    ("model.lora.targets=[q, x]", "model.lora.targets=['q', 'x']"),
+    ("model.lora.targets=[q, q]", "at most once"),
+    ("model.lora.targets=[]", "at least one"),
+    ("model.lora.rank=-1", "model.lora.rank=-1 must be >= 0"),
+    ("model.lora.dropout=0.1", "dropout on the adapters is not implemented"),
+])
+def test_bad_lora_settings_are_one_error(setting, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        rank = () if "rank" in setting else ("model.lora.rank=4",)
+        check_config(tiny_config(*rank, setting))
+
+
+@pytest.mark.fast
+def test_adapters_on_routed_experts_are_refused_and_on_their_attention_accepted():
+    with pytest.raises(UserError, match="mixture-of-experts MLP are not implemented"):
+        check_config(tiny_config("model.lora.rank=4", config=MOE_TINY))
+    check_config(tiny_config("model.lora.rank=4", "model.lora.targets=[q,k,v,o]", config=MOE_TINY))
