@@ -97,6 +97,18 @@ def adapters_off(params):
     return jax.tree_util.tree_map_with_path(zero_b, params)
 
 
+def merge_adapters(params, lora) -> dict:
+    """The base parameters with each adapter folded in, W + (alpha / rank) A B (the merged weights
+    PEFT's merge_and_unload gives), and no adapters: the same function as the adapted model."""
+    blocks = {k: v for k, v in params["blocks"].items() if not k.startswith("lora_")}
+    for t in lora.targets if lora.rank else ():
+        w, a, b = blocks[LORA[t][0]], params["blocks"][f"lora_{t}_a"], params["blocks"][f"lora_{t}_b"]
+        a_LxIxR, b_LxRxO = a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1)
+        delta = jnp.einsum("lir,lro->lio", a_LxIxR.astype(jnp.float32), b_LxRxO.astype(jnp.float32))
+        blocks[LORA[t][0]] = (w.astype(jnp.float32) + lora.scale * delta.reshape(w.shape)).astype(w.dtype)
+    return {**params, "blocks": blocks}
+
+
 # Activations that the save_matmuls / offload remat policies keep for the backward pass.
 # `attn_ctx` (attention's output, before wo) too, so the recompute never reruns the L^2 attention.
 MATMUL_OUTPUTS = ("q", "k", "v", "attn_ctx", "attn_out", "mlp_gate", "mlp_up", "mlp_out")

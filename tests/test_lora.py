@@ -7,6 +7,7 @@ from conftest import run_tiny, tiny_config
 
 from meshtrain.config.validate import check_config
 from meshtrain.core.errors import UserError
+from meshtrain.models.base import adapters_off
 from meshtrain.ops.trainable import select
 from meshtrain.testing import MOE_TINY, max_param_diff
 
@@ -54,3 +55,34 @@ def test_adapters_on_routed_experts_are_refused_and_on_their_attention_accepted(
     with pytest.raises(UserError, match="mixture-of-experts MLP are not implemented"):
         check_config(tiny_config("model.lora.rank=4", config=MOE_TINY))
     check_config(tiny_config("model.lora.rank=4", "model.lora.targets=[q,k,v,o]", config=MOE_TINY))
+
+
+def test_peft_loads_the_adapters_with_the_logits_of_the_merged_export_and_of_meshtrain(tmp_path):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.convert import main
+
+    trainer, _, params = run_tiny(*LORA, "parallel.mesh=1", "optim.lr=3e-2", devices=jax.devices()[:1])
+    adapters, merged = tmp_path / "adapters", tmp_path / "merged"
+    assert main(["--to-hf", str(trainer.out), str(adapters), "--adapters-only"]) == 0
+    assert main(["--to-hf", str(trainer.out), str(merged), "--merge"]) == 0
+    tokens = np.random.default_rng(0).integers(0, 256, size=(2, 16))
+    ours = np.asarray(trainer.program.model.apply(trainer.program.in_model_order(params), tokens))
+    base = AutoModelForCausalLM.from_pretrained(adapters / "base", dtype=torch.float32)
+    logits = lambda m: m(torch.tensor(tokens)).logits.numpy()
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, adapters).eval()
+        with_adapters = logits(adapted)
+        with adapted.disable_adapter():
+            base_only = logits(adapted)
+        full = logits(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval())
+    print(f"PEFT vs merged export {np.abs(with_adapters - full).max():.2e}, vs meshtrain "
+          f"{np.abs(with_adapters - ours).max():.2e}")
+    np.testing.assert_allclose(with_adapters, full, atol=1e-4)
+    np.testing.assert_allclose(with_adapters, ours, atol=1e-4)
+    # not vacuous: the adapters change the logits, and adapters_off gives the base's (PEFT's with its adapter disabled)
+    off = np.asarray(trainer.program.model.apply(trainer.program.in_model_order(adapters_off(params)), tokens))
+    np.testing.assert_allclose(base_only, off, atol=1e-4)
+    assert np.abs(ours - off).max() > 1e-2

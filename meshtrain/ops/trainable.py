@@ -25,8 +25,11 @@ def select(tree: dict, keep, path: tuple = ()) -> dict:
 
 
 def merge(tree: dict, part: dict) -> dict:
-    """`tree` with the leaves of `part` (a `select` of it) put in their places."""
-    return {k: (merge(v, part[k]) if isinstance(v, dict) else part[k]) if k in part else v for k, v in tree.items()}
+    """`tree` with the leaves of `part` (a `select` of it, or the part it lacks) put in their places."""
+    out = dict(tree)
+    for key, value in part.items():
+        out[key] = merge(tree[key], value) if isinstance(value, dict) and key in tree else value
+    return out
 
 
 def freeze(tree: dict, keep, path: tuple = ()) -> dict:
