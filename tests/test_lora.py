@@ -86,3 +86,37 @@ def test_peft_loads_the_adapters_with_the_logits_of_the_merged_export_and_of_mes
     off = np.asarray(trainer.program.model.apply(trainer.program.in_model_order(adapters_off(params)), tokens))
     np.testing.assert_allclose(base_only, off, atol=1e-4)
     assert np.abs(ours - off).max() > 1e-2
+
+
+def test_a_resumed_lora_run_continues_bitwise(tmp_path):
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    _, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
+    quiet = lambda trainer, steps: trainer.fit(steps, log=MetricsLog(tmp_path, primary=False))
+    head = quiet(Trainer(tiny_config(*LORA, "parallel.mesh=1", out=str(tmp_path)), devices=jax.devices()[:1]), 2)
+    resumed = Trainer(tiny_config(*LORA, "parallel.mesh=1", "checkpoint.resume=auto", out=str(tmp_path)),
+                      devices=jax.devices()[:1])
+    assert resumed.resumed_from == tmp_path / "checkpoints" / "2"
+    tail = quiet(resumed, len(reference))
+    np.testing.assert_array_equal([r["loss"] for r in head + tail if "loss" in r], reference)
+    assert max_param_diff(jax.device_get(resumed.state["params"]), params) == 0
+
+
+@pytest.mark.fast
+def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only():
+    from meshtrain.engine.program import TrainProgram
+    from meshtrain.planner.aot import trainable_note, zero_formula
+
+    full, lora = (TrainProgram.from_config(tiny_config("parallel.mesh=fsdp=2", *extra), devices=jax.devices()[:2])
+                  for extra in ((), ("model.lora.rank=4",)))
+    adapters = sum(x.size for x in jax.tree.leaves(select(lora.abstract_state["params"], is_adapter)))
+    assert lora.trainable_params == adapters and full.trainable_params == full.num_params
+    f, z = zero_formula(full), zero_formula(lora)
+    assert z["parameters"] > f["parameters"]  # the adapters are parameters too
+    ratio = adapters / lora.num_params
+    np.testing.assert_allclose([z["gradients"] / f["gradients"], z["optimizer_state"] / f["optimizer_state"]],
+                               ratio * lora.num_params / full.num_params, rtol=1e-6)
+    note = trainable_note({"params": lora.num_params, "trainable_params": adapters,
+                           "config": {"model": {"lora": {"rank": 4}}}})
+    assert note == f", trainable {adapters / 1e6:,.2f}M = {100 * ratio:.2f}% (LoRA r=4)"

@@ -97,6 +97,7 @@ class TrainProgram:
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs,
                                        layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask)
         self.num_params = self.model.num_params(abstract_params)
+        self.trainable_params = sum(x.size for x in jax.tree.leaves(self.trained(abstract_params)))
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
 
     def optimizer_state_bytes(self) -> tuple[int, int, int]:
