@@ -7,6 +7,7 @@ from conftest import run_tiny, tiny_config
 
 from meshtrain.config.validate import check_config
 from meshtrain.core.errors import UserError
+from meshtrain.models import FAMILIES
 from meshtrain.models.base import adapters_off
 from meshtrain.ops.trainable import select
 from meshtrain.testing import MOE_TINY, max_param_diff
@@ -120,3 +121,30 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only()
     note = trainable_note({"params": lora.num_params, "trainable_params": adapters,
                            "config": {"model": {"lora": {"rank": 4}}}})
     assert note == f", trainable {adapters / 1e6:,.2f}M = {100 * ratio:.2f}% (LoRA r=4)"
+
+
+def test_lora_on_a_trained_base_learns_a_new_sentence_and_leaves_the_base_as_it_was(tmp_path):
+    """A base trained on one sentence (the init_from run), then adapters on another: the new
+    sentence's loss falls from the base's ~ln 256 to near zero, the base weights bitwise the run's."""
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.run_dir import newest_params
+    from meshtrain.run.trainer import Trainer
+
+    untied = ("parallel.mesh=1", "model.tie_embeddings=false", "optim.lr=1e-2", "train.log_every=10")
+
+    def fit(sentence, out, *extra):
+        (tmp_path / f"{out}.txt").write_text(sentence * 400)
+        cfg = tiny_config(*untied, f"data.path={tmp_path / out}.txt", "data.kind=auto", "train.steps=60", *extra,
+                          out=str(tmp_path / out))
+        trainer = Trainer(cfg, devices=jax.devices()[:1])
+        losses = [r["loss"] for r in trainer.fit(log=MetricsLog(trainer.out, primary=False)) if "loss" in r]
+        trainer.close()
+        return trainer, losses
+
+    fit("the quick brown fox jumps over the lazy dog. ", "base")
+    tuned, losses = fit("pack my box with five dozen liquor jugs. ", "jugs", "model.lora.rank=8",
+                        f"checkpoint.init_from={tmp_path / 'base'}")
+    assert losses[0] > 1.0 and losses[-1] < 0.15, losses
+    params = jax.device_get(tuned.state["params"])
+    base = newest_params(tmp_path / "base", FAMILIES["llama"](tiny_config(*untied).model))[0]
+    assert max_param_diff(select(params, lambda path: not is_adapter(path)), base) == 0
