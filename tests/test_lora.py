@@ -148,3 +148,40 @@ def test_lora_on_a_trained_base_learns_a_new_sentence_and_leaves_the_base_as_it_
     params = jax.device_get(tuned.state["params"])
     base = newest_params(tmp_path / "base", FAMILIES["llama"](tiny_config(*untied).model))[0]
     assert max_param_diff(select(params, lambda path: not is_adapter(path)), base) == 0
+
+
+def test_lora_on_a_hugging_face_base_loads_it_frozen_and_its_adapters_name_it(tmp_path):
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from meshtrain.config.loader import load_config
+    from meshtrain.convert import main
+    from meshtrain.interop import hf
+    from meshtrain.parallel.mesh import build_mesh, parse_mesh
+    from meshtrain.parallel.sharding import param_shardings
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert main(["--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    cfg = load_config(str(tmp_path / "run" / "config.yaml"),
+                      ["model.lora.rank=4", "model.lora.targets=[q,v]", "parallel.mesh=1", "data.kind=synthetic",
+                       "train.steps=2", "train.batch_size=4", "train.seq_len=16", "train.eval_every=0"])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer.fit(log=MetricsLog(trainer.out, primary=False))
+    trainer.close()
+    spec = hf.read_spec(tmp_path / "hf")
+    base_model = FAMILIES[spec.family](spec)
+    base = hf.load_params(tmp_path / "hf", base_model,
+                          param_shardings(base_model, build_mesh(parse_mesh("1", 1), jax.devices()[:1])))
+    params = jax.device_get(trainer.state["params"])
+    assert sorted(k for k in params["blocks"] if is_adapter((k,))) == ["lora_q_a", "lora_q_b", "lora_v_a", "lora_v_b"]
+    assert max_param_diff(select(params, lambda path: not is_adapter(path)), jax.device_get(base)) == 0
+    assert main(["--to-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--adapters-only"]) == 0
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str((tmp_path / "hf").absolute()) and written["r"] == 4
+    assert written["target_modules"] == ["q_proj", "v_proj"] and not (tmp_path / "out" / "base").exists()
