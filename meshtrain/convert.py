@@ -6,7 +6,8 @@
                             every tensor's name and shape is checked now
   --to-hf RUN DIR           the newest intact checkpoint of a run (or --step N) as a Hugging Face
                             folder (config.json + safetensors), loadable by transformers'
-                            from_pretrained
+                            from_pretrained; a LoRA run's with --merge (the adapters folded into
+                            the weights) or --adapters-only (a PEFT adapter folder on its base)
   --quantize int8 RUN OUT   per-channel INT8 weights for deployment, with their eval loss against
                             the run's fp32 model (meshtrain/run/int8_export.py)
 
@@ -17,6 +18,7 @@ go to a temporary folder first, and carry a SHA256SUMS of their files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from meshtrain.core.console import use_console
 from meshtrain.core.folders import check_new, writing_whole
 from meshtrain.data import tokenizer
 from meshtrain.interop import hf
+from meshtrain.models.spec import LoraSpec
 from meshtrain.run import run_dir
 
 
@@ -44,6 +47,11 @@ def parser() -> Parser:
     p.add_argument("--scheme", default="symmetric", help="--quantize: symmetric or affine")
     p.add_argument("--mesh", default="fsdp=-1",
                    help="--to-hf: the mesh the weights are read onto (default: split over every device)")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--merge", action="store_true", help="--to-hf of a LoRA run: merged full weights")
+    lora.add_argument("--adapters-only", action="store_true",
+                      help="--to-hf of a LoRA run: a PEFT adapter folder whose base_model_name_or_path is the "
+                           "run's init_from: hf: folder, or its base exported to DIR/base")
     p.add_argument("--step", type=number(int, min=0), help="--to-hf, --quantize: read this checkpoint step "
                                                          "(default: the newest intact one)")
     devices_flag(p, "simulate this many CPU devices")
@@ -62,7 +70,10 @@ def main(argv=None) -> int:
     elif args.to_hf:
         if args.max_shard_gb <= 0:
             raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (Hugging Face uses 5)")
-        to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh, args.step)
+        to_hf(*args.to_hf, args.dtype, int(args.max_shard_gb * 2**30), args.mesh, args.step,
+              "merge" if args.merge else "adapters" if args.adapters_only else None)
+    elif args.merge or args.adapters_only:
+        raise UserError("--merge and --adapters-only choose how --to-hf writes a LoRA run")
     else:
         from meshtrain.run.int8_export import export_int8
 
@@ -95,11 +106,13 @@ def from_hf(folder: str, out: str | None) -> Path:
 
 
 def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: str,
-          step: int | None = None) -> list[Path]:
-    """RUN's checkpoint of `step` (default: the newest intact one) as a Hugging Face folder."""
+          step: int | None = None, lora: str | None = None) -> list[Path]:
+    """RUN's checkpoint of `step` (default: the newest intact one) as a Hugging Face folder; a LoRA
+    run's `lora`: "merge" (merged weights) or "adapters" (a PEFT folder: `write_adapters`)."""
     import jax
 
     from meshtrain.models import FAMILIES
+    from meshtrain.models.base import merge_adapters
     from meshtrain.parallel.mesh import build_mesh, parse_mesh
     from meshtrain.parallel.sharding import param_shardings
 
@@ -107,20 +120,40 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
         raise UserError("--to-hf runs in one process: it reads the checkpoint onto one host's devices "
                         "(any mesh's checkpoint); run it on one host, without a multi-host launcher")
     cfg = run_dir.run_config(run)
+    if bool(cfg.model.lora.rank) != bool(lora):
+        raise UserError(f"{run} is a LoRA run (model.lora.rank={cfg.model.lora.rank}): add --merge or --adapters-only"
+                        if cfg.model.lora.rank else f"{run} has no LoRA adapters: --merge and --adapters-only are for "
+                                                    f"LoRA runs; leave them out")
     check_new(folder, "--to-hf DIR")
     model = FAMILIES[cfg.model.family](cfg.model)
     hf.hf_config(cfg.model, dtype)  # refuses what has no Hugging Face form before anything is read
     mesh = build_mesh(parse_mesh(mesh_spec, jax.device_count()))
     params, step = run_dir.newest_params(run, model, param_shardings(model, mesh), step)
     with writing_whole(folder, "--to-hf DIR") as tmp:
-        files = hf.save_params(params, cfg.model, tmp, dtype, max_shard_bytes)
+        if lora == "adapters":
+            files = write_adapters(cfg, params, tmp, dtype, max_shard_bytes, Path(folder).absolute())
+        else:
+            files = hf.save_params(merge_adapters(params, cfg.model.lora), cfg.model, tmp, dtype, max_shard_bytes)
         tok = tokenizer.recorded(Path(run))
         if isinstance(tok, tokenizer.HFTokenizer):  # byte-level runs have no Hugging Face tokenizer to ship
             tokenizer.record(tmp, tok)
         hf.write_sums(tmp)
-    size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in Path(folder).rglob("*.safetensors"))
     print(f"wrote {folder}: step {step} of {run}, {len(files)} safetensors file(s), {size / 1e6:.1f} MB {dtype}")
     return [Path(folder) / f.name for f in files]
+
+
+def write_adapters(cfg, params, tmp: Path, dtype: str, max_shard_bytes: int, final: Path) -> list[Path]:
+    """A PEFT adapter folder in `tmp` (moved to `final`) whose base is the run's `init_from: hf:`
+    folder, or the run's base (its frozen weights, the adapters left out) written to final/base."""
+    source = cfg.checkpoint.init_from
+    if source.startswith("hf:"):
+        base, files = str(Path(source[3:]).absolute()), []
+    else:
+        base_spec = dataclasses.replace(cfg.model, lora=LoraSpec())
+        frozen = {**params, "blocks": {k: v for k, v in params["blocks"].items() if not k.startswith("lora_")}}
+        base, files = str(final / "base"), hf.save_params(frozen, base_spec, tmp / "base", dtype, max_shard_bytes)
+    return [*files, hf.save_adapters(params, cfg.model, tmp, base, dtype)]
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ PARAM_AXES = {
 }
 STACKED_AXES = ("layers", "experts")  # leading axes that stack independent weights
 
+# LoRA (models/spec.py LoraSpec): each target's base weight and the einsums of x A and (x A) B.
+LORA = {"q": ("wq", "bld,dr->blr", "blr,rhk->blhk"), "k": ("wk", "bld,dr->blr", "blr,rgk->blgk"),
+        "v": ("wv", "bld,dr->blr", "blr,rgk->blgk"), "o": ("wo", "blhk,hkr->blr", "blr,rd->bld"),
+        "gate": ("w_gate", "bld,dr->blr", "blr,rf->blf"), "up": ("w_up", "bld,dr->blr", "blr,rf->blf"),
+        "down": ("w_down", "blf,fr->blr", "blr,rd->bld")}
+
 
 def contracted_axes(names: tuple) -> tuple[int, ...]:
     """Indices of the axes a weight's matmul contracts, from its logical axes: the first one that is
@@ -70,6 +76,37 @@ def contracted_axes(names: tuple) -> tuple[int, ...]:
     first = next(i for i, n in enumerate(names) if n not in (*STACKED_AXES, "vocab"))
     heads = names[first] in ("heads", "kv_heads") and names[first + 1:first + 2] == ("head_dim",)
     return (first, first + 1) if heads else (first,)
+
+
+def lora_axes(base: tuple) -> tuple[tuple, tuple]:
+    """The logical axes of an adapter's A and B on a weight of axes `base`: A takes the base's
+    input (contracted) axes, B its output axes; the rank ("lora_rank", in no rule) is unsharded."""
+    into = contracted_axes(base)
+    return (*[base[i] for i in into], "lora_rank"), ("lora_rank", *[n for i, n in enumerate(base) if i not in into])
+
+
+PARAM_AXES |= {f"lora_{t}_{part}": axes for t, (w, *_) in LORA.items()
+               for part, axes in zip("ab", lora_axes(PARAM_AXES[w]))}
+
+
+def adapters_off(params):
+    """The same parameters with every LoRA B at zero: the model's output is then exactly the base's
+    (x A 0 adds 0), on every layout and executor; DPO's reference model with LoRA."""
+    zero_b = lambda path, x: jnp.zeros_like(x) if (path[-1].key.startswith("lora_") and
+                                                    path[-1].key.endswith("_b")) else x
+    return jax.tree_util.tree_map_with_path(zero_b, params)
+
+
+def merge_adapters(params, lora) -> dict:
+    """The base parameters with each adapter folded in, W + (alpha / rank) A B (the merged weights
+    PEFT's merge_and_unload gives), and no adapters: the same function as the adapted model."""
+    blocks = {k: v for k, v in params["blocks"].items() if not k.startswith("lora_")}
+    for t in lora.targets if lora.rank else ():
+        w, a, b = blocks[LORA[t][0]], params["blocks"][f"lora_{t}_a"], params["blocks"][f"lora_{t}_b"]
+        a_LxIxR, b_LxRxO = a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1)
+        delta = jnp.einsum("lir,lro->lio", a_LxIxR.astype(jnp.float32), b_LxRxO.astype(jnp.float32))
+        blocks[LORA[t][0]] = (w.astype(jnp.float32) + lora.scale * delta.reshape(w.shape)).astype(w.dtype)
+    return {**params, "blocks": blocks}
 
 
 # Activations that the save_matmuls / offload remat policies keep for the backward pass.
@@ -166,6 +203,28 @@ class Block(nnx.Module):
         self.wo = nnx.Param(_init((0, 1), 2)(rngs.params(), (H, K, D)))
         self.mlp_norm = self.norm(D, cfg.norm_eps)
         self.init_mlp(cfg, rngs)
+        self.init_lora(cfg, rngs)
+
+    def init_lora(self, cfg, rngs: nnx.Rngs):
+        """`lora_<target>_a` [in..., r] and `_b` [r, out...] for each LoRA target: A as PEFT's default
+        (kaiming_uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero."""
+        for t in cfg.lora.targets if cfg.lora.rank else ():
+            shape = getattr(self, LORA[t][0]).shape
+            a_axes, _ = lora_axes(PARAM_AXES[LORA[t][0]])
+            into = shape[:len(a_axes) - 1]
+            bound = 1.0 / np.sqrt(np.prod(into))
+            a = jax.random.uniform(rngs.params(), (*into, cfg.lora.rank), jnp.float32, -bound, bound)
+            setattr(self, f"lora_{t}_a", nnx.Param(a))
+            setattr(self, f"lora_{t}_b", nnx.Param(jnp.zeros((cfg.lora.rank, *shape[len(into):]), jnp.float32)))
+
+    def adapted(self, target: str, y, x):
+        """y (= x W of the `target` projection) + (alpha / rank) x A B when it has an adapter."""
+        lora = self.cfg.lora
+        if not lora.rank or target not in lora.targets:
+            return y
+        _, into_a, out_b = LORA[target]
+        x_a = self.einsum(into_a, x, getattr(self, f"lora_{target}_a")[...])
+        return y + (lora.scale * self.einsum(out_b, x_a, getattr(self, f"lora_{target}_b")[...])).astype(y.dtype)
 
     def init_mlp(self, cfg, rngs: nnx.Rngs, width: int | None = None):
         D, F = cfg.d_model, width or cfg.mlp_dim
@@ -199,9 +258,9 @@ class Block(nnx.Module):
         """Queries [B, L, H, K], keys and values [B, L, G, K] of norm(x); q and k rotated to their
         `positions` ([L] or [B, L], see `rotary`) with the frequencies of the layer's `kind`."""
         h = self.attn_norm(x_BxLxD)
-        q = checkpoint_name(self.einsum("bld,dhk->blhk", h, self.wq[...]), "q")
-        k = checkpoint_name(self.einsum("bld,dgk->blgk", h, self.wk[...]), "k")
-        v = checkpoint_name(self.einsum("bld,dgk->blgk", h, self.wv[...]), "v")
+        q = checkpoint_name(self.adapted("q", self.einsum("bld,dhk->blhk", h, self.wq[...]), h), "q")
+        k = checkpoint_name(self.adapted("k", self.einsum("bld,dgk->blgk", h, self.wk[...]), h), "k")
+        v = checkpoint_name(self.adapted("v", self.einsum("bld,dgk->blgk", h, self.wv[...]), h), "v")
         q, k = self.normalize_qk(q, k)
         inv_freq_K2 = self.rope_frequencies(kind)
         q = constrain(rotary(q, inv_freq_K2, positions), ("batch", "seq", "heads", "head_dim"))
@@ -215,7 +274,8 @@ class Block(nnx.Module):
     def finish(self, x_BxLxD, ctx_BxLxHxK):
         """The block after attention: x + ctx wo, then x + mlp(norm(x)); the new x and the stats."""
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_ctx")
-        attn = checkpoint_name(self.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]), "attn_out")
+        attn = checkpoint_name(self.adapted("o", self.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]),
+                                            ctx_BxLxHxK), "attn_out")
         x_BxLxD = constrain(x_BxLxD + attn, RESIDUAL)
         out, stats = self.mlp(self.mlp_norm(x_BxLxD))
         return constrain(x_BxLxD + out, RESIDUAL), stats
@@ -273,10 +333,12 @@ class Block(nnx.Module):
 
     def mlp(self, h_BxLxD):
         """A gated MLP, (act(h w_gate) * h w_up) w_down: SwiGLU (Shazeer 2020) with act = silu."""
-        gate_BxLxF = checkpoint_name(self.einsum("bld,df->blf", h_BxLxD, self.w_gate[...]), "mlp_gate")
-        up_BxLxF = checkpoint_name(self.einsum("bld,df->blf", h_BxLxD, self.w_up[...]), "mlp_up")
+        gate_BxLxF = self.adapted("gate", self.einsum("bld,df->blf", h_BxLxD, self.w_gate[...]), h_BxLxD)
+        up_BxLxF = self.adapted("up", self.einsum("bld,df->blf", h_BxLxD, self.w_up[...]), h_BxLxD)
+        gate_BxLxF, up_BxLxF = checkpoint_name(gate_BxLxF, "mlp_gate"), checkpoint_name(up_BxLxF, "mlp_up")
         h_BxLxF = constrain(self.activation(gate_BxLxF) * up_BxLxF, ("batch", "seq", "mlp"))
-        return checkpoint_name(self.einsum("blf,fd->bld", h_BxLxF, self.w_down[...]), "mlp_out"), {}
+        out_BxLxD = self.adapted("down", self.einsum("blf,fd->bld", h_BxLxF, self.w_down[...]), h_BxLxF)
+        return checkpoint_name(out_BxLxD, "mlp_out"), {}
 
 
 class Transformer(nnx.Module):

@@ -98,7 +98,8 @@ class Gemma3Block(Qwen3Block):
 
     def finish(self, x_BxLxD, ctx_BxLxHxK):
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_ctx")
-        attn = checkpoint_name(self.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]), "attn_out")
+        attn = checkpoint_name(self.adapted("o", self.einsum("blhk,hkd->bld", ctx_BxLxHxK, self.wo[...]),
+                                            ctx_BxLxHxK), "attn_out")
         x_BxLxD = constrain(x_BxLxD + self.post_attn_norm(attn), RESIDUAL)
         out, stats = self.mlp(self.mlp_norm(x_BxLxD))
         return constrain(x_BxLxD + self.post_mlp_norm(out), RESIDUAL), stats

@@ -23,6 +23,34 @@ from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
 
 FAMILY_HELP = "model family (docs/families.md); it decides which other model keys exist"
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter may sit on
+
+
+@dataclass
+class LoraSpec:
+    """Low-rank adapters (Hu et al. 2021, LoRA) on the chosen projections (docs/fine-tuning.md):
+    y = x W + (alpha / rank) x A B, A [in, rank], B [rank, out], B zero at the start; W frozen."""
+    rank: int = setting(0, "LoRA rank; 0 = no adapters, every weight is trained", min=0)
+    alpha: float = setting(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank",
+                           above=0.0)
+    dropout: float = setting(0.0, "dropout on the adapters' input; only 0 is implemented yet", min=0.0, below=1.0)
+    targets: list = setting(list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down")
+
+    def check(self) -> None:
+        """One UserError for targets that are not projections, named twice, or none at all."""
+        if not self.rank:
+            return
+        if self.dropout:
+            raise UserError(f"model.lora.dropout={self.dropout}: dropout on the adapters is not implemented yet; "
+                            f"set it to 0")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets or len(set(self.targets)) < len(self.targets):
+            raise UserError(f"model.lora.targets={list(self.targets)}: name each of {', '.join(LORA_TARGETS)} "
+                            f"at most once, and at least one")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclass
@@ -50,6 +78,17 @@ class ModelSpec:
     rope_original_max_len: int = setting(8192, "llama3 rope scaling: the context length of pre-training", min=1)
     norm_eps: float = setting(1e-5, "RMSNorm epsilon", above=0.0)
     tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
+    lora: LoraSpec = setting(LoraSpec(), "low-rank adapters on a frozen base (docs/fine-tuning.md)")
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):  # from a run's record
+            self.lora = LoraSpec(**self.lora)
+
+    def trainable(self, path: tuple[str, ...]) -> bool:
+        """Whether the parameter at `path` (its dict keys, e.g. ("blocks", "wq")) is trained: the one
+        place that decides it (meshtrain/ops/trainable.py splits the trees by it). With LoRA only
+        the adapters are; the base is frozen (no gradient, no optimizer state)."""
+        return not self.lora.rank or path[-1].startswith("lora_")
 
     def resolved(self) -> ModelSpec:
         head_dim = self.head_dim or self.d_model // self.num_heads
@@ -79,7 +118,8 @@ class ModelSpec:
         unused = {"rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
             if self.rope_scaling != "llama3" else set()
         unused |= {"rope_factor"} if self.rope_scaling == "none" else set()
-        return {f.name: getattr(resolved, f.name) for f in dataclasses.fields(self)
+        value = lambda v: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        return {f.name: value(getattr(resolved, f.name)) for f in dataclasses.fields(self)
                 if f.metadata["architecture"] and f.name not in unused}
 
     def architecture_difference(self, other: ModelSpec, here: str, there: str) -> str | None:

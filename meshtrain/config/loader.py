@@ -385,11 +385,11 @@ def _flow_yaml(value) -> str:
 
 def commented_yaml(cfg: Config) -> str:
     """The config as YAML, each key followed by its meaning (`--print-config`)."""
-    lines, section = [], None
+    lines, section = [], []
     for key, f, value in settings(cfg):
-        head, _, name = key.rpartition(".")
-        if head != section and head:
-            lines.append(f"{head}:")
+        *head, name = key.split(".")  # a section's sections (model.lora) nest one indent deeper
+        shared = next((i for i, (a, b) in enumerate(zip(section, head)) if a != b), min(len(section), len(head)))
+        lines += [f"{'  ' * i}{head[i]}:" for i in range(shared, len(head))]
         section = head
-        lines.append(f"{'  ' if head else ''}{name}: {_flow_yaml(value)}  # {f.metadata['help']}")
+        lines.append(f"{'  ' * len(head)}{name}: {_flow_yaml(value)}  # {f.metadata['help']}")
     return "\n".join(lines) + "\n"

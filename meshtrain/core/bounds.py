@@ -5,6 +5,7 @@ and the model families' architecture fields declare theirs with it). No JAX here
 import it."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -59,5 +60,5 @@ def setting(default, help: str, *, choices=(), min=None, max=None, above=None, b
     meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
             "architecture": architecture}
     if dataclasses.is_dataclass(default) or isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(), metadata=meta)
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)

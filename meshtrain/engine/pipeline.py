@@ -39,6 +39,7 @@ from meshtrain.data.tokens import token_ids
 from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
+from meshtrain.ops.trainable import freeze, select
 from meshtrain.parallel import data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
 from meshtrain.parallel.schedules import Schedule, executor_tables, lookup, tick_phases, timetable
@@ -131,6 +132,7 @@ class StageProgram:
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
                  docs_MxbxL=None, kinds=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
+        self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
         self.save, self.splits_weight_grad = residuals == "save", schedule.splits_weight_grad
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
@@ -169,10 +171,10 @@ class StageProgram:
         return () if self.docs is None else (jax.tree.map(lambda d: _take(d, m), self.docs),)
 
     def embed(self, p_outer, m):
-        return self.model.embed(p_outer, _take(self.inputs, m))
+        return self.model.embed(freeze(p_outer, self.keep), _take(self.inputs, m))
 
     def microbatch_loss(self, p_outer, y, m):
-        return self.model.loss(p_outer, y, _take(self.targets, m))
+        return self.model.loss(freeze(p_outer, self.keep), y, _take(self.targets, m))
 
     def scaled_loss(self, p_outer, y, m):
         """(the loss x scale, to differentiate; the loss)."""
@@ -190,7 +192,8 @@ class StageProgram:
         n, V = self.slots, self.virtual
         carry = {"inputs": _zeros(self.zeros_x, n["input_slots"], V),
                  "cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
-                 "g_chunks": f32_zeros(self.chunks), "g_outer": f32_zeros(self.outer),
+                 "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
+                 "g_outer": f32_zeros(select(self.outer, self.keep)),
                  "loss": jnp.zeros((), jnp.float32)}
         saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.chunk_kinds(0), self.zeros_x,
                                                 *self.documents(0))[1]
@@ -202,12 +205,16 @@ class StageProgram:
             carry["deferred"] = _zeros(self.zeros_x, n["deferred_slots"], V, per_chunk)
         return carry
 
+    def trained_blocks(self, blocks):
+        return select(blocks, self.keep, ("blocks",))
+
     def add_outer(self, c, g_outer):
-        return {**c, "g_outer": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["g_outer"], g_outer)}
+        return {**c, "g_outer": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["g_outer"],
+                                             select(g_outer, self.keep))}
 
     def add_chunk(self, c, g_chunk, v):
         return {**c, "g_chunks": jax.tree.map(lambda a, g: _put(a, _take(a, v) + g.astype(jnp.float32), v),
-                                              c["g_chunks"], g_chunk)}
+                                              c["g_chunks"], self.trained_blocks(g_chunk))}
 
     def chunk_input(self, c, m, v):
         """The first model stage embeds the microbatch; the others read what they received (with
@@ -337,7 +344,9 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     outer_in, blocks_in = split(data_parallel.local_specs(param_layouts, manual))
     outer_out, blocks_out = split(data_parallel.local_specs(grad_layouts, manual))
     errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
-    layer = remat_lib.apply(model.block, plan.remat, model.saveable)
+    keep = model.cfg.trainable  # the frozen weights' gradients are never computed (meshtrain/ops/trainable.py)
+    layer = remat_lib.apply(lambda p, *args, **kw: model.block(freeze(p, keep, ("blocks",)), *args, **kw),
+                            plan.remat, model.saveable)
     kinds = stage_kinds(model, stages, virtual)
 
     def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, step_inputs: StepInputs):

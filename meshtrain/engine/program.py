@@ -26,6 +26,7 @@ from meshtrain.ops.fp8 import matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
 from meshtrain.ops.packing import Packing, packing_of
 from meshtrain.ops.precision import initial_loss_scale
+from meshtrain.ops.trainable import select
 from meshtrain.ops.ulysses import context_layout
 from meshtrain.parallel import compression
 from meshtrain.parallel.batching import split_microbatches
@@ -61,6 +62,9 @@ class TrainProgram:
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
         self.rules = make_rules(plan.rules, plan.sequence_parallel)
+        if model.lora.rank and compression.applies(plan, self.sizes):
+            raise UserError("parallel.grad_compression=int8 with LoRA (model.lora.rank > 0) is not implemented; "
+                            "set parallel.grad_compression=none")
         backend = devices[0].platform if devices is not None else jax.default_backend()  # a plan's GPU target
         check_layout(model, plan, t, self.sizes, self.rules, backend)
         self.mesh = build_mesh(self.sizes, devices)
@@ -79,7 +83,8 @@ class TrainProgram:
         check_replication(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
         horizon = optim.schedule_steps or t.steps  # the trainer sets it from the run's record
         self.schedule = lr_schedule(optim, horizon)
-        self.tx = make_optimizer(optim, horizon, self.logical_axes)
+        self.trained = lambda tree: select(tree, model.trainable)  # what the optimizer trains (LoRA: adapters)
+        self.tx = make_optimizer(optim, horizon, self.trained(self.logical_axes))
 
         self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
         stages = self.sizes["pipeline"]
@@ -90,7 +95,8 @@ class TrainProgram:
             other["grad_error"] = compression.error_shapes_and_specs(abstract_params, self.owned_specs, self.sizes,
                                                                      plan.zero)[1]
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
-                                                                self.mesh, plan.zero, map_param_states, other)
+                                                                self.mesh, plan.zero, map_param_states, other,
+                                                                self.trained)
         if self.dpo is not None:  # the frozen reference: laid out as the parameters
             self.state_shardings["reference"] = self.state_shardings["params"]
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
@@ -98,14 +104,15 @@ class TrainProgram:
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs,
                                        layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask, dpo=self.dpo)
         self.num_params = self.model.num_params(abstract_params)
+        self.trainable_params = sum(x.size for x in jax.tree.leaves(self.trained(abstract_params)))
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
 
     def optimizer_state_bytes(self) -> tuple[int, int, int]:
         """The optimizer state's bytes (meshtrain/ops/optimizers.py `state_bytes`) in all, of the
         stage-replicated parameters and of the experts': `formulas.zero_bytes`'s `optimizer_state`."""
         state_bytes = OPTIMIZERS[self.optim.optimizer].state_bytes
-        axes = jax.tree.leaves(self.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
-        params = jax.tree.leaves(self.abstract_state["params"])
+        axes = jax.tree.leaves(self.trained(self.logical_axes), is_leaf=lambda n: isinstance(n, tuple))
+        params = jax.tree.leaves(self.trained(self.abstract_state["params"]))
         rows = [(state_bytes(leaf.shape, a), a) for leaf, a in zip(params, axes)]
         return (sum(b for b, _ in rows), sum(b for b, a in rows if stage_replicated(a)),
                 sum(b for b, a in rows if "experts" in a))
@@ -128,7 +135,7 @@ class TrainProgram:
         params = dict(params)
         params["blocks"] = self.reorder_blocks(params["blocks"], self.layer_order)  # storage order
         zero = jnp.zeros((), jnp.int32)
-        state = {"step": zero, "params": params, "opt_state": self.tx.init(params), "skipped_steps": zero,
+        state = {"step": zero, "params": params, "opt_state": self.tx.init(self.trained(params)), "skipped_steps": zero,
                  "loss_scale": initial_loss_scale(self.plan)}
         if compression.applies(self.plan, self.sizes):
             state["grad_error"] = self.fresh_grad_error(params)

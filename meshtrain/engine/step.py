@@ -18,6 +18,7 @@ from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
+from meshtrain.ops.trainable import merge, select
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, inputs_and_targets
 
@@ -75,17 +76,18 @@ def trained_share(tokens_BxL1):
     return jnp.maximum(jnp.mean(trained_BxL, dtype=jnp.float32), 1.0 / trained_BxL.size)
 
 
-def metrics_and_grads(loss_fn):
+def metrics_and_grads(loss_fn, keep=lambda path: True):
     """`loss_fn` -> a gradient function (meshtrain/parallel/batching.py): the metrics and the gradients
-    of the objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py)."""
+    of the objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py),
+    by the parameters `keep` accepts (`ModelSpec.trainable`) only: the others are constants."""
     def fn(params, inputs: StepInputs) -> Gradients:
         reference = [] if inputs.reference is None else [inputs.reference]  # DPO's (meshtrain/engine/dpo.py)
 
-        def objective(p):
-            value, metrics = loss_fn(p, inputs.tokens, *reference)
+        def objective(trained):
+            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *reference)
             return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
-        (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(select(params, keep))
         return Gradients(metrics, grads)
 
     return fn
@@ -119,7 +121,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     (train.dpo, under train.objective=dpo; no pipeline axis): the batch is preference pairs and the
     objective DPO's (meshtrain/engine/dpo.py), the reference log-probs taken first from
     `reference_params(state)`."""
-    grad_specs, stages = specs["grads"], mesh.shape["pipeline"]
+    grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
+    keep = model.cfg.trainable
     micro = plan.num_microbatches(stages)
     compressor = None
     if compression.applies(plan, mesh.shape):
@@ -137,16 +140,17 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
                                  compressed=compressor is not None):
         others = set(mesh.axis_names) - {data_parallel.AXIS}
-        local = accumulate(metrics_and_grads(loss_fn), micro, data_parallel.local_specs(grad_specs, others))
+        local = accumulate(metrics_and_grads(loss_fn, keep), micro, data_parallel.local_specs(grad_specs, others))
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
                                                 **compressed)
         # the gathers move compute-dtype parameters
         grad_fn = lambda params, inputs: per_shard(cast_for_compute(params, plan.precision), inputs)
     else:
-        grad_fn = accumulate(metrics_and_grads(loss_fn), micro, grad_specs)
+        grad_fn = accumulate(metrics_and_grads(loss_fn, keep), micro, grad_specs)
 
     def train_step(state, tokens_BxL1):
         params, loss_scale = state["params"], state["loss_scale"]
+        trained = select(params, keep)  # the optimizer's parameters (LoRA: the adapters)
         scale = loss_scale["scale"] if scales_loss(plan) else None
         reference = None if dpo is None else reference_fn(reference_params(state), tokens_BxL1)
         out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None, reference))
@@ -161,9 +165,9 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
         unscale = (lambda g: g / math.prod(divisors)) if divisors else (lambda g: g)
         grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
-                             out.grads, params, grad_specs)
+                             out.grads, trained, grad_specs)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        updates, opt_state = tx.update(grads, state["opt_state"], trained)
         # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
         # if any gradient element is), but the step still advances so the next batch is new. Under
         # fp16 a NaN/Inf gradient is first an overflow: skipped too, but it halves the loss scale.
@@ -171,7 +175,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         applied = ~(bad | overflow)
         keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
         new_state = {**state, "step": state["step"] + 1,
-                     "params": keep_if_skipped(optax.apply_updates(params, updates), params),
+                     "params": merge(params, keep_if_skipped(optax.apply_updates(trained, updates), trained)),
                      "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
         if compressor:  # a skipped step's residuals may hold its NaN/Inf: they are dropped with it

@@ -37,7 +37,7 @@ from meshtrain.core import schema
 from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES, Family, ModelSpec, family
-from meshtrain.models.base import contracted_axes
+from meshtrain.models.base import LORA, contracted_axes
 from meshtrain.models.spec import HFConfig
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -299,6 +299,32 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
                                                indent=2))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return [folder / n for n in names]
+
+
+def save_adapters(params, spec: ModelSpec, folder: str | Path, base: str, dtype: str = "float32") -> Path:
+    """A LoRA run's adapters as a PEFT adapter folder: adapter_config.json (base_model_name_or_path
+    `base`) and adapter_model.safetensors under PEFT's names (`base_model.model.<module>.lora_A.weight`
+    [r, in], `lora_B.weight` [out, r], for each layer's module of the base tensor's name), which
+    `peft.PeftModel.from_pretrained(base model, folder)` loads."""
+    f, lora, folder = hf_form(spec), spec.lora, Path(folder)
+    tensors, modules = {}, []
+    for t in lora.targets:
+        template = f.hf.tensors[("blocks", LORA[t][0])][0].removesuffix(".weight")
+        modules.append(template.rsplit(".", 1)[-1])
+        a, b = params["blocks"][f"lora_{t}_a"], params["blocks"][f"lora_{t}_b"]
+        for i in range(a.shape[0]):
+            a_IxR, b_RxO = _fetch(a, (i,)), _fetch(b, (i,))
+            for part, x in (("A", a_IxR.reshape(-1, lora.rank).T), ("B", b_RxO.reshape(lora.rank, -1).T)):
+                name = f"base_model.model.{template.format(i=i)}.lora_{part}.weight"
+                tensors[name] = np.ascontiguousarray(x.astype(DTYPE_NAMES[dtype]))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+              "inference_mode": True, "modules_to_save": None}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder / "adapter_model.safetensors"
 
 
 def _fetch(x, index) -> np.ndarray:

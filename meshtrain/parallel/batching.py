@@ -82,9 +82,9 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
 
         split = lambda x: None if x is None else split_microbatches(x, microbatches)
         micro_rows = (split(inputs.tokens), split(inputs.reference))  # the same rows of each
-        metrics_like = jax.eval_shape(grad_fn, params, micro_inputs(*jax.tree.map(lambda x: x[0], micro_rows))).metrics
-        zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metrics_like),
-                 pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))  # fp32 sums
+        like = jax.eval_shape(grad_fn, params, micro_inputs(*jax.tree.map(lambda x: x[0], micro_rows)))
+        zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), like.metrics),  # grads: the trained params'
+                 pin(jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), like.grads)))  # fp32 sums
         (metrics, grads), _ = jax.lax.scan(add, zeros, micro_rows)
         mean = lambda tree: jax.tree.map(lambda x: x / microbatches, tree)
         return Gradients(mean(metrics), mean(grads))

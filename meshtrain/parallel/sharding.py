@@ -198,17 +198,19 @@ def state_spec(state, param, spec: P, mesh) -> P:
     return P(*[axes_entry(d) for d in dims])
 
 
-def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, map_states, other_specs=None):
+def state_shardings(abstract_state, logical_axes, rules, mesh, zero: int, map_states, other_specs=None,
+                    trained=lambda tree: tree):
     """NamedShardings for the train state (params, opt_state, the entries of `other_specs`, trees of
     PartitionSpecs such as gradient compression's residuals, and replicated scalar counters) and the
     PartitionSpecs for gradients. `map_states` walks the optimizer state's parameter-shaped parts
-    (meshtrain/ops/optimizers.py `map_param_states`)."""
-    params = abstract_state["params"]
+    (meshtrain/ops/optimizers.py `map_param_states`). `trained`: the part of a parameter tree that
+    is trained (meshtrain/ops/trainable.py `select`), which the optimizer state and gradients cover."""
+    params, trained_axes = abstract_state["params"], trained(logical_axes)
     param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "params"))
-    opt_param_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "opt_state"))
-    grad_specs = tree_specs(params, logical_axes, rules, mesh, zero_axes(zero, "grads"))
+    opt_param_specs = tree_specs(trained(params), trained_axes, rules, mesh, zero_axes(zero, "opt_state"))
+    grad_specs = tree_specs(trained(params), trained_axes, rules, mesh, zero_axes(zero, "grads"))
     opt_specs = map_states(lambda state, param, spec: state_spec(state, param, spec, mesh),
-                                 abstract_state["opt_state"], params, opt_param_specs, otherwise=lambda _: P())
+                           abstract_state["opt_state"], trained(params), opt_param_specs, otherwise=lambda _: P())
     named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                        is_leaf=lambda x: isinstance(x, P))
     replicated = NamedSharding(mesh, P())

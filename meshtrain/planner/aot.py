@@ -179,7 +179,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
                                   is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     memory = {"parameters": shard_bytes(state["params"], shardings["params"]),
               "optimizer_state": shard_bytes(state["opt_state"], shardings["opt_state"]),
-              "gradients": shard_bytes(state["params"], grad_shardings),
+              "gradients": shard_bytes(program.trained(state["params"]), grad_shardings),
               "temporaries": train_memory["temporaries"], "total": train_memory["total"],
               "cpu_copies": train_memory["cpu_copies"],
               "grad_error": shard_bytes(state["grad_error"], shardings["grad_error"]) if "grad_error" in state else 0,
@@ -215,16 +215,35 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
                        "ulysses_degree": par.ulysses_degree, "sequence_parallel": par.sequence_parallel,
                        "grad_compression": par.grad_compression, "optimizer": cfg.optim.optimizer,
                        "microbatches": par.num_microbatches(sizes["pipeline"])},
-            "mesh": describe(sizes), "devices": n, "params": program.num_params, "memory": memory,
-            "zero_formula": formulas.zero_bytes(program.num_params, sizes, par.zero,
-                                                stage_replicated=traffic.stage_replicated_params(program),
-                                                experts=traffic.expert_params(program),
-                                                optimizer_state=program.optimizer_state_bytes()),
+            "mesh": describe(sizes), "devices": n, "params": program.num_params,
+            "trainable_params": program.trainable_params, "memory": memory,
+            "zero_formula": zero_formula(program),
             "collectives": comms,
             "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
             "flops": flops, "roofline": roofline, "_program": program,
             **({"kernels": kernels.read(text)} if gpu else {}),
             **({"moe": moe} if (moe := traffic.moe_dispatch(program)) else {})}
+
+
+def zero_formula(program) -> dict:
+    """ZeRO's bytes per device (`formulas.zero_bytes`): the parameters all of them, the gradients
+    and the optimizer state those of the trained parameters (LoRA: the adapters) only."""
+    sizes, zero = program.sizes, program.plan.zero
+    every = formulas.zero_bytes(program.num_params, sizes, zero, traffic.stage_replicated_params(program),
+                                traffic.expert_params(program))
+    trained = formulas.zero_bytes(program.trainable_params, sizes, zero,
+                                  traffic.stage_replicated_params(program, trained=True),
+                                  traffic.expert_params(program, trained=True), program.optimizer_state_bytes())
+    return {**trained, "parameters": every["parameters"]}
+
+
+def trainable_note(r: dict) -> str:
+    """', trainable 0.42% (LoRA r=16)' when the run trains part of its parameters, else ''."""
+    lora = r["config"]["model"]["lora"]
+    if r["trainable_params"] == r["params"]:
+        return ""
+    return f", trainable {r['trainable_params'] / 1e6:,.2f}M = {100 * r['trainable_params'] / r['params']:.2f}% " + \
+        (f"(LoRA r={lora['rank']})" if lora["rank"] else "")
 
 
 def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None = None, devices=None) -> dict:
@@ -266,7 +285,7 @@ def human_bytes(b: float) -> str:
 def format_plan(r: dict) -> str:
     mem, zf, roof = r["memory"], r["zero_formula"], r["roofline"]
     gb = human_bytes
-    lines = [f"plan: {r['params'] / 1e6:,.1f}M params on {r['devices']} devices, mesh {r['mesh']}, "
+    lines = [f"plan: {r['params'] / 1e6:,.1f}M params{trainable_note(r)} on {r['devices']} devices, mesh {r['mesh']}, "
              f"zero={r['config']['zero']}, {r['config']['precision']}, remat={r['config']['remat']}, "
              f"{r['config']['microbatches']} microbatch(es)",
              *([compilers.summary(r["compiled_for"])] if "compiled_for" in r else []),

@@ -77,38 +77,41 @@ def on_gpu(program) -> bool:
     return program.mesh.devices.flat[0].platform == "gpu"
 
 
-def _params_with_axes(program):
-    """(parameter, its sharding, its logical axes) for each parameter."""
-    names = jax.tree.leaves(program.logical_axes, is_leaf=lambda n: isinstance(n, tuple))
-    return zip(jax.tree.leaves(program.abstract_state["params"]), jax.tree.leaves(program.state_shardings["params"]),
-               names)
+def _params_with_axes(program, trained: bool = False):
+    """(parameter, its sharding, its logical axes) for each parameter (`trained`: each one the step
+    trains, `TrainProgram.trained`: LoRA's adapters)."""
+    pick = program.trained if trained else (lambda tree: tree)
+    names = jax.tree.leaves(pick(program.logical_axes), is_leaf=lambda n: isinstance(n, tuple))
+    return zip(jax.tree.leaves(pick(program.abstract_state["params"])),
+               jax.tree.leaves(pick(program.state_shardings["params"])), names)
 
 
-def stage_replicated_params(program) -> int:
+def stage_replicated_params(program, trained: bool = False) -> int:
     """Parameters every pipeline stage holds whole: ZeRO's formula (`formulas.zero_bytes`) does not
     divide them by `pipeline`."""
-    return sum(leaf.size for leaf, _, axes in _params_with_axes(program) if stage_replicated(axes))
+    return sum(leaf.size for leaf, _, axes in _params_with_axes(program, trained) if stage_replicated(axes))
 
 
-def expert_params(program) -> int:
+def expert_params(program, trained: bool = False) -> int:
     """The MoE experts' parameters (an `experts` axis): ZeRO's formula divides them by `expert` too."""
-    return sum(leaf.size for leaf, _, axes in _params_with_axes(program) if "experts" in axes)
+    return sum(leaf.size for leaf, _, axes in _params_with_axes(program, trained) if "experts" in axes)
 
 
 GATHERED_AXES = ("data", "fsdp", "context")  # the axes a parameter slice is gathered and reduced over
 
 
-def param_slices(program, experts: bool = True) -> dict[str, float]:
+def param_slices(program, experts: bool = True, trained: bool = False) -> dict[str, float]:
     """Parameters in this device's slice, as split over tensor, pipeline and expert (data, fsdp and
     context, which the `embed` rule shards weights over, are the axes gathered and reduced over):
     `blocks` (the layer stack) and `outer` (the stage-replicated embedding, head and final norm).
     `experts=False`: the parameters outside the experts only (those the expert axis replicates).
     `table`: of `outer`, an untied embedding table's slice (the lookup gathers it in the compute
     dtype; a tied table is the head too); `lookup`: the table the lookup reads, tied or not;
-    `vocab`: the parameters with a vocabulary axis (the table and an untied head)."""
+    `vocab`: the parameters with a vocabulary axis (the table and an untied head). `trained`: the
+    trained parameters only, whose gradients are reduced (LoRA: the adapters)."""
     out = {"blocks": 0.0, "outer": 0.0, "table": 0.0, "lookup": 0.0, "vocab": 0.0}
     tied = program.model.cfg.tie_embeddings
-    for leaf, sharding, axes in _params_with_axes(program):
+    for leaf, sharding, axes in _params_with_axes(program, trained):
         if not experts and "experts" in axes:
             continue
         split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
@@ -181,8 +184,8 @@ def expected_traffic(program) -> dict[str, dict]:
     m, zero = program.model.cfg, plan.zero
     act = compute_bytes(plan.precision)
     gpu = on_gpu(program)  # XLA:GPU's program: where it differs from XLA:CPU's, said at each term
-    slices = param_slices(program)
-    slice_params = slices["blocks"] + slices["outer"]
+    slices, trained = param_slices(program), param_slices(program, trained=True)  # the latter's gradients
+    slice_params = trained["blocks"] + trained["outer"]
     out = {k: {"traffic_bytes": 0.0, "terms": []} for k in KINDS}
 
     def add(kind, value, term):
@@ -199,8 +202,8 @@ def expected_traffic(program) -> dict[str, dict]:
     # executors (microbatches, pipeline) sum fp32 gradients and reduce them once.
     # XLA's reductions carry the layers' gradients in the compute dtype, the embedding's and head's
     # in fp32 (the lookup's scatter-add and the fp32 logits); the manual executors sum fp32.
-    grad_bytes = 4 * slice_params if data_once else slices["blocks"] * act + slices["outer"] * 4
-    grads = slice_params / (F * C)  # the gradient elements a device reduces over data
+    grad_bytes = 4 * slice_params if data_once else trained["blocks"] * act + trained["outer"] * 4
+    grads = slice_params / (F * C)  # the gradient elements a device reduces over data (and updates)
     if compressed:
         for kind, value in formulas.compressed_reduction_traffic(4 * grads, D, plan.compression_block,
                                                                   zero <= 1).items():
@@ -215,7 +218,8 @@ def expected_traffic(program) -> dict[str, dict]:
     if zero == 2 and not compressed:
         add("reduce-scatter", over_data("all-gather", grad_bytes / (F * C)), "ZeRO-2 gradient reduce-scatter over data")
     if zero >= 3 and data_once:  # the compute-dtype copy gathered once per step
-        add("all-gather", over_data("all-gather", grads * act), "ZeRO-3 parameter all-gather over data, once per step")
+        every = (slices["blocks"] + slices["outer"]) / (F * C)  # the frozen parameters too
+        add("all-gather", over_data("all-gather", every * act), "ZeRO-3 parameter all-gather over data, once per step")
         if not compressed:
             add("reduce-scatter", over_data("all-gather", 4 * grads),
                 "ZeRO-3 gradient reduce-scatter over data, once per step")
@@ -238,18 +242,19 @@ def expected_traffic(program) -> dict[str, dict]:
             "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
     # XLA:GPU reduces the lookup's gradient (its scatter-add) in the compute dtype apart from the head's
     # fp32 one (meshtrain/ops/loss.py), a tied table's too; XLA:CPU sums both in fp32
-    lookup = slices["lookup"] * (act - (0 if program.model.cfg.tie_embeddings else 4)) if gpu else 0
+    lookup = trained["lookup"] * (act - (0 if program.model.cfg.tie_embeddings else 4)) if gpu else 0
     table_grad = "the compute dtype (a tied table also in fp32, as the head)" if gpu else "fp32"
-    add("reduce-scatter", micro * ring_traffic("all-gather", slices["blocks"] * act + slices["outer"] * 4 + lookup, A),
+    add("reduce-scatter", micro * ring_traffic("all-gather", trained["blocks"] * act + trained["outer"] * 4 + lookup,
+                                               A),
         f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the head's and "
         f"norm's in fp32, the embedding's in {table_grad}")
     if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
-        shared = param_slices(program, experts=False)  # per microbatch, the layers' in the compute dtype
+        shared = param_slices(program, experts=False, trained=True)  # per microbatch, the layers' in the compute dtype
         add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4) / A, E),
             f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
             f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro}")
     if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
-        add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / (F * C), P),
+        add("all-reduce", ring_traffic("all-reduce", 4 * trained["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
     # Megatron: 2 forward, 2 backward; the recomputed forward (remat=full) redoes the attention
     # output's but not the MLP output's, whose only use is the next layer's (saved) input, unless
@@ -305,7 +310,7 @@ def data_parallel_traffic(program) -> dict:
     0/1, reduce-scatter at 2/3) and int8 (meshtrain/parallel/compression.py), whichever the plan uses."""
     plan, sizes = program.plan, program.sizes
     D, zero = sizes["data"], plan.zero
-    slices = param_slices(program)
+    slices = param_slices(program, trained=True)
     # the fp32 bytes reduced over data
     grads = 4 * (slices["blocks"] + slices["outer"]) / (sizes["fsdp"] * sizes["context"])
     fp32 = ring_traffic("all-reduce", grads, D) if zero <= 1 else ring_traffic("all-gather", grads, D)  # RS = AG

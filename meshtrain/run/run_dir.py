@@ -15,6 +15,7 @@ and relative to the run folder), so the commands that read a run's data (eval, i
 from any working folder (`resolve_data`) and refuse other content (`check_run_data`)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -37,6 +38,8 @@ from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES, make_spec
+from meshtrain.models.spec import LoraSpec
+from meshtrain.ops.trainable import merge, select
 from meshtrain.run import goodput
 from meshtrain.run.checkpoint import check_model, complete_steps, saved_metadata
 from meshtrain.run.lock import LOCK_FILE
@@ -377,18 +380,30 @@ def newest_params(run: str | Path, model, shardings=None, step: int | None = Non
     return {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}, step
 
 
-def initial_params(source: str, model, shardings):
+def initial_params(source: str, model, shardings, seed: int = 0):
     """checkpoint.init_from: the parameters (model order, in `shardings`) of a Hugging Face folder
     (`hf:DIR`, verified against its SHA256SUMS when it has one) or of a meshtrain run's newest intact
-    checkpoint, whose architecture must be this model's."""
+    checkpoint, whose architecture must be this model's. With LoRA (model.lora) the source is the
+    frozen base, and the adapters start fresh (from `seed`, as `model.init`)."""
     if source.startswith("hf:"):
         folder = source[3:]
         spec, fix = hf.read_spec(folder), f"python -m meshtrain.convert --from-hf {folder} --out RUN"
     else:
         spec, fix = run_config(source).model, f"use the model section of {Path(source) / 'config.yaml'}"
-    differ = model.cfg.architecture_difference(spec.resolved(), "this run", f"checkpoint.init_from={source}")
+    lora = model.cfg.lora
+    if lora.rank and spec.lora.rank:
+        raise UserError(f"checkpoint.init_from={source} is a LoRA run: start from its base, or export it merged "
+                        f"(python -m meshtrain.convert --to-hf RUN OUT --merge) and start from that")
+    spec = dataclasses.replace(spec.resolved(), lora=lora)  # the base's architecture, with this run's adapters
+    differ = model.cfg.architecture_difference(spec, "this run", f"checkpoint.init_from={source}")
     if differ:
         raise UserError(f"{differ}; the model must match the weights: {fix}")
-    if source.startswith("hf:"):
-        return hf.load_params(source[3:], model, shardings)
-    return newest_params(source, model, shardings)[0]
+    base, frozen = model, lambda path: not model.cfg.trainable(path)
+    if lora.rank:
+        base = FAMILIES[spec.family](dataclasses.replace(spec, lora=LoraSpec()))
+        adapters = jax.jit(lambda key: select(model.init(key), model.cfg.trainable),
+                           out_shardings=select(shardings, model.cfg.trainable))(jax.random.key(seed))
+        shardings = select(shardings, frozen)
+    params = hf.load_params(source[3:], base, shardings) if source.startswith("hf:") else \
+        newest_params(source, base, shardings)[0]
+    return merge(params, adapters) if lora.rank else params

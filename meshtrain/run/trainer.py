@@ -119,7 +119,7 @@ class Trainer:
                           else None)  # None: neither tier holds one
             if self.state is None and cfg.checkpoint.init_from:
                 params = run_dir.initial_params(cfg.checkpoint.init_from, program.model,
-                                                program.state_shardings["params"])
+                                                program.state_shardings["params"], t.seed)
                 self.state = jax.jit(program.state_from_params, out_shardings=program.state_shardings,
                                      donate_argnums=0)(params)  # the loaded copy becomes the state's
                 console.info(f"initialised from {cfg.checkpoint.init_from}")

@@ -1,0 +1,187 @@
+"""LoRA (models/spec.py LoraSpec, docs/fine-tuning.md): adapters on a frozen base, the same run on
+every layout, only the adapters trained and given optimizer state."""
+import jax
+import numpy as np
+import pytest
+from conftest import run_tiny, tiny_config
+
+from meshtrain.config.validate import check_config
+from meshtrain.core.errors import UserError
+from meshtrain.models import FAMILIES
+from meshtrain.models.base import adapters_off
+from meshtrain.ops.trainable import select
+from meshtrain.testing import MOE_TINY, max_param_diff
+
+LORA = ("model.lora.rank=4", "parallel.precision=fp32")
+LAYOUTS = {"fsdp=2,tensor=2": 4, "pipeline=2": 2}  # mesh: its devices
+
+
+def is_adapter(path) -> bool:
+    return path[-1].startswith("lora_")
+
+
+def test_a_lora_step_is_the_same_on_every_layout_and_trains_only_the_adapters():
+    trainer, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
+    start = jax.device_get(jax.jit(trainer.program.init_state)(jax.random.key(trainer.cfg.train.seed))["params"])
+    frozen = lambda tree: select(tree, lambda path: not is_adapter(path))
+    assert max_param_diff(frozen(start), frozen(params)) == 0  # the base is bitwise unchanged
+    assert max_param_diff(select(start, is_adapter), select(params, is_adapter)) > 1e-4  # the adapters moved
+    # Adam's two moments for the adapters only: the base has no optimizer state
+    adapters = sum(x.size for x in jax.tree.leaves(select(params, is_adapter)))
+    state = sum(x.size for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim)
+    assert state == 2 * adapters and adapters < 0.2 * sum(x.size for x in jax.tree.leaves(params))
+    for mesh, n in LAYOUTS.items():
+        micro = ("parallel.microbatches=2",) if "fsdp" in mesh else ()
+        _, losses, other = run_tiny(*LORA, f"parallel.mesh={mesh}", *micro, devices=jax.devices()[:n])
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5, err_msg=mesh)
+        assert max_param_diff(params, other) < 1e-5, mesh
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("setting, message", [
+    ("model.lora.targets=[q, x]", "model.lora.targets=['q', 'x']"),
+    ("model.lora.targets=[q, q]", "at most once"),
+    ("model.lora.targets=[]", "at least one"),
+    ("model.lora.rank=-1", "model.lora.rank=-1 must be >= 0"),
+    ("model.lora.dropout=0.1", "dropout on the adapters is not implemented"),
+])
+def test_bad_lora_settings_are_one_error(setting, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        rank = () if "rank" in setting else ("model.lora.rank=4",)
+        check_config(tiny_config(*rank, setting))
+
+
+@pytest.mark.fast
+def test_adapters_on_routed_experts_are_refused_and_on_their_attention_accepted():
+    with pytest.raises(UserError, match="mixture-of-experts MLP are not implemented"):
+        check_config(tiny_config("model.lora.rank=4", config=MOE_TINY))
+    check_config(tiny_config("model.lora.rank=4", "model.lora.targets=[q,k,v,o]", config=MOE_TINY))
+
+
+def test_peft_loads_the_adapters_with_the_logits_of_the_merged_export_and_of_meshtrain(tmp_path):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.convert import main
+
+    trainer, _, params = run_tiny(*LORA, "parallel.mesh=1", "optim.lr=3e-2", devices=jax.devices()[:1])
+    adapters, merged = tmp_path / "adapters", tmp_path / "merged"
+    assert main(["--to-hf", str(trainer.out), str(adapters), "--adapters-only"]) == 0
+    assert main(["--to-hf", str(trainer.out), str(merged), "--merge"]) == 0
+    tokens = np.random.default_rng(0).integers(0, 256, size=(2, 16))
+    ours = np.asarray(trainer.program.model.apply(trainer.program.in_model_order(params), tokens))
+    base = AutoModelForCausalLM.from_pretrained(adapters / "base", dtype=torch.float32)
+    logits = lambda m: m(torch.tensor(tokens)).logits.numpy()
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, adapters).eval()
+        with_adapters = logits(adapted)
+        with adapted.disable_adapter():
+            base_only = logits(adapted)
+        full = logits(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval())
+    print(f"PEFT vs merged export {np.abs(with_adapters - full).max():.2e}, vs meshtrain "
+          f"{np.abs(with_adapters - ours).max():.2e}")
+    np.testing.assert_allclose(with_adapters, full, atol=1e-4)
+    np.testing.assert_allclose(with_adapters, ours, atol=1e-4)
+    # not vacuous: the adapters change the logits, and adapters_off gives the base's (PEFT's with its adapter disabled)
+    off = np.asarray(trainer.program.model.apply(trainer.program.in_model_order(adapters_off(params)), tokens))
+    np.testing.assert_allclose(base_only, off, atol=1e-4)
+    assert np.abs(ours - off).max() > 1e-2
+
+
+def test_a_resumed_lora_run_continues_bitwise(tmp_path):
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    _, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
+    quiet = lambda trainer, steps: trainer.fit(steps, log=MetricsLog(tmp_path, primary=False))
+    head = quiet(Trainer(tiny_config(*LORA, "parallel.mesh=1", out=str(tmp_path)), devices=jax.devices()[:1]), 2)
+    resumed = Trainer(tiny_config(*LORA, "parallel.mesh=1", "checkpoint.resume=auto", out=str(tmp_path)),
+                      devices=jax.devices()[:1])
+    assert resumed.resumed_from == tmp_path / "checkpoints" / "2"
+    tail = quiet(resumed, len(reference))
+    np.testing.assert_array_equal([r["loss"] for r in head + tail if "loss" in r], reference)
+    assert max_param_diff(jax.device_get(resumed.state["params"]), params) == 0
+
+
+@pytest.mark.fast
+def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only():
+    from meshtrain.engine.program import TrainProgram
+    from meshtrain.planner.aot import trainable_note, zero_formula
+
+    full, lora = (TrainProgram.from_config(tiny_config("parallel.mesh=fsdp=2", *extra), devices=jax.devices()[:2])
+                  for extra in ((), ("model.lora.rank=4",)))
+    adapters = sum(x.size for x in jax.tree.leaves(select(lora.abstract_state["params"], is_adapter)))
+    assert lora.trainable_params == adapters and full.trainable_params == full.num_params
+    f, z = zero_formula(full), zero_formula(lora)
+    assert z["parameters"] > f["parameters"]  # the adapters are parameters too
+    ratio = adapters / lora.num_params
+    np.testing.assert_allclose([z["gradients"] / f["gradients"], z["optimizer_state"] / f["optimizer_state"]],
+                               ratio * lora.num_params / full.num_params, rtol=1e-6)
+    note = trainable_note({"params": lora.num_params, "trainable_params": adapters,
+                           "config": {"model": {"lora": {"rank": 4}}}})
+    assert note == f", trainable {adapters / 1e6:,.2f}M = {100 * ratio:.2f}% (LoRA r=4)"
+
+
+def test_lora_on_a_trained_base_learns_a_new_sentence_and_leaves_the_base_as_it_was(tmp_path):
+    """A base trained on one sentence (the init_from run), then adapters on another: the new
+    sentence's loss falls from the base's ~ln 256 to near zero, the base weights bitwise the run's."""
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.run_dir import newest_params
+    from meshtrain.run.trainer import Trainer
+
+    untied = ("parallel.mesh=1", "model.tie_embeddings=false", "optim.lr=1e-2", "train.log_every=10")
+
+    def fit(sentence, out, *extra):
+        (tmp_path / f"{out}.txt").write_text(sentence * 400)
+        cfg = tiny_config(*untied, f"data.path={tmp_path / out}.txt", "data.kind=auto", "train.steps=60", *extra,
+                          out=str(tmp_path / out))
+        trainer = Trainer(cfg, devices=jax.devices()[:1])
+        losses = [r["loss"] for r in trainer.fit(log=MetricsLog(trainer.out, primary=False)) if "loss" in r]
+        trainer.close()
+        return trainer, losses
+
+    fit("the quick brown fox jumps over the lazy dog. ", "base")
+    tuned, losses = fit("pack my box with five dozen liquor jugs. ", "jugs", "model.lora.rank=8",
+                        f"checkpoint.init_from={tmp_path / 'base'}")
+    assert losses[0] > 1.0 and losses[-1] < 0.15, losses
+    params = jax.device_get(tuned.state["params"])
+    base = newest_params(tmp_path / "base", FAMILIES["llama"](tiny_config(*untied).model))[0]
+    assert max_param_diff(select(params, lambda path: not is_adapter(path)), base) == 0
+
+
+def test_lora_on_a_hugging_face_base_loads_it_frozen_and_its_adapters_name_it(tmp_path):
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from meshtrain.config.loader import load_config
+    from meshtrain.convert import main
+    from meshtrain.interop import hf
+    from meshtrain.parallel.mesh import build_mesh, parse_mesh
+    from meshtrain.parallel.sharding import param_shardings
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert main(["--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    cfg = load_config(str(tmp_path / "run" / "config.yaml"),
+                      ["model.lora.rank=4", "model.lora.targets=[q,v]", "parallel.mesh=1", "data.kind=synthetic",
+                       "train.steps=2", "train.batch_size=4", "train.seq_len=16", "train.eval_every=0"])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer.fit(log=MetricsLog(trainer.out, primary=False))
+    trainer.close()
+    spec = hf.read_spec(tmp_path / "hf")
+    base_model = FAMILIES[spec.family](spec)
+    base = hf.load_params(tmp_path / "hf", base_model,
+                          param_shardings(base_model, build_mesh(parse_mesh("1", 1), jax.devices()[:1])))
+    params = jax.device_get(trainer.state["params"])
+    assert sorted(k for k in params["blocks"] if is_adapter((k,))) == ["lora_q_a", "lora_q_b", "lora_v_a", "lora_v_b"]
+    assert max_param_diff(select(params, lambda path: not is_adapter(path)), jax.device_get(base)) == 0
+    assert main(["--to-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--adapters-only"]) == 0
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str((tmp_path / "hf").absolute()) and written["r"] == 4
+    assert written["target_modules"] == ["q_proj", "v_proj"] and not (tmp_path / "out" / "base").exists()
