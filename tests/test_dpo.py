@@ -198,3 +198,19 @@ def test_the_plan_of_a_dpo_run_holds_the_reference_and_no_eval_step(pairs_folder
     report = json.loads(capsys.readouterr().out)
     assert report["memory"]["reference"] == report["memory"]["parameters"] > 0  # one more copy, laid out as them
     assert report["eval_step"] is None and set(report["steps"]) == {"train", "generation"}
+
+
+def test_dpo_with_lora_takes_the_base_as_its_reference_without_a_copy(pairs_folder):
+    """Under model.lora the reference is the frozen base (the adapters off): the state holds no
+    reference copy, the first step's policy is the reference (loss ln 2, every margin 0), the base
+    stays bitwise, and the adapters alone learn the preference."""
+    trainer, losses, params = dpo_run(pairs_folder, "1", 1, "model.lora.rank=4", "optim.lr=3e-2")
+    assert "reference" not in trainer.state
+    np.testing.assert_allclose(losses[0], np.log(2), rtol=1e-6)
+    assert trainer.history[0]["reward_margin"] == 0
+    start = jax.device_get(trainer.program.init_state(jax.random.key(trainer.cfg.train.seed))["params"])
+    frozen = lambda tree: {k: v for k, v in tree["blocks"].items() if not k.startswith("lora_")}
+    for got, want in zip(jax.tree.leaves(frozen(params)), jax.tree.leaves(frozen(start))):
+        np.testing.assert_array_equal(got, want)
+    last = [r for r in trainer.history if "loss" in r][-1]
+    assert last["reward_accuracy"] > 0.9 and last["loss"] < losses[0]

@@ -9,14 +9,15 @@ mean of their means (what every executor forms) is the mean over the whole batch
 layout. The reference model is a frozen copy of the initial parameters, `state['reference']`
 (`reference_params`, the one place that says which weights it is), run forward once per batch
 before the gradient pass: no gradient, no optimizer state, one more copy of the parameters in
-memory (the compiled step's, so the planner's memory figure, holds it)."""
+memory (the compiled step's, so the planner's memory figure, holds it). Under LoRA the reference
+is the frozen base, the parameters with the adapters off: no copy."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from meshtrain.data.tokens import token_ids
-from meshtrain.models.base import scan_blocks
+from meshtrain.models.base import adapters_off, scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.loss import sequence_log_probs
 from meshtrain.ops.precision import cast_for_compute
@@ -24,9 +25,16 @@ from meshtrain.parallel.batching import inputs_and_targets, split_microbatches
 from meshtrain.parallel.sharding import constrain
 
 
-def reference_params(state):
-    """The weights the reference log-probs come from: the initial parameters, kept in the state."""
-    return state["reference"]
+def keeps_reference(model_spec) -> bool:
+    """Whether the state holds a copy of the initial parameters as the reference: not under LoRA
+    (model.lora), whose reference is the frozen base itself."""
+    return not model_spec.lora.rank
+
+
+def reference_params(state, model_spec):
+    """The weights the reference log-probs come from: the initial parameters kept in the state, or
+    under LoRA the base, the parameters with the adapters off (`adapters_off`: no second copy)."""
+    return state["reference"] if keeps_reference(model_spec) else adapters_off(state["params"])
 
 
 def sequences(pairs_BxP):

@@ -18,6 +18,7 @@ from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfi
 from meshtrain.config.validate import check_layout
 from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import trains_on_mask
+from meshtrain.engine.dpo import keeps_reference
 from meshtrain.engine.pipeline import layer_order
 from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step, trained_share
 from meshtrain.models import FAMILIES
@@ -97,7 +98,7 @@ class TrainProgram:
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, plan.zero, map_param_states, other,
                                                                 self.trained)
-        if self.dpo is not None:  # the frozen reference: laid out as the parameters
+        if self.dpo is not None and keeps_reference(self.model.cfg):  # the frozen reference: as the parameters
             self.state_shardings["reference"] = self.state_shardings["params"]
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
@@ -139,7 +140,7 @@ class TrainProgram:
                  "loss_scale": initial_loss_scale(self.plan)}
         if compression.applies(self.plan, self.sizes):
             state["grad_error"] = self.fresh_grad_error(params)
-        if self.dpo is not None:  # DPO's reference model: these parameters, frozen
+        if self.dpo is not None and keeps_reference(self.model.cfg):  # DPO's reference model: these, frozen
             state["reference"] = params
         return state
 

@@ -152,7 +152,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         params, loss_scale = state["params"], state["loss_scale"]
         trained = select(params, keep)  # the optimizer's parameters (LoRA: the adapters)
         scale = loss_scale["scale"] if scales_loss(plan) else None
-        reference = None if dpo is None else reference_fn(reference_params(state), tokens_BxL1)
+        reference = None if dpo is None else reference_fn(reference_params(state, model.cfg), tokens_BxL1)
         out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None, reference))
         model_metrics = out.metrics
         divisors = [] if scale is None else [scale]  # the gradients are of the objective times these
