@@ -304,22 +304,31 @@ class Block(nnx.Module):
         return checkpoint_name(self.einsum("blf,fd->bld", h_BxLxF, self.w_down[...]), "mlp_out"), {}
 
 
+def stacked_blocks(block_type, cfg, rngs: nnx.Rngs, count: int):
+    """`count` blocks of `block_type`, their parameters stacked on a leading `layers` axis."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+        return block_type(cfg, rngs)
+
+    return make_blocks(rngs)
+
+
 class Transformer(nnx.Module):
     block_type = Block
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model)) * 0.02)
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(rngs):
-            return self.block_type(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stacked_blocks(self.block_type, cfg, rngs, self.stacked_layers(cfg))
         self.final_norm = self.block_type.norm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(_init(0, 1)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+
+    @staticmethod
+    def stacked_layers(cfg) -> int:
+        """The layers of `blocks`: all of them here."""
+        return cfg.num_layers
 
 
 def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None):
@@ -353,6 +362,8 @@ class LanguageModel:
     saveable = MATMUL_OUTPUTS
     param_axes = PARAM_AXES
     post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
+    stacks = ("blocks",)  # the parameters stacked on a leading `layers` axis
+    generates = True  # has the cached forward (`init_cache`, `decode`) generation runs
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
         self.cfg = cfg.resolved()
@@ -463,7 +474,7 @@ class LanguageModel:
         def axes(path, _):
             module = path[-2].key if len(path) > 1 else None
             names = self.param_axes.get(module) or self.param_axes[path[-1].key]
-            return ("layers", *names) if path[0].key == "blocks" else names
+            return ("layers", *names) if path[0].key in self.stacks else names
 
         return jax.tree_util.tree_map_with_path(axes, params)
 

@@ -136,11 +136,14 @@ class HFMap:
     """A family's Hugging Face form. `tensors`: our parameter path -> (the Hugging Face name, with
     {i} for the layer and {j} for the expert, and whether it is a linear weight [out, in]);
     `read(HFConfig) -> spec` and `write(resolved spec) -> dict` translate config.json (`write`
-    leaves out the dtype, which the exporter adds)."""
+    leaves out the dtype, which the exporter adds); `layer_offset(spec, path)`: the Hugging Face
+    index of the first layer a stacked parameter holds (0 but where a family keeps its layers in
+    more than one stack)."""
     model_types: tuple[str, ...]
     tensors: dict
     read: Callable[[HFConfig], ModelSpec]
     write: Callable[[ModelSpec], dict]
+    layer_offset: Callable[[ModelSpec, tuple], int] = lambda spec, path: 0
 
 
 @dataclass(frozen=True)
