@@ -504,6 +504,11 @@ class LanguageModel:
         expert-parallel receive buffer, filled or not (moe.py)."""
         return 0.0
 
+    @property
+    def routed_layers(self) -> int:
+        """The layers with routed experts (each exchanges its dispatch buffer): none here."""
+        return 0
+
     def dispatch_bytes(self, rows: float, seq_len: int, act_bytes: int, expert_parallel: int = 1) -> dict | None:
         """One routed-expert layer's dispatch buffer per device, `rows` sequence rows held there and
         `expert_parallel` devices on the `expert` axis (the planner's memory and all-to-all traffic):

@@ -247,11 +247,14 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
             docs = [self.packing.documents(true_BxL, order)]
         return scan_blocks(self.dense_block, params["dense_blocks"], x_BxLxD, *docs)[0]
 
+    @property
+    def routed_layers(self) -> int:
+        return self.cfg.num_layers - self.cfg.first_k_dense_replace
+
     def auxiliary_loss(self, stats):
         """The routed layers' losses: the step reports block statistics over all num_layers, a
         mean over the routed ones here."""
-        c = self.cfg
-        return super().auxiliary_loss(stats) * c.num_layers / (c.num_layers - c.first_k_dense_replace)
+        return super().auxiliary_loss(stats) * self.cfg.num_layers / self.routed_layers
 
     def flops_per_token(self, params, seq_len: int) -> float:
         """6N + 6 L H (Kn + Kr + Kv) S: QK^T over Kn + Kr channels, PV over Kv (the 12 L H K S of

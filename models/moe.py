@@ -578,6 +578,10 @@ class MoELanguageModel(LanguageModel):
         slots = capacity(seq_len, c.num_experts, c.experts_per_token, c.capacity_factor)
         return self._routed_params(params) * slots / seq_len - self._routed_per_token(params)
 
+    @property
+    def routed_layers(self) -> int:
+        return self.cfg.num_layers if self.cfg.num_experts else 0
+
     def dispatch_bytes(self, rows: float, seq_len: int, act_bytes: int, expert_parallel: int = 1) -> dict | None:
         """`dispatch_bytes` for this model's experts and width; None without routed experts."""
         c = self.cfg
