@@ -10,19 +10,21 @@ through a family module, so a family that only changes blocks stays one module (
 - qwen3.py: `qwen3`, the dense decoder with per-head q/k RMSNorm.
 - qwen3_moe.py: `qwen3_moe`, qwen3 attention with routed experts in every block.
 - gemma3.py: `gemma3`, Gemma 3's text decoder: sliding-window and global layers interleaved.
+- deepseek_v3.py: `deepseek_v3`, multi-head latent attention and DeepSeek MoE (shared experts, biased
+  sigmoid routing), the first layers dense.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from meshtrain.core.errors import UserError
-from meshtrain.models import gemma3, llama, moe, qwen3, qwen3_moe
+from meshtrain.models import deepseek_v3, gemma3, llama, moe, qwen3, qwen3_moe
 from meshtrain.models.base import LanguageModel, Transformer
 from meshtrain.models.moe import MoELanguageModel
 from meshtrain.models.spec import Family, ModelSpec
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
-                                                   gemma3.FAMILY)}
+                                                   gemma3.FAMILY, deepseek_v3.FAMILY)}
 
 
 def family(name: str) -> Family:

@@ -29,6 +29,7 @@ R = H / G query heads per kv head, K head dim, F mlp width, V vocab, T KV-cache 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -136,19 +137,27 @@ class RMSNorm(nnx.Module):
         return (y * self.gain()).astype(x_BxLxD.dtype)
 
 
-def rope_frequencies(cfg):
-    """The rotary inverse frequencies [K/2]: theta^(-2i/K) (Su et al., RoFormer); with
-    rope_scaling=llama3, Llama 3.1's long-context rescaling: wavelengths 2 pi / f longer than
-    original_max_len / low_freq_factor are divided by `rope_factor`, shorter than
+def rope_frequencies(cfg, dim: int | None = None):
+    """The rotary inverse frequencies [K/2] of `dim` rotated channels (default: head_dim): theta^(-2i/K)
+    (Su et al., RoFormer); with rope_scaling=llama3, Llama 3.1's long-context rescaling: wavelengths
+    2 pi / f longer than original_max_len / low_freq_factor are divided by `rope_factor`, shorter than
     original_max_len / high_freq_factor kept, and those between interpolated with
     s = (original_max_len / wavelength - low) / (high - low): f' = (1 - s) f / factor + s f; with
-    rope_scaling=linear (position interpolation, Chen et al. 2023), every f / `rope_factor`."""
-    K = cfg.head_dim
+    rope_scaling=linear (position interpolation, Chen et al. 2023), every f / `rope_factor`; with
+    rope_scaling=yarn (YaRN, Peng et al. 2023, as transformers computes it), channel i's r = i - lo over
+    hi - lo clipped to [0, 1] gives f' = r f / factor + (1 - r) f, where lo (floored) and hi (ceiled)
+    are the channels d(b) = K ln(original_max_len / (2 pi b)) / (2 ln theta) of b = beta_fast, beta_slow."""
+    K = dim or cfg.head_dim
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
     if cfg.rope_scaling == "none":
         return inv_freq
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "yarn":
+        turns = lambda b: K * math.log(cfg.rope_original_max_len / (b * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        lo, hi = max(math.floor(turns(cfg.rope_beta_fast)), 0), min(math.ceil(turns(cfg.rope_beta_slow)), K - 1)
+        ramp = jnp.clip((jnp.arange(K // 2, dtype=jnp.float32) - lo) / ((hi - lo) if hi != lo else 0.001), 0, 1)
+        return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
     low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
     wavelength = 2 * jnp.pi / inv_freq
     smooth = (cfg.rope_original_max_len / wavelength - low) / (high - low)
@@ -157,13 +166,29 @@ def rope_frequencies(cfg):
     return jnp.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-def rotary(x_BxLxNxK, inv_freq_K2, positions=None):
-    """Rotate channel pairs (i, i + K/2) by position x inv_freq[i] (`rope_frequencies`).
-    `positions`: each stored position's place in the sequence, [L] or per row [B, L] (None: 0..L-1)."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature m = 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg) -> float:
+    """What rope scaling multiplies cos and sin by (so rotated q . k by its square): 1 but under yarn,
+    m(rope_mscale) / m(rope_mscale_all_dim) when both are given, else m(1) (`yarn_mscale`)."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
+
+
+def rotary(x_BxLxNxK, inv_freq_K2, positions=None, scale: float = 1.0):
+    """Rotate channel pairs (i, i + K/2) by position x inv_freq[i] (`rope_frequencies`), times `scale`
+    (`rope_attention_factor`). `positions`: each stored position's place in the sequence, [L] or per
+    row [B, L] (None: 0..L-1)."""
     L = x_BxLxNxK.shape[1]
     positions = jnp.arange(L) if positions is None else jnp.asarray(positions)
     angle = positions.astype(jnp.float32)[..., None] * inv_freq_K2  # [L, K/2] or [B, L, K/2]
-    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]
+    cos, sin = scale * jnp.cos(angle)[..., None, :], scale * jnp.sin(angle)[..., None, :]
     x1, x2 = jnp.split(x_BxLxNxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxK.dtype)
@@ -262,9 +287,9 @@ class Block(nnx.Module):
         k = checkpoint_name(self.adapted("k", self.einsum("bld,dgk->blgk", h, self.wk[...]), h), "k")
         v = checkpoint_name(self.adapted("v", self.einsum("bld,dgk->blgk", h, self.wv[...]), h), "v")
         q, k = self.normalize_qk(q, k)
-        inv_freq_K2 = self.rope_frequencies(kind)
-        q = constrain(rotary(q, inv_freq_K2, positions), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(rotary(k, inv_freq_K2, positions), ("batch", "seq", "kv_heads", "head_dim"))
+        inv_freq_K2, scale = self.rope_frequencies(kind), rope_attention_factor(self.cfg)
+        q = constrain(rotary(q, inv_freq_K2, positions, scale), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(rotary(k, inv_freq_K2, positions, scale), ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, v
 
     def normalize_qk(self, q_BxLxHxK, k_BxLxGxK):
@@ -341,22 +366,31 @@ class Block(nnx.Module):
         return checkpoint_name(out_BxLxD, "mlp_out"), {}
 
 
+def stacked_blocks(block_type, cfg, rngs: nnx.Rngs, count: int):
+    """`count` blocks of `block_type`, their parameters stacked on a leading `layers` axis."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+        return block_type(cfg, rngs)
+
+    return make_blocks(rngs)
+
+
 class Transformer(nnx.Module):
     block_type = Block
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model)) * 0.02)
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(rngs):
-            return self.block_type(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stacked_blocks(self.block_type, cfg, rngs, self.stacked_layers(cfg))
         self.final_norm = self.block_type.norm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(_init(0, 1)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+
+    @staticmethod
+    def stacked_layers(cfg) -> int:
+        """The layers of `blocks`: all of them here."""
+        return cfg.num_layers
 
 
 def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None):
@@ -390,6 +424,8 @@ class LanguageModel:
     saveable = MATMUL_OUTPUTS
     param_axes = PARAM_AXES
     post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
+    stacks = ("blocks",)  # the parameters stacked on a leading `layers` axis
+    generates = True  # has the cached forward (`init_cache`, `decode`) generation runs
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
         self.cfg = cfg.resolved()
@@ -500,7 +536,7 @@ class LanguageModel:
         def axes(path, _):
             module = path[-2].key if len(path) > 1 else None
             names = self.param_axes.get(module) or self.param_axes[path[-1].key]
-            return ("layers", *names) if path[0].key == "blocks" else names
+            return ("layers", *names) if path[0].key in self.stacks else names
 
         return jax.tree_util.tree_map_with_path(axes, params)
 
@@ -529,6 +565,11 @@ class LanguageModel:
         fp8 matmul runs): none here; routed experts run every capacity slot, or dropless the whole
         expert-parallel receive buffer, filled or not (moe.py)."""
         return 0.0
+
+    @property
+    def routed_layers(self) -> int:
+        """The layers with routed experts (each exchanges its dispatch buffer): none here."""
+        return 0
 
     def dispatch_bytes(self, rows: float, seq_len: int, act_bytes: int, expert_parallel: int = 1) -> dict | None:
         """One routed-expert layer's dispatch buffer per device, `rows` sequence rows held there and
@@ -586,9 +627,12 @@ def read_llama_config(c: HFConfig, spec_type=ModelSpec, **fields) -> ModelSpec:
 def rope_kind(c: HFConfig, rope: dict) -> str:
     """A config.json rope entry's type, which must be one meshtrain computes (`rope_frequencies`)."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        raise UserError(f"{c.path}: rope scaling {rope_type!r} is not implemented (meshtrain has none, llama3 and "
-                        f"linear)")
+    if rope_type not in ("default", "llama3", "linear", "yarn"):
+        raise UserError(f"{c.path}: rope scaling {rope_type!r} is not implemented (meshtrain has none, llama3, "
+                        f"linear and yarn)")
+    if rope_type == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate", True) is not True):
+        raise UserError(f"{c.path}: yarn rope scaling with attention_factor or truncate=false is not implemented "
+                        f"(meshtrain derives the factor from mscale and mscale_all_dim, and truncates)")
     return rope_type
 
 
@@ -602,6 +646,13 @@ def read_rope_scaling(c: HFConfig, rope: dict, spec: ModelSpec) -> None:
         spec.rope_low_freq_factor = float(c.need("low_freq_factor", rope))
         spec.rope_high_freq_factor = float(c.need("high_freq_factor", rope))
         spec.rope_original_max_len = int(c.need("original_max_position_embeddings", rope))
+    if rope_type == "yarn":
+        spec.rope_scaling, spec.rope_factor = "yarn", float(c.need("factor", rope))
+        spec.rope_original_max_len = int(c.need("original_max_position_embeddings", rope))
+        spec.rope_beta_fast = float(rope.get("beta_fast") or 32.0)  # transformers' defaults
+        spec.rope_beta_slow = float(rope.get("beta_slow") or 1.0)
+        spec.rope_mscale = float(rope.get("mscale") or 0.0)
+        spec.rope_mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
 
 
 def write_rope(m: ModelSpec) -> dict:
@@ -612,6 +663,10 @@ def write_rope(m: ModelSpec) -> dict:
     if m.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=m.rope_factor, low_freq_factor=m.rope_low_freq_factor,
                     high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
+    if m.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=m.rope_factor, original_max_position_embeddings=m.rope_original_max_len,
+                    beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow,
+                    **{k: v for k, v in (("mscale", m.rope_mscale), ("mscale_all_dim", m.rope_mscale_all_dim)) if v})
     return rope
 
 
@@ -626,7 +681,7 @@ def write_llama_config(m: ModelSpec, model_type: str = "llama", architecture: st
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "rope_parameters": rope, "rope_theta": m.rope_theta,
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling != "none" else None,
-        "max_position_embeddings": int(max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling == "llama3"
-                                                                        else 1), 2048)),
+        "max_position_embeddings": int(max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling in (
+            "llama3", "yarn") else 1), 2048)),
         "attention_bias": False, "mlp_bias": False,
     }

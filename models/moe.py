@@ -129,14 +129,47 @@ def top_k(probs_BxLxE, k: int):
     return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1).astype(jnp.int32)
 
 
-def route(x_BxLxD, router_DxE, experts_per_token: int):
-    """fp32 logits, probs, top-k expert ids and renormalised gate weights."""
+@dataclass(frozen=True)
+class Router:
+    """How tokens pick experts. Mixtral's (the default): softmax scores, top-k, gates renormalised to
+    sum 1. DeepSeek-V3's (Liu et al. 2024, section 2.1.2): `score="sigmoid"`; a per-expert bias
+    (`moe_mlp`'s `bias_E`, aux-loss-free balancing) added to the scores for the choice only, never
+    to the gates and outside the gradient; `groups` > 1: the experts split into that many groups,
+    a group's score the sum of its two best, and only the `topk_groups` best groups chosen from;
+    `normalize`: gates renormalised over the k chosen (else the scores themselves); then x `scale`
+    (routed_scaling_factor)."""
+    score: str = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    normalize: bool = True
+    scale: float = 1.0
+
+
+def route(x_BxLxD, router_DxE, experts_per_token: int, router: Router = Router(), bias_E=None):
+    """fp32 logits, probs (the scores; sigmoid ones normalised to sum 1 per token, for the balance
+    statistics), top-k expert ids and gate weights (`Router`)."""
     logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
                               router_DxE.astype(jnp.float32))
-    probs_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
-    top_BxLxK, expert_BxLxK = top_k(probs_BxLxE, experts_per_token)
-    gate_BxLxK = top_BxLxK / jnp.sum(top_BxLxK, axis=-1, keepdims=True)
-    return logits_BxLxE, probs_BxLxE, expert_BxLxK, gate_BxLxK
+    softmax = router.score == "softmax"
+    scores_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1) if softmax else jax.nn.sigmoid(logits_BxLxE)
+    if softmax and bias_E is None and router.groups == 1:
+        top_BxLxK, expert_BxLxK = top_k(scores_BxLxE, experts_per_token)
+    else:
+        choice_BxLxE = scores_BxLxE if bias_E is None else scores_BxLxE + jax.lax.stop_gradient(
+            bias_E.astype(jnp.float32))
+        if router.groups > 1:
+            E, G = choice_BxLxE.shape[-1], router.groups
+            group_BxLxG = jnp.sum(top_k(choice_BxLxE.reshape(*choice_BxLxE.shape[:-1], G, E // G), 2)[0], axis=-1)
+            best_BxLxT = top_k(group_BxLxG, router.topk_groups)[1]
+            kept_BxLxG = jnp.any(jax.nn.one_hot(best_BxLxT, G, dtype=jnp.bool_), axis=-2)
+            choice_BxLxE = jnp.where(jnp.repeat(kept_BxLxG, E // G, axis=-1), choice_BxLxE, -jnp.inf)
+        expert_BxLxK = top_k(choice_BxLxE, experts_per_token)[1]
+        top_BxLxK = jnp.take_along_axis(scores_BxLxE, expert_BxLxK, axis=-1)
+    if router.normalize:  # transformers' DeepSeek denominator adds 1e-20
+        top_BxLxK = top_BxLxK / (jnp.sum(top_BxLxK, axis=-1, keepdims=True) + (0.0 if softmax else 1e-20))
+    if not softmax:  # DeepSeek's balance statistics normalise the sigmoid scores (V3 report, eq. 18)
+        scores_BxLxE = scores_BxLxE / jnp.sum(scores_BxLxE, axis=-1, keepdims=True)
+    return logits_BxLxE, scores_BxLxE, expert_BxLxK, top_BxLxK * router.scale if router.scale != 1 else top_BxLxK
 
 
 def slots(expert_BxKL, num_experts: int, cap: int):
@@ -371,10 +404,11 @@ def in_row_shards(local, x_BxLxD, expert_BxKL, weights, axis: str, ep: int):
 
 
 def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
-            experts_per_token: int, capacity_factor: float, axis: str = "expert", einsum=jnp.einsum):
+            experts_per_token: int, capacity_factor: float, axis: str = "expert", einsum=jnp.einsum,
+            router: Router = Router(), bias_E=None):
     """The experts' output [B, L, D] in x's dtype and the routing stats (see the module doc).
     `einsum`: the capacity routing's expert matmul (fp8 under precision=fp8); the dropless grouped
-    matmuls run in x's dtype."""
+    matmuls run in x's dtype. `router`, `bias_E`: how tokens pick experts (`Router`)."""
     B, L, D = x_BxLxD.shape
     E, K = router_DxE.shape[1], experts_per_token
     C = capacity(L, E, K, capacity_factor)
@@ -386,7 +420,7 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
         raise UserError(f"{B} batch rows per step (or microbatch) are not divisible by the "
                         f"'{axis}' mesh axis ({ep}); use a batch size that is a multiple of it")
 
-    logits_BxLxE, probs_BxLxE, expert_BxLxK, gate_BxLxK = route(x_BxLxD, router_DxE, K)
+    logits_BxLxE, probs_BxLxE, expert_BxLxK, gate_BxLxK = route(x_BxLxD, router_DxE, K, router, bias_E)
     expert_BxKL = expert_BxLxK.swapaxes(1, 2).reshape(B, K * L)  # choice-major
     weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     if capacity_factor == 0:
@@ -472,12 +506,14 @@ class MoEBlock(Block):
             self.expert_down = nnx.Param(_expert_init()(rngs.params(), (E, F, D)))
 
     def mlp(self, h_BxLxD):
+        return self.moe(h_BxLxD) if self.cfg.num_experts else super().mlp(h_BxLxD)
+
+    def moe(self, h_BxLxD, **routing):
+        """The routed experts (`moe_mlp`; `routing`: its router and bias_E) plus the shared ones."""
         cfg = self.cfg
-        if not cfg.num_experts:
-            return super().mlp(h_BxLxD)
         out, stats = moe_mlp(h_BxLxD, self.router[...], self.expert_gate[...], self.expert_up[...],
                              self.expert_down[...], experts_per_token=cfg.experts_per_token,
-                             capacity_factor=cfg.capacity_factor, einsum=self.einsum)
+                             capacity_factor=cfg.capacity_factor, einsum=self.einsum, **routing)
         if getattr(cfg, "num_shared_experts", 0):
             out = out + super().mlp(h_BxLxD)[0]
         return out, {"router_aux_loss": stats["aux_loss"], "router_z_loss": stats["z_loss"],
@@ -541,6 +577,10 @@ class MoELanguageModel(LanguageModel):
             return 0.0 if in_fp8 else self._routed_params(params) / c.num_experts * (rows - c.experts_per_token)
         slots = capacity(seq_len, c.num_experts, c.experts_per_token, c.capacity_factor)
         return self._routed_params(params) * slots / seq_len - self._routed_per_token(params)
+
+    @property
+    def routed_layers(self) -> int:
+        return self.cfg.num_layers if self.cfg.num_experts else 0
 
     def dispatch_bytes(self, rows: float, seq_len: int, act_bytes: int, expert_parallel: int = 1) -> dict | None:
         """`dispatch_bytes` for this model's experts and width; None without routed experts."""

@@ -67,15 +67,27 @@ class ModelSpec:
                               "d_model rounded up to a multiple of 64", min=0)
     rope_theta: float = setting(10000.0, "rotary embedding base", min=1.0)
     rope_scaling: str = setting("none", "rotary frequency rescaling for long context: none, llama3 (Llama "
-                                        "3.1+: the rope_* keys below) or linear (every frequency / rope_factor)",
-                                choices=("none", "llama3", "linear"))
-    rope_factor: float = setting(8.0, "llama3 and linear rope scaling: low (linear: all) frequencies are divided "
-                                      "by this", min=1.0)
+                                        "3.1+: the rope_* keys below), linear (every frequency / rope_factor) or "
+                                        "yarn (YaRN, DeepSeek-V3, Qwen: rope_factor, rope_original_max_len, "
+                                        "rope_beta_*, rope_mscale*)",
+                                choices=("none", "llama3", "linear", "yarn"))
+    rope_factor: float = setting(8.0, "llama3, linear and yarn rope scaling: low (linear: all) frequencies are "
+                                      "divided by this", min=1.0)
     rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original_max_len / "
                                                "this are scaled", above=0.0)
     rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original_max_len / "
                                                 "this are kept", above=0.0)
-    rope_original_max_len: int = setting(8192, "llama3 rope scaling: the context length of pre-training", min=1)
+    rope_original_max_len: int = setting(8192, "llama3 and yarn rope scaling: the context length of pre-training",
+                                         min=1)
+    rope_beta_fast: float = setting(32.0, "yarn rope scaling: dimensions turning more than this many times over "
+                                          "original_max_len keep their frequency", above=0.0)
+    rope_beta_slow: float = setting(1.0, "yarn rope scaling: dimensions turning fewer than this many times are "
+                                         "divided by rope_factor (a linear ramp between)", above=0.0)
+    rope_mscale: float = setting(0.0, "yarn rope scaling: cos and sin are scaled by m(rope_mscale) / "
+                                      "m(rope_mscale_all_dim), m(s) = 0.1 s ln(rope_factor) + 1; 0 (either): by "
+                                      "m(1)", min=0.0)
+    rope_mscale_all_dim: float = setting(0.0, "yarn rope scaling: see rope_mscale (deepseek_v3 also multiplies "
+                                              "its softmax scale by m(this)^2 when > 0)", min=0.0)
     norm_eps: float = setting(1e-5, "RMSNorm epsilon", above=0.0)
     tie_embeddings: bool = setting(True, "the output head reuses the embedding table")
     lora: LoraSpec = setting(LoraSpec(), "low-rank adapters on a frozen base (docs/fine-tuning.md)")
@@ -115,8 +127,10 @@ class ModelSpec:
     def architecture(self) -> dict:
         """What defines the weights (resolved): a checkpoint resumes only into the same one."""
         resolved = self.resolved()
-        unused = {"rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"} \
-            if self.rope_scaling != "llama3" else set()
+        unused = {"rope_low_freq_factor", "rope_high_freq_factor"} if self.rope_scaling != "llama3" else set()
+        unused |= {"rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"} \
+            if self.rope_scaling != "yarn" else set()
+        unused |= {"rope_original_max_len"} if self.rope_scaling not in ("llama3", "yarn") else set()
         unused |= {"rope_factor"} if self.rope_scaling == "none" else set()
         value = lambda v: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
         return {f.name: value(getattr(resolved, f.name)) for f in dataclasses.fields(self)
@@ -162,11 +176,14 @@ class HFMap:
     """A family's Hugging Face form. `tensors`: our parameter path -> (the Hugging Face name, with
     {i} for the layer and {j} for the expert, and whether it is a linear weight [out, in]);
     `read(HFConfig) -> spec` and `write(resolved spec) -> dict` translate config.json (`write`
-    leaves out the dtype, which the exporter adds)."""
+    leaves out the dtype, which the exporter adds); `layer_offset(spec, path)`: the Hugging Face
+    index of the first layer a stacked parameter holds (0 but where a family keeps its layers in
+    more than one stack)."""
     model_types: tuple[str, ...]
     tensors: dict
     read: Callable[[HFConfig], ModelSpec]
     write: Callable[[ModelSpec], dict]
+    layer_offset: Callable[[ModelSpec, tuple], int] = lambda spec, path: 0
 
 
 @dataclass(frozen=True)

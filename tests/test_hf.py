@@ -54,21 +54,45 @@ def imported(folder, mesh=None):
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # short, so scaled frequencies matter at 48 tokens
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5}  # cos and sin x 1.06: the factor counts too
 
 
 @pytest.mark.parametrize("kind, overrides", [
     ("llama", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
     ("llama", dict(tie_word_embeddings=True)),
+    ("llama", dict(tie_word_embeddings=False, rope_scaling=YARN_ROPE)),
     ("mixtral", dict(tie_word_embeddings=False)),
 ])
 def test_import_reproduces_transformers_logits(tmp_path, kind, overrides):
     folder = save_hf(tmp_path / "hf", kind, **overrides)
     model, params = imported(folder)
     assert model.cfg.tie_embeddings == overrides["tie_word_embeddings"]
-    assert model.cfg.rope_scaling == ("llama3" if "rope_scaling" in overrides else "none")
+    assert model.cfg.rope_scaling == overrides.get("rope_scaling", {}).get("rope_type", "none")
     ours, theirs = np.asarray(model.apply(params, TOKENS)), hf_logits(folder)
     assert np.abs(theirs).max() > 1.0  # logits large enough for the comparison to mean something
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("rope", [YARN_ROPE, {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                              "original_max_position_embeddings": 4096},  # DeepSeek-V3's
+                                  {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}])
+def test_yarn_frequencies_and_factor_are_transformers(rope):
+    """models/base.py's yarn rope equals transformers' own init function: inverse frequencies and the
+    factor on cos and sin (m(mscale) / m(mscale_all_dim), or m(1) without them)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from meshtrain.models.base import rope_attention_factor, rope_frequencies
+    from meshtrain.models.spec import HFConfig
+
+    config = transformers.LlamaConfig(**{**COMMON, "head_dim": 32, "max_position_embeddings": int(
+        rope["factor"] * rope["original_max_position_embeddings"]), "rope_parameters": {**rope, "rope_theta": 5e4}})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    spec = FAMILIES["llama"].hf.read(HFConfig({**config.to_dict(), "intermediate_size": 128}, "config.json"))
+    assert spec.rope_scaling == "yarn" and spec.head_dim == 32
+    np.testing.assert_allclose(np.asarray(rope_frequencies(spec)), inv_freq.numpy(), rtol=1e-6)
+    assert rope_attention_factor(spec) == pytest.approx(factor, rel=1e-12)
 
 
 def test_rope_scaling_changes_the_function(tmp_path):

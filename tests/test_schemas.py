@@ -111,7 +111,7 @@ def test_the_schema_forms():
                                ({"a\nb": "1"}, schema.Table(int), "'a\\nb' must be an integer, not '1'"),
                                ("a\nb", schema.Line(), "must hold text on one line"),
                                ({"num_layers": 0}, schema.Settings(ModelSpec), "num_layers=0 must be >= 1"),
-                               ({"rope_scaling": "yarn"}, schema.Settings(ModelSpec), "rope_scaling must be one of")]:
+                               ({"rope_scaling": "ntk"}, schema.Settings(ModelSpec), "rope_scaling must be one of")]:
         with pytest.raises(UserError, match="^f.json: ") as e:
             check(value, kind)
         assert error in str(e.value) and str(e.value).endswith("; fix it")

@@ -111,16 +111,18 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict:
 
 # ---- tensor names ----
 
-def tensor_names(f: Family, path: tuple[str, ...], shape: tuple[int, ...]):
-    """(Hugging Face name, index into our array) for every tensor our parameter `path` holds."""
+def tensor_names(f: Family, spec: ModelSpec, path: tuple[str, ...], shape: tuple[int, ...]):
+    """(Hugging Face name, index into our array) for every tensor our parameter `path` holds (layer
+    i of a stack is Hugging Face's layer i + the family's `layer_offset`)."""
     if path not in f.hf.tensors:
         raise UserError(f"parameter {'/'.join(path)} has no Hugging Face counterpart in the {f.name} family")
     template, _ = f.hf.tensors[path]
-    if path[0] != "blocks":
+    if "{i}" not in template:
         return [(template, ())]
+    first = f.hf.layer_offset(spec, path)
     if "{j}" in template:
-        return [(template.format(i=i, j=j), (i, j)) for i in range(shape[0]) for j in range(shape[1])]
-    return [(template.format(i=i), (i,)) for i in range(shape[0])]
+        return [(template.format(i=first + i, j=j), (i, j)) for i in range(shape[0]) for j in range(shape[1])]
+    return [(template.format(i=first + i), (i,)) for i in range(shape[0])]
 
 
 def _path(key_path) -> tuple[str, ...]:
@@ -206,7 +208,7 @@ def check_tensors(files: SafetensorsFolder, model, folder) -> None:
     used = set()
     for key_path, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(model.init, jax.random.key(0))):
         path = _path(key_path)
-        for name, index in tensor_names(f, path, x.shape):
+        for name, index in tensor_names(f, model.cfg, path, x.shape):
             needed = hf_shape(f, path, x.shape[len(index):])
             if files.get(name).shape != needed:
                 raise UserError(f"{folder}: tensor {name} has shape {files.get(name).shape}, the model of its "
@@ -238,7 +240,7 @@ def load_params(folder: str | Path, model, shardings):
 
     def load(key_path, x, sharding):
         path = _path(key_path)
-        by_index = {index: name for name, index in tensor_names(f, path, x.shape)}
+        by_index = {index: name for name, index in tensor_names(f, model.cfg, path, x.shape)}
         lead = len(next(iter(by_index)))  # 0, 1 (layer) or 2 (layer, expert) leading index dims
 
         def shard(index):  # one slice per dimension
@@ -273,7 +275,8 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
     config, f = hf_config(spec, dtype), hf_form(spec)
     itemsize = np.dtype(DTYPE_NAMES[dtype]).itemsize
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    plan = [(name, _path(kp), x, index) for kp, x in leaves for name, index in tensor_names(f, _path(kp), x.shape)]
+    plan = [(name, _path(kp), x, index) for kp, x in leaves
+            for name, index in tensor_names(f, spec, _path(kp), x.shape)]
     sizes = [math.prod(x.shape[len(index):]) * itemsize for _, _, x, index in plan]
     groups, current, used = [], [], 0
     for entry, size in zip(plan, sizes):  # split into files in order, as save_pretrained does

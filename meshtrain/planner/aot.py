@@ -255,8 +255,8 @@ def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None =
     # The eval step and the scorer take the parameters only; the rest of the train state (the
     # optimizer state, int8 compression's residuals) stays on the device beside them.
     resident = mem["optimizer_state"] + mem["grad_error"] + mem["reference"]
-    gen = generation_memory(cfg, program)
-    steps = {"train": mem["total"], "generation": gen["total"]}
+    gen = generation_memory(cfg, program) if program.model.generates else None  # a family without a KV cache
+    steps = {"train": mem["total"], **({"generation": gen["total"]} if gen else {})}
     ev = None  # DPO has no eval step yet (config/validate.py refuses train.eval_every with it)
     if program.dpo is None:
         ev = {**eval_step_memory(program), "resident_state": resident}
@@ -418,9 +418,11 @@ def format_run_memory(r: dict) -> list[str]:
                f"training; {resident})"] if ev else []),
             *([f"  task scorer  {gb(r['steps']['scoring']):>12}  (eval.tasks: {sc['rows']} rows of {sc['length']:,} "
                f"tokens, forward only; {resident})"] if (sc := r.get("scoring")) else []),
-            f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
-            f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
-            f"KV cache {gb(gen['kv_cache_formula'])} by formula)",
+            (f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
+             f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
+             f"KV cache {gb(gen['kv_cache_formula'])} by formula)" if gen else
+             f"  generation   {'none':>12}  (the {r['config']['model']['family']} family has no KV cache yet: "
+             f"generate refuses it)"),
             f"usable: {gb(b['device_memory'])} x {b['fraction']:.2f} ({b['fraction_source']}) = {gb(b['usable'])}; "
             f"{b['headroom']:.0%} kept free for fragmentation and collective buffers -> budget {gb(b['budget'])}"]
 

@@ -279,7 +279,8 @@ def expected_traffic(program) -> dict[str, dict]:
         passes = 6 if plan.remat == "full" else 4  # the recomputed forward exchanges again
         buffer = moe_dispatch(program, microbatches=1)  # the step's rows: the microbatches' buffers summed
         counts = 0 if m.capacity_factor else 4 * m.num_experts
-        add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, m.num_layers / P, passes, counts),
+        add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, program.model.routed_layers / P, passes,
+                                                          counts),
             f"expert parallelism: {passes} all-to-alls of the dispatch buffer per MoE layer"
             + ("" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h)"))
     ring, group = context_degrees(plan.context_strategy, C, plan.ulysses_degree)

@@ -1,0 +1,338 @@
+"""The `deepseek_v3` family: DeepSeek-V3's decoder (Liu et al. 2024; DeepSeek-V2's attention, Moonlight,
+Kimi K2): multi-head latent attention and DeepSeek MoE. Hugging Face form: `DeepseekV3ForCausalLM`.
+
+Multi-head latent attention (MLA, DeepSeek-V2 section 2.1), per token of h = norm(x):
+- queries: h wq [H, Kn + Kr], or through a low rank (`q_lora_rank` > 0): norm_q(h wq_a) wq_b;
+- keys and values from one compressed latent: h wkv_a = [c (kv_lora_rank), k_rope (Kr)];
+  norm_kv(c) wkv_b = [k_nope (H x Kn), v (H x Kv)]; k = [k_nope, k_rope], k_rope shared by the heads;
+- rotary embeddings on the last Kr channels of q and k only (the decoupled rope; `rope_interleave`:
+  transformers' layout, whose rope channels are pairs (2i, 2i + 1) that are brought to (i, i + Kr/2)
+  first, as its `apply_rotary_pos_emb_interleave` does), yarn's m(rope_mscale_all_dim)^2 on the
+  softmax scale (Kn + Kr)^-1/2 (applied to q);
+- v has Kv channels, q and k Kn + Kr: v is zero-padded to Kn + Kr for the kernel and the padding cut
+  from its output (as transformers' flash-attention path does), so every attention backend runs MLA
+  (the PV matmul does (Kn + Kr) / Kv of the FLOPs it needs; `flops_per_token` counts the needed ones).
+The latent norms' epsilon is transformers' 1e-6, not rms_norm_eps.
+
+DeepSeek MoE (models/moe.py `moe_mlp` with its `Router` options): `num_shared_experts` experts every
+token passes through beside its routed ones; sigmoid scores; `router_bias` (transformers'
+e_score_correction_bias, aux-loss-free balancing) added for the choice only, outside the gradient
+(so no optimizer moves it: its gradient is 0 and a vector is never decayed); group-limited top-k
+(`router_groups`, `router_topk_groups`); gates renormalised (`norm_topk_prob`) and x
+`routed_scaling_factor`. The first `first_k_dense_replace` layers have a dense SwiGLU MLP of
+`dense_mlp_dim` instead: they are a second stack, `dense_blocks`, run by `embed` (so the stacked
+`blocks` the layer scan and pipeline stages split stay alike); they run without the remat policy,
+and pipeline parallelism is refused while they exist. Not built yet: the bias update after each
+step, the sequence-wise balance loss, multi-token prediction, and the compressed-latent KV cache
+(generation is refused with one line).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from meshtrain.core.bounds import setting
+from meshtrain.core.errors import UserError
+from meshtrain.core.metrics import flops_per_token
+from meshtrain.models.base import (
+    LAYER,
+    LLAMA_TENSORS,
+    Block,
+    Transformer,
+    _init,
+    read_llama_config,
+    rope_attention_factor,
+    rope_frequencies,
+    rotary,
+    scan_blocks,
+    stacked_blocks,
+    write_llama_config,
+    yarn_mscale,
+)
+from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts, Router
+from meshtrain.models.spec import Family, HFConfig, HFMap, family_setting
+from meshtrain.parallel.sharding import constrain, mesh_axis
+
+LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which q_a_layernorm and kv_a_layernorm keep
+
+
+@dataclass
+class DeepSeekV3Spec(RoutedExperts):
+    """head_dim resolves to qk_nope_head_dim + qk_rope_head_dim and num_kv_heads to num_heads (MLA);
+    mlp_dim is one routed expert's width (moe_intermediate_size)."""
+    family: str = family_setting("deepseek_v3")
+    router_aux_loss: float = setting(0.0, "weight of the load-balancing loss (sequence-wise); DeepSeek-V3 "
+                                          "balances by the router bias instead", min=0.0, architecture=False)
+    router_z_loss: float = setting(0.0, "weight of the router z-loss (mean squared logsumexp of the router "
+                                        "logits)", min=0.0, architecture=False)
+    q_lora_rank: int = setting(0, "rank of the query compression (q_a_proj); 0 = a full-rank q projection "
+                                  "(DeepSeek-V2-Lite, Moonlight)", min=0)
+    kv_lora_rank: int = setting(512, "width of the compressed key/value latent", min=1)
+    qk_nope_head_dim: int = setting(128, "query/key channels per head without rotary embeddings", min=1)
+    qk_rope_head_dim: int = setting(64, "query/key channels per head with rotary embeddings (the key's shared "
+                                        "by all heads)", min=2)
+    v_head_dim: int = setting(128, "value channels per head", min=1)
+    num_shared_experts: int = setting(1, "experts every token passes through besides its routed ones", min=0)
+    first_k_dense_replace: int = setting(1, "the first layers with a dense MLP instead of experts", min=0)
+    dense_mlp_dim: int = setting(0, "SwiGLU width of the dense layers (intermediate_size); 0 = mlp_dim x "
+                                    "(experts_per_token + num_shared_experts)", min=0)
+    router_groups: int = setting(1, "expert groups of the group-limited top-k (n_group)", min=1)
+    router_topk_groups: int = setting(1, "groups a token's experts are chosen from (topk_group)", min=1)
+    routed_scaling_factor: float = setting(1.0, "routed experts' gates are multiplied by this", above=0.0)
+    norm_topk_prob: bool = setting(True, "renormalise a token's k gates to sum 1 (before the scaling factor)")
+    rope_interleave: bool = setting(True, "the rope channels come in interleaved pairs (transformers' "
+                                          "rope_interleave, DeepSeek's checkpoints)")
+
+    def resolved(self) -> DeepSeekV3Spec:
+        r = super().resolved()
+        dense = self.dense_mlp_dim or r.mlp_dim * (self.experts_per_token + self.num_shared_experts)
+        return dataclasses.replace(r, head_dim=self.qk_nope_head_dim + self.qk_rope_head_dim,
+                                   num_kv_heads=self.num_heads, dense_mlp_dim=dense)
+
+    def check(self) -> None:
+        super().check()
+        E, G = self.num_experts, self.router_groups
+        if not E:
+            raise UserError("model.num_experts=0: deepseek_v3 routes to experts after its first_k_dense_replace "
+                            "layers; set model.num_experts (DeepSeek-V3: 256, Moonlight: 64)")
+        if self.first_k_dense_replace >= self.num_layers:
+            raise UserError(f"model.first_k_dense_replace={self.first_k_dense_replace} leaves none of the "
+                            f"{self.num_layers} layers routed; make it smaller than model.num_layers")
+        if E % G or E // G < 2 or self.router_topk_groups > G:
+            raise UserError(f"model.router_groups={G} must divide model.num_experts={E} into groups of 2 or more, "
+                            f"and model.router_topk_groups={self.router_topk_groups} be at most that many")
+        if self.experts_per_token > self.router_topk_groups * (E // G):
+            raise UserError(f"model.experts_per_token={self.experts_per_token} exceeds the experts of "
+                            f"model.router_topk_groups={self.router_topk_groups} groups ({E // G} each)")
+        if self.qk_rope_head_dim % 2 or self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise UserError("model.qk_rope_head_dim must be even and model.v_head_dim at most qk_nope_head_dim + "
+                            "qk_rope_head_dim (values are padded to the query/key width for the kernel)")
+
+    def softmax_gain(self) -> float:
+        """What the softmax scale (Kn + Kr)^-1/2 is multiplied by: yarn's m(rope_mscale_all_dim)^2."""
+        if self.rope_scaling == "yarn" and self.rope_mscale_all_dim:
+            return yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+        return 1.0
+
+
+class MLABlock(Block):
+    """Multi-head latent attention (see the module doc) in place of the block's q/k/v projections."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        D, H, Rq, Rkv = cfg.d_model, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        K, Kn, Kr, Kv = cfg.head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.cfg = cfg
+        self.attn_norm = self.norm(D, cfg.norm_eps)
+        if Rq:
+            self.wq_a = nnx.Param(_init(0, 1)(rngs.params(), (D, Rq)))
+            self.q_norm = self.norm(Rq, LATENT_NORM_EPS)
+            self.wq_b = nnx.Param(_init(0, (1, 2))(rngs.params(), (Rq, H, K)))
+        else:
+            self.wq = nnx.Param(_init(0, (1, 2))(rngs.params(), (D, H, K)))
+        self.wkv_a = nnx.Param(_init(0, 1)(rngs.params(), (D, Rkv + Kr)))
+        self.kv_norm = self.norm(Rkv, LATENT_NORM_EPS)
+        self.wkv_b = nnx.Param(_init(0, (1, 2))(rngs.params(), (Rkv, H, Kn + Kv)))
+        self.wo = nnx.Param(_init((0, 1), 2)(rngs.params(), (H, Kv, D)))
+        self.mlp_norm = self.norm(D, cfg.norm_eps)
+        self.init_mlp(cfg, rngs)
+
+    def project(self, x_BxLxD, positions=None, kind=0):
+        """q and k [B, L, H, Kn + Kr], v [B, L, H, Kn + Kr] (Kv channels, zero-padded)."""
+        c = self.cfg
+        Rkv, Kn, Kr = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
+        h = self.attn_norm(x_BxLxD)
+        if c.q_lora_rank:
+            q_BxLxR = self.q_norm(self.einsum("bld,dr->blr", h, self.wq_a[...]))
+            q = self.einsum("blr,rhk->blhk", q_BxLxR, self.wq_b[...])
+        else:
+            q = self.einsum("bld,dhk->blhk", h, self.wq[...])
+        kv_BxLxA = self.einsum("bld,da->bla", h, self.wkv_a[...])
+        kv = self.einsum("blr,rhk->blhk", self.kv_norm(kv_BxLxA[..., :Rkv]), self.wkv_b[...])
+        q_rope, k_rope_BxLx1xKr = q[..., Kn:], kv_BxLxA[..., None, Rkv:]
+        if c.rope_interleave:  # pairs (2i, 2i + 1) -> (i, i + Kr/2)
+            q_rope, k_rope_BxLx1xKr = (jnp.concatenate([t[..., 0::2], t[..., 1::2]], axis=-1)
+                                       for t in (q_rope, k_rope_BxLx1xKr))
+        inv_freq_K2, scale = rope_frequencies(c, Kr), rope_attention_factor(c)
+        q_rope, k_rope_BxLx1xKr = (rotary(t, inv_freq_K2, positions, scale) for t in (q_rope, k_rope_BxLx1xKr))
+        q = jnp.concatenate([q[..., :Kn], q_rope], axis=-1)
+        gain = c.softmax_gain()
+        q = q * jnp.asarray(gain, q.dtype) if gain != 1 else q
+        k_rope = jnp.broadcast_to(k_rope_BxLx1xKr, (*kv.shape[:3], Kr))
+        k = jnp.concatenate([kv[..., :Kn], k_rope.astype(kv.dtype)], axis=-1)
+        v = jnp.pad(kv[..., Kn:], ((0, 0),) * 3 + ((0, Kn + Kr - c.v_head_dim),))
+        names = ("batch", "seq", "heads", "head_dim")
+        return tuple(constrain(checkpoint_name(t, n), names) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+
+    def finish(self, x_BxLxD, ctx_BxLxHxK):
+        """The block after attention, on the context's first Kv channels (the rest is v's padding)."""
+        return super().finish(x_BxLxD, ctx_BxLxHxK[..., :self.cfg.v_head_dim])
+
+
+class DenseBlock(MLABlock):
+    """A first_k_dense_replace layer: MLA and a dense SwiGLU of dense_mlp_dim."""
+
+    def init_mlp(self, cfg, rngs: nnx.Rngs):
+        Block.init_mlp(self, cfg, rngs, width=cfg.dense_mlp_dim)
+
+
+class RoutedBlock(MLABlock, MoEBlock):
+    """MLA and DeepSeek MoE: shared experts (MoEBlock's dense SwiGLU of num_shared_experts x mlp_dim),
+    routed ones, and the router's selection bias."""
+
+    def init_mlp(self, cfg, rngs: nnx.Rngs):
+        MoEBlock.init_mlp(self, cfg, rngs)
+        self.router_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
+
+    def routing(self) -> Router:
+        c = self.cfg
+        return Router("sigmoid", c.router_groups, c.router_topk_groups, c.norm_topk_prob, c.routed_scaling_factor)
+
+    def mlp(self, h_BxLxD):
+        return self.moe(h_BxLxD, router=self.routing(), bias_E=self.router_bias[...])
+
+
+class DeepSeekTransformer(Transformer):
+    block_type = RoutedBlock
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        if cfg.first_k_dense_replace:
+            self.dense_blocks = stacked_blocks(DenseBlock, cfg, rngs, cfg.first_k_dense_replace)
+
+    @staticmethod
+    def stacked_layers(cfg) -> int:
+        return cfg.num_layers - cfg.first_k_dense_replace
+
+
+MLA_AXES = {"wq_a": ("embed", "q_lora"), "q_norm": ("q_lora",), "wq_b": ("q_lora", "heads", "head_dim"),
+            "wkv_a": ("embed", "kv_lora"), "kv_norm": ("kv_lora",), "wkv_b": ("kv_lora", "heads", "head_dim"),
+            "router_bias": ("experts",)}
+
+
+class DeepSeekV3LanguageModel(MoELanguageModel):
+    module = DeepSeekTransformer
+    param_axes = {**MOE_PARAM_AXES, **MLA_AXES}
+    stacks = ("blocks", "dense_blocks")
+    generates = False
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        if self.cfg.first_k_dense_replace:
+            abstract = nnx.eval_shape(lambda: self.module(self.cfg, nnx.Rngs(0)))
+            self._dense_graphdef = nnx.graphdef(abstract.dense_blocks)
+
+    def dense_block(self, params_i, x_BxLxD, docs=None):
+        block = nnx.merge(self._dense_graphdef, params_i)
+        block.einsum = self.matmul
+        return block(x_BxLxD, self.attention, self.sequence_order, docs)
+
+    def embed(self, params, tokens_BxL):
+        """The embedding, then the dense layers (tokens in the stored sequence order)."""
+        x_BxLxD = super().embed(params, tokens_BxL)
+        if "dense_blocks" not in params:
+            return x_BxLxD
+        if mesh_axis("pipeline")[0] > 1:
+            raise UserError(f"model.first_k_dense_replace={self.cfg.first_k_dense_replace}: deepseek_v3's dense "
+                            f"layers run before the pipeline stages, and pipeline parallelism is not built for "
+                            f"them; use a mesh without a pipeline axis")
+        docs = []
+        if self.packing is not None:  # the documents of the tokens in true order, stored as they are
+            order = self.sequence_order
+            true_BxL = tokens_BxL if order is None else tokens_BxL[:, np.argsort(order)]
+            docs = [self.packing.documents(true_BxL, order)]
+        return scan_blocks(self.dense_block, params["dense_blocks"], x_BxLxD, *docs)[0]
+
+    @property
+    def routed_layers(self) -> int:
+        return self.cfg.num_layers - self.cfg.first_k_dense_replace
+
+    def auxiliary_loss(self, stats):
+        """The routed layers' losses: the step reports block statistics over all num_layers, a
+        mean over the routed ones here."""
+        return super().auxiliary_loss(stats) * self.cfg.num_layers / self.routed_layers
+
+    def flops_per_token(self, params, seq_len: int) -> float:
+        """6N + 6 L H (Kn + Kr + Kv) S: QK^T over Kn + Kr channels, PV over Kv (the 12 L H K S of
+        meshtrain/core/metrics.py with K their mean)."""
+        c = self.cfg
+        return flops_per_token(self.active_matmul_params(params), c.num_layers,
+                               c.num_heads * (c.head_dim + c.v_head_dim) / 2, seq_len, c.layer_windows())
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        raise UserError("deepseek_v3 has no KV cache for generation yet (its compressed-latent cache is not "
+                        "built); generate with another family, or score with meshtrain.eval")
+
+
+# ---- its Hugging Face form: DeepseekV3ForCausalLM ----
+
+ATTENTION = {"attn_norm": ("input_layernorm", False), "mlp_norm": ("post_attention_layernorm", False),
+             "wq": ("self_attn.q_proj", True), "wq_a": ("self_attn.q_a_proj", True),
+             "q_norm": ("self_attn.q_a_layernorm", False), "wq_b": ("self_attn.q_b_proj", True),
+             "wkv_a": ("self_attn.kv_a_proj_with_mqa", True), "kv_norm": ("self_attn.kv_a_layernorm", False),
+             "wkv_b": ("self_attn.kv_b_proj", True), "wo": ("self_attn.o_proj", True)}
+
+
+def _layer_tensors(stack: str, mlp: dict) -> dict:
+    path = lambda name: (stack, name, "scale") if "norm" in name else (stack, name)
+    return {path(ours): (LAYER + hf + ".weight", linear) for ours, (hf, linear) in {**ATTENTION, **mlp}.items()}
+
+
+EXPERT = LAYER + "mlp.experts.{j}."
+TENSORS = {
+    **{path: name for path, name in LLAMA_TENSORS.items() if path[0] != "blocks"},
+    **_layer_tensors("dense_blocks", {"w_gate": ("mlp.gate_proj", True), "w_up": ("mlp.up_proj", True),
+                                      "w_down": ("mlp.down_proj", True)}),
+    **_layer_tensors("blocks", {"w_gate": ("mlp.shared_experts.gate_proj", True),
+                                "w_up": ("mlp.shared_experts.up_proj", True),
+                                "w_down": ("mlp.shared_experts.down_proj", True),
+                                "router": ("mlp.gate", True)}),
+    ("blocks", "router_bias"): (LAYER + "mlp.gate.e_score_correction_bias", False),
+    ("blocks", "expert_gate"): (EXPERT + "gate_proj.weight", True),
+    ("blocks", "expert_up"): (EXPERT + "up_proj.weight", True),
+    ("blocks", "expert_down"): (EXPERT + "down_proj.weight", True),
+}
+
+
+def read_deepseek_v3(c: HFConfig) -> DeepSeekV3Spec:
+    """Hugging Face routes dropless (capacity_factor 0) with no auxiliary losses. Multi-token
+    prediction layers (num_nextn_predict_layers) are not read: a file holding them is refused."""
+    c.refuse(topk_method=lambda v: v != "noaux_tc", scoring_func=lambda v: v != "sigmoid",
+             n_shared_experts=lambda v: not v)
+    heads = c.need("num_attention_heads")
+    return read_llama_config(
+        c, DeepSeekV3Spec, num_kv_heads=heads, head_dim=c.need("qk_nope_head_dim") + c.need("qk_rope_head_dim"),
+        mlp_dim=c.need("moe_intermediate_size"), dense_mlp_dim=c.need("intermediate_size"),
+        num_experts=c["n_routed_experts"] if "n_routed_experts" in c else c.need("num_local_experts"),
+        experts_per_token=c.need("num_experts_per_tok"), capacity_factor=0.0, router_aux_loss=0.0,
+        router_z_loss=0.0, q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=c.need("kv_lora_rank"),
+        qk_nope_head_dim=c.need("qk_nope_head_dim"), qk_rope_head_dim=c.need("qk_rope_head_dim"),
+        v_head_dim=c.need("v_head_dim"), num_shared_experts=c.need("n_shared_experts"),
+        first_k_dense_replace=c.need("first_k_dense_replace"), router_groups=c.get("n_group") or 1,
+        router_topk_groups=c.get("topk_group") or 1, routed_scaling_factor=float(c.need("routed_scaling_factor")),
+        norm_topk_prob=bool(c.need("norm_topk_prob")), rope_interleave=bool(c.get("rope_interleave", True)))
+
+
+def write_deepseek_v3(m: DeepSeekV3Spec) -> dict:
+    config = write_llama_config(m, "deepseek_v3", "DeepseekV3ForCausalLM")
+    del config["mlp_bias"]
+    return {**config, "head_dim": m.qk_rope_head_dim, "intermediate_size": m.dense_mlp_dim,
+            "moe_intermediate_size": m.mlp_dim, "n_routed_experts": m.num_experts,
+            "n_shared_experts": m.num_shared_experts, "num_experts_per_tok": m.experts_per_token,
+            "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+            "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+            "v_head_dim": m.v_head_dim, "first_k_dense_replace": m.first_k_dense_replace,
+            "n_group": m.router_groups, "topk_group": m.router_topk_groups,
+            "routed_scaling_factor": m.routed_scaling_factor, "norm_topk_prob": m.norm_topk_prob,
+            "rope_interleave": m.rope_interleave, "num_nextn_predict_layers": 0}
+
+
+FAMILY = Family("deepseek_v3", "DeepSeek-V3: multi-head latent attention, shared + routed experts with sigmoid, "
+                               "bias-balanced, group-limited routing, the first layers dense",
+                DeepSeekV3Spec, DeepSeekV3LanguageModel,
+                HFMap(("deepseek_v3",), TENSORS, read_deepseek_v3, write_deepseek_v3,
+                      layer_offset=lambda spec, path: spec.first_k_dense_replace if path[0] == "blocks" else 0))

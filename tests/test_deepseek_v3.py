@@ -1,0 +1,137 @@
+"""The deepseek_v3 family (issue 41, section 1) against transformers' own DeepseekV3ForCausalLM (CPU
+torch, fp32, random weights from tiny configs, nothing downloaded): logits both ways (import, and
+export of meshtrain's own random weights), bitwise import/export round trips, with q_lora_rank set and
+None, 2 expert groups, a dense first layer, a nonzero selection bias and yarn in one case; the bias
+never trained; configs/deepseek_v3_tiny.yaml trains on data x expert and fsdp x tensor meshes as on
+one device; what is not built (pipeline stages, the KV cache) is refused in one line."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, max_param_diff, run_tiny
+
+from meshtrain.config.loader import UserError, load_config
+from meshtrain.engine.step import make_optimizer
+from meshtrain.interop import hf
+from meshtrain.models import FAMILIES
+from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.parallel.sharding import param_shardings
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY = str(ROOT / "configs" / "deepseek_v3_tiny.yaml")
+TOKENS = np.random.default_rng(0).integers(0, 300, (2, 40))
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}  # softmax x m(0.8)^2 = 1.23
+HF_TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+               routed_scaling_factor=2.5, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
+               n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, initializer_range=0.2,
+               max_position_embeddings=64)
+CASES = {"q_lora, yarn": dict(q_lora_rank=24, rope_parameters=YARN),
+         "full-rank q": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})}
+
+
+def save_hf(folder, **overrides):
+    """A random DeepseekV3ForCausalLM with random norm scales and selection biases (transformers
+    starts them at 1 and 0, where a misplaced one would not show)."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**HF_TINY, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_logits(folder):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def close(ours, theirs) -> bool:
+    """Within 2e-5 of the largest logit (measured: <= 1.1e-5 of logits up to 10)."""
+    diff, scale = float(np.abs(np.asarray(ours) - theirs).max()), float(np.abs(theirs).max())
+    print(f"logits: max |diff| {diff:.2e} of max |logit| {scale:.2f}")
+    return diff <= 2e-5 * scale
+
+
+def imported(folder):
+    spec = hf.read_spec(folder)
+    model = FAMILIES[spec.family](spec)
+    return model, hf.load_params(folder, model, param_shardings(model, build_mesh(parse_mesh("1", 1),
+                                                                                  jax.devices()[:1])))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_import_and_export_match_transformers_bitwise(tmp_path, case):
+    folder = save_hf(tmp_path / "hf", **CASES[case])
+    model, params = imported(folder)
+    c = model.cfg
+    assert (c.family, c.first_k_dense_replace, c.router_groups, c.head_dim) == ("deepseek_v3", 1, 2, 24)
+    assert params["dense_blocks"]["w_gate"].shape == (1, 64, 96) and params["blocks"]["router_bias"].shape == (1, 8)
+    apply = jax.jit(model.apply)
+    theirs = hf_logits(folder)
+    assert np.abs(theirs).max() > 1.0  # logits large enough for the comparison to mean something
+    assert close(apply(params, TOKENS), theirs)
+
+    hf.save_params(params, c, tmp_path / "back")  # the round trip: the same bytes and config
+    original, back = hf.SafetensorsFolder(folder), hf.SafetensorsFolder(tmp_path / "back")
+    assert original.tensors.keys() == back.tensors.keys()
+    assert all(np.array_equal(x.view(np.uint8), back.get(n).view(np.uint8)) for n, x in original.tensors.items())
+    assert hf.read_spec(tmp_path / "back") == hf.read_spec(folder)
+
+    mine = jax.tree.map(lambda x: x * 1.5, model.init(jax.random.key(1)))  # meshtrain's weights, exported
+    mine["blocks"]["router_bias"] = jax.random.uniform(jax.random.key(2), (1, 8), minval=-0.3, maxval=0.3)
+    hf.save_params(mine, c, tmp_path / "mine")
+    assert close(apply(mine, TOKENS), hf_logits(tmp_path / "mine"))
+
+
+def test_the_selection_bias_is_never_trained():
+    """Its gradient is 0 (stop_gradient) and the optimizer decays no vector: AdamW with weight
+    decay leaves a nonzero bias as it is while the router moves."""
+    spec = load_config(TINY).model
+    model = FAMILIES["deepseek_v3"](spec)
+    params = model.init(jax.random.key(0))
+    params["blocks"]["router_bias"] = jnp.full((2, 8), 0.2).at[:, 3].set(-0.5)
+    x_BxLxD = model.embed(params, TOKENS[:, :16] % 256)
+
+    def loss(p):  # one routed block
+        return jnp.sum(model.block(jax.tree.map(lambda w: w[0], p["blocks"]), x_BxLxD)[0] ** 2)
+
+    grads = jax.jit(jax.grad(loss))(params)
+    assert not np.any(np.asarray(grads["blocks"]["router_bias"])) and np.any(np.asarray(grads["blocks"]["router"]))
+    ocfg = load_config(TINY, ["optim.weight_decay=0.1", "optim.warmup_steps=0"]).optim
+    tx = make_optimizer(ocfg, 10, model.logical_axes(params))
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert not np.any(np.asarray(updates["blocks"]["router_bias"])) and np.any(np.asarray(updates["blocks"]["router"]))
+
+
+@pytest.mark.parametrize("mesh", ["data=2,expert=4", "fsdp=2,tensor=2"])
+def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
+    _, ref_losses, ref_params = run_tiny("parallel.mesh=1", devices=jax.devices()[:1], config=TINY)
+    devices = 8 if "expert" in mesh else 4
+    _, losses, params = run_tiny(f"parallel.mesh={mesh}", devices=jax.devices()[:devices], config=TINY)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    assert max_param_diff(params, ref_params) < 1e-5 and losses[-1] != losses[0]
+
+
+def test_what_is_not_built_is_refused_in_one_line():
+    spec = load_config(TINY).model
+    model = FAMILIES["deepseek_v3"](spec)
+    with pytest.raises(UserError, match="^deepseek_v3 has no KV cache for generation yet"):
+        model.init_cache(2, 8)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    with jax.set_mesh(build_mesh(parse_mesh("pipeline=2", 2), jax.devices()[:2])):
+        with pytest.raises(UserError, match="dense layers run before the pipeline stages"):
+            jax.eval_shape(model.embed, params, jnp.zeros((2, 8), jnp.int32))
+    with pytest.raises(UserError, match="first_k_dense_replace=3 leaves none of the 3 layers routed"):
+        load_config(TINY, ["model.first_k_dense_replace=3"])
+    with pytest.raises(UserError, match="router_groups=3 must divide model.num_experts=8"):
+        load_config(TINY, ["model.router_groups=3"])
