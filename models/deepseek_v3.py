@@ -97,6 +97,9 @@ class DeepSeekV3Spec(RoutedExperts):
     def check(self) -> None:
         super().check()
         E, G = self.num_experts, self.router_groups
+        if self.lora.rank:
+            raise UserError("model.lora: adapters on deepseek_v3's latent attention (q_a/q_b/kv_a/kv_b) and its dense "
+                            "first layers are not implemented yet; train it without model.lora")
         if not E:
             raise UserError("model.num_experts=0: deepseek_v3 routes to experts after its first_k_dense_replace "
                             "layers; set model.num_experts (DeepSeek-V3: 256, Moonlight: 64)")

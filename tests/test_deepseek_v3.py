@@ -135,3 +135,5 @@ def test_what_is_not_built_is_refused_in_one_line():
         load_config(TINY, ["model.first_k_dense_replace=3"])
     with pytest.raises(UserError, match="router_groups=3 must divide model.num_experts=8"):
         load_config(TINY, ["model.router_groups=3"])
+    with pytest.raises(UserError, match="adapters on deepseek_v3's latent attention"):
+        load_config(TINY, ["model.lora.rank=4", "model.lora.targets=[q,k,v,o]"])
