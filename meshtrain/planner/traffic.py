@@ -33,7 +33,7 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
 - Expert parallelism: 4 all-to-alls of the dispatch buffer (`moe_dispatch`) per MoE layer (6 under
   remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
-  are all-reduced over E per microbatch, the layers' in the compute dtype.
+  are all-reduced over E per microbatch, the layers' and the lookup's in the compute dtype.
 - Ulysses context parallelism (meshtrain/ops/ulysses.py), per layer: 4 all-to-alls forward (q, k,
   v to head-sharded, the output back) and their 4 transposes backward (4 more under remat=full),
   each (u-1)/u of the tensor's local bytes, u the all-to-all group (C; hybrid: ulysses_degree).
@@ -238,9 +238,12 @@ def expected_traffic(program) -> dict[str, dict]:
         f"norm's in fp32, the embedding's in {table_grad}")
     if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
         shared = param_slices(program, experts=False)  # per microbatch, the layers' in the compute dtype
-        add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4) / A, E),
+        # the lookup's shard (meshtrain/ops/embedding.py) in the compute dtype on both compilers
+        lookup_shard = shared["lookup"] * (act - (0 if program.model.cfg.tie_embeddings else 4))
+        add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4
+                                                              + lookup_shard) / A, E),
             f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
-            f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro}")
+            f"layers' and the lookup's in the compute dtype) all-reduced over expert per microbatch x {micro}")
     if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
         add("all-reduce", ring_traffic("all-reduce", 4 * slices["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
@@ -335,9 +338,9 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
                "microbatch and layer loops: fewer, partly fp32, where the formula counts them per microbatch")
         gaps["all-gather"].append((why, 0, 1))
         gaps["reduce-scatter"].append((why, 0, 1))
-    if (E > 1 or C > 1 or manual) and F * C > 1:
+    if (C > 1 or manual) and F * C > 1:  # beside expert alone, meshtrain/ops/embedding.py reduce-scatters it
         why = ("the embedding lookup's gradient (its scatter-add, summed over every batch and sequence shard; on "
-               "XLA:CPU the head's too) is all-reduced whole over the batch axes (fsdp with expert, context or data) "
+               "XLA:CPU the head's too) is all-reduced whole over the batch axes (fsdp with context or data) "
                "and then sliced to this device's shard, where the formula reduce-scatters it over fsdp x context and "
                "all-reduces the shard over the rest, as meshtrain/ops/loss.py sums the head's")
         gaps["all-reduce"].append((why, 1, math.inf))
