@@ -26,6 +26,9 @@ class StepInputs:
     tokens: Any  # [B, L+1] token ids: inputs and (shifted by one) targets
     loss_scale: Any = None  # fp16: the objective is multiplied by it (meshtrain/ops/precision.py)
     grad_error: Any = None  # int8 compression: the residuals carried in (meshtrain/parallel/compression.py)
+    # a loss mask: the step batch's trained share (meshtrain/engine/step.py `trained_share`), by which the
+    # auxiliary losses are weighted, so that the step's division by it leaves them means over all tokens
+    trained_share: Any = None
 
     def with_tokens(self, tokens) -> StepInputs:
         return dataclasses.replace(self, tokens=tokens)
