@@ -41,9 +41,10 @@ from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.models.spec import HFConfig, ModelSpec
 from meshtrain.ops.attention import xla_attention
+from meshtrain.ops.embedding import lookup
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.ops.packing import visible
-from meshtrain.parallel.sharding import constrain, shard_count
+from meshtrain.parallel.sharding import constrain
 
 # Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
 # module is named here); stacked block parameters get a leading "layers".
@@ -439,22 +440,9 @@ class LanguageModel:
         return nnx.to_pure_dict(nnx.state(self.module(self.cfg, nnx.Rngs(key)), nnx.Param))
 
     def embed(self, params, tokens_BxL):
-        # Megatron's vocab-parallel lookup, written out: the table (gathered over its `embed`
-        # shards) as [S, V/S, D] split over its S vocab shards; each shard looks up the ids in its
-        # range (zeros elsewhere) and the sum over shards is one all-reduce. A plain jnp.take from
-        # the vocab-split table crashes XLA's SPMD gather partitioning in JAX 0.11 on data x fsdp x
-        # tensor meshes ("Check failed: partition_group_list.num_replica_groups() * ...").
-        table_VxD = params["embedding"]
-        (V, D), S = table_VxD.shape, shard_count("vocab")
-        if S == 1 or V % S:  # unsplit, or split unevenly (XLA pads): the gather as it is
-            return constrain(jnp.take(constrain(table_VxD, ("vocab", None)), tokens_BxL, axis=0), RESIDUAL)
-        table_SxVsxD = constrain(table_VxD.reshape(S, V // S, D), ("vocab", None, None))
-        local_SxBxL = constrain(tokens_BxL[None] - (jnp.arange(S) * (V // S))[:, None, None], ("vocab", "batch", None))
-        mine_SxBxL = (local_SxBxL >= 0) & (local_SxBxL < V // S)
-        rows_SxBxLxD = jax.vmap(lambda t, i: jnp.take(t, i, axis=0))(table_SxVsxD,
-                                                                     jnp.where(mine_SxBxL, local_SxBxL, 0))
-        x_BxLxD = jnp.sum(jnp.where(mine_SxBxL[..., None], rows_SxBxLxD, 0), axis=0)
-        return constrain(x_BxLxD, RESIDUAL)
+        """The embedding's rows [B, L, D] (meshtrain/ops/embedding.py: vocab-parallel, its gradient
+        reduce-scattered onto the table's shards)."""
+        return constrain(lookup(params["embedding"], tokens_BxL), RESIDUAL)
 
     def documents(self, tokens_BxL1):
         """The packing.Documents of a batch's inputs (tokens [B, L+1]), stored in the sequence

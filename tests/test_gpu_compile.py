@@ -22,6 +22,7 @@ from meshtrain.core import cli
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
+from meshtrain.ops.embedding import lookup
 from meshtrain.ops.fp8 import transposed_specs
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.parallel.mesh import build_mesh
@@ -155,6 +156,30 @@ def test_the_head_is_gathered_once_a_loss_and_its_gradient_reduced_onto_its_shar
     assert sum(r.times for r in gathers) == 1
     assert [r.group_size for r in records if r.kind == "reduce-scatter" and r.payload == head // 2] == [2]
     assert [r.group_size for r in records if r.kind == "all-reduce" and r.payload >= head // 2] == [4]
+
+
+def test_the_lookups_gradient_is_reduce_scattered_onto_the_tables_shards():
+    """meshtrain/ops/embedding.py on 8 H100s as expert=4 x fsdp=2: the bf16 table's gradient is
+    reduce-scattered over fsdp, then its half all-reduced over expert, both summed in fp32 (jnp.sum of
+    bf16); autodiff's scatter-add was
+    all-reduced whole over all 8 (mixtral's pod: all-reduce 1.49x its formula, issue 39 section 3)."""
+    mesh = build_mesh({"expert": 4, "fsdp": 2}, gpu_devices(8))
+    B, L, V, D = 8, 16, 256, 64
+    arg = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    rows = P(("expert", "fsdp"))
+    args = (arg((V, D), jnp.bfloat16, P(None, "fsdp")), arg((B, L), jnp.int32, rows),
+            arg((B, L, D), jnp.bfloat16, rows))
+
+    def grad(table, ids, cotangent):
+        with activation_rules(make_rules(), mesh):
+            return jax.vjp(lambda t: lookup(t, ids), table)[1](cotangent)[0]
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(grad).lower(*args).compile().as_text()
+    half = V * D * 4 // 2  # summed in fp32
+    reductions = [(r.kind, r.group_size, r.payload) for r in hlo.read(text, 8, correct=False)
+                  if r.kind in ("all-reduce", "reduce-scatter") and r.payload >= half]
+    assert sorted(reductions) == [("all-reduce", 4, half), ("reduce-scatter", 2, half)]
 
 
 @pytest.mark.parametrize("tied", [False, True])

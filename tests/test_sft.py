@@ -4,7 +4,9 @@ mean over trained tokens on every layout, and a tiny model that learns the answe
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import run_tiny, tiny_config
 
@@ -197,13 +199,56 @@ def test_a_model_learns_the_answers_and_not_the_prompts(chat_folder):
     trainer.close()
 
 
-@pytest.mark.fast
-def test_a_loss_mask_with_moe_router_losses_is_refused():
-    """Their weights would be divided by each batch's trained share: the user picks what to do."""
+def direct_nll(model, params, rows):
+    """Per-target cross-entropy [B, L] of `params` on masked rows by the definition (jnp, from the
+    logits of `apply`), and which targets are trained."""
+    ids = jnp.asarray(token_ids(rows))
+    logp = jax.nn.log_softmax(model.apply(params, ids[:, :-1]).astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0], np.asarray(rows)[:, 1:] >= 0
+
+
+MOE = ("model.router_aux_loss=0.1", "model.router_z_loss=0.01")  # weights large enough to matter below
+
+
+def test_a_masked_moe_run_trains_the_router_losses_as_means_over_all_tokens(chat_folder):
+    """The objective is the trained tokens' mean cross-entropy plus the router losses (means over
+    every token, as without a mask): the first step's gradient norm is that objective's, not one
+    with the router losses divided by the trained share; and data=2,expert=2 in 2 microbatches
+    (the trained share travels in StepInputs) trains the run of 1 device."""
     from conftest import MOE_TINY
 
-    from meshtrain.engine.program import TrainProgram
+    from meshtrain.engine.step import make_loss_fn
 
-    cfg = tiny_config(config=MOE_TINY)
-    with pytest.raises(UserError, match="router_aux_loss=0"):
-        TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, loss_mask=True)
+    data = (f"data.path={chat_folder}", "data.kind=auto", "parallel.precision=fp32", "train.seq_len=32", *MOE)
+    trainer, reference, _ = run_tiny(*data, "parallel.mesh=1", devices=jax.devices()[:1], config=MOE_TINY)
+    model, rows = trainer.program.model, trainer.train_batches(0)
+    params = jax.device_get(trainer.program.init_state(jax.random.key(trainer.cfg.train.seed))["params"])
+    share = float((np.asarray(rows)[:, 1:] >= 0).mean())
+    unmasked = make_loss_fn(model, "fp32")
+
+    def objective(p, router_weight):
+        nll, trained = direct_nll(model, p, rows)
+        value, metrics = unmasked(p, jnp.asarray(token_ids(rows)))  # the router losses over every token
+        return jnp.sum(jnp.where(trained, nll, 0)) / trained.sum() + router_weight * (value - metrics["loss"])
+
+    norm = lambda weight: float(optax.tree.norm(jax.grad(objective)(params, weight)))
+    assert 0 < share < 0.5 and abs(norm(1 / share) / norm(1.0) - 1) > 1e-3  # the test tells them apart
+    np.testing.assert_allclose(trainer.grad_norms[0], norm(1.0), rtol=1e-5)
+    _, losses, _ = run_tiny(*data, "parallel.mesh=data=2,expert=2", "parallel.microbatches=2",
+                            devices=jax.devices()[:4], config=MOE_TINY)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_masked_eval_loss_is_the_mean_over_the_eval_sets_trained_tokens(chat_folder):
+    """eval_loss = the eval batches' summed trained-token losses over their trained tokens, not the
+    mean of the batches' means (which differ here: the batches train different numbers of tokens)."""
+    data = (f"data.path={chat_folder}", "data.kind=auto", "parallel.precision=fp32", "train.seq_len=32")
+    trainer, _, _ = run_tiny(*data, "parallel.mesh=1", devices=jax.devices()[:1])
+    val, batches = next(iter(trainer.val_sets.values())), trainer.cfg.train.eval_batches
+    params = jax.device_get(trainer.state["params"])
+    sums, counts = zip(*((np.where(t, np.asarray(nll, np.float64), 0).sum(), int(t.sum()))
+                         for nll, t in (direct_nll(trainer.program.model, params, val(i)) for i in range(batches))))
+    assert len(set(counts)) > 1
+    direct, mean_of_means = sum(sums) / sum(counts), np.mean(np.array(sums) / np.array(counts))
+    assert abs(mean_of_means / direct - 1) > 1e-4
+    np.testing.assert_allclose(trainer.evaluate(), direct, rtol=1e-5)

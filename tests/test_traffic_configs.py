@@ -15,9 +15,9 @@ from meshtrain.planner import hlo, traffic
 SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",
           "model.mlp_dim=512", "model.vocab_size=1024", "train.seq_len=64")
 CASES = {  # name: (config, overrides, the kinds that must match within 10%; any other is flagged with its reason)
-    "mixtral_8x7b pod axes (expert parallel)": ("mixtral_8x7b",
+    "mixtral_8x7b pod axes (expert parallel)": ("mixtral_8x7b",  # the lookup's gradient reduce-scattered too
                                                 ("parallel.mesh=fsdp=2,expert=4", "train.batch_size=32"),
-                                                {"all-to-all"}),
+                                                {"all-to-all", "all-reduce", "reduce-scatter"}),
     "tiny pod (ZeRO-1, data x fsdp x tensor)": ("tiny", ("parallel.mesh=2x2x2",), {"all-reduce", "reduce-scatter"}),
     "data x tensor": ("llama3_8b", ("parallel.mesh=data=2,tensor=4", "train.batch_size=32"),  # ZeRO-3, manual data
                       {"all-reduce", "all-gather", "reduce-scatter"}),

@@ -130,7 +130,7 @@ class StageProgram:
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
-                 docs_MxbxL=None, kinds=None):
+                 docs_MxbxL=None, kinds=None, aux_weight=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
@@ -142,13 +142,15 @@ class StageProgram:
         self.outer, self.inputs, self.targets, self.docs = outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL
         x_like = jax.eval_shape(self.embed, outer, 0)
         self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
-        # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro)
+        # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro),
+        # times a loss mask's trained share (StepInputs)
         first = None if self.kinds is None else self.kinds[0, 0]
         stats_like = jax.eval_shape(lambda p, x, k, *docs: layer(p, x, *docs, **_kind(k)),
                                     jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x, first,
                                     *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
-        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * self.scale / (model.cfg.num_layers * micro),
+        weight = self.scale if aux_weight is None else self.scale * aux_weight
+        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * weight / (model.cfg.num_layers * micro),
                                                          g_stats))
 
     # ---- pieces ----
@@ -358,7 +360,7 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
                 outer, blocks = split(data_parallel.folded(params, param_specs))
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
                                  blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL,
-                                 kinds=kinds)
+                                 kinds=kinds, aux_weight=step_inputs.trained_share)
             metrics, g_blocks, g_outer = stage.run(phases)
             if not data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})

@@ -20,7 +20,14 @@ from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine.dpo import keeps_reference
 from meshtrain.engine.pipeline import layer_order
-from meshtrain.engine.step import lr_schedule, make_loss_fn, make_optimizer, make_train_step, trained_share
+from meshtrain.engine.step import (
+    lr_schedule,
+    make_loss_fn,
+    make_optimizer,
+    make_train_step,
+    trained_share,
+    trained_tokens,
+)
 from meshtrain.models import FAMILIES
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.fp8 import matmul_for
@@ -54,10 +61,6 @@ class TrainProgram:
         the responses) and the state holds the reference parameters (meshtrain/engine/dpo.py)."""
         self.dpo = train.dpo if train.objective == "dpo" else None
         loss_mask = loss_mask and self.dpo is None
-        if loss_mask and getattr(model, "num_experts", 0) and (model.router_aux_loss or model.router_z_loss):
-            raise UserError("a loss mask (chat data, data.train_on=assistant) would rescale the MoE router's "
-                            "auxiliary losses with the trained share of each batch; set model.router_aux_loss=0 "
-                            "and model.router_z_loss=0, or data.train_on=all")
         self.loss_mask = loss_mask
         self.spec, self.plan, self.optim, self.train = model, plan, optim, train
         t = train
@@ -171,7 +174,9 @@ class TrainProgram:
         return {**params, "blocks": self.reorder_blocks(params["blocks"], np.argsort(self.layer_order))}
 
     def eval_step(self):
-        """The jitted eval step: (params in storage order, tokens) -> the mean loss, replicated. The
+        """The jitted eval step: (params in storage order, tokens) -> (the mean loss, its weight),
+        replicated: the weight is 1, or with a loss mask the batch's trained tokens, so an eval set's
+        mean is sum(loss x weight) / sum(weight) (meshtrain/run/trainer.py `validation`). The
         batch is cut into the train step's microbatches and their losses summed in a scan (equal
         sizes: the mean of the means is the batch's mean), so an evaluation never holds more
         activations than a training microbatch. The trainer runs it; the planner compiles it. With a
@@ -187,7 +192,9 @@ class TrainProgram:
 
         def mean_loss(params, tokens_BxL1):
             loss = all_positions(self.in_model_order(params), tokens_BxL1)
-            return loss / trained_share(tokens_BxL1) if self.loss_mask else loss
+            if not self.loss_mask:
+                return loss, jnp.ones((), jnp.float32)
+            return loss / trained_share(tokens_BxL1), trained_tokens(tokens_BxL1)
 
         return jax.jit(mean_loss, in_shardings=(self.state_shardings["params"], self.batch_sharding),
                        out_shardings=NamedSharding(self.mesh, P()))

@@ -50,10 +50,11 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
     auxiliary losses, and the metrics (meshtrain/parallel/batching.py). The blocks run under the plan's remat
     policy; their statistics are reported as means over layers. `loss_mask`: the tokens carry a loss
     mask (meshtrain/data/tokens.py `with_mask`): the inputs are its ids, an untrained target adds
-    nothing, and the loss is still divided by all B x L positions (`trained_share` rescales it)."""
+    nothing, and the loss is still divided by all B x L positions (`trained_share` rescales it).
+    `aux_weight` multiplies the auxiliary losses (the trained share, which the step divides out)."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
-    def loss_fn(params, tokens_BxL1):
+    def loss_fn(params, tokens_BxL1, aux_weight=1.0):
         compute = cast_for_compute(params, precision)
         inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
         if loss_mask:
@@ -63,7 +64,7 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
                                      *([] if docs is None else [docs]), kinds=model.layer_kinds)
         stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
         loss = model.loss(compute, x_BxLxD, targets)
-        return loss + model.auxiliary_loss(stats), {"loss": loss, **stats}
+        return loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
 
     return loss_fn
 
@@ -76,15 +77,22 @@ def trained_share(tokens_BxL1):
     return jnp.maximum(jnp.mean(trained_BxL, dtype=jnp.float32), 1.0 / trained_BxL.size)
 
 
+def trained_tokens(tokens_BxL1):
+    """How many of the batch's targets are trained (>= 0), in fp32."""
+    return jnp.sum(tokens_BxL1[:, 1:] >= 0, dtype=jnp.float32)
+
+
 def metrics_and_grads(loss_fn, keep=lambda path: True):
     """`loss_fn` -> a gradient function (meshtrain/parallel/batching.py): the metrics and the gradients
     of the objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py),
     by the parameters `keep` accepts (`ModelSpec.trainable`) only: the others are constants."""
     def fn(params, inputs: StepInputs) -> Gradients:
-        reference = [] if inputs.reference is None else [inputs.reference]  # DPO's (meshtrain/engine/dpo.py)
+        # DPO's reference log-probs (meshtrain/engine/dpo.py) or, under a loss mask, the trained share by which
+        # the auxiliary losses are weighted: never both (config/validate.py: DPO takes no mask from data.train_on)
+        extra = [x for x in (inputs.reference, inputs.trained_share) if x is not None]
 
         def objective(trained):
-            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *reference)
+            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *extra)
             return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(select(params, keep))
@@ -153,13 +161,15 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         trained = select(params, keep)  # the optimizer's parameters (LoRA: the adapters)
         scale = loss_scale["scale"] if scales_loss(plan) else None
         reference = None if dpo is None else reference_fn(reference_params(state, model.cfg), tokens_BxL1)
-        out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None, reference))
+        share = trained_share(tokens_BxL1) if loss_mask else None
+        out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None,
+                                         reference=reference, trained_share=share))
         model_metrics = out.metrics
         divisors = [] if scale is None else [scale]  # the gradients are of the objective times these
-        if loss_mask:  # the mean over trained tokens (the model's statistics stay means over all tokens)
-            share = trained_share(tokens_BxL1)
+        if loss_mask:  # the mean over trained tokens (the model's statistics and auxiliary losses stay
+            # means over all tokens: the gradient functions weight those by the share)
             model_metrics = {**model_metrics, "loss": model_metrics["loss"] / share,
-                             "trained_tokens": jnp.sum(tokens_BxL1[:, 1:] >= 0, dtype=jnp.float32)}
+                             "trained_tokens": trained_tokens(tokens_BxL1)}
             divisors.append(share)
         loss = model_metrics["loss"]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)

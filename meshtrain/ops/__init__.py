@@ -6,6 +6,7 @@
 - packing.py: the one mask rule (causal, sliding window, same document) and packed documents' segment ids.
 - optimizers.py: optimizers and learning-rate schedules by name, with their state bytes.
 - loss.py: the vocabulary-tiled cross-entropy (never the full fp32 logits).
+- embedding.py: the vocab-parallel lookup, its gradient reduce-scattered onto the table's shards.
 - precision.py: compute dtypes and fp16 loss scaling; remat.py: the activation-saving policies.
 - fp8.py: the fp8 matmul of precision=fp8 (per-tensor current scaling, fp8 operands into the GEMM).
 """

@@ -26,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain.parallel.sharding import common_shard_count, constrain, shard_count
+from meshtrain.parallel.sharding import constrain, shard_count, summed_over_shards
 
 LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, per device
 
@@ -108,22 +108,9 @@ def _loss_sum_fwd(x_BxLxD, w_DxV, targets_BxL, C: int):
 
     zeros = (jnp.zeros((), jnp.float32), jnp.zeros((G, S, *w_DxV.shape), jnp.float32))
     (total, dw_GxSxDxV), dx_NxBxCxD = jax.lax.scan(chunk, zeros, (_chunks(x_BxLxD, C), _chunks(targets_BxL, C)))
-    dw_DxV = _summed_over_shards(dw_GxSxDxV)
+    dw_DxV = summed_over_shards(dw_GxSxDxV, ("embed", "vocab"))
     dx_BxLxD = jnp.moveaxis(dx_NxBxCxD, 0, 2).reshape(x_BxLxD.shape).astype(x_BxLxD.dtype)  # `_chunks` undone
     return total, (dx_BxLxD, dw_DxV.astype(w_DxV.dtype))
-
-
-def _summed_over_shards(dw_GxSxDxV):
-    """The head's gradient summed over the batch and sequence shards, once per loss: the shards along
-    the axes `embed` splits the head on (fsdp, the batch's minor factor; context, the sequence's)
-    reduce-scatter onto the head's shards, and the rest of the batch's (expert, data) all-reduce
-    those. One sum over every shard is an all-reduce of the whole head over them all, then sliced:
-    mixtral-8x7b's pod (fsdp x expert) all-reduced 2.6x the formula (issue 39, section 3)."""
-    G = dw_GxSxDxV.shape[0]
-    F = math.gcd(G, common_shard_count("batch", "embed"))
-    dw_RxFxSxDxV = dw_GxSxDxV.reshape(G // F, F, *dw_GxSxDxV.shape[1:])
-    dw_RxDxV = constrain(dw_RxFxSxDxV.sum((1, 2)), ("batch", "embed", "vocab"))
-    return constrain(dw_RxDxV.sum(0), ("embed", "vocab"))
 
 
 def _loss_sum_bwd(C: int, residuals, g):

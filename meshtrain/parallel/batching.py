@@ -27,6 +27,9 @@ class StepInputs:
     loss_scale: Any = None  # fp16: the objective is multiplied by it (meshtrain/ops/precision.py)
     grad_error: Any = None  # int8 compression: the residuals carried in (meshtrain/parallel/compression.py)
     reference: Any = None  # DPO: [B, 2] the reference model's log-probs of each row (meshtrain/engine/dpo.py)
+    # a loss mask: the step batch's trained share (meshtrain/engine/step.py `trained_share`), by which the
+    # auxiliary losses are weighted, so that the step's division by it leaves them means over all tokens
+    trained_share: Any = None
 
     def with_tokens(self, tokens, reference=None) -> StepInputs:
         """These rows' tokens (and their reference log-probs): a microbatch's."""

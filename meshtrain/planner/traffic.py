@@ -22,8 +22,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   out of the microbatch loop: an untied table in the compute dtype, the head twice in it; XLA:GPU
   does not: per microbatch, the table and head in the compute dtype) and reduced per microbatch,
   the head's in fp32 (the loss sums its gradient over its chunks per batch shard, meshtrain/ops/loss.py,
-  so once), the lookup's in fp32 on XLA:CPU, in the compute dtype on XLA:GPU (a tied table's
-  apart from the head's).
+  so once), the lookup's in fp32 (meshtrain/ops/embedding.py; on XLA:GPU a tied table's apart from
+  the head's).
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
   when remat=full recomputes the forward (the attention output's; the MLP output's only use is the
   saved next-layer input); under sequence parallelism each becomes a reduce-scatter and an
@@ -33,7 +33,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
 - Expert parallelism: 4 all-to-alls of the dispatch buffer (`moe_dispatch`) per MoE layer (6 under
   remat=full), and dropless one of the int32 counts per expert per forward run. Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
-  are all-reduced over E per microbatch, the layers' in the compute dtype.
+  are all-reduced over E per microbatch, the layers' in the compute dtype (XLA:GPU all-reduces an
+  untied lookup's fp32 shard once a step, out of the microbatch loop).
 - Ulysses context parallelism (meshtrain/ops/ulysses.py), per layer: 4 all-to-alls forward (q, k,
   v to head-sharded, the output back) and their 4 transposes backward (4 more under remat=full),
   each (u-1)/u of the tensor's local bytes, u the all-to-all group (C; hybrid: ulysses_degree).
@@ -240,19 +241,26 @@ def expected_traffic(program) -> dict[str, dict]:
             "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
             "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
             "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
-    # XLA:GPU reduces the lookup's gradient (its scatter-add) in the compute dtype apart from the head's
-    # fp32 one (meshtrain/ops/loss.py), a tied table's too; XLA:CPU sums both in fp32
-    lookup = trained["lookup"] * (act - (0 if program.model.cfg.tie_embeddings else 4)) if gpu else 0
-    table_grad = "the compute dtype (a tied table also in fp32, as the head)" if gpu else "fp32"
+    # the lookup's gradient is summed over the shards in fp32 (meshtrain/ops/embedding.py); XLA:GPU
+    # reduces a tied table's apart from the head's (meshtrain/ops/loss.py), XLA:CPU adds the two first
+    lookup = trained["lookup"] * 4 if gpu and program.model.cfg.tie_embeddings else 0
+    table_grad = "fp32 (a tied table's twice on XLA:GPU, the lookup's and the head's)" if gpu else "fp32"
     add("reduce-scatter", micro * ring_traffic("all-gather", trained["blocks"] * act + trained["outer"] * 4 + lookup,
                                                A),
         f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the head's and "
         f"norm's in fp32, the embedding's in {table_grad}")
     if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
         shared = param_slices(program, experts=False, trained=True)  # per microbatch, the layers' in the compute dtype
-        add("all-reduce", micro * ring_traffic("all-reduce", (shared["blocks"] * act + shared["outer"] * 4) / A, E),
+        # an untied lookup's shard (meshtrain/ops/embedding.py), summed in fp32: XLA:GPU all-reduces it once
+        # a step (its loop code motion takes it out of the microbatch loop), XLA:CPU per microbatch, read as
+        # the compute dtype it is narrowed to; a tied table's is added to the head's and reduced with it
+        table = 0 if program.model.cfg.tie_embeddings else shared["lookup"]
+        per_micro = shared["blocks"] * act + (shared["outer"] - table) * 4 + (0 if gpu else table * act)
+        add("all-reduce", micro * ring_traffic("all-reduce", per_micro / A, E)
+            + (ring_traffic("all-reduce", table * 4 / A, E) if gpu else 0),
             f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
-            f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro}")
+            f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro} (XLA:GPU: an untied "
+            f"lookup's in fp32 once a step)")
     if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
         add("all-reduce", ring_traffic("all-reduce", 4 * trained["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
@@ -348,9 +356,9 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
                "microbatch and layer loops: fewer, partly fp32, where the formula counts them per microbatch")
         gaps["all-gather"].append((why, 0, 1))
         gaps["reduce-scatter"].append((why, 0, 1))
-    if (E > 1 or C > 1 or manual) and F * C > 1:
+    if (C > 1 or manual) and F * C > 1:  # beside expert alone, meshtrain/ops/embedding.py reduce-scatters it
         why = ("the embedding lookup's gradient (its scatter-add, summed over every batch and sequence shard; on "
-               "XLA:CPU the head's too) is all-reduced whole over the batch axes (fsdp with expert, context or data) "
+               "XLA:CPU the head's too) is all-reduced whole over the batch axes (fsdp with context or data) "
                "and then sliced to this device's shard, where the formula reduce-scatters it over fsdp x context and "
                "all-reduces the shard over the rest, as meshtrain/ops/loss.py sums the head's")
         gaps["all-reduce"].append((why, 1, math.inf))

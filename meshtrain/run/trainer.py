@@ -408,10 +408,14 @@ class Trainer:
 
 def validation(eval_step, params, val_sets: dict, sources, batches: int) -> dict:
     """Trainer.evaluation's record for `params` (the eval step's layout): each validation set's mean
-    loss over `batches` batches; with several sources, eval_loss is their mean weighted by the sources'
-    shares and each adds its eval_loss_<name>. Call it under the program's context."""
-    losses = {name: float(jnp.mean(jnp.stack([eval_step(params, val(i)) for i in range(batches)])))
-              for name, val in val_sets.items()}
+    loss over `batches` batches (with a loss mask, over all their trained tokens: the batches' means
+    weighted by their trained tokens); with several sources, eval_loss is their mean weighted by the
+    sources' shares and each adds its eval_loss_<name>. Call it under the program's context."""
+    def mean(val):
+        loss_N, weight_N = (jnp.stack(x) for x in zip(*(eval_step(params, val(i)) for i in range(batches))))
+        return float(jnp.sum(loss_N * weight_N) / jnp.maximum(jnp.sum(weight_N), 1.0))  # no trained token: 0
+
+    losses = {name: mean(val) for name, val in val_sets.items()}
     if len(losses) < 2:
         return {"eval_loss": next(iter(losses.values()))} if losses else {}
     record = {"eval_loss": math.fsum(s.share * losses[s.name] for s in sources)}
