@@ -185,3 +185,25 @@ def test_lora_on_a_hugging_face_base_loads_it_frozen_and_its_adapters_name_it(tm
     written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert written["base_model_name_or_path"] == str((tmp_path / "hf").absolute()) and written["r"] == 4
     assert written["target_modules"] == ["q_proj", "v_proj"] and not (tmp_path / "out" / "base").exists()
+
+
+def test_a_lora_checkpoint_of_an_interleaved_pipeline_resumes_with_each_layers_moments():
+    """An interleaved pipeline stores layers in pipeline order; resumed on one device, each layer's
+    adapters and their optimizer moments (of the trained parameters only) come back in model order."""
+    from meshtrain.ops.optimizers import map_param_states
+    from meshtrain.run.trainer import Trainer
+
+    interleaved, _, _ = run_tiny(*LORA, "parallel.mesh=1x2x1x2", "parallel.zero=1", "parallel.schedule=interleaved",
+                                 "parallel.microbatches=4", "parallel.virtual_stages=2", devices=jax.devices()[:4])
+    p = interleaved.program
+    assert p.layer_order.tolist() == [0, 2, 1, 3]
+    plain = Trainer(tiny_config(*LORA, "parallel.mesh=1", f"checkpoint.resume={interleaved.checkpointer.path(5)}"),
+                    devices=jax.devices()[:1])
+    saved = jax.device_get(interleaved.state["opt_state"])
+    layered = map_param_states(lambda x, _, names: bool(names) and names[0] == "layers", saved,
+                               p.trained(interleaved.state["params"]), p.trained(p.logical_axes),
+                               otherwise=lambda x: False)
+    order = np.argsort(p.layer_order)
+    for is_layer, a, b in zip(jax.tree.leaves(layered), jax.tree.leaves(saved),
+                              jax.tree.leaves(jax.device_get(plain.state["opt_state"])), strict=True):
+        np.testing.assert_array_equal(b, a[order] if is_layer else a)

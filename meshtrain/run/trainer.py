@@ -220,8 +220,9 @@ class Trainer:
 
         def reorder(state):
             params = jax.tree.map(move, state["params"], p.logical_axes, is_leaf=is_names)
-            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"], state["params"],
-                                         p.logical_axes)
+            # the optimizer's state is of the trained parameters (LoRA: the adapters)
+            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"],
+                                         p.trained(state["params"]), p.trained(p.logical_axes))
             return {**state, "params": params, "opt_state": opt_state}
 
         state = jax.jit(reorder, out_shardings=p.state_shardings)(state)
