@@ -10,6 +10,7 @@ from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES
 from meshtrain.models.base import adapters_off
 from meshtrain.ops.trainable import select
+from meshtrain.parallel.sharding import shard_factor
 from meshtrain.testing import MOE_TINY, max_param_diff
 
 LORA = ("model.lora.rank=4", "parallel.precision=fp32")
@@ -118,6 +119,11 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only()
     ratio = adapters / lora.num_params
     np.testing.assert_allclose([z["gradients"] / f["gradients"], z["optimizer_state"] / f["optimizer_state"]],
                                ratio * lora.num_params / full.num_params, rtol=1e-6)
+    # every adapter factor is split over fsdp, those without an embed axis by their rank (the formula's split)
+    grads = jax.tree.leaves(lora.grad_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    moments = [s.spec for s in jax.tree.leaves(lora.state_shardings["opt_state"]) if len(s.spec)]
+    assert len(grads) == 14 and len(moments) == 28
+    assert all(shard_factor(spec, lora.mesh) == 2 for spec in grads + moments)
     note = trainable_note({"params": lora.num_params, "trainable_params": adapters,
                            "config": {"model": {"lora": {"rank": 4}}}})
     assert note == f", trainable {adapters / 1e6:,.2f}M = {100 * ratio:.2f}% (LoRA r=4)"
