@@ -82,7 +82,8 @@ def contracted_axes(names: tuple) -> tuple[int, ...]:
 
 def lora_axes(base: tuple) -> tuple[tuple, tuple]:
     """The logical axes of an adapter's A and B on a weight of axes `base`: A takes the base's
-    input (contracted) axes, B its output axes; the rank ("lora_rank", in no rule) is unsharded."""
+    input (contracted) axes, B its output axes; the rank ("lora_rank") is sharded as `embed` is where the factor has no
+    `embed` axis (meshtrain/parallel/sharding.py DEFAULT_RULES)."""
     into = contracted_axes(base)
     return (*[base[i] for i in into], "lora_rank"), ("lora_rank", *[n for i, n in enumerate(base) if i not in into])
 

@@ -2,6 +2,7 @@
 every layout, only the adapters trained and given optimizer state."""
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import run_tiny, tiny_config
 
@@ -10,6 +11,9 @@ from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES
 from meshtrain.models.base import adapters_off
 from meshtrain.ops.trainable import select
+from meshtrain.parallel.sharding import shard_factor
+from meshtrain.run.checkpoint import saved_metadata
+from meshtrain.run.run_dir import lora_base
 from meshtrain.testing import MOE_TINY, max_param_diff
 
 LORA = ("model.lora.rank=4", "parallel.precision=fp32")
@@ -89,7 +93,14 @@ def test_peft_loads_the_adapters_with_the_logits_of_the_merged_export_and_of_mes
     assert np.abs(ours - off).max() > 1e-2
 
 
-def test_a_resumed_lora_run_continues_bitwise(tmp_path):
+def saved_paths(tree, path=()) -> list[tuple]:
+    """The key paths of a saved tree's leaves (Orbax's metadata tree: nested dicts)."""
+    if not isinstance(tree, dict):
+        return [path]
+    return [p for key, value in tree.items() for p in saved_paths(value, (*path, key))]
+
+
+def test_a_resumed_lora_run_continues_bitwise_from_its_adapters_and_rebuilds_its_base(tmp_path):
     from meshtrain.run.loggers import MetricsLog
     from meshtrain.run.trainer import Trainer
 
@@ -102,6 +113,22 @@ def test_a_resumed_lora_run_continues_bitwise(tmp_path):
     tail = quiet(resumed, len(reference))
     np.testing.assert_array_equal([r["loss"] for r in head + tail if "loss" in r], reference)
     assert max_param_diff(jax.device_get(resumed.state["params"]), params) == 0
+    # the checkpoint holds the adapters and their state; the base is a pointer (here: the seed) and a hash
+    folder = resumed.checkpointer.path(len(reference))
+    saved = ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree
+    assert all(is_adapter(path) for path in saved_paths(saved["params"])) and len(saved_paths(saved["params"])) == 14
+    meta = saved_metadata(folder)
+    assert meta["base"]["init_from"] is None and meta["base"]["seed"] == resumed.cfg.train.seed
+    print(f"LoRA checkpoint {sum(f.stat().st_size for f in folder.rglob('*') if f.is_file()):,} bytes")
+    # elastic: on fsdp=2 the base is rebuilt there, bitwise, and checked against the hash
+    elastic = Trainer(tiny_config(*LORA, "parallel.mesh=fsdp=2", "checkpoint.resume=auto", out=str(tmp_path)),
+                      devices=jax.devices()[:2], allow_change=True)
+    assert max_param_diff(jax.device_get(elastic.state["params"]), params) == 0
+    elastic.close()
+    # another base (another seed's) is one error naming both hashes
+    with pytest.raises(UserError, match=f"has hash [0-9a-f]{{16}}, but .* trained on base {meta['base']['hash']}"):
+        lora_base({"base": {**meta["base"], "seed": meta["base"]["seed"] + 1}}, resumed.program.model,
+                  resumed.program.state_shardings["params"])
 
 
 @pytest.mark.fast
@@ -118,6 +145,11 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only()
     ratio = adapters / lora.num_params
     np.testing.assert_allclose([z["gradients"] / f["gradients"], z["optimizer_state"] / f["optimizer_state"]],
                                ratio * lora.num_params / full.num_params, rtol=1e-6)
+    # every adapter factor is split over fsdp, those without an embed axis by their rank (the formula's split)
+    grads = jax.tree.leaves(lora.grad_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    moments = [s.spec for s in jax.tree.leaves(lora.state_shardings["opt_state"]) if len(s.spec)]
+    assert len(grads) == 14 and len(moments) == 28
+    assert all(shard_factor(spec, lora.mesh) == 2 for spec in grads + moments)
     note = trainable_note({"params": lora.num_params, "trainable_params": adapters,
                            "config": {"model": {"lora": {"rank": 4}}}})
     assert note == f", trainable {adapters / 1e6:,.2f}M = {100 * ratio:.2f}% (LoRA r=4)"

@@ -41,6 +41,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "layers": ("pipeline",),  # each pipeline stage holds its own layers
     "experts": ("expert",),  # each expert-parallel device holds its own experts
+    # A LoRA factor's rank (models/base.py lora_axes) goes where `embed` does: a factor with an embed
+    # axis keeps it there (an axis shards one dimension), the others (B of q/k/v/gate/up, A of o/down)
+    # split their rank, so every adapter is split over fsdp x context as ZeRO's formula divides it.
+    "lora_rank": ("fsdp", "context"),
 }
 
 # Largest share of parameter bytes allowed to stay replicated where the rules say to shard.

@@ -4,6 +4,8 @@ A checkpoint holds the train state ({'step', 'params', 'opt_state', 'skipped_ste
 metadata: the resolved config, the mesh it was saved on, the batches the nonfinite guard skipped,
 the loss-spike detector's running mean and count, and a checksum per state leaf. The data position
 needs no saving beyond that: the batch of step k depends only on (seed, k, skipped batches).
+A LoRA run's 'params' are its adapters alone: the frozen base is recorded in the metadata as a
+pointer and a hash (`base`, meshtrain/run/run_dir.py `base_record`), and rebuilt on every read.
 
 Integrity: Orbax writes each step into a temporary folder and renames it when complete, so an
 interrupted save is never listed. Once a save is durable, a manifest records the size of each of
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import shutil
@@ -56,7 +59,9 @@ METADATA_SCHEMA = {
         "optimizer": schema.Optional(str)})}),
     "mesh": schema.Optional(str), "devices": schema.Optional(schema.Int(1)),
     "skip_batches": schema.Optional([schema.Int()]), "layer_order": schema.Optional([schema.Int()]),
-    "spike_detector": schema.Optional(schema.Nullable({"mean": schema.Nullable(float), "seen": schema.Int()}))}
+    "spike_detector": schema.Optional(schema.Nullable({"mean": schema.Nullable(float), "seen": schema.Int()})),
+    # a LoRA run's frozen base, which its checkpoints leave out (meshtrain/run/run_dir.py `lora_base`)
+    "base": schema.Optional({"init_from": schema.Nullable(str), "seed": schema.Int(), "hash": str})}
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
 
 
@@ -89,6 +94,12 @@ def state_checksums(state) -> list[int]:
         return min(long, key=lambda d: x.shape[d]) if long else max(whole, key=lambda d: x.shape[d], default=None)
 
     return [int(_leaf_checksum(x, slice_axis(x))) for x in jax.tree.leaves(state)]
+
+
+def tree_hash(tree) -> str:
+    """A short hash of a tree's values (its leaves' checksums, `state_checksums`): the same on every
+    mesh and layer order, so a LoRA run's base, rebuilt anywhere, is checked against its record."""
+    return hashlib.sha256(json.dumps(state_checksums(tree)).encode()).hexdigest()[:16]
 
 
 class _FullDiskEchoes(logging.Filter):

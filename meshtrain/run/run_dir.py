@@ -375,9 +375,45 @@ def newest_params(run: str | Path, model, shardings=None, step: int | None = Non
         one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, shapes)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    params, meta, step = read_params(Path(run) / "checkpoints", abstract, step)
+    lora = model.cfg.lora.rank  # its checkpoints hold the adapters; the base is rebuilt from their record
+    params, meta, step = read_params(Path(run) / "checkpoints", select(abstract, model.cfg.trainable) if lora
+                                     else abstract, step)
     order = np.asarray(meta.get("layer_order", range(model.cfg.num_layers)))  # interleaved: permuted
-    return {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}, step
+    params = {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}
+    return (merge(lora_base(meta, model, shardings), params) if lora else params), step
+
+
+def base_record(cfg: Config, base) -> dict:
+    """What a LoRA run's checkpoints record of its frozen `base` (parameters) instead of holding it:
+    the pointer (`checkpoint.init_from`, or none: the base is `model.init` of `train.seed`, rebuilt
+    bitwise on any mesh, so a run from scratch stores no copy of it) and its hash."""
+    from meshtrain.run.checkpoint import tree_hash
+
+    return {"init_from": cfg.checkpoint.init_from or None, "seed": cfg.train.seed, "hash": tree_hash(base)}
+
+
+def lora_base(meta: dict, model, shardings) -> dict:
+    """The frozen base (model order, in `shardings`) of a LoRA checkpoint whose metadata is `meta`,
+    rebuilt from its record (`base_record`) and checked against the recorded hash: another base is
+    one error naming both hashes, before anything is written."""
+    from meshtrain.run.checkpoint import tree_hash
+
+    record, frozen = meta.get("base"), lambda path: not model.cfg.trainable(path)
+    if record is None:
+        raise UserError("this LoRA checkpoint records no base (saved by an earlier version, whose checkpoints "
+                        "hold the whole model); train it with that version, or start a new run")
+    if record["init_from"]:
+        params = initial_params(record["init_from"], model, shardings, record["seed"])
+    else:
+        params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(record["seed"]))
+    base = select(params, frozen)
+    found = tree_hash(base)
+    if found != record["hash"]:
+        source = record["init_from"] or f"model.init of train.seed={record['seed']}"
+        raise UserError(f"the LoRA base {source} has hash {found}, but the checkpoint's adapters were trained on "
+                        f"base {record['hash']}; restore the base the run started from (or start a new run "
+                        f"on this base with another --out)")
+    return base
 
 
 def initial_params(source: str, model, shardings, seed: int = 0):

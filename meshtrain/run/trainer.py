@@ -29,6 +29,7 @@ from meshtrain.engine import scoring
 from meshtrain.engine.program import TrainProgram
 from meshtrain.models import make_spec
 from meshtrain.ops.optimizers import map_param_states
+from meshtrain.ops.trainable import merge, select
 from meshtrain.parallel.mesh import describe
 from meshtrain.run import goodput, loggers, run_dir
 from meshtrain.run.actions import (
@@ -109,6 +110,7 @@ class Trainer:
         if cfg.checkpoint.local_dir:  # before any compile: a folder no process can write is one error
             writable(run_folder(cfg.checkpoint.local_dir, self.out), "checkpoint.local_dir")
         self.resumed_from = None
+        self.base_record = None  # a LoRA run's: its frozen base's pointer and hash (run_dir.base_record)
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.guard = Guard(self)  # its loss-spike detector is part of a checkpoint
         self.watchdog = StepWatchdog(-1, self.out)  # fit() arms its own
@@ -126,6 +128,8 @@ class Trainer:
             elif self.state is None:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
+            if cfg.model.lora.rank and self.base_record is None:
+                self.base_record = run_dir.base_record(cfg, select(self.state["params"], self._frozen))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
             primary = jax.process_index() == 0
             compiling = time.perf_counter()
@@ -160,7 +164,8 @@ class Trainer:
         """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
         (elastic: any saved mesh works), or the local tier's newest when it is newer (same mesh
         only); None when neither has one."""
-        abstract = abstract_like(self.program.abstract_state, self.program.state_shardings)
+        p = self.program
+        abstract = self._stored(abstract_like(p.abstract_state, p.state_shardings))
         local = self._local()
         found = local.restore_newer(steps[0] if steps else -1, abstract, describe(self.program.sizes)) \
             if local else None
@@ -177,6 +182,8 @@ class Trainer:
         saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
         if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)
+        if self.cfg.model.lora.rank:  # the checkpoint holds the adapters: the frozen base joins them
+            state = {**state, "params": merge(self._base(meta), state["params"])}
         self.resumed_from = where
         self.skip(meta.get("skip_batches", []))
         if self.guard.spikes is not None:
@@ -184,6 +191,24 @@ class Trainer:
             self.guard.spikes.resume(meta.get("spike_detector"), same_data)
         console.info(f"{verb} step {step} ({tier}{self.resumed_from}, saved on mesh {meta['mesh']})")
         return state
+
+    def _frozen(self, path) -> bool:
+        return not self.cfg.model.trainable(path)
+
+    def _stored(self, state):
+        """What a checkpoint holds of `state` (or of a tree like it): a LoRA run's parameters are its
+        adapters alone; the frozen base is recorded by pointer and hash (`run_dir.base_record`)."""
+        return {**state, "params": self.program.trained(state["params"])} if self.cfg.model.lora.rank else state
+
+    def _base(self, meta) -> dict:
+        """The frozen base in storage order: the one this trainer holds (a rollback), else rebuilt
+        from the checkpoint's record and checked against its hash (elastic: on this mesh)."""
+        p = self.program
+        if getattr(self, "state", None) is not None:
+            return select(self.state["params"], self._frozen)
+        base = run_dir.lora_base(meta, p.model, p.state_shardings["params"])
+        self.base_record = meta["base"]
+        return {**base, "blocks": p.reorder_blocks(base["blocks"], p.layer_order)}
 
     def _local(self) -> LocalTier | None:
         """The local tier (checkpoint.local_dir) of this run, once run.json names the run (its first
@@ -218,14 +243,13 @@ class Trainer:
         move = lambda x, names: x[rows] if names and names[0] == "layers" else x
         is_names = lambda n: isinstance(n, tuple)
 
-        def reorder(state):
-            params = jax.tree.map(move, state["params"], p.logical_axes, is_leaf=is_names)
-            # the optimizer's state is of the trained parameters (LoRA: the adapters)
-            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"],
-                                         p.trained(state["params"]), p.trained(p.logical_axes))
+        def reorder(state):  # a checkpoint's state: with LoRA, of the adapters alone
+            axes = p.trained(p.logical_axes)
+            params = jax.tree.map(move, state["params"], axes, is_leaf=is_names)
+            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"], state["params"], axes)
             return {**state, "params": params, "opt_state": opt_state}
 
-        state = jax.jit(reorder, out_shardings=p.state_shardings)(state)
+        state = jax.jit(reorder, out_shardings=self._stored(p.state_shardings))(state)
         if "grad_error" in state:  # compression residuals of the old order: they start fresh
             state["grad_error"] = p.optional_state()["grad_error"]()
         return state
@@ -252,17 +276,18 @@ class Trainer:
         p = self.program
         return {"config": to_dict(self.cfg), "mesh": describe(p.sizes), "devices": p.mesh.size,
                 "skip_batches": self.skip_batches, "layer_order": p.layer_order.tolist(),
-                "spike_detector": self.guard.spikes.state() if self.guard.spikes else None}
+                "spike_detector": self.guard.spikes.state() if self.guard.spikes else None,
+                **({"base": self.base_record} if self.base_record else {})}
 
     def save_checkpoint(self, wait: bool = False) -> Path:
-        self.checkpointer.save(self.state, self.metadata())
+        self.checkpointer.save(self._stored(self.state), self.metadata())
         if wait:
             self.checkpointer.wait()
         return self.checkpointer.path(int(self.state["step"]))
 
     def save_local(self) -> None:
         """Save to the local tier; returns once this process's shards are on the host."""
-        self._local().save(self.state, self.metadata(), describe(self.program.sizes))
+        self._local().save(self._stored(self.state), self.metadata(), describe(self.program.sizes))
 
     def evaluate(self) -> float | None:
         return self.evaluation().get("eval_loss")
