@@ -29,6 +29,7 @@ from meshtrain.core.folders import check_new, writing_whole
 from meshtrain.data import tokenizer
 from meshtrain.interop import hf
 from meshtrain.models.spec import LoraSpec
+from meshtrain.ops.trainable import select
 from meshtrain.run import run_dir
 
 
@@ -151,7 +152,7 @@ def write_adapters(cfg, params, tmp: Path, dtype: str, max_shard_bytes: int, fin
         base, files = str(Path(source[3:]).absolute()), []
     else:
         base_spec = dataclasses.replace(cfg.model, lora=LoraSpec())
-        frozen = {**params, "blocks": {k: v for k, v in params["blocks"].items() if not k.startswith("lora_")}}
+        frozen = select(params, lambda path: not cfg.model.trainable(path))
         base, files = str(final / "base"), hf.save_params(frozen, base_spec, tmp / "base", dtype, max_shard_bytes)
     return [*files, hf.save_adapters(params, cfg.model, tmp, base, dtype)]
 

@@ -234,9 +234,10 @@ def test_a_masked_moe_run_trains_the_router_losses_as_means_over_all_tokens(chat
     norm = lambda weight: float(optax.tree.norm(jax.grad(objective)(params, weight)))
     assert 0 < share < 0.5 and abs(norm(1 / share) / norm(1.0) - 1) > 1e-3  # the test tells them apart
     np.testing.assert_allclose(trainer.grad_norms[0], norm(1.0), rtol=1e-5)
-    _, losses, _ = run_tiny(*data, "parallel.mesh=data=2,expert=2", "parallel.microbatches=2",
-                            devices=jax.devices()[:4], config=MOE_TINY)
-    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5)
+    for mesh, n in (("data=2,expert=2", 4), ("pipeline=2", 2)):  # the manual data executor; the pipeline's stages
+        _, losses, _ = run_tiny(*data, f"parallel.mesh={mesh}", "parallel.microbatches=2",
+                                devices=jax.devices()[:n], config=MOE_TINY)
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5, err_msg=mesh)
 
 
 def test_the_masked_eval_loss_is_the_mean_over_the_eval_sets_trained_tokens(chat_folder):

@@ -160,7 +160,9 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         params, loss_scale = state["params"], state["loss_scale"]
         trained = select(params, keep)  # the optimizer's parameters (LoRA: the adapters)
         scale = loss_scale["scale"] if scales_loss(plan) else None
-        reference = None if dpo is None else reference_fn(reference_params(state, model.cfg), tokens_BxL1)
+        # cast before the forward's gathers, as the policy's parameters are
+        reference = None if dpo is None else reference_fn(
+            cast_for_compute(reference_params(state, model.cfg), plan.precision), tokens_BxL1)
         share = trained_share(tokens_BxL1) if loss_mask else None
         out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None,
                                          reference=reference, trained_share=share))
