@@ -196,16 +196,24 @@ def rotary(x_BxLxNxK, inv_freq_K2, positions=None, scale: float = 1.0):
     return out.astype(x_BxLxNxK.dtype)
 
 
-def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int | None = None):
+def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int | None = None,
+                     scale: float | None = None):
     """Attention of L queries per row over a KV cache of T positions: each query sees the cache
     positions <= its own (`positions_BxL`), so what lies beyond a row's end is never read; with
     `window`, only the last `window` of them (sliding-window attention, Beltagy et al. 2020).
-    fp32 scores and softmax, grouped-query, as `meshtrain.ops.attention.xla_attention`."""
+    fp32 scores and softmax, grouped-query, as `meshtrain.ops.attention.xla_attention`; scores x
+    `scale` (default K^-1/2)."""
     pos_Bx1xLx1, cache_T = positions_BxL[:, None, :, None], jnp.arange(k_BxTxGxK.shape[1])
     mask_Bx1xLxT = cache_T <= pos_Bx1xLx1
     if window is not None:
         mask_Bx1xLxT &= cache_T > pos_Bx1xLx1 - window
-    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, mask=mask_Bx1xLxT)
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, mask=mask_Bx1xLxT, scale=scale)
+
+
+def write_rows(cache_BxTx_, new_BxLx_, start_B):
+    """The cache with each row's L new entries written at its own start position."""
+    put = lambda c_Tx_, n_Lx_, s: jax.lax.dynamic_update_slice_in_dim(c_Tx_, n_Lx_, s, 0)
+    return jax.vmap(put)(cache_BxTx_, new_BxLx_.astype(cache_BxTx_.dtype), start_B)
 
 
 class Block(nnx.Module):
@@ -315,9 +323,7 @@ class Block(nnx.Module):
         q, k, v = self.project(x_BxLxD, positions_BxL, kind)
 
         def write(cache_BxTxGxK, new_BxLxGxK):  # each row at its own start
-            put = lambda c_TxGxK, n_LxGxK, s: jax.lax.dynamic_update_slice_in_dim(c_TxGxK, n_LxGxK, s, 0)
-            cache_BxTxGxK = jax.vmap(put)(cache_BxTxGxK, new_BxLxGxK.astype(cache_BxTxGxK.dtype), start_B)
-            return constrain(cache_BxTxGxK, ("batch", None, "kv_heads", "head_dim"))
+            return constrain(write_rows(cache_BxTxGxK, new_BxLxGxK, start_B), ("batch", None, "kv_heads", "head_dim"))
 
         cache_k_BxTxGxK, cache_v_BxTxGxK = write(cache_k_BxTxGxK, k), write(cache_v_BxTxGxK, v)
         ctx_BxLxHxK = cached_attention(q, cache_k_BxTxGxK, cache_v_BxTxGxK, positions_BxL, window)
@@ -427,7 +433,6 @@ class LanguageModel:
     param_axes = PARAM_AXES
     post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
     stacks = ("blocks",)  # the parameters stacked on a leading `layers` axis
-    generates = True  # has the cached forward (`init_cache`, `decode`) generation runs
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
         self.cfg = cfg.resolved()

@@ -23,14 +23,18 @@ e_score_correction_bias, aux-loss-free balancing) added for the choice only, out
 `dense_mlp_dim` instead: they are a second stack, `dense_blocks`, run by `embed` (so the stacked
 `blocks` the layer scan and pipeline stages split stay alike); they run without the remat policy,
 and pipeline parallelism is refused while they exist. Not built yet: the bias update after each
-step, the sequence-wise balance loss, multi-token prediction, and the compressed-latent KV cache
-(generation is refused with one line).
+step, the sequence-wise balance loss, multi-token prediction.
+
+Generation caches per layer and token the latent only, kv_lora_rank + qk_rope_head_dim values
+(`init_cache`), and decodes with wkv_b absorbed into the query and output sides (`MLABlock.decode`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -43,8 +47,10 @@ from meshtrain.models.base import (
     LAYER,
     LLAMA_TENSORS,
     Block,
+    LanguageModel,
     Transformer,
     _init,
+    cached_attention,
     read_llama_config,
     rope_attention_factor,
     rope_frequencies,
@@ -52,6 +58,7 @@ from meshtrain.models.base import (
     scan_blocks,
     stacked_blocks,
     write_llama_config,
+    write_rows,
     yarn_mscale,
 )
 from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts, Router
@@ -116,6 +123,13 @@ class DeepSeekV3Spec(RoutedExperts):
             raise UserError("model.qk_rope_head_dim must be even and model.v_head_dim at most qk_nope_head_dim + "
                             "qk_rope_head_dim (values are padded to the query/key width for the kernel)")
 
+    latent_cache = True
+
+    def cached_values(self) -> int:
+        """Per layer and position, MLA's cache holds the normalised latent and the rotated rope key:
+        kv_lora_rank + qk_rope_head_dim values, whatever the heads."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     def softmax_gain(self) -> float:
         """What the softmax scale (Kn + Kr)^-1/2 is multiplied by: yarn's m(rope_mscale_all_dim)^2."""
         if self.rope_scaling == "yarn" and self.rope_mscale_all_dim:
@@ -144,10 +158,11 @@ class MLABlock(Block):
         self.mlp_norm = self.norm(D, cfg.norm_eps)
         self.init_mlp(cfg, rngs)
 
-    def project(self, x_BxLxD, positions=None, kind=0):
-        """q and k [B, L, H, Kn + Kr], v [B, L, H, Kn + Kr] (Kv channels, zero-padded)."""
+    def queries_and_latent(self, x_BxLxD, positions=None):
+        """norm(x)'s queries [B, L, H, Kn + Kr] (the last Kr rotated, x the softmax gain) and its latent
+        [B, L, Rkv + Kr]: norm_kv(c) and the rotated rope key shared by the heads, what the cache holds."""
         c = self.cfg
-        Rkv, Kn, Kr = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
+        Rkv, Kn = c.kv_lora_rank, c.qk_nope_head_dim
         h = self.attn_norm(x_BxLxD)
         if c.q_lora_rank:
             q_BxLxR = self.q_norm(self.einsum("bld,dr->blr", h, self.wq_a[...]))
@@ -155,21 +170,52 @@ class MLABlock(Block):
         else:
             q = self.einsum("bld,dhk->blhk", h, self.wq[...])
         kv_BxLxA = self.einsum("bld,da->bla", h, self.wkv_a[...])
-        kv = self.einsum("blr,rhk->blhk", self.kv_norm(kv_BxLxA[..., :Rkv]), self.wkv_b[...])
         q_rope, k_rope_BxLx1xKr = q[..., Kn:], kv_BxLxA[..., None, Rkv:]
         if c.rope_interleave:  # pairs (2i, 2i + 1) -> (i, i + Kr/2)
             q_rope, k_rope_BxLx1xKr = (jnp.concatenate([t[..., 0::2], t[..., 1::2]], axis=-1)
                                        for t in (q_rope, k_rope_BxLx1xKr))
-        inv_freq_K2, scale = rope_frequencies(c, Kr), rope_attention_factor(c)
+        inv_freq_K2, scale = rope_frequencies(c, c.qk_rope_head_dim), rope_attention_factor(c)
         q_rope, k_rope_BxLx1xKr = (rotary(t, inv_freq_K2, positions, scale) for t in (q_rope, k_rope_BxLx1xKr))
         q = jnp.concatenate([q[..., :Kn], q_rope], axis=-1)
         gain = c.softmax_gain()
         q = q * jnp.asarray(gain, q.dtype) if gain != 1 else q
-        k_rope = jnp.broadcast_to(k_rope_BxLx1xKr, (*kv.shape[:3], Kr))
+        latent_BxLxA = jnp.concatenate([self.kv_norm(kv_BxLxA[..., :Rkv]), k_rope_BxLx1xKr[:, :, 0]], axis=-1)
+        return q, latent_BxLxA
+
+    def project(self, x_BxLxD, positions=None, kind=0):
+        """q and k [B, L, H, Kn + Kr], v [B, L, H, Kn + Kr] (Kv channels, zero-padded): the latent
+        expanded by wkv_b into each head's no-rope key and value."""
+        c = self.cfg
+        Rkv, Kn, Kr = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
+        q, latent_BxLxA = self.queries_and_latent(x_BxLxD, positions)
+        kv = self.einsum("blr,rhk->blhk", latent_BxLxA[..., :Rkv], self.wkv_b[...])
+        k_rope = jnp.broadcast_to(latent_BxLxA[:, :, None, Rkv:], (*kv.shape[:3], Kr))
         k = jnp.concatenate([kv[..., :Kn], k_rope.astype(kv.dtype)], axis=-1)
         v = jnp.pad(kv[..., Kn:], ((0, 0),) * 3 + ((0, Kn + Kr - c.v_head_dim),))
         names = ("batch", "seq", "heads", "head_dim")
         return tuple(constrain(checkpoint_name(t, n), names) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+
+    def decode(self, x_BxLxD, cache_BxTxA, start_B, window=None, kind=0):
+        """The block on L new positions per row, start_B[b] .. + L - 1, with this layer's latent cache
+        [B, T, Rkv + Kr]: their latents are written, then attention runs in the latent space, wkv_b
+        absorbed (DeepSeek-V2 section 2.1.2): q_nope . (W_uk c) = (q_nope W_uk^T) . c, so each head's
+        query [q_nope W_uk^T, q_rope] attends the cache as one key/value head shared by all (multi-query,
+        scale (Kn + Kr)^-1/2 as training's), and its context's first Rkv channels x W_uv are its
+        values' mix [B, L, H, Kv]. Never expanding T positions into H heads' keys and values, a step
+        reads the cache once. Returns the new x and the cache."""
+        c = self.cfg
+        Rkv, Kn, Kr = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
+        positions_BxL = start_B[:, None] + jnp.arange(x_BxLxD.shape[1])
+        q, latent_BxLxA = self.queries_and_latent(x_BxLxD, positions_BxL)
+        cache_BxTxA = constrain(write_rows(cache_BxTxA, latent_BxLxA, start_B), ("batch", None, None))
+        w_uk_RxHxKn, w_uv_RxHxKv = self.wkv_b[..., :Kn], self.wkv_b[..., Kn:]
+        q_latent_BxLxHxR = self.einsum("blhk,rhk->blhr", q[..., :Kn], w_uk_RxHxKn)
+        q_BxLxHxA = jnp.concatenate([q_latent_BxLxHxR, q[..., Kn:]], axis=-1).astype(cache_BxTxA.dtype)
+        kv_BxTx1xA = cache_BxTxA[:, :, None]
+        ctx_BxLxHxA = cached_attention(q_BxLxHxA, kv_BxTx1xA, kv_BxTx1xA, positions_BxL, window, (Kn + Kr) ** -0.5)
+        ctx_BxLxHxKv = self.einsum("blhr,rhk->blhk", ctx_BxLxHxA[..., :Rkv].astype(w_uv_RxHxKv.dtype), w_uv_RxHxKv)
+        x_BxLxD, _ = self.finish(x_BxLxD, ctx_BxLxHxKv)
+        return x_BxLxD, cache_BxTxA
 
     def finish(self, x_BxLxD, ctx_BxLxHxK):
         """The block after attention, on the context's first Kv channels (the rest is v's padding)."""
@@ -221,7 +267,6 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
     module = DeepSeekTransformer
     param_axes = {**MOE_PARAM_AXES, **MLA_AXES}
     stacks = ("blocks", "dense_blocks")
-    generates = False
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -267,8 +312,32 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
                                c.num_heads * (c.head_dim + c.v_head_dim) / 2, seq_len, c.layer_windows())
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
-        raise UserError("deepseek_v3 has no KV cache for generation yet (its compressed-latent cache is not "
-                        "built); generate with another family, or score with meshtrain.eval")
+        """An empty compressed-latent cache: for each stack (the dense first layers' and the routed
+        ones'), [layers, B, T, kv_lora_rank + qk_rope_head_dim] (`MLABlock.decode`)."""
+        c = self.cfg
+        layers = {"dense_blocks": c.first_k_dense_replace, "blocks": self.routed_layers}
+        return {stack: jnp.zeros((n, batch, max_len, c.cached_values()), dtype) for stack, n in layers.items() if n}
+
+    @functools.cached_property
+    def _decode_graphdefs(self) -> dict:
+        abstract = nnx.eval_shape(lambda: self.module(self.decoding_spec(), nnx.Rngs(0)))
+        return {stack: nnx.graphdef(getattr(abstract, stack)) for stack in self.stacks if hasattr(abstract, stack)}
+
+    def decode(self, params, tokens_BxL, cache, start_B, window: int | None = None, ends_B=None):
+        """`LanguageModel.decode` on the latent cache: the embedding, then the dense layers' scan and
+        the routed layers' (`MLABlock.decode`), each stack with its own cache."""
+        def run(x_BxLxD, stack):
+            def layer(x_BxLxD, xs):
+                params_i, cache_BxTxA = xs
+                return nnx.merge(self._decode_graphdefs[stack], params_i).decode(x_BxLxD, cache_BxTxA, start_B,
+                                                                                  window)
+            return jax.lax.scan(layer, x_BxLxD, (params[stack], cache[stack]))
+
+        x_BxLxD, written = LanguageModel.embed(self, params, tokens_BxL), {}
+        for stack in ("dense_blocks", "blocks"):
+            if stack in cache:
+                x_BxLxD, written[stack] = run(x_BxLxD, stack)
+        return x_BxLxD, written
 
 
 # ---- its Hugging Face form: DeepseekV3ForCausalLM ----

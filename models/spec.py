@@ -119,6 +119,13 @@ class ModelSpec:
         """The distinct windows of `layer_windows`, sorted: a layer's kind is its index here."""
         return tuple(sorted(set(self.layer_windows())))
 
+    latent_cache = False  # (no key) generation caches per position one latent, not keys and values per kv head
+
+    def cached_values(self) -> int:
+        """The values a layer caches per position (resolved spec): a key and a value per kv head, 2 G K
+        (split over `tensor` with the heads, unless the cache is latent)."""
+        return 2 * self.num_kv_heads * self.head_dim
+
     def cached_positions(self, positions: int) -> int:
         """The KV-cache positions generation keeps, summed over layers, for `positions` in all: a
         windowed layer keeps its window's (a ring buffer), the others all."""

@@ -3,7 +3,8 @@ torch, fp32, random weights from tiny configs, nothing downloaded): logits both 
 export of meshtrain's own random weights), bitwise import/export round trips, with q_lora_rank set and
 None, 2 expert groups, a dense first layer, a nonzero selection bias and yarn in one case; the bias
 never trained; configs/deepseek_v3_tiny.yaml trains on data x expert and fsdp x tensor meshes as on
-one device; what is not built (pipeline stages, the KV cache) is refused in one line."""
+one device; generation from the compressed-latent cache gives the full forward's greedy tokens, on one
+device and on expert x tensor; what is not built (pipeline stages) is refused in one line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,11 +12,14 @@ import pytest
 from conftest import ROOT, max_param_diff, run_tiny
 
 from meshtrain.config.loader import UserError, load_config
+from meshtrain.core.formulas import kv_cache_bytes
+from meshtrain.engine.decode import generate, place
 from meshtrain.engine.step import make_optimizer
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
 from meshtrain.parallel.sharding import param_shardings
+from meshtrain.testing import full_forward_greedy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -122,11 +126,29 @@ def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
     assert max_param_diff(params, ref_params) < 1e-5 and losses[-1] != losses[0]
 
 
+def test_latent_cache_generates_the_full_forwards_greedy_tokens():
+    """Prompts of 5, 9 and 2 tokens + 8 new, fp32, the tiny config's random weights x 3 (distinct
+    logits): the cache holds kv_lora_rank + qk_rope_head_dim = 20 values per layer and position (what
+    the planner's formula counts), and decoding from it, wkv_b absorbed, gives what rerunning the whole
+    forward does, on one device and on expert=2,tensor=2 (rows padded to 4, heads split, cache not)."""
+    model = FAMILIES["deepseek_v3"](load_config(TINY).model)
+    params = jax.tree.map(lambda w: w * 3, model.init(jax.random.key(0)))
+    cache = jax.eval_shape(lambda: model.init_cache(3, 16))
+    assert {k: a.shape for k, a in cache.items()} == {"dense_blocks": (1, 3, 16, 20), "blocks": (2, 3, 16, 20)}
+    assert sum(a.size * 4 for a in jax.tree.leaves(cache)) == kv_cache_bytes(3 * 16, 3, model.cfg.cached_values())
+    rows = [np.asarray(TOKENS[0, :n] % 256, np.int32) for n in (5, 9, 2)]
+    expected = full_forward_greedy(model, params, rows, 8)
+    mesh = build_mesh(parse_mesh("expert=2,tensor=2", 4), jax.devices()[:4])
+    sharded = place(model, mesh, params=params)
+    assert sharded["blocks"]["wkv_b"].sharding.spec[2] == "tensor"
+    for got in (generate(model, params, rows, 8), generate(model, sharded, rows, 8, mesh=mesh)):
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_what_is_not_built_is_refused_in_one_line():
     spec = load_config(TINY).model
     model = FAMILIES["deepseek_v3"](spec)
-    with pytest.raises(UserError, match="^deepseek_v3 has no KV cache for generation yet"):
-        model.init_cache(2, 8)
     params = jax.eval_shape(model.init, jax.random.key(0))
     with jax.set_mesh(build_mesh(parse_mesh("pipeline=2", 2), jax.devices()[:2])):
         with pytest.raises(UserError, match="dense layers run before the pipeline stages"):

@@ -281,7 +281,7 @@ def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, de
     if positions > INT_LIMIT:
         raise UserError(f"{what}: {positions:,} positions exceed the 2^31 - 1 a position id holds; "
                         f"generate fewer tokens")
-    need = kv_cache_bytes(m.cached_positions(positions), rows, m.num_kv_heads, m.head_dim, split=len(devices))
+    need = kv_cache_bytes(m.cached_positions(positions), rows, m.cached_values(), split=len(devices))
     _refuse_beyond_memory(what, need, f"the KV cache of {rows} row(s) x {positions:,} positions, "
                           f"meshtrain/core/formulas.py", device_memory(devices),
                           "generate fewer tokens or fewer prompts at once")

@@ -113,13 +113,13 @@ def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, he
             "SwiGLU gate, up, silu (3), gate x up": split((5 * c + mm) * n * mlp)}
 
 
-def kv_cache_bytes(layer_positions: int, rows: int, kv_heads: int, head_dim: int, split: int = 1,
-                   value_bytes: int = 4) -> float:
-    """Generation's KV cache per device: keys and values [rows, positions, kv heads, head dim] (fp32)
-    per layer, split `split` ways (the batch axes x tensor). `layer_positions`: the positions cached
-    summed over layers (layers x positions; a sliding-window layer keeps its window's,
-    ModelSpec.cached_positions)."""
-    return 2 * layer_positions * rows * kv_heads * head_dim * value_bytes / split
+def kv_cache_bytes(layer_positions: int, rows: int, values: int, split: int = 1, value_bytes: int = 4) -> float:
+    """Generation's KV cache per device: `values` per layer, row and position (ModelSpec.cached_values:
+    a key and a value per kv head, 2 G K, or MLA's latent, kv_lora_rank + qk_rope_head_dim), fp32,
+    split `split` ways (the batch axes, x tensor where the cache has heads). `layer_positions`: the
+    positions cached summed over layers (layers x positions; a sliding-window layer keeps its
+    window's, ModelSpec.cached_positions)."""
+    return layer_positions * rows * values * value_bytes / split
 
 
 # ---- collectives: ring algorithms (Patarasuk & Yuan 2009), link bytes per device ----

@@ -5,6 +5,8 @@ command `python -m meshtrain.generate --run RUN --prompt "ROMEO:"` is meshtrain/
   token go through one function, which writes their keys and values into a cache [layers, B, T, G, K]
   and attends over it. A sliding-window layer (gemma3's local ones) keeps a ring buffer of its
   window's positions instead; the prefill tells it each row's length, so padding evicts nothing.
+  deepseek_v3's latent attention caches one latent per position [layers, B, T, kv_lora_rank +
+  qk_rope_head_dim] and decodes from it with wkv_b absorbed (models/deepseek_v3.py).
 - Prompts of different lengths: each row keeps its own length. The prompts are right-padded to the
   longest and prefilled together; row b's first new token comes from position len_b - 1 and its t-th
   is written at position len_b + t, over the padding's keys, which no query of the row has read (a

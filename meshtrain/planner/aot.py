@@ -123,9 +123,11 @@ def generation_sizes(sizes: dict[str, int]) -> dict[str, int]:
 def generation_memory(cfg, program) -> dict:
     """`python -m meshtrain.generate` for generate.batch_size prompts of train.seq_len tokens (the
     longest it takes) and generate.max_new_tokens new ones, on the plan's devices
-    (`generation_sizes`), compiled: its total per device, and the KV cache by formula, keys and
-    values [layers, rows, positions, kv heads, head dim] fp32 (a sliding-window layer's positions
-    its window's), split over the batch axes and tensor."""
+    (`generation_sizes`), compiled: its total per device, and the KV cache by formula
+    (formulas.kv_cache_bytes, fp32): keys and values [layers, rows, positions, kv heads, head dim]
+    (a sliding-window layer's positions its window's) split over the batch axes and tensor, or MLA's
+    latent [layers, rows, positions, kv_lora_rank + qk_rope_head_dim], which has no heads to split
+    over tensor."""
     from meshtrain.engine import decode
     from meshtrain.models import FAMILIES
 
@@ -137,10 +139,12 @@ def generation_memory(cfg, program) -> dict:
     out = compiled_memory(decode.lower(model, mesh, cfg.generate.batch_size, prompt, new, rules), False)
     m = model.cfg
     positions = prompt + new - 1
-    split = math.prod(sizes[a] for a in rules["batch"]) * sizes["tensor"]
-    cache = formulas.kv_cache_bytes(m.cached_positions(positions), rows, m.num_kv_heads, m.head_dim, split)
+    split = math.prod(sizes[a] for a in rules["batch"]) * (1 if m.latent_cache else sizes["tensor"])
+    cache = formulas.kv_cache_bytes(m.cached_positions(positions), rows, m.cached_values(), split)
+    terms = (f"{m.num_layers} layers x {positions:,} positions x {rows} rows x ({m.kv_lora_rank} kv_lora_rank + "
+             f"{m.qk_rope_head_dim} qk_rope_head_dim) x 4 bytes / {split}" if m.latent_cache else None)
     return {**out, "mesh": describe(sizes), "rows": rows, "prompt_len": prompt, "max_new_tokens": new,
-            "kv_cache_formula": cache}
+            "kv_cache_formula": cache, "kv_cache_terms": terms}
 
 
 def format_moe(r: dict) -> list[str]:
@@ -255,8 +259,8 @@ def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None =
     # The eval step and the scorer take the parameters only; the rest of the train state (the
     # optimizer state, int8 compression's residuals) stays on the device beside them.
     resident = mem["optimizer_state"] + mem["grad_error"] + mem["reference"]
-    gen = generation_memory(cfg, program) if program.model.generates else None  # a family without a KV cache
-    steps = {"train": mem["total"], **({"generation": gen["total"]} if gen else {})}
+    gen = generation_memory(cfg, program)
+    steps = {"train": mem["total"], "generation": gen["total"]}
     ev = None  # DPO has no eval step yet (config/validate.py refuses train.eval_every with it)
     if program.dpo is None:
         ev = {**eval_step_memory(program), "resident_state": resident}
@@ -418,11 +422,10 @@ def format_run_memory(r: dict) -> list[str]:
                f"training; {resident})"] if ev else []),
             *([f"  task scorer  {gb(r['steps']['scoring']):>12}  (eval.tasks: {sc['rows']} rows of {sc['length']:,} "
                f"tokens, forward only; {resident})"] if (sc := r.get("scoring")) else []),
-            (f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
-             f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
-             f"KV cache {gb(gen['kv_cache_formula'])} by formula)" if gen else
-             f"  generation   {'none':>12}  (the {r['config']['model']['family']} family has no KV cache yet: "
-             f"generate refuses it)"),
+            f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
+            f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
+            + (f"latent KV cache {gb(gen['kv_cache_formula'])} by formula: {gen['kv_cache_terms']})"
+               if gen["kv_cache_terms"] else f"KV cache {gb(gen['kv_cache_formula'])} by formula)"),
             f"usable: {gb(b['device_memory'])} x {b['fraction']:.2f} ({b['fraction_source']}) = {gb(b['usable'])}; "
             f"{b['headroom']:.0%} kept free for fragmentation and collective buffers -> budget {gb(b['budget'])}"]
 
