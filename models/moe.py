@@ -482,10 +482,6 @@ class RoutedExperts(ModelSpec):
         the bias update is on)."""
         return bool(self.num_experts and self.router_bias_update_rate)
 
-    def architecture(self) -> dict:
-        """Whether the blocks hold a router bias is part of the weights (its rate is not)."""
-        return {**super().architecture(), "router_bias_update_rate": "> 0" if self.has_router_bias() else "0"}
-
     def trainable(self, path: tuple[str, ...]) -> bool:
         """The router bias is never the optimizer's: the step moves it (`update_router_bias`)."""
         return path[-1] != "router_bias" and super().trainable(path)
