@@ -118,3 +118,6 @@ def test_the_other_families_get_a_selection_bias_only_with_the_update_on(config)
     assert not spec.trainable(("blocks", "router_bias")) and spec.trainable(("blocks", "router"))
     with pytest.raises(UserError, match="selection bias has no .* form"):
         FAMILIES[spec.family].hf.write(spec)
+    cfg = load_config(path, ["model.router_bias_update_rate=0.001", "parallel.mesh=pipeline=2"])
+    with pytest.raises(UserError, match="^model.router_bias_update_rate > 0 runs without a pipeline axis"):
+        TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices=jax.devices()[:2])
