@@ -401,17 +401,29 @@ class Transformer(nnx.Module):
         return cfg.num_layers
 
 
+# Block statistics kept per layer ([layers, ...], storage order) rather than summed over layers:
+# each expert's share of a routed layer's assignments, which the router bias update reads.
+PER_LAYER_STATS = ("expert_load",)
+
+
+def layer_means(stats: dict, num_layers: int) -> dict:
+    """`scan_blocks`' statistics as means over the `num_layers` layers, the per-layer ones as they are."""
+    return {k: v if k in PER_LAYER_STATS else v / num_layers for k, v in stats.items()}
+
+
 def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None):
     """All stacked layers with one scan (compile time does not grow with depth): the output and the
-    layers' statistics summed. `layer(params_i, x[, docs]) -> (x, stats)` is `block`, perhaps under
-    remat; `docs` (the window's documents, if any) go to every layer; `kinds` (the stacked layers'
-    kinds, `LanguageModel.layer_kinds`, when they differ) go to each its own as `kind=`."""
+    layers' statistics summed (PER_LAYER_STATS stacked). `layer(params_i, x[, docs]) -> (x, stats)`
+    is `block`, perhaps under remat; `docs` (the window's documents, if any) go to every layer;
+    `kinds` (the stacked layers' kinds, `LanguageModel.layer_kinds`, when they differ) go to each
+    its own as `kind=`."""
     if kinds is None:
         x_BxLxD, stats = jax.lax.scan(lambda x, p: layer(p, x, *docs), x_BxLxD, blocks)
     else:
         x_BxLxD, stats = jax.lax.scan(lambda x, pk: layer(pk[0], x, *docs, kind=pk[1]), x_BxLxD,
                                       (blocks, jnp.asarray(kinds, jnp.int32)))
-    return x_BxLxD, jax.tree.map(lambda s: s.sum(axis=0), stats)
+    return x_BxLxD, {k: v if k in PER_LAYER_STATS else jax.tree.map(lambda s: s.sum(axis=0), v)
+                     for k, v in stats.items()}
 
 
 class LanguageModel:

@@ -16,14 +16,15 @@ The latent norms' epsilon is transformers' 1e-6, not rms_norm_eps.
 
 DeepSeek MoE (models/moe.py `moe_mlp` with its `Router` options): `num_shared_experts` experts every
 token passes through beside its routed ones; sigmoid scores; `router_bias` (transformers'
-e_score_correction_bias, aux-loss-free balancing) added for the choice only, outside the gradient
-(so no optimizer moves it: its gradient is 0 and a vector is never decayed); group-limited top-k
+e_score_correction_bias, aux-loss-free balancing) added for the choice only, outside the gradient and
+the optimizer, and moved by the step when model.router_bias_update_rate > 0; group-limited top-k
 (`router_groups`, `router_topk_groups`); gates renormalised (`norm_topk_prob`) and x
 `routed_scaling_factor`. The first `first_k_dense_replace` layers have a dense SwiGLU MLP of
 `dense_mlp_dim` instead: they are a second stack, `dense_blocks`, run by `embed` (so the stacked
 `blocks` the layer scan and pipeline stages split stay alike); they run without the remat policy,
-and pipeline parallelism is refused while they exist. Not built yet: the bias update after each
-step, the sequence-wise balance loss, multi-token prediction.
+and pipeline parallelism is refused while they exist. The sequence-wise balance loss is
+model.router_aux_loss (models/moe.py's aux_loss is DeepSeek-V3's eq. 17-20). Not built yet:
+multi-token prediction.
 
 Generation caches per layer and token the latent only, kv_lora_rank + qk_rope_head_dim values
 (`init_cache`), and decodes with wkv_b absorbed into the query and output sides (`MLABlock.decode`).
@@ -100,6 +101,9 @@ class DeepSeekV3Spec(RoutedExperts):
         dense = self.dense_mlp_dim or r.mlp_dim * (self.experts_per_token + self.num_shared_experts)
         return dataclasses.replace(r, head_dim=self.qk_nope_head_dim + self.qk_rope_head_dim,
                                    num_kv_heads=self.num_heads, dense_mlp_dim=dense)
+
+    def has_router_bias(self) -> bool:
+        return True  # transformers' e_score_correction_bias, moved only when router_bias_update_rate > 0
 
     def check(self) -> None:
         super().check()
@@ -233,10 +237,6 @@ class RoutedBlock(MLABlock, MoEBlock):
     """MLA and DeepSeek MoE: shared experts (MoEBlock's dense SwiGLU of num_shared_experts x mlp_dim),
     routed ones, and the router's selection bias."""
 
-    def init_mlp(self, cfg, rngs: nnx.Rngs):
-        MoEBlock.init_mlp(self, cfg, rngs)
-        self.router_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
-
     def routing(self) -> Router:
         c = self.cfg
         return Router("sigmoid", c.router_groups, c.router_topk_groups, c.norm_topk_prob, c.routed_scaling_factor)
@@ -259,8 +259,7 @@ class DeepSeekTransformer(Transformer):
 
 
 MLA_AXES = {"wq_a": ("embed", "q_lora"), "q_norm": ("q_lora",), "wq_b": ("q_lora", "heads", "head_dim"),
-            "wkv_a": ("embed", "kv_lora"), "kv_norm": ("kv_lora",), "wkv_b": ("kv_lora", "heads", "head_dim"),
-            "router_bias": ("experts",)}
+            "wkv_a": ("embed", "kv_lora"), "kv_norm": ("kv_lora",), "wkv_b": ("kv_lora", "heads", "head_dim")}
 
 
 class DeepSeekV3LanguageModel(MoELanguageModel):

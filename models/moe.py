@@ -466,11 +466,38 @@ class RoutedExperts(ModelSpec):
                                      architecture=False)
     router_z_loss: float = setting(0.001, "weight of the router z-loss (mean squared logsumexp of the router "
                                           "logits)", min=0.0, architecture=False)
+    router_bias_update_rate: float = setting(0.0, "aux-loss-free balancing: after each step each routed layer's "
+                                                  "per-expert selection bias moves by this toward balance "
+                                                  "(DeepSeek-V3: 0.001); 0 = off (moe, qwen3_moe: without the bias "
+                                                  "parameter, so 0 and > 0 do not resume into each other)",
+                                     min=0.0, architecture=False)
 
     def check(self) -> None:
         if self.num_experts and self.experts_per_token > self.num_experts:
             raise UserError(f"model.experts_per_token={self.experts_per_token} exceeds model.num_experts="
                             f"{self.num_experts}; route each token to at most num_experts experts")
+
+    def has_router_bias(self) -> bool:
+        """Whether the routed blocks hold `router_bias` (deepseek_v3's always do; the others' when
+        the bias update is on)."""
+        return bool(self.num_experts and self.router_bias_update_rate)
+
+    def trainable(self, path: tuple[str, ...]) -> bool:
+        """The router bias is never the optimizer's: the step moves it (`update_router_bias`)."""
+        return path[-1] != "router_bias" and super().trainable(path)
+
+
+def update_router_bias(bias_NxE, load_NxE, assignments: int, rate: float):
+    """Aux-loss-free balancing (DeepSeek-V3 section 2.1.2; Wang et al. 2024): b_e += rate x
+    sign(mean load - load_e) per routed layer, from `load_NxE` the shares of the step's
+    `assignments` (tokens x k per layer, the whole global batch) each expert received. The counts
+    are recovered exactly (round(share x assignments); exact while a layer's busiest expert has
+    fewer than ~2^23 / (microbatches x data shards + 2) assignments) and compared in integers:
+    sign(sum_e' count_e' - E x count_e). Returns the new bias and the counts [N, E] (int32)."""
+    count_NxE = jnp.round(load_NxE * assignments).astype(jnp.int32)
+    E = count_NxE.shape[-1]
+    toward_NxE = jnp.sign(jnp.sum(count_NxE, axis=-1, keepdims=True) - E * count_NxE).astype(bias_NxE.dtype)
+    return bias_NxE + jnp.asarray(rate, bias_NxE.dtype) * toward_NxE, count_NxE
 
 
 @dataclass
@@ -480,7 +507,8 @@ class MoESpec(RoutedExperts):
                                       min=0)
 
 
-MOE_PARAM_AXES = {**PARAM_AXES, "router": ("embed", None), "expert_gate": ("experts", "embed", "mlp"),
+MOE_PARAM_AXES = {**PARAM_AXES, "router": ("embed", None), "router_bias": ("experts",),
+                  "expert_gate": ("experts", "embed", "mlp"),
                   "expert_up": ("experts", "embed", "mlp"), "expert_down": ("experts", "mlp", "embed")}
 
 
@@ -504,21 +532,29 @@ class MoEBlock(Block):
             self.expert_gate = nnx.Param(_expert_init()(rngs.params(), (E, D, F)))
             self.expert_up = nnx.Param(_expert_init()(rngs.params(), (E, D, F)))
             self.expert_down = nnx.Param(_expert_init()(rngs.params(), (E, F, D)))
+            if cfg.has_router_bias():  # a selection bias (`Router`), moved by the step (`update_router_bias`)
+                self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32))
 
     def mlp(self, h_BxLxD):
-        return self.moe(h_BxLxD) if self.cfg.num_experts else super().mlp(h_BxLxD)
+        if not self.cfg.num_experts:
+            return super().mlp(h_BxLxD)
+        return self.moe(h_BxLxD, bias_E=self.router_bias[...] if self.cfg.has_router_bias() else None)
 
     def moe(self, h_BxLxD, **routing):
-        """The routed experts (`moe_mlp`; `routing`: its router and bias_E) plus the shared ones."""
+        """The routed experts (`moe_mlp`; `routing`: its router and bias_E) plus the shared ones.
+        With the bias update on, the stats hold `expert_load` [E] too: each expert's share of this
+        layer's assignments (scan_blocks keeps it per layer, PER_LAYER_STATS)."""
         cfg = self.cfg
         out, stats = moe_mlp(h_BxLxD, self.router[...], self.expert_gate[...], self.expert_up[...],
                              self.expert_down[...], experts_per_token=cfg.experts_per_token,
                              capacity_factor=cfg.capacity_factor, einsum=self.einsum, **routing)
         if getattr(cfg, "num_shared_experts", 0):
             out = out + super().mlp(h_BxLxD)[0]
-        return out, {"router_aux_loss": stats["aux_loss"], "router_z_loss": stats["z_loss"],
-                     "dropped": stats["dropped"],
-                     "expert_load_max": stats["row_load_max"]}
+        out_stats = {"router_aux_loss": stats["aux_loss"], "router_z_loss": stats["z_loss"],
+                     "dropped": stats["dropped"], "expert_load_max": stats["row_load_max"]}
+        if cfg.router_bias_update_rate:
+            out_stats["expert_load"] = stats["load"]
+        return out, out_stats
 
 
 class MoETransformer(Transformer):
@@ -620,7 +656,15 @@ def read_mixtral(c: HFConfig) -> MoESpec:
                              router_aux_loss=float(c.get("router_aux_loss_coef", 0.001)))  # MixtralConfig's default
 
 
+def refuse_router_bias(m, form: str) -> None:
+    """A selection bias (model.router_bias_update_rate > 0) has no place in `form`'s tensors."""
+    if m.has_router_bias():
+        raise UserError(f"model.router_bias_update_rate > 0: the router's selection bias has no {form} form, and "
+                        f"exporting without it would route differently; export a run trained without it")
+
+
 def write_mixtral(m: MoESpec) -> dict:
+    refuse_router_bias(m, "Mixtral")
     if m.num_shared_experts:
         raise UserError("model.num_shared_experts > 0 has no Mixtral form (DeepSeek's layout); export is for "
                         "llama and Mixtral-style moe models")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from meshtrain.core.errors import UserError
 from meshtrain.models.base import LAYER, LLAMA_TENSORS, Transformer, read_llama_config, write_llama_config
-from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts
+from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts, refuse_router_bias
 from meshtrain.models.qwen3 import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block, refuse_windows
 from meshtrain.models.spec import Family, HFConfig, HFMap, family_setting
 
@@ -63,6 +63,7 @@ def read_qwen3_moe(c: HFConfig) -> Qwen3MoESpec:
 
 
 def write_qwen3_moe(m: Qwen3MoESpec) -> dict:
+    refuse_router_bias(m, "Qwen3-MoE")
     config = write_llama_config(m, "qwen3_moe", "Qwen3MoeForCausalLM")
     del config["mlp_bias"]
     return {**config, "moe_intermediate_size": m.mlp_dim, "num_experts": m.num_experts,

@@ -2,9 +2,10 @@
 torch, fp32, random weights from tiny configs, nothing downloaded): logits both ways (import, and
 export of meshtrain's own random weights), bitwise import/export round trips, with q_lora_rank set and
 None, 2 expert groups, a dense first layer, a nonzero selection bias and yarn in one case; the bias
-never trained; configs/deepseek_v3_tiny.yaml trains on data x expert and fsdp x tensor meshes as on
-one device; generation from the compressed-latent cache gives the full forward's greedy tokens, on one
-device and on expert x tensor; what is not built (pipeline stages) is refused in one line."""
+never trained; configs/deepseek_v3_tiny.yaml trains (its biases moving) on data x expert and
+fsdp x tensor meshes as on one device; generation from the compressed-latent cache gives the full forward's
+greedy tokens, on one device and on expert x tensor; what is not built (pipeline stages) is refused in one
+line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,13 +118,21 @@ def test_the_selection_bias_is_never_trained():
     assert not np.any(np.asarray(updates["blocks"]["router_bias"])) and np.any(np.asarray(updates["blocks"]["router"]))
 
 
+BIAS = "model.router_bias_update_rate=0.01"  # aux-loss-free balancing on: the biases move after each step
+
+
 @pytest.mark.parametrize("mesh", ["data=2,expert=4", "fsdp=2,tensor=2"])
 def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
-    _, ref_losses, ref_params = run_tiny("parallel.mesh=1", devices=jax.devices()[:1], config=TINY)
+    """The same losses and parameters, router biases included (they move by +-0.01 a step on the
+    global batch's loads: the manual data executor's per-shard loads sum exactly)."""
+    _, ref_losses, ref_params = run_tiny("parallel.mesh=1", BIAS, devices=jax.devices()[:1], config=TINY)
     devices = 8 if "expert" in mesh else 4
-    _, losses, params = run_tiny(f"parallel.mesh={mesh}", devices=jax.devices()[:devices], config=TINY)
+    trainer, losses, params = run_tiny(f"parallel.mesh={mesh}", BIAS, devices=jax.devices()[:devices], config=TINY)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     assert max_param_diff(params, ref_params) < 1e-5 and losses[-1] != losses[0]
+    bias = np.asarray(params["blocks"]["router_bias"])
+    assert np.any(bias) and np.array_equal(bias, ref_params["blocks"]["router_bias"])
+    assert all(r["batch_load_max"] >= 1 for r in trainer.history if "loss" in r)
 
 
 def test_latent_cache_generates_the_full_forwards_greedy_tokens():

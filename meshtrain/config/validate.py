@@ -133,6 +133,9 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     if stages > 1 and t.objective == "dpo":
         raise LayoutError("train.objective=dpo runs without a pipeline axis (the pipeline executor computes the "
                           "token loss only); drop pipeline from parallel.mesh")
+    if stages > 1 and getattr(m, "router_bias_update_rate", 0):
+        raise LayoutError("model.router_bias_update_rate > 0 runs without a pipeline axis (the pipeline executor does "
+                          "not gather the per-layer expert loads yet); drop pipeline from parallel.mesh")
     if stages > 1:
         check_schedule(par.schedule, stages, micro, par.virtual_stages)
         check_residuals(par.schedule, par.residuals, par.remat)

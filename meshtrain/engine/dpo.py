@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.data.tokens import token_ids
-from meshtrain.models.base import adapters_off, scan_blocks
+from meshtrain.models.base import adapters_off, layer_means, scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.loss import sequence_log_probs
 from meshtrain.ops.precision import cast_for_compute
@@ -58,7 +58,7 @@ def make_log_probs(model, precision: str, remat: str = "none"):
         x_NxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
                                      *([] if docs is None else [docs]), kinds=model.layer_kinds)
         logp_N = sequence_log_probs(model.final_norm(compute, x_NxLxD), model.unembedding(compute), targets)
-        return logp_N.reshape(-1, 2), jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
+        return logp_N.reshape(-1, 2), layer_means(stats, model.cfg.num_layers)
 
     return log_probs
 

@@ -14,7 +14,8 @@ import optax
 from meshtrain.data.tokens import token_ids
 from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
 from meshtrain.engine.pipeline import make_pipeline_grads
-from meshtrain.models.base import scan_blocks
+from meshtrain.models.base import layer_means, scan_blocks
+from meshtrain.models.moe import update_router_bias
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
@@ -62,7 +63,7 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
         docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/ops/packing.py), or None
         x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
                                      *([] if docs is None else [docs]), kinds=model.layer_kinds)
-        stats = jax.tree.map(lambda s: s / model.cfg.num_layers, stats)
+        stats = layer_means(stats, model.cfg.num_layers)
         loss = model.loss(compute, x_BxLxD, targets)
         return loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
 
@@ -111,6 +112,21 @@ def grad_norms_by_group(grads) -> dict:
     kind = {name: jnp.sqrt(jnp.sum(s_L)) for name, s_L in per_kind_L.items()}
     kind |= {name: optax.tree.norm(sub) for name, sub in grads.items() if name != "blocks"}
     return {"layer": jnp.sqrt(sum(per_kind_L.values())), "kind": kind}
+
+
+def balance_routers(model, params, metrics, batch_shape, applied, pairs: bool = False):
+    """The parameters with each routed layer's `router_bias` moved toward balance
+    (models/moe.py `update_router_bias`), unless the step was skipped, and the metrics with
+    'expert_load' as counts [routed layers, E] (storage order) and 'batch_load_max', the worst
+    layer's busiest expert's count over the mean count (1 = balanced over the whole global batch).
+    `batch_shape`: the step's tokens [B, L + 1], or [B, 2 (L + 1)] preference pairs (`pairs`)."""
+    c = model.cfg
+    rows, seq = (2 * batch_shape[0], batch_shape[1] // 2 - 1) if pairs else (batch_shape[0], batch_shape[1] - 1)
+    bias, count_NxE = update_router_bias(params["blocks"]["router_bias"], metrics["expert_load"],
+                                         rows * seq * c.experts_per_token, c.router_bias_update_rate)
+    blocks = {**params["blocks"], "router_bias": jnp.where(applied, bias, params["blocks"]["router_bias"])}
+    load_max = jnp.max(count_NxE) * c.num_experts / (rows * seq * c.experts_per_token)
+    return {**params, "blocks": blocks}, {**metrics, "expert_load": count_NxE, "batch_load_max": load_max}
 
 
 def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: bool = False,
@@ -186,8 +202,12 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         loss_scale, overflow, bad = update_loss_scale(plan, loss_scale, jnp.isfinite(loss), jnp.isfinite(grad_norm))
         applied = ~(bad | overflow)
         keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+        new_params = merge(params, keep_if_skipped(optax.apply_updates(trained, updates), trained))
+        if "expert_load" in model_metrics:  # aux-loss-free balancing, after the optimizer (models/moe.py)
+            new_params, model_metrics = balance_routers(model, new_params, model_metrics, tokens_BxL1.shape,
+                                                        applied, pairs=dpo is not None)
         new_state = {**state, "step": state["step"] + 1,
-                     "params": merge(params, keep_if_skipped(optax.apply_updates(trained, updates), trained)),
+                     "params": new_params,
                      "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
                      "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
         if compressor:  # a skipped step's residuals may hold its NaN/Inf: they are dropped with it

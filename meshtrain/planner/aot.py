@@ -244,7 +244,7 @@ def zero_formula(program) -> dict:
 def trainable_note(r: dict) -> str:
     """', trainable 0.42% (LoRA r=16)' when the run trains part of its parameters, else ''."""
     lora = r["config"]["model"]["lora"]
-    if r["trainable_params"] == r["params"]:
+    if not lora["rank"]:  # all trained but a router bias (moved by the step, not the optimizer)
         return ""
     return f", trainable {r['trainable_params'] / 1e6:,.2f}M = {100 * r['trainable_params'] / r['params']:.2f}% " + \
         (f"(LoRA r={lora['rank']})" if lora["rank"] else "")

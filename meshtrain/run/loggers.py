@@ -113,6 +113,8 @@ def format_record(r: dict) -> str:
     if "router_aux_loss" in r:
         parts.append(f"router aux {r['router_aux_loss']:.3f} z {r['router_z_loss']:.3f} dropped {r['dropped']:.1%} "
                      f"load max/mean {r['expert_load_max']:.2f}")
+    if "batch_load_max" in r:  # the router bias update (model.router_bias_update_rate)
+        parts.append(f"batch load max/mean {r['batch_load_max']:.2f}")
     if r.get("mfu") is not None:
         fp8 = f"; {r['mfu_fp8']:.1%} of the fp8 peak" if r.get("mfu_fp8") is not None else ""
         parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device{fp8})")
@@ -304,7 +306,7 @@ TAG_GROUPS = {
              "checkpoint_blocking_s", "local_checkpoint_blocking_s"),
     "guard": ("skipped_steps",),
     "precision": ("loss_scale", "overflows"),
-    "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max"),
+    "moe": ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max", "batch_load_max"),
     "health": ("loss_spikes", "host_time_spread", "host_time_max_s", "data_wait_max_s", "comm_share", "comm_s"),
 }
 TAGS = {key: f"{group}/{key}" for group, keys in TAG_GROUPS.items() for key in keys} | {"eval_loss": "eval/loss"}

@@ -421,7 +421,7 @@ class Trainer:
         if self.guard.spikes is not None:
             record["loss_spikes"] = self.guard.loss_spikes
         record.update({k: float(v) for k, v in metrics.items()
-                       if k not in record and k not in ("finite", "grad_norms")})  # the model's
+                       if k not in record and k not in ("finite", "grad_norms", "expert_load")})  # the model's
         if "trained_tokens" in record:  # a loss mask: the step's trained (assistant) tokens per second
             record["trained_tokens_per_sec"] = record["trained_tokens"] / step_time
         if self.shares is not None:  # a mixture: each source's share of the step's tokens
