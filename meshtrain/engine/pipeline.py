@@ -39,7 +39,7 @@ from meshtrain.data.tokens import token_ids
 from meshtrain.models.base import scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
-from meshtrain.ops.trainable import freeze, select
+from meshtrain.ops.trainable import freeze, merge, select
 from meshtrain.parallel import data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
 from meshtrain.parallel.schedules import Schedule, executor_tables, lookup, tick_phases, timetable
@@ -123,6 +123,16 @@ def stage_kinds(model, stages: int, virtual: int):
     return None if kinds is None else kinds[layer_order(len(kinds), stages, virtual)].reshape(stages, virtual, -1)
 
 
+def whole(tree):
+    """`tree` whole over the compiler-managed axes (inside the shard_map: all but the manual ones)."""
+    return jax.tree.map(lambda a: constrain(a, (None,) * a.ndim), tree)
+
+
+def has_frozen(blocks, keep) -> bool:
+    """Whether some of `blocks` is frozen (LoRA's base)."""
+    return len(jax.tree.leaves(select(blocks, keep, ("blocks",)))) < len(jax.tree.leaves(blocks))
+
+
 class StageProgram:
     """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
@@ -137,6 +147,16 @@ class StageProgram:
         self.save, self.splits_weight_grad = residuals == "save", schedule.splits_weight_grad
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
+        # Under LoRA the adapters and their gradient sums are whole over fsdp x tensor inside the ticks:
+        # gathered once before them, each microbatch's gradient all-reduced within its stage, the sums
+        # cut back to the adapters' layout after them (the adapters are a small share). Left split, XLA
+        # reshards a factor with a free axis (A [embed: fsdp, rank] has no tensor), and its gradient,
+        # inside a stage's cond by a collective-permute swapping fsdp and tensor blocks, whose pairs
+        # name every pipeline stage's devices: the stages, entering their conds at different ticks,
+        # wait for each other for ever (XLA:CPU: "Expected 8 threads to join the rendezvous").
+        self.whole_adapters = has_frozen(blocks, self.keep)
+        if self.whole_adapters:
+            blocks = merge(blocks, whole(self.trained_blocks(blocks)))
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
         self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
         self.outer, self.inputs, self.targets, self.docs = outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL
@@ -215,8 +235,10 @@ class StageProgram:
                                              select(g_outer, self.keep))}
 
     def add_chunk(self, c, g_chunk, v):
-        return {**c, "g_chunks": jax.tree.map(lambda a, g: _put(a, _take(a, v) + g.astype(jnp.float32), v),
-                                              c["g_chunks"], self.trained_blocks(g_chunk))}
+        g_chunk = self.trained_blocks(g_chunk)
+        pin = whole if self.whole_adapters else lambda tree: tree
+        return {**c, "g_chunks": pin(jax.tree.map(lambda a, g: _put(a, _take(a, v) + g.astype(jnp.float32), v),
+                                                  pin(c["g_chunks"]), pin(g_chunk)))}
 
     def chunk_input(self, c, m, v):
         """The first model stage embeds the microbatch; the others read what they received (with
