@@ -574,6 +574,11 @@ class MoELanguageModel(LanguageModel):
         drop assignments, so cached decoding matches it only where nothing was dropped."""
         return dataclasses.replace(self.cfg, capacity_factor=0.0)
 
+    def balanced_router_bias(self, bias_NxE, load_NxE, assignments: int):
+        """Aux-loss-free balancing after a step: (the routed layers' `router_bias` moved toward balance,
+        the counts [N, E]) by `update_router_bias` at model.router_bias_update_rate."""
+        return update_router_bias(bias_NxE, load_NxE, assignments, self.cfg.router_bias_update_rate)
+
     def auxiliary_loss(self, stats):
         if not self.cfg.num_experts:
             return super().auxiliary_loss(stats)

@@ -198,6 +198,8 @@ def test_the_plan_of_a_dpo_run_holds_the_reference_and_no_eval_step(pairs_folder
     report = json.loads(capsys.readouterr().out)
     assert report["memory"]["reference"] == report["memory"]["parameters"] > 0  # one more copy, laid out as them
     assert report["eval_step"] is None and set(report["steps"]) == {"train", "generation"}
+    for kind in ("all-reduce", "all-gather", "reduce-scatter"):  # the formulas count both sequences and the reference
+        assert abs(report["collectives"][kind]["ratio"] - 1) < 0.1, (kind, report["collectives"][kind])
 
 
 def test_dpo_with_lora_takes_the_base_as_its_reference_without_a_copy(pairs_folder):

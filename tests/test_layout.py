@@ -78,6 +78,7 @@ FAMILY_INTERNALS = {
     "tests/test_moe_layer.py": "moe",  # the MoE layer's pure functions, with its GMM_TILE monkeypatched
     "tests/test_roofline.py": "moe",  # moe's GMM_TILE sets the trip counts of the compiled loops it checks
     "benchmarks/grouped_matmul.py": "moe",  # times moe's grouped matmul alone
+    "tests/test_router_bias.py": "moe",  # the router's pure functions: loads, the bias update, the balance loss
 }
 
 

@@ -15,7 +15,6 @@ from meshtrain.data.tokens import token_ids
 from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
 from meshtrain.engine.pipeline import make_pipeline_grads
 from meshtrain.models.base import layer_means, scan_blocks
-from meshtrain.models.moe import update_router_bias
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
@@ -116,14 +115,14 @@ def grad_norms_by_group(grads) -> dict:
 
 def balance_routers(model, params, metrics, batch_shape, applied, pairs: bool = False):
     """The parameters with each routed layer's `router_bias` moved toward balance
-    (models/moe.py `update_router_bias`), unless the step was skipped, and the metrics with
+    (the MoE model's `balanced_router_bias`, models/moe.py), unless the step was skipped, and the metrics with
     'expert_load' as counts [routed layers, E] (storage order) and 'batch_load_max', the worst
     layer's busiest expert's count over the mean count (1 = balanced over the whole global batch).
     `batch_shape`: the step's tokens [B, L + 1], or [B, 2 (L + 1)] preference pairs (`pairs`)."""
     c = model.cfg
     rows, seq = (2 * batch_shape[0], batch_shape[1] // 2 - 1) if pairs else (batch_shape[0], batch_shape[1] - 1)
-    bias, count_NxE = update_router_bias(params["blocks"]["router_bias"], metrics["expert_load"],
-                                         rows * seq * c.experts_per_token, c.router_bias_update_rate)
+    bias, count_NxE = model.balanced_router_bias(params["blocks"]["router_bias"], metrics["expert_load"],
+                                                 rows * seq * c.experts_per_token)
     blocks = {**params["blocks"], "router_bias": jnp.where(applied, bias, params["blocks"]["router_bias"])}
     load_max = jnp.max(count_NxE) * c.num_experts / (rows * seq * c.experts_per_token)
     return {**params, "blocks": blocks}, {**metrics, "expert_load": count_NxE, "batch_load_max": load_max}

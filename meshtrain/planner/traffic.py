@@ -64,6 +64,7 @@ import jax
 
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
+from meshtrain.engine.dpo import keeps_reference
 from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.ulysses import context_degrees
@@ -131,15 +132,26 @@ def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
     experts."""
     sizes, t = program.sizes, program.train
     micro = microbatches or program.plan.num_microbatches(sizes["pipeline"])
-    rows = t.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro)
+    rows = t.batch_size * sequences_per_row(program) / (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro)
     return program.model.dispatch_bytes(rows, t.seq_len, compute_bytes(program.plan.precision), sizes["expert"])
 
 
+def sequences_per_row(program) -> int:
+    """The sequences a batch row holds: a DPO pair's two (chosen and rejected), else one."""
+    return 1 if program.dpo is None else 2
+
+
+def reference_forward(program) -> bool:
+    """Whether the step also runs a DPO reference model forward over the batch (meshtrain/engine/dpo.py)."""
+    return program.dpo is not None
+
+
 def tokens_per_device(program) -> float:
-    """The tokens one device holds per step: the batch split over data, fsdp and expert, the sequence
-    over context."""
+    """The tokens one device holds per step: the batch's sequences split over data, fsdp and expert,
+    the sequence over context."""
     sizes, t = program.sizes, program.train
-    return t.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["expert"]) * t.seq_len / sizes["context"]
+    rows = t.batch_size * sequences_per_row(program)
+    return rows / (sizes["data"] * sizes["fsdp"] * sizes["expert"]) * t.seq_len / sizes["context"]
 
 
 def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
@@ -241,6 +253,11 @@ def expected_traffic(program) -> dict[str, dict]:
             "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
             "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
             "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
+    if reference_forward(program) and keeps_reference(program.model.cfg):  # DPO's own copy of the weights
+        add("all-gather", (micro if gpu and micro > 1 else 1)
+            * ring_traffic("all-gather", (slices["blocks"] + slices["outer"]) * act, A),
+            "DPO: the reference parameters gathered for its forward in the compute dtype, once per step "
+            "(XLA:GPU: per microbatch)")
     # the lookup's gradient is summed over the shards in fp32 (meshtrain/ops/embedding.py); XLA:GPU
     # reduces a tied table's apart from the head's (meshtrain/ops/loss.py), XLA:CPU adds the two first
     lookup = trained["lookup"] * 4 if gpu and program.model.cfg.tie_embeddings else 0
@@ -268,6 +285,7 @@ def expected_traffic(program) -> dict[str, dict]:
     # output's but not the MLP output's, whose only use is the next layer's (saved) input, unless
     # the block normalizes it (gemma3's post-MLP norm, whose backward needs it again).
     per_layer = (6 if program.model.post_norm else 5) if plan.remat == "full" else 4
+    per_layer += 2 if reference_forward(program) else 0  # DPO: the reference model's forward, 2 more
     tokens = tokens_per_device(program)
     megatron = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, m.num_layers / P, per_layer, act)
     if plan.sequence_parallel:
@@ -276,7 +294,8 @@ def expected_traffic(program) -> dict[str, dict]:
     else:
         add("all-reduce", megatron, f"Megatron: {per_layer} activation all-reduces per layer")
     if T > 1:  # the lookup's partial rows (forward) and the head's input gradient (backward), fp32
-        vocab = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, 1, 2, 4)
+        # (DPO: the reference forward's lookup too)
+        vocab = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, 1, 3 if reference_forward(program) else 2, 4)
         kind = "vocab-parallel embedding and head: an fp32 all-reduce of [b, s, h] each"
         if plan.sequence_parallel:
             add("reduce-scatter", vocab / 2, kind + " (a reduce-scatter and an all-gather under SP)")
@@ -285,6 +304,7 @@ def expected_traffic(program) -> dict[str, dict]:
             add("all-reduce", vocab, kind)
     if E > 1:
         passes = 6 if plan.remat == "full" else 4  # the recomputed forward exchanges again
+        passes += 2 if reference_forward(program) else 0  # DPO: the reference model's forward
         buffer = moe_dispatch(program, microbatches=1)  # the step's rows: the microbatches' buffers summed
         counts = 0 if m.capacity_factor else 4 * m.num_experts
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, program.model.routed_layers / P, passes,
