@@ -209,6 +209,9 @@ def read_gemma3(c: HFConfig) -> Gemma3Spec:
     rope = c.get("rope_parameters") or {}
     full = rope.get("full_attention") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 1e6)}
     local = rope.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+    if rope_kind(c, full) == "yarn":  # its cos/sin factor would reach the local layers too (models/base.py)
+        raise UserError(f"{c.path}: rope scaling 'yarn' is not implemented for gemma3 (meshtrain would scale the "
+                        f"sliding_attention layers' rope as well); this checkpoint cannot be imported exactly")
     if rope_kind(c, local) != "default":
         raise UserError(f"{c.path}: the sliding_attention layers' rope scaling {rope_kind(c, local)!r} is not "
                         f"implemented (meshtrain scales the global layers' rope only)")
