@@ -78,7 +78,7 @@ def test_rules_are_overridable_from_config():
     rules = make_rules({"mlp": ["tensor", "fsdp"], "embed": None})
     assert rules["mlp"] == ("tensor", "fsdp") and rules["embed"] == ()
     assert set(DEFAULT_RULES) == {"batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                                  "vocab", "layers", "experts"}
+                                  "vocab", "layers", "experts", "lora_rank"}
     assert make_rules({}, sequence_parallel=True)["residual_seq"] == ("context", "tensor")
     with pytest.raises(UserError, match="unknown mesh axis 'model'"):
         make_rules({"mlp": "model"})

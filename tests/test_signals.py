@@ -148,14 +148,15 @@ def test_a_sweep_stopped_while_its_trial_starts_retries_the_trial(tmp_path):
 
 
 SLOW_SHUTDOWN = """
+import os
 import time
 from meshtrain.core import exits
 exits.take_signals()
 class SlowTeardown:  # as JAX's backends are on a loaded machine
-    def __del__(self):
+    def __del__(self):  # in the interpreter's shutdown, after the exit handlers: the signal lands there
+        os.write(1, b"finished\\n")
         time.sleep(3)
 kept = SlowTeardown()
-print("finished", flush=True)
 """
 
 
