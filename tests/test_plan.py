@@ -84,9 +84,9 @@ def test_a_run_with_eval_tasks_plans_its_scorer_too(capsys):
 
 def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     report = plan_json(capsys, "--mesh", "2x2x2", "--device-memory", "100KB", "--search-budget", "0")
-    assert set(report) == {"config", "mesh", "devices", "params", "trainable_params", "memory", "zero_formula", "collectives", "flops",
-                           "roofline", "data_parallel", "corrections", "eval_step", "generation", "steps", "budget",
-                           "verdict", "compiled_for"}
+    assert set(report) == {"config", "mesh", "devices", "params", "trainable_params", "memory", "zero_formula",
+                           "collectives", "flops", "roofline", "data_parallel", "corrections", "eval_step",
+                           "generation", "steps", "budget", "verdict", "compiled_for"}
     assert report["compiled_for"] == {"platform": "cpu", "device": "h100", "devices": 8, "fallback": "--compiler cpu"}
     assert 0 < report["eval_step"]["temporaries"] < report["memory"]["temporaries"]  # no gradients, no optimizer
     # one verdict for the run: the largest of the three compiled programs against the usable memory
