@@ -45,6 +45,12 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # axis keeps it there (an axis shards one dimension), the others (B of q/k/v/gate/up, A of o/down)
     # split their rank, so every adapter is split over fsdp x context as ZeRO's formula divides it.
     "lora_rank": ("fsdp", "context"),
+    # Multi-head latent attention's latents (models/deepseek_v3.py) are FSDP-sharded as `embed` is:
+    # wkv_b [kv_lora, heads, head_dim] and wq_b [q_lora, heads, head_dim] have no embed axis, and with
+    # no rule they stayed whole on every fsdp device, their gradients all-reduced over all of fsdp x
+    # expert (deepseek_v3_16b's pod: 1.24x the all-reduce formula). wq_a/wkv_a keep fsdp on embed.
+    "q_lora": ("fsdp", "context"),
+    "kv_lora": ("fsdp", "context"),
 }
 
 # Largest share of parameter bytes allowed to stay replicated where the rules say to shard.
