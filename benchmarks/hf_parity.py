@@ -1,8 +1,8 @@
 """Hugging Face import/export parity: max |logit difference| between meshtrain and transformers
 (CPU torch, fp32) for random-weight Llama, Mixtral, Qwen3 and Qwen3-MoE checkpoints built from small configs (nothing
 downloaded), and for a meshtrain run exported to Hugging Face and loaded with from_pretrained.
---expert-mesh: instead, tiny Mixtral-form and Qwen3-MoE runs trained 2 steps on expert meshes (and one
-resumed onto another expert count), exported with convert --to-hf (tests/test_hf_moe.py's cases).
+--expert-mesh: instead, tiny Mixtral-form, Qwen3-MoE and DeepSeek-V3 runs trained 2 steps on expert meshes
+(and two resumed onto another expert count), exported with convert --to-hf (tests/test_hf_moe.py's cases).
 
     python benchmarks/hf_parity.py [--width 256 --layers 4 --seq 256]
     python benchmarks/hf_parity.py --expert-mesh
@@ -31,6 +31,7 @@ from meshtrain.parallel.sharding import param_shardings  # noqa: E402
 from meshtrain.testing import (  # noqa: E402
     MOE_EXPORT_FAMILIES,
     MOE_EXPORT_LAYOUTS,
+    MOE_RESUMED_FAMILIES,
     MOE_RESUMED_ON,
     hf_export_parity,
     trained_run,
@@ -113,7 +114,7 @@ def expert_mesh_exports() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 trainer = trained_run(Path(tmp) / "run", config, (*model_overrides, *overrides), steps=2)
                 row(f"{family}, {layout}", hf_export_parity(trainer, Path(tmp) / "hf", tokens))
-                if family == "qwen3_moe" and layout == "data=2,expert=4":
+                if family in MOE_RESUMED_FAMILIES and layout == "data=2,expert=4":
                     resumed = trained_run(Path(tmp) / "run", config, (*model_overrides, MOE_RESUMED_ON), steps=3,
                                           resume=True)
                     row(f"{family}, {layout} resumed on {MOE_RESUMED_ON.split('=', 1)[1]}",

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 MOE_TINY = str(ROOT / "configs" / "moe_tiny.yaml")
 QWEN3_MOE_TINY = str(ROOT / "configs" / "qwen3_moe_tiny.yaml")
+DEEPSEEK_V3_TINY = str(ROOT / "configs" / "deepseek_v3_tiny.yaml")
 SHAKESPEARE_TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"  # beside the clone, where there is one
 
 
@@ -95,10 +96,12 @@ def full_forward_greedy(model, params, rows, new):
 
 # MoE runs trained on expert meshes, exported to Hugging Face (tests/test_hf_moe.py, benchmarks/hf_parity.py
 # --expert-mesh): each family's tiny config (Mixtral's form has no shared experts) on each layout.
-MOE_EXPORT_FAMILIES = {"mixtral": (MOE_TINY, ("model.num_shared_experts=0",)), "qwen3_moe": (QWEN3_MOE_TINY, ())}
+MOE_EXPORT_FAMILIES = {"mixtral": (MOE_TINY, ("model.num_shared_experts=0",)), "qwen3_moe": (QWEN3_MOE_TINY, ()),
+                       "deepseek_v3": (DEEPSEEK_V3_TINY, ("model.router_bias_update_rate=0.01",))}  # biases move
 MOE_EXPORT_LAYOUTS = {"data=2,expert=4": ("parallel.mesh=data=2,expert=4",),
                       "fsdp=2,expert=4, ZeRO-3": ("parallel.mesh=fsdp=2,expert=4", "parallel.zero=3")}
-MOE_RESUMED_ON = "parallel.mesh=expert=2,data=2,fsdp=2"  # qwen3_moe's 8 experts: 2, then 4 per device
+MOE_RESUMED_ON = "parallel.mesh=expert=2,data=2,fsdp=2"  # 8 experts: 2, then 4 per device
+MOE_RESUMED_FAMILIES = ("qwen3_moe", "deepseek_v3")  # trained on data=2,expert=4, resumed on MOE_RESUMED_ON
 
 
 def trained_run(out, config, overrides, steps, resume=False):

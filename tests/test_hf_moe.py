@@ -1,8 +1,9 @@
-"""MoE runs trained on an expert mesh go to Hugging Face intact (issue 41, section 3): a Mixtral-form
-and a Qwen3-MoE run trained on data=2,expert=4 and on fsdp=2,expert=4 with ZeRO-3 export with
-`convert --to-hf`; transformers loads every expert of every layer and its logits equal meshtrain's on
-the same tokens; importing the export gives back the trained parameters bitwise. The same after a
-resume onto another expert count (expert=2). benchmarks/hf_parity.py --expert-mesh prints the figures."""
+"""MoE runs trained on an expert mesh go to Hugging Face intact (issue 41, section 3): a Mixtral-form,
+a Qwen3-MoE and a DeepSeek-V3 run (its selection biases moving: aux-loss-free balancing) trained on
+data=2,expert=4 and on fsdp=2,expert=4 with ZeRO-3 export with `convert --to-hf`; transformers loads
+every expert of every layer and its logits equal meshtrain's on the same tokens; importing the export
+gives back the trained parameters bitwise. The same after a resume onto another expert count
+(expert=2), for Qwen3-MoE and DeepSeek-V3. benchmarks/hf_parity.py --expert-mesh prints the figures."""
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ from meshtrain.interop import hf  # noqa: E402
 from meshtrain.testing import (  # noqa: E402
     MOE_EXPORT_FAMILIES,
     MOE_EXPORT_LAYOUTS,
+    MOE_RESUMED_FAMILIES,
     MOE_RESUMED_ON,
     hf_export_parity,
     trained_run,
@@ -36,8 +38,9 @@ def test_a_run_trained_on_an_expert_mesh_exports_intact(tmp_path, family, layout
     assert hf.read_spec(tmp_path / "hf").family == trainer.program.model.cfg.family
 
 
-def test_a_run_resumed_on_another_expert_count_exports_intact(tmp_path):
-    config, model_overrides = MOE_EXPORT_FAMILIES["qwen3_moe"]
+@pytest.mark.parametrize("family", MOE_RESUMED_FAMILIES)
+def test_a_run_resumed_on_another_expert_count_exports_intact(tmp_path, family):
+    config, model_overrides = MOE_EXPORT_FAMILIES[family]
     trained_run(tmp_path / "run", config, (*model_overrides, *MOE_EXPORT_LAYOUTS["data=2,expert=4"]), steps=2)
     resumed = trained_run(tmp_path / "run", config, (*model_overrides, MOE_RESUMED_ON), steps=3, resume=True)
     assert resumed.resumed_from == tmp_path / "run" / "checkpoints" / "2"
