@@ -137,13 +137,13 @@ def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
 
 def test_latent_cache_generates_the_full_forwards_greedy_tokens():
     """Prompts of 5, 9 and 2 tokens + 8 new, fp32, the tiny config's random weights x 3 (distinct
-    logits): the cache holds kv_lora_rank + qk_rope_head_dim = 20 values per layer and position (what
+    logits): the cache holds kv_lora_rank + qk_rope_head_dim = 24 values per layer and position (what
     the planner's formula counts), and decoding from it, wkv_b absorbed, gives what rerunning the whole
     forward does, on one device and on expert=2,tensor=2 (rows padded to 4, heads split, cache not)."""
     model = FAMILIES["deepseek_v3"](load_config(TINY).model)
     params = jax.tree.map(lambda w: w * 3, model.init(jax.random.key(0)))
     cache = jax.eval_shape(lambda: model.init_cache(3, 16))
-    assert {k: a.shape for k, a in cache.items()} == {"dense_blocks": (1, 3, 16, 20), "blocks": (2, 3, 16, 20)}
+    assert {k: a.shape for k, a in cache.items()} == {"dense_blocks": (1, 3, 16, 24), "blocks": (2, 3, 16, 24)}
     assert sum(a.size * 4 for a in jax.tree.leaves(cache)) == kv_cache_bytes(3 * 16, 3, model.cfg.cached_values())
     rows = [np.asarray(TOKENS[0, :n] % 256, np.int32) for n in (5, 9, 2)]
     expected = full_forward_greedy(model, params, rows, 8)

@@ -320,3 +320,24 @@ def test_the_plan_command_compiles_for_analysis_with_the_same_figures(capsys, mo
     default, analysis = json.loads(done.stdout), plan_json(capsys, *argv[4:])  # this process: -O0 (conftest)
     assert analysis["steps"] == default["steps"] and analysis["memory"] == default["memory"]
     assert analysis["collectives"] == default["collectives"]
+
+
+@pytest.mark.fast
+def test_the_gpu_compilers_own_failure_is_one_line_naming_the_cpu_plan():
+    """XLA's GPU compiler stopping on a program (jax 0.10.2 did on 4 rope and 6 value channels of MLA:
+    "Couldn't find output tile sizes") is an `error:` line with the fallback, not meshtrain's internal
+    error; under XLA:CPU the same exception is raised as it is."""
+    from jax.errors import JaxRuntimeError
+
+    from meshtrain.core.errors import UserError
+    from meshtrain.planner.compilers import Target
+
+    failure = JaxRuntimeError("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.347\n  more")
+    with pytest.raises(UserError, match=r"^XLA's GPU compiler failed on this run's program: INTERNAL: Couldn't "
+                                        r"find output tile sizes that satisfy hlo: %dot.347; plan it with "
+                                        r"--compiler cpu"):
+        with Target("cuda", "h100", []).compiling():
+            raise failure
+    with pytest.raises(JaxRuntimeError):
+        with Target("cpu", "h100", []).compiling():
+            raise failure

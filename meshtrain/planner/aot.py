@@ -447,12 +447,17 @@ def run(args) -> str:
     profile = DEVICE_PROFILES[args.device]
     target = compilers.choose(args.compiler, args.device, args.devices,
                               args.devices_per_node or profile["devices_per_node"])
-    compiled_for, devices = target.describe(), target.devices
     fraction, source = memory_fraction(profile, args.mem_fraction)
     memory_budget = budget(args.device_memory or profile["memory"], fraction, args.headroom, source)
     overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
     cfg = load_config(args.config, overrides)
     cfg.devices = 0
+    with target.compiling():
+        return _run(args, cfg, overrides, target, profile, memory_budget)
+
+
+def _run(args, cfg, overrides: list[str], target, profile: dict, memory_budget: dict) -> str:
+    compiled_for, devices = target.describe(), target.devices
     if args.zero_table:
         rows = [{**plan(with_plan(cfg, zero=z), profile, memory_budget, args.devices_per_node, devices),
                  "compiled_for": compiled_for} for z in range(4)]

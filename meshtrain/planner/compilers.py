@@ -16,6 +16,7 @@ these against.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from meshtrain.core.errors import UserError
@@ -91,6 +92,21 @@ class Target:
         if self.reason:
             out["fallback"] = self.reason
         return out
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """XLA's GPU compiler refusing a program (an internal error of its own, e.g. "Couldn't find output
+        tile sizes" for a GEMM of odd small widths) is said in one line, with the CPU plan to fall back to."""
+        from jax.errors import JaxRuntimeError
+
+        try:
+            yield
+        except JaxRuntimeError as e:
+            if not self.gpu:
+                raise
+            said = str(e).strip().splitlines() or [type(e).__name__]
+            raise UserError(f"XLA's GPU compiler failed on this run's program: {said[0][:300]}; plan it with "
+                            f"--compiler cpu, or change the widths it names") from None
 
 
 
