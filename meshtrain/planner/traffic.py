@@ -268,16 +268,19 @@ def expected_traffic(program) -> dict[str, dict]:
         f"norm's in fp32, the embedding's in {table_grad}")
     if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
         shared = param_slices(program, experts=False, trained=True)  # per microbatch, the layers' in the compute dtype
-        # an untied lookup's shard (meshtrain/ops/embedding.py), summed in fp32: XLA:GPU all-reduces it once
-        # a step (its loop code motion takes it out of the microbatch loop), XLA:CPU per microbatch, read as
-        # the compute dtype it is narrowed to; a tied table's is added to the head's and reduced with it
-        table = 0 if program.model.cfg.tie_embeddings else shared["lookup"]
-        per_micro = shared["blocks"] * act + (shared["outer"] - table) * 4 + (0 if gpu else table * act)
+        # the lookup's shard (meshtrain/ops/embedding.py), summed in fp32. XLA:GPU: an untied one's once a
+        # step (its loop code motion takes it out of the microbatch loop), a tied one's per microbatch apart
+        # from the head's; XLA:CPU: an untied one's per microbatch, read as the compute dtype it is narrowed
+        # to, a tied one's added to the head's and reduced with it
+        tied = program.model.cfg.tie_embeddings
+        table = 0 if tied else shared["lookup"]
+        per_micro = (shared["blocks"] * act + (shared["outer"] - table) * 4
+                     + (shared["lookup"] * 4 * tied if gpu else table * act))
         add("all-reduce", micro * ring_traffic("all-reduce", per_micro / A, E)
             + (ring_traffic("all-reduce", table * 4 / A, E) if gpu else 0),
             f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
             f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro} (XLA:GPU: an untied "
-            f"lookup's in fp32 once a step)")
+            f"lookup's in fp32 once a step, a tied one's per microbatch apart from the head's)")
     if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
         add("all-reduce", ring_traffic("all-reduce", 4 * trained["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
