@@ -337,10 +337,10 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         return scan_blocks(self.dense_block, params["dense_blocks"], x_BxLxD, *docs)[0]
 
     def mtp_targets(self, targets_BxL, docs=None):
-        """[D, B, L]: depth k's target at position i, targets[i + k] (t_{i+k+1}), and -1 (not trained)
-        where i + k is past the row, the target is masked in the main loss (< 0), or, with packed
-        `docs`, t_{i+k} lies in another document than position i (in true order: context parallelism
-        is refused with MTP)."""
+        """[M, B, L] (M = mtp_depth): depth k's target at position i, targets[i + k] (t_{i+k+1}), and
+        < 0 (not trained) where i + k is past the row, the target is masked in the main loss, or, with
+        packed `docs`, t_{i+k} lies in another document than position i (in true order: context
+        parallelism is refused with MTP)."""
         out = []
         for k in range(1, self.cfg.mtp_depth + 1):
             t_BxL = ahead(targets_BxL, k, -1)
@@ -350,20 +350,19 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         return jnp.stack(out)
 
     def mtp_shares(self, targets_BxL, docs=None):
-        """[D]: the fraction of the B x L positions each depth trains (at least one position's), on
+        """[M]: the fraction of the B x L positions each depth trains (at least one position's), on
         the step's whole batch: `mtp_losses` divides by it, so each L_k is a mean over its trained
         positions on every layout and microbatch split (as step.trained_share does for the main loss)."""
-        trained_DxBxL = self.mtp_targets(targets_BxL, docs) >= 0
-        return jnp.maximum(jnp.mean(trained_DxBxL, axis=(1, 2), dtype=jnp.float32), 1.0 / targets_BxL.size)
+        trained_MxBxL = self.mtp_targets(targets_BxL, docs) >= 0
+        return jnp.maximum(jnp.mean(trained_MxBxL, axis=(1, 2), dtype=jnp.float32), 1.0 / targets_BxL.size)
 
-    def mtp_losses(self, params, h_BxLxD, inputs_BxL, targets_BxL, docs, shares_D):
-        """[D]: L_k (DeepSeek-V3 eq. 24), each depth's cross-entropy over its trained positions,
-        `shares_D` those of the whole step batch (`mtp_shares`). h^0 = `h_BxLxD`, the trunk's last
+    def mtp_losses(self, params, h_BxLxD, inputs_BxL, targets_BxL, docs, shares_M):
+        """[M]: L_k (DeepSeek-V3 eq. 24), each depth's cross-entropy over its trained positions,
+        `shares_M` those of the whole step batch (`mtp_shares`). h^0 = `h_BxLxD`, the trunk's last
         hidden state before the final norm; the modules run in sequence (h^k feeds module k + 1)
         with the shared embedding and head; the token k ahead's input id is 0 past the row's end (its
         target is untrained there)."""
-        D = self.cfg.mtp_depth
-        ids_DxBxL = jnp.stack([ahead(inputs_BxL, k, 0) for k in range(1, D + 1)])
+        ids_MxBxL = jnp.stack([ahead(inputs_BxL, k, 0) for k in range(1, self.cfg.mtp_depth + 1)])
         head_DxV = self.unembedding(params)
 
         def depth(h_BxLxD, xs):
@@ -374,8 +373,8 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
                              self.sequence_order, docs)
             return h_BxLxD, cross_entropy(module.norm(h_BxLxD), head_DxV, t_BxL) / share
 
-        return jax.lax.scan(depth, h_BxLxD, (params["mtp"], ids_DxBxL, self.mtp_targets(targets_BxL, docs),
-                                             shares_D))[1]
+        return jax.lax.scan(depth, h_BxLxD, (params["mtp"], ids_MxBxL, self.mtp_targets(targets_BxL, docs),
+                                             shares_M))[1]
 
     def active_matmul_params(self, params) -> int:
         """The MoE count (the MTP modules' parameters included, dense), plus the head's V x D once
