@@ -445,6 +445,7 @@ class LanguageModel:
     param_axes = PARAM_AXES
     post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
     stacks = ("blocks",)  # the parameters stacked on a leading `layers` axis
+    training_only = ()  # top-level parameters only the training objective uses (inference and export skip them)
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
         self.cfg = cfg.resolved()

@@ -23,8 +23,12 @@ the optimizer, and moved by the step when model.router_bias_update_rate > 0; gro
 `dense_mlp_dim` instead: they are a second stack, `dense_blocks`, run by `embed` (so the stacked
 `blocks` the layer scan and pipeline stages split stay alike); they run without the remat policy,
 and pipeline parallelism is refused while they exist. The sequence-wise balance loss is
-model.router_aux_loss (models/moe.py's aux_loss is DeepSeek-V3's eq. 17-20). Not built yet:
-multi-token prediction.
+model.router_aux_loss (models/moe.py's aux_loss is DeepSeek-V3's eq. 17-20).
+
+Multi-token prediction (DeepSeek-V3 section 2.2, model.mtp_depth D > 0): D sequential `MTPModule`s,
+the stack `mtp`, on the trunk's last hidden state, sharing the embedding and head; the train step adds
+mtp_loss_weight x the mean of their losses (`mtp_losses`, meshtrain/engine/step.py make_loss_fn).
+Training only (`training_only`): generation, evaluation and export use the trunk.
 
 Generation caches per layer and token the latent only, kv_lora_rank + qk_rope_head_dim values
 (`init_cache`), and decodes with wkv_b absorbed into the query and output sides (`MLABlock.decode`).
@@ -47,8 +51,10 @@ from meshtrain.core.metrics import flops_per_token
 from meshtrain.models.base import (
     LAYER,
     LLAMA_TENSORS,
+    RESIDUAL,
     Block,
     LanguageModel,
+    RMSNorm,
     Transformer,
     _init,
     cached_attention,
@@ -64,6 +70,7 @@ from meshtrain.models.base import (
 )
 from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts, Router
 from meshtrain.models.spec import Family, HFConfig, HFMap, family_setting
+from meshtrain.ops.loss import cross_entropy
 from meshtrain.parallel.sharding import constrain, mesh_axis
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which q_a_layernorm and kv_a_layernorm keep
@@ -95,6 +102,10 @@ class DeepSeekV3Spec(RoutedExperts):
     norm_topk_prob: bool = setting(True, "renormalise a token's k gates to sum 1 (before the scaling factor)")
     rope_interleave: bool = setting(True, "the rope channels come in interleaved pairs (transformers' "
                                           "rope_interleave, DeepSeek's checkpoints)")
+    mtp_depth: int = setting(0, "multi-token prediction modules D (DeepSeek-V3 section 2.2: module k predicts the "
+                                "token k + 1 ahead, sharing the embedding and head); 0 = off", min=0)
+    mtp_loss_weight: float = setting(0.3, "lambda: the training objective adds lambda / D x the sum of the MTP "
+                                          "modules' losses", min=0.0, architecture=False)
 
     def resolved(self) -> DeepSeekV3Spec:
         r = super().resolved()
@@ -245,6 +256,31 @@ class RoutedBlock(MLABlock, MoEBlock):
         return self.moe(h_BxLxD, router=self.routing(), bias_E=self.router_bias[...])
 
 
+def ahead(a_BxL, k: int, fill: int):
+    """a[:, i + k] at position i, `fill` past the row's end."""
+    return jnp.pad(a_BxL[:, k:], ((0, 0), (0, k)), constant_values=fill)
+
+
+class MTPModule(nnx.Module):
+    """Multi-token prediction module k (DeepSeek-V3 section 2.2, eq. 21-22): h'_i = M_k [enorm(Emb(t_{i+k}));
+    hnorm(h^{k-1}_i)] (the released checkpoints' eh_proj order; the paper writes [h; e]), then one block
+    (a dense one here: MLA and the dense SwiGLU of dense_mlp_dim, where DeepSeek-V3's is MoE), h^k its
+    output; `norm` is its own final norm before the shared head."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        D = cfg.d_model
+        self.enorm = RMSNorm(D, cfg.norm_eps)
+        self.hnorm = RMSNorm(D, cfg.norm_eps)
+        self.mtp_proj = nnx.Param(_init(0, 1)(rngs.params(), (2 * D, D)))
+        self.block = DenseBlock(cfg, rngs)
+        self.norm = RMSNorm(D, cfg.norm_eps)
+
+    def __call__(self, h_BxLxD, e_BxLxD, attend, positions_L=None, docs=None):
+        x_BxLx2D = jnp.concatenate([self.enorm(e_BxLxD), self.hnorm(h_BxLxD)], axis=-1)
+        x_BxLxD = constrain(self.block.einsum("blc,cd->bld", x_BxLx2D, self.mtp_proj[...]), RESIDUAL)
+        return self.block(x_BxLxD, attend, positions_L, docs)[0]
+
+
 class DeepSeekTransformer(Transformer):
     block_type = RoutedBlock
 
@@ -252,6 +288,8 @@ class DeepSeekTransformer(Transformer):
         super().__init__(cfg, rngs)
         if cfg.first_k_dense_replace:
             self.dense_blocks = stacked_blocks(DenseBlock, cfg, rngs, cfg.first_k_dense_replace)
+        if cfg.mtp_depth:
+            self.mtp = stacked_blocks(MTPModule, cfg, rngs, cfg.mtp_depth)
 
     @staticmethod
     def stacked_layers(cfg) -> int:
@@ -259,19 +297,23 @@ class DeepSeekTransformer(Transformer):
 
 
 MLA_AXES = {"wq_a": ("embed", "q_lora"), "q_norm": ("q_lora",), "wq_b": ("q_lora", "heads", "head_dim"),
-            "wkv_a": ("embed", "kv_lora"), "kv_norm": ("kv_lora",), "wkv_b": ("kv_lora", "heads", "head_dim")}
+            "wkv_a": ("embed", "kv_lora"), "kv_norm": ("kv_lora",), "wkv_b": ("kv_lora", "heads", "head_dim"),
+            "mtp_proj": ("mtp_in", "embed")}  # [2D, D], its input the two normalized halves
 
 
 class DeepSeekV3LanguageModel(MoELanguageModel):
     module = DeepSeekTransformer
     param_axes = {**MOE_PARAM_AXES, **MLA_AXES}
-    stacks = ("blocks", "dense_blocks")
+    stacks = ("blocks", "dense_blocks", "mtp")
+    training_only = ("mtp",)  # the multi-token prediction modules
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
+        abstract = nnx.eval_shape(lambda: self.module(self.cfg, nnx.Rngs(0)))
         if self.cfg.first_k_dense_replace:
-            abstract = nnx.eval_shape(lambda: self.module(self.cfg, nnx.Rngs(0)))
             self._dense_graphdef = nnx.graphdef(abstract.dense_blocks)
+        if self.cfg.mtp_depth:
+            self._mtp_graphdef = nnx.graphdef(abstract.mtp)
 
     def dense_block(self, params_i, x_BxLxD, docs=None):
         block = nnx.merge(self._dense_graphdef, params_i)
@@ -294,6 +336,55 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
             docs = [self.packing.documents(true_BxL, order)]
         return scan_blocks(self.dense_block, params["dense_blocks"], x_BxLxD, *docs)[0]
 
+    def mtp_targets(self, targets_BxL, docs=None):
+        """[M, B, L] (M = mtp_depth): depth k's target at position i, targets[i + k] (t_{i+k+1}), and
+        < 0 (not trained) where i + k is past the row, the target is masked in the main loss, or, with
+        packed `docs`, t_{i+k} lies in another document than position i (in true order: context
+        parallelism is refused with MTP)."""
+        out = []
+        for k in range(1, self.cfg.mtp_depth + 1):
+            t_BxL = ahead(targets_BxL, k, -1)
+            if docs is not None:
+                t_BxL = jnp.where(ahead(docs.segments, k, -1) == docs.segments, t_BxL, -1)
+            out.append(t_BxL)
+        return jnp.stack(out)
+
+    def mtp_shares(self, targets_BxL, docs=None):
+        """[M]: the fraction of the B x L positions each depth trains (at least one position's), on
+        the step's whole batch: `mtp_losses` divides by it, so each L_k is a mean over its trained
+        positions on every layout and microbatch split (as step.trained_share does for the main loss)."""
+        trained_MxBxL = self.mtp_targets(targets_BxL, docs) >= 0
+        return jnp.maximum(jnp.mean(trained_MxBxL, axis=(1, 2), dtype=jnp.float32), 1.0 / targets_BxL.size)
+
+    def mtp_losses(self, params, h_BxLxD, inputs_BxL, targets_BxL, docs, shares_M):
+        """[M]: L_k (DeepSeek-V3 eq. 24), each depth's cross-entropy over its trained positions,
+        `shares_M` those of the whole step batch (`mtp_shares`). h^0 = `h_BxLxD`, the trunk's last
+        hidden state before the final norm; the modules run in sequence (h^k feeds module k + 1)
+        with the shared embedding and head; the token k ahead's input id is 0 past the row's end (its
+        target is untrained there)."""
+        ids_MxBxL = jnp.stack([ahead(inputs_BxL, k, 0) for k in range(1, self.cfg.mtp_depth + 1)])
+        head_DxV = self.unembedding(params)
+
+        def depth(h_BxLxD, xs):
+            params_k, ids_BxL, t_BxL, share = xs
+            module = nnx.merge(self._mtp_graphdef, params_k)
+            module.block.einsum = self.matmul
+            h_BxLxD = module(h_BxLxD, LanguageModel.embed(self, params, ids_BxL), self.attention,
+                             self.sequence_order, docs)
+            return h_BxLxD, cross_entropy(module.norm(h_BxLxD), head_DxV, t_BxL) / share
+
+        return jax.lax.scan(depth, h_BxLxD, (params["mtp"], ids_MxBxL, self.mtp_targets(targets_BxL, docs),
+                                             shares_M))[1]
+
+    def active_matmul_params(self, params) -> int:
+        """The MoE count (the MTP modules' parameters included, dense), plus the head's V x D once
+        more per MTP depth: each depth multiplies by the shared head again."""
+        return super().active_matmul_params(params) + self.cfg.mtp_depth * self.cfg.vocab_size * self.cfg.d_model
+
+    def block_matmul_params(self, params) -> int:
+        """Less every head matmul (the trunk's and each MTP depth's; they run in the loss, bf16)."""
+        return super().block_matmul_params(params) - self.cfg.mtp_depth * self.cfg.vocab_size * self.cfg.d_model
+
     @property
     def routed_layers(self) -> int:
         return self.cfg.num_layers - self.cfg.first_k_dense_replace
@@ -306,9 +397,10 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
     def flops_per_token(self, params, seq_len: int) -> float:
         """6N + 6 L H (Kn + Kr + Kv) S: QK^T over Kn + Kr channels, PV over Kv (the 12 L H K S of
         meshtrain/core/metrics.py with K their mean)."""
-        c = self.cfg
-        return flops_per_token(self.active_matmul_params(params), c.num_layers,
-                               c.num_heads * (c.head_dim + c.v_head_dim) / 2, seq_len, c.layer_windows())
+        c = self.cfg  # each MTP module's block attends as a layer does
+        return flops_per_token(self.active_matmul_params(params), c.num_layers + c.mtp_depth,
+                               c.num_heads * (c.head_dim + c.v_head_dim) / 2, seq_len,
+                               c.layer_windows() + (0,) * c.mtp_depth)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """An empty compressed-latent cache: for each stack (the dense first layers' and the routed

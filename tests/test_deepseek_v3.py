@@ -2,10 +2,10 @@
 torch, fp32, random weights from tiny configs, nothing downloaded): logits both ways (import, and
 export of meshtrain's own random weights), bitwise import/export round trips, with q_lora_rank set and
 None, 2 expert groups, a dense first layer, a nonzero selection bias and yarn in one case; the bias
-never trained; configs/deepseek_v3_tiny.yaml trains (its biases moving) on data x expert and
-fsdp x tensor meshes as on one device; generation from the compressed-latent cache gives the full forward's
-greedy tokens, on one device and on expert x tensor; what is not built (pipeline stages) is refused in one
-line."""
+never trained; configs/deepseek_v3_tiny.yaml trains (its biases moving, with 2 multi-token prediction
+modules) on data x expert and fsdp x tensor meshes as on one device; generation from the
+compressed-latent cache gives the full forward's greedy tokens, on one device and on expert x tensor;
+what is not built (pipeline stages) is refused in one line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,16 +119,26 @@ def test_the_selection_bias_is_never_trained():
 
 
 BIAS = "model.router_bias_update_rate=0.01"  # aux-loss-free balancing on: the biases move after each step
+# multi-token prediction on (tests/test_mtp.py checks its objective), over packed documents: token 216,
+# the synthetic chain's most frequent, ends one (18 times in the 5 steps' 1,280 inputs), so the depths'
+# trained positions differ between rows and data shards
+MTP = ("model.mtp_depth=2", "data.document_mask=true", "data.eos_id=216")
 
 
-@pytest.mark.parametrize("mesh", ["data=2,expert=4", "fsdp=2,tensor=2"])
+@pytest.mark.parametrize("mesh", ["data=2,expert=4,microbatches=2", "fsdp=2,tensor=2"])
 def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
-    """The same losses and parameters, router biases included (they move by +-0.01 a step on the
-    global batch's loads: the manual data executor's per-shard loads sum exactly)."""
-    _, ref_losses, ref_params = run_tiny("parallel.mesh=1", BIAS, devices=jax.devices()[:1], config=TINY)
+    """The same losses, mtp_loss and parameters (the 2 MTP modules' too), router biases included
+    (they move by +-0.01 a step on the global batch's loads: the manual data executor's per-shard
+    loads sum exactly), with 2 microbatches on data x expert."""
+    ref, ref_losses, ref_params = run_tiny("parallel.mesh=1", BIAS, *MTP, devices=jax.devices()[:1], config=TINY)
+    mesh, _, micro = mesh.partition(",microbatches=")
     devices = 8 if "expert" in mesh else 4
-    trainer, losses, params = run_tiny(f"parallel.mesh={mesh}", BIAS, devices=jax.devices()[:devices], config=TINY)
+    trainer, losses, params = run_tiny(f"parallel.mesh={mesh}", f"parallel.microbatches={micro or 1}", BIAS, *MTP,
+                                       devices=jax.devices()[:devices], config=TINY)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    mtp = lambda t: [r["mtp_loss"] for r in t.history if "loss" in r]
+    np.testing.assert_allclose(mtp(trainer), mtp(ref), rtol=1e-5, atol=0)
+    assert params["mtp"]["mtp_proj"].shape == (2, 64, 32)
     assert max_param_diff(params, ref_params) < 1e-5 and losses[-1] != losses[0]
     bias = np.asarray(params["blocks"]["router_bias"])
     assert np.any(bias) and np.array_equal(bias, ref_params["blocks"]["router_bias"])

@@ -97,8 +97,12 @@ def check_config(cfg) -> None:
 
 
 def _check_dpo(cfg) -> None:
-    """train.objective=dpo reads one folder of preference pairs and has no eval_loss yet."""
+    """train.objective=dpo reads one folder of preference pairs, has no eval_loss yet and trains no
+    multi-token prediction modules."""
     d, t = cfg.data, cfg.train
+    if getattr(cfg.model, "mtp_depth", 0):
+        raise UserError("train.objective=dpo trains the next-token policy only; set model.mtp_depth=0 (the "
+                        "multi-token prediction modules are a pretraining objective)")
     if d.sources or d.kind == "synthetic" or not d.path or d.train_on != "assistant":
         raise UserError("train.objective=dpo trains on one folder from python -m meshtrain.data prepare --preference "
                         "(data.path, with data.train_on=assistant and no data.sources)")
@@ -136,6 +140,15 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     if stages > 1 and getattr(m, "router_bias_update_rate", 0):
         raise LayoutError("model.router_bias_update_rate > 0 runs without a pipeline axis (the pipeline executor does "
                           "not gather the per-layer expert loads yet); drop pipeline from parallel.mesh")
+    mtp = getattr(m, "mtp_depth", 0)
+    if mtp and stages > 1:
+        raise LayoutError(f"model.mtp_depth={mtp} runs without a pipeline axis (the multi-token prediction modules "
+                          f"follow the last stage, which the pipeline executor does not build); drop pipeline from "
+                          f"parallel.mesh or set model.mtp_depth=0")
+    if mtp and sizes["context"] > 1:
+        raise LayoutError(f"model.mtp_depth={mtp} runs without a context axis (its tokens k ahead cross the context "
+                          f"shards' borders, which is not built); drop context from parallel.mesh or set "
+                          f"model.mtp_depth=0")
     if stages > 1:
         check_schedule(par.schedule, stages, micro, par.virtual_stages)
         check_residuals(par.schedule, par.residuals, par.remat)

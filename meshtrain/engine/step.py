@@ -51,22 +51,43 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
     policy; their statistics are reported as means over layers. `loss_mask`: the tokens carry a loss
     mask (meshtrain/data/tokens.py `with_mask`): the inputs are its ids, an untrained target adds
     nothing, and the loss is still divided by all B x L positions (`trained_share` rescales it).
-    `aux_weight` multiplies the auxiliary losses (the trained share, which the step divides out)."""
+    `aux_weight` multiplies the auxiliary losses (the trained share, which the step divides out).
+    `mtp_shares` ([D], `mtp_shares`; the train step's, None in evaluation): the objective adds the
+    multi-token prediction loss, mtp_loss_weight x the mean of the D depths' losses (DeepSeek-V3
+    eq. 25), weighted as the auxiliary losses are, and the metric 'mtp_loss' is that mean."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
-    def loss_fn(params, tokens_BxL1, aux_weight=1.0):
+    def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None):
         compute = cast_for_compute(params, precision)
-        inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-        if loss_mask:
-            inputs, tokens_BxL1 = token_ids(inputs), token_ids(tokens_BxL1)
-        docs = model.documents(tokens_BxL1)  # packed documents (meshtrain/ops/packing.py), or None
+        inputs, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
         x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
                                      *([] if docs is None else [docs]), kinds=model.layer_kinds)
         stats = layer_means(stats, model.cfg.num_layers)
         loss = model.loss(compute, x_BxLxD, targets)
-        return loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
+        objective, metrics = loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
+        if mtp_shares is not None:
+            mtp = jnp.mean(model.mtp_losses(compute, x_BxLxD, inputs, targets, docs, mtp_shares))
+            objective, metrics["mtp_loss"] = objective + aux_weight * model.cfg.mtp_loss_weight * mtp, mtp
+        return objective, metrics
 
     return loss_fn
+
+
+def model_inputs(model, tokens_BxL1, loss_mask: bool = False):
+    """tokens [B, L+1] -> the model's inputs (ids), targets (< 0 where a loss mask leaves them
+    untrained) and packed documents (meshtrain/ops/packing.py, or None), in its sequence order."""
+    inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
+    if loss_mask:
+        inputs, tokens_BxL1 = token_ids(inputs), token_ids(tokens_BxL1)
+    return inputs, targets, model.documents(tokens_BxL1)
+
+
+def mtp_shares(model, tokens_BxL1, loss_mask: bool = False):
+    """[D]: each multi-token prediction depth's trained share of the step batch (None without MTP)."""
+    if not getattr(model.cfg, "mtp_depth", 0):
+        return None
+    _, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
+    return model.mtp_shares(targets, docs)
 
 
 def trained_share(tokens_BxL1):
@@ -90,9 +111,10 @@ def metrics_and_grads(loss_fn, keep=lambda path: True):
         # DPO's reference log-probs (meshtrain/engine/dpo.py) or, under a loss mask, the trained share by which
         # the auxiliary losses are weighted: never both (config/validate.py: DPO takes no mask from data.train_on)
         extra = [x for x in (inputs.reference, inputs.trained_share) if x is not None]
+        mtp = {} if inputs.mtp_shares is None else {"mtp_shares": inputs.mtp_shares}
 
         def objective(trained):
-            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *extra)
+            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *extra, **mtp)
             return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(select(params, keep))
@@ -180,7 +202,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
             cast_for_compute(reference_params(state, model.cfg), plan.precision), tokens_BxL1)
         share = trained_share(tokens_BxL1) if loss_mask else None
         out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None,
-                                         reference=reference, trained_share=share))
+                                         reference=reference, trained_share=share,
+                                         mtp_shares=mtp_shares(model, tokens_BxL1, loss_mask)))
         model_metrics = out.metrics
         divisors = [] if scale is None else [scale]  # the gradients are of the objective times these
         if loss_mask:  # the mean over trained tokens (the model's statistics and auxiliary losses stay

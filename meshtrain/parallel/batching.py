@@ -30,6 +30,8 @@ class StepInputs:
     # a loss mask: the step batch's trained share (meshtrain/engine/step.py `trained_share`), by which the
     # auxiliary losses are weighted, so that the step's division by it leaves them means over all tokens
     trained_share: Any = None
+    # multi-token prediction: [D] each depth's trained share of the step batch (models/deepseek_v3.py mtp_shares)
+    mtp_shares: Any = None
 
     def with_tokens(self, tokens, reference=None) -> StepInputs:
         """These rows' tokens (and their reference log-probs): a microbatch's."""

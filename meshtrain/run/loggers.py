@@ -102,6 +102,8 @@ def format_record(r: dict) -> str:
                f"{r['local_checkpoint_blocking_s'] * 1e3:.1f}ms)"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
              f"lr {r['lr']:.2e}", f"tokens/s {r['tokens_per_sec']:,.0f}", f"step_time {r['step_time_s'] * 1e3:.1f}ms"]
+    if "mtp_loss" in r:  # multi-token prediction (model.mtp_depth): the mean of its depths' losses
+        parts.insert(2, f"mtp {r['mtp_loss']:.4f}")
     if "trained_tokens_per_sec" in r:  # a loss mask: the loss is over these tokens only
         parts.insert(4, f"trained tokens/s {r['trained_tokens_per_sec']:,.0f}")
     if "reward_accuracy" in r:  # DPO (meshtrain/engine/dpo.py)
