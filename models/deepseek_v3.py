@@ -256,9 +256,13 @@ class RoutedBlock(MLABlock, MoEBlock):
         return self.moe(h_BxLxD, router=self.routing(), bias_E=self.router_bias[...])
 
 
-def ahead(a_BxL, k: int, fill: int):
-    """a[:, i + k] at position i, `fill` past the row's end."""
-    return jnp.pad(a_BxL[:, k:], ((0, 0), (0, k)), constant_values=fill)
+def ahead(a_BxL, k: int, fill: int, order=None):
+    """a[:, i + k] at position i, `fill` past the row's end, i in true order: with a `sequence_order`
+    (context parallelism stores the sequence permuted: stored[:, j] = true[:, order[j]]) the shift runs
+    on the true order and the result is stored as `a` is."""
+    true_BxL = a_BxL if order is None else a_BxL[:, np.argsort(order)]
+    shifted_BxL = jnp.pad(true_BxL[:, k:], ((0, 0), (0, k)), constant_values=fill)
+    return shifted_BxL if order is None else shifted_BxL[:, order]
 
 
 class MTPModule(nnx.Module):
@@ -339,13 +343,13 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
     def mtp_targets(self, targets_BxL, docs=None):
         """[M, B, L] (M = mtp_depth): depth k's target at position i, targets[i + k] (t_{i+k+1}), and
         < 0 (not trained) where i + k is past the row, the target is masked in the main loss, or, with
-        packed `docs`, t_{i+k} lies in another document than position i (in true order: context
-        parallelism is refused with MTP)."""
-        out = []
+        packed `docs`, t_{i+k} lies in another document than position i (positions in true order,
+        stored in the model's `sequence_order` as `targets_BxL` is)."""
+        out, order = [], self.sequence_order
         for k in range(1, self.cfg.mtp_depth + 1):
-            t_BxL = ahead(targets_BxL, k, -1)
+            t_BxL = ahead(targets_BxL, k, -1, order)
             if docs is not None:
-                t_BxL = jnp.where(ahead(docs.segments, k, -1) == docs.segments, t_BxL, -1)
+                t_BxL = jnp.where(ahead(docs.segments, k, -1, order) == docs.segments, t_BxL, -1)
             out.append(t_BxL)
         return jnp.stack(out)
 
@@ -367,7 +371,7 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         # gradient reduced inside a loop is reduced once per depth (deepseek_v3_tiny on data=2,expert=4
         # with M = 2: the expert-axis all-reduce 1.36x its formula); outside, once for all depths (one
         # lookup of the M shifted rows side by side; XLA adds the M head gradients before reducing).
-        ids_BxML = jnp.concatenate([ahead(inputs_BxL, k, 0) for k in range(1, M + 1)], axis=1)
+        ids_BxML = jnp.concatenate([ahead(inputs_BxL, k, 0, self.sequence_order) for k in range(1, M + 1)], axis=1)
         rows_MxBxLxD = jnp.moveaxis(LanguageModel.embed(self, params, ids_BxML).reshape(B, M, L, -1), 1, 0)
 
         def depth(h_BxLxD, xs):

@@ -3,7 +3,7 @@ torch, fp32, random weights from tiny configs, nothing downloaded): logits both 
 export of meshtrain's own random weights), bitwise import/export round trips, with q_lora_rank set and
 None, 2 expert groups, a dense first layer, a nonzero selection bias and yarn in one case; the bias
 never trained; configs/deepseek_v3_tiny.yaml trains (its biases moving, with 2 multi-token prediction
-modules) on data x expert and fsdp x tensor meshes as on one device; generation from the
+modules) on data x expert, fsdp x tensor and context (ring, hybrid) meshes as on one device; generation from the
 compressed-latent cache gives the full forward's greedy tokens, on one device and on expert x tensor;
 what is not built (pipeline stages) is refused in one line."""
 import jax
@@ -18,7 +18,7 @@ from meshtrain.engine.decode import generate, place
 from meshtrain.engine.step import make_optimizer
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES
-from meshtrain.parallel.mesh import build_mesh, parse_mesh
+from meshtrain.parallel.mesh import AXES, build_mesh, parse_mesh
 from meshtrain.parallel.sharding import param_shardings
 from meshtrain.testing import full_forward_greedy
 
@@ -125,15 +125,21 @@ BIAS = "model.router_bias_update_rate=0.01"  # aux-loss-free balancing on: the b
 MTP = ("model.mtp_depth=2", "data.document_mask=true", "data.eos_id=216")
 
 
-@pytest.mark.parametrize("mesh", ["data=2,expert=4,microbatches=2", "fsdp=2,tensor=2"])
+@pytest.mark.parametrize("mesh", ["data=2,expert=4,microbatches=2", "fsdp=2,tensor=2",
+                                  "context=2,expert=4,attention=ring",
+                                  "context=4,data=2,attention=ring,context_strategy=hybrid,ulysses_degree=2"])
 def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
     """The same losses, mtp_loss and parameters (the 2 MTP modules' too), router biases included
     (they move by +-0.01 a step on the global batch's loads: the manual data executor's per-shard
-    loads sum exactly), with 2 microbatches on data x expert."""
+    loads sum exactly), with 2 microbatches on data x expert; on a context axis the ring (its
+    load-balanced storage order: the depths' tokens ahead are taken in true order) and the hybrid
+    (ulysses in pairs, a ring of 2 across them)."""
     ref, ref_losses, ref_params = run_tiny("parallel.mesh=1", BIAS, *MTP, devices=jax.devices()[:1], config=TINY)
-    mesh, _, micro = mesh.partition(",microbatches=")
-    devices = 8 if "expert" in mesh else 4
-    trainer, losses, params = run_tiny(f"parallel.mesh={mesh}", f"parallel.microbatches={micro or 1}", BIAS, *MTP,
+    axes = dict(part.split("=") for part in mesh.split(","))
+    mesh = ",".join(f"{a}={n}" for a, n in axes.items() if a in AXES)
+    keys = [f"parallel.{k}={v}" for k, v in axes.items() if k not in AXES]
+    devices = int(np.prod([int(n) for a, n in axes.items() if a in AXES]))
+    trainer, losses, params = run_tiny(f"parallel.mesh={mesh}", *keys, BIAS, *MTP,
                                        devices=jax.devices()[:devices], config=TINY)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     mtp = lambda t: [r["mtp_loss"] for r in t.history if "loss" in r]

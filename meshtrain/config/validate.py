@@ -145,10 +145,6 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
         raise LayoutError(f"model.mtp_depth={mtp} runs without a pipeline axis (the multi-token prediction modules "
                           f"follow the last stage, which the pipeline executor does not build); drop pipeline from "
                           f"parallel.mesh or set model.mtp_depth=0")
-    if mtp and sizes["context"] > 1:
-        raise LayoutError(f"model.mtp_depth={mtp} runs without a context axis (its tokens k ahead cross the context "
-                          f"shards' borders, which is not built); drop context from parallel.mesh or set "
-                          f"model.mtp_depth=0")
     if stages > 1:
         check_schedule(par.schedule, stages, micro, par.virtual_stages)
         check_residuals(par.schedule, par.residuals, par.remat)
