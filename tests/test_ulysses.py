@@ -15,7 +15,7 @@ from meshtrain.models import FAMILIES
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.packing import Packing
 from meshtrain.ops.ulysses import context_layout
-from meshtrain.testing import value_and_grads
+from meshtrain.testing import QWEN3_MOE_TINY, value_and_grads
 
 # (strategy, context, ulysses_degree, kernel, segments, window); H = 4 query heads over G = 2 kv heads
 KERNEL_CASES = [("ulysses", 2, 0, "xla", True, 13), ("ulysses", 2, 0, "blockwise", True, 5),
@@ -76,12 +76,26 @@ def test_packed_windowed_model_matches_one_device(strategy, context, degree, ker
     ("parallel.mesh=data=2,context=4", "parallel.context_strategy=ulysses", "parallel.attention=xla"),
     ("parallel.mesh=context=4,pipeline=2", "parallel.context_strategy=hybrid", "parallel.ulysses_degree=2",
      "parallel.attention=ring"),
+    ("parallel.mesh=data=2,tensor=2,context=2", "parallel.sequence_parallel=true", "parallel.context_strategy=ulysses",
+     "parallel.attention=xla"),
 ])
 def test_training_matches_single_device(overrides, reference_run):
     """5 steps of the tiny model (8 query over 4 kv heads), fp32: losses and final parameters; hybrid
-    inside pipeline stages, where the ring gathers K/V within each place's ring (`Ring.group`)."""
+    inside pipeline stages, where the ring gathers K/V within each place's ring (`Ring.group`); Ulysses
+    on the heads of each tensor shard, with Megatron's sequence parallelism on the tensor axis."""
     _, ref_losses, ref_params = reference_run
     _, losses, params = run_tiny(*overrides)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    assert max_param_diff(params, ref_params) < 1e-5
+
+
+def test_moe_training_matches_single_device():
+    """configs/qwen3_moe_tiny.yaml (8 query over 4 kv heads, 8 dropless experts), 5 steps, fp32, Ulysses
+    on context=2 beside expert=4: the all-to-alls of the heads and of the tokens to their experts
+    share the devices."""
+    _, ref_losses, ref_params = run_tiny("parallel.mesh=1", devices=jax.devices()[:1], config=QWEN3_MOE_TINY)
+    _, losses, params = run_tiny("parallel.mesh=context=2,expert=4", "parallel.context_strategy=ulysses",
+                                 "parallel.attention=xla", config=QWEN3_MOE_TINY)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     assert max_param_diff(params, ref_params) < 1e-5
 
