@@ -258,6 +258,26 @@ def test_the_search_starts_nearest_the_configs_layout():
 
 
 @pytest.mark.fast
+def test_the_search_opens_a_context_axis_with_the_ring_and_with_ulysses():
+    """fit.moves: data -> context offers both strategies (Ulysses around the layout's local kernel);
+    a context axis that grows keeps its strategy; one that closes leaves the local kernel."""
+    cfg = load_config(TINY, ["parallel.attention=blockwise"])
+    start = fit.Layout.of(cfg, {"data": 8, "fsdp": 1, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1})
+    opened = {what: layout for what, layout in fit.moves(start, cfg.model, 16, 8) if "context" in what}
+    assert {what: (m.mesh["context"], m.context_strategy, m.attention) for what, m in opened.items()} == {
+        "data -> context x2": (2, "ring", "ring"), "data -> context x2 (ulysses)": (2, "ulysses", "blockwise")}
+    ulysses = opened["data -> context x2 (ulysses)"]
+    grown = dict(fit.moves(ulysses, cfg.model, 16, 8))["data -> context x2"]
+    assert (grown.mesh["context"], grown.context_strategy, grown.attention) == (4, "ulysses", "blockwise")
+    assert "parallel.attention=xla" in dict(fit.moves(ulysses, cfg.model, 16, 8, memory=False))
+    closed = dict(fit.moves(opened["data -> context x2"], cfg.model, 16, 8, memory=False))["context -> data x2"]
+    assert (closed.mesh["context"], closed.context_strategy, closed.attention) == (1, "ring", "blockwise")
+    assert fit.describe_layout(ulysses).endswith("attention=blockwise, context_strategy=ulysses")
+    assert fit.command("c.yaml", [], cfg, ulysses) == ("python -m meshtrain.train --config c.yaml --mesh data=4,context=2 "
+                                                      "--set parallel.context_strategy=ulysses")
+
+
+@pytest.mark.fast
 def test_the_search_compiles_on_the_plans_devices():
     """--fit compiles every candidate with the plan's own compiler: `measure` gets the plan's devices."""
     cfg = load_config(TINY)

@@ -9,7 +9,8 @@ other way round. The knobs, one move at a time (`moves`):
   (with a data axis); blockwise attention in place of xla (no [L, L] scores); a factor of 2 (or the
   axis's smallest prime) moved from `data` to fsdp, tensor, pipeline or context, or from fsdp to
   tensor, pipeline or context (tensor within a node and dividing the heads, pipeline dividing the
-  layers, context with ring attention); MoE: to `expert`;
+  layers; a context axis opened twice, with the ring and with Ulysses around the layout's local
+  kernel, one that grows keeps its strategy); MoE: to `expert`;
 - speed moves: the same in reverse.
 Offload (remat=offload) needs a GPU's host memory space and is not compiled here.
 
@@ -42,12 +43,14 @@ class Layout:
     remat: str
     microbatches: int
     attention: str
+    context_strategy: str = "ring"
+    ulysses_degree: int = 0
 
     @classmethod
     def of(cls, cfg, sizes: dict) -> Layout:
         par = cfg.parallel
         return cls(tuple((a, sizes[a]) for a in AXES), par.zero, par.remat, par.num_microbatches(sizes["pipeline"]),
-                   par.attention)
+                   par.attention, par.context_strategy, par.ulysses_degree)
 
     @property
     def mesh(self) -> dict:
@@ -57,11 +60,13 @@ class Layout:
         """The config keys this layout sets."""
         return {"parallel.mesh": ",".join(f"{a}={s}" for a, s in self.sizes if s > 1) or "data=1",
                 "parallel.zero": self.zero, "parallel.remat": self.remat,
-                "parallel.microbatches": self.microbatches, "parallel.attention": self.attention}
+                "parallel.microbatches": self.microbatches, "parallel.attention": self.attention,
+                "parallel.context_strategy": self.context_strategy, "parallel.ulysses_degree": self.ulysses_degree}
 
     def apply(self, cfg):
         par = dataclasses.replace(cfg.parallel, mesh=self.settings()["parallel.mesh"], zero=self.zero,
-                                  remat=self.remat, microbatches=self.microbatches, attention=self.attention)
+                                  remat=self.remat, microbatches=self.microbatches, attention=self.attention,
+                                  context_strategy=self.context_strategy, ulysses_degree=self.ulysses_degree)
         return dataclasses.replace(cfg, parallel=par)
 
     def change(self, **values) -> Layout:
@@ -70,6 +75,26 @@ class Layout:
 
 def _smallest_factor(n: int) -> int:
     return next(f for f in range(2, n + 1) if n % f == 0)
+
+
+def local_kernel(layout: Layout) -> str:
+    """The layout's attention kernel on whole sequences: blockwise where it runs the ring."""
+    return "blockwise" if layout.attention == "ring" else layout.attention
+
+
+def resized(layout: Layout, new: dict) -> list[tuple[str, Layout]]:
+    """The layouts on mesh sizes `new` (from `layout`'s): a context axis opened runs the ring or
+    Ulysses around the local kernel (the two are priced apart: the ring passes K/V blocks round
+    the axis, Ulysses all-to-alls q, k, v and the output once per layer); a context axis that stays
+    keeps its strategy (a hybrid degree that no longer divides is the program's check to refuse);
+    one closed leaves the local kernel."""
+    sized = layout.change(sizes=tuple(new.items()))
+    if new["context"] == 1:
+        return [("", sized.change(attention=local_kernel(layout), context_strategy="ring", ulysses_degree=0))]
+    if layout.mesh["context"] > 1:
+        return [("", sized)]
+    return [("", sized.change(attention="ring", context_strategy="ring")),
+            (" (ulysses)", sized.change(attention=local_kernel(layout), context_strategy="ulysses"))]
 
 
 def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bool = True):
@@ -85,8 +110,7 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
         if taker == "tensor" and mesh["tensor"] * f > devices_per_node:
             continue
         new = {**mesh, donor: mesh[donor] // f, taker: mesh[taker] * f}
-        attention = "ring" if new["context"] > 1 else ("blockwise" if layout.attention == "ring" else layout.attention)
-        out.append((f"{donor} -> {taker} x{f}", layout.change(sizes=tuple(new.items()), attention=attention)))
+        out += [(f"{donor} -> {taker} x{f}{how}", moved) for how, moved in resized(layout, new)]
     micro = layout.microbatches * 2 if memory else layout.microbatches // 2
     if micro >= 1 and micro >= mesh["pipeline"] and micro != layout.microbatches:
         out.append((f"parallel.microbatches={micro}", layout.change(microbatches=micro)))
@@ -98,7 +122,7 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
     if mesh["data"] > 1 and 0 <= zero <= 3:
         out.append((f"parallel.zero={zero}", layout.change(zero=zero)))
     swap = {"xla": "blockwise"} if memory else {"blockwise": "xla"}
-    if layout.attention in swap and mesh["context"] == 1:
+    if layout.attention in swap and (mesh["context"] == 1 or layout.context_strategy == "ulysses"):
         out.append((f"parallel.attention={swap[layout.attention]}", layout.change(attention=swap[layout.attention])))
     return out
 
@@ -117,7 +141,8 @@ def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> lis
     valid. Near is sum |log2(size / wanted size)| over the mesh axes and the microbatches, the
     wanted sizes the config's (its -1 axis the rest of `devices`, fractional when they do not
     divide); of two as near, the one with fewer axes the config leaves at 1. The zero stage and
-    remat policy are the config's; context > 1 takes ring attention."""
+    remat policy are the config's; context > 1 takes the config's context strategy (its local kernel
+    under Ulysses), the ring where the config has none (a context axis of 1)."""
     par, t = cfg.parallel, cfg.train
     wanted = axis_sizes(par.mesh)
     named = math.prod(s for s in wanted.values() if s != -1)
@@ -130,10 +155,14 @@ def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> lis
         sizes = {a: mesh.get(a, 1) for a in AXES}
         if sizes["tensor"] > devices_per_node:
             continue
-        attention = "ring" if sizes["context"] > 1 else par.attention
+        strategy, attention = par.context_strategy, par.attention
+        if sizes["context"] > 1:
+            strategy = strategy if wanted["context"] > 1 else "ring"  # the config has no context axis
+            attention = attention if strategy == "ulysses" else "ring"
+        degree = par.ulysses_degree if strategy == "hybrid" else 0
         rows = t.batch_size // math.prod(sizes[a] for a in rules["batch"])
         for micro in (m for m in range(1, rows + 1) if rows % m == 0):
-            layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention)
+            layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention, strategy, degree)
             try:
                 check_layout(cfg.model, layout.apply(cfg).parallel, t, sizes, rules, backend)
             except UserError:
@@ -214,5 +243,7 @@ def command(config_path: str, overrides: list[str], cfg, layout: Layout) -> str:
 
 
 def describe_layout(layout: Layout) -> str:
+    strategy = "" if layout.mesh["context"] == 1 else f", context_strategy={layout.context_strategy}" + (
+        f", ulysses_degree={layout.ulysses_degree}" if layout.context_strategy == "hybrid" else "")
     return (f"{describe(layout.mesh)}, zero={layout.zero}, remat={layout.remat}, "
-            f"{layout.microbatches} microbatch(es), attention={layout.attention}")
+            f"{layout.microbatches} microbatch(es), attention={layout.attention}{strategy}")
