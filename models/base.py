@@ -574,6 +574,12 @@ class LanguageModel:
         return 0.0
 
     @property
+    def stacked_layers(self) -> int:
+        """The layers of the stack `blocks` (the layer scan, the pipeline's stages): the step reports
+        their statistics as means over these."""
+        return self.cfg.num_layers
+
+    @property
     def routed_layers(self) -> int:
         """The layers with routed experts (each exchanges its dispatch buffer): none here."""
         return 0

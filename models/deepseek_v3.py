@@ -399,10 +399,11 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
     def routed_layers(self) -> int:
         return self.cfg.num_layers - self.cfg.first_k_dense_replace
 
-    def auxiliary_loss(self, stats):
-        """The routed layers' losses: the step reports block statistics over all num_layers, a
-        mean over the routed ones here."""
-        return super().auxiliary_loss(stats) * self.cfg.num_layers / self.routed_layers
+    @property
+    def stacked_layers(self) -> int:
+        """`blocks` holds the routed layers (the dense first ones are `dense_blocks`): the router's
+        losses, `dropped` and `expert_load_max` are means over them."""
+        return self.routed_layers
 
     def flops_per_token(self, params, seq_len: int) -> float:
         """6N + 6 L H (Kn + Kr + Kv) S: QK^T over Kn + Kr channels, PV over Kv (the 12 L H K S of

@@ -15,7 +15,7 @@ from conftest import ROOT, max_param_diff, run_tiny
 from meshtrain.config.loader import UserError, load_config
 from meshtrain.core.formulas import kv_cache_bytes
 from meshtrain.engine.decode import generate, place
-from meshtrain.engine.step import make_optimizer
+from meshtrain.engine.step import make_loss_fn, make_optimizer
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES
 from meshtrain.parallel.mesh import AXES, build_mesh, parse_mesh
@@ -116,6 +116,26 @@ def test_the_selection_bias_is_never_trained():
     tx = make_optimizer(ocfg, 10, model.logical_axes(params))
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     assert not np.any(np.asarray(updates["blocks"]["router_bias"])) and np.any(np.asarray(updates["blocks"]["router"]))
+
+
+def test_router_metrics_are_means_over_the_routed_layers():
+    """The step's router_aux_loss, dropped and expert_load_max are means over the 2 routed layers
+    (the stack `blocks`), not over all 3 with the dense first one: each routed layer's statistics
+    from its own block, averaged here; the objective adds router_aux_loss x its weight."""
+    spec = load_config(TINY, ["model.router_aux_loss=0.01", "model.capacity_factor=1.0"]).model
+    model = FAMILIES["deepseek_v3"](spec)
+    params = jax.tree.map(lambda w: w * 3, model.init(jax.random.key(0)))
+    tokens = jnp.asarray(TOKENS[:, :17] % 256)
+    objective, metrics = jax.jit(make_loss_fn(model, "fp32"))(params, tokens)
+    x_BxLxD = model.embed(params, tokens[:, :-1])
+    per_layer = []
+    for i in range(model.routed_layers):
+        x_BxLxD, stats = model.block(jax.tree.map(lambda w: w[i], params["blocks"]), x_BxLxD)
+        per_layer.append(stats)
+    for name in ("router_aux_loss", "dropped", "expert_load_max"):
+        np.testing.assert_allclose(metrics[name], np.mean([s[name] for s in per_layer]), rtol=1e-6)
+    assert metrics["expert_load_max"] >= 1 and metrics["dropped"] > 0
+    np.testing.assert_allclose(objective, metrics["loss"] + 0.01 * metrics["router_aux_loss"], rtol=1e-6)
 
 
 BIAS = "model.router_bias_update_rate=0.01"  # aux-loss-free balancing on: the biases move after each step

@@ -58,7 +58,7 @@ def make_log_probs(model, precision: str, remat: str = "none"):
         x_NxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
                                      *([] if docs is None else [docs]), kinds=model.layer_kinds)
         logp_N = sequence_log_probs(model.final_norm(compute, x_NxLxD), model.unembedding(compute), targets)
-        return logp_N.reshape(-1, 2), layer_means(stats, model.cfg.num_layers)
+        return logp_N.reshape(-1, 2), layer_means(stats, model.stacked_layers)
 
     return log_probs
 

@@ -170,7 +170,7 @@ class StageProgram:
                                     *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
         weight = self.scale if aux_weight is None else self.scale * aux_weight
-        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * weight / (model.cfg.num_layers * micro),
+        self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * weight / (model.stacked_layers * micro),
                                                          g_stats))
 
     # ---- pieces ----
@@ -340,7 +340,7 @@ class StageProgram:
             carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
         loss = jax.lax.psum(carry["loss"], "pipeline") / self.micro
         stats = jax.lax.psum(carry["stats"], "pipeline")
-        metrics = {"loss": loss, **jax.tree.map(lambda s: s / (self.micro * self.model.cfg.num_layers), stats)}
+        metrics = {"loss": loss, **jax.tree.map(lambda s: s / (self.micro * self.model.stacked_layers), stats)}
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
         return metrics, g_blocks, g_outer

@@ -62,7 +62,7 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
         inputs, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
         x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
                                      *([] if docs is None else [docs]), kinds=model.layer_kinds)
-        stats = layer_means(stats, model.cfg.num_layers)
+        stats = layer_means(stats, model.stacked_layers)
         loss = model.loss(compute, x_BxLxD, targets)
         objective, metrics = loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
         if mtp_shares is not None:
