@@ -130,7 +130,7 @@ def test_router_metrics_are_means_over_the_routed_layers():
     x_BxLxD = model.embed(params, tokens[:, :-1])
     per_layer = []
     for i in range(model.routed_layers):
-        x_BxLxD, stats = model.block(jax.tree.map(lambda w: w[i], params["blocks"]), x_BxLxD)
+        x_BxLxD, stats = model.block(jax.tree.map(lambda w, i=i: w[i], params["blocks"]), x_BxLxD)
         per_layer.append(stats)
     for name in ("router_aux_loss", "dropped", "expert_load_max"):
         np.testing.assert_allclose(metrics[name], np.mean([s[name] for s in per_layer]), rtol=1e-6)

@@ -273,8 +273,8 @@ def test_the_search_opens_a_context_axis_with_the_ring_and_with_ulysses():
     closed = dict(fit.moves(opened["data -> context x2"], cfg.model, 16, 8, memory=False))["context -> data x2"]
     assert (closed.mesh["context"], closed.context_strategy, closed.attention) == (1, "ring", "blockwise")
     assert fit.describe_layout(ulysses).endswith("attention=blockwise, context_strategy=ulysses")
-    assert fit.command("c.yaml", [], cfg, ulysses) == ("python -m meshtrain.train --config c.yaml --mesh data=4,context=2 "
-                                                      "--set parallel.context_strategy=ulysses")
+    assert fit.command("c.yaml", [], cfg, ulysses) == \
+        "python -m meshtrain.train --config c.yaml --mesh data=4,context=2 --set parallel.context_strategy=ulysses"
 
 
 @pytest.mark.fast
