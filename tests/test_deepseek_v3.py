@@ -9,17 +9,19 @@ what is not built (pipeline stages) is refused in one line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import ROOT, max_param_diff, run_tiny
 
 from meshtrain.config.loader import UserError, load_config
 from meshtrain.core.formulas import kv_cache_bytes
 from meshtrain.engine.decode import generate, place
-from meshtrain.engine.step import make_loss_fn, make_optimizer
+from meshtrain.engine.step import grad_norms_by_group, make_loss_fn, make_optimizer
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES
 from meshtrain.parallel.mesh import AXES, build_mesh, parse_mesh
 from meshtrain.parallel.sharding import param_shardings
+from meshtrain.run.health import grad_norm_fields
 from meshtrain.testing import full_forward_greedy
 
 torch = pytest.importorskip("torch")
@@ -136,6 +138,24 @@ def test_router_metrics_are_means_over_the_routed_layers():
         np.testing.assert_allclose(metrics[name], np.mean([s[name] for s in per_layer]), rtol=1e-6)
     assert metrics["expert_load_max"] >= 1 and metrics["dropped"] > 0
     np.testing.assert_allclose(objective, metrics["loss"] + 0.01 * metrics["router_aux_loss"], rtol=1e-6)
+
+
+def test_layer_gradient_norms_count_the_dense_first_layers():
+    """train.grad_norms_every's per-layer fields in model order: grad_norm_layer_0 is the dense first
+    layer's, 1 and 2 the routed ones' (stored in a pipeline's order, put back); with the other kinds
+    they add up to the global norm."""
+    model = FAMILIES["deepseek_v3"](load_config(TINY).model)
+    params = model.init(jax.random.key(0))
+    tokens = jnp.asarray(TOKENS[:, :17] % 256)
+    grads = jax.jit(jax.grad(lambda p, t: make_loss_fn(model, "fp32")(p, t)[0]))(params, tokens)
+    fields = grad_norm_fields(jax.device_get(grad_norms_by_group(grads, model.leading_stacks)), [1, 0])
+    expected = [optax.tree.norm(grads["dense_blocks"]),
+                *(optax.tree.norm(jax.tree.map(lambda g, i=i: g[i], grads["blocks"])) for i in (1, 0))]
+    np.testing.assert_allclose([fields[f"grad_norm_layer_{i}"] for i in range(3)], expected, rtol=1e-6)
+    assert "grad_norm_layer_3" not in fields
+    rest = sum(fields[f"grad_norm_{k}"] ** 2 for k in grads if k not in ("blocks", "dense_blocks"))
+    total = sum(fields[f"grad_norm_layer_{i}"] ** 2 for i in range(3)) + rest
+    np.testing.assert_allclose(total, optax.tree.norm(grads) ** 2, rtol=1e-5)
 
 
 BIAS = "model.router_bias_update_rate=0.01"  # aux-loss-free balancing on: the biases move after each step

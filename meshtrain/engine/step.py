@@ -123,16 +123,21 @@ def metrics_and_grads(loss_fn, keep=lambda path: True):
     return fn
 
 
-def grad_norms_by_group(grads) -> dict:
-    """The gradient norms of each stacked layer ('layer': [layers], storage order, over every block
-    parameter) and of each parameter kind ('kind': {name: norm}, a block parameter over all layers,
-    e.g. 'wq', or a top-level one, e.g. 'embedding'). One sum of squares per layer and leaf: the
-    same reads as the global norm's, plus [layers]-sized results."""
+def grad_norms_by_group(grads, leading: tuple = ()) -> dict:
+    """The gradient norms of each stacked layer ('layer': [layers] of `blocks`, storage order, over
+    every block parameter; 'leading': [layers] of the `leading` stacks that run before `blocks`, in
+    model order, e.g. deepseek_v3's dense first layers) and of each parameter kind ('kind': {name:
+    norm}, a block parameter over all layers, e.g. 'wq', or a top-level one, e.g. 'embedding' or a
+    whole leading stack). One sum of squares per layer and leaf: the same reads as the global norm's,
+    plus [layers]-sized results."""
     squares = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
-    per_kind_L = {name: sum(squares(g) for g in jax.tree.leaves(sub)) for name, sub in grads["blocks"].items()}
+    per_layer = lambda stack: sum(squares(g) for g in jax.tree.leaves(stack))
+    per_kind_L = {name: per_layer(sub) for name, sub in grads["blocks"].items()}
     kind = {name: jnp.sqrt(jnp.sum(s_L)) for name, s_L in per_kind_L.items()}
     kind |= {name: optax.tree.norm(sub) for name, sub in grads.items() if name != "blocks"}
-    return {"layer": jnp.sqrt(sum(per_kind_L.values())), "kind": kind}
+    before = [jnp.sqrt(per_layer(grads[name])) for name in leading if jax.tree.leaves(grads.get(name, {}))]
+    return {"layer": jnp.sqrt(sum(per_kind_L.values())), "leading": jnp.concatenate(before) if before else
+            jnp.zeros((0,), jnp.float32), "kind": kind}
 
 
 def balance_routers(model, params, metrics, batch_shape, applied, pairs: bool = False):
@@ -237,7 +242,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
                    "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
         if layer_norms:
-            metrics["grad_norms"] = grad_norms_by_group(grads)
+            metrics["grad_norms"] = grad_norms_by_group(grads, model.leading_stacks)
         if scales_loss(plan):
             metrics.update(loss_scale=state["loss_scale"]["scale"], overflows=loss_scale["overflows"])
         return new_state, metrics
