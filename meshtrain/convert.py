@@ -24,7 +24,7 @@ from pathlib import Path
 
 from meshtrain.config.loader import Config, UserError, commented_yaml
 from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
-from meshtrain.core.console import NOTICE, log, use_console
+from meshtrain.core.console import use_console
 from meshtrain.core.folders import check_new, writing_whole
 from meshtrain.data import tokenizer
 from meshtrain.interop import hf
@@ -130,10 +130,7 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     hf.hf_config(cfg.model, dtype)  # refuses what has no Hugging Face form before anything is read
     mesh = build_mesh(parse_mesh(mesh_spec, jax.device_count()))
     params, step = run_dir.newest_params(run, model, param_shardings(model, mesh), step)
-    if extra := [k for k in model.training_only if k in params]:  # e.g. deepseek_v3's MTP modules
-        log.log(NOTICE, f"{run}: writing the model without its training-only parameters ({', '.join(extra)}: "
-                        f"model.mtp_depth's multi-token prediction modules); inference uses the trunk only")
-        params = {k: v for k, v in params.items() if k not in extra}
+    params = run_dir.trunk_params(run, model, params)
     with writing_whole(folder, "--to-hf DIR") as tmp:
         if lora == "adapters":
             files = write_adapters(cfg, params, tmp, dtype, max_shard_bytes, Path(folder).absolute())

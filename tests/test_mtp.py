@@ -14,12 +14,13 @@ from conftest import ROOT, run_tiny
 from meshtrain import convert
 from meshtrain.config.loader import UserError, load_config
 from meshtrain.config.validate import check_layout
-from meshtrain.interop import hf
+from meshtrain.interop import hf, quantize
 from meshtrain.models import FAMILIES
 from meshtrain.models.base import scan_blocks
 from meshtrain.ops.packing import Documents
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
 from meshtrain.parallel.sharding import make_rules, param_shardings
+from meshtrain.run.int8_export import export_int8
 
 TINY = str(ROOT / "configs" / "deepseek_v3_tiny.yaml")
 MTP = "model.mtp_depth=2"
@@ -77,7 +78,7 @@ def test_first_step_equals_the_direct_computation():
 
 def test_export_writes_the_trunk_and_says_so(tmp_path, capsys):
     """convert --to-hf of a run with MTP: one notice line, a DeepseekV3ForCausalLM folder without MTP
-    layers whose import is the run's trunk, bitwise (fp32)."""
+    layers whose import is the run's trunk, bitwise (fp32); convert --quantize int8 leaves them out too."""
     trainer, _, _ = run_tiny(*RUN, devices=jax.devices()[:1], config=TINY)
     trainer.save_checkpoint(wait=True)
     capsys.readouterr()
@@ -92,6 +93,10 @@ def test_export_writes_the_trunk_and_says_so(tmp_path, capsys):
     assert spec.mtp_depth == 0 and params.keys() == trained.keys() - {"mtp"}
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), jax.device_get(params),
                                      {k: v for k, v in trained.items() if k != "mtp"}))  # the trunk, bitwise
+    export_int8(trainer.out, tmp_path / "int8", devices=jax.devices()[:1])  # the run's one device
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and "without its training-only parameters (mtp" in notices[0]
+    assert quantize.load(tmp_path / "int8")[0].keys() == trained.keys() - {"mtp"}
 
 
 def test_each_depth_trains_the_targets_the_main_loss_trains_within_the_document():

@@ -71,9 +71,11 @@ def export_int8(run: str | Path, out: str | Path, scheme: str = "symmetric", dev
     try:
         trainer = Trainer(cfg, devices=devices)
         run_dir.check_run_data(run, trainer.mixture)  # its losses are the run's only on the run's data
+        run_params, params = params, run_dir.trunk_params(run, model, params)
         axes = model.logical_axes(params)
         qtree = quantize(params, axes, scheme)
-        fp32, int8 = evaluate_with(trainer, params), evaluate_with(trainer, dequantize(qtree))
+        # the run's program takes its whole tree; its evaluation reads the trunk only
+        fp32, int8 = evaluate_with(trainer, run_params), evaluate_with(trainer, {**run_params, **dequantize(qtree)})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -383,6 +383,15 @@ def newest_params(run: str | Path, model, shardings=None, step: int | None = Non
     return (merge(lora_base(meta, model, shardings), params) if lora else params), step
 
 
+def trunk_params(run, model, params) -> dict:
+    """`params` without the model's training-only ones (deepseek_v3's multi-token prediction modules),
+    which an export leaves out: inference runs the trunk. Says so in one notice line when it drops any."""
+    if extra := [k for k in model.training_only if k in params]:
+        log.log(NOTICE, f"{run}: writing the model without its training-only parameters ({', '.join(extra)}: "
+                        f"model.mtp_depth's multi-token prediction modules); inference uses the trunk only")
+    return {k: v for k, v in params.items() if k not in model.training_only}
+
+
 def base_record(cfg: Config, base) -> dict:
     """What a LoRA run's checkpoints record of its frozen `base` (parameters) instead of holding it:
     the pointer (`checkpoint.init_from`, or none: the base is `model.init` of `train.seed`, rebuilt
