@@ -17,6 +17,7 @@ from meshtrain.data.tokens import read_prepared, token_ids
 from meshtrain.engine.dpo import dpo_loss, make_dpo_loss_fn, make_log_probs
 from meshtrain.engine.program import TrainProgram
 from meshtrain.ops.trainable import select
+from meshtrain.run.loggers import format_record
 
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 CHOSEN, REJECTED = "yes", "no"
@@ -174,20 +175,40 @@ def test_a_model_learns_to_prefer_the_chosen_answer_on_new_prompts(pairs_folder,
     assert metrics["reward_accuracy"] > 0.9 and metrics["reward_margin"] > 0.5
 
 
+def test_the_evaluation_scores_the_held_out_pairs(pairs_folder):
+    """data.val_fraction's tail of the pairs (10 of 200) is never trained on; the run's evaluation
+    (train.eval_every's record) is the DPO loss, reward accuracy and margin over train.eval_batches
+    batches of them, as computed here from the log-probs of the trained and the initial parameters."""
+    trainer, _, params = dpo_run(pairs_folder, "1", 1)
+    train, held = preference.split_pairs(preference.read_pairs(pairs_folder), trainer.cfg.data.val_fraction)
+    assert len(held) == 10 and np.array_equal(trainer.train_batches.pairs, train)
+    record = trainer.evaluation()
+    start = trainer.program.init_state(jax.random.key(trainer.cfg.train.seed))["params"]
+    with trainer.program.context():
+        log_probs = make_log_probs(trainer.program.model, "fp32")
+        batches = [trainer.val_sets[""](i) for i in range(trainer.cfg.train.eval_batches)]
+        each = [dpo_loss(log_probs(params, b)[0], log_probs(start, b)[0], trainer.cfg.train.dpo.beta, 0.0)[1]
+                for b in batches]
+    for key in ("loss", "reward_accuracy", "reward_margin"):
+        np.testing.assert_allclose(record[f"eval_{key}"], np.mean([m[key] for m in each]), rtol=1e-5, atol=1e-6)
+    assert record["eval_reward_accuracy"] > 0.9 and record["eval_loss"] < np.log(2)
+    assert "reward accuracy" in format_record({"step": 8, **record})
+
+
 @pytest.mark.fast
 def test_dpo_settings_that_cannot_work_are_refused(pairs_folder):
     from meshtrain.data.preference import read_pairs
 
-    dpo = ("train.objective=dpo", "data.kind=auto", f"data.path={pairs_folder}")
-    with pytest.raises(UserError, match="set train.eval_every=0"):
-        tiny_config(*dpo, "train.eval_every=5")
+    with pytest.raises(UserError, match="leaving none for training with data.val_fraction=0.9"):
+        preference.split_pairs(read_pairs(pairs_folder)[:2], 0.9)
+    assert preference.split_pairs(read_pairs(pairs_folder), 0.0)[1] is None
     with pytest.raises(UserError, match="one folder from python -m meshtrain.data prepare --preference"):
         tiny_config("train.objective=dpo")  # synthetic data
     with pytest.raises(UserError, match="holds none: prepare"):
         read_pairs(pairs_folder.parent)
 
 
-def test_the_plan_of_a_dpo_run_holds_the_reference_and_no_eval_step(pairs_folder, capsys):
+def test_the_plan_of_a_dpo_run_holds_the_reference_and_its_eval_step(pairs_folder, capsys):
     from conftest import TINY
 
     from meshtrain.plan import main as plan
@@ -197,7 +218,10 @@ def test_the_plan_of_a_dpo_run_holds_the_reference_and_no_eval_step(pairs_folder
                  "--search-budget", "0", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["memory"]["reference"] == report["memory"]["parameters"] > 0  # one more copy, laid out as them
-    assert report["eval_step"] is None and set(report["steps"]) == {"train", "generation"}
+    assert set(report["steps"]) == {"train", "eval", "generation"}
+    ev, mem = report["eval_step"], report["memory"]  # the eval step takes the reference as an argument
+    assert ev["resident_state"] == mem["optimizer_state"] + mem["grad_error"]
+    assert report["steps"]["eval"] == ev["total"] + ev["resident_state"] >= mem["parameters"] + mem["reference"]
     for kind in ("all-reduce", "all-gather", "reduce-scatter"):  # the formulas count both sequences and the reference
         assert abs(report["collectives"][kind]["ratio"] - 1) < 0.1, (kind, report["collectives"][kind])
 

@@ -119,8 +119,23 @@ class PairBatches(Batches):
         return self.checked(out)
 
 
-def batches(tokens, pairs, batch_size: int, seq_len: int, seed: int, sharding, vocab_size: int) -> PairBatches:
-    """The training pair batches over every pair (DPO holds none out: it has no eval_loss yet)."""
+def split_pairs(pairs: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """(training pairs, held-out pairs or None): the file's last data.val_fraction of the pairs are
+    held out, as the token stream's tail is for other data; each part holds at least one pair."""
+    if val_fraction <= 0:
+        return pairs, None
+    held = max(1, round(len(pairs) * val_fraction))
+    if held >= len(pairs):
+        raise UserError(f"the data holds {len(pairs):,} preference pairs, leaving none for training with "
+                        f"data.val_fraction={val_fraction} ({held:,} held out); use more pairs or a smaller "
+                        f"data.val_fraction (0 holds none out and turns eval off)")
+    return pairs[:-held], pairs[-held:]
+
+
+def batches(tokens, pairs, val_fraction: float, batch_size: int, seq_len: int, seed: int, sharding,
+            vocab_size: int) -> tuple[PairBatches, dict]:
+    """(the training pair batches, {"": the held-out pairs' batches} or {} when data.val_fraction is
+    0): split 0 draws from the training pairs, split 1 from the held-out ones (`split_pairs`)."""
     if tokens is None or tokens.masks is None:
         raise UserError("train.objective=dpo sums each response's log-probabilities under the data's loss mask; "
                         "set data.train_on=assistant")
@@ -128,4 +143,6 @@ def batches(tokens, pairs, batch_size: int, seq_len: int, seed: int, sharding, v
     if (cut := int(np.count_nonzero(lengths > seq_len + 1))):
         log.warning(f"{cut:,} of {len(pairs):,} preference pairs are longer than train.seq_len + 1 = {seq_len + 1} "
                     f"tokens: they are cut there, and a response beyond it adds nothing")
-    return PairBatches(tokens, pairs, batch_size, seq_len, seed, 0, sharding, vocab_size)
+    train, held = split_pairs(pairs, val_fraction)
+    val = {} if held is None else {"": PairBatches(tokens, held, batch_size, seq_len, seed, 1, sharding, vocab_size)}
+    return PairBatches(tokens, train, batch_size, seq_len, seed, 0, sharding, vocab_size), val

@@ -90,7 +90,8 @@ def make_dpo_loss_fn(model, precision: str, remat: str, beta: float, label_smoot
 
 def make_reference_log_probs(model, precision: str, microbatches: int):
     """(reference params, pairs [B, 2 (L + 1)]) -> [B, 2], without gradient, a microbatch at a time
-    (rows as `split_microbatches` cuts them), so it holds no more activations than the train step."""
+    (rows as `split_microbatches` cuts them), so it holds no more activations than the train step.
+    The evaluation (`make_dpo_eval`) runs the policy through it too."""
     log_probs = make_log_probs(model, precision)
 
     def reference(params, pairs_BxP):
@@ -102,3 +103,19 @@ def make_reference_log_probs(model, precision: str, microbatches: int):
         return out_MxbX2.swapaxes(0, 1).reshape(pairs_BxP.shape[0], 2)  # row j * M + m, as split
 
     return reference
+
+
+def make_dpo_eval(model, precision: str, microbatches: int, beta: float, label_smoothing: float):
+    """(params, pairs [B, 2 (L + 1)], the reference's parameters if the state keeps a copy) -> the
+    held-out pairs' DPO loss, reward_accuracy and reward_margin (`dpo_loss`), forward only, a
+    microbatch at a time (`make_reference_log_probs`) for the policy and the reference alike."""
+    log_probs = make_reference_log_probs(model, precision, microbatches)
+
+    def evaluate(params, pairs_BxP, *reference):
+        ref = reference[0] if reference else adapters_off(params)
+        compute = lambda p: cast_for_compute(p, precision)
+        _, metrics = dpo_loss(log_probs(compute(params), pairs_BxP), log_probs(compute(ref), pairs_BxP), beta,
+                              label_smoothing)
+        return {k: metrics[k] for k in ("loss", "reward_accuracy", "reward_margin")}
+
+    return evaluate

@@ -18,7 +18,7 @@ from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfi
 from meshtrain.config.validate import check_layout
 from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import trains_on_mask
-from meshtrain.engine.dpo import keeps_reference
+from meshtrain.engine.dpo import keeps_reference, make_dpo_eval
 from meshtrain.engine.pipeline import layer_order
 from meshtrain.engine.step import (
     lr_schedule,
@@ -180,9 +180,17 @@ class TrainProgram:
         batch is cut into the train step's microbatches and their losses summed in a scan (equal
         sizes: the mean of the means is the batch's mean), so an evaluation never holds more
         activations than a training microbatch. The trainer runs it; the planner compiles it. With a
-        loss mask, the mean over the batch's trained tokens (`trained_share`)."""
-        eval_loss = make_loss_fn(self.model, self.plan.precision, loss_mask=self.loss_mask)
+        loss mask, the mean over the batch's trained tokens (`trained_share`). Under DPO, (params,
+        held-out pairs, *`eval_inputs(state)`) -> {loss, reward_accuracy, reward_margin}
+        (meshtrain/engine/dpo.py `make_dpo_eval`)."""
         micro = self.plan.num_microbatches(self.sizes["pipeline"])
+        replicated = NamedSharding(self.mesh, P())
+        if self.dpo is not None:
+            dpo_eval = make_dpo_eval(self.model, self.plan.precision, micro, self.dpo.beta, self.dpo.label_smoothing)
+            extra = (self.state_shardings["reference"],) if "reference" in self.state_shardings else ()
+            return jax.jit(dpo_eval, in_shardings=(self.state_shardings["params"], self.batch_sharding, *extra),
+                           out_shardings=replicated)
+        eval_loss = make_loss_fn(self.model, self.plan.precision, loss_mask=self.loss_mask)
 
         def all_positions(params, tokens_BxL1):
             if micro == 1:
@@ -197,7 +205,12 @@ class TrainProgram:
             return loss / trained_share(tokens_BxL1), trained_tokens(tokens_BxL1)
 
         return jax.jit(mean_loss, in_shardings=(self.state_shardings["params"], self.batch_sharding),
-                       out_shardings=NamedSharding(self.mesh, P()))
+                       out_shardings=replicated)
+
+    def eval_inputs(self, state) -> tuple:
+        """What the eval step takes after (params, batch) from the train `state` (or its abstract
+        form): DPO's reference parameters where the state keeps them, else nothing."""
+        return (state["reference"],) if "reference" in self.state_shardings else ()
 
     def lower(self):
         """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs."""

@@ -91,7 +91,8 @@ def eval_step_memory(program) -> dict:
     only) compiled on the same mesh, its parameters included."""
     batch = jax.ShapeDtypeStruct(program.batch_shape, jnp.int32, sharding=program.batch_sharding)
     with program.context():
-        lowered = program.eval_step().lower(program.abstract_state["params"], batch)
+        lowered = program.eval_step().lower(program.abstract_state["params"], batch,
+                                            *program.eval_inputs(program.abstract_state))
     return {**compiled_memory(lowered, cpu_widened(program)),
             "microbatches": program.plan.num_microbatches(program.sizes["pipeline"])}
 
@@ -261,10 +262,10 @@ def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None =
     resident = mem["optimizer_state"] + mem["grad_error"] + mem["reference"]
     gen = generation_memory(cfg, program)
     steps = {"train": mem["total"], "generation": gen["total"]}
-    ev = None  # DPO has no eval step yet (config/validate.py refuses train.eval_every with it)
-    if program.dpo is None:
-        ev = {**eval_step_memory(program), "resident_state": resident}
-        steps["eval"] = ev["total"] + resident
+    # DPO's eval step takes the reference copy as an argument: its compiled memory holds it
+    resident_eval = resident - (mem["reference"] if program.eval_inputs(program.abstract_state) else 0)
+    ev = {**eval_step_memory(program), "resident_state": resident_eval}
+    steps["eval"] = ev["total"] + resident_eval
     if cfg.eval.tasks:
         report["scoring"] = {**scoring_memory(program), "resident_state": resident}
         steps["scoring"] = report["scoring"]["total"] + resident

@@ -90,7 +90,9 @@ def format_record(r: dict) -> str:
     if "eval_loss" in r:
         sources = ", ".join(f"{k.removeprefix('eval_loss_')} {v:.4f}"
                             for k, v in r.items() if k.startswith("eval_loss_"))
-        return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" + (f" ({sources})" if sources else "")
+        dpo = (f"  reward accuracy {r['eval_reward_accuracy']:.1%} margin {r['eval_reward_margin']:.3f}"
+               if "eval_reward_accuracy" in r else "")  # DPO's held-out pairs
+        return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" + (f" ({sources})" if sources else "") + dpo
     tasks = [k.removeprefix("eval_acc_") for k in r if k.startswith("eval_acc_") and not k.startswith("eval_acc_norm_")]
     if tasks:  # downstream tasks (eval.tasks)
         return f"step {r['step']:>6}  tasks: " + ", ".join(
@@ -313,6 +315,7 @@ TAG_GROUPS = {
 }
 TAGS = {key: f"{group}/{key}" for group, keys in TAG_GROUPS.items() for key in keys} | {"eval_loss": "eval/loss"}
 PREFIXES = {"memory_": "memory/", "share_": "data/share_", "eval_loss_": "eval/loss_",  # eval_loss_<source>
+            "eval_reward_": "eval/reward_",  # DPO's held-out pairs' reward_accuracy and reward_margin
             "eval_acc_norm_": "eval/acc_norm_", "eval_acc_": "eval/acc_",  # a task's (eval.tasks); first match wins
             "grad_norm_": "grad_norms/"}  # grad_norm_layer_<i>, grad_norm_<kind> (train.grad_norms_every)
 NOT_METRICS = ("step", "time")

@@ -99,10 +99,10 @@ class Trainer:
             self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
                                                                 t.seq_len, t.seed, program.batch_sharding,
                                                                 cfg.model.vocab_size)
-        else:  # preference pairs (meshtrain/data/preference.py), no validation yet
+        else:  # preference pairs (meshtrain/data/preference.py), the file's tail held out
             self.train_batches, self.val_sets = preference.batches(
-                self.mixture.tokens[0], preference.read_pairs(cfg.data.path), t.batch_size, t.seq_len, t.seed,
-                program.batch_sharding, cfg.model.vocab_size), {}
+                self.mixture.tokens[0], preference.read_pairs(cfg.data.path), cfg.data.val_fraction, t.batch_size,
+                t.seq_len, t.seed, program.batch_sharding, cfg.model.vocab_size)
         self.shares = getattr(self.train_batches, "shares", None)  # a mixture's
 
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
@@ -295,8 +295,12 @@ class Trainer:
     def evaluation(self) -> dict:
         """{'eval_loss': the mean loss of train.eval_batches validation batches}, {} without validation.
         A mixture adds each source's `eval_loss_<name>` on its own held-out windows; eval_loss is their
-        mean weighted by the sources' shares."""
+        mean weighted by the sources' shares. Under DPO: the held-out pairs' eval_loss,
+        eval_reward_accuracy and eval_reward_margin (`preference_validation`)."""
         with self.program.context():
+            if self.program.dpo is not None:
+                return preference_validation(self.eval_step, self.state["params"], self.val_sets,
+                                             self.program.eval_inputs(self.state), self.cfg.train.eval_batches)
             return validation(self.eval_step, self.state["params"], self.val_sets, self.mixture.sources,
                               self.cfg.train.eval_batches)
 
@@ -430,6 +434,19 @@ class Trainer:
                                         self.peak, self.peak_fp8))
         record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
         return record
+
+
+def preference_validation(eval_step, params, val_sets: dict, reference: tuple, batches: int) -> dict:
+    """DPO's Trainer.evaluation record: the mean over `batches` batches of the held-out pairs (each
+    batch holds as many pairs, so the mean of the batches' means is the mean over all their pairs)
+    of the DPO loss (eval_loss), the reward accuracy and the reward margin; {} without held-out pairs."""
+    if not val_sets:
+        return {}
+    val = val_sets[""]
+    per_batch = [eval_step(params, val(i), *reference) for i in range(batches)]
+    mean = lambda k: float(jnp.mean(jnp.stack([m[k] for m in per_batch])))
+    return {"eval_loss": mean("loss"), "eval_reward_accuracy": mean("reward_accuracy"),
+            "eval_reward_margin": mean("reward_margin")}
 
 
 def validation(eval_step, params, val_sets: dict, sources, batches: int) -> dict:
