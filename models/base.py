@@ -503,11 +503,18 @@ class LanguageModel:
         """What the blocks' statistics (summed over layers) add to the training loss: none here."""
         return jnp.zeros((), jnp.float32)
 
+    def trunk(self, params, tokens_BxL, docs=None, layer=None):
+        """(the last hidden state [B, L, D] before the final norm, the blocks' statistics as means over
+        `stacked_layers`): the embedding (with a family's leading stacks), then every layer of `blocks`
+        through `layer` (default `block`; the step passes it under its remat policy). `docs`: the
+        tokens' packing.Documents."""
+        x, stats = scan_blocks(layer or self.block, params["blocks"], self.embed(params, tokens_BxL),
+                               *([] if docs is None else [docs]), kinds=self.layer_kinds)
+        return x, layer_means(stats, self.stacked_layers)
+
     def apply(self, params, tokens_BxL, docs=None):
         """Logits of tokens [B, L] (in the sequence order); `docs`: their packing.Documents."""
-        x = self.embed(params, tokens_BxL)
-        x = scan_blocks(self.block, params["blocks"], x, *([] if docs is None else [docs]), kinds=self.layer_kinds)[0]
-        return self.head(params, x)
+        return self.head(params, self.trunk(params, tokens_BxL, docs)[0])
 
     def decoding_spec(self):
         """The model spec the cached forward runs with (the moe family's routes dropless)."""
@@ -573,6 +580,12 @@ class LanguageModel:
         fp8 matmul runs): none here; routed experts run every capacity slot, or dropless the whole
         expert-parallel receive buffer, filled or not (moe.py)."""
         return 0.0
+
+    @property
+    def mtp_depth(self) -> int:
+        """Multi-token prediction depths the objective adds (`mtp_shares`, `mtp_losses`): none here
+        (models/deepseek_v3.py has them)."""
+        return 0
 
     @property
     def stacked_layers(self) -> int:

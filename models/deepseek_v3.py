@@ -401,6 +401,10 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         return self.cfg.num_layers - self.cfg.first_k_dense_replace
 
     @property
+    def mtp_depth(self) -> int:
+        return self.cfg.mtp_depth
+
+    @property
     def stacked_layers(self) -> int:
         """`blocks` holds the routed layers (the dense first ones are `dense_blocks`): the router's
         losses, `dropped` and `expert_load_max` are means over them."""

@@ -16,12 +16,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshtrain.data.tokens import token_ids
-from meshtrain.models.base import adapters_off, layer_means, scan_blocks
+from meshtrain.models.base import adapters_off
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.loss import sequence_log_probs
 from meshtrain.ops.precision import cast_for_compute
-from meshtrain.parallel.batching import inputs_and_targets, split_microbatches
+from meshtrain.parallel.batching import model_inputs, split_microbatches
 from meshtrain.parallel.sharding import constrain
 
 
@@ -51,14 +50,10 @@ def make_log_probs(model, precision: str, remat: str = "none"):
 
     def log_probs(params, pairs_BxP):
         compute = cast_for_compute(params, precision)
-        rows = sequences(pairs_BxP)
-        inputs, targets = inputs_and_targets(rows, model.sequence_order)
-        inputs, ids = token_ids(inputs), token_ids(rows)
-        docs = model.documents(ids)
-        x_NxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
-                                     *([] if docs is None else [docs]), kinds=model.layer_kinds)
+        inputs, targets, docs = model_inputs(model, sequences(pairs_BxP), loss_mask=True)
+        x_NxLxD, stats = model.trunk(compute, inputs, docs, layer)
         logp_N = sequence_log_probs(model.final_norm(compute, x_NxLxD), model.unembedding(compute), targets)
-        return logp_N.reshape(-1, 2), layer_means(stats, model.stacked_layers)
+        return logp_N.reshape(-1, 2), stats
 
     return log_probs
 

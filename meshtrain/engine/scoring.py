@@ -33,7 +33,6 @@ from meshtrain.core.errors import UserError
 from meshtrain.data.tasks import choice_metrics
 from meshtrain.engine.decode import padded_rows, place
 from meshtrain.models import FAMILIES
-from meshtrain.models.base import scan_blocks
 from meshtrain.ops.attention import BACKENDS, MIN_ATTENTION_BLOCK, xla_attention
 from meshtrain.ops.loss import chunk_positions
 from meshtrain.ops.precision import cast_for_compute
@@ -46,8 +45,7 @@ def score_fn(model, precision: str = "fp32", prepare=None):
     def score(params, tokens_BxL, targets_BxL, mask_BxL):
         params = cast_for_compute(params if prepare is None else prepare(params), precision)
         tokens_BxL = constrain(tokens_BxL, ("batch", "seq"))
-        x_BxLxD = scan_blocks(model.block, params["blocks"], model.embed(params, tokens_BxL),
-                              kinds=model.layer_kinds)[0]
+        x_BxLxD = model.trunk(params, tokens_BxL)[0]
         (B, L), V = tokens_BxL.shape, model.cfg.vocab_size
         C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")))
         # chunk n holds positions n, n + L/C, ... (ops/loss.py `_chunks`): sums and alls are order-free

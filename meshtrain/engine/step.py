@@ -11,16 +11,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.data.tokens import token_ids
 from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
 from meshtrain.engine.pipeline import make_pipeline_grads
-from meshtrain.models.base import layer_means, scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
 from meshtrain.ops.trainable import merge, select
 from meshtrain.parallel import compression, data_parallel
-from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, inputs_and_targets
+from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, model_inputs
 
 
 def lr_schedule(ocfg, total_steps: int):
@@ -60,9 +58,7 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
     def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None):
         compute = cast_for_compute(params, precision)
         inputs, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
-        x_BxLxD, stats = scan_blocks(layer, compute["blocks"], model.embed(compute, inputs),
-                                     *([] if docs is None else [docs]), kinds=model.layer_kinds)
-        stats = layer_means(stats, model.stacked_layers)
+        x_BxLxD, stats = model.trunk(compute, inputs, docs, layer)
         loss = model.loss(compute, x_BxLxD, targets)
         objective, metrics = loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
         if mtp_shares is not None:
@@ -73,18 +69,9 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
     return loss_fn
 
 
-def model_inputs(model, tokens_BxL1, loss_mask: bool = False):
-    """tokens [B, L+1] -> the model's inputs (ids), targets (< 0 where a loss mask leaves them
-    untrained) and packed documents (meshtrain/ops/packing.py, or None), in its sequence order."""
-    inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
-    if loss_mask:
-        inputs, tokens_BxL1 = token_ids(inputs), token_ids(tokens_BxL1)
-    return inputs, targets, model.documents(tokens_BxL1)
-
-
 def mtp_shares(model, tokens_BxL1, loss_mask: bool = False):
     """[D]: each multi-token prediction depth's trained share of the step batch (None without MTP)."""
-    if not getattr(model.cfg, "mtp_depth", 0):
+    if not model.mtp_depth:
         return None
     _, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
     return model.mtp_shares(targets, docs)

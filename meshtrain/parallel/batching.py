@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from meshtrain.data.tokens import token_ids
 from meshtrain.parallel.sharding import constrain
 
 
@@ -57,6 +58,15 @@ def inputs_and_targets(tokens_BxL1, sequence_order=None):
         inputs, targets = inputs[:, sequence_order], targets[:, sequence_order]
     return constrain(inputs, ("batch", "seq")), constrain(targets, ("batch", "seq"))
 
+
+
+def model_inputs(model, tokens_BxL1, loss_mask: bool = False):
+    """tokens [B, L+1] -> the model's inputs (ids), targets (< 0 where a loss mask leaves them
+    untrained) and packed documents (meshtrain/ops/packing.py, or None), in its sequence order."""
+    inputs, targets = inputs_and_targets(tokens_BxL1, model.sequence_order)
+    if loss_mask:
+        inputs, tokens_BxL1 = token_ids(inputs), token_ids(tokens_BxL1)
+    return inputs, targets, model.documents(tokens_BxL1)
 
 
 def split_microbatches(tokens_BxL1, num_micro: int):
