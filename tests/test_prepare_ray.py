@@ -1,6 +1,7 @@
 """`prepare --ray` (meshtrain/data/cluster.py) on a local Ray cluster of two nodes (two raylets of one
 CPU each, started and stopped here, shared by every test): the shards, manifest and content hash of
-text, jsonl (BPE and bytes) and a Spark Parquet folder equal the one-host prepare's byte for byte; a
+text, jsonl (BPE and bytes), a Spark Parquet folder, chat data and preference pairs (their loss masks
+and pairs) equal the one-host prepare's byte for byte; a
 bad file is one `error:` line naming it, and the rerun after fixing it, or after a Ctrl-C, tokenizes
 only the units not done yet; training runs on the result."""
 import json
@@ -9,10 +10,12 @@ import os
 
 import jax
 import pytest
+from test_dpo import write_pairs
 from test_prepare import BYTE, DOCS, write_jsonl, write_spark_parquet
+from test_sft import write_chat
 
 from meshtrain.core.errors import UserError
-from meshtrain.data import cluster, prepare, sources, tokenizer
+from meshtrain.data import chat, cluster, prepare, sources, tokenizer
 from meshtrain.data.__main__ import main
 from meshtrain.data.prepare import tokenize
 from meshtrain.run.trainer import Trainer
@@ -38,7 +41,8 @@ def two_nodes():
 
 @pytest.fixture(scope="module")
 def prepared(two_nodes, tmp_path_factory):
-    """{source: (one-host folder, Ray folder)} for text, jsonl (bytes, BPE) and Parquet."""
+    """{source: (one-host folder, Ray folder)} for text, jsonl (bytes, BPE), Parquet, chat data
+    (conversations rendered with chatml, their loss mask) and preference pairs (masks and pairs.npy)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sources, "UNIT_BYTES", UNIT_BYTES)
         root = tmp_path_factory.mktemp("sources")
@@ -48,13 +52,17 @@ def prepared(two_nodes, tmp_path_factory):
         bpe = tokenizer.train_bpe(DOCS, 300, root / "bpe" / "tokenizer.json")
         cases = {"text": (root / "texts", BYTE, "text"), "jsonl": (write_jsonl(root / "docs.jsonl"), BYTE, "text"),
                  "jsonl-bpe": (root / "docs.jsonl", bpe, "text"),
-                 "parquet": (write_spark_parquet(root / "spark"), BYTE, "body")}
+                 "parquet": (write_spark_parquet(root / "spark"), BYTE, "body"),
+                 "chat": (write_chat(root / "chat.jsonl", 40), BYTE, "messages",
+                          {"chat": chat.load_format("chatml", BYTE)}),
+                 "preference": (write_pairs(root / "pairs.jsonl", 60), BYTE, "text", {"preference": True})}
         out = {}
-        for name, (src, tok, field) in cases.items():
+        for name, (src, tok, field, *how) in cases.items():
+            how = how[0] if how else {}
             assert len(sources.units(sources.detect(str(src)), str(src))) > 3, name
             one, on_ray = root / f"{name}-one", root / f"{name}-ray"
-            prepare(str(src), tok, one, workers=1, text_field=field, shard_tokens=500)
-            cluster.prepare_on_ray(str(src), tok, on_ray, text_field=field, shard_tokens=500)
+            prepare(str(src), tok, one, workers=1, text_field=field, shard_tokens=500, **how)
+            cluster.prepare_on_ray(str(src), tok, on_ray, text_field=field, shard_tokens=500, **how)
             out[name] = one, on_ray
         return out
 
@@ -63,11 +71,13 @@ def files(folder) -> dict:
     return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("source", ["text", "jsonl", "jsonl-bpe", "parquet"])
+@pytest.mark.parametrize("source", ["text", "jsonl", "jsonl-bpe", "parquet", "chat", "preference"])
 def test_ray_prepare_writes_the_one_host_bytes(prepared, source):
     one, on_ray = prepared[source]
     manifest = json.loads((on_ray / "manifest.json").read_text())
     assert len(manifest["shards"]) > 1 or source == "text"
+    assert ("mask_sha256" in manifest) == (source in ("chat", "preference"))
+    assert ("pairs" in manifest) == (source == "preference")
     assert files(one) == files(on_ray)  # shards, sidecars, tokenizer and manifest (its content hash)
     assert not cluster.work_folder(on_ray).exists()
 

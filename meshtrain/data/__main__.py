@@ -80,9 +80,6 @@ def main(argv=None) -> int:
         field = chat_lib.MESSAGES if args.chat and args.text_field == "text" else args.text_field
         templated = args.chat or args.chat_template is not None  # preference pairs: where one is named
         chat = chat_lib.load_format(args.chat_template or "auto", tok) if templated else None
-        if (args.chat or args.preference) and args.ray is not None:
-            raise UserError(f"{'--chat' if args.chat else '--preference'} is prepared on one machine (--workers); "
-                            f"--ray does not write loss masks yet")
         if args.ray is None:
             m = prepare(args.src, tok, args.out, args.workers or os.cpu_count(), field, args.shard_tokens,
                         kind, args.allow_dropped_text, chat, args.preference)
@@ -90,8 +87,8 @@ def main(argv=None) -> int:
             raise UserError("--workers is for one machine; with --ray each unit is a Ray task on a CPU of the "
                             "cluster: leave --workers out")
         else:
-            m = prepare_on_ray(args.src, tok, args.out, args.ray, args.text_field, args.shard_tokens, kind,
-                               args.allow_dropped_text)
+            m = prepare_on_ray(args.src, tok, args.out, args.ray, field, args.shard_tokens, kind,
+                               args.allow_dropped_text, chat, args.preference)
         seconds = time.perf_counter() - started
         trained = f"; {m['trained_tokens']:,} tokens in assistant turns (the loss mask)" if args.chat else ""
         if args.preference:

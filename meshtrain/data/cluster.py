@@ -8,11 +8,15 @@ the shards through prepare.py's `write_prepared`, the one-host code, so the shar
 content hash are the one-host prepare's byte for byte. DIR appears only complete (writing_whole);
 the work folder is removed once it does.
 
+Chat data (`--chat`) and preference pairs (`--preference`) are tokenized so too, each result holding
+its loss mask beside the tokens; the driver writes the masks and `pairs.npy` as the one-host prepare does.
+
 Resuming: a result's file name is a hash of everything it was made from (the unit, its file's size
-and mtime, the tokenizer, the text field), so a rerun of the same command after a kill (a lost node,
-Ctrl-C, a bad file since fixed) reuses every result still valid and tokenizes only the rest; results
-of changed files are removed. Nodes need the source, the tokenizer and DIR's parent on a shared
-filesystem (the tasks read and write there), and meshtrain installed, as for `ray_launch`.
+and mtime, the tokenizer, the text field, the chat template and whether the rows are pairs), so a
+rerun of the same command after a kill (a lost node, Ctrl-C, a bad file since fixed) reuses every
+result still valid and tokenizes only the rest; results of changed files are removed. Nodes need the
+source, the tokenizer and DIR's parent on a shared filesystem (the tasks read and write there), and
+meshtrain installed, as for `ray_launch`.
 """
 from __future__ import annotations
 
@@ -32,23 +36,25 @@ from meshtrain.core.console import duration, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.ray_cluster import connected
+from meshtrain.data.chat import ChatFormat
 from meshtrain.data.prepare import SHARD_TOKENS, Tokenized, source_units, tokenize, write_prepared
 from meshtrain.data.sources import Unit
 
-FORMAT = 1  # of a unit's result file (`_tokenize_unit` writes it, `_load` reads it): bump when it changes
+FORMAT = 2  # of a unit's result file (`_tokenize_unit` writes it, `_load` reads it): bump when it changes
 PROGRESS_S = 10.0  # seconds between the driver's progress lines
 
 
 def prepare_on_ray(src: str, tok, out: str | Path, address: str = "auto", text_field: str = "text",
-                   shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False) -> dict:
-    """prepare.py `prepare`, its units tokenized on the Ray cluster at `address` (auto: the running
-    one; local: one started on this machine; the one this process is connected to, if any).
-    Returns the manifest."""
+                   shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False,
+                   chat: ChatFormat | None = None, preference: bool = False) -> dict:
+    """prepare.py `prepare` (its `chat` and `preference` too), its units tokenized on the Ray cluster
+    at `address` (auto: the running one; local: one started on this machine; the one this process is
+    connected to, if any). Returns the manifest."""
     kind, parts = source_units(src, kind, shard_tokens)
     work = work_folder(out)
     with connected(address, "--ray", logging_level=logging.WARNING):  # not Ray's start-up lines
-        manifest = write_prepared(ray_tokenized(parts, tok, text_field, work, out), src, kind, tok, out, text_field,
-                                  shard_tokens, allow_dropped_text)
+        manifest = write_prepared(ray_tokenized(parts, tok, text_field, work, out, chat, preference), src, kind, tok,
+                                  out, text_field, shard_tokens, allow_dropped_text, chat, preference)
     shutil.rmtree(work, ignore_errors=True)
     return manifest
 
@@ -60,20 +66,21 @@ def work_folder(out: str | Path) -> Path:
     return next(p for p in out.parents if p.is_dir()) / f".{out.name}.units"
 
 
-def ray_tokenized(parts: list[Unit], tok, field: str, work: Path, out) -> Iterator[Tokenized]:
+def ray_tokenized(parts: list[Unit], tok, field: str, work: Path, out, chat: ChatFormat | None = None,
+                  preference: bool = False) -> Iterator[Tokenized]:
     """`tokenize` of each unit, in order, by Ray tasks (at most a few per CPU of the cluster ahead of
     the one the driver waits for); results already in `work` are reused. A task's UserError is
     raised as it is; on any error, or when the caller stops, the tasks still out are cancelled."""
     import ray
 
-    names = [f"unit-{i:07d}-{key}.npz" for i, key in enumerate(unit_keys(parts, tok, field))]
+    names = [f"unit-{i:07d}-{key}.npz" for i, key in enumerate(unit_keys(parts, tok, field, chat, preference))]
     lock = _claim(work, set(names), out)
     done = [(work / n).is_file() for n in names]
     if any(done):
         log.info(f"resuming {out}: {sum(done):,} of {len(parts):,} units were tokenized by an earlier run; "
                  f"tokenizing the other {len(parts) - sum(done):,}")
     task = ray.remote(_tokenize_unit).options(num_cpus=1)
-    tok_ref, ahead = ray.put(tok), max(4, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    tok_ref, ahead = ray.put((tok, chat, preference)), max(4, 2 * int(ray.cluster_resources().get("CPU", 1)))
     todo = iter([i for i in range(len(parts)) if not done[i]])
     refs: dict[int, object] = {}
     progress = Progress(parts, done)
@@ -95,12 +102,15 @@ def ray_tokenized(parts: list[Unit], tok, field: str, work: Path, out) -> Iterat
             work.rmdir()  # nothing to resume from
 
 
-def unit_keys(parts: list[Unit], tok, field: str) -> list[str]:
+def unit_keys(parts: list[Unit], tok, field: str, chat: ChatFormat | None = None,
+              preference: bool = False) -> list[str]:
     """A hash per unit of what its result is made from: the unit, its file's size and mtime, the
-    tokenizer (its file's bytes, vocabulary and EOS) and the text field."""
+    tokenizer (its file's bytes, vocabulary and EOS), the text field, the chat template (its text and
+    special tokens) and whether the rows are preference pairs."""
     tok_file = getattr(tok, "path", None)
     made_with = [FORMAT, tok.name, tok.vocab_size, tok.eos_id, field,
-                 hashlib.sha256(Path(tok_file).read_bytes()).hexdigest() if tok_file else None]
+                 hashlib.sha256(Path(tok_file).read_bytes()).hexdigest() if tok_file else None,
+                 None if chat is None else [chat.template, sorted(chat.specials.items())], preference]
     stats = {f: os.stat(f) for f in {u.file for u in parts}}
     return [hashlib.sha256(json.dumps([*made_with, u.kind, u.file, u.lo, u.hi, stats[u.file].st_size,
                                        stats[u.file].st_mtime_ns]).encode()).hexdigest()[:20] for u in parts]
@@ -123,19 +133,23 @@ def _claim(work: Path, keep: set[str], out) -> int:
     return lock
 
 
-def _tokenize_unit(unit: Unit, tok, field: str, path: str) -> None:
-    """A Ray task: the unit's tokens, saved whole at `path`."""
+def _tokenize_unit(unit: Unit, how: tuple, field: str, path: str) -> None:
+    """A Ray task: the unit's tokens (and loss mask), saved whole at `path`; `how`: (the tokenizer,
+    the chat format or None, whether the rows are preference pairs)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per task: the tasks are the parallelism
-    part = tokenize(unit, tok, field)
+    tok, chat, preference = how
+    part = tokenize(unit, tok, field, chat, preference)
+    mask = {} if part.mask is None else {"mask": part.mask}
     with writing_file(path, "the unit's result", force=True) as tmp, open(tmp, "wb") as f:  # a full disk: one line
-        np.savez(f, ids=part.ids, ends=part.ends,
+        np.savez(f, ids=part.ids, ends=part.ends, **mask,
                  counts=np.array(json.dumps({"characters": part.characters, "dropped": part.dropped})))
 
 
 def _load(path: Path) -> Tokenized:
     with np.load(path) as saved:
         counts = json.loads(str(saved["counts"]))
-        return Tokenized(saved["ids"], saved["ends"], counts["characters"], counts["dropped"])
+        return Tokenized(saved["ids"], saved["ends"], counts["characters"], counts["dropped"],
+                         saved["mask"] if "mask" in saved.files else None)
 
 
 def _result(ref) -> None:
