@@ -73,6 +73,34 @@ def test_prepare_stores_each_pair_with_its_responses_masked_in(pairs_folder, tmp
     assert chosen == fmt.render(rows[0]["prompt"] + [{"role": "assistant", "content": "4"}]) + "\n"
 
 
+def test_parquet_and_datasets_rows_prepare_as_jsonl_does(tmp_path, capsys):
+    """The same pairs as Parquet rows (a message list in one column) and as a datasets save_to_disk
+    folder give jsonl's tokens, masks and pairs; a table without a column is one error naming it."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in write_pairs(tmp_path / "pairs.jsonl", 30).read_text().splitlines()]
+    rows = [{**r, "chosen": [{"role": "assistant", "content": r["chosen"]}]} for r in rows]  # messages, and text
+    (tmp_path / "msgs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = pa.Table.from_pylist(rows)
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table, tmp_path / "pq" / "part-0.parquet", row_group_size=8)
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "hf"))
+    made = {}
+    for name in ("msgs.jsonl", "pq", "hf"):
+        assert main(["prepare", str(tmp_path / name), "--preference", "--chat-template", "chatml", "--out",
+                     str(tmp_path / f"out-{name}"), "--workers", "1"]) == 0
+        made[name] = {f.name: f.read_bytes() for f in (tmp_path / f"out-{name}").iterdir() if f.name != "manifest.json"}
+    assert made["pq"] == made["msgs.jsonl"] == made["hf"] and "pairs.npy" in made["pq"]
+    pq.write_table(table.drop_columns(["rejected"]), tmp_path / "pq" / "part-0.parquet")
+    assert main(["prepare", str(tmp_path / "pq"), "--preference", "--chat-template", "chatml", "--out",
+                 str(tmp_path / "bad"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "part-0.parquet has no column 'rejected' (has: prompt, chosen); a row needs the columns prompt, " \
+           "chosen, rejected" in err and err.count("error:") == 1 and not (tmp_path / "bad").exists()
+
+
 @pytest.mark.fast
 def test_bad_preference_rows_are_one_error_naming_the_line_and_write_nothing(tmp_path, capsys):
     good = json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
@@ -86,7 +114,7 @@ def test_bad_preference_rows_are_one_error_naming_the_line_and_write_nothing(tmp
         err = capsys.readouterr().err
         assert err.startswith(f"error: {tmp_path / 'bad.jsonl'}, line at byte {len(good)}: ") and message in err
         assert err.count("\n") == 1 and not (tmp_path / "out").exists()
-    with pytest.raises(UserError, match="preference data is read from jsonl rows"):
+    with pytest.raises(UserError, match="is a text file; preference data is rows of prompt, chosen and rejected"):
         (tmp_path / "t.txt").write_text("text")
         prepare(str(tmp_path / "t.txt"), tokenizer.ByteTokenizer(), tmp_path / "out", preference=True)
     assert main(["prepare", str(tmp_path / "bad.jsonl"), "--preference", "--chat", "--out", str(tmp_path / "o")]) == 2

@@ -56,7 +56,7 @@ def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = Non
     `preference`: the rows are preference pairs (rendered with `chat` where it is given)."""
     try:
         if preference:
-            rows = list(read(unit, None, preference_lib.example_of))
+            rows = list(read(unit, None, preference_lib.example_of, preference_lib.FIELDS))
         else:
             rows = list(read(unit, field, chat_lib.messages_of if chat else None))
     except OSError as e:  # unreadable (permissions, a vanished file): the user's to fix, named

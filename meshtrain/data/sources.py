@@ -106,24 +106,26 @@ def source_bytes(parts: list[Unit]) -> int:
     return sum(Path(f).stat().st_size for f in {u.file for u in parts})
 
 
-def read(unit: Unit, field: str, value=None) -> Iterator:
+def read(unit: Unit, field: str | None, value=None, columns: tuple = ()) -> Iterator:
     """The unit's documents: a text file whole (undecodable bytes kept as surrogate escapes, so the
     byte tokenizer sees the file's own bytes); jsonl lines' / Parquet or Arrow rows' `field`, checked
     by `value(field value, field, where)` (default: text; meshtrain/data/chat.py: a conversation);
-    `field` None: jsonl lines' whole rows (meshtrain/data/preference.py: a preference pair)."""
+    `field` None: whole rows, jsonl lines' or Parquet/Arrow rows' `columns` as a dict
+    (meshtrain/data/preference.py: a preference pair)."""
     value = value or _text
-    if field is None and unit.kind != "jsonl":  # a whole row (meshtrain/data/preference.py)
-        raise UserError(f"{unit.file} is {unit.kind}; preference data is read from jsonl rows")
     if unit.kind == "text":
         if value is not _text:
-            raise UserError(f"{unit.file} is a text file; chat data is rows of messages (jsonl, Parquet or a "
-                            f"datasets folder)")
+            what = "preference data is rows of prompt, chosen and rejected" if field is None else \
+                "chat data is rows of messages"
+            raise UserError(f"{unit.file} is a text file; {what} (jsonl, Parquet or a datasets folder)")
         yield Path(unit.file).read_bytes().decode("utf-8", errors="surrogateescape")
     elif unit.kind == "jsonl":
         yield from _jsonl(unit, field, value)
     else:
-        table = _parquet_rows(unit, field) if unit.kind == "parquet" else _arrow_rows(unit, field)
-        for i, row in enumerate(table.column(field).to_pylist()):
+        names = list(columns) if field is None else [field]
+        table = _parquet_rows(unit, names) if unit.kind == "parquet" else _arrow_rows(unit, names)
+        rows = table.to_pylist() if field is None else table.column(field).to_pylist()
+        for i, row in enumerate(rows):
             yield value(row, field, f"{unit.file} ({unit.kind} part {unit.lo}, row {i})")
 
 
@@ -168,16 +170,19 @@ def _parquet(file: Path):
         raise UserError(f"{file} is not a Parquet file ({e}); remove it or set data.kind") from None
 
 
-def _check_column(file: str, names: list[str], field: str) -> None:
-    if field not in names:
-        raise UserError(f"{file} has no column {field!r} (has: {', '.join(names)}); set "
-                        f"data.text_field (--text-field) to the column holding the text")
+def _check_columns(file: str, names: list[str], fields: list[str]) -> None:
+    """Every one of `fields` is a column: one field is the text (data.text_field), several a whole row's."""
+    for field in fields:
+        if field not in names:
+            fix = ("set data.text_field (--text-field) to the column holding the text" if len(fields) == 1 else
+                   f"a row needs the columns {', '.join(fields)}")
+            raise UserError(f"{file} has no column {field!r} (has: {', '.join(names)}); {fix}")
 
 
-def _parquet_rows(unit: Unit, field: str):
+def _parquet_rows(unit: Unit, fields: list[str]):
     parquet = _parquet(Path(unit.file))
-    _check_column(unit.file, parquet.schema_arrow.names, field)
-    return parquet.read_row_groups(range(unit.lo, unit.hi), columns=[field])
+    _check_columns(unit.file, parquet.schema_arrow.names, fields)
+    return parquet.read_row_groups(range(unit.lo, unit.hi), columns=fields)
 
 
 def _arrow_files(folder: Path) -> list[Path]:
@@ -210,10 +215,10 @@ def _arrow_units(file: Path) -> list[Unit]:
     return [Unit("arrow", str(file), lo, hi) for lo, hi in zip(cuts, cuts[1:] + [len(sizes)]) if hi > lo]
 
 
-def _arrow_rows(unit: Unit, field: str):
+def _arrow_rows(unit: Unit, fields: list[str]):
     import pyarrow as pa
 
     stream = _arrow_stream(Path(unit.file))
-    _check_column(unit.file, stream.schema.names, field)
-    batches = [b.select([field]) for b in itertools.islice(stream, unit.lo, unit.hi)]
-    return pa.Table.from_batches(batches, schema=pa.schema([stream.schema.field(field)]))
+    _check_columns(unit.file, stream.schema.names, fields)
+    batches = [b.select(fields) for b in itertools.islice(stream, unit.lo, unit.hi)]
+    return pa.Table.from_batches(batches, schema=pa.schema([stream.schema.field(f) for f in fields]))
