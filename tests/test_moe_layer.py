@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import meshtrain.models.moe as moe_module
 from meshtrain.config.loader import UserError
 from meshtrain.models.moe import capacity, moe_mlp
+from meshtrain.planner import hlo
 
 B, L, D, F, K = 8, 8, 16, 32, 2
 
@@ -163,6 +164,33 @@ def test_expert_parallel_matches_one_device(shape, names, weight_spec, capacity_
     assert_close(ep_stats, stats)
     assert_close(ep_grads, grads)
     assert (float(stats["dropped"]) > 0) == (capacity_factor > 0)
+
+
+@pytest.mark.parametrize("shape, names", [((4, 2), ("data", "tensor")), ((2, 2, 2), ("data", "tensor", "expert"))])
+def test_dropless_experts_split_over_tensor_match_one_device(shape, names, small_tiles):
+    """Experts split on F over 'tensor' (Megatron): each device's grouped matmuls give its F slice's
+    partial sums, summed once after the combine, and the compiled layer all-reduces nothing inside
+    the grouped matmuls' loops (before: the down projection's partial sums, and backward the gate's
+    and up's input gradients, every (tile, expert) step); outputs, stats, gradients as on one device."""
+    args = make_inputs(E=8)
+    ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
+    (_, (y, stats)), grads = jax.jit(objective(moe(0.0), ct))(*args)
+    e = "expert" if "expert" in names else None
+
+    def sharded(x, router, w_gate, w_up, w_down):  # the weights as the model holds them: F over tensor
+        x = jax.lax.with_sharding_constraint(x, P(tuple(a for a in names if a != "tensor")))
+        w_gate, w_up = (jax.lax.with_sharding_constraint(w, P(e, None, "tensor")) for w in (w_gate, w_up))
+        return moe(0.0)(x, router, w_gate, w_up, jax.lax.with_sharding_constraint(w_down, P(e, "tensor")))
+
+    fn = jax.jit(objective(sharded, ct))
+    with jax.set_mesh(mesh_of(shape, names)):
+        text = fn.lower(*args).compile().as_text()
+        (_, (tp_y, tp_stats)), tp_grads = fn(*args)
+    looped = [(r.name, r.times) for r in hlo.read(text, 8) if r.kind == "all-reduce" and r.times > 1]
+    assert not looped, looped
+    assert_close(tp_y, y)
+    assert_close(tp_stats, stats)
+    assert_close(tp_grads, grads)
 
 
 def test_expert_parallel_hlo_has_all_to_all():

@@ -408,6 +408,18 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         gaps["all-gather"].append((
             "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
             "backward) where the formula counts one gather", 1, 4))
+    latent = getattr(program.model.cfg, "kv_lora_rank", 0)
+    if T > 1 and latent:  # models/deepseek_v3.py: the latents are normalized, then split by heads
+        m = program.model.cfg
+        width = m.q_lora_rank + latent + m.qk_rope_head_dim
+        layers = m.num_layers / sizes["pipeline"]
+        extra = formulas.megatron_allreduce_bytes(tokens_per_device(program), width, T, layers, 1,
+                                                  compute_bytes(plan.precision))
+        formula = expected_traffic(program)["all-reduce"]["traffic_bytes"]
+        gaps["all-reduce"].append((
+            "multi-head latent attention beside tensor: the backward also all-reduces the q, kv and rope latents' "
+            f"gradients [b, s, {width}] over tensor (partial sums of the head-split up-projections, needed whole "
+            "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
     if E > 1:
         gaps["all-gather"].append((
             "the MoE routing (models/moe.py) gathers token positions and router statistics over expert: not "
