@@ -446,6 +446,7 @@ class LanguageModel:
     post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
     stacks = ("blocks",)  # the parameters stacked on a leading layers axis (`logical_axes`)
     training_only = ()  # top-level parameters only the training objective uses (inference and export skip them)
+    embed_stacks = ()  # stacks of the first layers that `embed` runs (on a pipeline: the first stage)
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
         self.cfg = cfg.resolved()

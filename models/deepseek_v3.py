@@ -308,6 +308,7 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
     param_axes = {**MOE_PARAM_AXES, **MLA_AXES}
     stacks = ("blocks", "dense_blocks", "mtp")
     training_only = ("mtp",)  # the multi-token prediction modules
+    embed_stacks = ("dense_blocks",)
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
