@@ -21,10 +21,14 @@ each layer's output cotangent; the weight gradient (W) runs later from those and
 The embedding and the head are not split into stages: the first stage embeds each microbatch as
 it enters (and adds the embedding gradient in its backward), the last stage applies the head and
 the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
-reads that cotangent like any other stage). Received tensors wait in ring buffers sized from the
-timetable. Gradients accumulate locally over microbatches; they are summed over the pipeline axis
-(embedding, final norm, head) and reduced over `data` (a manual axis too when data > 1, at every
-ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
+reads that cotangent like any other stage). Layers that `embed` runs (deepseek_v3's dense first
+layers, outer parameters) run there too, their forward again in the embedding gradient. Received
+tensors wait in ring buffers sized from the timetable. The layers' statistics are summed over
+microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
+update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
+accumulate locally over microbatches; they are summed over the pipeline axis (embedding, final
+norm, head) and reduced over `data` (a manual axis too when data > 1, at every ZeRO stage:
+meshtrain/parallel/data_parallel.py) once per step.
 """
 from __future__ import annotations
 
