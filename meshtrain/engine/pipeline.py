@@ -260,10 +260,13 @@ class StageProgram:
                                                   pin(c["g_chunks"]), pin(g_chunk)))}
 
     def chunk_input(self, c, m, v):
-        """The first model stage embeds the microbatch; the others read what they received (with
-        the embedding's sharding: both branches of a cond must agree)."""
-        received = lambda: constrain(_read(c["inputs"], m, v, self.slots["input_slots"]), ("batch", "seq", "embed"))
-        return jax.lax.cond(self.is_first(v), lambda: self.embed(self.outer, m), received)
+        """The first model stage embeds the microbatch; the others read what they received. Both
+        branches of a cond must agree on the sharding: the embedding's, pinned on the first branch
+        too (after deepseek_v3's dense layers, XLA left it replicated: "Inconsistent conditional
+        sharding" on fsdp=2,pipeline=2)."""
+        pin = lambda x: constrain(x, ("batch", "seq", "embed"))
+        received = lambda: pin(_read(c["inputs"], m, v, self.slots["input_slots"]))
+        return jax.lax.cond(self.is_first(v), lambda: pin(self.embed(self.outer, m)), received)
 
     # ---- actions ----
     def forward(self, c, m, v):
