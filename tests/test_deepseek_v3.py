@@ -202,6 +202,13 @@ def test_latent_cache_generates_the_full_forwards_greedy_tokens():
 
 def test_what_is_not_built_is_refused_in_one_line():
     """(Multi-token prediction on a pipeline: tests/test_mtp.py.)"""
+    from meshtrain.config.validate import check_layout
+    from meshtrain.parallel.sharding import make_rules
+
+    cfg = load_config(TINY)
+    sizes = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1, "pipeline": 2, "context": 1}
+    with pytest.raises(UserError, match="first_k_dense_replace=1 on a pipeline with fsdp and tensor both > 1"):
+        check_layout(cfg.model, cfg.parallel, cfg.train, sizes, make_rules(), "cpu")
     with pytest.raises(UserError, match="first_k_dense_replace=3 leaves none of the 3 layers routed"):
         load_config(TINY, ["model.first_k_dense_replace=3"])
     with pytest.raises(UserError, match="router_groups=3 must divide model.num_experts=8"):

@@ -137,6 +137,10 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     if stages > 1 and t.objective == "dpo":
         raise LayoutError("train.objective=dpo runs without a pipeline axis (the pipeline executor computes the "
                           "token loss only); drop pipeline from parallel.mesh")
+    dense = getattr(m, "first_k_dense_replace", 0)
+    if dense and stages > 1 and sizes["fsdp"] > 1 and sizes["tensor"] > 1:  # XLA:CPU hung in a collective-permute
+        raise LayoutError(f"model.first_k_dense_replace={dense} on a pipeline with fsdp and tensor both > 1 is not "
+                          f"built (the first stage's dense layers wait for the other stages); keep one of them at 1")
     mtp = getattr(m, "mtp_depth", 0)
     if mtp and stages > 1:
         raise LayoutError(f"model.mtp_depth={mtp} runs without a pipeline axis (the multi-token prediction modules "
