@@ -44,10 +44,11 @@ from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.embedding import lookup
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.ops.packing import visible
-from meshtrain.parallel.sharding import constrain
+from meshtrain.parallel.sharding import LAYER_AXES, constrain
 
 # Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
-# module is named here); stacked block parameters get a leading "layers".
+# module is named here); stacked block parameters get a leading "layers" (`blocks`, which pipeline
+# stages split) or "outer_layers" (another stack: whole on every stage).
 PARAM_AXES = {
     "embedding": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
@@ -60,7 +61,7 @@ PARAM_AXES = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
 }
-STACKED_AXES = ("layers", "experts")  # leading axes that stack independent weights
+STACKED_AXES = (*LAYER_AXES, "experts")  # leading axes that stack independent weights
 
 # LoRA (models/spec.py LoraSpec): each target's base weight and the einsums of x A and (x A) B.
 LORA = {"q": ("wq", "bld,dr->blr", "blr,rhk->blhk"), "k": ("wk", "bld,dr->blr", "blr,rgk->blgk"),
@@ -390,15 +391,10 @@ class Transformer(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model)) * 0.02)
-        self.blocks = stacked_blocks(self.block_type, cfg, rngs, self.stacked_layers(cfg))
+        self.blocks = stacked_blocks(self.block_type, cfg, rngs, cfg.stacked_layers())
         self.final_norm = self.block_type.norm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(_init(0, 1)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
-
-    @staticmethod
-    def stacked_layers(cfg) -> int:
-        """The layers of `blocks`: all of them here."""
-        return cfg.num_layers
 
 
 # Block statistics kept per layer ([layers, ...], storage order) rather than summed over layers:
@@ -422,8 +418,12 @@ def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None):
     else:
         x_BxLxD, stats = jax.lax.scan(lambda x, pk: layer(pk[0], x, *docs, kind=pk[1]), x_BxLxD,
                                       (blocks, jnp.asarray(kinds, jnp.int32)))
-    return x_BxLxD, {k: v if k in PER_LAYER_STATS else jax.tree.map(lambda s: s.sum(axis=0), v)
-                     for k, v in stats.items()}
+    return x_BxLxD, layer_sums(stats)
+
+
+def layer_sums(stats: dict) -> dict:
+    """Statistics stacked per layer [layers, ...] summed over the layers, PER_LAYER_STATS kept as they are."""
+    return {k: v if k in PER_LAYER_STATS else jax.tree.map(lambda s: s.sum(axis=0), v) for k, v in stats.items()}
 
 
 class LanguageModel:
@@ -444,9 +444,9 @@ class LanguageModel:
     saveable = MATMUL_OUTPUTS
     param_axes = PARAM_AXES
     post_norm = False  # the block normalizes its MLP's output (the planner's Megatron count under remat=full)
-    stacks = ("blocks",)  # the parameters stacked on a leading `layers` axis
+    stacks = ("blocks",)  # the parameters stacked on a leading layers axis (`logical_axes`)
     training_only = ()  # top-level parameters only the training objective uses (inference and export skip them)
-    leading_stacks = ()  # stacks of layers that run before `blocks` (in model order; `embed` runs them)
+    embed_stacks = ()  # stacks of the first layers, run by `embed` before `blocks` (on a pipeline: the first stage)
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
         self.cfg = cfg.resolved()
@@ -505,7 +505,7 @@ class LanguageModel:
 
     def trunk(self, params, tokens_BxL, docs=None, layer=None):
         """(the last hidden state [B, L, D] before the final norm, the blocks' statistics as means over
-        `stacked_layers`): the embedding (with a family's leading stacks), then every layer of `blocks`
+        `stacked_layers`): the embedding (with a family's `embed_stacks`), then every layer of `blocks`
         through `layer` (default `block`; the step passes it under its remat policy). `docs`: the
         tokens' packing.Documents."""
         x, stats = scan_blocks(layer or self.block, params["blocks"], self.embed(params, tokens_BxL),
@@ -551,7 +551,9 @@ class LanguageModel:
         def axes(path, _):
             module = path[-2].key if len(path) > 1 else None
             names = self.param_axes.get(module) or self.param_axes[path[-1].key]
-            return ("layers", *names) if path[0].key in self.stacks else names
+            if path[0].key not in self.stacks:
+                return names
+            return ("layers" if path[0].key == "blocks" else "outer_layers", *names)
 
         return jax.tree_util.tree_map_with_path(axes, params)
 
@@ -590,8 +592,8 @@ class LanguageModel:
     @property
     def stacked_layers(self) -> int:
         """The layers of the stack `blocks` (the layer scan, the pipeline's stages): the step reports
-        their statistics as means over these."""
-        return self.cfg.num_layers
+        their statistics as means over these (the spec's `stacked_layers`)."""
+        return self.cfg.stacked_layers()
 
     @property
     def routed_layers(self) -> int:

@@ -21,8 +21,10 @@ the optimizer, and moved by the step when model.router_bias_update_rate > 0; gro
 (`router_groups`, `router_topk_groups`); gates renormalised (`norm_topk_prob`) and x
 `routed_scaling_factor`. The first `first_k_dense_replace` layers have a dense SwiGLU MLP of
 `dense_mlp_dim` instead: they are a second stack, `dense_blocks`, run by `embed` (so the stacked
-`blocks` the layer scan and pipeline stages split stay alike); they run without the remat policy,
-and pipeline parallelism is refused while they exist. The sequence-wise balance loss is
+`blocks` the layer scan and pipeline stages split stay alike); they run without the remat policy.
+On a pipeline they are outer parameters (logical axis `outer_layers`, whole on every stage) and the
+first stage runs them with the embedding, rerunning their forward for its embedding gradient: its
+ticks are longer by their work (the planner prices it: meshtrain/planner/roofline.py). The sequence-wise balance loss is
 model.router_aux_loss (models/moe.py's aux_loss is DeepSeek-V3's eq. 17-20).
 
 Multi-token prediction (DeepSeek-V3 section 2.2, model.mtp_depth D > 0): D sequential `MTPModule`s,
@@ -71,7 +73,7 @@ from meshtrain.models.base import (
 from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts, Router
 from meshtrain.models.spec import Family, HFConfig, HFMap, family_setting
 from meshtrain.ops.loss import cross_entropy
-from meshtrain.parallel.sharding import constrain, mesh_axis
+from meshtrain.parallel.sharding import constrain
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which q_a_layernorm and kv_a_layernorm keep
 
@@ -137,6 +139,10 @@ class DeepSeekV3Spec(RoutedExperts):
         if self.qk_rope_head_dim % 2 or self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
             raise UserError("model.qk_rope_head_dim must be even and model.v_head_dim at most qk_nope_head_dim + "
                             "qk_rope_head_dim (values are padded to the query/key width for the kernel)")
+
+    def stacked_layers(self) -> int:
+        """The routed layers: the dense first ones are the stack `dense_blocks`."""
+        return self.num_layers - self.first_k_dense_replace
 
     latent_cache = True
 
@@ -295,10 +301,6 @@ class DeepSeekTransformer(Transformer):
         if cfg.mtp_depth:
             self.mtp = stacked_blocks(MTPModule, cfg, rngs, cfg.mtp_depth)
 
-    @staticmethod
-    def stacked_layers(cfg) -> int:
-        return cfg.num_layers - cfg.first_k_dense_replace
-
 
 MLA_AXES = {"wq_a": ("embed", "q_lora"), "q_norm": ("q_lora",), "wq_b": ("q_lora", "heads", "head_dim"),
             "wkv_a": ("embed", "kv_lora"), "kv_norm": ("kv_lora",), "wkv_b": ("kv_lora", "heads", "head_dim"),
@@ -310,7 +312,7 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
     param_axes = {**MOE_PARAM_AXES, **MLA_AXES}
     stacks = ("blocks", "dense_blocks", "mtp")
     training_only = ("mtp",)  # the multi-token prediction modules
-    leading_stacks = ("dense_blocks",)  # the dense first layers
+    embed_stacks = ("dense_blocks",)  # the dense first layers
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -326,14 +328,11 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
         return block(x_BxLxD, self.attention, self.sequence_order, docs)
 
     def embed(self, params, tokens_BxL):
-        """The embedding, then the dense layers (tokens in the stored sequence order)."""
+        """The embedding, then the dense layers (tokens in the stored sequence order); on a pipeline,
+        the first stage's."""
         x_BxLxD = super().embed(params, tokens_BxL)
         if "dense_blocks" not in params:
             return x_BxLxD
-        if mesh_axis("pipeline")[0] > 1:
-            raise UserError(f"model.first_k_dense_replace={self.cfg.first_k_dense_replace}: deepseek_v3's dense "
-                            f"layers run before the pipeline stages, and pipeline parallelism is not built for "
-                            f"them; use a mesh without a pipeline axis")
         docs = []
         if self.packing is not None:  # the documents of the tokens in true order, stored as they are
             order = self.sequence_order
@@ -398,17 +397,11 @@ class DeepSeekV3LanguageModel(MoELanguageModel):
 
     @property
     def routed_layers(self) -> int:
-        return self.cfg.num_layers - self.cfg.first_k_dense_replace
+        return self.cfg.stacked_layers()
 
     @property
     def mtp_depth(self) -> int:
         return self.cfg.mtp_depth
-
-    @property
-    def stacked_layers(self) -> int:
-        """`blocks` holds the routed layers (the dense first ones are `dense_blocks`): the router's
-        losses, `dropped` and `expert_load_max` are means over them."""
-        return self.routed_layers
 
     def flops_per_token(self, params, seq_len: int) -> float:
         """6N + 6 L H (Kn + Kr + Kv) S: QK^T over Kn + Kr channels, PV over Kv (the 12 L H K S of

@@ -111,6 +111,10 @@ class ModelSpec:
         """The family's own checks across its keys (meshtrain/config/validate.py runs the shared
         ones first): a one-line UserError naming the key and the fix. None here."""
 
+    def stacked_layers(self) -> int:
+        """The layers of the stack `blocks`, which the layer scan runs and pipeline stages split: all."""
+        return self.num_layers
+
     def layer_windows(self) -> tuple[int, ...]:
         """Each layer's sliding attention window, in model order (0: full causal attention)."""
         return (0,) * self.num_layers

@@ -3,9 +3,10 @@ torch, fp32, random weights from tiny configs, nothing downloaded): logits both 
 export of meshtrain's own random weights), bitwise import/export round trips, with q_lora_rank set and
 None, 2 expert groups, a dense first layer, a nonzero selection bias and yarn in one case; the bias
 never trained; configs/deepseek_v3_tiny.yaml trains (its biases moving, with 2 multi-token prediction
-modules) on data x expert, fsdp x tensor and context (ring, hybrid) meshes as on one device; generation from the
-compressed-latent cache gives the full forward's greedy tokens, on one device and on expert x tensor;
-what is not built (pipeline stages) is refused in one line."""
+modules) on data x expert, fsdp x tensor and context (ring, hybrid) meshes as on one device, and (its
+biases moving, without MTP) on pipelines, the first stage running the dense layer, as qwen3_moe's biases
+do on an interleaved one; generation from the compressed-latent cache gives the full forward's greedy
+tokens, on one device and on expert x tensor; what is not built is refused in one line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,7 +149,7 @@ def test_layer_gradient_norms_count_the_dense_first_layers():
     params = model.init(jax.random.key(0))
     tokens = jnp.asarray(TOKENS[:, :17] % 256)
     grads = jax.jit(jax.grad(lambda p, t: make_loss_fn(model, "fp32")(p, t)[0]))(params, tokens)
-    fields = grad_norm_fields(jax.device_get(grad_norms_by_group(grads, model.leading_stacks)), [1, 0])
+    fields = grad_norm_fields(jax.device_get(grad_norms_by_group(grads, model.embed_stacks)), [1, 0])
     expected = [optax.tree.norm(grads["dense_blocks"]),
                 *(optax.tree.norm(jax.tree.map(lambda g, i=i: g[i], grads["blocks"])) for i in (1, 0))]
     np.testing.assert_allclose([fields[f"grad_norm_layer_{i}"] for i in range(3)], expected, rtol=1e-6)
@@ -191,6 +192,40 @@ def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
     assert all(r["batch_load_max"] >= 1 for r in trainer.history if "loss" in r)
 
 
+def trains_as_on_one_device(config, mesh, *more, devices):
+    """`config` with the bias update on `mesh`: the 1-device run's losses and parameters (fp32, 1e-5),
+    its router biases bitwise (they move by +-0.01 a step from the per-layer loads, counted exactly)."""
+    _, ref_losses, ref_params = run_tiny("parallel.mesh=1", BIAS, devices=jax.devices()[:1], config=config)
+    trainer, losses, _ = run_tiny(f"parallel.mesh={mesh}", BIAS, *more, devices=jax.devices()[:devices],
+                                  config=config)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    params = trainer.unpermuted_params()  # interleaved stages store the layers in their own order
+    assert max_param_diff(params, ref_params) < 1e-5 and losses[-1] != losses[0]
+    bias = np.asarray(params["blocks"]["router_bias"])
+    assert len(np.unique(bias, axis=0)) == len(bias) and np.array_equal(bias, ref_params["blocks"]["router_bias"])
+    return trainer
+
+
+@pytest.mark.parametrize("mesh, devices, more", [("pipeline=2", 2, ()),  # 1f1b, 4 microbatches
+                                                  ("data=2,pipeline=2", 4, ("parallel.schedule=gpipe",
+                                                                            "parallel.microbatches=2",
+                                                                            "parallel.residuals=recompute"))])
+def test_dense_layers_and_the_bias_update_run_on_a_pipeline_as_on_one_device(mesh, devices, more):
+    """The first stage runs the dense first layer with the embedding (`outer_layers`: whole on every
+    stage); the stages' per-layer expert loads reach the bias update as the layer scan's do."""
+    trainer = trains_as_on_one_device(TINY, mesh, *more, devices=devices)
+    assert trainer.program.logical_axes["dense_blocks"]["w_gate"] == ("outer_layers", "embed", "mlp")
+    assert trainer.program.state_shardings["params"]["dense_blocks"]["w_gate"].spec[0] is None
+
+
+def test_the_bias_update_of_another_moe_family_on_an_interleaved_pipeline():
+    """qwen3_moe's 4 layers in 2 stages x 2 chunks, stored in the order [0, 2, 1, 3]: each stage's
+    loads land on its own storage rows, where its biases are."""
+    trainer = trains_as_on_one_device(str(ROOT / "configs" / "qwen3_moe_tiny.yaml"), "pipeline=2",
+                                      "parallel.schedule=interleaved", "parallel.virtual_stages=2", devices=2)
+    assert trainer.program.layer_order.tolist() == [0, 2, 1, 3]
+
+
 def test_latent_cache_generates_the_full_forwards_greedy_tokens():
     """Prompts of 5, 9 and 2 tokens + 8 new, fp32, the tiny config's random weights x 3 (distinct
     logits): the cache holds kv_lora_rank + qk_rope_head_dim = 24 values per layer and position (what
@@ -212,12 +247,14 @@ def test_latent_cache_generates_the_full_forwards_greedy_tokens():
 
 
 def test_what_is_not_built_is_refused_in_one_line():
-    spec = load_config(TINY).model
-    model = FAMILIES["deepseek_v3"](spec)
-    params = jax.eval_shape(model.init, jax.random.key(0))
-    with jax.set_mesh(build_mesh(parse_mesh("pipeline=2", 2), jax.devices()[:2])):
-        with pytest.raises(UserError, match="dense layers run before the pipeline stages"):
-            jax.eval_shape(model.embed, params, jnp.zeros((2, 8), jnp.int32))
+    """(Multi-token prediction on a pipeline: tests/test_mtp.py.)"""
+    from meshtrain.config.validate import check_layout
+    from meshtrain.parallel.sharding import make_rules
+
+    cfg = load_config(TINY)
+    sizes = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1, "pipeline": 2, "context": 1}
+    with pytest.raises(UserError, match="first_k_dense_replace=1 on a pipeline with fsdp and tensor both > 1"):
+        check_layout(cfg.model, cfg.parallel, cfg.train, sizes, make_rules(), "cpu")
     with pytest.raises(UserError, match="first_k_dense_replace=3 leaves none of the 3 layers routed"):
         load_config(TINY, ["model.first_k_dense_replace=3"])
     with pytest.raises(UserError, match="router_groups=3 must divide model.num_experts=8"):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import MOE_TINY, TINY, tiny_config
+from conftest import MOE_TINY, ROOT, TINY, tiny_config
 
 from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
 from meshtrain.models.moe import GMM_TILE
@@ -264,6 +264,27 @@ def test_pipeline_recompute_counts_a_rerun_forward_and_the_bubble():
     assert est["pipeline_bubble"] == bubble > 0
     assert est["compute_s"] == pytest.approx(est["flops"]["hardware_per_device"] / H100["peak_flops"] / (1 - bubble))
     assert est["flops"]["hardware_per_device"] > est["flops"]["model_per_device"]
+
+
+@pytest.mark.fast
+def test_a_pipelines_first_stage_is_priced_with_the_dense_layers_it_runs():
+    """deepseek_v3_tiny on pipeline=2: the first stage runs the dense first layer (N_d parameters,
+    H*K = 64 wide) with the embedding, its forward again for the embedding gradient: the executed
+    FLOPs grow by 2*N_d + 4*H*K*S per token over one device's (xla: 2 of its 6 score matmuls), and
+    compute by the first stage's share over the mean, 1 + f (S - 1), f = (8*N_d + 16*H*K*S) / all."""
+    deepseek = str(ROOT / "configs" / "deepseek_v3_tiny.yaml")
+    one, piped = (_program("parallel.attention=xla", *more, devices=n, config=deepseek)
+                  for n, more in ((1, ()), (2, ("parallel.mesh=pipeline=2",))))
+    n_d = sum(x.size for x in jax.tree.leaves(piped.abstract_state["params"]["dense_blocks"]))
+    HK, S, tokens = 4 * 16, 16, 16 * 16
+    est_one, est = (roofline.estimate(p, _no_memory(), [], H100) for p in (one, piped))
+    hardware = est["flops"]["hardware_per_device"]
+    assert 2 * hardware == pytest.approx(est_one["flops"]["hardware_per_device"] + (2 * n_d + 4 * HK * S) * tokens)
+    factor = 1 + (8 * n_d + 16 * HK * S) * tokens / 2 / hardware
+    assert est["first_stage_factor"] == pytest.approx(factor) and 1.1 < factor < 2
+    bubble = timetable("1f1b", 2, 4, 1, "save").bubble
+    assert est["compute_s"] == pytest.approx(hardware / H100["peak_flops"] / (1 - bubble) * factor)
+    assert est_one["first_stage_factor"] == 1.0
 
 
 @pytest.mark.fast

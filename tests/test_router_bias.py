@@ -2,7 +2,7 @@
 loads against a count of the routing, the balance loss against DeepSeek-V3's eq. 17-20 in numpy,
 the step's bias update against numpy's sign rule on the step's counts (two microbatches, one
 device), the update driving a skewed router toward balance, and the router bias never the
-optimizer's. Parity of the biases on data x expert: tests/test_deepseek_v3.py."""
+optimizer's. Parity of the biases on data x expert and on pipelines: tests/test_deepseek_v3.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +118,3 @@ def test_the_other_families_get_a_selection_bias_only_with_the_update_on(config)
     assert not spec.trainable(("blocks", "router_bias")) and spec.trainable(("blocks", "router"))
     with pytest.raises(UserError, match="selection bias has no .* form"):
         FAMILIES[spec.family].hf.write(spec)
-    cfg = load_config(path, ["model.router_bias_update_rate=0.001", "parallel.mesh=pipeline=2"])
-    with pytest.raises(UserError, match="^model.router_bias_update_rate > 0 runs without a pipeline axis"):
-        TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices=jax.devices()[:2])

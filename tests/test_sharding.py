@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.config.loader import UserError
 from meshtrain.core.formulas import zero_bytes
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
-from meshtrain.parallel.sharding import DEFAULT_RULES, make_rules, spec_for
+from meshtrain.parallel.sharding import DEFAULT_RULES, LAYER_AXES, make_rules, spec_for
 
 D, F = "fsdp", "tensor"
 
@@ -78,7 +78,7 @@ def test_rules_are_overridable_from_config():
     rules = make_rules({"mlp": ["tensor", "fsdp"], "embed": None})
     assert rules["mlp"] == ("tensor", "fsdp") and rules["embed"] == ()
     assert set(DEFAULT_RULES) == {"batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                                  "vocab", "layers", "experts", "lora_rank", "q_lora", "kv_lora"}
+                                  "vocab", "layers", "outer_layers", "experts", "lora_rank", "q_lora", "kv_lora"}
     assert make_rules({}, sequence_parallel=True)["residual_seq"] == ("context", "tensor")
     with pytest.raises(UserError, match="unknown mesh axis 'model'"):
         make_rules({"mlp": "model"})
@@ -119,6 +119,6 @@ def test_every_weight_matrix_of_every_family_is_fsdp_sharded(config):
     leaves = jax.tree_util.tree_leaves_with_path(abstract)
     axes = jax.tree.leaves(model.logical_axes(abstract), is_leaf=lambda n: isinstance(n, tuple))
     whole = [jax.tree_util.keystr(path) for (path, x), names in zip(leaves, axes)
-             if x.ndim - ("layers" in names) - ("experts" in names) >= 2  # a matrix of one layer (or expert)
+             if x.ndim - sum(n in (*LAYER_AXES, "experts") for n in names) >= 2  # one layer's (expert's) matrix
              and not any("fsdp" in DEFAULT_RULES.get(name, ()) for name in names)]
     assert whole == [], whole

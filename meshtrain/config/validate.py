@@ -134,9 +134,10 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     if stages > 1 and t.objective == "dpo":
         raise LayoutError("train.objective=dpo runs without a pipeline axis (the pipeline executor computes the "
                           "token loss only); drop pipeline from parallel.mesh")
-    if stages > 1 and getattr(m, "router_bias_update_rate", 0):
-        raise LayoutError("model.router_bias_update_rate > 0 runs without a pipeline axis (the pipeline executor does "
-                          "not gather the per-layer expert loads yet); drop pipeline from parallel.mesh")
+    dense = getattr(m, "first_k_dense_replace", 0)
+    if dense and stages > 1 and sizes["fsdp"] > 1 and sizes["tensor"] > 1:  # XLA:CPU hung in a collective-permute
+        raise LayoutError(f"model.first_k_dense_replace={dense} on a pipeline with fsdp and tensor both > 1 is not "
+                          f"built (the first stage's dense layers wait for the other stages); keep one of them at 1")
     mtp = getattr(m, "mtp_depth", 0)
     if mtp and stages > 1:
         raise LayoutError(f"model.mtp_depth={mtp} runs without a pipeline axis (the multi-token prediction modules "
@@ -145,8 +146,10 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     if stages > 1:
         check_schedule(par.schedule, stages, micro, par.virtual_stages)
         check_residuals(par.schedule, par.residuals, par.remat)
-        if m.num_layers % (stages * par.virtual_stages):
-            raise LayoutError(f"model.num_layers={m.num_layers} is not divisible by pipeline stages ({stages}) x "
+        stacked = m.stacked_layers()  # deepseek_v3: less its dense first layers, which the first stage runs
+        if stacked % (stages * par.virtual_stages):
+            of = f" ({stacked} in the stacked blocks)" if stacked != m.num_layers else ""
+            raise LayoutError(f"model.num_layers={m.num_layers}{of} is not divisible by pipeline stages ({stages}) x "
                               f"parallel.virtual_stages ({par.virtual_stages})")
     tp = sizes["tensor"]
     for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):

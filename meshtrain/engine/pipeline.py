@@ -21,10 +21,14 @@ each layer's output cotangent; the weight gradient (W) runs later from those and
 The embedding and the head are not split into stages: the first stage embeds each microbatch as
 it enters (and adds the embedding gradient in its backward), the last stage applies the head and
 the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
-reads that cotangent like any other stage). Received tensors wait in ring buffers sized from the
-timetable. Gradients accumulate locally over microbatches; they are summed over the pipeline axis
-(embedding, final norm, head) and reduced over `data` (a manual axis too when data > 1, at every
-ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
+reads that cotangent like any other stage). Layers that `embed` runs (deepseek_v3's dense first
+layers, outer parameters) run there too, their forward again in the embedding gradient. Received
+tensors wait in ring buffers sized from the timetable. The layers' statistics are summed over
+microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
+update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
+accumulate locally over microbatches; they are summed over the pipeline axis (embedding, final
+norm, head) and reduced over `data` (a manual axis too when data > 1, at every ZeRO stage:
+meshtrain/parallel/data_parallel.py) once per step.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.data.tokens import token_ids
-from meshtrain.models.base import scan_blocks
+from meshtrain.models.base import PER_LAYER_STATS, layer_means, layer_sums, scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.ops.trainable import freeze, merge, select
@@ -181,6 +185,12 @@ class StageProgram:
         """The kinds of chunk v's layers, or None."""
         return None if self.kinds is None else _take(self.kinds, v)
 
+    def chunk_g_stats(self):
+        """`g_stats` for a chunk's `scan_blocks` statistics: the PER_LAYER_STATS' for each of its layers."""
+        per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
+        return {k: jnp.broadcast_to(g, (per_chunk, *g.shape)) if k in PER_LAYER_STATS else g
+                for k, g in self.layers.g_stats.items()}
+
     def is_first(self, v):  # the model stage that embeds
         return (self.s == 0) & (v == 0)
 
@@ -204,10 +214,11 @@ class StageProgram:
         return loss * self.scale, loss
 
     def forward_saving(self, p_chunk, kinds, x, *docs):
-        """(y, (each layer's residuals stacked, the chunk's statistics summed))."""
+        """(y, (each layer's residuals stacked, the chunk's statistics summed over its layers, the
+        PER_LAYER_STATS per layer))."""
         y, (saved, stats) = jax.lax.scan(lambda x, pk: self.layers.forward(pk[0], x, *docs, **_kind(pk[1])), x,
                                          (p_chunk, kinds))
-        return y, (saved, jax.tree.map(lambda s: s.sum(axis=0), stats))
+        return y, (saved, layer_sums(stats))
 
     def initial_carry(self) -> dict:
         f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
@@ -219,7 +230,8 @@ class StageProgram:
                  "loss": jnp.zeros((), jnp.float32)}
         saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.chunk_kinds(0), self.zeros_x,
                                                 *self.documents(0))[1]
-        carry["stats"] = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like)
+        # the PER_LAYER_STATS summed per chunk and layer [V, layers per chunk, ...] (`add_stats`)
+        carry["stats"] = {k: _zeros(s, V) if k in PER_LAYER_STATS else _zeros(s) for k, s in stats_like.items()}
         if self.save:
             carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
         if self.splits_weight_grad:
@@ -234,6 +246,13 @@ class StageProgram:
         return {**c, "g_outer": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["g_outer"],
                                              select(g_outer, self.keep))}
 
+    def add_stats(self, c, stats, v):
+        """Chunk v's statistics added to the sums over microbatches (the PER_LAYER_STATS at its rows)."""
+        add = lambda a, s: a + s.astype(jnp.float32)
+        per_layer = lambda a, s: _put(a, add(_take(a, v), s), v)
+        return {**c, "stats": {k: jax.tree.map(per_layer if k in PER_LAYER_STATS else add, a, stats[k])
+                               for k, a in c["stats"].items()}}
+
     def add_chunk(self, c, g_chunk, v):
         g_chunk = self.trained_blocks(g_chunk)
         pin = whole if self.whole_adapters else lambda tree: tree
@@ -241,10 +260,13 @@ class StageProgram:
                                                   pin(c["g_chunks"]), pin(g_chunk)))}
 
     def chunk_input(self, c, m, v):
-        """The first model stage embeds the microbatch; the others read what they received (with
-        the embedding's sharding: both branches of a cond must agree)."""
-        received = lambda: constrain(_read(c["inputs"], m, v, self.slots["input_slots"]), ("batch", "seq", "embed"))
-        return jax.lax.cond(self.is_first(v), lambda: self.embed(self.outer, m), received)
+        """The first model stage embeds the microbatch; the others read what they received. Both
+        branches of a cond must agree on the sharding: the embedding's, pinned on the first branch
+        too (after deepseek_v3's dense layers, XLA left it replicated: "Inconsistent conditional
+        sharding" on fsdp=2,pipeline=2)."""
+        pin = lambda x: constrain(x, ("batch", "seq", "embed"))
+        received = lambda: pin(_read(c["inputs"], m, v, self.slots["input_slots"]))
+        return jax.lax.cond(self.is_first(v), lambda: pin(self.embed(self.outer, m)), received)
 
     # ---- actions ----
     def forward(self, c, m, v):
@@ -254,7 +276,7 @@ class StageProgram:
             c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
         else:
             y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v))
-        c = {**c, "stats": jax.tree.map(lambda a, s: a + s.astype(jnp.float32), c["stats"], stats)}
+        c = self.add_stats(c, stats, v)
 
         def head_and_loss(c):
             """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
@@ -286,7 +308,7 @@ class StageProgram:
         else:
             x = self.chunk_input(c, m, v)
             chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v))
-            g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.layers.g_stats))
+            g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.chunk_g_stats()))
             c = self.add_chunk(c, g_chunk, v)
 
         def embedding_grad(c):
@@ -339,8 +361,11 @@ class StageProgram:
         for start, end, uses in phases:
             carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
         loss = jax.lax.psum(carry["loss"], "pipeline") / self.micro
-        stats = jax.lax.psum(carry["stats"], "pipeline")
-        metrics = {"loss": loss, **jax.tree.map(lambda s: s / (self.micro * self.model.stacked_layers), stats)}
+        # the stages' sums; the PER_LAYER_STATS as each stage's rows, [N, ...] in storage order (`layer_order`)
+        stats = {k: jax.lax.all_gather(s.reshape(-1, *s.shape[2:]), "pipeline", tiled=True) if k in PER_LAYER_STATS
+                 else jax.lax.psum(s, "pipeline") for k, s in carry["stats"].items()}
+        stats = layer_means(stats, self.model.stacked_layers)
+        metrics = {"loss": loss, **jax.tree.map(lambda s: s / self.micro, stats)}
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
         return metrics, g_blocks, g_outer

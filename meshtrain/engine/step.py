@@ -112,7 +112,7 @@ def metrics_and_grads(loss_fn, keep=lambda path: True):
 
 def grad_norms_by_group(grads, leading: tuple = ()) -> dict:
     """The gradient norms of each stacked layer ('layer': [layers] of `blocks`, storage order, over
-    every block parameter; 'leading': [layers] of the `leading` stacks that run before `blocks`, in
+    every block parameter; 'leading': [layers] of the `leading` stacks (the model's embed_stacks), in
     model order, e.g. deepseek_v3's dense first layers) and of each parameter kind ('kind': {name:
     norm}, a block parameter over all layers, e.g. 'wq', or a top-level one, e.g. 'embedding' or a
     whole leading stack). One sum of squares per layer and leaf: the same reads as the global norm's,
@@ -229,7 +229,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
                    "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
         if layer_norms:
-            metrics["grad_norms"] = grad_norms_by_group(grads, model.leading_stacks)
+            metrics["grad_norms"] = grad_norms_by_group(grads, model.embed_stacks)
         if scales_loss(plan):
             metrics.update(loss_scale=state["loss_scale"]["scale"], overflows=loss_scale["overflows"])
         return new_state, metrics

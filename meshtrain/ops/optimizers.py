@@ -3,7 +3,7 @@
 Each optimizer is an optax transformation built from the config, the schedule and the parameters'
 logical axes (models name every dimension): the axes say which parameters are matrices and which
 of their dimensions are the matrix's rows and columns. The stacked blocks carry a leading `layers`
-axis (and MoE experts an `experts` axis): those are batch axes, so every layer's (and expert's)
+or `outer_layers` axis (and MoE experts an `experts` axis): those are batch axes, so every layer's (and expert's)
 matrix is treated on its own, never the stack as one matrix.
 
 The registry also states each optimizer's state bytes for a parameter of a given shape and axes,
@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-BATCH_AXES = ("layers", "experts")  # a stack of matrices, each treated on its own
+from meshtrain.parallel.sharding import LAYER_AXES
+
+BATCH_AXES = (*LAYER_AXES, "experts")  # a stack of matrices, each treated on its own
 FP32 = 4
 
 
@@ -44,16 +46,16 @@ def matrix_dims(names: tuple) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 def decays(names: tuple) -> bool:
-    """Decoupled weight decay applies to matrices (two or more axes besides `layers`), not to norms."""
-    return len([n for n in names if n != "layers"]) >= 2
+    """Decoupled weight decay applies to matrices (two or more axes besides a layers axis), not to norms."""
+    return len([n for n in names if n not in LAYER_AXES]) >= 2
 
 
 def is_hidden_matrix(names: tuple) -> bool:
     """A matrix of the stacked blocks between named hidden dimensions: what Muon orthogonalises.
-    Not the embedding or output head (no `layers` axis), nor the MoE router, whose expert-logit
+    Not the embedding or output head (no layers axis), nor the MoE router, whose expert-logit
     dimension has no logical name (nothing shards it): AdamW updates those (Jordan et al. 2024)."""
     rows_cols = matrix_dims(names)
-    return ("layers" in names and rows_cols is not None
+    return (any(n in LAYER_AXES for n in names) and rows_cols is not None
             and all(names[i] is not None for side in rows_cols for i in side))
 
 

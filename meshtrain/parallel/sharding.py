@@ -40,6 +40,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),  # each pipeline stage holds its own layers
+    # Stacks the pipeline does not split (deepseek_v3's dense first layers, run by `embed` on the
+    # first stage, and its MTP modules): every stage holds them whole, as the embedding.
+    "outer_layers": (),
     "experts": ("expert",),  # each expert-parallel device holds its own experts
     # A LoRA factor's rank (models/base.py lora_axes) goes where `embed` does: a factor with an embed
     # axis keeps it there (an axis shards one dimension), the others (B of q/k/v/gate/up, A of o/down)
@@ -52,6 +55,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "q_lora": ("fsdp", "context"),
     "kv_lora": ("fsdp", "context"),
 }
+
+# The leading axes of stacked layers: `layers` (`blocks`, which pipeline stages split) and
+# `outer_layers` (the other stacks, whole on every stage).
+LAYER_AXES = ("layers", "outer_layers")
 
 # Largest share of parameter bytes allowed to stay replicated where the rules say to shard.
 MAX_REPLICATED_FRACTION = 0.02
@@ -318,5 +325,5 @@ def summed_over_shards(x_GxSx, names):
 
 def stage_replicated(axes: tuple) -> bool:
     """Whether every pipeline stage holds this parameter whole: it has no `layers` axis (embedding,
-    final norm, head), so it sits outside the stacked layers the stages split."""
+    final norm, head, an `outer_layers` stack), so it sits outside the stacked layers the stages split."""
     return "layers" not in axes

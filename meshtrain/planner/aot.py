@@ -343,6 +343,8 @@ def format_plan(r: dict) -> str:
     lines += format_kernel_time(roof)
     lines.append(f"  compute {roof['compute_s'] * 1e3:,.1f} ms"
                  + (f" (bubble {roof['pipeline_bubble']:.1%})" if roof["pipeline_bubble"] else "")
+                 + (f" (x {roof['first_stage_factor']:.3f}: the first stage also runs the layers run with the "
+                    f"embedding)" if roof.get("first_stage_factor", 1.0) != 1.0 else "")
                  + f", communication {roof['comm_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms -> "
                    f"step >= {roof.get('formula_step_s', roof['step_s']) * 1e3:,.1f} ms at the datasheet peaks "
                    f"({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms without overlap)"

@@ -511,7 +511,8 @@ def saved_metadata(folder: Path) -> dict:
     model = meta.get("config", {}).get("model", {})
     check_model(model, where, fix, "config.model")
     order = meta.get("layer_order")
-    if order is not None and sorted(order) != list(range(model.get("num_layers", len(order)))):
+    # an order of the stacked layers (deepseek_v3's: less its dense first layers; before, all of them)
+    if order is not None and (sorted(order) != list(range(len(order))) or len(order) > model.get("num_layers", 0)):
         raise UserError(f"{where}: layer_order is not an order of the model's layers; {fix}")
     return meta
 

@@ -179,7 +179,7 @@ class Trainer:
             step, state, meta = reader.restore_latest_intact(steps, abstract, self._check_same_model,
                                                              self.program.optional_state())
             where, tier = reader.path(step), ""
-        saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.num_layers)))
+        saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.stacked_layers())))
         if not np.array_equal(saved_order, self.program.layer_order):
             state = self._reorder_layers(state, saved_order)
         if self.cfg.model.lora.rank:  # the checkpoint holds the adapters: the frozen base joins them
