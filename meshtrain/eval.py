@@ -29,6 +29,7 @@ class Loaded:
     tok: object  # None for a run on synthetic data that records none
     source: str  # what was read: "RUN step N" or "hf:DIR"
     data_of: str | None = None  # the run whose own data the validation loss reads (checked); None: --data, --hf
+    reference: dict | None = None  # a DPO run's frozen reference parameters (model order), of the same checkpoint
 
 
 def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = None, step: int | None = None,
@@ -40,6 +41,7 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
     jax.devices(), as for Trainer."""
     from meshtrain.config.loader import Config, apply_overrides, check_config
     from meshtrain.data import tokenizer as tokenizer_lib
+    from meshtrain.engine.dpo import keeps_reference
     from meshtrain.engine.program import TrainProgram
     from meshtrain.run import run_dir
 
@@ -72,30 +74,42 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
         tokenizer_lib.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
     program = TrainProgram.from_config(cfg, devices, tokenizer_eos=getattr(tok, "eos_id", None))  # document_mask
     shardings = program.state_shardings["params"]
+    reference = None
     if run is not None:
         params, step = run_dir.newest_params(run, program.model, shardings, step)
         source = f"{run} step {step}"
+        if program.dpo is not None and keeps_reference(cfg.model):  # under LoRA the base is the reference
+            reference, _ = run_dir.newest_params(run, program.model, shardings, step, part="reference")
     else:
         params, source = run_dir.initial_params(f"hf:{hf}", program.model, shardings), f"hf:{hf}"
-    return Loaded(cfg, program, params, tok, source, run if run is not None and not data else None)
+    return Loaded(cfg, program, params, tok, source, run if run is not None and not data else None, reference)
 
 
 def validation(loaded: Loaded, batches: int) -> dict:
     """{eval_loss[, eval_loss_<source>]} on `batches` validation batches of the config's data, as the
-    training loop measures it (meshtrain/run/trainer.py `validation`); {} when the data holds none out."""
-    from meshtrain.data import mixture
+    training loop measures it (meshtrain/run/trainer.py `validation`); {} when the data holds none out.
+    A DPO run's: the held-out pairs' DPO eval_loss, eval_reward_accuracy and eval_reward_margin
+    (trainer.py `preference_validation`), against the reference of the same checkpoint."""
+    from meshtrain.data import mixture, preference
     from meshtrain.run import run_dir
+    from meshtrain.run.trainer import preference_validation
     from meshtrain.run.trainer import validation as mean_losses
 
     cfg, program = loaded.cfg, loaded.program
     mix = (run_dir.run_mixture(loaded.data_of, cfg, "pass --data PATH to evaluate on other data") if loaded.data_of
            else mixture.load(cfg.data, cfg.model.vocab_size))
     t = cfg.train
-    _, val_sets = mixture.batches(mix, cfg.data.val_fraction, t.batch_size, t.seq_len, t.seed,
-                                  program.batch_sharding, cfg.model.vocab_size)
-    storage = {**loaded.params, "blocks": program.reorder_blocks(loaded.params["blocks"], program.layer_order)}
+    split = (cfg.data.val_fraction, t.batch_size, t.seq_len, t.seed, program.batch_sharding, cfg.model.vocab_size)
+    if program.dpo is not None:  # the pairs the run held out, as the trainer holds them out
+        _, val_sets = preference.batches(mix.tokens[0], preference.read_pairs(cfg.data.path), *split)
+    else:
+        _, val_sets = mixture.batches(mix, *split)
+    storage = lambda params: {**params, "blocks": program.reorder_blocks(params["blocks"], program.layer_order)}
     with program.context():
-        return mean_losses(program.eval_step(), storage, val_sets, mix.sources, batches)
+        if program.dpo is not None:
+            reference = () if loaded.reference is None else (storage(loaded.reference),)
+            return preference_validation(program.eval_step(), storage(loaded.params), val_sets, reference, batches)
+        return mean_losses(program.eval_step(), storage(loaded.params), val_sets, mix.sources, batches)
 
 
 def task_entries(flags: list[str], limit: int) -> list[dict]:
@@ -194,7 +208,8 @@ def main(argv=None) -> int:
     record = evaluate(loaded, tasks_config, val_batches)
     print(f"evaluated {loaded.source} on mesh {describe(loaded.program.sizes)}")
     if "eval_loss" in record:
-        print(format_record({"step": 0, **{k: v for k, v in record.items() if k.startswith("eval_loss")}})
+        held_out = {k: v for k, v in record.items() if k.startswith(("eval_loss", "eval_reward_"))}  # DPO's reward
+        print(format_record({"step": 0, **held_out})
               .removeprefix(f"step {0:>6}  "))
     tasks = {k: v for k, v in record.items() if k.startswith("eval_acc")}
     if tasks:

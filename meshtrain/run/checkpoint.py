@@ -229,14 +229,14 @@ class Checkpointer:
                      f"not read")
         return {k: state[k] for k in abstract_state}, meta
 
-    def restore_params(self, step: int, abstract_params):
+    def restore_params(self, step: int, abstract_params, part: str = "params"):
         """Only the parameters of `step` (no optimizer state is read), into the shardings carried by
         `abstract_params`, in the checkpoint's storage order; and the checkpoint's metadata. Verified
         as a resume is (manifest, decode, the parameters' recorded checksums): `Damaged` on proof of
-        damage, `UserError` for another layout. Readers go through `read_params`, which chooses the
-        step."""
-        state, meta = self.restore(step, {"params": abstract_params}, note_unused=False)
-        return state["params"], meta
+        damage, `UserError` for another layout. `part`: the state entry read, "params" or DPO's
+        frozen "reference". Readers go through `read_params`, which chooses the step."""
+        state, meta = self.restore(step, {part: abstract_params}, note_unused=False)
+        return state[part], meta
 
     def restore_latest_intact(self, steps: list[int], abstract_state, check_metadata=lambda meta, folder: None,
                               optional=None):
@@ -439,7 +439,7 @@ def _drop_read_echoes(hook):
     return filtered
 
 
-def read_params(root: Path, abstract_params, step: int | None = None):
+def read_params(root: Path, abstract_params, step: int | None = None, part: str = "params"):
     """The one loader of weights for every reader (export, generate, quantize, init_from, Python):
     (params in storage order, metadata, step) of `step`, or of the newest intact checkpoint under
     `root`, verified as a resume is. A damaged checkpoint is skipped with a one-line warning naming
@@ -457,7 +457,7 @@ def read_params(root: Path, abstract_params, step: int | None = None):
         for candidate in [step] if step is not None else steps:
             try:
                 with _quiet_async_failures():
-                    return (*reader.restore_params(candidate, abstract_params), candidate)
+                    return (*reader.restore_params(candidate, abstract_params, part), candidate)
             except Damaged as e:
                 if step is not None:
                     raise UserError(f"checkpoint {reader.path(step)} is damaged ({e}); {there}, or omit --step "

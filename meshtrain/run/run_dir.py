@@ -363,11 +363,11 @@ def run_config(run: str | Path, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-def newest_params(run: str | Path, model, shardings=None, step: int | None = None):
+def newest_params(run: str | Path, model, shardings=None, step: int | None = None, part: str = "params"):
     """(params in model order, step) of the newest intact checkpoint under <run>/checkpoints, or of
     `step`, verified (meshtrain.run.checkpoint.read_params), read straight into `shardings` (a tree like
     the params, or one sharding for all; default: the first device). Only the parameters are read,
-    never the optimizer state."""
+    never the optimizer state; `part="reference"`: a DPO run's frozen reference parameters instead."""
     from meshtrain.run.checkpoint import read_params  # orbax: only where a checkpoint is read
 
     shapes = jax.eval_shape(model.init, jax.random.key(0))
@@ -377,7 +377,7 @@ def newest_params(run: str | Path, model, shardings=None, step: int | None = Non
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     lora = model.cfg.lora.rank  # its checkpoints hold the adapters; the base is rebuilt from their record
     params, meta, step = read_params(Path(run) / "checkpoints", select(abstract, model.cfg.trainable) if lora
-                                     else abstract, step)
+                                     else abstract, step, part)
     order = np.asarray(meta.get("layer_order", range(model.cfg.stacked_layers())))  # interleaved: permuted
     params = {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}
     return (merge(lora_base(meta, model, shardings), params) if lora else params), step
