@@ -110,20 +110,20 @@ def metrics_and_grads(loss_fn, keep=lambda path: True):
     return fn
 
 
-def grad_norms_by_group(grads, leading: tuple = ()) -> dict:
+def grad_norms_by_group(grads, embed_stacks: tuple = ()) -> dict:
     """The gradient norms of each stacked layer ('layer': [layers] of `blocks`, storage order, over
-    every block parameter; 'leading': [layers] of the `leading` stacks (the model's embed_stacks), in
-    model order, e.g. deepseek_v3's dense first layers) and of each parameter kind ('kind': {name:
-    norm}, a block parameter over all layers, e.g. 'wq', or a top-level one, e.g. 'embedding' or a
-    whole leading stack). One sum of squares per layer and leaf: the same reads as the global norm's,
-    plus [layers]-sized results."""
+    every block parameter; 'embed_stacks': [layers] of the stacks the embedding runs before `blocks`
+    (the model's `embed_stacks`, e.g. deepseek_v3's dense first layers), model order) and of each
+    parameter kind ('kind': {name: norm}, a block parameter over all layers, e.g. 'wq', or a top-level
+    one, e.g. 'embedding' or a whole embed stack). One sum of squares per layer and leaf: the same
+    reads as the global norm's, plus [layers]-sized results."""
     squares = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
     per_layer = lambda stack: sum(squares(g) for g in jax.tree.leaves(stack))
     per_kind_L = {name: per_layer(sub) for name, sub in grads["blocks"].items()}
     kind = {name: jnp.sqrt(jnp.sum(s_L)) for name, s_L in per_kind_L.items()}
     kind |= {name: optax.tree.norm(sub) for name, sub in grads.items() if name != "blocks"}
-    before = [jnp.sqrt(per_layer(grads[name])) for name in leading if jax.tree.leaves(grads.get(name, {}))]
-    return {"layer": jnp.sqrt(sum(per_kind_L.values())), "leading": jnp.concatenate(before) if before else
+    before = [jnp.sqrt(per_layer(grads[name])) for name in embed_stacks if jax.tree.leaves(grads.get(name, {}))]
+    return {"layer": jnp.sqrt(sum(per_kind_L.values())), "embed_stacks": jnp.concatenate(before) if before else
             jnp.zeros((0,), jnp.float32), "kind": kind}
 
 

@@ -110,10 +110,10 @@ class SpikeDetector:
 
 
 def grad_norm_fields(norms, layer_order) -> dict:
-    """{'grad_norm_layer_<i>' (model order: the leading stacks' layers, then `blocks`'),
+    """{'grad_norm_layer_<i>' (model order: the embed stacks' layers, then `blocks`'),
     'grad_norm_<kind>'} from the step's `grad_norms` ({'layer': [layers] in storage order,
-    'leading': [layers], 'kind': {name: norm}}; meshtrain/engine/step.py `grad_norms_by_group`)."""
-    layer = np.concatenate([np.asarray(norms["leading"]), np.asarray(norms["layer"])[np.argsort(layer_order)]])
+    'embed_stacks': [layers], 'kind': {name: norm}}; meshtrain/engine/step.py `grad_norms_by_group`)."""
+    layer = np.concatenate([np.asarray(norms["embed_stacks"]), np.asarray(norms["layer"])[np.argsort(layer_order)]])
     return ({f"grad_norm_layer_{i}": float(v) for i, v in enumerate(layer)}
             | {f"grad_norm_{name}": float(v) for name, v in norms["kind"].items()})
 
