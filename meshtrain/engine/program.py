@@ -16,7 +16,6 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.config.validate import check_layout
-from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine.dpo import keeps_reference, make_dpo_eval
 from meshtrain.engine.pipeline import layer_order
@@ -66,9 +65,6 @@ class TrainProgram:
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
         self.rules = make_rules(plan.rules, plan.sequence_parallel)
-        if model.lora.rank and compression.applies(plan, self.sizes):
-            raise UserError("parallel.grad_compression=int8 with LoRA (model.lora.rank > 0) is not implemented; "
-                            "set parallel.grad_compression=none")
         backend = devices[0].platform if devices is not None else jax.default_backend()  # a plan's GPU target
         check_layout(model, plan, t, self.sizes, self.rules, backend)
         self.mesh = build_mesh(self.sizes, devices)
@@ -96,7 +92,8 @@ class TrainProgram:
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
         other = {}  # state entries laid out beside params and opt_state
         if "grad_error" in self.abstract_state:
-            other["grad_error"] = compression.error_shapes_and_specs(abstract_params, self.owned_specs, self.sizes,
+            other["grad_error"] = compression.error_shapes_and_specs(self.trained(abstract_params),
+                                                                     self.trained(self.owned_specs), self.sizes,
                                                                      plan.zero)[1]
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, plan.zero, map_param_states, other,
@@ -148,7 +145,8 @@ class TrainProgram:
         return state
 
     def fresh_grad_error(self, params):
-        return compression.init_error(params, self.owned_specs, self.sizes, self.plan.zero)
+        """Zero residuals of the trained parameters' gradients (LoRA: the adapters' only)."""
+        return compression.init_error(self.trained(params), self.trained(self.owned_specs), self.sizes, self.plan.zero)
 
     def optional_state(self) -> dict:
         """State entries a checkpoint may lack (meshtrain/run/checkpoint.py `restore`): a function making

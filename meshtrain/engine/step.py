@@ -163,7 +163,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     micro = plan.num_microbatches(stages)
     compressor = None
     if compression.applies(plan, mesh.shape):
-        compressor = compression.Int8Reduction(mesh, grad_specs, specs["owned"], plan.compression_block, plan.zero)
+        compressor = compression.Int8Reduction(mesh, grad_specs, select(specs["owned"], keep), plan.compression_block,
+                                               plan.zero)  # the trained parameters' gradients (LoRA: adapters')
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
     if dpo is not None:
         loss_fn = make_dpo_loss_fn(model, plan.precision, plan.remat, dpo.beta, dpo.label_smoothing)
