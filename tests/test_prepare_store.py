@@ -73,7 +73,7 @@ def test_prepare_to_s3_uploads_the_one_host_bytes_and_refuses_a_second(s3, local
     assert prepare_to(uri("web"), src, tmp_path / "stage") == 0
     assert uploaded(fs, "web") == files(folder)  # shards, sidecars, tokenizer, manifest: byte for byte
     assert len(json.loads((folder / "manifest.json").read_text())["shards"]) == 5
-    assert not any(p.is_dir() for p in (tmp_path / "stage").iterdir() for p in p.iterdir())  # staging removed
+    assert [list(home.iterdir()) for home in (tmp_path / "stage").iterdir()] == [[]]  # the staged copy removed
     capsys.readouterr()
     assert prepare_to(uri("web"), src, tmp_path / "stage") == 2
     err = capsys.readouterr().err
@@ -137,6 +137,10 @@ def test_a_shard_changed_in_the_store_is_refused_by_its_hash(s3, local, tmp_path
     with pytest.raises(UserError, match=r"s3://bucket/changed: the copied .bin files' sha256 is not the one"):
         store.cached(uri("changed"), tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())  # nothing half-copied left as cached data
+    with fs.open_output_stream("bucket/changed/manifest.json") as f:
+        f.write(b'{"dtype": "uint16"}')
+    with pytest.raises(UserError, match=r"data.path s3://bucket/changed: manifest.json.*prepare the data again"):
+        store.cached(uri("changed"), tmp_path / "cache")
 
 
 def test_chat_data_keeps_its_loss_mask_through_the_store(s3, tmp_path):

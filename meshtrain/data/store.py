@@ -19,22 +19,22 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from meshtrain.core import exits
+from meshtrain.core import exits, schema
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned
 from meshtrain.data import digest
-from meshtrain.data.tokens import MANIFEST, MASK_SUFFIX, sidecar
+from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, sidecar
 
 CHUNK = 8 << 20  # bytes a read or write moves
 FIX = ("check the URI, that the store is reachable from here, and its credentials (AWS_ACCESS_KEY_ID and "
@@ -158,12 +158,15 @@ def upload(folder: Path, prefix: Prefix) -> None:
     group = lambda name: name.split(".")[0]  # shard-00000: .bin, .mask, then .bin.json
     order = sorted(names, key=lambda n: (n == MANIFEST, group(n), n.endswith(".json")))
     skip = {n for n in names if _is_up(folder, n, prefix, there)}
-    if skip:
-        log.info(f"resuming the upload to {shown(prefix.uri)}: {sum(n.endswith('.bin') for n in skip):,} "
-                 f"shard(s) are there from an earlier run")
-    for name in order:
-        if name not in skip:
-            prefix.put(folder / name)
+    todo = [n for n in order if n not in skip]
+    size, started = sum((folder / n).stat().st_size for n in todo), time.perf_counter()
+    log.info(f"uploading {len(todo):,} files ({size / 1e6:,.1f} MB) to {shown(prefix.uri)}"
+             + (f"; {sum(n.endswith('.bin') for n in skip):,} shard(s) are there from an earlier run" if skip else ""))
+    for name in todo:
+        prefix.put(folder / name)
+    seconds = time.perf_counter() - started
+    log.info(f"uploaded {shown(prefix.uri)}: {size / 1e6:,.1f} MB in {seconds:.1f} s "
+             f"({size / 1e6 / max(seconds, 1e-9):,.1f} MB/s), {MANIFEST} last")
 
 
 def _is_up(folder: Path, name: str, prefix: Prefix, there: dict[str, int]) -> bool:
@@ -181,35 +184,37 @@ def _is_up(folder: Path, name: str, prefix: Prefix, there: dict[str, int]) -> bo
 # ---- reading: data.path URI
 
 def manifest(uri: str, flag: str = "data.path") -> dict:
-    """The prepared data's manifest at `uri`: one error where there is none (not prepared data, or an
-    upload still under way: the manifest goes up last)."""
-    prefix = Prefix(uri, flag)
-    if MANIFEST not in prefix.files():
-        raise UserError(f"{flag} {shown(uri)} holds no {MANIFEST}: not prepared data, or a prepare still "
-                        f"uploading it (the manifest goes up last); prepare it with python -m meshtrain.data "
-                        f"prepare SRC --out {shown(uri)}")
-    try:
-        found = json.loads(prefix.read(MANIFEST))
-    except ValueError as e:
-        raise UserError(f"{flag} {shown(uri)}: {MANIFEST} is not JSON ({e}); prepare the data again") from None
-    if not isinstance(found, dict) or not isinstance(found.get("sha256"), str):
-        raise UserError(f"{flag} {shown(uri)}: {MANIFEST} records no sha256 (written before prepare did); "
-                        f"prepare the data again")
-    return found
+    """The prepared data's manifest at `uri` (checked as a local one is)."""
+    return _listed(Prefix(uri, flag))[0]
+
+
+def _listed(prefix: Prefix) -> tuple[dict, dict[str, int]]:
+    """(the prefix's manifest, its files {name: size}): one error where there is no manifest (not
+    prepared data, or an upload still under way: the manifest goes up last)."""
+    there, where = prefix.files(), f"{prefix.flag} {shown(prefix.uri)}"
+    if MANIFEST not in there:
+        raise UserError(f"{where} holds no {MANIFEST}: not prepared data, or a prepare still uploading it (the "
+                        f"manifest goes up last); prepare it with python -m meshtrain.data prepare SRC --out "
+                        f"{shown(prefix.uri)}")
+    fix = "prepare the data again"
+    found = schema.parse_json(prefix.read(MANIFEST), f"{where}: {MANIFEST}", fix)
+    schema.check(found, MANIFEST_SCHEMA, f"{where}: {MANIFEST}", fix)
+    if found["sha256"] is None:
+        raise UserError(f"{where}: {MANIFEST} records no sha256 (written before prepare did); {fix}")
+    return found, there
 
 
 def cached(uri: str, cache_dir: str | Path = "", flag: str = "data.path") -> Path:
     """The local copy of the prepared data at `uri`: `cache_dir` (default meshtrain's cache, `data/`)
     / its content hash, copied there first where it is not, and checked against its manifest."""
-    m = manifest(uri, flag)
+    prefix = Prefix(uri, flag)
+    m, there = _listed(prefix)
     key = m["sha256"] + (f"-{m['mask_sha256'][:16]}" if m.get("mask_sha256") else "")
     root = Path(cache_dir or cache_root() / "data")
     folder = root / key
     if (folder / MANIFEST).is_file():
         _check_sizes(folder, m, f"the cached copy {folder} of {shown(uri)}", "delete it and run again")
         return folder
-    prefix = Prefix(uri, flag)
-    there = prefix.files()
     _check_sizes(there, m, f"{flag} {shown(uri)}", "prepare it again")
     root.mkdir(parents=True, exist_ok=True)
     remove_abandoned(root, key)
