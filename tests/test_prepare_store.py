@@ -2,8 +2,10 @@
 --out s3://...` uploads the one-host prepare's bytes, manifest last; an upload killed midway leaves no
 manifest, the reader refuses that prefix, and the rerun uploads only what is missing; training on
 `data.path: s3://...` copies it into data.cache_dir once and trains as on the local folder."""
+import copy
 import json
 import logging
+import shutil
 import socket
 
 import jax
@@ -17,6 +19,7 @@ from meshtrain.data import chat, load_corpus, prepare, store
 from meshtrain.data.__main__ import main
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.data.tokens import read_prepared
+from meshtrain.run.run_dir import resolve_data, run_mixture
 from meshtrain.testing import run_tiny
 
 moto_server = pytest.importorskip("moto.server")
@@ -125,6 +128,25 @@ def test_training_on_s3_data_copies_it_once_and_trains_as_on_the_local_folder(s3
     assert files(cache / manifest["sha256"]) == files(folder)
     monkeypatch.setattr(store.Prefix, "get", lambda *a: pytest.fail("downloaded again"))
     assert store.cached(uri("train"), cache) == cache / manifest["sha256"]  # the cached copy, not the store
+    cfg = copy.deepcopy(on_s3.cfg)  # what eval --run and a resume do: the run's data, found and checked
+    resolve_data(on_s3.out, cfg)
+    assert cfg.data.path == uri("train") and run_mixture(on_s3.out, cfg).tokens[0].sha256() == manifest["sha256"]
+
+
+def test_processes_sharing_a_cache_share_one_copy(s3, local, tmp_path, monkeypatch):
+    """Another process renames its copy into place first: this one's is dropped and theirs used."""
+    uri, fs = s3
+    src, folder = local
+    prepare(str(src), BYTE, uri("shared"), shard_tokens=SHARD_TOKENS, stage=tmp_path / "stage")
+    check, cache = store._check_hashes, tmp_path / "cache"
+    key = json.loads((folder / "manifest.json").read_text())["sha256"]
+
+    def finished_elsewhere(tmp, m, u):
+        check(tmp, m, u)
+        shutil.copytree(folder, cache / key)  # the other process's copy, whole
+    monkeypatch.setattr(store, "_check_hashes", finished_elsewhere)
+    assert store.cached(uri("shared"), cache) == cache / key
+    assert [p.name for p in cache.iterdir()] == [key] and files(cache / key) == files(folder)
 
 
 def test_a_shard_changed_in_the_store_is_refused_by_its_hash(s3, local, tmp_path):
