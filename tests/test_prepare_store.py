@@ -17,7 +17,7 @@ from meshtrain.config.loader import DataConfig
 from meshtrain.core.errors import UserError
 from meshtrain.data import chat, load_corpus, prepare, store
 from meshtrain.data.__main__ import main
-from meshtrain.data.mixture import trains_on_mask
+from meshtrain.data.mixture import names, trains_on_mask
 from meshtrain.data.tokens import read_prepared
 from meshtrain.run.run_dir import resolve_data, run_mixture
 from meshtrain.testing import run_tiny
@@ -192,5 +192,6 @@ def test_bad_uris_are_one_error_naming_the_uri(tmp_path, capsys):
         assert main(["prepare", str(src), "--out", out, "--stage", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err, err
+    assert names(["s3://b/web?endpoint_override=h:1&scheme=http", "gs://c/data/code"]) == ["web", "code"]  # metrics
     with pytest.raises(UserError, match="data.kind=jsonl with data.path s3://b/x: an object store holds prepared"):
         load_corpus(DataConfig(path="s3://b/x?endpoint_override=h:1", kind="jsonl"), 256)
