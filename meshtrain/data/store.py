@@ -157,7 +157,8 @@ def upload(folder: Path, prefix: Prefix) -> None:
                         f"other data? delete them or pick a new prefix")
     group = lambda name: name.split(".")[0]  # shard-00000: .bin, .mask, then .bin.json
     order = sorted(names, key=lambda n: (n == MANIFEST, group(n), n.endswith(".json")))
-    skip = {n for n in names if _is_up(folder, n, prefix, there)}
+    up = {g for g in {group(n) for n in names if n.startswith("shard-")} if _is_up(folder, g, prefix, there)}
+    skip = {n for n in names if group(n) in up}
     todo = [n for n in order if n not in skip]
     size, started = sum((folder / n).stat().st_size for n in todo), time.perf_counter()
     log.info(f"uploading {len(todo):,} files ({size / 1e6:,.1f} MB) to {shown(prefix.uri)}"
@@ -169,14 +170,13 @@ def upload(folder: Path, prefix: Prefix) -> None:
              f"({size / 1e6 / max(seconds, 1e-9):,.1f} MB/s), {MANIFEST} last")
 
 
-def _is_up(folder: Path, name: str, prefix: Prefix, there: dict[str, int]) -> bool:
-    """Whether the shard file `name` (or its sidecar) is in `prefix` as in `folder`: the sidecar's
-    bytes (its sha256) equal, the shard's files of their sizes."""
-    group = name.split(".")[0]
-    note = sidecar(folder / f"{group}.bin")
-    if not group.startswith("shard-") or not note.is_file() or note.name not in there:
+def _is_up(folder: Path, shard: str, prefix: Prefix, there: dict[str, int]) -> bool:
+    """Whether the shard (`shard-00000`) is in `prefix` as in `folder`: its sidecar's bytes (naming
+    its sha256) equal, its files (.bin, .mask) of their sizes."""
+    note = sidecar(folder / f"{shard}.bin")
+    if not note.is_file() or note.name not in there:
         return False
-    files = [f for f in (folder / f"{group}.bin", folder / f"{group}{MASK_SUFFIX}") if f.is_file()]
+    files = [f for f in (folder / f"{shard}.bin", folder / f"{shard}{MASK_SUFFIX}") if f.is_file()]
     return all(there.get(f.name) == f.stat().st_size for f in files) and \
         prefix.read(note.name) == note.read_bytes()
 
