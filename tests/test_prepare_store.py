@@ -81,6 +81,9 @@ def test_prepare_to_s3_uploads_the_one_host_bytes_and_refuses_a_second(s3, local
     assert prepare_to(uri("web"), src, tmp_path / "stage") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already holds prepared data (manifest.json)" in err and "s3://bucket/web" in err
+    assert prepare_to(uri("web").replace("bucket/", "nobucket/"), src, tmp_path / "stage") == 2  # before any work
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out s3://nobucket/web: the bucket nobucket does not exist; create it" in err
 
 
 def test_a_killed_upload_leaves_no_manifest_and_the_rerun_uploads_only_the_rest(s3, local, tmp_path, monkeypatch,

@@ -90,6 +90,18 @@ class Prefix:
             found = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return {Path(f.path).name: f.size for f in found if f.type == pafs.FileType.File}
 
+    def check_root(self) -> None:
+        """The prefix's bucket (container, or / of a filesystem) exists: a listing under a missing
+        bucket is only empty, and the first upload would fail after the whole prepare."""
+        import pyarrow.fs as pafs
+
+        root = self.path.split("/")[0] or "/"
+        with reaching(self.uri, self.flag):
+            missing = self.fs.get_file_info(root).type == pafs.FileType.NotFound
+        if missing:
+            raise UserError(f"{self.flag} {shown(self.uri)}: the bucket {root} does not exist; create it, or fix "
+                            f"the URI")
+
     def read(self, name: str) -> bytes:
         with reaching(self.uri, self.flag), self.fs.open_input_stream(f"{self.path}/{name}") as f:
             return f.read()
@@ -125,6 +137,7 @@ def staged(out, stage: str | Path | None = None, flag: str = "--out"):
     if MANIFEST in prefix.files():
         raise UserError(f"{flag} {shown(out)} already holds prepared data ({MANIFEST}); pick a new prefix or "
                         f"delete it")
+    prefix.check_root()
     home = Path(stage or cache_root() / "staging") / hashlib.sha256(shown(out).encode()).hexdigest()[:16]
     home.mkdir(parents=True, exist_ok=True)
     lock = os.open(home, os.O_RDONLY)  # one prepare per URI on this machine: they share the folder
