@@ -1,6 +1,7 @@
 """`python -m meshtrain.data prepare | train-tokenizer`: tokenize a corpus once; train a BPE tokenizer.
 
-    python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR|URI [--workers N | --ray ADDRESS]
+    python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR|URI [--stage DIR]
+                                     [--workers N | --ray ADDRESS]
                                      [--text-field text] [--chat | --preference]
                                      [--chat-template auto|chatml|FILE]
     python -m meshtrain.data train-tokenizer SRC --vocab-size N --out tokenizer.json
