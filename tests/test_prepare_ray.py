@@ -142,7 +142,8 @@ def test_a_killed_prepare_resumes_without_redoing_finished_units(two_nodes, tmp_
     with pytest.raises(KeyboardInterrupt):
         cluster.prepare_on_ray(str(src), BYTE, out, shard_tokens=500)
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
-    kept = {f.name: f.stat().st_ino for f in cluster.work_folder(out).iterdir()}
+    # results only: a cancelled task may still be in writing_file, whose probe folder comes and goes
+    kept = {f.name: f.stat().st_ino for f in cluster.work_folder(out).glob("unit-*.npz")}
     assert len(kept) >= 3 and {f.name for f in loaded} <= kept.keys()
 
     seen = {}
@@ -176,7 +177,7 @@ def test_ray_prepare_to_s3_resumes_from_its_staging_folder_and_uploads_the_one_h
         cluster.prepare_on_ray(str(src), BYTE, uri("ray"), shard_tokens=500, stage=stage)
     assert not uploaded(fs, "ray")
     (work,) = stage.glob("*/.prepared.units")
-    kept = {f.name: f.stat().st_ino for f in work.iterdir()}
+    kept = {f.name: f.stat().st_ino for f in work.glob("unit-*.npz")}  # results only (a task's probe comes and goes)
     assert len(kept) >= 3 and set(loaded) <= kept.keys()
 
     seen = {}
