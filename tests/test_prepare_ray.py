@@ -158,8 +158,8 @@ def test_a_killed_prepare_resumes_without_redoing_finished_units(two_nodes, tmp_
     assert files(tmp_path / "one") == files(out)
 
 
-def test_ray_prepare_to_s3_resumes_from_its_staging_folder_and_uploads_the_one_host_bytes(two_nodes, s3, tmp_path,  # noqa: F811
-                                                                                           monkeypatch):
+def test_ray_prepare_to_s3_resumes_from_its_staging_folder_and_uploads_the_one_host_bytes(
+        two_nodes, s3, tmp_path, monkeypatch):  # noqa: F811 (s3: the fixture imported above)
     """--out s3://...: the units' results wait beside the staging folder (under --stage), so a rerun after
     a Ctrl-C tokenizes only the rest; the store ends with the one-host prepare's files."""
     uri, fs = s3

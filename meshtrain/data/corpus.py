@@ -1,10 +1,10 @@
 """What training reads: the configured data as one token stream, and the tokenizer that made it.
 
-Token files and prepared folders are memory-mapped, never read into memory; a prepared folder in an
-object store (data.path: s3://...) is copied into the local cache first (meshtrain/data/store.py). Raw sources (text,
-jsonl, Parquet, datasets folders, the standard library) are tokenized on load, by every process,
-exactly as `prepare` would; that is for small data only (RAW_LIMIT_BYTES): `prepare` is the path
-for anything larger.
+Token files and prepared folders are memory-mapped, never read into memory; a prepared folder in
+an object store (data.path: s3://...) is copied into the local cache first (meshtrain/data/store.py).
+Raw sources (text, jsonl, Parquet, datasets folders, the standard library) are tokenized on load, by
+every process, exactly as `prepare` would; that is for small data only (RAW_LIMIT_BYTES): `prepare`
+is the path for anything larger.
 """
 from __future__ import annotations
 
