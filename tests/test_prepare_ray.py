@@ -3,7 +3,8 @@ CPU each, started and stopped here, shared by every test): the shards, manifest 
 text, jsonl (BPE and bytes), a Spark Parquet folder, chat data and preference pairs (their loss masks
 and pairs) equal the one-host prepare's byte for byte; a
 bad file is one `error:` line naming it, and the rerun after fixing it, or after a Ctrl-C, tokenizes
-only the units not done yet; training runs on the result."""
+only the units not done yet; training runs on the result. To an s3:// --out (a moto server), a rerun
+after a Ctrl-C reuses the results kept beside the staging folder and uploads the one-host bytes."""
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import jax
 import pytest
 from test_dpo import write_pairs
 from test_prepare import BYTE, DOCS, write_jsonl, write_spark_parquet
+from test_prepare_store import s3, uploaded  # noqa: F401 (s3: the moto server fixture)
 from test_sft import write_chat
 
 from meshtrain.core.errors import UserError
@@ -140,7 +142,8 @@ def test_a_killed_prepare_resumes_without_redoing_finished_units(two_nodes, tmp_
     with pytest.raises(KeyboardInterrupt):
         cluster.prepare_on_ray(str(src), BYTE, out, shard_tokens=500)
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
-    kept = {f.name: f.stat().st_ino for f in cluster.work_folder(out).iterdir()}
+    # results only: a cancelled task may still be in writing_file, whose probe folder comes and goes
+    kept = {f.name: f.stat().st_ino for f in cluster.work_folder(out).glob("unit-*.npz")}
     assert len(kept) >= 3 and {f.name for f in loaded} <= kept.keys()
 
     seen = {}
@@ -153,6 +156,41 @@ def test_a_killed_prepare_resumes_without_redoing_finished_units(two_nodes, tmp_
     assert len(seen) == len(sources.units("jsonl", str(src))) and {n: seen[n] for n in kept} == kept
     prepare(str(src), BYTE, tmp_path / "one", workers=1, shard_tokens=500)
     assert files(tmp_path / "one") == files(out)
+
+
+def test_ray_prepare_to_s3_resumes_from_its_staging_folder_and_uploads_the_one_host_bytes(
+        two_nodes, s3, tmp_path, monkeypatch):  # noqa: F811 (s3: the fixture imported above)
+    """--out s3://...: the units' results wait beside the staging folder (under --stage), so a rerun after
+    a Ctrl-C tokenizes only the rest; the store ends with the one-host prepare's files."""
+    uri, fs = s3
+    monkeypatch.setattr(sources, "UNIT_BYTES", UNIT_BYTES)
+    src, stage = write_jsonl(tmp_path / "docs.jsonl"), tmp_path / "stage"
+    load, loaded = cluster._load, []
+
+    def interrupted(path):
+        if len(loaded) == 3:
+            raise KeyboardInterrupt
+        loaded.append(path.name)
+        return load(path)
+    monkeypatch.setattr(cluster, "_load", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.prepare_on_ray(str(src), BYTE, uri("ray"), shard_tokens=500, stage=stage)
+    assert not uploaded(fs, "ray")
+    (work,) = stage.glob("*/.prepared.units")
+    kept = {f.name: f.stat().st_ino for f in work.glob("unit-*.npz")}  # results only (a task's probe comes and goes)
+    assert len(kept) >= 3 and set(loaded) <= kept.keys()
+
+    seen = {}
+
+    def watched(path):  # a redone unit's result is a new file (os.replace): a new inode
+        seen[path.name] = path.stat().st_ino
+        return load(path)
+    monkeypatch.setattr(cluster, "_load", watched)
+    cluster.prepare_on_ray(str(src), BYTE, uri("ray"), shard_tokens=500, stage=stage)
+    assert {n: seen[n] for n in kept} == kept
+    prepare(str(src), BYTE, tmp_path / "one", workers=1, shard_tokens=500)
+    assert uploaded(fs, "ray") == files(tmp_path / "one")
+    assert not work.exists()
 
 
 def test_training_runs_on_a_ray_prepared_folder(prepared):

@@ -113,7 +113,10 @@ class OptimSpec:
 class DataConfig:
     path: str = setting("", "text file or folder, .jsonl, Parquet file or folder (part-*.parquet), datasets "
                             "save_to_disk folder, .bin token file, or a prepared folder (python -m "
-                            "meshtrain.data prepare); '' = the Python standard library's .py files")
+                            "meshtrain.data prepare), local or in an object store (s3://bucket/prefix, gs://, ...: "
+                            "copied into data.cache_dir first); '' = the Python standard library's .py files")
+    cache_dir: str = setting("", "where prepared data from an object store is copied, one folder per content hash "
+                                 "(each host keeps its own copy); '' = ~/.cache/meshtrain/data")
     kind: str = setting("auto", "auto detects it: a file by its suffix (.bin tokens, .jsonl, .parquet, else "
                                 "text), a folder by its contents (manifest.json: prepared; state.json: "
                                 "hf_datasets; else jsonl, Parquet or text files); stdlib without a path",

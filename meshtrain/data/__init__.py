@@ -8,6 +8,8 @@
 - chat.py: `prepare --chat`: conversations rendered with a chat template, a loss mask on the
   assistant turns.
 - cluster.py: `prepare --ray`: the same shards, the units tokenized by Ray tasks on a cluster, resumable.
+- store.py: prepared folders in object stores (s3://, gs://, ...): `prepare --out URI` stages and
+  uploads one, manifest last; `data.path: URI` copies one into the local cache, checked.
 - corpus.py: `load_corpus(data config)` -> the token stream and its tokenizer, for training.
 - batches.py: `Batches`: the batch of step k depends only on (seed, split, k).
 - tokenizer.py: byte-level and Hugging Face tokenizers, training one, recording it in a run.

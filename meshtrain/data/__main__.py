@@ -1,6 +1,7 @@
 """`python -m meshtrain.data prepare | train-tokenizer`: tokenize a corpus once; train a BPE tokenizer.
 
-    python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR [--workers N | --ray ADDRESS]
+    python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR|URI [--stage DIR]
+                                     [--workers N | --ray ADDRESS]
                                      [--text-field text] [--chat | --preference]
                                      [--chat-template auto|chatml|FILE]
     python -m meshtrain.data train-tokenizer SRC --vocab-size N --out tokenizer.json
@@ -17,6 +18,7 @@ from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.data import chat as chat_lib
+from meshtrain.data import store
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.cluster import prepare_on_ray
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
@@ -34,7 +36,11 @@ def parser() -> Parser:
     source.add_argument("--text-field", default="text", help="jsonl field / column holding the text")
     prep = commands.add_parser("prepare", parents=[source], help="tokenize SRC into shards + manifest.json")
     prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json (or its folder)")
-    prep.add_argument("--out", required=True, help="new (or empty) folder for the shards")
+    prep.add_argument("--out", required=True, help="new (or empty) folder for the shards, or an object-store URI "
+                                                   "(s3://bucket/prefix, gs://, ...: written under --stage, then "
+                                                   "uploaded; docs/data.md)")
+    prep.add_argument("--stage", help="with a URI --out: the local folder the shards are written in before the "
+                                      "upload (default ~/.cache/meshtrain/staging); on a shared filesystem with --ray")
     prep.add_argument("--workers", type=number(int, min=1, max=1024),
                       help="tokenizing processes on this machine (default: one per core)")
     prep.add_argument("--ray", metavar="ADDRESS",
@@ -80,15 +86,18 @@ def main(argv=None) -> int:
         field = chat_lib.MESSAGES if args.chat and args.text_field == "text" else args.text_field
         templated = args.chat or args.chat_template is not None  # preference pairs: where one is named
         chat = chat_lib.load_format(args.chat_template or "auto", tok) if templated else None
+        if args.stage is not None and not store.is_uri(args.out):
+            raise UserError(f"--stage is where a URI --out is written before its upload; --out {args.out} is a "
+                            f"local folder, written in place: leave --stage out")
         if args.ray is None:
             m = prepare(args.src, tok, args.out, args.workers or os.cpu_count(), field, args.shard_tokens,
-                        kind, args.allow_dropped_text, chat, args.preference)
+                        kind, args.allow_dropped_text, chat, args.preference, args.stage)
         elif args.workers is not None:
             raise UserError("--workers is for one machine; with --ray each unit is a Ray task on a CPU of the "
                             "cluster: leave --workers out")
         else:
             m = prepare_on_ray(args.src, tok, args.out, args.ray, field, args.shard_tokens, kind,
-                               args.allow_dropped_text, chat, args.preference)
+                               args.allow_dropped_text, chat, args.preference, args.stage)
         seconds = time.perf_counter() - started
         trained = f"; {m['trained_tokens']:,} tokens in assistant turns (the loss mask)" if args.chat else ""
         if args.preference:

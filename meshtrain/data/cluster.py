@@ -36,6 +36,7 @@ from meshtrain.core.console import duration, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.ray_cluster import connected
+from meshtrain.data import store
 from meshtrain.data.chat import ChatFormat
 from meshtrain.data.prepare import SHARD_TOKENS, Tokenized, source_units, tokenize, write_prepared
 from meshtrain.data.sources import Unit
@@ -46,16 +47,18 @@ PROGRESS_S = 10.0  # seconds between the driver's progress lines
 
 def prepare_on_ray(src: str, tok, out: str | Path, address: str = "auto", text_field: str = "text",
                    shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False,
-                   chat: ChatFormat | None = None, preference: bool = False) -> dict:
-    """prepare.py `prepare` (its `chat` and `preference` too), its units tokenized on the Ray cluster
-    at `address` (auto: the running one; local: one started on this machine; the one this process is
-    connected to, if any). Returns the manifest."""
+                   chat: ChatFormat | None = None, preference: bool = False, stage: str | None = None) -> dict:
+    """prepare.py `prepare` (its `chat` and `preference` too, `out` a folder or an object-store URI
+    staged under `stage`), its units tokenized on the Ray cluster at `address` (auto: the running
+    one; local: one started on this machine; the one this process is connected to, if any). Returns
+    the manifest."""
     kind, parts = source_units(src, kind, shard_tokens)
-    work = work_folder(out)
-    with connected(address, "--ray", logging_level=logging.WARNING):  # not Ray's start-up lines
-        manifest = write_prepared(ray_tokenized(parts, tok, text_field, work, out, chat, preference), src, kind, tok,
-                                  out, text_field, shard_tokens, allow_dropped_text, chat, preference)
-    shutil.rmtree(work, ignore_errors=True)
+    with store.staged(out, stage) as local:
+        work = work_folder(local)
+        with connected(address, "--ray", logging_level=logging.WARNING):  # not Ray's start-up lines
+            manifest = write_prepared(ray_tokenized(parts, tok, text_field, work, out, chat, preference), src, kind,
+                                      tok, local, text_field, shard_tokens, allow_dropped_text, chat, preference)
+        shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 

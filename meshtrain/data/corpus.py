@@ -1,18 +1,21 @@
 """What training reads: the configured data as one token stream, and the tokenizer that made it.
 
-Token files and prepared folders are memory-mapped, never read into memory. Raw sources (text,
-jsonl, Parquet, datasets folders, the standard library) are tokenized on load, by every process,
-exactly as `prepare` would; that is for small data only (RAW_LIMIT_BYTES): `prepare` is the path
-for anything larger.
+Token files and prepared folders are memory-mapped, never read into memory; a prepared folder in
+an object store (data.path: s3://...) is copied into the local cache first (meshtrain/data/store.py).
+Raw sources (text, jsonl, Parquet, datasets folders, the standard library) are tokenized on load, by
+every process, exactly as `prepare` would; that is for small data only (RAW_LIMIT_BYTES): `prepare`
+is the path for anything larger.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from meshtrain.core.errors import UserError
+from meshtrain.data import store
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import DroppedText, tokenize
 from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
@@ -29,6 +32,11 @@ class Corpus(NamedTuple):
 def load_corpus(dcfg, vocab_size: int) -> Corpus:
     """`dcfg`: the DataConfig. data.tokenizer=auto means the data's own (a prepared folder's, a token
     file's sidecar's), bytes for raw text."""
+    if store.is_uri(dcfg.path):
+        if dcfg.kind not in ("auto", "prepared"):
+            raise UserError(f"data.kind={dcfg.kind} with data.path {store.shown(dcfg.path)}: an object store holds "
+                            f"prepared data only (python -m meshtrain.data prepare --out URI); set data.kind=auto")
+        dcfg = dataclasses.replace(dcfg, path=str(store.cached(dcfg.path, dcfg.cache_dir)), kind="prepared")
     kind = detect(dcfg.path, dcfg.kind)
     explicit = None if dcfg.tokenizer == "auto" else tokenizer_lib.load(dcfg.tokenizer)
     if kind == "synthetic":

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from meshtrain.core.errors import UserError
+from meshtrain.data import store
 from meshtrain.data.batches import Batches, split_tokens
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sources import KINDS
@@ -69,7 +70,8 @@ def sources(dcfg) -> list[Source]:
     if dcfg.kind == "synthetic":
         raise UserError("data.kind=synthetic has no tokens to mix; drop data.sources, or set data.kind=auto")
     entries = [_entry(i, e, dcfg) for i, e in enumerate(dcfg.sources)]
-    paths = [os.path.normpath(e["path"]) if e["path"] else "" for e in entries]
+    paths = [os.path.normpath(e["path"]) if e["path"] and not store.is_uri(e["path"]) else e["path"]
+             for e in entries]
     for i, p in enumerate(paths):
         if p in paths[:i]:
             raise UserError(f"data.sources[{i}] repeats data.sources[{paths.index(p)}]'s path {entries[i]['path']!r}; "
@@ -115,7 +117,7 @@ def names(paths: list[str]) -> list[str]:
     if they tell the paths apart, else the folders above, one level at a time (web/train.bin and
     code/train.bin: web, code), else the whole paths joined by '_'. Characters other than letters,
     digits, '-' and '_' become '_'; the standard library ('') is stdlib."""
-    parts = [Path(p).parts if p else ("stdlib",) for p in paths]
+    parts = [Path(store.shown(p) if store.is_uri(p) else p).parts if p else ("stdlib",) for p in paths]
     clean = lambda pieces: re.sub(r"[^A-Za-z0-9_-]+", "_", "_".join(pieces)).strip("_") or "source"
     level = lambda p, back: Path(p[-1]).stem if back == 1 or len(p) == 1 else p[max(len(p) - back, 0)]
     for back in range(1, max(map(len, parts)) + 1):
@@ -154,6 +156,10 @@ def trains_on_mask(dcfg) -> bool:
     if dcfg.train_on != "assistant" or dcfg.kind == "synthetic":
         return False
     for s in sources(dcfg):
+        if s.kind in ("auto", "prepared") and store.is_uri(s.path):
+            if store.manifest(s.path).get("mask_sha256"):
+                return True
+            continue
         manifest = Path(s.path) / MANIFEST
         if s.kind in ("auto", "prepared") and manifest.is_file() and json.loads(manifest.read_text()).get(
                 "mask_sha256"):

@@ -30,6 +30,7 @@ from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
 from meshtrain.data import chat as chat_lib
 from meshtrain.data import preference as preference_lib
+from meshtrain.data import store
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
 from meshtrain.data.tokens import MANIFEST, MASK_SUFFIX, file_meta, sidecar, token_dtype, write_json
@@ -200,15 +201,17 @@ class ShardWriter:
 
 def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = "text",
             shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False,
-            chat: chat_lib.ChatFormat | None = None, preference: bool = False) -> dict:
+            chat: chat_lib.ChatFormat | None = None, preference: bool = False, stage: str | None = None) -> dict:
     """Tokenize `src` (a raw source: text, jsonl, Parquet, datasets folder) into the empty or new
-    folder `out`; returns the manifest. Text the tokenizer maps to no token is an error unless
+    folder `out`, or an object-store URI (written in a local folder under `stage`, then uploaded:
+    meshtrain/data/store.py); returns the manifest. Text the tokenizer maps to no token is an error unless
     `allow_dropped_text` (then a warning with the counts). `chat`: rows are conversations in
     `text_field`, rendered with this format, and a loss mask is written beside the tokens.
     `preference`: jsonl rows are preference pairs (meshtrain/data/preference.py)."""
     kind, parts = source_units(src, kind, shard_tokens, workers)
-    return write_prepared(tokenized(parts, tok, text_field, workers, chat, preference), src, kind, tok, out,
-                          text_field, shard_tokens, allow_dropped_text, chat, preference)
+    with store.staged(out, stage) as local:
+        return write_prepared(tokenized(parts, tok, text_field, workers, chat, preference), src, kind, tok,
+                              local, text_field, shard_tokens, allow_dropped_text, chat, preference)
 
 
 def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tuple[str, list[Unit]]:

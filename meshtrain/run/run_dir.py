@@ -33,7 +33,7 @@ from meshtrain.config.loader import Config, UserError, default_out, load_config,
 from meshtrain.core import schema
 from meshtrain.core.console import NOTICE, log
 from meshtrain.core.folders import full_disk_is_user_error, replace_file, writable
-from meshtrain.data import mixture
+from meshtrain.data import mixture, store
 from meshtrain.data.mixture import sources as data_sources
 from meshtrain.engine.program import TrainProgram
 from meshtrain.interop import hf
@@ -131,11 +131,16 @@ def shown(fingerprint: str) -> str:
 
 def data_files(out: Path, mix) -> list[dict]:
     """Each source of `mix` as run.json records it: its path absolute and relative to the run folder
-    (None: the standard library or synthetic data) and its fingerprint."""
+    (None: the standard library or synthetic data; an object-store URI as it is, both times) and its
+    fingerprint."""
     files = []
     for s, tokens in zip(mix.sources, mix.tokens):
-        where = os.path.abspath(s.path) if s.path else None
-        files.append({"path": where, "from_run": where and os.path.relpath(where, os.path.abspath(out)),
+        if store.is_uri(s.path):
+            where = from_run = s.path
+        else:
+            where = os.path.abspath(s.path) if s.path else None
+            from_run = where and os.path.relpath(where, os.path.abspath(out))
+        files.append({"path": where, "from_run": from_run,
                       "data": data_fingerprint(tokens)})
     return files
 
@@ -165,6 +170,8 @@ def _data_files(record: dict) -> list[dict]:
 
 
 def _located(run: str | Path, file: dict) -> str:
+    if store.is_uri(file["path"]):
+        return file["path"]
     beside = os.path.normpath(Path(run).absolute() / file["from_run"])
     return beside if not os.path.exists(file["path"]) and os.path.exists(beside) else file["path"]
 
@@ -175,7 +182,7 @@ def run_mixture(run: str | Path, cfg: Config, other: str | None = None):
     other data instead (a flag), if the command has a way."""
     files = _data_files(read_record(Path(run)) or {})
     for i, s in enumerate(data_sources(cfg.data)):
-        if s.path and not os.path.exists(s.path):
+        if s.path and not store.is_uri(s.path) and not os.path.exists(s.path):
             recorded = files[i] if len(files) > i and files[i].get("path") == s.path else None
             where = (f"{s.path} (where it trained) nor at {Path(run) / recorded['from_run']} (relative to the run)"
                      if recorded else s.path if os.path.isabs(s.path) else f"{s.path} (from this working folder)")

@@ -1,0 +1,286 @@
+"""Prepared folders in object stores: `prepare --out URI` uploads one, `data.path: URI` trains on one.
+
+A URI is anything pyarrow's `FileSystem.from_uri` resolves (s3://, gs://, abfs://, hdfs://, file://),
+query options included (`s3://bucket/web?endpoint_override=host:9000&scheme=http`).
+- Writing (`staged`): prepare writes the folder locally, in a staging folder, with the one-host or
+  Ray code (so the same bytes and content hash), then `upload`s it: each shard's data, then its
+  sidecar (which names the shard's sha256), and manifest.json LAST, so a prefix without a manifest is
+  never taken as prepared data. A rerun after a kill prepares again and skips every shard whose
+  sidecar is up as written and whose files have their sizes; a prefix holding a manifest is refused,
+  as a non-empty local --out is.
+- Reading (`cached`): the prefix is copied once into the local cache, `data.cache_dir/<content hash>`
+  (default ~/.cache/meshtrain/data), checked against the manifest (every shard there with its size,
+  the stream's sha256 and the mask's), then memory-mapped as a local prepared folder. Each process
+  keeps its own copy; processes sharing a cache folder share one.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from meshtrain.core import exits, schema
+from meshtrain.core.console import log
+from meshtrain.core.errors import UserError
+from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned
+from meshtrain.data import digest
+from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, sidecar
+
+CHUNK = 8 << 20  # bytes a read or write moves
+FIX = ("check the URI, that the store is reachable from here, and its credentials (AWS_ACCESS_KEY_ID and "
+       "AWS_SECRET_ACCESS_KEY for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://, ...)")
+
+
+def is_uri(path) -> bool:
+    """Whether `path` names a store (scheme://...) rather than a local file or folder."""
+    return bool(re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", str(path or "")))
+
+
+def shown(uri: str) -> str:
+    """The URI without its query options (metric names, folder keys): what it points to."""
+    return urlsplit(uri)._replace(query="").geturl()
+
+
+def cache_root() -> Path:
+    """meshtrain's local cache: $XDG_CACHE_HOME/meshtrain, else ~/.cache/meshtrain."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshtrain"
+
+
+@contextlib.contextmanager
+def reaching(uri: str, flag: str):
+    """pyarrow's errors while the block talks to the store at `uri` (an unknown scheme, an
+    unreachable endpoint, missing credentials) become one UserError naming `flag`, `uri` and the fix."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        if is_full_disk(e):
+            raise  # the local disk's (a copy into the cache): full_disk_is_user_error says so
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{flag} {shown(uri)}: {first}; {FIX}") from None
+
+
+class Prefix:
+    """A folder in a store: its filesystem and the path in it, from the URI."""
+
+    def __init__(self, uri: str, flag: str):
+        import pyarrow.fs as pafs
+
+        self.uri, self.flag = uri, flag
+        with reaching(uri, flag):
+            self.fs, path = pafs.FileSystem.from_uri(uri)
+        self.path = path.rstrip("/")
+
+    def files(self) -> dict[str, int]:
+        """{name: size} of the files directly in the prefix ({} where there is none)."""
+        import pyarrow.fs as pafs
+
+        with reaching(self.uri, self.flag):
+            found = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return {Path(f.path).name: f.size for f in found if f.type == pafs.FileType.File}
+
+    def check_root(self) -> None:
+        """The prefix's bucket (container, or / of a filesystem) exists: a listing under a missing
+        bucket is only empty, and the first upload would fail after the whole prepare."""
+        import pyarrow.fs as pafs
+
+        root = self.path.split("/")[0] or "/"
+        with reaching(self.uri, self.flag):
+            missing = self.fs.get_file_info(root).type == pafs.FileType.NotFound
+        if missing:
+            raise UserError(f"{self.flag} {shown(self.uri)}: the bucket {root} does not exist; create it, or fix "
+                            f"the URI")
+
+    def read(self, name: str) -> bytes:
+        with reaching(self.uri, self.flag), self.fs.open_input_stream(f"{self.path}/{name}") as f:
+            return f.read()
+
+    def put(self, local: Path) -> None:
+        """Upload the file `local` as the prefix's file of that name (an object appears whole)."""
+        with reaching(self.uri, self.flag):
+            try:
+                out = self.fs.open_output_stream(f"{self.path}/{local.name}")
+            except FileNotFoundError:  # a filesystem with folders (file://, hdfs://): make the prefix's
+                self.fs.create_dir(self.path, recursive=True)
+                out = self.fs.open_output_stream(f"{self.path}/{local.name}")
+            with open(local, "rb") as f, out:
+                shutil.copyfileobj(f, out, CHUNK)
+
+    def get(self, name: str, local: Path) -> None:
+        with reaching(self.uri, self.flag), self.fs.open_input_stream(f"{self.path}/{name}") as f, \
+                open(local, "wb") as out:
+            shutil.copyfileobj(f, out, CHUNK)
+
+
+# ---- writing: prepare --out URI
+
+@contextlib.contextmanager
+def staged(out, stage: str | Path | None = None, flag: str = "--out"):
+    """Yield the local folder to prepare `out` into: `out` itself where it is local; for a URI, a
+    staging folder under `stage` (default: meshtrain's cache, `staging/`), uploaded to `out` when the
+    block succeeds and removed either way. The prefix is checked (reachable, no manifest) first."""
+    if not is_uri(out):
+        yield out
+        return
+    prefix = Prefix(str(out), flag)
+    if MANIFEST in prefix.files():
+        raise UserError(f"{flag} {shown(out)} already holds prepared data ({MANIFEST}); pick a new prefix or "
+                        f"delete it")
+    prefix.check_root()
+    home = Path(stage or cache_root() / "staging") / hashlib.sha256(shown(out).encode()).hexdigest()[:16]
+    home.mkdir(parents=True, exist_ok=True)
+    lock = os.open(home, os.O_RDONLY)  # one prepare per URI on this machine: they share the folder
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another prepare is writing {flag} {shown(out)} (its staging folder {home} is "
+                            f"locked); wait for it to finish") from None
+        local = home / "prepared"  # Ray's work folder, .prepared.units, stays beside it for a rerun
+        shutil.rmtree(local, ignore_errors=True)  # an interrupted upload's: prepared again, the same bytes
+        try:
+            yield local
+            upload(local, prefix)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+    finally:
+        os.close(lock)
+
+
+def upload(folder: Path, prefix: Prefix) -> None:
+    """The prepared `folder`'s files to `prefix`: each shard's data (.bin, .mask) before its sidecar,
+    manifest.json last; a shard whose sidecar is already up as written, its files with their sizes,
+    is skipped (an earlier, interrupted upload of the same data)."""
+    there = prefix.files()
+    names = sorted(p.name for p in folder.iterdir())
+    if stray := sorted(set(there) - set(names)):
+        raise UserError(f"{prefix.flag} {shown(prefix.uri)} holds files this prepare does not write "
+                        f"({', '.join(stray[:3])}{', ...' if len(stray) > 3 else ''}): an earlier prepare of "
+                        f"other data? delete them or pick a new prefix")
+    group = lambda name: name.split(".")[0]  # shard-00000: .bin, .mask, then .bin.json
+    order = sorted(names, key=lambda n: (n == MANIFEST, group(n), n.endswith(".json")))
+    up = {g for g in {group(n) for n in names if n.startswith("shard-")} if _is_up(folder, g, prefix, there)}
+    skip = {n for n in names if group(n) in up}
+    todo = [n for n in order if n not in skip]
+    size, started = sum((folder / n).stat().st_size for n in todo), time.perf_counter()
+    log.info(f"uploading {len(todo):,} files ({size / 1e6:,.1f} MB) to {shown(prefix.uri)}"
+             + (f"; {sum(n.endswith('.bin') for n in skip):,} shard(s) are there from an earlier run" if skip else ""))
+    for name in todo:
+        prefix.put(folder / name)
+    seconds = time.perf_counter() - started
+    log.info(f"uploaded {shown(prefix.uri)}: {size / 1e6:,.1f} MB in {seconds:.1f} s "
+             f"({size / 1e6 / max(seconds, 1e-9):,.1f} MB/s), {MANIFEST} last")
+
+
+def _is_up(folder: Path, shard: str, prefix: Prefix, there: dict[str, int]) -> bool:
+    """Whether the shard (`shard-00000`) is in `prefix` as in `folder`: its sidecar's bytes (naming
+    its sha256) equal, its files (.bin, .mask) of their sizes."""
+    note = sidecar(folder / f"{shard}.bin")
+    if not note.is_file() or note.name not in there:
+        return False
+    files = [f for f in (folder / f"{shard}.bin", folder / f"{shard}{MASK_SUFFIX}") if f.is_file()]
+    return all(there.get(f.name) == f.stat().st_size for f in files) and \
+        prefix.read(note.name) == note.read_bytes()
+
+
+# ---- reading: data.path URI
+
+def manifest(uri: str, flag: str = "data.path") -> dict:
+    """The prepared data's manifest at `uri` (checked as a local one is)."""
+    return _listed(Prefix(uri, flag))[0]
+
+
+def _listed(prefix: Prefix) -> tuple[dict, dict[str, int]]:
+    """(the prefix's manifest, its files {name: size}): one error where there is no manifest (not
+    prepared data, or an upload still under way: the manifest goes up last)."""
+    there, where = prefix.files(), f"{prefix.flag} {shown(prefix.uri)}"
+    if MANIFEST not in there:
+        raise UserError(f"{where} holds no {MANIFEST}: not prepared data, or a prepare still uploading it (the "
+                        f"manifest goes up last); prepare it with python -m meshtrain.data prepare SRC --out "
+                        f"{shown(prefix.uri)}")
+    fix = "prepare the data again"
+    found = schema.parse_json(prefix.read(MANIFEST), f"{where}: {MANIFEST}", fix)
+    schema.check(found, MANIFEST_SCHEMA, f"{where}: {MANIFEST}", fix)
+    if found["sha256"] is None:
+        raise UserError(f"{where}: {MANIFEST} records no sha256 (written before prepare did); {fix}")
+    return found, there
+
+
+def cached(uri: str, cache_dir: str | Path = "", flag: str = "data.path") -> Path:
+    """The local copy of the prepared data at `uri`: `cache_dir` (default meshtrain's cache, `data/`)
+    / its content hash, copied there first where it is not, and checked against its manifest."""
+    prefix = Prefix(uri, flag)
+    m, there = _listed(prefix)
+    key = m["sha256"] + (f"-{m['mask_sha256'][:16]}" if m.get("mask_sha256") else "")
+    root = Path(cache_dir or cache_root() / "data")
+    folder = root / key
+    if (folder / MANIFEST).is_file():
+        _check_sizes(folder, m, f"the cached copy {folder} of {shown(uri)}", "delete it and run again")
+        return folder
+    _check_sizes(there, m, f"{flag} {shown(uri)}", "prepare it again")
+    root.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(root, key)
+    tmp = root / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
+    log.info(f"copying {shown(uri)} ({sum(there.values()) / 1e6:,.1f} MB) into the cache {folder}")
+    try:
+        with exits.unwinding(), full_disk_is_user_error(folder, f"the cache of {shown(uri)}", "run again"):
+            tmp.mkdir()
+            lock = os.open(tmp, os.O_RDONLY)  # remove_abandoned leaves it while this process copies
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                for name in sorted(set(there) - {MANIFEST}):
+                    prefix.get(name, tmp / name)
+                _check_hashes(tmp, m, uri)
+                (tmp / MANIFEST).write_bytes(prefix.read(MANIFEST))
+                try:
+                    os.replace(tmp, folder)
+                except OSError as e:  # another process sharing the cache finished it first: use that copy
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not (folder / MANIFEST).is_file():
+                        raise
+            finally:
+                os.close(lock)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _shard_sizes(m: dict) -> dict[str, int]:
+    """{file: bytes} of every shard (and loss mask) the manifest lists."""
+    itemsize = np.dtype(m["dtype"]).itemsize
+    sizes = {s["file"]: s["tokens"] * itemsize for s in m["shards"]}
+    if m.get("mask_sha256"):
+        sizes.update({Path(s["file"]).with_suffix(MASK_SUFFIX).name: s["tokens"] for s in m["shards"]})
+    return sizes
+
+
+def _check_sizes(found, m: dict, where: str, fix: str) -> None:
+    """Every file the manifest lists is in `found` (a folder, or {name: size}) with its size."""
+    for name, size in _shard_sizes(m).items():
+        has = found.get(name) if isinstance(found, dict) else (
+            (found / name).stat().st_size if (found / name).is_file() else None)
+        if has != size:
+            what = "is missing" if has is None else f"has {has:,} bytes, its manifest says {size:,}"
+            raise UserError(f"{where}: {name} {what}; {fix}")
+
+
+def _check_hashes(folder: Path, m: dict, uri: str) -> None:
+    """The copied stream's sha256 (and its mask's) are the manifest's."""
+    bins = [folder / s["file"] for s in m["shards"]]
+    streams = [(bins, m["sha256"])]
+    if m.get("mask_sha256"):
+        streams.append(([b.with_suffix(MASK_SUFFIX) for b in bins], m["mask_sha256"]))
+    for files, sha256 in streams:
+        if digest.read_sha256(files) != sha256:
+            raise UserError(f"data.path {shown(uri)}: the copied {files[0].suffix} files' sha256 is not the one "
+                            f"its {MANIFEST} records (changed in the store after prepare?); prepare it again")
