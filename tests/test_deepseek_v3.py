@@ -168,13 +168,15 @@ MTP = ("model.mtp_depth=2", "data.document_mask=true", "data.eos_id=216")
 
 @pytest.mark.parametrize("mesh", ["data=2,expert=4,microbatches=2", "fsdp=2,tensor=2",
                                   "context=2,expert=4,attention=ring",
-                                  "context=4,data=2,attention=ring,context_strategy=hybrid,ulysses_degree=2"])
+                                  "context=4,data=2,attention=ring,context_strategy=hybrid,ulysses_degree=2",
+                                  "data=2,pipeline=2,schedule=gpipe,microbatches=2"])
 def test_tiny_config_trains_on_a_mesh_as_on_one_device(mesh):
     """The same losses, mtp_loss and parameters (the 2 MTP modules' too), router biases included
     (they move by +-0.01 a step on the global batch's loads: the manual data executor's per-shard
     loads sum exactly), with 2 microbatches on data x expert; on a context axis the ring (its
     load-balanced storage order: the depths' tokens ahead are taken in true order) and the hybrid
-    (ulysses in pairs, a ring of 2 across them)."""
+    (ulysses in pairs, a ring of 2 across them); on a pipeline the last stage runs the MTP modules
+    on its output, each microbatch's packed documents with it."""
     ref, ref_losses, ref_params = run_tiny("parallel.mesh=1", BIAS, *MTP, devices=jax.devices()[:1], config=TINY)
     axes = dict(part.split("=") for part in mesh.split(","))
     mesh = ",".join(f"{a}={n}" for a, n in axes.items() if a in AXES)
@@ -247,7 +249,6 @@ def test_latent_cache_generates_the_full_forwards_greedy_tokens():
 
 
 def test_what_is_not_built_is_refused_in_one_line():
-    """(Multi-token prediction on a pipeline: tests/test_mtp.py.)"""
     from meshtrain.config.validate import check_layout
     from meshtrain.parallel.sharding import make_rules
 

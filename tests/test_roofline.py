@@ -254,7 +254,8 @@ def test_remat_full_adds_one_forward_of_the_blocks():
 @pytest.mark.fast
 def test_pipeline_recompute_counts_a_rerun_forward_and_the_bubble():
     """residuals=recompute reruns the chunk's forward like remat=full; on a pipeline the compute
-    time is also stretched by the lockstep timetable's bubble (1F1B, 2 stages, 4 microbatches)."""
+    time is also stretched by the lockstep timetable's bubble (1F1B, 2 stages, 4 microbatches) and
+    by the last stage's head (`stage_factor`)."""
     assert roofline.recomputes("none", "recompute", stages=2)
     assert not roofline.recomputes("none", "recompute", stages=1)  # no pipeline: nothing kept or rerun
     assert roofline.recomputes("full", "save", stages=1)
@@ -262,29 +263,54 @@ def test_pipeline_recompute_counts_a_rerun_forward_and_the_bubble():
     est = roofline.estimate(p, _no_memory(), [], H100)
     bubble = timetable("1f1b", 2, 4, 1, "recompute").bubble
     assert est["pipeline_bubble"] == bubble > 0
-    assert est["compute_s"] == pytest.approx(est["flops"]["hardware_per_device"] / H100["peak_flops"] / (1 - bubble))
+    assert est["compute_s"] == pytest.approx(est["flops"]["hardware_per_device"] / H100["peak_flops"] / (1 - bubble)
+                                             * est["stage_factor"]) and est["stage_factor"] > 1
     assert est["flops"]["hardware_per_device"] > est["flops"]["model_per_device"]
 
 
 @pytest.mark.fast
-def test_a_pipelines_first_stage_is_priced_with_the_dense_layers_it_runs():
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_a_pipelines_slowest_stage_prices_the_dense_layers_the_head_and_the_mtp_modules(mtp):
     """deepseek_v3_tiny on pipeline=2: the first stage runs the dense first layer (N_d parameters,
     H*K = 64 wide) with the embedding, its forward again for the embedding gradient: the executed
-    FLOPs grow by 2*N_d + 4*H*K*S per token over one device's (xla: 2 of its 6 score matmuls), and
-    compute by the first stage's share over the mean, 1 + f (S - 1), f = (8*N_d + 16*H*K*S) / all."""
+    FLOPs grow by 2*N_d + 4*H*K*S per token over one device's (xla: 2 of its 6 score matmuls). The
+    last stage runs the tied head, 6*V*D, and with model.mtp_depth=2 the 2 modules (N_m parameters,
+    full causal attention: 6*N_m + 12*H*K*S*M) and 2 more head passes. Compute is x the slowest
+    stage's work over the mean, 1 + S max(f, l) - f - l with f = (8*N_d + 16*H*K*S) / all and l the
+    last stage's share."""
     deepseek = str(ROOT / "configs" / "deepseek_v3_tiny.yaml")
-    one, piped = (_program("parallel.attention=xla", *more, devices=n, config=deepseek)
+    depth = (f"model.mtp_depth={mtp}",)
+    one, piped = (_program("parallel.attention=xla", *depth, *more, devices=n, config=deepseek)
                   for n, more in ((1, ()), (2, ("parallel.mesh=pipeline=2",))))
-    n_d = sum(x.size for x in jax.tree.leaves(piped.abstract_state["params"]["dense_blocks"]))
-    HK, S, tokens = 4 * 16, 16, 16 * 16
+    params = piped.abstract_state["params"]
+    n_d = sum(x.size for x in jax.tree.leaves(params["dense_blocks"]))
+    n_m = sum(x.size for x in jax.tree.leaves(params.get("mtp", {})))
+    HK, S, tokens, VD = 4 * 16, 16, 16 * 16, 256 * 32
     est_one, est = (roofline.estimate(p, _no_memory(), [], H100) for p in (one, piped))
     hardware = est["flops"]["hardware_per_device"]
     assert 2 * hardware == pytest.approx(est_one["flops"]["hardware_per_device"] + (2 * n_d + 4 * HK * S) * tokens)
-    factor = 1 + (8 * n_d + 16 * HK * S) * tokens / 2 / hardware
-    assert est["first_stage_factor"] == pytest.approx(factor) and 1.1 < factor < 2
+    first = (8 * n_d + 16 * HK * S) * tokens / 2 / hardware
+    last = (6 * VD * (1 + mtp) + 6 * n_m + 12 * HK * S * mtp) * tokens / 2 / hardware
+    factor = 1 + 2 * max(first, last) - first - last
+    assert est["stage_factor"] == pytest.approx(factor) and 1.1 < factor < 2
     bubble = timetable("1f1b", 2, 4, 1, "save").bubble
     assert est["compute_s"] == pytest.approx(hardware / H100["peak_flops"] / (1 - bubble) * factor)
-    assert est_one["first_stage_factor"] == 1.0
+    assert est_one["stage_factor"] == 1.0
+    assert (last > first) == bool(mtp)  # the 2 modules and heads outweigh the dense layer
+
+
+@pytest.mark.fast
+def test_a_pipelines_last_stage_runs_the_head_and_the_slowest_stage_sets_the_tick():
+    """Without layers that `embed` runs, the last stage alone runs the head: l = 6*V*D*tokens / all,
+    the factor 1 + l (S - 1); the factor is symmetric in which end is heavier."""
+    piped = _program("parallel.mesh=pipeline=2", devices=2)
+    est = roofline.estimate(piped, _no_memory(), [], H100)
+    c = piped.model.cfg
+    tokens = piped.train.batch_size * piped.train.seq_len / 2
+    last = 6 * c.vocab_size * c.d_model * tokens / est["flops"]["hardware_per_device"]
+    assert est["stage_factor"] == pytest.approx(1 + last) and last > 0
+    assert roofline.stage_factor(3.0, 1.0, 10.0, 4) == roofline.stage_factor(1.0, 3.0, 10.0, 4) == pytest.approx(1.8)
+    assert roofline.stage_factor(0.0, 0.0, 10.0, 4) == 1.0 and roofline.stage_factor(1.0, 0.0, 0.0, 4) == 1.0
 
 
 @pytest.mark.fast

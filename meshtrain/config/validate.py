@@ -138,11 +138,6 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     if dense and stages > 1 and sizes["fsdp"] > 1 and sizes["tensor"] > 1:  # XLA:CPU hung in a collective-permute
         raise LayoutError(f"model.first_k_dense_replace={dense} on a pipeline with fsdp and tensor both > 1 is not "
                           f"built (the first stage's dense layers wait for the other stages); keep one of them at 1")
-    mtp = getattr(m, "mtp_depth", 0)
-    if mtp and stages > 1:
-        raise LayoutError(f"model.mtp_depth={mtp} runs without a pipeline axis (the multi-token prediction modules "
-                          f"follow the last stage, which the pipeline executor does not build); drop pipeline from "
-                          f"parallel.mesh or set model.mtp_depth=0")
     if stages > 1:
         check_schedule(par.schedule, stages, micro, par.virtual_stages)
         check_residuals(par.schedule, par.residuals, par.remat)

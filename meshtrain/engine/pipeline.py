@@ -144,10 +144,12 @@ class StageProgram:
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
-                 docs_MxbxL=None, kinds=None, aux_weight=None):
+                 docs_MxbxL=None, kinds=None, aux_weight=None, mtp_shares=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
+        self.aux_weight = 1.0 if aux_weight is None else aux_weight  # a loss mask's trained share (StepInputs)
+        self.mtp_shares = mtp_shares  # multi-token prediction: [D] the step batch's shares (None without)
         self.save, self.splits_weight_grad = residuals == "save", schedule.splits_weight_grad
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
@@ -173,7 +175,7 @@ class StageProgram:
                                     jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x, first,
                                     *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
-        weight = self.scale if aux_weight is None else self.scale * aux_weight
+        weight = self.scale * self.aux_weight
         self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * weight / (model.stacked_layers * micro),
                                                          g_stats))
 
@@ -206,12 +208,22 @@ class StageProgram:
         return self.model.embed(freeze(p_outer, self.keep), _take(self.inputs, m))
 
     def microbatch_loss(self, p_outer, y, m):
-        return self.model.loss(freeze(p_outer, self.keep), y, _take(self.targets, m))
+        """(microbatch m's objective, its metrics: the loss, and with multi-token prediction the mean
+        of the depths' losses 'mtp_loss', which the objective adds x mtp_loss_weight x the auxiliary
+        weight, as meshtrain/engine/step.py `make_loss_fn` does). The MTP modules are outer
+        parameters: the last stage runs them on its output y, the trunk's last hidden state."""
+        params, targets = freeze(p_outer, self.keep), _take(self.targets, m)
+        loss = self.model.loss(params, y, targets)
+        if self.mtp_shares is None:
+            return loss, {"loss": loss}
+        docs = self.documents(m)[0] if self.docs is not None else None
+        mtp = jnp.mean(self.model.mtp_losses(params, y, _take(self.inputs, m), targets, docs, self.mtp_shares))
+        return loss + self.aux_weight * self.model.cfg.mtp_loss_weight * mtp, {"loss": loss, "mtp_loss": mtp}
 
     def scaled_loss(self, p_outer, y, m):
-        """(the loss x scale, to differentiate; the loss)."""
-        loss = self.microbatch_loss(p_outer, y, m)
-        return loss * self.scale, loss
+        """(the objective x scale, to differentiate; the metrics)."""
+        objective, metrics = self.microbatch_loss(p_outer, y, m)
+        return objective * self.scale, metrics
 
     def forward_saving(self, p_chunk, kinds, x, *docs):
         """(y, (each layer's residuals stacked, the chunk's statistics summed over its layers, the
@@ -228,6 +240,8 @@ class StageProgram:
                  "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
                  "g_outer": f32_zeros(select(self.outer, self.keep)),
                  "loss": jnp.zeros((), jnp.float32)}
+        if self.mtp_shares is not None:
+            carry["mtp_loss"] = jnp.zeros((), jnp.float32)
         saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.chunk_kinds(0), self.zeros_x,
                                                 *self.documents(0))[1]
         # the PER_LAYER_STATS summed per chunk and layer [V, layers per chunk, ...] (`add_stats`)
@@ -280,10 +294,11 @@ class StageProgram:
 
         def head_and_loss(c):
             """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
-            (_, loss), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
+            (_, metrics), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
                 self.outer, y, m)
             c = self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer))
-            return {**c, "loss": c["loss"] + loss,
+            c = {**c, **{k: c[k] + v for k, v in metrics.items()}}  # the loss (and mtp_loss) summed
+            return {**c,
                     "cotangents": _write(c["cotangents"], g_y / self.micro, m, v, self.slots["cotangent_slots"])}
 
         return jax.lax.cond(self.is_last(v), head_and_loss, lambda c: c, c), y
@@ -366,6 +381,8 @@ class StageProgram:
                  else jax.lax.psum(s, "pipeline") for k, s in carry["stats"].items()}
         stats = layer_means(stats, self.model.stacked_layers)
         metrics = {"loss": loss, **jax.tree.map(lambda s: s / self.micro, stats)}
+        if "mtp_loss" in carry:
+            metrics["mtp_loss"] = jax.lax.psum(carry["mtp_loss"], "pipeline") / self.micro
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
         return metrics, g_blocks, g_outer
@@ -407,7 +424,8 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
                 outer, blocks = split(data_parallel.folded(params, param_specs))
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
                                  blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL,
-                                 kinds=kinds, aux_weight=step_inputs.trained_share)
+                                 kinds=kinds, aux_weight=step_inputs.trained_share,
+                                 mtp_shares=step_inputs.mtp_shares)
             metrics, g_blocks, g_outer = stage.run(phases)
             if not data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})

@@ -329,7 +329,7 @@ def format_plan(r: dict) -> str:
                      f"widened bf16->f32 counted at bf16; {fix['all_reduce_as_reduce_scatter']:,.0f} all-reduce + "
                      f"slice as reduce-scatters; {gb(fix['all_reduce_reassociated_bytes'])} of all-reduces summed "
                      f"after reduction counted once")
-    f = r["flops"]
+    f, mtp = r["flops"], r["config"]["model"].get("mtp_depth", 0)
     xla = ("none from the GPU compiler" if f["compiled_per_device"] is None else
            f"{f['compiled_per_device']:.3e} (it counts a loop body once, not per layer)")
     lines += [*format_kernels(r.get("kernels")),
@@ -343,8 +343,9 @@ def format_plan(r: dict) -> str:
     lines += format_kernel_time(roof)
     lines.append(f"  compute {roof['compute_s'] * 1e3:,.1f} ms"
                  + (f" (bubble {roof['pipeline_bubble']:.1%})" if roof["pipeline_bubble"] else "")
-                 + (f" (x {roof['first_stage_factor']:.3f}: the first stage also runs the layers run with the "
-                    f"embedding)" if roof.get("first_stage_factor", 1.0) != 1.0 else "")
+                 + (f" (x {roof['stage_factor']:.3f}: the slowest stage over the mean; the first also runs the "
+                    f"embedding's layers, the last the head{' and MTP' if mtp else ''})"
+                    if roof.get("stage_factor", 1.0) != 1.0 else "")
                  + f", communication {roof['comm_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms -> "
                    f"step >= {roof.get('formula_step_s', roof['step_s']) * 1e3:,.1f} ms at the datasheet peaks "
                    f"({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms without overlap)"

@@ -33,7 +33,8 @@ perfectly, the sum when none does):
   lockstep timetable's (meshtrain/parallel/schedules.py), a tick costing its slowest stage: where
   `embed` runs layers (the model's `embed_stacks`, deepseek_v3's dense first layers), the first stage
   runs them besides its share of the blocks, and again in its backward (their forward, for the
-  embedding gradient), and compute is x `first_stage_factor`, its work over the mean stage's. Under
+  embedding gradient); the last stage runs the head (6·V·D per token) and any multi-token prediction
+  modules with their heads; compute is x `stage_factor`, the slowest stage's work over the mean's. Under
   precision=fp8 the matmuls the blocks run in fp8 (6·(N_fp8 + N_slot), and 2·(N_fp8 + N_slot) rerun; N_fp8 the model's
   `fp8_matmul_params`: the projections, the MLP, capacity-routed experts) run at the device's fp8
   peak, the rest (attention, the head, a MoE block's fp32 router, dropless experts) at its bf16 peak:
@@ -173,12 +174,28 @@ def hardware_flops_per_token(model_flops_per_token: float, block_params: float, 
     return dense + rerun + executed
 
 
-def first_stage_factor(first_only: float, total: float, stages: int) -> float:
+def stage_factor(first_only: float, last_only: float, total: float, stages: int) -> float:
     """A pipeline's compute over balanced stages' where the first stage alone runs `first_only` of
-    the `total` FLOPs and each stage 1/S of the rest: a tick costs its slowest stage, the first,
-    whose share over the mean is (first_only + (total - first_only) / S) / (total / S) = 1 + f (S - 1),
-    f = first_only / total."""
-    return 1.0 + first_only / total * (stages - 1) if total else 1.0
+    the `total` FLOPs, the last stage alone `last_only`, and each stage 1/S of the rest: a tick costs
+    its slowest stage, whose work over the mean stage's is
+    (max(first_only, last_only) + (total - first_only - last_only) / S) / (total / S)
+    = 1 + S max(f, l) - f - l, f and l the two shares of `total` (1 + f (S - 1) for the first's alone)."""
+    if not total:
+        return 1.0
+    f, l = first_only / total, last_only / total
+    return 1.0 + stages * max(f, l) - f - l
+
+
+def last_stage_flops_per_token(model, params, attention_width: int, seq_len: int, kernel: str, ring: int,
+                               recompute: bool) -> float:
+    """The FLOPs per token only a pipeline's last stage runs: the head, 6·V·D (forward and backward,
+    never rerun), and with multi-token prediction its M modules (`embedded_flops_per_token` of the
+    stack `mtp`, full causal attention, rerun as the blocks are) and their M passes through the
+    shared head."""
+    c, depth = model.cfg, model.mtp_depth
+    modules = embedded_flops_per_token([params["mtp"]], attention_width, seq_len, (0,) * depth, kernel, ring,
+                                       recompute) if depth else 0.0
+    return 6.0 * c.vocab_size * c.d_model * (1 + depth) + modules
 
 
 def embedded_flops_per_token(stacks, attention_width: int, seq_len: int, windows: tuple[int, ...],
@@ -195,18 +212,18 @@ def embedded_flops_per_token(stacks, attention_width: int, seq_len: int, windows
 
 
 def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes: float, profile: dict,
-          bubble: float = 0.0, fp8_flops: float = 0.0, first_stage: float = 1.0) -> dict:
+          bubble: float = 0.0, fp8_flops: float = 0.0, slowest_stage: float = 1.0) -> dict:
     """The three roofs for one device's step, the step with perfect overlap (their max) and with
     none (their sum), and the MFU and HFU ceilings at the overlapped step. `fp8_flops`: the part of
-    the hardware FLOPs that runs at the profile's `peak_fp8_flops` (precision=fp8); `first_stage`:
-    a pipeline's `first_stage_factor`."""
+    the hardware FLOPs that runs at the profile's `peak_fp8_flops` (precision=fp8); `slowest_stage`:
+    a pipeline's `stage_factor`."""
     fp8_s = fp8_flops / profile["peak_fp8_flops"] if fp8_flops else 0.0
-    compute_s = ((hardware_flops - fp8_flops) / profile["peak_flops"] + fp8_s) / (1.0 - bubble) * first_stage
+    compute_s = ((hardware_flops - fp8_flops) / profile["peak_flops"] + fp8_s) / (1.0 - bubble) * slowest_stage
     memory_s = memory_bytes / profile["hbm_bw"]
     roofs = {"compute": compute_s, "communication": comm_s, "memory": memory_s}
     step_s = max(roofs.values())
     out = {"compute_s": compute_s, "comm_s": comm_s, "memory_s": memory_s, "pipeline_bubble": bubble,
-           "first_stage_factor": first_stage,
+           "stage_factor": slowest_stage,
            "step_s": step_s, "serial_s": sum(roofs.values()), "bound": max(roofs, key=roofs.get),
            "mfu_ceiling": model_flops / profile["peak_flops"] / step_s if step_s else 0.0,
            "hfu_ceiling": hardware_flops / profile["peak_flops"] / step_s if step_s else 0.0}
@@ -245,16 +262,18 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
                                               t.seq_len, recompute, attention, windows) * tokens
     traffic = traffic_by_axes(((c.groups, c.times * c.traffic) for c in collectives), sizes)
     links = comm_times(traffic, sizes, profile, per_node)
-    bubble, first_stage = 0.0, 1.0
+    bubble, slowest_stage = 0.0, 1.0
     if stages > 1:
         bubble = timetable(plan.schedule, stages, plan.num_microbatches(stages), plan.virtual_stages,
                            plan.residuals).bubble
-        embedded = [params[name] for name in program.model.embed_stacks]
+        embedded, first_flops = [params[name] for name in program.model.embed_stacks], 0.0
         if embedded:  # the first layers `embed` runs: on the first stage only, their forward twice
             first_flops = embedded_flops_per_token(embedded, width, t.seq_len, windows, plan.attention, ring)
             hardware_flops += (first_flops - embedded_flops_per_token(embedded, width, t.seq_len, windows,
                                                                       plan.attention, ring, recompute)) * tokens
-            first_stage = first_stage_factor(first_flops * tokens, hardware_flops, stages)
+        last_flops = last_stage_flops_per_token(program.model, params, width, t.seq_len, plan.attention, ring,
+                                                recompute)
+        slowest_stage = stage_factor(first_flops * tokens, last_flops * tokens, hardware_flops, stages)
     ma = memory_analysis
     memory_bytes = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
     fp8_flops = 0.0
@@ -265,7 +284,7 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         fp8_slot = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), in_fp8=True)
         fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
-                  bubble, fp8_flops, first_stage)
+                  bubble, fp8_flops, slowest_stage)
     return {"device": profile["name"], "priced_by": "formulas", "devices_per_node": per_node,
             "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),
