@@ -81,12 +81,32 @@ def contracted_axes(names: tuple) -> tuple[int, ...]:
     return (first, first + 1) if heads else (first,)
 
 
-def lora_axes(base: tuple) -> tuple[tuple, tuple]:
-    """The logical axes of an adapter's A and B on a weight of axes `base`: A takes the base's
-    input (contracted) axes, B its output axes; the rank ("lora_rank") is sharded as `embed` is where the factor has no
-    `embed` axis (meshtrain/parallel/sharding.py DEFAULT_RULES)."""
+def lora_parts(base: tuple) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The indices of a weight's axes (logical `base`) as an adapter factors it: the stacking ones
+    before those it contracts (experts: one adapter each), the contracted ones (x A) and the rest
+    ((x A) B gives them)."""
     into = contracted_axes(base)
-    return (*[base[i] for i in into], "lora_rank"), ("lora_rank", *[n for i, n in enumerate(base) if i not in into])
+    stacked = tuple(i for i in range(into[0]) if base[i] in STACKED_AXES)
+    return stacked, into, tuple(i for i in range(len(base)) if i not in stacked + into)
+
+
+def lora_axes(base: tuple) -> tuple[tuple, tuple]:
+    """The logical axes of an adapter's A and B on a weight of axes `base`: both keep its stacking
+    axes (a routed expert's adapter is that expert's), A takes its input (contracted) axes, B its
+    output axes; the rank ("lora_rank") is sharded as `embed` is where the factor has no `embed` axis
+    (meshtrain/parallel/sharding.py DEFAULT_RULES)."""
+    stacked, into, out = (tuple(base[i] for i in part) for part in lora_parts(base))
+    return (*stacked, *into, "lora_rank"), (*stacked, "lora_rank", *out)
+
+
+def init_adapter(key, shape: tuple, base: tuple, rank: int):
+    """An adapter's (A, B) in fp32 on a weight of `shape` and logical axes `base`: A as PEFT's
+    default (kaiming_uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero, so the
+    adapted model starts as its base."""
+    stacked, into, out = ([shape[i] for i in part] for part in lora_parts(base))
+    bound = 1.0 / np.sqrt(np.prod(into))
+    a = jax.random.uniform(key, (*stacked, *into, rank), jnp.float32, -bound, bound)
+    return a, jnp.zeros((*stacked, rank, *out), jnp.float32)
 
 
 PARAM_AXES |= {f"lora_{t}_{part}": axes for t, (w, *_) in LORA.items()
@@ -101,15 +121,27 @@ def adapters_off(params):
     return jax.tree_util.tree_map_with_path(zero_b, params)
 
 
+def adapted_weight(adapter: str) -> str:
+    """The base weight of the adapter `lora_<name>` (its `_a` and `_b`): a LORA target's, or a routed
+    expert projection's, `lora_expert_gate` on `expert_gate` (models/moe.py)."""
+    name = adapter.removeprefix("lora_")
+    return name if name.startswith("expert_") else LORA[name][0]
+
+
 def merge_adapters(params, lora) -> dict:
     """The base parameters with each adapter folded in, W + (alpha / rank) A B (the merged weights
-    PEFT's merge_and_unload gives), and no adapters: the same function as the adapted model."""
+    PEFT's merge_and_unload gives), and no adapters: the same function as the adapted model. A
+    [stack, in, r] and B [stack, r, out] on W [stack, in, out] (stack: layers, and experts for a
+    routed expert's), each group of axes flattened: s stacking axes make A.ndim + B.ndim = W.ndim + s + 2."""
     blocks = {k: v for k, v in params["blocks"].items() if not k.startswith("lora_")}
-    for t in lora.targets if lora.rank else ():
-        w, a, b = blocks[LORA[t][0]], params["blocks"][f"lora_{t}_a"], params["blocks"][f"lora_{t}_b"]
-        a_LxIxR, b_LxRxO = a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1)
-        delta = jnp.einsum("lir,lro->lio", a_LxIxR.astype(jnp.float32), b_LxRxO.astype(jnp.float32))
-        blocks[LORA[t][0]] = (w.astype(jnp.float32) + lora.scale * delta.reshape(w.shape)).astype(w.dtype)
+    for adapter in sorted({k[:-2] for k in params["blocks"] if k.startswith("lora_")}) if lora.rank else ():
+        name, a, b = adapted_weight(adapter), params["blocks"][f"{adapter}_a"], params["blocks"][f"{adapter}_b"]
+        w = blocks[name]
+        s = a.ndim + b.ndim - w.ndim - 2
+        S, R = math.prod(w.shape[:s]), a.shape[-1]
+        a_SxIxR, b_SxRxO = a.reshape(S, -1, R), b.reshape(S, R, -1)
+        delta = jnp.einsum("sir,sro->sio", a_SxIxR.astype(jnp.float32), b_SxRxO.astype(jnp.float32))
+        blocks[name] = (w.astype(jnp.float32) + lora.scale * delta.reshape(w.shape)).astype(w.dtype)
     return {**params, "blocks": blocks}
 
 
@@ -241,17 +273,14 @@ class Block(nnx.Module):
         self.init_mlp(cfg, rngs)
         self.init_lora(cfg, rngs)
 
-    def init_lora(self, cfg, rngs: nnx.Rngs):
-        """`lora_<target>_a` [in..., r] and `_b` [r, out...] for each LoRA target: A as PEFT's default
-        (kaiming_uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero."""
-        for t in cfg.lora.targets if cfg.lora.rank else ():
-            shape = getattr(self, LORA[t][0]).shape
-            a_axes, _ = lora_axes(PARAM_AXES[LORA[t][0]])
-            into = shape[:len(a_axes) - 1]
-            bound = 1.0 / np.sqrt(np.prod(into))
-            a = jax.random.uniform(rngs.params(), (*into, cfg.lora.rank), jnp.float32, -bound, bound)
+    def init_lora(self, cfg, rngs: nnx.Rngs, targets=None):
+        """`lora_<target>_a` [in..., r] and `_b` [r, out...] (`init_adapter`) for each LoRA target
+        (`targets`: of those, the ones this block's own weights take; default all)."""
+        for t in (cfg.lora.targets if targets is None else targets) if cfg.lora.rank else ():
+            w = LORA[t][0]
+            a, b = init_adapter(rngs.params(), getattr(self, w).shape, PARAM_AXES[w], cfg.lora.rank)
             setattr(self, f"lora_{t}_a", nnx.Param(a))
-            setattr(self, f"lora_{t}_b", nnx.Param(jnp.zeros((cfg.lora.rank, *shape[len(into):]), jnp.float32)))
+            setattr(self, f"lora_{t}_b", nnx.Param(b))
 
     def adapted(self, target: str, y, x):
         """y (= x W of the `target` projection) + (alpha / rank) x A B when it has an adapter."""

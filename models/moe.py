@@ -27,6 +27,9 @@ caller's: y is the experts' contribution only, and a token whose assignments are
   matmuls' loops, every (tile, expert) step: on fsdp=2,tensor=2 qwen3_moe_tiny read 11.2x the
   all-reduce formula, deepseek_v3_tiny 8.0x (XLA:CPU).
 - Expert matmuls run in x's dtype; the combine (each assignment's output times its gate) is fp32.
+- LoRA (`adapters`): each routed expert has its own adapter on gate, up and down, A [E, in, r] and
+  B [E, r, out], run by the same grouped matmuls (or slot einsums) as the expert weights
+  (`projection`), so routing and dropless exactness are unchanged.
 - Expert parallelism: when the active mesh has a compiler-managed axis `axis` of size ep > 1, each
   device holds E/ep experts. Both routings run in one shard_map manual over the batch's mesh axes
   (`in_row_shards`; `axis` first, the batch's major factor under the default rules, so the rows
@@ -78,6 +81,8 @@ from meshtrain.models.base import (
     LanguageModel,
     Transformer,
     _init,
+    init_adapter,
+    lora_axes,
     read_llama_config,
     write_llama_config,
 )
@@ -188,28 +193,42 @@ def slots(expert_BxKL, num_experts: int, cap: int):
     return slot_BxKL, kept_BxKL, jnp.sum(onehot_BxKLxE, axis=1)
 
 
-def swiglu_experts(buf_BxNxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, einsum=jnp.einsum):
+def projection(matmul, x, experts: dict, name: str, lora_scale: float):
+    """x through each row's expert of the projection `name` (expert_gate, expert_up, expert_down)
+    by `matmul(x, w_ExIxO)`, plus that expert's LoRA adapter where `experts` holds one:
+    x W_e + (alpha / rank) (x A_e) B_e (models/base.py LORA), through the same matmul."""
+    y = matmul(x, experts[name])
+    if f"lora_{name}_a" not in experts:
+        return y
+    x_a = matmul(x, experts[f"lora_{name}_a"])
+    return y + (lora_scale * matmul(x_a, experts[f"lora_{name}_b"])).astype(y.dtype)
+
+
+def swiglu_experts(buf_BxNxExCxD, experts: dict, einsum=jnp.einsum, lora_scale: float = 1.0):
     """Each expert's SwiGLU on its slots, in the buffer's dtype. N: the devices the slots came
-    from (1 without expert parallelism); `einsum`: the block's matmul (meshtrain/ops/fp8.py's under
-    fp8, whose per-tensor scales are then this device's: it runs inside the row shard_map)."""
+    from (1 without expert parallelism); `experts`: expert_gate, expert_up [E, D, F], expert_down
+    [E, F, D] and their adapters (`projection`); `einsum`: the block's matmul
+    (meshtrain/ops/fp8.py's under fp8, whose per-tensor scales are then this device's: it runs
+    inside the row shard_map)."""
     dtype = buf_BxNxExCxD.dtype
-    gate = einsum("bnecd,edf->bnecf", buf_BxNxExCxD, w_gate_ExDxF.astype(dtype))
-    up = einsum("bnecd,edf->bnecf", buf_BxNxExCxD, w_up_ExDxF.astype(dtype))
+    matmul = lambda x, w_ExIxO: einsum("bneci,eio->bneco", x, w_ExIxO.astype(dtype))
+    gate = projection(matmul, buf_BxNxExCxD, experts, "expert_gate", lora_scale)
+    up = projection(matmul, buf_BxNxExCxD, experts, "expert_up", lora_scale)
     h_BxNxExCxF = jax.nn.silu(checkpoint_name(gate, "mlp_gate")) * checkpoint_name(up, "mlp_up")
     h_BxNxExCxF = constrain(h_BxNxExCxF, ("batch", None, None, None, "mlp"))
-    out = einsum("bnecf,efd->bnecd", h_BxNxExCxF, w_down_ExFxD.astype(dtype))
-    return checkpoint_name(out, "mlp_out")
+    return checkpoint_name(projection(matmul, h_BxNxExCxF, experts, "expert_down", lora_scale), "mlp_out")
 
 
-def capacity_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, C: int, axis: str, ep: int,
-                   einsum=jnp.einsum):
+def capacity_local(x_bxLxD, expert_bxKL, experts: dict, *, C: int, axis: str, ep: int, einsum=jnp.einsum,
+                   lora_scale: float = 1.0):
     """Capacity routing of this device's rows: the [b, E, C, D] slot buffer through the experts;
     per assignment its output (0 when dropped) [b, K*L, D], whether it was kept, and the per-row
     counts [b, E]. ep > 1 (inside a shard_map manual over `axis`): each device sends its slots of
     expert chunk n to device n (an all_to_all on dim N), runs its E/ep experts on the slots of all
-    ep devices, and sends the results back. `einsum`: the experts' matmul (`swiglu_experts`)."""
+    ep devices, and sends the results back. `experts` (this device's e = E/ep), `einsum`,
+    `lora_scale`: as `swiglu_experts`."""
     b, L, D = x_bxLxD.shape
-    e, KL = w_gate_exDxF.shape[0], expert_bxKL.shape[1]
+    e, KL = experts["expert_gate"].shape[0], expert_bxKL.shape[1]
     E = e * ep
     slot_bxKL, kept_bxKL, count_bxE = slots(expert_bxKL, E, C)
     token_bxKL = jnp.broadcast_to(jnp.tile(jnp.arange(L), KL // L), (b, KL))
@@ -221,7 +240,7 @@ def capacity_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD,
         x_bxLxD, token_of_slot_bxS)
     buf_bxNxexCxD = buf_bxSxD.reshape(b, ep, e, C, D)
     swap = lambda t: jax.lax.all_to_all(t, axis, 1, 1, tiled=True) if ep > 1 else t
-    out_bxNxexCxD = swap(swiglu_experts(swap(buf_bxNxexCxD), w_gate_exDxF, w_up_exDxF, w_down_exFxD, einsum))
+    out_bxNxexCxD = swap(swiglu_experts(swap(buf_bxNxexCxD), experts, einsum, lora_scale))
     out_bxKLxD = jax.vmap(lambda o, s: jnp.take(o, s, axis=0, mode="fill", fill_value=0))(
         out_bxNxexCxD.reshape(b, E * C, D), slot_bxKL)
     return out_bxKLxD, kept_bxKL, count_bxE
@@ -316,37 +335,39 @@ def _gmm_bwd(res, dy_MxN):
 grouped_matmul.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def sorted_swiglu(x_MxD, group_M, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+def sorted_swiglu(x_MxD, group_M, experts: dict, lora_scale: float = 1.0):
     """Each row's expert SwiGLU, rows in any order: sorted by group (stable), a grouped matmul per
-    projection, unsorted. Rows with group >= G get 0. In x's dtype."""
+    projection (and two per adapter: `projection`), unsorted. Rows with group >= G get 0. In x's
+    dtype. `experts`: the G experts' weights, as `swiglu_experts`."""
     dtype = x_MxD.dtype
     order_M = jnp.argsort(group_M, stable=True)
     xs_MxD, gs_M = x_MxD[order_M], group_M[order_M]
-    gate = grouped_matmul(xs_MxD, w_gate_GxDxF.astype(dtype), gs_M)
-    up = grouped_matmul(xs_MxD, w_up_GxDxF.astype(dtype), gs_M)
+    matmul = lambda x_MxI, w_GxIxO: grouped_matmul(x_MxI, w_GxIxO.astype(dtype), gs_M)
+    gate = projection(matmul, xs_MxD, experts, "expert_gate", lora_scale)
+    up = projection(matmul, xs_MxD, experts, "expert_up", lora_scale)
     h_MxF = jax.nn.silu(checkpoint_name(gate, "mlp_gate")) * checkpoint_name(up, "mlp_up")
     h_MxF = constrain(h_MxF, (None, "mlp"))
-    out_MxD = checkpoint_name(grouped_matmul(h_MxF, w_down_GxFxD.astype(dtype), gs_M), "mlp_out")
+    out_MxD = checkpoint_name(projection(matmul, h_MxF, experts, "expert_down", lora_scale), "mlp_out")
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))
     return out_MxD[inverse_M]
 
 
-def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD, *, axis: str, ep: int):
+def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, lora_scale: float = 1.0):
     """This device's assignments [b, K*L] through their experts, dropless; [b, K*L, D] out.
     ep == 1: the b*L*K assignments sorted by expert. ep > 1 (inside a shard_map manual over
     `axis`): device n gets this device's assignments of its E/ep experts, in expert order, in a
     buffer of A = b*L*min(K, E/ep) rows (the most a token can send it), plus their counts per
-    expert; it sorts all it received by expert, runs them, and sends the results back."""
+    expert; it sorts all it received by expert, runs them, and sends the results back.
+    `experts` (this device's e = E/ep), `lora_scale`: as `swiglu_experts`."""
     b, L, D = x_bxLxD.shape
     KL = expert_bxKL.shape[1]
     x_TxD = x_bxLxD.reshape(b * L, D)
     token_bxKL = jnp.arange(b)[:, None] * L + jnp.arange(KL)[None, :] % L
     expert_N, token_N = expert_bxKL.reshape(-1), token_bxKL.reshape(-1)
-    weights = (w_gate_exDxF, w_up_exDxF, w_down_exFxD)
     if ep == 1:
-        return sorted_swiglu(x_TxD[token_N], expert_N, *weights).reshape(b, KL, D)
+        return sorted_swiglu(x_TxD[token_N], expert_N, experts, lora_scale).reshape(b, KL, D)
 
-    e = w_gate_exDxF.shape[0]  # local experts
+    e = experts["expert_gate"].shape[0]  # local experts
     A = b * L * min(KL // L, e)
     count_E = jnp.zeros((ep * e,), jnp.int32).at[expert_N].add(1)
     # slot of an assignment: its destination's block of A, then its rank among those it sends there
@@ -362,7 +383,7 @@ def dropless_local(x_bxLxD, expert_bxKL, w_gate_exDxF, w_up_exDxF, w_down_exFxD,
     # a received row's local expert: how many of its sender's groups end at or before it
     group_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right"))(
         jnp.cumsum(recv_count_epxe, axis=1))
-    out_MxD = sorted_swiglu(recv_epxAxD.reshape(ep * A, D), group_epxA.reshape(-1), *weights)
+    out_MxD = sorted_swiglu(recv_epxAxD.reshape(ep * A, D), group_epxA.reshape(-1), experts, lora_scale)
     back_MxD = swap(out_MxD.reshape(ep, A, D)).reshape(ep * A, D)
     return back_MxD[slot_N].reshape(b, KL, D)
 
@@ -394,41 +415,48 @@ def width_axes(width: int) -> list[str]:
     return chosen
 
 
-def in_row_shards(local, x_BxLxD, expert_BxKL, weights, axis: str, ep: int, width=()):
-    """`local(x_bxLxD, expert_bxKL, *weights)` in one shard_map manual over the batch's axes (see
+def in_row_shards(local, x_BxLxD, expert_BxKL, experts: dict, axis: str, ep: int, width=()):
+    """`local(x_bxLxD, expert_bxKL, experts)` in one shard_map manual over the batch's axes (see
     row_axes): each device routes its own rows, and under expert parallelism the all_to_alls over
     `axis` inside `local` send each device only its rows' assignments. One shard_map, not one
     nested in another: XLA (JAX 0.11) requires a program's manual axes in mesh order. The expert
-    weights enter as one copy per row shard, [R, E, ...] split on R (and on E over `axis` under
-    expert parallelism): the broadcast outside is the compiler's gather of the weights for the
-    matmuls (FSDP's), its transpose the compiler's gradient reduction. (Entering unsplit instead
-    makes shard_map psum the weights' cotangent, and XLA:CPU aborts on a bf16 psum there, JAX 0.10:
-    "Invalid binary instruction opcode copy".) Every output is split on its first dim (rows).
-    `width` (width_axes): mesh axes made manual too, the weights split on F over them (Megatron's
-    expert MLP); x enters as one copy per F shard, [W, B, ...], so its partial cotangents are summed
-    by the broadcast's transpose, and `local` returns partial sums [1, b, ...] that the caller sums
-    over the leading W: outside the loops of the grouped matmuls, once."""
+    weights (`experts`, by parameter name: MOE_PARAM_AXES gives their logical axes) enter as one
+    copy per row shard, [R, E, ...] split on R (and on E over `axis` under expert parallelism):
+    the broadcast outside is the compiler's gather of the weights for the matmuls (FSDP's), its
+    transpose the compiler's gradient reduction. (Entering unsplit instead makes shard_map psum
+    the weights' cotangent, and XLA:CPU aborts on a bf16 psum there, JAX 0.10: "Invalid binary
+    instruction opcode copy".) Every output is split on its first dim (rows).
+    `width` (width_axes): mesh axes made manual too, the weights split on F (`mlp`) over them
+    (Megatron's expert MLP); x, and a weight without F (a LoRA A of gate/up, B of down), enter as
+    one copy per F shard, [W, ...], so their partial cotangents are summed by the broadcast's
+    transpose, and `local` returns partial sums [1, b, ...] that the caller sums over the leading
+    W: outside the loops of the grouped matmuls, once."""
     rows = row_axes(x_BxLxD.shape[0], axis, ep)
     if not rows and not width:
-        return local(x_BxLxD, expert_BxKL, *weights)
+        return local(x_BxLxD, expert_BxKL, experts)
     mesh = jax.sharding.get_abstract_mesh()
     copies = tuple(a for a in rows if a != axis)
     R = math.prod(mesh.shape[a] for a in copies)
-    weights_R = tuple(jnp.broadcast_to(w[None], (R,) + w.shape) for w in weights)
     W = math.prod(mesh.shape[a] for a in width)
     manual = set(rows) | set(width)
+    split = {"experts": axis if ep > 1 else None, "mlp": tuple(width) or None}  # logical axis -> manual axes
+    lead, w_specs, experts_R = {}, {}, {}
+    for name, w in experts.items():
+        axes = MOE_PARAM_AXES[name]
+        lead[name] = (R, W) if width and "mlp" not in axes else (R,)
+        experts_R[name] = jnp.broadcast_to(w, lead[name] + w.shape)
+        w_specs[name] = P(copies or None, *(split["mlp"],) * (len(lead[name]) - 1), *(split.get(n) for n in axes))
 
-    def body(x_bxLxD, expert_bxKL, *weights_1):
+    def body(x_bxLxD, expert_bxKL, experts_1):
         with manual_axes_rules(manual):
-            return local(x_bxLxD[0] if width else x_bxLxD, expert_bxKL, *(w[0] for w in weights_1))
+            mine = {name: w.reshape(w.shape[len(lead[name]):]) for name, w in experts_1.items()}
+            return local(x_bxLxD[0] if width else x_bxLxD, expert_bxKL, mine)
 
-    spec, e = P(tuple(rows) or None), axis if ep > 1 else None
-    f = tuple(width) or None
-    w_specs = (P(copies or None, e, None, f),) * 2 + (P(copies or None, e, f, None),)  # gate, up [E, D, F]; down
-    x_spec = P(f, tuple(rows) or None) if width else spec
+    spec = P(tuple(rows) or None)
+    x_spec = P(split["mlp"], tuple(rows) or None) if width else spec
     x_in = jnp.broadcast_to(x_BxLxD[None], (W,) + x_BxLxD.shape) if width else x_BxLxD
-    return jax.shard_map(body, in_specs=(x_spec, spec) + w_specs, out_specs=x_spec,
-                         axis_names=manual, check_vma=False)(x_in, expert_BxKL, *weights_R)
+    return jax.shard_map(body, in_specs=(x_spec, spec, w_specs), out_specs=x_spec,
+                         axis_names=manual, check_vma=False)(x_in, expert_BxKL, experts_R)
 
 
 def combine(out_BxKLxD, gate_BxLxK):
@@ -440,10 +468,12 @@ def combine(out_BxKLxD, gate_BxLxK):
 
 def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
             experts_per_token: int, capacity_factor: float, axis: str = "expert", einsum=jnp.einsum,
-            router: Router = Router(), bias_E=None):
+            router: Router = Router(), bias_E=None, adapters: dict | None = None, lora_scale: float = 1.0):
     """The experts' output [B, L, D] in x's dtype and the routing stats (see the module doc).
     `einsum`: the capacity routing's expert matmul (fp8 under precision=fp8); the dropless grouped
-    matmuls run in x's dtype. `router`, `bias_E`: how tokens pick experts (`Router`)."""
+    matmuls run in x's dtype. `router`, `bias_E`: how tokens pick experts (`Router`). `adapters`:
+    LoRA adapters, one per expert, by parameter name (`lora_expert_gate_a` [E, D, r], `_b` [E, r, F],
+    ...), run inside each expert's matmuls (`projection`) times `lora_scale`."""
     B, L, D = x_BxLxD.shape
     E, K = router_DxE.shape[1], experts_per_token
     C = capacity(L, E, K, capacity_factor)
@@ -457,7 +487,7 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
 
     logits_BxLxE, probs_BxLxE, expert_BxLxK, gate_BxLxK = route(x_BxLxD, router_DxE, K, router, bias_E)
     expert_BxKL = expert_BxLxK.swapaxes(1, 2).reshape(B, K * L)  # choice-major
-    weights = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    experts = {"expert_gate": w_gate_ExDxF, "expert_up": w_up_ExDxF, "expert_down": w_down_ExFxD, **(adapters or {})}
     if capacity_factor == 0:
         count_BxE = jax.vmap(lambda e: jnp.zeros((E,), jnp.int32).at[e].add(1))(expert_BxKL)
         kept_BxKL = jnp.ones((B, K * L), jnp.bool_)
@@ -466,16 +496,17 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
         # loops, the compiler all-reduced every step's tile
         width = width_axes(w_gate_ExDxF.shape[-1])
 
-        def local(x_bxLxD, routed, *w):  # routed: (expert ids, gates), both split on their rows
+        def local(x_bxLxD, routed, experts):  # routed: (expert ids, gates), both split on their rows
             expert_bxKL, gate_bxLxK = routed
-            y_bxLxD = combine(dropless_local(x_bxLxD, expert_bxKL, *w, axis=axis, ep=ep), gate_bxLxK)
+            out_bxKLxD = dropless_local(x_bxLxD, expert_bxKL, experts, axis=axis, ep=ep, lora_scale=lora_scale)
+            y_bxLxD = combine(out_bxKLxD, gate_bxLxK)
             return y_bxLxD.astype(x_bxLxD.dtype)[None] if width else y_bxLxD
 
-        y_BxLxD = in_row_shards(local, x_BxLxD, (expert_BxKL, gate_BxLxK), weights, axis, ep, width)
+        y_BxLxD = in_row_shards(local, x_BxLxD, (expert_BxKL, gate_BxLxK), experts, axis, ep, width)
         y_BxLxD = jnp.sum(y_BxLxD, axis=0) if width else y_BxLxD
     else:
-        local = functools.partial(capacity_local, C=C, axis=axis, ep=ep, einsum=einsum)
-        out_BxKLxD, kept_BxKL, count_BxE = in_row_shards(local, x_BxLxD, expert_BxKL, weights, axis, ep)
+        local = functools.partial(capacity_local, C=C, axis=axis, ep=ep, einsum=einsum, lora_scale=lora_scale)
+        out_BxKLxD, kept_BxKL, count_BxE = in_row_shards(local, x_BxLxD, expert_BxKL, experts, axis, ep)
         y_BxLxD = combine(out_BxKLxD, gate_BxLxK)
     y_BxLxD = constrain(y_BxLxD.astype(x_BxLxD.dtype), ("batch", "seq", "embed"))
 
@@ -551,6 +582,11 @@ class MoESpec(RoutedExperts):
 MOE_PARAM_AXES = {**PARAM_AXES, "router": ("embed", None), "router_bias": ("experts",),
                   "expert_gate": ("experts", "embed", "mlp"),
                   "expert_up": ("experts", "embed", "mlp"), "expert_down": ("experts", "mlp", "embed")}
+# LoRA on the routed experts: a target of the MLP adapts each expert's projection with its own
+# adapter, `lora_expert_<target>_a` [E, in, r] and `_b` [E, r, out] (split over `expert` as the experts)
+EXPERT_LORA = {"gate": "expert_gate", "up": "expert_up", "down": "expert_down"}
+MOE_PARAM_AXES |= {f"lora_{w}_{part}": axes for w in EXPERT_LORA.values()
+                   for part, axes in zip("ab", lora_axes(MOE_PARAM_AXES[w]))}
 
 
 def _expert_init():
@@ -576,6 +612,24 @@ class MoEBlock(Block):
             if cfg.has_router_bias():  # a selection bias (`Router`), moved by the step (`update_router_bias`)
                 self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32))
 
+    def init_lora(self, cfg, rngs: nnx.Rngs, targets=None):
+        """Ordinary adapters on the attention and on the dense SwiGLU (the shared experts, or the
+        llama MLP without routed ones); one adapter per routed expert on each MLP target
+        (`EXPERT_LORA`)."""
+        targets = cfg.lora.targets if targets is None else targets
+        dense = getattr(cfg, "num_shared_experts", 0) or not cfg.num_experts
+        super().init_lora(cfg, rngs, [t for t in targets if dense or t not in EXPERT_LORA])
+        for w in self.expert_adapters(cfg, targets):
+            a, b = init_adapter(rngs.params(), getattr(self, w).shape, MOE_PARAM_AXES[w], cfg.lora.rank)
+            setattr(self, f"lora_{w}_a", nnx.Param(a))
+            setattr(self, f"lora_{w}_b", nnx.Param(b))
+
+    @staticmethod
+    def expert_adapters(cfg, targets=None) -> list[str]:
+        """The routed expert weights that have adapters (of `targets`; default model.lora's)."""
+        targets = cfg.lora.targets if targets is None else targets
+        return [EXPERT_LORA[t] for t in targets if t in EXPERT_LORA] if cfg.lora.rank and cfg.num_experts else []
+
     def mlp(self, h_BxLxD):
         if not self.cfg.num_experts:
             return super().mlp(h_BxLxD)
@@ -586,9 +640,12 @@ class MoEBlock(Block):
         With the bias update on, the stats hold `expert_load` [E] too: each expert's share of this
         layer's assignments (scan_blocks keeps it per layer, PER_LAYER_STATS)."""
         cfg = self.cfg
+        adapters = {f"lora_{w}_{part}": getattr(self, f"lora_{w}_{part}")[...]
+                    for w in self.expert_adapters(cfg) for part in "ab"}
         out, stats = moe_mlp(h_BxLxD, self.router[...], self.expert_gate[...], self.expert_up[...],
                              self.expert_down[...], experts_per_token=cfg.experts_per_token,
-                             capacity_factor=cfg.capacity_factor, einsum=self.einsum, **routing)
+                             capacity_factor=cfg.capacity_factor, einsum=self.einsum, adapters=adapters,
+                             lora_scale=cfg.lora.scale if cfg.lora.rank else 1.0, **routing)
         if getattr(cfg, "num_shared_experts", 0):
             out = out + super().mlp(h_BxLxD)[0]
         out_stats = {"router_aux_loss": stats["aux_loss"], "router_z_loss": stats["z_loss"],

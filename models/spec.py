@@ -34,7 +34,8 @@ class LoraSpec:
     alpha: float = setting(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank",
                            above=0.0)
     dropout: float = setting(0.0, "dropout on the adapters' input; only 0 is implemented yet", min=0.0, below=1.0)
-    targets: list = setting(list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down")
+    targets: list = setting(list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
+                                                   "(routed experts: an adapter per expert)")
 
     def check(self) -> None:
         """One UserError for targets that are not projections, named twice, or none at all."""

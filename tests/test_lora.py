@@ -14,7 +14,7 @@ from meshtrain.ops.trainable import select
 from meshtrain.parallel.sharding import shard_factor
 from meshtrain.run.checkpoint import saved_metadata
 from meshtrain.run.run_dir import lora_base
-from meshtrain.testing import MOE_TINY, max_param_diff
+from meshtrain.testing import MOE_TINY, QWEN3_MOE_TINY, TINY, max_param_diff
 
 LORA = ("model.lora.rank=4", "parallel.precision=fp32")
 LAYOUTS = {"fsdp=2,tensor=2": 4, "pipeline=2": 2}  # mesh: its devices
@@ -67,21 +67,64 @@ def test_bad_lora_settings_are_one_error(setting, message):
         check_config(tiny_config(*rank, setting))
 
 
-@pytest.mark.fast
-def test_adapters_on_routed_experts_are_refused_and_on_their_attention_accepted():
-    with pytest.raises(UserError, match="mixture-of-experts MLP are not implemented"):
-        check_config(tiny_config("model.lora.rank=4", config=MOE_TINY))
-    check_config(tiny_config("model.lora.rank=4", "model.lora.targets=[q,k,v,o]", config=MOE_TINY))
+def test_adapters_per_routed_expert_train_alike_on_expert_and_fsdp_tensor_layouts_with_the_base_frozen():
+    """qwen3_moe: an adapter per routed expert on gate/up/down ([E, in, r], [E, r, out], inside the
+    dropless grouped matmuls), ordinary ones on q/k/v/o; step 0 is the base model's step."""
+    trainer, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1], config=QWEN3_MOE_TINY)
+    E, D, F = (trainer.cfg.model.num_experts, trainer.cfg.model.d_model, trainer.cfg.model.mlp_dim)
+    blocks = params["blocks"]
+    assert blocks["lora_expert_gate_a"].shape == (4, E, D, 4) and blocks["lora_expert_down_b"].shape == (4, E, 4, D)
+    assert blocks["lora_expert_up_b"].shape == (4, E, 4, F) and not any(k in blocks for k in ("lora_gate_a", "w_gate"))
+    _, base, _ = run_tiny("parallel.mesh=1", devices=jax.devices()[:1], config=QWEN3_MOE_TINY)
+    assert reference[0] == base[0] and np.abs(reference[1:] - base[1:]).max() > 1e-4  # B = 0 at the start
+    start = jax.device_get(jax.jit(trainer.program.init_state)(jax.random.key(trainer.cfg.train.seed))["params"])
+    frozen = lambda tree: select(tree, lambda path: not is_adapter(path))
+    assert max_param_diff(frozen(start), frozen(params)) == 0  # experts and router included
+    experts = lambda tree: select(tree, lambda path: path[-1].startswith("lora_expert_"))
+    assert max_param_diff(experts(start), experts(params)) > 1e-4  # each expert's adapters moved
+    adapters = sum(x.size for x in jax.tree.leaves(select(params, is_adapter)))
+    state = sum(x.size for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim)
+    assert trainer.program.trainable_params == adapters and state == 2 * adapters
+    # the planner's ZeRO formula divides the expert adapters by `expert`, as the experts
+    from meshtrain.planner.traffic import expert_params
+    assert expert_params(trainer.program, trained=True) == sum(x.size for x in jax.tree.leaves(experts(params)))
+    for mesh in ("expert=2,data=2", "fsdp=2,tensor=2"):
+        other_trainer, losses, other = run_tiny(*LORA, f"parallel.mesh={mesh}", devices=jax.devices()[:4],
+                                                config=QWEN3_MOE_TINY)
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5, err_msg=mesh)
+        assert max_param_diff(params, other) < 1e-5, mesh
+    # on fsdp=2,tensor=2 the expert adapters split as `mlp` (tensor) and `embed` (fsdp) or, without
+    # embed, by their rank: gate's A [E, D, r] over fsdp, B [E, r, F] and down's A [E, F, r] over both
+    p = other_trainer.program
+    split = {k: shard_factor(s.spec, p.mesh) for k, s in p.state_shardings["params"]["blocks"].items()
+             if k.startswith("lora_expert_")}
+    assert (split["lora_expert_gate_a"], split["lora_expert_gate_b"], split["lora_expert_down_a"]) == (2, 4, 4)
 
 
-def test_peft_loads_the_adapters_with_the_logits_of_the_merged_export_and_of_meshtrain(tmp_path):
+def test_adapters_on_capacity_routed_experts_and_a_shared_expert_train_alike_under_expert_parallelism():
+    """moe: capacity routing (the slot einsum, assignments dropped) and a shared expert, whose dense
+    SwiGLU gets ordinary adapters beside the routed experts' own."""
+    moe = (*LORA, "model.capacity_factor=1.0", "model.lora.targets=[gate,up,down]")
+    _, reference, params = run_tiny(*moe, "parallel.mesh=1", devices=jax.devices()[:1], config=MOE_TINY)
+    assert {"lora_gate_a", "lora_expert_gate_a"} <= set(params["blocks"]) and "lora_q_a" not in params["blocks"]
+    _, losses, other = run_tiny(*moe, "parallel.mesh=expert=2,data=2", devices=jax.devices()[:4], config=MOE_TINY)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5)
+    assert max_param_diff(params, other) < 1e-5
+
+
+@pytest.mark.parametrize("config, targets", [(TINY, ()), (QWEN3_MOE_TINY, ("model.lora.targets=[q,o,gate,down]",))],
+                         ids=["llama", "qwen3_moe"])
+def test_peft_loads_the_adapters_with_the_logits_of_the_merged_export_and_of_meshtrain(tmp_path, config, targets):
+    """qwen3_moe: per-expert adapters under transformers 4's per-expert names, which PEFT converts
+    onto transformers 5's fused experts (gate_up_proj: up gets a zero adapter beside gate's)."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
     from meshtrain.convert import main
 
-    trainer, _, params = run_tiny(*LORA, "parallel.mesh=1", "optim.lr=3e-2", devices=jax.devices()[:1])
+    trainer, _, params = run_tiny(*LORA, *targets, "parallel.mesh=1", "optim.lr=3e-2", devices=jax.devices()[:1],
+                                  config=config)
     adapters, merged = tmp_path / "adapters", tmp_path / "merged"
     assert main(["--to-hf", str(trainer.out), str(adapters), "--adapters-only"]) == 0
     assert main(["--to-hf", str(trainer.out), str(merged), "--merge"]) == 0

@@ -58,9 +58,6 @@ def check_config(cfg) -> None:
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
     m.check()  # the family's own
     m.lora.check()
-    if m.lora.rank and getattr(m, "num_experts", 0) and {"gate", "up", "down"} & set(m.lora.targets):
-        raise UserError(f"model.lora.targets={list(m.lora.targets)}: adapters on a mixture-of-experts MLP are not "
-                        f"implemented; adapt the attention only, model.lora.targets=[q,k,v,o]")
     for key in ("straggler_every", "grad_norms_every"):
         if getattr(t, key) % t.log_every:
             raise UserError(f"train.{key}={getattr(t, key)} is not a multiple of train.log_every={t.log_every} "

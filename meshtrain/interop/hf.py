@@ -37,7 +37,7 @@ from meshtrain.core import schema
 from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES, Family, ModelSpec, family
-from meshtrain.models.base import LORA, contracted_axes
+from meshtrain.models.base import adapted_weight, contracted_axes
 from meshtrain.models.spec import HFConfig
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -307,25 +307,34 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
 def save_adapters(params, spec: ModelSpec, folder: str | Path, base: str, dtype: str = "float32") -> Path:
     """A LoRA run's adapters as a PEFT adapter folder: adapter_config.json (base_model_name_or_path
     `base`) and adapter_model.safetensors under PEFT's names (`base_model.model.<module>.lora_A.weight`
-    [r, in], `lora_B.weight` [out, r], for each layer's module of the base tensor's name), which
-    `peft.PeftModel.from_pretrained(base model, folder)` loads."""
-    f, lora, folder = hf_form(spec), spec.lora, Path(folder)
+    [r, in], `lora_B.weight` [out, r], for each layer's module of the base tensor's name; a routed
+    expert's adapter for each layer's and expert's, `mlp.experts.{j}.gate_proj`), which
+    `peft.PeftModel.from_pretrained(base model, folder)` loads. transformers 5 fuses each expert's
+    gate and up (`gate_up_proj`), and PEFT converts per-expert adapters onto it only when both have
+    one: with one of them adapted, the other is written with a zero adapter (the same model)."""
+    f, lora, folder, blocks = hf_form(spec), spec.lora, Path(folder), params["blocks"]
+    adapters = {n: (blocks[f"{n}_a"], blocks[f"{n}_b"]) for t in lora.targets
+                for n in (f"lora_{t}", f"lora_expert_{t}") if f"{n}_a" in blocks}
+    for one, other in (("lora_expert_gate", "lora_expert_up"), ("lora_expert_up", "lora_expert_gate")):
+        if one in adapters and other not in adapters:
+            adapters[other] = tuple(np.zeros(x.shape, np.float32) for x in adapters[one])
     tensors, modules = {}, []
-    for t in lora.targets:
-        template = f.hf.tensors[("blocks", LORA[t][0])][0].removesuffix(".weight")
+    for adapter, (a, b) in adapters.items():
+        weight = adapted_weight(adapter)
+        template = f.hf.tensors[("blocks", weight)][0].removesuffix(".weight")
         modules.append(template.rsplit(".", 1)[-1])
-        a, b = params["blocks"][f"lora_{t}_a"], params["blocks"][f"lora_{t}_b"]
-        for i in range(a.shape[0]):
-            a_IxR, b_RxO = _fetch(a, (i,)), _fetch(b, (i,))
+        for index in np.ndindex(a.shape[:a.ndim + b.ndim - blocks[weight].ndim - 2]):  # (layer[, expert])
+            a_IxR, b_RxO = _fetch(a, index), _fetch(b, index)
+            module = template.format(**dict(zip("ij", index)))
             for part, x in (("A", a_IxR.reshape(-1, lora.rank).T), ("B", b_RxO.reshape(lora.rank, -1).T)):
-                name = f"base_model.model.{template.format(i=i)}.lora_{part}.weight"
-                tensors[name] = np.ascontiguousarray(x.astype(DTYPE_NAMES[dtype]))
+                tensors[f"base_model.model.{module}.lora_{part}.weight"] = np.ascontiguousarray(
+                    x.astype(DTYPE_NAMES[dtype]))
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
-              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-              "inference_mode": True, "modules_to_save": None}
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": list(dict.fromkeys(modules)),
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return folder / "adapter_model.safetensors"
 
