@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_tiny, tiny_config
 
-from meshtrain.core.errors import LayoutError, UserError
+from meshtrain.core.errors import UserError
 from meshtrain.data import chat, preference, tokenizer
 from meshtrain.data.__main__ import main
 from meshtrain.data.prepare import prepare
@@ -169,21 +169,36 @@ def dpo_run(folder, mesh: str, n: int, *extra):
                     devices=jax.devices()[:n])
 
 
-LAYOUTS = {"fsdp=2,tensor=2": 4, "data=2": 2}  # data=2: the manual data executor
+# data=2: the manual data executor; on pipelines the reference log-probs come from a forward-only pass
+# through the stages and each microbatch's DPO loss from the last one (meshtrain/engine/pipeline.py)
+LAYOUTS = {"fsdp=2,tensor=2": (4, "parallel.microbatches=2"), "data=2": (2, "parallel.microbatches=2"),
+           "pipeline=2": (2, "parallel.schedule=1f1b", "parallel.microbatches=4"),
+           "data=2,pipeline=2": (4, "parallel.schedule=gpipe", "parallel.microbatches=2")}
+DPO_KEYS = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "reward_chosen", "reward_rejected")
 
 
-def test_dpo_steps_are_the_same_on_every_layout(pairs_folder):
-    trainer, losses, params = dpo_run(pairs_folder, "1", 1)
-    keys = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "reward_chosen", "reward_rejected")
-    reference = {k: np.array([r[k] for r in trainer.history if "loss" in r]) for k in keys}
-    for mesh, n in LAYOUTS.items():
-        other, other_losses, _ = dpo_run(pairs_folder, mesh, n, "parallel.microbatches=2")
-        np.testing.assert_allclose(other_losses, losses, rtol=1e-5, atol=1e-5, err_msg=mesh)
-        for k in keys:
-            got = np.array([r[k] for r in other.history if "loss" in r])
-            np.testing.assert_allclose(got, reference[k], rtol=1e-5, atol=1e-5, err_msg=f"{mesh} {k}")
-    with pytest.raises(LayoutError, match="dpo runs without a pipeline axis"):
-        dpo_run(pairs_folder, "pipeline=2", 2)
+def assert_same_steps(trainer, losses, other, other_losses, name):
+    """Per-step losses and every DPO metric equal (fp32, 1e-5), and the evaluation of the final state."""
+    np.testing.assert_allclose(other_losses, losses, rtol=1e-5, atol=1e-5, err_msg=name)
+    for k in DPO_KEYS:
+        want, got = ([r[k] for r in t.history if "loss" in r] for t in (trainer, other))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} {k}")
+    want, got = trainer.evaluation(), other.evaluation()
+    for k in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("mesh", LAYOUTS)
+def test_dpo_steps_are_the_same_on_every_layout(pairs_folder, mesh):
+    n, *extra = LAYOUTS[mesh]
+    assert_same_steps(*dpo_run(pairs_folder, "1", 1)[:2], *dpo_run(pairs_folder, mesh, n, *extra)[:2], mesh)
+
+
+def test_dpo_with_lora_on_a_pipeline_takes_the_base_as_reference(pairs_folder):
+    """LoRA on pipeline=2: the forward-only reference pass runs the base (adapters off) through the stages."""
+    lora = ("model.lora.rank=4", "optim.lr=3e-2")
+    assert_same_steps(*dpo_run(pairs_folder, "1", 1, *lora)[:2],
+                      *dpo_run(pairs_folder, "pipeline=2", 2, *lora, "parallel.microbatches=2")[:2], "lora pipeline=2")
 
 
 def test_a_model_learns_to_prefer_the_chosen_answer_on_new_prompts(pairs_folder, tmp_path):
