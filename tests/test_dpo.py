@@ -269,6 +269,28 @@ def test_the_plan_of_a_dpo_run_holds_the_reference_and_its_eval_step(pairs_folde
         assert abs(report["collectives"][kind]["ratio"] - 1) < 0.1, (kind, report["collectives"][kind])
 
 
+def test_the_plan_of_a_dpo_pipeline_counts_the_reference_pass(pairs_folder, capsys):
+    """On data=4,pipeline=2 the compiled step holds the reference copy and runs its forward-only pass
+    through the stages: the planner's sends are the training timetable's (9 over 6 ticks at M=4)
+    plus that pass's (5 over 5), equal to the compiled program's collective-permutes, and its
+    gathers (ZeRO-1 and the reference's) and reductions match the compiled ones."""
+    from conftest import TINY
+
+    from meshtrain.plan import main as plan
+
+    assert plan(["--config", TINY, "--set", "train.objective=dpo", "--set", f"data.path={pairs_folder}", "--set",
+                 "data.kind=auto", "--set", "parallel.microbatches=4", "--devices", "8", "--mesh", "data=4,pipeline=2",
+                 "--compiler", "cpu", "--search-budget", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory"]["reference"] == report["memory"]["parameters"] > 0
+    assert set(report["steps"]) == {"train", "eval", "generation"}
+    permutes = report["collectives"]["collective-permute"]
+    assert permutes["count"] == 14 and permutes["ratio"] == 1, permutes
+    assert "the reference's forward-only pass: 5 over 5" in permutes["formula"][0]
+    for kind in ("all-reduce", "all-gather"):
+        assert abs(report["collectives"][kind]["ratio"] - 1) < 0.01, (kind, report["collectives"][kind])
+
+
 def test_dpo_with_lora_takes_the_base_as_its_reference_without_a_copy(pairs_folder):
     """Under model.lora the reference is the frozen base (the adapters off): the state holds no
     reference copy, the first step's policy is the reference (loss ln 2, every margin 0), the base
