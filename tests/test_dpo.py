@@ -171,9 +171,13 @@ def dpo_run(folder, mesh: str, n: int, *extra):
 
 # data=2: the manual data executor; on pipelines the reference log-probs come from a forward-only pass
 # through the stages and each microbatch's DPO loss from the last one (meshtrain/engine/pipeline.py)
-LAYOUTS = {"fsdp=2,tensor=2": (4, "parallel.microbatches=2"), "data=2": (2, "parallel.microbatches=2"),
-           "pipeline=2": (2, "parallel.schedule=1f1b", "parallel.microbatches=4"),
-           "data=2,pipeline=2": (4, "parallel.schedule=gpipe", "parallel.microbatches=2")}
+LAYOUTS = {"fsdp=2,tensor=2": ("fsdp=2,tensor=2", 4, "parallel.microbatches=2"),
+           "data=2": ("data=2", 2, "parallel.microbatches=2"),
+           "pipeline=2 1f1b": ("pipeline=2", 2, "parallel.schedule=1f1b", "parallel.microbatches=4"),
+           "data=2,pipeline=2 gpipe": ("data=2,pipeline=2", 4, "parallel.schedule=gpipe", "parallel.microbatches=2"),
+           "pipeline=2 zb": ("pipeline=2", 2, "parallel.schedule=zb", "parallel.microbatches=2"),
+           "fsdp=2,pipeline=2 interleaved": ("fsdp=2,pipeline=2", 4, "parallel.schedule=interleaved",
+                                             "parallel.virtual_stages=2", "parallel.microbatches=2")}
 DPO_KEYS = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "reward_chosen", "reward_rejected")
 
 
@@ -188,10 +192,10 @@ def assert_same_steps(trainer, losses, other, other_losses, name):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=f"{name} {k}")
 
 
-@pytest.mark.parametrize("mesh", LAYOUTS)
-def test_dpo_steps_are_the_same_on_every_layout(pairs_folder, mesh):
-    n, *extra = LAYOUTS[mesh]
-    assert_same_steps(*dpo_run(pairs_folder, "1", 1)[:2], *dpo_run(pairs_folder, mesh, n, *extra)[:2], mesh)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dpo_steps_are_the_same_on_every_layout(pairs_folder, layout):
+    mesh, n, *extra = LAYOUTS[layout]
+    assert_same_steps(*dpo_run(pairs_folder, "1", 1)[:2], *dpo_run(pairs_folder, mesh, n, *extra)[:2], layout)
 
 
 def test_dpo_with_lora_on_a_pipeline_takes_the_base_as_reference(pairs_folder):
