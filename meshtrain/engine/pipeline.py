@@ -22,7 +22,11 @@ The embedding and the head are not split into stages: the first stage embeds eac
 it enters (and adds the embedding gradient in its backward), the last stage applies the head and
 the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
 reads that cotangent like any other stage). Layers that `embed` runs (deepseek_v3's dense first
-layers, outer parameters) run there too, their forward again in the embedding gradient. Received
+layers, outer parameters) run there too, their forward again in the embedding gradient. The loss
+is the `head`'s: the token loss, or under DPO the microbatch's DPO loss (each microbatch holds whole
+pairs), and its outputs (the metrics) are kept per microbatch. A forward-only pass
+(`make_pipeline_log_probs`, DPO's reference log-probs and evaluation) runs a schedule's forwards
+alone (`forwards_of`) and keeps the heads' outputs only: no residuals, no gradients. Received
 tensors wait in ring buffers sized from the timetable. The layers' statistics are summed over
 microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
 update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
