@@ -313,7 +313,7 @@ def test_dpo_with_lora_takes_the_base_as_its_reference_without_a_copy(pairs_fold
 
 @pytest.mark.parametrize("lora", [(), ("model.lora.rank=4", "optim.lr=3e-2")], ids=["reference", "lora"])
 def test_the_eval_command_scores_a_dpo_run_as_its_loop_does(pairs_folder, tmp_path, capsys, lora):
-    """`python -m meshtrain.eval --run` on a DPO run, on another mesh: the held-out pairs' DPO loss,
+    """`python -m meshtrain.eval --run` on a DPO run, on other meshes: the held-out pairs' DPO loss,
     reward accuracy and margin of its last checkpoint, against the reference that checkpoint holds
     (under LoRA: its base), equal to the run's own evaluation of its final state."""
     from meshtrain.eval import main as evaluate
@@ -321,8 +321,9 @@ def test_the_eval_command_scores_a_dpo_run_as_its_loop_does(pairs_folder, tmp_pa
     trainer, _, _ = dpo_run(pairs_folder, "1", 1, *lora)
     loop = trainer.evaluation()
     out = tmp_path / "eval.json"
-    assert evaluate(["--run", str(trainer.out), "--mesh", "fsdp=4,tensor=2", "--json", str(out)]) == 0
-    assert "reward accuracy" in capsys.readouterr().out
-    got = json.loads(out.read_text())
-    for key in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin"):
-        np.testing.assert_allclose(got[key], loop[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for mesh in ("fsdp=4,tensor=2", "tensor=4,pipeline=2"):  # a pipeline: forward-only through its stages
+        assert evaluate(["--run", str(trainer.out), "--mesh", mesh, "--json", str(out)]) == 0
+        assert "reward accuracy" in capsys.readouterr().out
+        got = json.loads(out.read_text())
+        for key in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin"):
+            np.testing.assert_allclose(got[key], loop[key], rtol=1e-5, atol=1e-6, err_msg=f"{mesh} {key}")
