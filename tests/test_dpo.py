@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_tiny, tiny_config
 
-from meshtrain.core.errors import LayoutError, UserError
+from meshtrain.core.errors import UserError
 from meshtrain.data import chat, preference, tokenizer
 from meshtrain.data.__main__ import main
 from meshtrain.data.prepare import prepare
@@ -169,21 +169,40 @@ def dpo_run(folder, mesh: str, n: int, *extra):
                     devices=jax.devices()[:n])
 
 
-LAYOUTS = {"fsdp=2,tensor=2": 4, "data=2": 2}  # data=2: the manual data executor
+# data=2: the manual data executor; on pipelines the reference log-probs come from a forward-only pass
+# through the stages and each microbatch's DPO loss from the last one (meshtrain/engine/pipeline.py)
+LAYOUTS = {"fsdp=2,tensor=2": ("fsdp=2,tensor=2", 4, "parallel.microbatches=2"),
+           "data=2": ("data=2", 2, "parallel.microbatches=2"),
+           "pipeline=2 1f1b": ("pipeline=2", 2, "parallel.schedule=1f1b", "parallel.microbatches=4"),
+           "data=2,pipeline=2 gpipe": ("data=2,pipeline=2", 4, "parallel.schedule=gpipe", "parallel.microbatches=2"),
+           "pipeline=2 zb": ("pipeline=2", 2, "parallel.schedule=zb", "parallel.microbatches=2"),
+           "fsdp=2,pipeline=2 interleaved": ("fsdp=2,pipeline=2", 4, "parallel.schedule=interleaved",
+                                             "parallel.virtual_stages=2", "parallel.microbatches=2")}
+DPO_KEYS = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "reward_chosen", "reward_rejected")
 
 
-def test_dpo_steps_are_the_same_on_every_layout(pairs_folder):
-    trainer, losses, params = dpo_run(pairs_folder, "1", 1)
-    keys = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "reward_chosen", "reward_rejected")
-    reference = {k: np.array([r[k] for r in trainer.history if "loss" in r]) for k in keys}
-    for mesh, n in LAYOUTS.items():
-        other, other_losses, _ = dpo_run(pairs_folder, mesh, n, "parallel.microbatches=2")
-        np.testing.assert_allclose(other_losses, losses, rtol=1e-5, atol=1e-5, err_msg=mesh)
-        for k in keys:
-            got = np.array([r[k] for r in other.history if "loss" in r])
-            np.testing.assert_allclose(got, reference[k], rtol=1e-5, atol=1e-5, err_msg=f"{mesh} {k}")
-    with pytest.raises(LayoutError, match="dpo runs without a pipeline axis"):
-        dpo_run(pairs_folder, "pipeline=2", 2)
+def assert_same_steps(trainer, losses, other, other_losses, name):
+    """Per-step losses and every DPO metric equal (fp32, 1e-5), and the evaluation of the final state."""
+    np.testing.assert_allclose(other_losses, losses, rtol=1e-5, atol=1e-5, err_msg=name)
+    for k in DPO_KEYS:
+        want, got = ([r[k] for r in t.history if "loss" in r] for t in (trainer, other))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} {k}")
+    want, got = trainer.evaluation(), other.evaluation()
+    for k in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dpo_steps_are_the_same_on_every_layout(pairs_folder, layout):
+    mesh, n, *extra = LAYOUTS[layout]
+    assert_same_steps(*dpo_run(pairs_folder, "1", 1)[:2], *dpo_run(pairs_folder, mesh, n, *extra)[:2], layout)
+
+
+def test_dpo_with_lora_on_a_pipeline_takes_the_base_as_reference(pairs_folder):
+    """LoRA on pipeline=2: the forward-only reference pass runs the base (adapters off) through the stages."""
+    lora = ("model.lora.rank=4", "optim.lr=3e-2")
+    assert_same_steps(*dpo_run(pairs_folder, "1", 1, *lora)[:2],
+                      *dpo_run(pairs_folder, "pipeline=2", 2, *lora, "parallel.microbatches=2")[:2], "lora pipeline=2")
 
 
 def test_a_model_learns_to_prefer_the_chosen_answer_on_new_prompts(pairs_folder, tmp_path):
@@ -254,6 +273,28 @@ def test_the_plan_of_a_dpo_run_holds_the_reference_and_its_eval_step(pairs_folde
         assert abs(report["collectives"][kind]["ratio"] - 1) < 0.1, (kind, report["collectives"][kind])
 
 
+def test_the_plan_of_a_dpo_pipeline_counts_the_reference_pass(pairs_folder, capsys):
+    """On data=4,pipeline=2 the compiled step holds the reference copy and runs its forward-only pass
+    through the stages: the planner's sends are the training timetable's (9 over 6 ticks at M=4)
+    plus that pass's (5 over 5), equal to the compiled program's collective-permutes, and its
+    gathers (ZeRO-1 and the reference's) and reductions match the compiled ones."""
+    from conftest import TINY
+
+    from meshtrain.plan import main as plan
+
+    assert plan(["--config", TINY, "--set", "train.objective=dpo", "--set", f"data.path={pairs_folder}", "--set",
+                 "data.kind=auto", "--set", "parallel.microbatches=4", "--devices", "8", "--mesh", "data=4,pipeline=2",
+                 "--compiler", "cpu", "--search-budget", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory"]["reference"] == report["memory"]["parameters"] > 0
+    assert set(report["steps"]) == {"train", "eval", "generation"}
+    permutes = report["collectives"]["collective-permute"]
+    assert permutes["count"] == 14 and permutes["ratio"] == 1, permutes
+    assert "the reference's forward-only pass: 5 over 5" in permutes["formula"][0]
+    for kind in ("all-reduce", "all-gather"):
+        assert abs(report["collectives"][kind]["ratio"] - 1) < 0.01, (kind, report["collectives"][kind])
+
+
 def test_dpo_with_lora_takes_the_base_as_its_reference_without_a_copy(pairs_folder):
     """Under model.lora the reference is the frozen base (the adapters off): the state holds no
     reference copy, the first step's policy is the reference (loss ln 2, every margin 0), the base
@@ -272,7 +313,7 @@ def test_dpo_with_lora_takes_the_base_as_its_reference_without_a_copy(pairs_fold
 
 @pytest.mark.parametrize("lora", [(), ("model.lora.rank=4", "optim.lr=3e-2")], ids=["reference", "lora"])
 def test_the_eval_command_scores_a_dpo_run_as_its_loop_does(pairs_folder, tmp_path, capsys, lora):
-    """`python -m meshtrain.eval --run` on a DPO run, on another mesh: the held-out pairs' DPO loss,
+    """`python -m meshtrain.eval --run` on a DPO run, on other meshes: the held-out pairs' DPO loss,
     reward accuracy and margin of its last checkpoint, against the reference that checkpoint holds
     (under LoRA: its base), equal to the run's own evaluation of its final state."""
     from meshtrain.eval import main as evaluate
@@ -280,8 +321,9 @@ def test_the_eval_command_scores_a_dpo_run_as_its_loop_does(pairs_folder, tmp_pa
     trainer, _, _ = dpo_run(pairs_folder, "1", 1, *lora)
     loop = trainer.evaluation()
     out = tmp_path / "eval.json"
-    assert evaluate(["--run", str(trainer.out), "--mesh", "fsdp=4,tensor=2", "--json", str(out)]) == 0
-    assert "reward accuracy" in capsys.readouterr().out
-    got = json.loads(out.read_text())
-    for key in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin"):
-        np.testing.assert_allclose(got[key], loop[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for mesh in ("fsdp=4,tensor=2", "tensor=4,pipeline=2"):  # a pipeline: forward-only through its stages
+        assert evaluate(["--run", str(trainer.out), "--mesh", mesh, "--json", str(out)]) == 0
+        assert "reward accuracy" in capsys.readouterr().out
+        got = json.loads(out.read_text())
+        for key in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin"):
+            np.testing.assert_allclose(got[key], loop[key], rtol=1e-5, atol=1e-6, err_msg=f"{mesh} {key}")

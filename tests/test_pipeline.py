@@ -65,6 +65,25 @@ def test_1f1b_buffers_do_not_grow_with_microbatches():
     assert int(executor_tables(timetable("1f1b", 4, 32, residuals="recompute"))["input_slots"]) == 5
 
 
+@pytest.mark.parametrize("schedule,stages,micro,virtual", TABLES)
+def test_a_schedules_forwards_alone_run_each_forward_once_as_data_flows(schedule, stages, micro, virtual):
+    """`forwards_of` (DPO's reference pass): every forward once, each chunk a tick after its input,
+    in V x M + S - 1 ticks with no idle beyond the fill and drain; one phase of forwards and sends."""
+    from meshtrain.parallel.schedules import forwards_of, tick_phases
+
+    tt = timetable(forwards_of(schedule), stages, micro, virtual)
+    when = tt.when()
+    assert set(when) == {(s, Action("F", m, v)) for s in range(stages) for m in range(micro) for v in range(virtual)}
+    for (s, a), t in when.items():
+        if s + 1 < stages:
+            assert when[(s + 1, a)] == t + 1
+    if not SCHEDULES[schedule].interleaved:
+        assert len(tt.ticks) == micro + stages - 1
+    tables = executor_tables(tt)
+    assert [uses for _, _, uses in tick_phases(tables)] == [{"F", "recv_f"}]
+    assert tables["residual_slots"] == tables["cotangent_slots"] == 1 and tables["input_slots"] >= 1
+
+
 def test_phases_leave_out_what_their_ticks_do_not_use():
     from meshtrain.parallel.schedules import tick_phases
 

@@ -128,9 +128,6 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     _check_kernels(par, t.seq_len, backend)
     stages = sizes["pipeline"]
     micro = par.num_microbatches(stages)
-    if stages > 1 and t.objective == "dpo":
-        raise LayoutError("train.objective=dpo runs without a pipeline axis (the pipeline executor computes the "
-                          "token loss only); drop pipeline from parallel.mesh")
     dense = getattr(m, "first_k_dense_replace", 0)
     if dense and stages > 1 and sizes["fsdp"] > 1 and sizes["tensor"] > 1:  # XLA:CPU hung in a collective-permute
         raise LayoutError(f"model.first_k_dense_replace={dense} on a pipeline with fsdp and tensor both > 1 is not "

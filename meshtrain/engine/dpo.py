@@ -42,6 +42,23 @@ def sequences(pairs_BxP):
     return constrain(pairs_BxP.reshape(2 * B, P // 2), ("batch", None))
 
 
+def pipeline_sequences(pairs_BxP, micro: int):
+    """[B, 2 (L + 1)] pairs -> [2B, L + 1] sequences ordered so that `split_microbatches(., micro)`
+    gives microbatch m the sequences of the pairs `split_microbatches(pairs, micro)[m]` (rows
+    j * M + m), each pair's chosen then rejected: a pipeline microbatch holds whole pairs, so the
+    DPO loss of a microbatch is defined on the last stage alone."""
+    B, P = pairs_BxP.shape
+    seqs_MxNxL1 = split_microbatches(pairs_BxP, micro).reshape(micro, 2 * B // micro, P // 2)
+    return seqs_MxNxL1.swapaxes(0, 1).reshape(2 * B, P // 2)
+
+
+def pair_log_probs(model, params, x_NxLxD, targets_NxL):
+    """[N/2, 2]: the head's summed log-probs of the trained targets of N sequences, pair by pair
+    (chosen, rejected), from the last hidden state (before the final norm)."""
+    logp_N = sequence_log_probs(model.final_norm(params, x_NxLxD), model.unembedding(params), targets_NxL)
+    return logp_N.reshape(-1, 2)
+
+
 def make_log_probs(model, precision: str, remat: str = "none"):
     """(params, pairs [B, 2 (L + 1)]) -> ([B, 2] summed response log-probs, chosen then rejected;
     the blocks' statistics as means over layers). Untrained targets (the prompt, the padding: ~id,
@@ -52,8 +69,7 @@ def make_log_probs(model, precision: str, remat: str = "none"):
         compute = cast_for_compute(params, precision)
         inputs, targets, docs = model_inputs(model, sequences(pairs_BxP), loss_mask=True)
         x_NxLxD, stats = model.trunk(compute, inputs, docs, layer)
-        logp_N = sequence_log_probs(model.final_norm(compute, x_NxLxD), model.unembedding(compute), targets)
-        return logp_N.reshape(-1, 2), stats
+        return pair_log_probs(model, compute, x_NxLxD, targets), stats
 
     return log_probs
 
@@ -100,11 +116,13 @@ def make_reference_log_probs(model, precision: str, microbatches: int):
     return reference
 
 
-def make_dpo_eval(model, precision: str, microbatches: int, beta: float, label_smoothing: float):
+def make_dpo_eval(model, precision: str, microbatches: int, beta: float, label_smoothing: float, log_probs=None):
     """(params, pairs [B, 2 (L + 1)], the reference's parameters if the state keeps a copy) -> the
     held-out pairs' DPO loss, reward_accuracy and reward_margin (`dpo_loss`), forward only, a
-    microbatch at a time (`make_reference_log_probs`) for the policy and the reference alike."""
-    log_probs = make_reference_log_probs(model, precision, microbatches)
+    microbatch at a time for the policy and the reference alike: `log_probs` ((params, pairs) ->
+    [B, 2]; on a pipeline meshtrain/engine/pipeline.py `make_pipeline_log_probs`), by default
+    `make_reference_log_probs`."""
+    log_probs = log_probs or make_reference_log_probs(model, precision, microbatches)
 
     def evaluate(params, pairs_BxP, *reference):
         ref = reference[0] if reference else adapters_off(params)

@@ -22,7 +22,11 @@ The embedding and the head are not split into stages: the first stage embeds eac
 it enters (and adds the embedding gradient in its backward), the last stage applies the head and
 the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
 reads that cotangent like any other stage). Layers that `embed` runs (deepseek_v3's dense first
-layers, outer parameters) run there too, their forward again in the embedding gradient. Received
+layers, outer parameters) run there too, their forward again in the embedding gradient. The loss
+is the `head`'s: the token loss, or under DPO the microbatch's DPO loss (each microbatch holds whole
+pairs), and its outputs (the metrics) are kept per microbatch. A forward-only pass
+(`make_pipeline_log_probs`, DPO's reference log-probs and evaluation) runs a schedule's forwards
+alone (`forwards_of`) and keeps the heads' outputs only: no residuals, no gradients. Received
 tensors wait in ring buffers sized from the timetable. The layers' statistics are summed over
 microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
 update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
@@ -40,13 +44,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.data.tokens import token_ids
+from meshtrain.engine.dpo import dpo_loss, pair_log_probs, pipeline_sequences
 from meshtrain.models.base import PER_LAYER_STATS, layer_means, layer_sums, scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.ops.trainable import freeze, merge, select
 from meshtrain.parallel import data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
-from meshtrain.parallel.schedules import Schedule, executor_tables, lookup, tick_phases, timetable
+from meshtrain.parallel.schedules import Schedule, executor_tables, forwards_of, lookup, tick_phases, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
 
 
@@ -140,17 +145,19 @@ def has_frozen(blocks, keep) -> bool:
 class StageProgram:
     """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
-    timetable (meshtrain/parallel/schedules.py)."""
+    timetable (meshtrain/parallel/schedules.py). `head`: (outer parameters, the last chunk's output,
+    the microbatch's targets and `extras` rows) -> (its loss, its outputs, a pytree kept per
+    microbatch); `trains=False`: a forward-only pass (`forwards_of` a schedule's tables) that keeps
+    no residuals and no gradients, only the heads' outputs."""
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
-                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
-                 docs_MxbxL=None, kinds=None, aux_weight=None, mtp_shares=None):
+                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, head,
+                 scale=None, docs_MxbxL=None, kinds=None, aux_weight=None, extras_Mxb=None, trains: bool = True):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
-        self.aux_weight = 1.0 if aux_weight is None else aux_weight  # a loss mask's trained share (StepInputs)
-        self.mtp_shares = mtp_shares  # multi-token prediction: [D] the step batch's shares (None without)
-        self.save, self.splits_weight_grad = residuals == "save", schedule.splits_weight_grad
+        self.head, self.extras, self.trains = head, extras_Mxb, trains
+        self.save, self.splits_weight_grad = trains and residuals == "save", schedule.splits_weight_grad
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
         # Under LoRA the adapters and their gradient sums are whole over fsdp x tensor inside the ticks:
@@ -175,7 +182,7 @@ class StageProgram:
                                     jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x, first,
                                     *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
-        weight = self.scale * self.aux_weight
+        weight = self.scale if aux_weight is None else self.scale * aux_weight
         self.layers = LayerResiduals(layer, jax.tree.map(lambda g: g * weight / (model.stacked_layers * micro),
                                                          g_stats))
 
@@ -207,23 +214,15 @@ class StageProgram:
     def embed(self, p_outer, m):
         return self.model.embed(freeze(p_outer, self.keep), _take(self.inputs, m))
 
-    def microbatch_loss(self, p_outer, y, m):
-        """(microbatch m's objective, its metrics: the loss, and with multi-token prediction the mean
-        of the depths' losses 'mtp_loss', which the objective adds x mtp_loss_weight x the auxiliary
-        weight, as meshtrain/engine/step.py `make_loss_fn` does). The MTP modules are outer
-        parameters: the last stage runs them on its output y, the trunk's last hidden state."""
-        params, targets = freeze(p_outer, self.keep), _take(self.targets, m)
-        loss = self.model.loss(params, y, targets)
-        if self.mtp_shares is None:
-            return loss, {"loss": loss}
-        docs = self.documents(m)[0] if self.docs is not None else None
-        mtp = jnp.mean(self.model.mtp_losses(params, y, _take(self.inputs, m), targets, docs, self.mtp_shares))
-        return loss + self.aux_weight * self.model.cfg.mtp_loss_weight * mtp, {"loss": loss, "mtp_loss": mtp}
+    def microbatch_head(self, p_outer, y, m):
+        """(microbatch m's loss, its outputs): `head` on its targets and `extras` rows."""
+        extras = None if self.extras is None else jax.tree.map(lambda e: _take(e, m), self.extras)
+        return self.head(freeze(p_outer, self.keep), y, _take(self.targets, m), extras)
 
     def scaled_loss(self, p_outer, y, m):
-        """(the objective x scale, to differentiate; the metrics)."""
-        objective, metrics = self.microbatch_loss(p_outer, y, m)
-        return objective * self.scale, metrics
+        """(the loss x scale, to differentiate; the outputs)."""
+        loss, outputs = self.microbatch_head(p_outer, y, m)
+        return loss * self.scale, outputs
 
     def forward_saving(self, p_chunk, kinds, x, *docs):
         """(y, (each layer's residuals stacked, the chunk's statistics summed over its layers, the
@@ -235,13 +234,13 @@ class StageProgram:
     def initial_carry(self) -> dict:
         f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
         n, V = self.slots, self.virtual
+        outputs_like = jax.eval_shape(self.microbatch_head, self.outer, self.zeros_x, 0)[1]
         carry = {"inputs": _zeros(self.zeros_x, n["input_slots"], V),
-                 "cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
-                 "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
-                 "g_outer": f32_zeros(select(self.outer, self.keep)),
-                 "loss": jnp.zeros((), jnp.float32)}
-        if self.mtp_shares is not None:
-            carry["mtp_loss"] = jnp.zeros((), jnp.float32)
+                 "outputs": jax.tree.map(lambda o: jnp.zeros((self.micro, *o.shape), jnp.float32), outputs_like)}
+        if self.trains:
+            carry |= {"cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
+                      "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
+                      "g_outer": f32_zeros(select(self.outer, self.keep))}
         saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.chunk_kinds(0), self.zeros_x,
                                                 *self.documents(0))[1]
         # the PER_LAYER_STATS summed per chunk and layer [V, layers per chunk, ...] (`add_stats`)
@@ -292,16 +291,19 @@ class StageProgram:
             y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v))
         c = self.add_stats(c, stats, v)
 
+        def keep(c, outputs):
+            return {**c, "outputs": jax.tree.map(lambda a, o: _put(a, o.astype(a.dtype), m), c["outputs"], outputs)}
+
         def head_and_loss(c):
             """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
-            (_, metrics), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
+            (_, outputs), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
                 self.outer, y, m)
             c = self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer))
-            c = {**c, **{k: c[k] + v for k, v in metrics.items()}}  # the loss (and mtp_loss) summed
-            return {**c,
-                    "cotangents": _write(c["cotangents"], g_y / self.micro, m, v, self.slots["cotangent_slots"])}
+            return keep({**c, "cotangents": _write(c["cotangents"], g_y / self.micro, m, v,
+                                                   self.slots["cotangent_slots"])}, outputs)
 
-        return jax.lax.cond(self.is_last(v), head_and_loss, lambda c: c, c), y
+        head = head_and_loss if self.trains else lambda c: keep(c, self.microbatch_head(self.outer, y, m)[1])
+        return jax.lax.cond(self.is_last(v), head, lambda c: c, c), y
 
     def backward(self, c, m, v):
         """The input gradient (sent back) and, unless the schedule splits it off (zb), the chunk's weight
@@ -370,64 +372,153 @@ class StageProgram:
 
         return tick
 
-    def run(self, phases):
-        """All ticks, phase by phase; then the step's loss and gradient sums over the pipeline."""
+    def ticks(self, phases) -> dict:
+        """The carry after all ticks, phase by phase."""
         carry = self.initial_carry()
         for start, end, uses in phases:
             carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
-        loss = jax.lax.psum(carry["loss"], "pipeline") / self.micro
+        return carry
+
+    def outputs(self, carry):
+        """The heads' outputs [M, ...], from the last stage to every stage (the others hold zeros)."""
+        return jax.lax.psum(carry["outputs"], "pipeline")
+
+    def run(self, phases):
+        """All ticks; then the step's metrics (the heads' outputs and the layers' statistics, means
+        over microbatches) and gradient sums over the pipeline."""
+        carry = self.ticks(phases)
         # the stages' sums; the PER_LAYER_STATS as each stage's rows, [N, ...] in storage order (`layer_order`)
         stats = {k: jax.lax.all_gather(s.reshape(-1, *s.shape[2:]), "pipeline", tiled=True) if k in PER_LAYER_STATS
                  else jax.lax.psum(s, "pipeline") for k, s in carry["stats"].items()}
         stats = layer_means(stats, self.model.stacked_layers)
-        metrics = {"loss": loss, **jax.tree.map(lambda s: s / self.micro, stats)}
-        if "mtp_loss" in carry:
-            metrics["mtp_loss"] = jax.lax.psum(carry["mtp_loss"], "pipeline") / self.micro
+        metrics = jax.tree.map(lambda s: s / self.micro, {**jax.tree.map(lambda o: o.sum(0), self.outputs(carry)),
+                                                           **stats})
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
         return metrics, g_blocks, g_outer
 
 
+def _split(specs):
+    """(the outer parameters, the stacked blocks)."""
+    return {k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"]
+
+
+def _tables(schedule: Schedule, stages: int, micro: int, virtual: int, residuals: str = "save"):
+    """(the executor's tables, its buffer sizes, its phases) for `schedule`'s timetable."""
+    tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
+    slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
+    return tables, slots, tick_phases(tables)
+
+
+def _microbatches(model, tokens, micro: int, loss_mask: bool, pairs: bool):
+    """(inputs, targets, packed documents or None), each [M, rows, ...], made outside the stages'
+    conds (inside them a resharding collective would wait for the stages that skip the branch), in
+    the plan's sequence order. `pairs`: tokens are DPO's [B, 2 (L + 1)] preference pairs, each
+    microbatch holding whole pairs (`pipeline_sequences`), their responses masked in."""
+    if pairs:
+        tokens = pipeline_sequences(tokens, micro)
+    masked = loss_mask or pairs
+    x, targets = inputs_and_targets(tokens, model.sequence_order)
+    tokens, x = (token_ids(tokens), token_ids(x)) if masked else (tokens, x)  # the targets keep the mask
+    docs = model.documents(tokens)  # packed documents travel with their microbatches
+    split = lambda a: split_microbatches(a, micro)
+    return split(x), split(targets), None if docs is None else jax.tree.map(split, docs)
+
+
+def token_head(model, mtp_shares=None, aux_weight=None):
+    """The last stage's head for next-token training: the mean cross-entropy of the microbatch. With
+    multi-token prediction (`mtp_shares`: [D] the step batch's shares, models/deepseek_v3.py) the
+    extras are the microbatch's (inputs, documents): the MTP modules, outer parameters, run on y (the
+    trunk's last hidden state), and the objective adds their depths' mean loss 'mtp_loss' x
+    mtp_loss_weight x `aux_weight` (a loss mask's trained share), as step.py `make_loss_fn` does."""
+    weight = 1.0 if aux_weight is None else aux_weight
+
+    def head(p_outer, y, targets, extras):
+        loss = model.loss(p_outer, y, targets)
+        if mtp_shares is None:
+            return loss, {"loss": loss}
+        inputs, docs = extras
+        mtp = jnp.mean(model.mtp_losses(p_outer, y, inputs, targets, docs, mtp_shares))
+        return loss + weight * model.cfg.mtp_loss_weight * mtp, {"loss": loss, "mtp_loss": mtp}
+
+    return head
+
+
+def dpo_head(model, beta: float, label_smoothing: float):
+    """DPO's (meshtrain/engine/dpo.py): the microbatch's pairs' loss against their reference log-probs."""
+    return lambda p_outer, y, targets, reference_bx2: dpo_loss(pair_log_probs(model, p_outer, y, targets),
+                                                               reference_bx2, beta, label_smoothing)
+
+
+class _Staging:
+    """What the training and the forward-only passes share: the manual axes (`data` too when data >
+    1: each data shard pipelines its own rows), the parameters' layouts in and out of the shard_map,
+    the stage's parameters (whole over `data` once per step under ZeRO-3) and the layer."""
+
+    def __init__(self, model, plan, mesh, param_specs):
+        self.model, self.plan, self.mesh, self.param_specs = model, plan, mesh, param_specs
+        self.stages, self.virtual = mesh.shape["pipeline"], plan.virtual_stages
+        self.micro = plan.num_microbatches(self.stages)
+        self.data_manual = data_parallel.is_manual(mesh.shape[data_parallel.AXIS], pipelined=True)
+        self.manual = {"pipeline", data_parallel.AXIS} if self.data_manual else {"pipeline"}
+        # unfolded in and out, gathered and reduced per device block (data_parallel.unfold)
+        self.param_layouts = data_parallel.layouts(param_specs)
+        self.outer_in, self.blocks_in = _split(data_parallel.local_specs(self.param_layouts, self.manual))
+        self.tokens_spec = P(None, data_parallel.AXIS) if self.data_manual else P()
+        keep = model.cfg.trainable  # the frozen weights' gradients are never computed (meshtrain/ops/trainable.py)
+        self.layer = remat_lib.apply(lambda p, *args, **kw: model.block(freeze(p, keep, ("blocks",)), *args, **kw),
+                                     plan.remat, model.saveable)
+        self.kinds = stage_kinds(model, self.stages, self.virtual)
+
+    def unfolded(self, params):
+        """(outer, blocks) in the compute dtype, unfolded for the shard_map (local reshapes)."""
+        return _split(data_parallel.unfolded(cast_for_compute(params, self.plan.precision), self.param_specs,
+                                             self.mesh.shape, self.mesh))
+
+    def stage_params(self, blocks, outer):
+        """Inside the shard_map: this stage's (outer, blocks), whole over `data` under ZeRO-3."""
+        if not self.data_manual:
+            return outer, blocks
+        params = data_parallel.gather({**outer, "blocks": blocks}, {**self.outer_in, "blocks": self.blocks_in},
+                                      self.param_layouts)
+        return _split(data_parallel.folded(params, self.param_specs))
+
+    def program(self, schedule, residuals, tables, slots, blocks, outer, inputs, targets, docs, **kw):
+        return StageProgram(self.model, self.layer, schedule, residuals, self.stages, self.micro, self.virtual,
+                            tables, slots, blocks, outer, inputs, targets, docs_MxbxL=docs, kinds=self.kinds, **kw)
+
+
 def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None,
-                        loss_mask: bool = False):
+                        loss_mask: bool = False, dpo=None):
     """A gradient function (meshtrain/parallel/batching.py): one step's forward and backward, pipelined
     as `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
     own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py).
     With a `compressor` (meshtrain/parallel/compression.py) that reduction is int8 with error feedback:
     the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out. `loss_mask`: the
-    tokens carry a loss mask (meshtrain/engine/step.py `make_loss_fn`): the targets keep it."""
-    stages = mesh.shape["pipeline"]
-    schedule, residuals, micro = lookup(plan.schedule), plan.residuals, plan.num_microbatches(stages)
-    virtual = plan.virtual_stages
-    tables = executor_tables(timetable(schedule, stages, micro, virtual, residuals))
-    slots = {k: int(tables.pop(k)) for k in ("input_slots", "residual_slots", "cotangent_slots", "deferred_slots")}
-    phases = tick_phases(tables)
-    data_manual = data_parallel.is_manual(mesh.shape[data_parallel.AXIS], pipelined=True)
-    manual = {"pipeline", data_parallel.AXIS} if data_manual else {"pipeline"}
-    split = lambda specs: ({k: v for k, v in specs.items() if k != "blocks"}, specs["blocks"])
-    # unfolded in and out, gathered and reduced per device block (data_parallel.unfold)
-    param_layouts, grad_layouts = data_parallel.layouts(param_specs), data_parallel.layouts(grad_specs)
-    outer_in, blocks_in = split(data_parallel.local_specs(param_layouts, manual))
-    outer_out, blocks_out = split(data_parallel.local_specs(grad_layouts, manual))
+    tokens carry a loss mask (meshtrain/engine/step.py `make_loss_fn`): the targets keep it. `dpo`
+    (train.dpo): the tokens are preference pairs, the inputs' `reference` their reference log-probs,
+    and the last stage's loss is each microbatch's DPO loss (`dpo_head`), its metrics DPO's."""
+    st = _Staging(model, plan, mesh, param_specs)
+    schedule, residuals, micro, manual = lookup(plan.schedule), plan.residuals, st.micro, st.manual
+    tables, slots, phases = _tables(schedule, st.stages, micro, st.virtual, residuals)
+    grad_layouts = data_parallel.layouts(grad_specs)
+    outer_out, blocks_out = _split(data_parallel.local_specs(grad_layouts, manual))
     errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
-    keep = model.cfg.trainable  # the frozen weights' gradients are never computed (meshtrain/ops/trainable.py)
-    layer = remat_lib.apply(lambda p, *args, **kw: model.block(freeze(p, keep, ("blocks",)), *args, **kw),
-                            plan.remat, model.saveable)
-    kinds = stage_kinds(model, stages, virtual)
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, step_inputs: StepInputs):
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, reference_Mxbx2, step_inputs: StepInputs):
         scale = step_inputs.loss_scale
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
-            if data_manual:  # ZeRO-3: whole over data once per step
-                params = data_parallel.gather({**outer, "blocks": blocks}, {**outer_in, "blocks": blocks_in},
-                                              param_layouts)
-                outer, blocks = split(data_parallel.folded(params, param_specs))
-            stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
-                                 blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL,
-                                 kinds=kinds, aux_weight=step_inputs.trained_share,
-                                 mtp_shares=step_inputs.mtp_shares)
+            outer, blocks = st.stage_params(blocks, outer)
+            if dpo is not None:
+                head, extras = dpo_head(model, dpo.beta, dpo.label_smoothing), reference_Mxbx2
+            else:  # multi-token prediction's modules read the microbatch's tokens ahead
+                head = token_head(model, step_inputs.mtp_shares, step_inputs.trained_share)
+                extras = None if step_inputs.mtp_shares is None else (inputs_MxbxL, docs_MxbxL)
+            stage = st.program(schedule, residuals, tables, slots, blocks, outer, inputs_MxbxL, targets_MxbxL,
+                               docs_MxbxL, head=head, scale=scale, aux_weight=step_inputs.trained_share,
+                               extras_Mxb=extras)
             metrics, g_blocks, g_outer = stage.run(phases)
-            if not data_manual:
+            if not st.data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})
             metrics = jax.lax.pmean(metrics, data_parallel.AXIS)  # the data-parallel reduction, once per step
             grads, local_sizes = {**g_outer, "blocks": g_blocks}, {**mesh.shape, "pipeline": 1}  # this stage's
@@ -438,28 +529,49 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
             return Gradients(metrics, data_parallel.reduce_mean(grads, {**outer_out, "blocks": blocks_out},
                                                                 grad_layouts))
 
-    tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
+    tokens_spec = st.tokens_spec
     grads_out = {**outer_out, "blocks": blocks_out}
-    staged = lambda blocks, outer, inputs, targets, docs, step_inputs: jax.shard_map(
+    staged = lambda blocks, outer, inputs, targets, docs, reference, step_inputs: jax.shard_map(
         per_stage, mesh=mesh, out_specs=Gradients(P(), grads_out, errors_local), axis_names=manual,
-        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, tokens_spec,
+        in_specs=(st.blocks_in, st.outer_in, tokens_spec, tokens_spec, tokens_spec, tokens_spec,
                   data_parallel.input_specs(step_inputs, None, errors_local)),
-        check_vma=False)(blocks, outer, inputs, targets, docs, step_inputs)
+        check_vma=False)(blocks, outer, inputs, targets, docs, reference, step_inputs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
-        # unfolded on the way in, the gradients folded on the way out (local reshapes)
-        outer, blocks = split(data_parallel.unfolded(cast_for_compute(params, plan.precision), param_specs,
-                                                     mesh.shape, mesh))
-        # Inputs and targets in the plan's sequence order, made here: inside the stages' conds a
-        # resharding collective would wait for the stages that skip the branch.
-        x, targets = inputs_and_targets(inputs.tokens, model.sequence_order)
-        tokens = token_ids(inputs.tokens) if loss_mask else inputs.tokens
-        x = token_ids(x) if loss_mask else x
-        docs = model.documents(tokens)  # packed documents travel with their microbatches
-        docs = None if docs is None else jax.tree.map(lambda d: split_microbatches(d, micro), docs)
-        # fp32 sums; the step casts them to the params' dtype. The tokens travel as inputs and targets.
-        out = staged(blocks, outer, split_microbatches(x, micro), split_microbatches(targets, micro),
-                     docs, inputs.with_tokens(None))
+        outer, blocks = st.unfolded(params)  # the gradients folded on the way out (local reshapes)
+        x, targets, docs = _microbatches(model, inputs.tokens, micro, loss_mask, pairs=dpo is not None)
+        # the reference log-probs split as the pairs are; fp32 sums, which the step casts to the params' dtype
+        reference = None if inputs.reference is None else split_microbatches(inputs.reference, micro)
+        out = staged(blocks, outer, x, targets, docs, reference, inputs.with_tokens(None))
         return dataclasses.replace(out, grads=data_parallel.folded(out.grads, grad_specs, mesh))
 
     return metrics_and_grads
+
+
+def make_pipeline_log_probs(model, plan, mesh, param_specs):
+    """(params, pairs [B, 2 (L + 1)]) -> [B, 2] their summed response log-probs (meshtrain/engine/
+    dpo.py `make_log_probs`), forward only through the pipeline's stages: the schedule's forwards
+    alone (`forwards_of`), no residuals, no gradients; each stage holds its own layers only, as in
+    training. DPO's reference pass, and its evaluation, on a pipeline mesh."""
+    st = _Staging(model, plan, mesh, param_specs)
+    schedule, micro = forwards_of(plan.schedule), st.micro
+    tables, slots, phases = _tables(schedule, st.stages, micro, st.virtual)
+    head = lambda p_outer, y, targets, _: (jnp.zeros((), jnp.float32), pair_log_probs(model, p_outer, y, targets))
+
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL):
+        with manual_axes_rules(st.manual):
+            outer, blocks = st.stage_params(blocks, outer)
+            stage = st.program(schedule, "save", tables, slots, blocks, outer, inputs_MxbxL, targets_MxbxL,
+                               docs_MxbxL, head=head, trains=False)
+            return stage.outputs(stage.ticks(phases))
+
+    spec = st.tokens_spec
+    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(st.blocks_in, st.outer_in, spec, spec, spec),
+                           out_specs=spec, axis_names=st.manual, check_vma=False)
+
+    def log_probs(params, pairs_BxP):
+        outer, blocks = st.unfolded(jax.lax.stop_gradient(params))
+        out_Mxbx2 = staged(blocks, outer, *_microbatches(model, pairs_BxP, micro, False, pairs=True))
+        return out_Mxbx2.swapaxes(0, 1).reshape(pairs_BxP.shape[0], 2)  # row j * M + m, as split
+
+    return log_probs

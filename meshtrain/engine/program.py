@@ -18,7 +18,7 @@ from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfi
 from meshtrain.config.validate import check_layout
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine.dpo import keeps_reference, make_dpo_eval
-from meshtrain.engine.pipeline import layer_order
+from meshtrain.engine.pipeline import layer_order, make_pipeline_log_probs
 from meshtrain.engine.step import (
     lr_schedule,
     make_loss_fn,
@@ -183,8 +183,13 @@ class TrainProgram:
         (meshtrain/engine/dpo.py `make_dpo_eval`)."""
         micro = self.plan.num_microbatches(self.sizes["pipeline"])
         replicated = NamedSharding(self.mesh, P())
-        if self.dpo is not None:
-            dpo_eval = make_dpo_eval(self.model, self.plan.precision, micro, self.dpo.beta, self.dpo.label_smoothing)
+        if self.dpo is not None:  # on a pipeline, the log-probs by a forward-only pass through its stages
+            log_probs = None
+            if self.sizes["pipeline"] > 1:
+                param_specs = jax.tree.map(lambda s: s.spec, self.state_shardings["params"])
+                log_probs = make_pipeline_log_probs(self.model, self.plan, self.mesh, param_specs)
+            dpo_eval = make_dpo_eval(self.model, self.plan.precision, micro, self.dpo.beta, self.dpo.label_smoothing,
+                                     log_probs)
             extra = (self.state_shardings["reference"],) if "reference" in self.state_shardings else ()
             return jax.jit(dpo_eval, in_shardings=(self.state_shardings["params"], self.batch_sharding, *extra),
                            out_shardings=replicated)

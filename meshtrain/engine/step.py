@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
-from meshtrain.engine.pipeline import make_pipeline_grads
+from meshtrain.engine.pipeline import make_pipeline_grads, make_pipeline_log_probs
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
@@ -155,9 +155,9 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`).
     `loss_mask` (chat data, data.train_on=assistant): the loss and its gradients average over the
     trained tokens only (`trained_share`), and the metric 'trained_tokens' counts them. `dpo`
-    (train.dpo, under train.objective=dpo; no pipeline axis): the batch is preference pairs and the
-    objective DPO's (meshtrain/engine/dpo.py), the reference log-probs taken first from
-    `reference_params(state)`."""
+    (train.dpo, under train.objective=dpo): the batch is preference pairs and the objective DPO's
+    (meshtrain/engine/dpo.py), the reference log-probs taken first from `reference_params(state)`
+    (on a pipeline, by a forward-only pass through its stages: `make_pipeline_log_probs`)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
     keep = model.cfg.trainable
     micro = plan.num_microbatches(stages)
@@ -168,13 +168,13 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
     if dpo is not None:
         loss_fn = make_dpo_loss_fn(model, plan.precision, plan.remat, dpo.beta, dpo.label_smoothing)
-        reference_fn = make_reference_log_probs(model, plan.precision, micro)
+        reference_fn = (make_pipeline_log_probs(model, plan, mesh, specs["params"]) if stages > 1 else
+                        make_reference_log_probs(model, plan.precision, micro))
     else:
         loss_fn = make_loss_fn(model, plan.precision, plan.remat, loss_mask)
     if stages > 1:
-        assert dpo is None, "config/validate.py refuses DPO on a pipeline"
         grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, loss_mask=loss_mask,
-                                      **compressed)
+                                      dpo=dpo, **compressed)
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
                                  compressed=compressor is not None):
         others = set(mesh.axis_names) - {data_parallel.AXIS}

@@ -149,6 +149,20 @@ SCHEDULES = {s.name: s for s in (
 )}
 
 
+def forwards_of(schedule: str | Schedule) -> Schedule:
+    """The schedule's forwards alone, in its order: a forward-only pass through the stages (DPO's
+    reference log-probs, meshtrain/engine/pipeline.py `make_pipeline_log_probs`). Not a choice of
+    parallel.schedule, so not in `SCHEDULES`."""
+    sched = lookup(schedule)
+
+    def order(stages: int, micro: int, stage: int, virtual: int = 1) -> list[Slot]:
+        slots = [tuple(a for a in slot if a.kind == "F") for slot in sched.order(stages, micro, stage, virtual)]
+        return [slot for slot in slots if slot]
+
+    return Schedule(name=f"{sched.name} forwards", order=order, costs={"F": 1}, bubble_terms=narayanan_terms,
+                    bubble_expression="(S-1)/(V*M+S-1)", interleaved=sched.interleaved)
+
+
 def lookup(schedule: str | Schedule) -> Schedule:
     """The entry named `schedule` (an entry is returned as it is)."""
     if isinstance(schedule, Schedule):
@@ -323,6 +337,7 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
     when = tt.when()
     split = tt.schedule.splits_weight_grad
     last_use = "W" if split else "B"
+    backward = any(a.kind == "B" for row in tt.ticks for slot in row for a in slot)  # not `forwards_of`'s
     # (stage, chunk, micro) -> (first tick held, last tick needed)
     input_live, residual_live, cotangent_live, deferred_live = {}, {}, {}, {}
     for t, row in enumerate(tt.ticks):
@@ -331,7 +346,7 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
                 first, last = (s == 0 and a.chunk == 0), (s == S - 1 and a.chunk == V - 1)
                 arrays[a.kind][t, s] = 1
                 arrays[f"{a.kind}_micro"][t, s], arrays[f"{a.kind}_chunk"][t, s] = a.micro, a.chunk
-                if a.kind == "F":
+                if a.kind == "F" and backward:
                     residual_live[(s, a.chunk, a.micro)] = (t, when[(s, Action(last_use, a.micro, a.chunk))])
                 if a.kind == "F" and not last:  # the output goes to the next model stage
                     to, chunk = (s + 1) % S, a.chunk + (s == S - 1)
@@ -343,7 +358,7 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
                     arrays["recv_b"][t, to] = 1
                     arrays["recv_b_micro"][t, to], arrays["recv_b_chunk"][t, to] = a.micro, chunk
                     cotangent_live[(to, chunk, a.micro)] = (t + 1, when[(to, Action("B", a.micro, chunk))])
-                if a.kind == "F" and last:  # the loss's cotangent, from this stage's own forward
+                if a.kind == "F" and last and backward:  # the loss's cotangent, from this stage's own forward
                     cotangent_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("B", a.micro, a.chunk))])
                 if a.kind == "B" and split:  # each layer's output cotangent, until W
                     deferred_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("W", a.micro, a.chunk))])
@@ -362,7 +377,8 @@ def tick_phases(tables: dict) -> list[tuple[int, int, frozenset]]:
     ("recv_f", "recv_b") that occur in the phase."""
     T = len(tables["F"])
     ticks_with = lambda name: np.flatnonzero(tables[name].any(axis=1))
-    steady_from, steady_to = ticks_with("B")[0], ticks_with("F")[-1] + 1
+    backward = ticks_with("B")
+    steady_from, steady_to = (backward[0] if len(backward) else T), ticks_with("F")[-1] + 1
     bounds = sorted({0, min(steady_from, steady_to), max(steady_from, steady_to), T})
     phases = []
     for start, end in zip(bounds, bounds[1:]):

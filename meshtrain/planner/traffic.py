@@ -69,7 +69,7 @@ from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
-from meshtrain.parallel.schedules import executor_tables, sends_per_step, timetable
+from meshtrain.parallel.schedules import executor_tables, forwards_of, sends_per_step, timetable
 from meshtrain.parallel.sharding import entry_axes, stage_replicated
 from meshtrain.planner.hlo import KINDS
 
@@ -253,7 +253,12 @@ def expected_traffic(program) -> dict[str, dict]:
             "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
             "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
             "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
-    if reference_forward(program) and keeps_reference(program.model.cfg):  # DPO's own copy of the weights
+    if reference_forward(program) and P > 1:  # the forward-only pass through the stages (engine/pipeline.py)
+        add("all-gather", micro * ring_traffic("all-gather", slices["blocks"] * act, A)
+            + ring_traffic("all-gather", slices["outer"] * act, A),
+            f"DPO: the reference's layers gathered in the compute dtype per microbatch x {micro} in its forward-only "
+            f"pass through the stages, the embedding, head and norm once")
+    elif reference_forward(program) and keeps_reference(program.model.cfg):  # DPO's own copy of the weights
         add("all-gather", (micro if gpu and micro > 1 else 1)
             * ring_traffic("all-gather", (slices["blocks"] + slices["outer"]) * act, A),
             "DPO: the reference parameters gathered for its forward in the compute dtype, once per step "
@@ -332,8 +337,12 @@ def expected_traffic(program) -> dict[str, dict]:
     if P > 1:
         tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
         sends = sends_per_step(tables)
-        add("collective-permute", sends * tokens * m.d_model * act * C / micro, f"pipeline: {sends} sends "
-            f"(activations forward, cotangents back) over {len(tables['F'])} ticks")
+        what = f"pipeline: {sends} sends (activations forward, cotangents back) over {len(tables['F'])} ticks"
+        if reference_forward(program):  # DPO: the reference's forward-only pass through the stages first
+            forwards = executor_tables(timetable(forwards_of(plan.schedule), P, micro, plan.virtual_stages))
+            sends += sends_per_step(forwards)
+            what += f", and the reference's forward-only pass: {sends_per_step(forwards)} over {len(forwards['F'])}"
+        add("collective-permute", sends * tokens * m.d_model * act * C / micro, what)
     return out
 
 
