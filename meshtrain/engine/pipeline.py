@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.data.tokens import token_ids
-from meshtrain.models.base import PER_LAYER_STATS, layer_means, layer_sums, scan_blocks
+from meshtrain.models.base import PER_LAYER_STATS, layer_keys, layer_means, layer_sums, per_layer, scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.ops.trainable import freeze, merge, select
@@ -144,7 +144,7 @@ class StageProgram:
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, scale=None,
-                 docs_MxbxL=None, kinds=None, aux_weight=None):
+                 docs_MxbxL=None, kinds=None, aux_weight=None, noise_Mxbx2=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
@@ -163,6 +163,10 @@ class StageProgram:
             blocks = merge(blocks, whole(self.trained_blocks(blocks)))
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
         self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
+        # LoRA dropout: the microbatches' row keys and this stage's layers' indices in model order [V, per chunk]
+        self.noise = noise_Mxbx2
+        self.layer_ids = jnp.asarray(layer_order(model.stacked_layers, stages, virtual).reshape(stages, virtual, -1))[
+            self.s]
         self.outer, self.inputs, self.targets, self.docs = outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL
         x_like = jax.eval_shape(self.embed, outer, 0)
         self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
@@ -184,6 +188,15 @@ class StageProgram:
     def chunk_kinds(self, v):
         """The kinds of chunk v's layers, or None."""
         return None if self.kinds is None else _take(self.kinds, v)
+
+    def chunk_noise(self, v, m):
+        """The LoRA dropout keys [layers per chunk, b, 2] of chunk v's layers for microbatch m, or None:
+        its rows' keys folded with each layer's index in model order (models/base.py `layer_keys`)."""
+        return None if self.noise is None else layer_keys(_take(self.noise, m), _take(self.layer_ids, v))
+
+    def layer_args(self, v, m) -> dict:
+        """The per-layer keyword arguments of chunk v's layers for microbatch m (models/base.py `per_layer`)."""
+        return per_layer(self.chunk_kinds(v), self.chunk_noise(v, m))
 
     def chunk_g_stats(self):
         """`g_stats` for a chunk's `scan_blocks` statistics: the PER_LAYER_STATS' for each of its layers."""
@@ -213,11 +226,11 @@ class StageProgram:
         loss = self.microbatch_loss(p_outer, y, m)
         return loss * self.scale, loss
 
-    def forward_saving(self, p_chunk, kinds, x, *docs):
+    def forward_saving(self, p_chunk, args, x, *docs):
         """(y, (each layer's residuals stacked, the chunk's statistics summed over its layers, the
-        PER_LAYER_STATS per layer))."""
-        y, (saved, stats) = jax.lax.scan(lambda x, pk: self.layers.forward(pk[0], x, *docs, **_kind(pk[1])), x,
-                                         (p_chunk, kinds))
+        PER_LAYER_STATS per layer)); `args`: the layers' keyword arguments (`layer_args`)."""
+        y, (saved, stats) = jax.lax.scan(lambda x, pa: self.layers.forward(pa[0], x, *docs, **pa[1]), x,
+                                         (p_chunk, args))
         return y, (saved, layer_sums(stats))
 
     def initial_carry(self) -> dict:
@@ -228,7 +241,7 @@ class StageProgram:
                  "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
                  "g_outer": f32_zeros(select(self.outer, self.keep)),
                  "loss": jnp.zeros((), jnp.float32)}
-        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.chunk_kinds(0), self.zeros_x,
+        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.layer_args(0, 0), self.zeros_x,
                                                 *self.documents(0))[1]
         # the PER_LAYER_STATS summed per chunk and layer [V, layers per chunk, ...] (`add_stats`)
         carry["stats"] = {k: _zeros(s, V) if k in PER_LAYER_STATS else _zeros(s) for k, s in stats_like.items()}
@@ -272,10 +285,11 @@ class StageProgram:
     def forward(self, c, m, v):
         x, docs = self.chunk_input(c, m, v), self.documents(m)
         if self.save:
-            y, (saved, stats) = self.forward_saving(self.chunk(v), self.chunk_kinds(v), x, *docs)
+            y, (saved, stats) = self.forward_saving(self.chunk(v), self.layer_args(v, m), x, *docs)
             c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
         else:
-            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v))
+            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v),
+                                   noise=self.chunk_noise(v, m))
         c = self.add_stats(c, stats, v)
 
         def head_and_loss(c):
@@ -295,19 +309,20 @@ class StageProgram:
         docs = self.documents(m)
         if self.save:
             def layer_back(g, xs):
-                p_layer, saved, kind = xs
-                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **_kind(kind))
+                p_layer, saved, args = xs
+                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **args)
                 return g_x, (g if self.splits_weight_grad else g_p)  # zb: keep each layer's output cotangent for W
 
             saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
-            g_x, per_layer = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.chunk_kinds(v)), reverse=True)
+            g_x, layers = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.layer_args(v, m)), reverse=True)
             if self.splits_weight_grad:
-                c = {**c, "deferred": _write(c["deferred"], per_layer, m, v, self.slots["deferred_slots"])}
+                c = {**c, "deferred": _write(c["deferred"], layers, m, v, self.slots["deferred_slots"])}
             else:
-                c = self.add_chunk(c, per_layer, v)
+                c = self.add_chunk(c, layers, v)
         else:
             x = self.chunk_input(c, m, v)
-            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v))
+            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v),
+                                                     noise=self.chunk_noise(v, m))
             g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.chunk_g_stats()))
             c = self.add_chunk(c, g_chunk, v)
 
@@ -321,11 +336,11 @@ class StageProgram:
         docs = self.documents(m)
 
         def layer_w(_, xs):
-            p_layer, saved, g, kind = xs
-            return None, self.layers.pullback(p_layer, saved, g, *docs, **_kind(kind))[0]
+            p_layer, saved, g, args = xs
+            return None, self.layers.pullback(p_layer, saved, g, *docs, **args)[0]
 
         xs = (self.chunk(v), _read(c["residuals"], m, v, self.slots["residual_slots"]),
-              _read(c["deferred"], m, v, self.slots["deferred_slots"]), self.chunk_kinds(v))
+              _read(c["deferred"], m, v, self.slots["deferred_slots"]), self.layer_args(v, m))
         return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
 
     # ---- ticks ----
@@ -398,7 +413,7 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
                             plan.remat, model.saveable)
     kinds = stage_kinds(model, stages, virtual)
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, step_inputs: StepInputs):
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, noise_Mxbx2, step_inputs: StepInputs):
         scale = step_inputs.loss_scale
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             if data_manual:  # ZeRO-3: whole over data once per step
@@ -407,7 +422,7 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
                 outer, blocks = split(data_parallel.folded(params, param_specs))
             stage = StageProgram(model, layer, schedule, residuals, stages, micro, virtual, tables, slots,
                                  blocks, outer, inputs_MxbxL, targets_MxbxL, scale, docs_MxbxL=docs_MxbxL,
-                                 kinds=kinds, aux_weight=step_inputs.trained_share)
+                                 kinds=kinds, aux_weight=step_inputs.trained_share, noise_Mxbx2=noise_Mxbx2)
             metrics, g_blocks, g_outer = stage.run(phases)
             if not data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})
@@ -422,11 +437,11 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
 
     tokens_spec = P(None, data_parallel.AXIS) if data_manual else P()
     grads_out = {**outer_out, "blocks": blocks_out}
-    staged = lambda blocks, outer, inputs, targets, docs, step_inputs: jax.shard_map(
+    staged = lambda blocks, outer, inputs, targets, docs, noise, step_inputs: jax.shard_map(
         per_stage, mesh=mesh, out_specs=Gradients(P(), grads_out, errors_local), axis_names=manual,
-        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, tokens_spec,
+        in_specs=(blocks_in, outer_in, tokens_spec, tokens_spec, tokens_spec, tokens_spec,
                   data_parallel.input_specs(step_inputs, None, errors_local)),
-        check_vma=False)(blocks, outer, inputs, targets, docs, step_inputs)
+        check_vma=False)(blocks, outer, inputs, targets, docs, noise, step_inputs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
         # unfolded on the way in, the gradients folded on the way out (local reshapes)
@@ -439,9 +454,11 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
         x = token_ids(x) if loss_mask else x
         docs = model.documents(tokens)  # packed documents travel with their microbatches
         docs = None if docs is None else jax.tree.map(lambda d: split_microbatches(d, micro), docs)
+        # LoRA dropout's row keys travel with their rows too
+        noise = None if inputs.dropout_keys is None else split_microbatches(inputs.dropout_keys, micro)
         # fp32 sums; the step casts them to the params' dtype. The tokens travel as inputs and targets.
         out = staged(blocks, outer, split_microbatches(x, micro), split_microbatches(targets, micro),
-                     docs, inputs.with_tokens(None))
+                     docs, noise, inputs.with_tokens(None))
         return dataclasses.replace(out, grads=data_parallel.folded(out.grads, grad_specs, mesh))
 
     return metrics_and_grads
