@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
-from meshtrain.models.spec import HFConfig, ModelSpec
+from meshtrain.models.spec import LORA_TARGETS, HFConfig, ModelSpec
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.embedding import lookup
 from meshtrain.ops.loss import cross_entropy
@@ -143,6 +143,48 @@ def merge_adapters(params, lora) -> dict:
         delta = jnp.einsum("sir,sro->sio", a_SxIxR.astype(jnp.float32), b_SxRxO.astype(jnp.float32))
         blocks[name] = (w.astype(jnp.float32) + lora.scale * delta.reshape(w.shape)).astype(w.dtype)
     return {**params, "blocks": blocks}
+
+
+# LoRA dropout (LoraSpec.dropout), PEFT's: y = x W + scale dropout(x) A B, inverted (the kept
+# values / (1 - p)), in training only. A mask is a function of the step, the row of the step's batch,
+# the layer of the stack, the target and the token's true position alone: `row_keys` draws each row's
+# key from (seed, step), `layer_keys` folds in each layer's index in model order, `lora_dropout` the
+# target and the position. So every layout, microbatch split and pipeline schedule, and a resumed
+# run, draws the same mask for the same token (tests/test_lora.py).
+DROPOUT_STREAM = 0x4C6F5241  # folded into the seed first: apart from the initialization's keys
+
+
+def row_keys(seed: int, step, rows: int):
+    """[rows, 2] uint32: the raw keys of the step's batch rows, fold_in(fold_in(seed's, step), row)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), DROPOUT_STREAM), step)
+    return jax.vmap(fold_key, (None, 0))(jax.random.key_data(key), jnp.arange(rows))
+
+
+def fold_key(raw_key, data):
+    """A raw key [2] (uint32, as it travels with its row) folded with `data`, raw."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(raw_key), data))
+
+
+def layer_keys(rows_Bx2, layers_N):
+    """[N, B, 2]: each row's key (`row_keys`) folded with each layer's index in model order."""
+    return jax.vmap(jax.vmap(fold_key, (0, None)), (None, 0))(rows_Bx2, jnp.asarray(layers_N, jnp.int32))
+
+
+def lora_dropout(x_BxLx_, keys_Bx2, target: str, rate: float, positions_L=None):
+    """x with each element zeroed with probability `rate` and the kept ones divided by 1 - rate; the
+    mask of row b and position l drawn from keys[b] (the layer's, `layer_keys`) folded with the
+    target and positions[l], the token's true position (default 0..L-1; context parallelism stores
+    the sequence permuted)."""
+    positions_L = jnp.arange(x_BxLx_.shape[1]) if positions_L is None else jnp.asarray(positions_L)
+    shape = x_BxLx_.shape[2:]
+
+    def row(key_2):
+        target_key = fold_key(key_2, LORA_TARGETS.index(target))
+        keep = lambda p: jax.random.bernoulli(jax.random.wrap_key_data(fold_key(target_key, p)), 1.0 - rate, shape)
+        return jax.vmap(keep)(positions_L)
+
+    keep_BxLx_ = jax.vmap(row)(keys_Bx2)
+    return jnp.where(keep_BxLx_, x_BxLx_ / (1.0 - rate), 0).astype(x_BxLx_.dtype)
 
 
 # Activations that the save_matmuls / offload remat policies keep for the backward pass.
@@ -258,6 +300,9 @@ class Block(nnx.Module):
     static, runs behind a `lax.switch` over the kinds; one kind (every family but gemma3) needs none."""
 
     norm = RMSNorm  # the norm class of the block's norms and the final one
+    # the layer's LoRA dropout keys [B, 2] (`layer_keys`) and the sequence's true positions, set by
+    # `LanguageModel.block` in training; None: no dropout (evaluation, generation, scoring)
+    dropout_keys, dropout_positions = None, None
     activation = staticmethod(jax.nn.silu)  # the gated MLP's: SwiGLU
     einsum = staticmethod(jnp.einsum)  # the projections' and MLP's matmul (the model's `matmul` in training)
 
@@ -288,8 +333,14 @@ class Block(nnx.Module):
         if not lora.rank or target not in lora.targets:
             return y
         _, into_a, out_b = LORA[target]
-        x_a = self.einsum(into_a, x, getattr(self, f"lora_{target}_a")[...])
+        x_a = self.einsum(into_a, self.adapter_input(target, x), getattr(self, f"lora_{target}_a")[...])
         return y + (lora.scale * self.einsum(out_b, x_a, getattr(self, f"lora_{target}_b")[...])).astype(y.dtype)
+
+    def adapter_input(self, target: str, x):
+        """x as the `target` adapter reads it: under LoRA dropout in training, dropped (`lora_dropout`)."""
+        if self.dropout_keys is None or not self.cfg.lora.dropout:
+            return x
+        return lora_dropout(x, self.dropout_keys, target, self.cfg.lora.dropout, self.dropout_positions)
 
     def init_mlp(self, cfg, rngs: nnx.Rngs, width: int | None = None):
         D, F = cfg.d_model, width or cfg.mlp_dim
@@ -436,17 +487,21 @@ def layer_means(stats: dict, num_layers: int) -> dict:
     return {k: v if k in PER_LAYER_STATS else v / num_layers for k, v in stats.items()}
 
 
-def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None):
+def per_layer(kinds=None, noise=None) -> dict:
+    """The keyword arguments of `block` that differ by layer, stacked [layers, ...] (those given):
+    `kind` (the layers' kinds, `LanguageModel.layer_kinds`, when they differ) and `noise` (their LoRA
+    dropout keys, `layer_keys`, in training)."""
+    given = {"kind": None if kinds is None else jnp.asarray(kinds, jnp.int32), "noise": noise}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None, noise=None):
     """All stacked layers with one scan (compile time does not grow with depth): the output and the
     layers' statistics summed (PER_LAYER_STATS stacked). `layer(params_i, x[, docs]) -> (x, stats)`
     is `block`, perhaps under remat; `docs` (the window's documents, if any) go to every layer;
-    `kinds` (the stacked layers' kinds, `LanguageModel.layer_kinds`, when they differ) go to each
-    its own as `kind=`."""
-    if kinds is None:
-        x_BxLxD, stats = jax.lax.scan(lambda x, p: layer(p, x, *docs), x_BxLxD, blocks)
-    else:
-        x_BxLxD, stats = jax.lax.scan(lambda x, pk: layer(pk[0], x, *docs, kind=pk[1]), x_BxLxD,
-                                      (blocks, jnp.asarray(kinds, jnp.int32)))
+    `kinds` and `noise` (`per_layer`) go to each layer its own as `kind=` and `noise=`."""
+    x_BxLxD, stats = jax.lax.scan(lambda x, pk: layer(pk[0], x, *docs, **pk[1]), x_BxLxD,
+                                  (blocks, per_layer(kinds, noise)))
     return x_BxLxD, layer_sums(stats)
 
 
@@ -506,9 +561,12 @@ class LanguageModel:
         kinds = self.cfg.window_kinds()
         return None if len(kinds) == 1 else np.array([kinds.index(w) for w in windows], np.int32)
 
-    def block(self, params_i, x_BxLxD, docs=None, kind=None):
+    def block(self, params_i, x_BxLxD, docs=None, kind=None, noise=None):
+        """`noise`: the layer's LoRA dropout keys [B, 2] (`layer_keys`), in training only."""
         block = nnx.merge(self._block_graphdef, params_i)
         block.einsum = self.matmul
+        if noise is not None:
+            block.dropout_keys, block.dropout_positions = noise, self.sequence_order
         return block(x_BxLxD, self.attention, self.sequence_order, docs, kind)
 
     def final_norm(self, params, x_BxLxD):
@@ -532,13 +590,15 @@ class LanguageModel:
         """What the blocks' statistics (summed over layers) add to the training loss: none here."""
         return jnp.zeros((), jnp.float32)
 
-    def trunk(self, params, tokens_BxL, docs=None, layer=None):
+    def trunk(self, params, tokens_BxL, docs=None, layer=None, dropout_keys=None):
         """(the last hidden state [B, L, D] before the final norm, the blocks' statistics as means over
         `stacked_layers`): the embedding (with a family's `embed_stacks`), then every layer of `blocks`
         through `layer` (default `block`; the step passes it under its remat policy). `docs`: the
-        tokens' packing.Documents."""
+        tokens' packing.Documents; `dropout_keys`: the rows' LoRA dropout keys [B, 2] (`row_keys`, in
+        training), `blocks` in model order."""
+        noise = None if dropout_keys is None else layer_keys(dropout_keys, np.arange(self.stacked_layers))
         x, stats = scan_blocks(layer or self.block, params["blocks"], self.embed(params, tokens_BxL),
-                               *([] if docs is None else [docs]), kinds=self.layer_kinds)
+                               *([] if docs is None else [docs]), kinds=self.layer_kinds, noise=noise)
         return x, layer_means(stats, self.stacked_layers)
 
     def apply(self, params, tokens_BxL, docs=None):

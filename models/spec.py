@@ -29,11 +29,13 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an 
 @dataclass
 class LoraSpec:
     """Low-rank adapters (Hu et al. 2021, LoRA) on the chosen projections (docs/fine-tuning.md):
-    y = x W + (alpha / rank) x A B, A [in, rank], B [rank, out], B zero at the start; W frozen."""
+    y = x W + (alpha / rank) dropout(x) A B, A [in, rank], B [rank, out], B zero at the start; W frozen.
+    The dropout (inverted, in training only) draws its masks as models/base.py `lora_dropout` says."""
     rank: int = setting(0, "LoRA rank; 0 = no adapters, every weight is trained", min=0)
     alpha: float = setting(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank",
                            above=0.0)
-    dropout: float = setting(0.0, "dropout on the adapters' input; only 0 is implemented yet", min=0.0, below=1.0)
+    dropout: float = setting(0.0, "dropout on the adapters' input in training (PEFT's lora_dropout); the same mask "
+                             "on every layout", min=0.0, below=1.0)
     targets: list = setting(list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
                                                    "(routed experts: an adapter per expert)")
 
@@ -41,9 +43,6 @@ class LoraSpec:
         """One UserError for targets that are not projections, named twice, or none at all."""
         if not self.rank:
             return
-        if self.dropout:
-            raise UserError(f"model.lora.dropout={self.dropout}: dropout on the adapters is not implemented yet; "
-                            f"set it to 0")
         bad = [t for t in self.targets if t not in LORA_TARGETS]
         if bad or not self.targets or len(set(self.targets)) < len(self.targets):
             raise UserError(f"model.lora.targets={list(self.targets)}: name each of {', '.join(LORA_TARGETS)} "

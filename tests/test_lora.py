@@ -9,7 +9,7 @@ from conftest import run_tiny, tiny_config
 from meshtrain.config.validate import check_config
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES
-from meshtrain.models.base import adapters_off
+from meshtrain.models.base import adapters_off, layer_keys, lora_dropout, row_keys
 from meshtrain.ops.trainable import select
 from meshtrain.parallel.sharding import shard_factor
 from meshtrain.run.checkpoint import saved_metadata
@@ -17,7 +17,12 @@ from meshtrain.run.run_dir import lora_base
 from meshtrain.testing import MOE_TINY, QWEN3_MOE_TINY, TINY, max_param_diff
 
 LORA = ("model.lora.rank=4", "parallel.precision=fp32")
-LAYOUTS = {"fsdp=2,tensor=2": 4, "pipeline=2": 2}  # mesh: its devices
+# The layout runs take dropout on the adapters (PEFT's lora_dropout): LoRA's parity and its masks' at once.
+# The XLA-partitioned step and manual data shards, each with accumulation, and a 1F1B pipeline.
+DROPOUT = (*LORA, "model.lora.dropout=0.1")
+LAYOUTS = {("parallel.mesh=fsdp=2,tensor=2", "parallel.microbatches=2"): 4,
+           ("parallel.mesh=data=2", "parallel.microbatches=2"): 2,
+           ("parallel.mesh=pipeline=2", "parallel.schedule=1f1b"): 2}
 
 
 def is_adapter(path) -> bool:
@@ -25,7 +30,10 @@ def is_adapter(path) -> bool:
 
 
 def test_a_lora_step_is_the_same_on_every_layout_and_trains_only_the_adapters():
-    trainer, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
+    """With dropout on the adapters' input: its mask is keyed by the row's index in the step's batch,
+    the layer's in model order, the target and the position (models/base.py `lora_dropout`), never by
+    a shard or a microbatch, so every layout reproduces the 1-device run."""
+    trainer, reference, params = run_tiny(*DROPOUT, "parallel.mesh=1", devices=jax.devices()[:1])
     start = jax.device_get(jax.jit(trainer.program.init_state)(jax.random.key(trainer.cfg.train.seed))["params"])
     frozen = lambda tree: select(tree, lambda path: not is_adapter(path))
     assert max_param_diff(frozen(start), frozen(params)) == 0  # the base is bitwise unchanged
@@ -34,23 +42,85 @@ def test_a_lora_step_is_the_same_on_every_layout_and_trains_only_the_adapters():
     adapters = sum(x.size for x in jax.tree.leaves(select(params, is_adapter)))
     state = sum(x.size for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim)
     assert state == 2 * adapters and adapters < 0.2 * sum(x.size for x in jax.tree.leaves(params))
-    for mesh, n in LAYOUTS.items():
-        micro = ("parallel.microbatches=2",) if "fsdp" in mesh else ()
-        _, losses, other = run_tiny(*LORA, f"parallel.mesh={mesh}", *micro, devices=jax.devices()[:n])
-        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5, err_msg=mesh)
-        assert max_param_diff(params, other) < 1e-5, mesh
+    for layout, n in LAYOUTS.items():
+        _, losses, other = run_tiny(*DROPOUT, *layout, devices=jax.devices()[:n])
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5, err_msg=str(layout))
+        assert max_param_diff(params, other) < 1e-5, layout
 
 
 def test_a_lora_step_on_fsdp_tensor_and_an_interleaved_pipeline_is_its_one_device_run():
     """8 devices: split over fsdp, an adapter factor with no tensor axis was resharded inside a stage's
     cond by a collective-permute naming both stages' devices, and the stages deadlocked
-    (meshtrain/engine/pipeline.py keeps the adapters whole over fsdp x tensor inside the ticks)."""
-    _, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
-    trainer, losses, other = run_tiny(*LORA, "parallel.mesh=fsdp=2,tensor=2,pipeline=2",
+    (meshtrain/engine/pipeline.py keeps the adapters whole over fsdp x tensor inside the ticks). With
+    dropout: interleaved chunks fold each layer's index in model order into its masks."""
+    _, reference, params = run_tiny(*DROPOUT, "parallel.mesh=1", devices=jax.devices()[:1])
+    trainer, losses, other = run_tiny(*DROPOUT, "parallel.mesh=fsdp=2,tensor=2,pipeline=2",
                                       "parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                       "parallel.microbatches=4", devices=jax.devices()[:8])
     np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-5)
     assert max_param_diff(params, trainer.program.in_model_order(other)) < 1e-5  # stored in pipeline order
+
+
+def test_lora_dropout_changes_the_training_loss_and_not_the_evaluation():
+    """Dropout acts in training only: the eval step's loss is the run's without dropout."""
+    trainer, reference, params = run_tiny(*DROPOUT, "parallel.mesh=1", devices=jax.devices()[:1])
+    plain_trainer, plain, _ = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
+    # B starts at zero and Adam's first update is lr x sign(g): the losses part from step 2 on
+    assert np.abs(reference - plain)[2:].min() > 2e-5, (reference, plain)
+    # evaluation: the same loss as without dropout, and no random bits in its program at all
+    tokens = np.random.default_rng(0).integers(0, 256, size=trainer.program.batch_shape, dtype=np.int32)
+    with_dropout, without = (t.program.eval_step() for t in (trainer, plain_trainer))
+    assert np.asarray(with_dropout(params, tokens)[0]) == np.asarray(without(params, tokens)[0])
+    with trainer.program.context():
+        assert "threefry" not in with_dropout.lower(params, tokens).as_text()
+        assert "threefry" in trainer.program.lower().as_text()
+
+
+def test_a_resumed_run_with_lora_dropout_draws_the_masks_of_the_uninterrupted_one(tmp_path):
+    """The step's keys come from (seed, step): a run resumed at step 2 is bitwise the whole run."""
+    from meshtrain.run.loggers import MetricsLog
+    from meshtrain.run.trainer import Trainer
+
+    _, reference, params = run_tiny(*DROPOUT, "parallel.mesh=1", devices=jax.devices()[:1])
+    quiet = lambda trainer, steps: trainer.fit(steps, log=MetricsLog(tmp_path, primary=False))
+    head = quiet(Trainer(tiny_config(*DROPOUT, "parallel.mesh=1", out=str(tmp_path)), devices=jax.devices()[:1]), 2)
+    resumed = Trainer(tiny_config(*DROPOUT, "parallel.mesh=1", "checkpoint.resume=auto", out=str(tmp_path)),
+                      devices=jax.devices()[:1])
+    tail = quiet(resumed, len(reference))
+    np.testing.assert_array_equal([r["loss"] for r in head + tail if "loss" in r], reference)
+    assert max_param_diff(jax.device_get(resumed.state["params"]), params) == 0
+
+
+@pytest.mark.fast
+def test_lora_dropout_keeps_one_minus_p_scaled_and_keys_each_row_target_and_position_apart():
+    assert jax.config.jax_threefry_partitionable  # shards draw their own bits (the values never depend on it)
+    x = np.ones((8, 64, 512), np.float32)
+    keys_Bx2 = layer_keys(row_keys(0, 3, 8), [1])[0]
+    out = np.asarray(lora_dropout(x, keys_Bx2, "q", 0.1))
+    kept = out != 0
+    sigma = np.sqrt(0.9 * 0.1 / kept.size)
+    print(f"kept {kept.mean():.5f} of {kept.size:,} (expected 0.9, sigma {sigma:.1e})")
+    assert abs(kept.mean() - 0.9) < 4 * sigma
+    np.testing.assert_allclose(out[kept], 1 / 0.9, rtol=1e-6)  # inverted: the kept values / (1 - p)
+    # a row's mask is its key's alone (the row travels with it); the sequence stored permuted (context
+    # parallelism) carries its mask along; another target draws another mask (agreeing on ~0.82)
+    np.testing.assert_array_equal(lora_dropout(x[5:6], keys_Bx2[5:6], "q", 0.1), out[5:6])
+    order = np.random.default_rng(0).permutation(64)
+    np.testing.assert_array_equal(lora_dropout(x[:, order], keys_Bx2, "q", 0.1, order), out[:, order])
+    agree = np.mean(kept == (np.asarray(lora_dropout(x, keys_Bx2, "v", 0.1)) != 0))
+    assert abs(agree - 0.82) < 0.01
+
+
+@pytest.mark.fast
+def test_the_peft_export_carries_the_dropout(tmp_path):
+    import json
+
+    from meshtrain.interop.hf import save_adapters
+
+    spec = tiny_config(*DROPOUT, "model.lora.targets=[q,v]").model
+    params = jax.device_get(FAMILIES[spec.family](spec).init(jax.random.key(0)))
+    save_adapters(params, spec, tmp_path, "base")
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["lora_dropout"] == 0.1
 
 
 @pytest.mark.fast
@@ -59,7 +129,6 @@ def test_a_lora_step_on_fsdp_tensor_and_an_interleaved_pipeline_is_its_one_devic
     ("model.lora.targets=[q, q]", "at most once"),
     ("model.lora.targets=[]", "at least one"),
     ("model.lora.rank=-1", "model.lora.rank=-1 must be >= 0"),
-    ("model.lora.dropout=0.1", "dropout on the adapters is not implemented"),
 ])
 def test_bad_lora_settings_are_one_error(setting, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -58,6 +58,11 @@ def check_config(cfg) -> None:
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
     m.check()  # the family's own
     m.lora.check()
+    experts_adapted = getattr(m, "num_experts", 0) and {"gate", "up", "down"} & set(m.lora.targets)
+    if m.lora.rank and m.lora.dropout and experts_adapted:  # models/moe.py: the adapters see dispatch buffers
+        raise UserError(f"model.lora.dropout={m.lora.dropout} on the adapters of routed experts is not built (their "
+                        f"input is the experts' dispatch buffer, with no row or position to key a mask by); set "
+                        f"model.lora.dropout=0, or adapt the attention only: model.lora.targets=[q,k,v,o]")
     for key in ("straggler_every", "grad_norms_every"):
         if getattr(t, key) % t.log_every:
             raise UserError(f"train.{key}={getattr(t, key)} is not a multiple of train.log_every={t.log_every} "

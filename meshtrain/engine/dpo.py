@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshtrain.models.base import adapters_off
+from meshtrain.models.base import adapters_off, fold_key
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.loss import sequence_log_probs
 from meshtrain.ops.precision import cast_for_compute
@@ -59,16 +59,24 @@ def pair_log_probs(model, params, x_NxLxD, targets_NxL):
     return logp_N.reshape(-1, 2)
 
 
+def sequence_keys(keys_Bx2):
+    """Each pair's LoRA dropout key (models/base.py `row_keys`) -> its sequences' [2B, 2], in the
+    order of `sequences`: the pair's key folded with 0 (chosen) and 1 (rejected)."""
+    return jax.vmap(lambda k: jnp.stack([fold_key(k, 0), fold_key(k, 1)]))(keys_Bx2).reshape(-1, 2)
+
+
 def make_log_probs(model, precision: str, remat: str = "none"):
     """(params, pairs [B, 2 (L + 1)]) -> ([B, 2] summed response log-probs, chosen then rejected;
     the blocks' statistics as means over layers). Untrained targets (the prompt, the padding: ~id,
-    meshtrain/data/tokens.py) add nothing."""
+    meshtrain/data/tokens.py) add nothing. `dropout_keys` (the policy's in training): the pairs'
+    LoRA dropout keys."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
-    def log_probs(params, pairs_BxP):
+    def log_probs(params, pairs_BxP, dropout_keys=None):
         compute = cast_for_compute(params, precision)
         inputs, targets, docs = model_inputs(model, sequences(pairs_BxP), loss_mask=True)
-        x_NxLxD, stats = model.trunk(compute, inputs, docs, layer)
+        keys = None if dropout_keys is None else constrain(sequence_keys(dropout_keys), ("batch", None))
+        x_NxLxD, stats = model.trunk(compute, inputs, docs, layer, keys)
         return pair_log_probs(model, compute, x_NxLxD, targets), stats
 
     return log_probs
@@ -88,11 +96,12 @@ def dpo_loss(policy_Bx2, reference_Bx2, beta: float, label_smoothing: float):
 
 def make_dpo_loss_fn(model, precision: str, remat: str, beta: float, label_smoothing: float):
     """(params, pairs [B, 2 (L + 1)], reference log-probs [B, 2]) -> (objective, metrics): the DPO
-    loss plus the model's auxiliary losses (the MoE router's), as `step.make_loss_fn` gives them."""
+    loss plus the model's auxiliary losses (the MoE router's), as `step.make_loss_fn` gives them;
+    the policy under LoRA dropout when given `dropout_keys` (the reference never)."""
     log_probs = make_log_probs(model, precision, remat)
 
-    def loss_fn(params, pairs_BxP, reference_Bx2):
-        policy_Bx2, stats = log_probs(params, pairs_BxP)
+    def loss_fn(params, pairs_BxP, reference_Bx2, dropout_keys=None):
+        policy_Bx2, stats = log_probs(params, pairs_BxP, dropout_keys)
         loss, metrics = dpo_loss(policy_Bx2, reference_Bx2, beta, label_smoothing)
         return loss + model.auxiliary_loss(stats), {**metrics, **stats}
 

@@ -44,8 +44,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.data.tokens import token_ids
-from meshtrain.engine.dpo import dpo_loss, pair_log_probs, pipeline_sequences
-from meshtrain.models.base import PER_LAYER_STATS, layer_means, layer_sums, scan_blocks
+from meshtrain.engine.dpo import dpo_loss, pair_log_probs, pipeline_sequences, sequence_keys
+from meshtrain.models.base import PER_LAYER_STATS, layer_keys, layer_means, layer_sums, per_layer, scan_blocks
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.ops.trainable import freeze, merge, select
@@ -152,7 +152,8 @@ class StageProgram:
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, head,
-                 scale=None, docs_MxbxL=None, kinds=None, aux_weight=None, extras_Mxb=None, trains: bool = True):
+                 scale=None, docs_MxbxL=None, kinds=None, aux_weight=None, extras_Mxb=None, trains: bool = True,
+                 noise_Mxbx2=None):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
@@ -172,6 +173,10 @@ class StageProgram:
             blocks = merge(blocks, whole(self.trained_blocks(blocks)))
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
         self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
+        # LoRA dropout: the microbatches' row keys and this stage's layers' indices in model order [V, per chunk]
+        self.noise = noise_Mxbx2
+        self.layer_ids = jnp.asarray(layer_order(model.stacked_layers, stages, virtual).reshape(stages, virtual, -1))[
+            self.s]
         self.outer, self.inputs, self.targets, self.docs = outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL
         x_like = jax.eval_shape(self.embed, outer, 0)
         self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
@@ -193,6 +198,15 @@ class StageProgram:
     def chunk_kinds(self, v):
         """The kinds of chunk v's layers, or None."""
         return None if self.kinds is None else _take(self.kinds, v)
+
+    def chunk_noise(self, v, m):
+        """The LoRA dropout keys [layers per chunk, b, 2] of chunk v's layers for microbatch m, or None:
+        its rows' keys folded with each layer's index in model order (models/base.py `layer_keys`)."""
+        return None if self.noise is None else layer_keys(_take(self.noise, m), _take(self.layer_ids, v))
+
+    def layer_args(self, v, m) -> dict:
+        """The per-layer keyword arguments of chunk v's layers for microbatch m (models/base.py `per_layer`)."""
+        return per_layer(self.chunk_kinds(v), self.chunk_noise(v, m))
 
     def chunk_g_stats(self):
         """`g_stats` for a chunk's `scan_blocks` statistics: the PER_LAYER_STATS' for each of its layers."""
@@ -224,11 +238,11 @@ class StageProgram:
         loss, outputs = self.microbatch_head(p_outer, y, m)
         return loss * self.scale, outputs
 
-    def forward_saving(self, p_chunk, kinds, x, *docs):
+    def forward_saving(self, p_chunk, args, x, *docs):
         """(y, (each layer's residuals stacked, the chunk's statistics summed over its layers, the
-        PER_LAYER_STATS per layer))."""
-        y, (saved, stats) = jax.lax.scan(lambda x, pk: self.layers.forward(pk[0], x, *docs, **_kind(pk[1])), x,
-                                         (p_chunk, kinds))
+        PER_LAYER_STATS per layer)); `args`: the layers' keyword arguments (`layer_args`)."""
+        y, (saved, stats) = jax.lax.scan(lambda x, pa: self.layers.forward(pa[0], x, *docs, **pa[1]), x,
+                                         (p_chunk, args))
         return y, (saved, layer_sums(stats))
 
     def initial_carry(self) -> dict:
@@ -241,7 +255,7 @@ class StageProgram:
             carry |= {"cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
                       "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
                       "g_outer": f32_zeros(select(self.outer, self.keep))}
-        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.chunk_kinds(0), self.zeros_x,
+        saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.layer_args(0, 0), self.zeros_x,
                                                 *self.documents(0))[1]
         # the PER_LAYER_STATS summed per chunk and layer [V, layers per chunk, ...] (`add_stats`)
         carry["stats"] = {k: _zeros(s, V) if k in PER_LAYER_STATS else _zeros(s) for k, s in stats_like.items()}
@@ -285,10 +299,11 @@ class StageProgram:
     def forward(self, c, m, v):
         x, docs = self.chunk_input(c, m, v), self.documents(m)
         if self.save:
-            y, (saved, stats) = self.forward_saving(self.chunk(v), self.chunk_kinds(v), x, *docs)
+            y, (saved, stats) = self.forward_saving(self.chunk(v), self.layer_args(v, m), x, *docs)
             c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
         else:
-            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v))
+            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v),
+                                   noise=self.chunk_noise(v, m))
         c = self.add_stats(c, stats, v)
 
         def keep(c, outputs):
@@ -312,19 +327,20 @@ class StageProgram:
         docs = self.documents(m)
         if self.save:
             def layer_back(g, xs):
-                p_layer, saved, kind = xs
-                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **_kind(kind))
+                p_layer, saved, args = xs
+                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **args)
                 return g_x, (g if self.splits_weight_grad else g_p)  # zb: keep each layer's output cotangent for W
 
             saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
-            g_x, per_layer = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.chunk_kinds(v)), reverse=True)
+            g_x, layers = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.layer_args(v, m)), reverse=True)
             if self.splits_weight_grad:
-                c = {**c, "deferred": _write(c["deferred"], per_layer, m, v, self.slots["deferred_slots"])}
+                c = {**c, "deferred": _write(c["deferred"], layers, m, v, self.slots["deferred_slots"])}
             else:
-                c = self.add_chunk(c, per_layer, v)
+                c = self.add_chunk(c, layers, v)
         else:
             x = self.chunk_input(c, m, v)
-            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v))
+            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v),
+                                                     noise=self.chunk_noise(v, m))
             g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.chunk_g_stats()))
             c = self.add_chunk(c, g_chunk, v)
 
@@ -338,11 +354,11 @@ class StageProgram:
         docs = self.documents(m)
 
         def layer_w(_, xs):
-            p_layer, saved, g, kind = xs
-            return None, self.layers.pullback(p_layer, saved, g, *docs, **_kind(kind))[0]
+            p_layer, saved, g, args = xs
+            return None, self.layers.pullback(p_layer, saved, g, *docs, **args)[0]
 
         xs = (self.chunk(v), _read(c["residuals"], m, v, self.slots["residual_slots"]),
-              _read(c["deferred"], m, v, self.slots["deferred_slots"]), self.chunk_kinds(v))
+              _read(c["deferred"], m, v, self.slots["deferred_slots"]), self.layer_args(v, m))
         return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
 
     # ---- ticks ----
@@ -425,6 +441,17 @@ def _microbatches(model, tokens, micro: int, loss_mask: bool, pairs: bool):
     return split(x), split(targets), None if docs is None else jax.tree.map(split, docs)
 
 
+def _microbatch_keys(keys, micro: int, pairs: bool):
+    """LoRA dropout's row keys (models/base.py `row_keys`) [M, rows, 2] as `_microbatches` splits the
+    rows; DPO's pairs' keys as each pair's two sequences' (dpo.py `sequence_keys`), ordered as
+    `pipeline_sequences` orders them. None without dropout."""
+    if keys is None:
+        return None
+    if pairs:  # [B, 2 sequences x 2] is laid out as the pairs [B, 2 (L + 1)] are
+        keys = pipeline_sequences(sequence_keys(keys).reshape(keys.shape[0], -1), micro)
+    return split_microbatches(keys, micro)
+
+
 def token_head(model, mtp_shares=None, aux_weight=None):
     """The last stage's head for next-token training: the mean cross-entropy of the microbatch. With
     multi-token prediction (`mtp_shares`: [D] the step batch's shares, models/deepseek_v3.py) the
@@ -505,7 +532,8 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     outer_out, blocks_out = _split(data_parallel.local_specs(grad_layouts, manual))
     errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, reference_Mxbx2, step_inputs: StepInputs):
+    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, reference_Mxbx2, noise_Mxbx2,
+                  step_inputs: StepInputs):
         scale = step_inputs.loss_scale
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             outer, blocks = st.stage_params(blocks, outer)
@@ -516,7 +544,7 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
                 extras = None if step_inputs.mtp_shares is None else (inputs_MxbxL, docs_MxbxL)
             stage = st.program(schedule, residuals, tables, slots, blocks, outer, inputs_MxbxL, targets_MxbxL,
                                docs_MxbxL, head=head, scale=scale, aux_weight=step_inputs.trained_share,
-                               extras_Mxb=extras)
+                               extras_Mxb=extras, noise_Mxbx2=noise_Mxbx2)
             metrics, g_blocks, g_outer = stage.run(phases)
             if not st.data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})
@@ -531,18 +559,20 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
 
     tokens_spec = st.tokens_spec
     grads_out = {**outer_out, "blocks": blocks_out}
-    staged = lambda blocks, outer, inputs, targets, docs, reference, step_inputs: jax.shard_map(
+    staged = lambda blocks, outer, inputs, targets, docs, reference, noise, step_inputs: jax.shard_map(
         per_stage, mesh=mesh, out_specs=Gradients(P(), grads_out, errors_local), axis_names=manual,
-        in_specs=(st.blocks_in, st.outer_in, tokens_spec, tokens_spec, tokens_spec, tokens_spec,
+        in_specs=(st.blocks_in, st.outer_in, tokens_spec, tokens_spec, tokens_spec, tokens_spec, tokens_spec,
                   data_parallel.input_specs(step_inputs, None, errors_local)),
-        check_vma=False)(blocks, outer, inputs, targets, docs, reference, step_inputs)
+        check_vma=False)(blocks, outer, inputs, targets, docs, reference, noise, step_inputs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
         outer, blocks = st.unfolded(params)  # the gradients folded on the way out (local reshapes)
         x, targets, docs = _microbatches(model, inputs.tokens, micro, loss_mask, pairs=dpo is not None)
+        # LoRA dropout's row keys travel with their rows (DPO's: each sequence's, in the pairs' order)
+        noise = _microbatch_keys(inputs.dropout_keys, micro, pairs=dpo is not None)
         # the reference log-probs split as the pairs are; fp32 sums, which the step casts to the params' dtype
         reference = None if inputs.reference is None else split_microbatches(inputs.reference, micro)
-        out = staged(blocks, outer, x, targets, docs, reference, inputs.with_tokens(None))
+        out = staged(blocks, outer, x, targets, docs, reference, noise, inputs.with_tokens(None))
         return dataclasses.replace(out, grads=data_parallel.folded(out.grads, grad_specs, mesh))
 
     return metrics_and_grads

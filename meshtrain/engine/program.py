@@ -103,7 +103,8 @@ class TrainProgram:
         specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
                  "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
         self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs,
-                                       layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask, dpo=self.dpo)
+                                       layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask, dpo=self.dpo,
+                                       seed=t.seed)
         self.num_params = self.model.num_params(abstract_params)
         self.trainable_params = sum(x.size for x in jax.tree.leaves(self.trained(abstract_params)))
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)

@@ -13,6 +13,7 @@ import optax
 
 from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
 from meshtrain.engine.pipeline import make_pipeline_grads, make_pipeline_log_probs
+from meshtrain.models.base import row_keys
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
@@ -52,13 +53,14 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
     `aux_weight` multiplies the auxiliary losses (the trained share, which the step divides out).
     `mtp_shares` ([D], `mtp_shares`; the train step's, None in evaluation): the objective adds the
     multi-token prediction loss, mtp_loss_weight x the mean of the D depths' losses (DeepSeek-V3
-    eq. 25), weighted as the auxiliary losses are, and the metric 'mtp_loss' is that mean."""
+    eq. 25), weighted as the auxiliary losses are, and the metric 'mtp_loss' is that mean.
+    `dropout_keys` ([B, 2], the train step's, models/base.py `row_keys`): LoRA dropout is on."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
-    def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None):
+    def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None, dropout_keys=None):
         compute = cast_for_compute(params, precision)
         inputs, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
-        x_BxLxD, stats = model.trunk(compute, inputs, docs, layer)
+        x_BxLxD, stats = model.trunk(compute, inputs, docs, layer, dropout_keys)
         loss = model.loss(compute, x_BxLxD, targets)
         objective, metrics = loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
         if mtp_shares is not None:
@@ -99,9 +101,10 @@ def metrics_and_grads(loss_fn, keep=lambda path: True):
         # the auxiliary losses are weighted: never both (config/validate.py: DPO takes no mask from data.train_on)
         extra = [x for x in (inputs.reference, inputs.trained_share) if x is not None]
         mtp = {} if inputs.mtp_shares is None else {"mtp_shares": inputs.mtp_shares}
+        noise = {} if inputs.dropout_keys is None else {"dropout_keys": inputs.dropout_keys}
 
         def objective(trained):
-            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *extra, **mtp)
+            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *extra, **mtp, **noise)
             return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(select(params, keep))
@@ -143,7 +146,7 @@ def balance_routers(model, params, metrics, batch_shape, applied, pairs: bool = 
 
 
 def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: bool = False,
-                    loss_mask: bool = False, dpo=None):
+                    loss_mask: bool = False, dpo=None, seed: int = 0):
     """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
     (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
     'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
@@ -157,7 +160,9 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     trained tokens only (`trained_share`), and the metric 'trained_tokens' counts them. `dpo`
     (train.dpo, under train.objective=dpo): the batch is preference pairs and the objective DPO's
     (meshtrain/engine/dpo.py), the reference log-probs taken first from `reference_params(state)`
-    (on a pipeline, by a forward-only pass through its stages: `make_pipeline_log_probs`)."""
+    (on a pipeline, by a forward-only pass through its stages: `make_pipeline_log_probs`). Under LoRA
+    dropout (model.lora.dropout > 0) each row of the batch gets its key from (`seed`, the state's
+    step) (models/base.py `row_keys`), which travels with the row through every executor's split."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
     keep = model.cfg.trainable
     micro = plan.num_microbatches(stages)
@@ -194,9 +199,13 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         reference = None if dpo is None else reference_fn(
             cast_for_compute(reference_params(state, model.cfg), plan.precision), tokens_BxL1)
         share = trained_share(tokens_BxL1) if loss_mask else None
+        keys = None
+        if model.cfg.lora.rank and model.cfg.lora.dropout:
+            keys = jax.lax.with_sharding_constraint(row_keys(seed, state["step"], tokens_BxL1.shape[0]),
+                                                    specs["batch"])
         out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None,
                                          reference=reference, trained_share=share,
-                                         mtp_shares=mtp_shares(model, tokens_BxL1, loss_mask)))
+                                         mtp_shares=mtp_shares(model, tokens_BxL1, loss_mask), dropout_keys=keys))
         model_metrics = out.metrics
         divisors = [] if scale is None else [scale]  # the gradients are of the objective times these
         if loss_mask:  # the mean over trained tokens (the model's statistics and auxiliary losses stay

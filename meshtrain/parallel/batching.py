@@ -33,10 +33,12 @@ class StepInputs:
     trained_share: Any = None
     # multi-token prediction: [D] each depth's trained share of the step batch (models/deepseek_v3.py mtp_shares)
     mtp_shares: Any = None
+    # LoRA dropout: [B, 2] each row's key (models/base.py `row_keys`), which travels with its row
+    dropout_keys: Any = None
 
-    def with_tokens(self, tokens, reference=None) -> StepInputs:
-        """These rows' tokens (and their reference log-probs): a microbatch's."""
-        return dataclasses.replace(self, tokens=tokens, reference=reference)
+    def with_tokens(self, tokens, reference=None, dropout_keys=None) -> StepInputs:
+        """These rows' tokens (and their reference log-probs and dropout keys): a microbatch's."""
+        return dataclasses.replace(self, tokens=tokens, reference=reference, dropout_keys=dropout_keys)
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +89,8 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
         rows = lambda x: None if x is None else constrain(x, ("batch", None))
-        micro_inputs = lambda tokens, reference=None: inputs.with_tokens(rows(tokens), rows(reference))
+        micro_inputs = lambda tokens, reference=None, keys=None: inputs.with_tokens(rows(tokens), rows(reference),
+                                                                                   rows(keys))
 
         def add(carry, micro_rows):
             metric_sums, grad_sums = carry
@@ -96,7 +99,7 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
             return (jax.tree.map(jnp.add, metric_sums, out.metrics), grad_sums), None
 
         split = lambda x: None if x is None else split_microbatches(x, microbatches)
-        micro_rows = (split(inputs.tokens), split(inputs.reference))  # the same rows of each
+        micro_rows = (split(inputs.tokens), split(inputs.reference), split(inputs.dropout_keys))  # the same rows
         like = jax.eval_shape(grad_fn, params, micro_inputs(*jax.tree.map(lambda x: x[0], micro_rows)))
         zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), like.metrics),  # grads: the trained params'
                  pin(jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), like.grads)))  # fp32 sums

@@ -171,13 +171,14 @@ def reduce_mean(tree, specs, layouts=None):
 
 def input_specs(inputs: StepInputs, tokens_spec: P, error_specs) -> StepInputs:
     """The shard_map specs of a step's inputs: the tokens as given, the loss scale and trained shares
-    replicated, the residuals as laid out, DPO's reference log-probs split as the rows they belong to
-    (absent fields stay None)."""
+    replicated, the residuals as laid out, DPO's reference log-probs and LoRA's dropout keys split as
+    the rows they belong to (absent fields stay None)."""
     return StepInputs(tokens_spec, None if inputs.loss_scale is None else P(),
                       None if inputs.grad_error is None else error_specs,
                       None if inputs.reference is None else tokens_spec,
                       None if inputs.trained_share is None else P(),
-                      None if inputs.mtp_shares is None else P())
+                      None if inputs.mtp_shares is None else P(),
+                      None if inputs.dropout_keys is None else tokens_spec)
 
 
 def data_parallel(metrics_and_grads, mesh, param_specs, grad_specs, batch_spec: P, compressor=None,
