@@ -136,6 +136,14 @@ def test_bad_lora_settings_are_one_error(setting, message):
         check_config(tiny_config(*rank, setting))
 
 
+@pytest.mark.fast
+def test_dropout_on_routed_experts_adapters_is_refused_and_on_their_attention_accepted():
+    """The experts' adapters see dispatch buffers, with no row or position to key a mask by."""
+    with pytest.raises(UserError, match="model.lora.dropout=0.1 on the adapters of routed experts is not built"):
+        tiny_config("model.lora.rank=4", "model.lora.dropout=0.1", config=QWEN3_MOE_TINY)
+    tiny_config("model.lora.rank=4", "model.lora.dropout=0.1", "model.lora.targets=[q,k,v,o]", config=QWEN3_MOE_TINY)
+
+
 def test_adapters_per_routed_expert_train_alike_on_expert_and_fsdp_tensor_layouts_with_the_base_frozen():
     """qwen3_moe: an adapter per routed expert on gate/up/down ([E, in, r], [E, r, out], inside the
     dropless grouped matmuls), ordinary ones on q/k/v/o; step 0 is the base model's step."""
