@@ -76,18 +76,24 @@ def test_lora_dropout_changes_the_training_loss_and_not_the_evaluation():
         assert "threefry" in trainer.program.lower().as_text()
 
 
-def test_a_resumed_run_with_lora_dropout_draws_the_masks_of_the_uninterrupted_one(tmp_path):
-    """The step's keys come from (seed, step): a run resumed at step 2 is bitwise the whole run."""
+def resumed_at_step_2(tmp_path, *overrides):
+    """(the one-device run's losses and params, the same run stopped at step 2 and resumed to its end
+    in `tmp_path`: its records, and the resumed Trainer)."""
     from meshtrain.run.loggers import MetricsLog
     from meshtrain.run.trainer import Trainer
 
-    _, reference, params = run_tiny(*DROPOUT, "parallel.mesh=1", devices=jax.devices()[:1])
+    _, reference, params = run_tiny(*overrides, "parallel.mesh=1", devices=jax.devices()[:1])
     quiet = lambda trainer, steps: trainer.fit(steps, log=MetricsLog(tmp_path, primary=False))
-    head = quiet(Trainer(tiny_config(*DROPOUT, "parallel.mesh=1", out=str(tmp_path)), devices=jax.devices()[:1]), 2)
-    resumed = Trainer(tiny_config(*DROPOUT, "parallel.mesh=1", "checkpoint.resume=auto", out=str(tmp_path)),
+    head = quiet(Trainer(tiny_config(*overrides, "parallel.mesh=1", out=str(tmp_path)), devices=jax.devices()[:1]), 2)
+    resumed = Trainer(tiny_config(*overrides, "parallel.mesh=1", "checkpoint.resume=auto", out=str(tmp_path)),
                       devices=jax.devices()[:1])
-    tail = quiet(resumed, len(reference))
-    np.testing.assert_array_equal([r["loss"] for r in head + tail if "loss" in r], reference)
+    return reference, params, head + quiet(resumed, len(reference)), resumed
+
+
+def test_a_resumed_run_with_lora_dropout_draws_the_masks_of_the_uninterrupted_one(tmp_path):
+    """The step's keys come from (seed, step): a run resumed at step 2 is bitwise the whole run."""
+    reference, params, records, resumed = resumed_at_step_2(tmp_path, *DROPOUT)
+    np.testing.assert_array_equal([r["loss"] for r in records if "loss" in r], reference)
     assert max_param_diff(jax.device_get(resumed.state["params"]), params) == 0
 
 
@@ -233,17 +239,11 @@ def saved_paths(tree, path=()) -> list[tuple]:
 
 
 def test_a_resumed_lora_run_continues_bitwise_from_its_adapters_and_rebuilds_its_base(tmp_path):
-    from meshtrain.run.loggers import MetricsLog
     from meshtrain.run.trainer import Trainer
 
-    _, reference, params = run_tiny(*LORA, "parallel.mesh=1", devices=jax.devices()[:1])
-    quiet = lambda trainer, steps: trainer.fit(steps, log=MetricsLog(tmp_path, primary=False))
-    head = quiet(Trainer(tiny_config(*LORA, "parallel.mesh=1", out=str(tmp_path)), devices=jax.devices()[:1]), 2)
-    resumed = Trainer(tiny_config(*LORA, "parallel.mesh=1", "checkpoint.resume=auto", out=str(tmp_path)),
-                      devices=jax.devices()[:1])
+    reference, params, records, resumed = resumed_at_step_2(tmp_path, *LORA)
     assert resumed.resumed_from == tmp_path / "checkpoints" / "2"
-    tail = quiet(resumed, len(reference))
-    np.testing.assert_array_equal([r["loss"] for r in head + tail if "loss" in r], reference)
+    np.testing.assert_array_equal([r["loss"] for r in records if "loss" in r], reference)
     assert max_param_diff(jax.device_get(resumed.state["params"]), params) == 0
     # the checkpoint holds the adapters and their state; the base is a pointer (here: the seed) and a hash
     folder = resumed.checkpointer.path(len(reference))
