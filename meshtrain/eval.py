@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core import compile_cache
+from meshtrain.core.cli import Parser, command, compile_cache_flag, devices_flag, number, simulate_devices
 from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 
@@ -174,6 +175,7 @@ def parser() -> Parser:
     p.add_argument("--mesh", help="evaluate on this mesh ('tensor=2', 'data=2,fsdp=2'); default: the run's "
                                   "parallel.mesh, data=-1 for --hf")
     devices_flag(p)
+    compile_cache_flag(p)
     p.add_argument("--seq-len", type=number(int, min=1),
                    help=f"the window (default: the run's train.seq_len; {HF_SEQ_LEN} for --hf)")
     p.add_argument("--batch-size", type=number(int, min=1),
@@ -193,6 +195,7 @@ def main(argv=None) -> int:
     use_console()
     args = parser().parse_args(argv)
     simulate_devices(args.devices)
+    compile_cache.use(args.compile_cache or "auto")
     json_out = args.json and file_target(args.json, "--json")  # checked before any work
     flagged = task_entries(args.task, args.limit)
     for entry in tasks.entries(flagged, "--task"):  # a bad --task file is found before any weight is read

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from meshtrain.config.validate import check_generation_size
-from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
+from meshtrain.core import compile_cache
+from meshtrain.core.cli import Parser, command, compile_cache_flag, devices_flag, number, simulate_devices
 from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
@@ -76,6 +77,7 @@ def parser() -> Parser:
     p.add_argument("--mesh", help="shard over this mesh ('tensor=2', 'data=2,tensor=2'; 'run' = the run's "
                                   "own); default: one device")
     devices_flag(p)
+    compile_cache_flag(p)
     p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the one the run recorded)")
     return p
 
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
         args.max_new_tokens = run_config(args.run).generate.max_new_tokens
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     simulate_devices(args.devices)
+    compile_cache.use(args.compile_cache or "auto")
     tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
     check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
                           args.max_new_tokens, jax.devices())

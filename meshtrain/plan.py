@@ -28,7 +28,8 @@ import os
 import shlex
 import sys
 
-from meshtrain.core.cli import Parser, check_platforms, command, devices_flag, number
+from meshtrain.core import compile_cache
+from meshtrain.core.cli import Parser, check_platforms, command, compile_cache_flag, devices_flag, number
 from meshtrain.core.console import use_console
 from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.folders import writing_file
@@ -77,6 +78,7 @@ def parser() -> Parser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     devices_flag(run, "target device count (simulated on this machine's CPU)")  # by planner/compilers.py `choose`
     run.add_argument("--mesh", help="target mesh, e.g. fsdp=8,tensor=8 or 8x8x4")
+    compile_cache_flag(run)  # XLA:CPU plans only: the GPU compiler's compile-only devices cannot load one
     run.add_argument("--device", default="h100", choices=sorted(DEVICE_PROFILES),
                      help="the target device: the GPU compiler's target and the roofline's profile")
     run.add_argument("--compiler", default="auto", choices=COMPILERS,
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
     if not (args.config and args.devices):
         raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
     check_platforms()
+    compile_cache.use(args.compile_cache or "auto")
     from meshtrain.planner import aot as planner
 
     try:

@@ -14,13 +14,22 @@ from meshtrain.config.loader import (
     reference_markdown,
     split_override,
 )
-from meshtrain.core.cli import Parser, command, devices_flag, number, raise_interrupt, simulate_devices
+from meshtrain.core.cli import (
+    Parser,
+    command,
+    compile_cache_flag,
+    devices_flag,
+    number,
+    raise_interrupt,
+    simulate_devices,
+)
 from meshtrain.core.console import use_console
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
              "seq_len": "train.seq_len", "data": "data.path", "text_field": "data.text_field", "out": "out",
-             "resume": "checkpoint.resume", "init_from": "checkpoint.init_from", "profile": "logging.profile"}
+             "resume": "checkpoint.resume", "init_from": "checkpoint.init_from", "profile": "logging.profile",
+             "compile_cache": "compile_cache"}
 
 
 def parser() -> Parser:
@@ -49,6 +58,7 @@ def parser() -> Parser:
     p.add_argument("--profile", metavar="START:STOP",
                    help="trace steps START to STOP (as logged, both included) with jax.profiler into <out>/profile "
                         "(TensorBoard's profile plugin, Perfetto)")
+    compile_cache_flag(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved config with comments and exit")
     p.add_argument("--config-reference", action="store_true",
                    help="print every config key, its default and meaning (docs/config.md) and exit")

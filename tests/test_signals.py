@@ -89,7 +89,7 @@ def left_behind(folder) -> list[str]:
 
 
 @pytest.mark.parametrize("sig,after", [(signal.SIGINT, 0.0), (signal.SIGTERM, 1.0), (signal.SIGINT, 3.0),
-                                       (signal.SIGTERM, 5.0), (signal.SIGTERM, "compiled the train step")],
+                                       (signal.SIGTERM, 5.0), (signal.SIGTERM, "M params, mesh")],
                          ids=["int-imports", "term-jax", "int-startup", "term-later", "term-compiled"])
 def test_train_start_up(tmp_path, sig, after):
     out = tmp_path / "run"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from meshtrain.core import compile_cache as cache_setting
 from meshtrain.core.bounds import setting
 from meshtrain.core.cli import MAX_SIMULATED_DEVICES
 from meshtrain.data.sources import KINDS as DATA_KINDS
@@ -268,6 +269,9 @@ class Config:
     devices: int = setting(0, f"simulate this many CPU devices (1 to {MAX_SIMULATED_DEVICES}) when no "
                               "accelerator is present; 0 = the machine's devices", min=0, max=MAX_SIMULATED_DEVICES)
     out: str = setting("", "output folder; '' = runs/<config file name> (runs/default without --config)")
+    compile_cache: str = setting("auto", cache_setting.SETTING_HELP)
+    compile_cache_max_gb: float = setting(cache_setting.DEFAULT_MAX_GB, "the compilation cache's bound: past it, the "
+                                          "least recently used programs are evicted", above=0.0)
 
 
 def settings(cfg=None, prefix: str = ""):

@@ -118,6 +118,14 @@ def devices_flag(parser, help: str = SIMULATE_HELP, type=None) -> None:
     parser.add_argument("--devices", type=type or number(int, min=1, max=MAX_SIMULATED_DEVICES), help=help)
 
 
+def compile_cache_flag(parser) -> None:
+    """`--compile-cache DIR|auto|off` on `parser` (meshtrain/core/compile_cache.py); the command passes it
+    to `compile_cache.use` (train: through the config key `compile_cache`)."""
+    from meshtrain.core.compile_cache import SETTING_HELP
+
+    parser.add_argument("--compile-cache", metavar="DIR|auto|off", help=SETTING_HELP)
+
+
 def simulate_devices(count: int | None) -> None:
     """The `--devices` preamble: check JAX_PLATFORMS, ask JAX for `count` CPU devices (None or 0: the
     machine's own). Call it before anything starts JAX's backends."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from meshtrain.core import compile_cache
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.mesh import simulate_cpu_devices
 
@@ -100,7 +101,8 @@ class Target:
         from jax.errors import JaxRuntimeError
 
         try:
-            yield
+            with compile_cache.suspended() if self.gpu else contextlib.nullcontext():
+                yield
         except JaxRuntimeError as e:
             if not self.gpu:
                 raise

@@ -232,7 +232,8 @@ def where(out: Path, tensorboard: bool) -> str:
 class Ticker:
     """While something slow runs in the foreground (compiling the train step): a background thread
     says `compiling the train step (10 s so far)` every `every_s` seconds for the first minute,
-    then every minute; on leaving, `compiled the train step in 42.1s`. `clock` and `print_line`
+    then every minute; on leaving, `compiled the train step in 42.1s` (`done`: the words, or a function
+    that gives them then). `clock` and `print_line`
     are the thread's time source and output (default: info on the `meshtrain` logger: a notice, not a
     metric; a test passes its own); `enabled=False`: silent."""
 
@@ -262,7 +263,8 @@ class Ticker:
         self._stop.set()
         self._thread.join()
         if kind is None:
-            self.print_line(f"{self.done} in {duration(self.clock() - self.started)}")
+            done = self.done() if callable(self.done) else self.done
+            self.print_line(f"{done} in {duration(self.clock() - self.started)}")
 
 
 # ---- files ----

@@ -18,6 +18,7 @@ import numpy as np
 
 from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
+from meshtrain.core import compile_cache
 from meshtrain.core.console import default_console
 from meshtrain.core.console import log as console
 from meshtrain.core.folders import writable
@@ -76,6 +77,7 @@ class Trainer:
 
     def _build(self, cfg: Config, devices, allow_change: bool):
         t = cfg.train
+        compile_cache.use(cfg.compile_cache, cfg.compile_cache_max_gb)  # before the first compile
         run_dir.set_horizon(self.out, cfg)  # the schedule's, as the run recorded it
         self.cfg = cfg
         load_mixture = lambda: mixture.load(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
@@ -132,10 +134,10 @@ class Trainer:
                 self.base_record = run_dir.base_record(cfg, select(self.state["params"], self._frozen))
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
             primary = jax.process_index() == 0
-            compiling = time.perf_counter()
-            with loggers.Ticker("compiling the train step", "compiled the train step", enabled=primary):
+            compiling, cached = time.perf_counter(), compile_cache.Outcome()
+            with loggers.Ticker("compiling the train step", lambda: cached.verb("the train step"), enabled=primary):
                 self.compiled_step = program.lower().compile()
-            self._compile_s = time.perf_counter() - compiling
+            self._compile_s, self.step_from_cache = time.perf_counter() - compiling, bool(cached.loaded)
             self.eval_step = program.eval_step()
             self.scorer = scoring.for_program(program, self.tasks) if self.tasks else None
         self.peak, self.peak_fp8 = run_peaks(program.mesh.devices.flat[0].device_kind, program.plan.precision)
