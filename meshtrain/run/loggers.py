@@ -21,6 +21,7 @@ is live, the console handler writes those lines above it too.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -380,6 +381,14 @@ class TensorBoard:
 
 
 _writers = itertools.count()  # TensorBoard writers opened by this process
+
+
+def preload_tensorboard() -> None:
+    """Import tensorboardX on a thread of its own while the run builds and compiles (XLA releases the
+    GIL): where torch is installed tensorboardX imports it, seconds that would otherwise delay the first
+    step. `TensorBoard` then finds the module loaded (or waits for the import to finish)."""
+    threading.Thread(target=importlib.import_module, args=("tensorboardX",), name="meshtrain-import-tensorboardX",
+                     daemon=True).start()
 
 
 def import_wandb():

@@ -64,6 +64,8 @@ class Trainer:
         default_console()  # its notices print unless the user configured logging
         self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
         self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
+        if cfg.logging.tensorboard and jax.process_index() == 0 and "tensorboardX" not in sys.modules:
+            loggers.preload_tensorboard()  # meanwhile
         self.lock, created = FolderLock(self.out), not self.out.exists()
         weakref.finalize(self, self.lock.release)  # a Trainer dropped without fit() or close()
         self._own_folder()  # a second run on this --out stops here, at once
