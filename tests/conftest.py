@@ -9,15 +9,21 @@ import sys
 #   tiny model on fsdp=8: 4.9 s -> 1.0 s) and computes the same values (the 60-step loss of the tiny
 #   run is bitwise equal) and the same buffers (the planner's memory figures are equal); runs are a
 #   little slower per step, which few tests take many of.
-# - Not XLA's elemental CPU fusion emitters (--xla_cpu_use_fusion_emitters=false): they compile the
-#   tests' programs 2-3x faster (the suite in ~18.5 min instead of ~29), but with them a worker aborts now
-#   and then (3 of 14 full runs): XLA's check failure "AwaitAndLogIfStuck" in
-#   InProcessCommunicator::AllGather, a rendezvous of the 8 simulated devices that one of them never
-#   reached within XLA's timeouts (the stop-34 CI log). No run without them is known to have.
-# The subprocesses the tests start inherit it.
+# - XLA's elemental CPU fusion emitters (--xla_cpu_use_fusion_emitters=false) compile them about 2x
+#   faster again (three tiny layouts: 31 s -> 18 s; the suite: 58 -> 28 min); they may place buffers a
+#   little differently (the planner's XLA:CPU figures move by bytes; its commands keep XLA's default).
+# - One LLVM module per program (--xla_cpu_parallel_codegen_split_count=1): the workers already keep
+#   both cores busy, so splitting codegen over threads only adds work.
+# The workers' and subprocesses' CPU clients get 2 threads per device (meshtrain/core/cli.py
+# `cpu_client_threads`: with one per device, 32 programs in flight can starve a collective; that was the
+# "AwaitAndLogIfStuck" abort once blamed on the elemental emitters). The subprocesses inherit all this.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"])
+    + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+       "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"])
+from meshtrain.core.cli import cpu_client_threads  # noqa: E402
+
+cpu_client_threads(8)
 # Where the environment asks Python not to write bytecode, every CLI subprocess would compile
 # meshtrain's sources again (~0.8 s each): the suite's processes write it (to __pycache__ folders,
 # which git ignores).
@@ -28,22 +34,29 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # the CUDA plugin at start and print that no CUDA driver is there; the planner's GPU compiles take their
 # compile-only devices from a topology (meshtrain/planner/compilers.py), not from a backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One compilation cache per test session, shared with the CLI subprocesses: tests that compile the
-# same program (a rerun after SIGKILL, a resume) load it instead of compiling it again. The process
-# that makes it (pytest's, before its xdist workers start; they inherit it) removes it at its exit.
+# The compilation cache (meshtrain/core/compile_cache.py), shared by the workers and the commands they
+# start, outlives the session: a rerun on this machine loads what an earlier run compiled (JAX keys an
+# entry by the program, the XLA flags and the versions, so a changed program compiles again).
+# MESHTRAIN_TEST_COMPILE_CACHE=fresh: an empty one, removed at exit (the budget's cold run); a folder: that.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
+    from meshtrain.core.compile_cache import default_folder
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtrain-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    _cache = os.environ.get("MESHTRAIN_TEST_COMPILE_CACHE", str(default_folder().parent / "xla-tests"))
+    if _cache == "fresh":
+        import atexit
+        import shutil
+        import tempfile
+
+        _cache = tempfile.mkdtemp(prefix="meshtrain-jax-cache-")
+        atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from meshtrain.core import compile_cache  # noqa: E402
 from meshtrain.core.console import use_console  # noqa: E402
 from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, tiny_config  # noqa: E402, F401
 
@@ -54,6 +67,7 @@ from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, ti
 # root handlers print nothing).
 use_console()
 logging.getLogger("meshtrain").propagate = True
+compile_cache.use("auto")  # the folder above, bounded, for the tests' own compiles too
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """`python -m meshtrain.train` end to end on the default corpus (the Python standard library); every
 command's failures through meshtrain/core/cli.py."""
 import json
+import os
 import subprocess
 import sys
 
@@ -154,3 +155,28 @@ def test_a_pipeline_of_100000_stages_is_refused_before_tracing():
     sizes = parse_mesh("1x1x1x100000", 100000)
     with pytest.raises(UserError, match=r"model.num_layers=4 is not divisible by pipeline stages \(100000\)"):
         check_layout(cfg.model, cfg.parallel, cfg.train, sizes, make_rules(), "cpu")
+
+
+def test_simulated_devices_survive_thousands_of_programs_in_flight():
+    """`simulate_cpu_devices(8)` gives XLA's CPU client 2 threads per device (PJRT_NPROC,
+    core/cli.py `cpu_client_threads`): 3,000 dispatches of an 8-device all-gather, never waited on,
+    complete. With one thread per device on a 2-core machine the same loop blocks every thread and XLA
+    aborts after 40 s ("Termination timeout for `all gather ...`"). A process of its own: the thread
+    count is read when JAX starts its CPU backend."""
+    script = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from meshtrain.core.cli import simulate_cpu_devices
+simulate_cpu_devices(8)
+mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+split, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+step = jax.jit(lambda x: jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, whole) + 1.0, split))
+x = jax.device_put(jnp.zeros((8, 64)), split)
+for _ in range(3000):
+    x = step(x)
+print(float(x[0, 0]))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "XLA_FLAGS")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**env, "XLA_FLAGS": "--xla_backend_optimization_level=0"})
+    assert done.returncode == 0 and done.stdout.split()[-1] == "3000.0", done.stderr[-2000:]

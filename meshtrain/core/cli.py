@@ -149,12 +149,30 @@ def check_platforms() -> None:
                         f"JAX_PLATFORMS, or set JAX_PLATFORMS=cpu to run on the CPU")
 
 
+# XLA's CPU client runs each device's share of a multi-device program on a thread of one pool, of
+# max(cores, devices) threads (PJRT_NPROC replaces the core count), and a device's task that finds 32
+# of its programs in flight blocks its thread there. On a machine with fewer cores than simulated devices
+# a loop that dispatches more than 32 programs ahead (a decode loop, a test's step loop) can then block
+# every thread while an earlier program still waits for one device's task: its collective never
+# completes and XLA aborts after 40 s ("Termination timeout for `all gather ...`": 3,000 dispatches of an
+# 8-device all-gather do it on 2 cores). Twice the devices leave threads for the tasks that must run.
+RUNNING_DEVICES = 64  # simulated meshes up to this size run programs; larger ones are planned (compile only)
+
+
+def cpu_client_threads(count: int) -> None:
+    """PJRT_NPROC = 2 x `count` simulated devices (see above), unless set, or past RUNNING_DEVICES.
+    Before JAX starts its CPU backend."""
+    if count <= RUNNING_DEVICES:
+        os.environ.setdefault("PJRT_NPROC", str(max(2 * count, os.cpu_count() or 1)))
+
+
 def simulate_cpu_devices(count: int) -> None:
-    """Ask for `count` CPU devices. Must run before JAX initialises its backends (JAX is imported here,
-    when asked: `import meshtrain` stays light). Also meshtrain.simulate_cpu_devices and
-    meshtrain/parallel/mesh.py's."""
+    """Ask for `count` CPU devices (and the CPU client's threads to run them: `cpu_client_threads`).
+    Must run before JAX initialises its backends (JAX is imported here, when asked: `import meshtrain`
+    stays light). Also meshtrain.simulate_cpu_devices and meshtrain/parallel/mesh.py's."""
     import jax
 
+    cpu_client_threads(count)
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as e:  # backends already up: only fine if the count already matches

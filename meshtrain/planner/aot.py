@@ -46,8 +46,8 @@ CPU_F32_COPIES = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 # The plan command's process compiles and never runs what it compiles, so it asks XLA:CPU for the
 # fastest compile, not the fastest code: LLVM at -O0, which changes no buffer and no HLO (every shipped
 # config's plan on its pod gives the same bytes and collectives, 1.16-1.39x sooner: docs/planner.md). Not XLA's
-# elemental fusion emitters, though faster still: they move the temporaries (qwen3_30b_a3b's train
-# step -1.4%), and the suite's runs abort with them now and then (tests/conftest.py).
+# elemental fusion emitters, though faster still (the test suite uses them): they move the temporaries
+# (qwen3_30b_a3b's train step -1.4%).
 ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
 
 
