@@ -39,9 +39,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # entry by the program, the XLA flags and the versions, so a changed program compiles again).
 # MESHTRAIN_TEST_COMPILE_CACHE=fresh: an empty one, removed at exit (the budget's cold run); a folder: that.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    from meshtrain.core.compile_cache import default_folder
+    from meshtrain.core import compile_cache
 
-    _cache = os.environ.get("MESHTRAIN_TEST_COMPILE_CACHE", str(default_folder().parent / "xla-tests"))
+    _cache = os.environ.get("MESHTRAIN_TEST_COMPILE_CACHE", str(compile_cache.default_folder().parent / "xla-tests"))
     if _cache == "fresh":
         import atexit
         import shutil
@@ -50,6 +50,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _cache = tempfile.mkdtemp(prefix="meshtrain-jax-cache-")
         atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    # One bound for every process that writes there, a plain `python -c` too (compile_cache.use).
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(int(compile_cache.DEFAULT_MAX_GB * 2**30)))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

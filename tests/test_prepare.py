@@ -250,3 +250,14 @@ def test_a_tokenizer_without_an_unknown_token_that_drops_text_is_an_error_or_a_c
     # A tokenizer that covers the text (bytes) drops nothing and says nothing.
     part = tokenize(sources.units("text", str(tmp_path / "corpus.txt"))[0], BYTE, "text")
     assert part.dropped == {} and len(part.ids)
+
+
+def test_prepares_workers_never_start_jax():
+    """The modules a prepare worker (a process of `--workers`, a Ray task) imports leave JAX out:
+    each would spend seconds starting it, and with the GPU plugin installed print its probe lines."""
+    import subprocess
+    import sys
+
+    code = "import sys, meshtrain.data.prepare, meshtrain.data.cluster; print('jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr[-2000:]

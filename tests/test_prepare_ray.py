@@ -142,7 +142,7 @@ def test_a_killed_prepare_resumes_without_redoing_finished_units(two_nodes, tmp_
     with pytest.raises(KeyboardInterrupt):
         cluster.prepare_on_ray(str(src), BYTE, out, shard_tokens=500)
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
-    # results only: a cancelled task may still be in writing_file, whose probe folder comes and goes
+    # results only: a task still out may be in writing_file, whose probe folder comes and goes
     kept = {f.name: f.stat().st_ino for f in cluster.work_folder(out).glob("unit-*.npz")}
     assert len(kept) >= 3 and {f.name for f in loaded} <= kept.keys()
 

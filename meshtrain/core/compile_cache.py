@@ -7,7 +7,10 @@ It is JAX's own cache (`jax_compilation_cache_dir`), set up here, not a cache of
   share entries), the compile options and XLA flags, the devices and the backend with its version,
   and jax/jaxlib's versions: an entry is only loaded where it is the program that would be compiled.
 - Entries are written whole and evicted under a file lock (JAX's LRUCache, `filelock`): the processes
-  of a host share one folder safely. Past `max_gb` the least recently used entries are evicted.
+  of a host share one folder safely. Past `max_gb` the least recently used entries are evicted. The
+  folder JAX was given (JAX_COMPILATION_CACHE_DIR) keeps JAX's bound (JAX_COMPILATION_CACHE_MAX_SIZE,
+  none by default), which every process that writes there must share: JAX's eviction needs each
+  entry's access time, which an unbounded writer does not record.
 - Multi-host: each host reads and writes its own folder (the default is in the user's home); where
   the folder is shared, JAX's own rules for several processes apply.
 - The folder is trusted code: whoever can write into it can make this process run what they wrote
@@ -60,6 +63,10 @@ def use(setting: str = "auto", max_gb: float = DEFAULT_MAX_GB) -> Path | None:
     from jax.experimental.compilation_cache import compilation_cache
 
     folder, max_bytes = folder_for(setting), int(max_gb * 2**30)
+    if setting in ("", "auto") and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        # JAX's folder, under JAX's bound (-1: none): its other users write entries that the bounded cache's
+        # eviction could not read (no access time is written for them), so all keep JAX's one setting.
+        max_bytes = int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", -1))
     if _applied == {"folder": folder, "max_bytes": max_bytes}:
         return folder
     if folder is not None:

@@ -2,15 +2,21 @@
 
 Its rows are random windows of the token stream drawn from `np.random.default_rng([seed, split, k])`,
 so resuming or changing the mesh never changes the data order. Each process reads only the rows
-its devices hold and the global array is assembled with `jax.make_array_from_callback`.
+its devices hold and the global array is assembled with `jax.make_array_from_callback`. JAX is
+imported when a batch is made: prepare's workers (data/prepare.py, data/cluster.py) import this module
+through preference.py and never start JAX.
 """
 from __future__ import annotations
 
-import jax
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from meshtrain.core.errors import UserError
 from meshtrain.data.tokens import Tokens, token_ids
+
+if TYPE_CHECKING:
+    import jax
 
 
 class Batches:
@@ -44,6 +50,8 @@ class Batches:
         return rows
 
     def __call__(self, step: int) -> jax.Array:
+        import jax
+
         rows = self.local_rows(step)
         return jax.make_array_from_callback(
             self.shape, self.sharding,

@@ -73,7 +73,10 @@ def ray_tokenized(parts: list[Unit], tok, field: str, work: Path, out, chat: Cha
                   preference: bool = False) -> Iterator[Tokenized]:
     """`tokenize` of each unit, in order, by Ray tasks (at most a few per CPU of the cluster ahead of
     the one the driver waits for); results already in `work` are reused. A task's UserError is
-    raised as it is; on any error, or when the caller stops, the tasks still out are cancelled."""
+    raised as it is, once the tasks still out have ended; on a Ctrl-C they are left running (their
+    results land in `work` for a rerun; Ray ends them with the driver). None is cancelled: a
+    `ray.cancel` that races a task's reply aborts the driver (Ray 2.60, "Check failed: it !=
+    submissible_tasks_.end() Tried to complete task that was not pending")."""
     import ray
 
     names = [f"unit-{i:07d}-{key}.npz" for i, key in enumerate(unit_keys(parts, tok, field, chat, preference))]
@@ -97,12 +100,15 @@ def ray_tokenized(parts: list[Unit], tok, field: str, work: Path, out, chat: Cha
             progress.add(i, part)
             yield part
         progress.line()
+    except BaseException as stop:
+        if refs and not isinstance(stop, KeyboardInterrupt):  # an error: the tasks out end first, so none
+            ray.wait(list(refs.values()), num_returns=len(refs))  # writes into `work` after this returns
+            refs.clear()
+        raise
     finally:
-        for ref in refs.values():
-            ray.cancel(ref)
         os.close(lock)
-        if not any(work.iterdir()):
-            work.rmdir()  # nothing to resume from
+        if not refs and not any(work.iterdir()):
+            work.rmdir()  # nothing to resume from, and no task out that would write there
 
 
 def unit_keys(parts: list[Unit], tok, field: str, chat: ChatFormat | None = None,
