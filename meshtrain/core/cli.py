@@ -160,10 +160,11 @@ RUNNING_DEVICES = 64  # simulated meshes up to this size run programs; larger on
 
 
 def cpu_client_threads(count: int) -> None:
-    """PJRT_NPROC = 2 x `count` simulated devices (see above), unless set, or past RUNNING_DEVICES.
-    Before JAX starts its CPU backend."""
+    """PJRT_NPROC at least 2 x `count` simulated devices (see above; a larger value stays), up to
+    RUNNING_DEVICES devices. Before JAX starts its CPU backend."""
     if count <= RUNNING_DEVICES:
-        os.environ.setdefault("PJRT_NPROC", str(max(2 * count, os.cpu_count() or 1)))
+        now = os.environ.get("PJRT_NPROC", "")
+        os.environ["PJRT_NPROC"] = str(max(2 * count, os.cpu_count() or 1, int(now) if now.isdigit() else 0))
 
 
 def simulate_cpu_devices(count: int) -> None:
