@@ -38,20 +38,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # start, outlives the session: a rerun on this machine loads what an earlier run compiled (JAX keys an
 # entry by the program, the XLA flags and the versions, so a changed program compiles again).
 # MESHTRAIN_TEST_COMPILE_CACHE=fresh: an empty one, removed at exit (the budget's cold run); a folder: that.
+_TEST_CACHE_MAX_BYTES = 2 * 2**30  # a full run writes ~120 MB
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import shutil
+
     from meshtrain.core import compile_cache
 
     _cache = os.environ.get("MESHTRAIN_TEST_COMPILE_CACHE", str(compile_cache.default_folder().parent / "xla-tests"))
     if _cache == "fresh":
         import atexit
-        import shutil
         import tempfile
 
         _cache = tempfile.mkdtemp(prefix="meshtrain-jax-cache-")
         atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    elif os.path.isdir(_cache) and sum(f.stat().st_size for f in os.scandir(_cache)) > _TEST_CACHE_MAX_BYTES:
+        shutil.rmtree(_cache, ignore_errors=True)  # past its bound: this run starts it afresh
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    # One bound for every process that writes there, a plain `python -c` too (compile_cache.use).
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(int(compile_cache.DEFAULT_MAX_GB * 2**30)))
+    # Unbounded for every process that writes there (compile_cache.use keeps JAX's setting in JAX's folder):
+    # JAX's bounded cache reads every entry's access time on each write, ~0.1-0.3 s with a full suite's
+    # 3,600 entries, minutes over a run; the bound above is applied once, here, instead.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
