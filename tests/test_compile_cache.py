@@ -45,28 +45,29 @@ def test_a_folder_that_cannot_be_made_is_one_error(tmp_path, restore_cache):
 
 @pytest.mark.fast
 def test_the_cache_is_owner_only_evicts_past_its_bound_and_can_be_turned_off(tmp_path, restore_cache):
+    x = jnp.ones(5)  # made first: each window below compiles the one program it names
     folder = compile_cache.use(str(tmp_path / "c"), max_gb=0.5)
     assert folder == tmp_path / "c" and (folder.stat().st_mode & 0o777) == 0o700
     assert jax.config.jax_compilation_cache_max_size == 2**29 and jax.config.jax_enable_compilation_cache
     outcome = compile_cache.Outcome()
-    jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(5)).compile()
+    jax.jit(lambda x: x * 3 + 1).lower(x).compile()
     assert outcome.loaded is False and outcome.verb("it") == "compiled it"
     assert any(p.name.endswith("-cache") for p in folder.iterdir())  # written
     jax.clear_caches()  # the process's own caches: the next compile asks the folder
     outcome = compile_cache.Outcome()
-    jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(5)).compile()
+    jax.jit(lambda x: x * 3 + 1).lower(x).compile()
     assert outcome.loaded is True and outcome.verb("it") == "loaded it from the compilation cache"
-    entries = [p for p in folder.iterdir() if p.name.endswith("-cache")]  # the program and jnp.ones's
+    entries = [p for p in folder.iterdir() if p.name.endswith("-cache")]
     bound = 1.5 * sum(p.stat().st_size for p in entries)  # bytes
     compile_cache.use(str(folder), max_gb=bound / 2**30)
     for k in range(4, 8):  # four more programs: the least recently used are evicted to stay within the bound
-        jax.jit(lambda x, k=k: x * k + 1).lower(jnp.ones(5)).compile()
+        jax.jit(lambda x, k=k: x * k + 1).lower(x).compile()
     kept = [p for p in folder.iterdir() if p.name.endswith("-cache")]
     assert sum(p.stat().st_size for p in kept) <= bound and len(kept) < len(entries) + 4
     assert compile_cache.use("off") is None and not jax.config.jax_enable_compilation_cache
     jax.clear_caches()
     outcome = compile_cache.Outcome()
-    jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(5)).compile()
+    jax.jit(lambda x: x * 3 + 1).lower(x).compile()
     assert outcome.loaded is None  # nothing asked the cache
 
 
