@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     use_console()
     args = parser().parse_args(argv)
     simulate_devices(args.devices)
-    compile_cache.use(args.compile_cache or "auto")
+    compile_cache.use(args.compile_cache)
     json_out = args.json and file_target(args.json, "--json")  # checked before any work
     flagged = task_entries(args.task, args.limit)
     for entry in tasks.entries(flagged, "--task"):  # a bad --task file is found before any weight is read

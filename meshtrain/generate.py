@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         args.max_new_tokens = run_config(args.run).generate.max_new_tokens
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     simulate_devices(args.devices)
-    compile_cache.use(args.compile_cache or "auto")
+    compile_cache.use(args.compile_cache)
     tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
     check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
                           args.max_new_tokens, jax.devices())

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if not (args.config and args.devices):
         raise UserError("pass --config and --devices (and --mesh) to plan a run, or --schedule to see a schedule")
     check_platforms()
-    compile_cache.use(args.compile_cache or "auto")
+    compile_cache.use(args.compile_cache)
     from meshtrain.planner import aot as planner
 
     try:

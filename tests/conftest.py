@@ -21,6 +21,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
        "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"])
+from meshtrain.core import compile_cache  # noqa: E402  (neither imports JAX)
 from meshtrain.core.cli import cpu_client_threads  # noqa: E402
 
 cpu_client_threads(8)
@@ -42,8 +43,6 @@ _TEST_CACHE_MAX_BYTES = 2 * 2**30  # a full run writes ~120 MB
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import shutil
 
-    from meshtrain.core import compile_cache
-
     _cache = os.environ.get("MESHTRAIN_TEST_COMPILE_CACHE", str(compile_cache.default_folder().parent / "xla-tests"))
     if _cache == "fresh":
         import atexit
@@ -64,7 +63,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from meshtrain.core import compile_cache  # noqa: E402
 from meshtrain.core.console import use_console  # noqa: E402
 from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, tiny_config  # noqa: E402, F401
 
@@ -75,7 +73,7 @@ from meshtrain.testing import MOE_TINY, ROOT, TINY, max_param_diff, run_tiny, ti
 # root handlers print nothing).
 use_console()
 logging.getLogger("meshtrain").propagate = True
-compile_cache.use("auto")  # the folder above, bounded, for the tests' own compiles too
+compile_cache.use("auto")  # the folder and bound above, for the tests' own compiles too
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import traceback
 
-from meshtrain.core import exits
+from meshtrain.core import compile_cache, exits
 from meshtrain.core.bounds import Bounds
 from meshtrain.core.errors import UserError
 from meshtrain.core.exits import (  # noqa: F401 - the statuses and lines, re-exported for the commands
@@ -120,10 +120,8 @@ def devices_flag(parser, help: str = SIMULATE_HELP, type=None) -> None:
 
 def compile_cache_flag(parser) -> None:
     """`--compile-cache DIR|auto|off` on `parser` (meshtrain/core/compile_cache.py); the command passes it
-    to `compile_cache.use` (train: through the config key `compile_cache`)."""
-    from meshtrain.core.compile_cache import SETTING_HELP
-
-    parser.add_argument("--compile-cache", metavar="DIR|auto|off", help=SETTING_HELP)
+    to `compile_cache.use` (None, not given: auto; train: through the config key `compile_cache`)."""
+    parser.add_argument("--compile-cache", metavar="DIR|auto|off", help=compile_cache.SETTING_HELP)
 
 
 def simulate_devices(count: int | None) -> None:

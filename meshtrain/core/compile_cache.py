@@ -46,16 +46,19 @@ def default_folder() -> Path:
     return root / "meshtrain" / "xla"
 
 
-def folder_for(setting: str) -> Path | None:
+AUTO = (None, "", "auto")  # a command's flag not given, the config key's default
+
+
+def folder_for(setting: str | None) -> Path | None:
     """The folder a `compile_cache` setting names; None for `off`."""
     if setting == "off":
         return None
-    if setting in ("", "auto"):
+    if setting in AUTO:
         return Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_folder())
     return Path(setting).expanduser()
 
 
-def use(setting: str = "auto", max_gb: float = DEFAULT_MAX_GB) -> Path | None:
+def use(setting: str | None = "auto", max_gb: float = DEFAULT_MAX_GB) -> Path | None:
     """Point JAX's persistent compilation cache at `setting`'s folder (created, owner-only), bounded to
     `max_gb`; `off` turns it off. Call before the compiles it should serve; a later call with another
     folder moves the cache. Returns the folder (None: off)."""
@@ -63,7 +66,7 @@ def use(setting: str = "auto", max_gb: float = DEFAULT_MAX_GB) -> Path | None:
     from jax.experimental.compilation_cache import compilation_cache
 
     folder, max_bytes = folder_for(setting), int(max_gb * 2**30)
-    if setting in ("", "auto") and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if setting in AUTO and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         # JAX's folder, under JAX's bound (-1: none): its other users write entries that the bounded cache's
         # eviction could not read (no access time is written for them), so all keep JAX's one setting.
         max_bytes = int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", -1))
