@@ -157,13 +157,15 @@ def test_a_pipeline_of_100000_stages_is_refused_before_tracing():
         check_layout(cfg.model, cfg.parallel, cfg.train, sizes, make_rules(), "cpu")
 
 
-def test_simulated_devices_survive_thousands_of_programs_in_flight():
-    """`simulate_cpu_devices(8)` gives XLA's CPU client 2 threads per device (PJRT_NPROC,
-    core/cli.py `cpu_client_threads`): 3,000 dispatches of an 8-device all-gather, never waited on,
-    complete. With one thread per device on a 2-core machine the same loop blocks every thread and XLA
+def test_simulated_devices_survive_thousands_of_programs_in_flight_from_three_threads():
+    """`simulate_cpu_devices(8)` gives XLA's CPU client 4 threads per device (PJRT_NPROC,
+    core/cli.py `cpu_client_threads`): three Python threads (a run's loop, its prefetcher, a checkpoint's
+    copies) each dispatch 1,000 8-device all-gathers, never waited on, and all complete. With 2 threads
+    per device the same loops hold every thread while a collective waits for one device's share and XLA
     aborts after 40 s ("Termination timeout for `all gather ...`"). A process of its own: the thread
     count is read when JAX starts its CPU backend."""
     script = """
+import threading
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain.core.cli import simulate_cpu_devices
@@ -171,10 +173,16 @@ simulate_cpu_devices(8)
 mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
 split, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
 step = jax.jit(lambda x: jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, whole) + 1.0, split))
-x = jax.device_put(jnp.zeros((8, 64)), split)
-for _ in range(3000):
-    x = step(x)
-print(float(x[0, 0]))
+ends = [None] * 3
+def loop(i):
+    x = jax.device_put(jnp.zeros((8, 64)), split)
+    for _ in range(1000):
+        x = step(x)
+    ends[i] = x
+threads = [threading.Thread(target=loop, args=(i,)) for i in range(3)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(sum(float(x[0, 0]) for x in ends))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "XLA_FLAGS")}
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -71,6 +71,31 @@ def test_the_cache_is_owner_only_evicts_past_its_bound_and_can_be_turned_off(tmp
     assert outcome.loaded is None  # nothing asked the cache
 
 
+@pytest.mark.fast
+def test_suspended_writes_nothing_inside_and_the_cache_serves_again_after(tmp_path, restore_cache):
+    """The planner's GPU compiles run `suspended`: no entry is written for them (JAX could not load it
+    back: "PjRtCompiler must be constructed with a Client"), whether the cache was in use before (JAX's
+    once-per-process check would keep it on) or first asked inside (it would stay off after)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from meshtrain.planner import compilers
+
+    x, gpu = jnp.ones(7), compilers.choose("gpu", "h100", 1, 8).devices[0]
+    gpu_input = jax.ShapeDtypeStruct((7,), jnp.float32, sharding=SingleDeviceSharding(gpu))
+    for first_inside in (False, True):
+        folder = compile_cache.use(str(tmp_path / f"c{first_inside}"))
+        if not first_inside:
+            jax.jit(lambda x: x * 3 + 2).lower(x).compile()  # the cache in use before
+        entries = lambda: {p.name for p in folder.iterdir() if p.name.endswith("-cache")}  # noqa: E731
+        written = entries()
+        with compile_cache.suspended():
+            jax.jit(lambda x: jnp.tanh(x) * 3).lower(gpu_input).compile()
+        assert entries() == written
+        outcome = compile_cache.Outcome()
+        jax.jit(lambda x: x * 4 + 2).lower(x).compile()  # after: asked and written
+        assert outcome.loaded is False and len(entries()) == len(written) + 1
+
+
 def test_a_step_loaded_from_the_cache_trains_bitwise_as_the_compiled_one(tmp_path, caplog, restore_cache):
     """Two fresh runs on 2x2x2 with their own cache folder: the first compiles its train step and writes
     it, the second (JAX's in-process caches cleared) loads it; losses, gradient norms and every array of

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_plan import one_of_each_collective
 
-from meshtrain.core import cli
+from meshtrain.core import cli, compile_cache
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
@@ -38,10 +38,12 @@ pytestmark = pytest.mark.skipif(compilers.gpu_compiler_missing() is not None,
 
 @pytest.fixture(scope="module", autouse=True)
 def release_gpu_programs():
-    """The GPU programs compiled here serve no other test file: their executables leave the worker's
-    jit caches with this file (an xdist worker runs other files after it; a clean-clone CI worker
-    crashed in LLVM with "Cannot allocate memory" a few files later)."""
-    yield
+    """The GPU programs compiled here skip the compilation cache, as the planner's do
+    (compile_cache.suspended: JAX could not load them back), and serve no other test file: their
+    executables leave the worker's jit caches with this file (an xdist worker runs other files after it;
+    a clean-clone CI worker crashed in LLVM with "Cannot allocate memory" a few files later)."""
+    with compile_cache.suspended():
+        yield
     jax.clear_caches()
     gc.collect()
 

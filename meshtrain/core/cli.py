@@ -148,21 +148,25 @@ def check_platforms() -> None:
 
 
 # XLA's CPU client runs each device's share of a multi-device program on a thread of one pool, of
-# max(cores, devices) threads (PJRT_NPROC replaces the core count), and a device's task that finds 32
-# of its programs in flight blocks its thread there. On a machine with fewer cores than simulated devices
-# a loop that dispatches more than 32 programs ahead (a decode loop, a test's step loop) can then block
-# every thread while an earlier program still waits for one device's task: its collective never
-# completes and XLA aborts after 40 s ("Termination timeout for `all gather ...`": 3,000 dispatches of an
-# 8-device all-gather do it on 2 cores). Twice the devices leave threads for the tasks that must run.
+# max(cores, devices) threads (PJRT_NPROC replaces the core count). A Python thread's dispatch takes one
+# pool thread per device, and blocks it there while that device has 32 programs in flight; the programs
+# with collectives run one at a time, each on one pool thread per device. So T Python threads dispatching
+# at once need devices x (T + 1) threads: with fewer, the dispatches can hold every thread while the
+# running collective waits for one device's share, and XLA aborts after 40 s ("Termination timeout for
+# `all reduce ...`"). Measured with 8 devices on 2 cores: 1 thread dies at 8 (3,000 dispatches), 2 at 16,
+# 4 at 32; 24 carries 2 and 64 carries 4. Four per device carry three: a run's loop, its batch
+# prefetcher and a checkpoint's copies. Threads idle are cheap: 16 -> 64 leaves the loop's time alike.
 RUNNING_DEVICES = 64  # simulated meshes up to this size run programs; larger ones are planned (compile only)
+DISPATCHING_THREADS = 3
 
 
 def cpu_client_threads(count: int) -> None:
-    """PJRT_NPROC at least 2 x `count` simulated devices (see above; a larger value stays), up to
-    RUNNING_DEVICES devices. Before JAX starts its CPU backend."""
+    """PJRT_NPROC at least (DISPATCHING_THREADS + 1) x `count` simulated devices (see above; a larger
+    value stays), up to RUNNING_DEVICES devices. Before JAX starts its CPU backend."""
     if count <= RUNNING_DEVICES:
         now = os.environ.get("PJRT_NPROC", "")
-        os.environ["PJRT_NPROC"] = str(max(2 * count, os.cpu_count() or 1, int(now) if now.isdigit() else 0))
+        wanted = (DISPATCHING_THREADS + 1) * count
+        os.environ["PJRT_NPROC"] = str(max(wanted, os.cpu_count() or 1, int(now) if now.isdigit() else 0))
 
 
 def simulate_cpu_devices(count: int) -> None:

@@ -98,15 +98,20 @@ def use(setting: str | None = "auto", max_gb: float = DEFAULT_MAX_GB) -> Path | 
 @contextlib.contextmanager
 def suspended():
     """No cache inside: for compile-only devices (the planner's GPU compiles), whose programs JAX can
-    write to the cache but not load back."""
+    write to the cache but not load back. JAX decides once per process whether it uses the cache (at the
+    first compile after `reset_cache`), so the switch resets it on the way in and out: without, a cache
+    already in use stays on inside, and one first asked inside stays off for the rest of the process."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def _count(event: str, **_) -> None:
