@@ -71,6 +71,11 @@ def test_the_cache_is_owner_only_evicts_past_its_bound_and_can_be_turned_off(tmp
     assert outcome.loaded is None  # nothing asked the cache
 
 
+def entries(folder):
+    """The programs a cache folder holds (JAX writes `<key>-cache`, and `<key>-atime` when bounded)."""
+    return {p.name for p in folder.iterdir() if p.name.endswith("-cache")}
+
+
 @pytest.mark.fast
 def test_suspended_writes_nothing_inside_and_the_cache_serves_again_after(tmp_path, restore_cache):
     """The planner's GPU compiles run `suspended`: no entry is written for them (JAX could not load it
@@ -86,14 +91,13 @@ def test_suspended_writes_nothing_inside_and_the_cache_serves_again_after(tmp_pa
         folder = compile_cache.use(str(tmp_path / f"c{first_inside}"))
         if not first_inside:
             jax.jit(lambda x: x * 3 + 2).lower(x).compile()  # the cache in use before
-        entries = lambda: {p.name for p in folder.iterdir() if p.name.endswith("-cache")}  # noqa: E731
-        written = entries()
+        written = entries(folder)
         with compile_cache.suspended():
             jax.jit(lambda x: jnp.tanh(x) * 3).lower(gpu_input).compile()
-        assert entries() == written
+        assert entries(folder) == written
         outcome = compile_cache.Outcome()
         jax.jit(lambda x: x * 4 + 2).lower(x).compile()  # after: asked and written
-        assert outcome.loaded is False and len(entries()) == len(written) + 1
+        assert outcome.loaded is False and len(entries(folder)) == len(written) + 1
 
 
 def test_a_step_loaded_from_the_cache_trains_bitwise_as_the_compiled_one(tmp_path, caplog, restore_cache):
