@@ -15,9 +15,9 @@ import sys
 # - One LLVM module per program (--xla_cpu_parallel_codegen_split_count=1): the workers already keep
 #   both cores busy, so splitting codegen over threads only adds work.
 # The workers' and subprocesses' CPU clients get 4 threads per device (meshtrain/core/cli.py
-# `cpu_client_threads`: with fewer, two Python threads dispatching at once (a loop and its prefetcher) can
-# starve a collective; that was the "Termination timeout" abort once blamed on the elemental emitters,
-# and again CI's crash in test_fp16 with 2 per device). The subprocesses inherit all this.
+# `cpu_client_threads`: with fewer, Python threads dispatching at once, a loop and its prefetcher, can
+# starve a collective into XLA's "Termination timeout" abort, whichever emitters compiled it). The
+# subprocesses inherit all this.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
