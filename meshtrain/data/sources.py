@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,10 +37,15 @@ class Unit:
 
 
 def stdlib_files() -> list[Path]:
-    """The Python standard library's own .py files: a real corpus every machine has offline."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The Python standard library's own .py files: a real corpus every machine has offline. The walk
+    prunes the folders it skips (site-packages alone can hold tens of thousands of files)."""
+    root = sysconfig.get_paths()["stdlib"]
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in skip]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted(files)
 
 
 def _files(folder: Path, suffix: str) -> list[Path]:
