@@ -6,6 +6,8 @@ import importlib.util
 import io
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -139,6 +141,37 @@ def test_rewind_and_resume_purge_the_steps_tensorboard_will_see_again(tmp_path):
     resumed.write({"step": 5, "loss": 7.0})
     resumed.close()
     assert scalars(tmp_path / "tb", "train/loss") == {1: 1, 2: 2, 3: 3, 4: 40, 5: 7}
+
+
+def test_tensorboardx_loads_without_torch_which_still_imports_after_and_on_other_threads(tmp_path):
+    """tensorboardX would import torch where installed (seconds of a run's start) for type hints only:
+    a fresh process writes its events with torch never loaded; torch imports as ever afterwards, and
+    meanwhile on any other thread."""
+    code = """
+import sys, threading
+from meshtrain.run import loggers
+finder = loggers._NoTorchOnThisThread()
+elsewhere = []
+other = threading.Thread(target=lambda: elsewhere.append(finder.find_spec("torch")))
+other.start()
+other.join()
+assert elsewhere == [None], elsewhere
+try:
+    finder.find_spec("torch")
+    raise AssertionError("torch was not refused on the finder's thread")
+except ModuleNotFoundError:
+    pass
+board = loggers.TensorBoard(sys.argv[1])
+board.write({"step": 1, "loss": 2.5})
+board.close()
+assert "torch" not in sys.modules and "tensorboardX" in sys.modules
+import torch
+print("torch", torch.__version__)
+"""
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tb")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "torch 2.13.0+cpu"
+    assert scalars(tmp_path / "tb", "train/loss") == {1: 2.5}
 
 
 @pytest.mark.fast

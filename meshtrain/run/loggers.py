@@ -22,6 +22,7 @@ is live, the console handler writes those lines above it too.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import itertools
 import json
 import os
@@ -350,8 +351,7 @@ class TensorBoard:
         self._open(None if keep_through is None else keep_through + 1)
 
     def _open(self, purge_step: int | None) -> None:
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = tensorboardx().SummaryWriter
         # Event files are named by the second they were opened in: a suffix keeps a writer that
         # reopens within that second from overwriting the last one, and sorts after it.
         suffix = f".{os.getpid()}.{next(_writers):04d}"
@@ -383,12 +383,37 @@ class TensorBoard:
 _writers = itertools.count()  # TensorBoard writers opened by this process
 
 
+class _NoTorchOnThisThread(importlib.abc.MetaPathFinder):
+    """Refuses `import torch` on the thread that made it, and only there (other threads import as ever)."""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError("torch is not imported for tensorboardX's scalars", name=name)
+        return None  # the next finder's
+
+
+def tensorboardx():
+    """The tensorboardX module, imported without torch where torch is not loaded yet. tensorboardX imports
+    torch at its own import where torch is installed (1.3 s, 2-3 s more of a 2-core machine's start)
+    only to name torch.Tensor in type hints; its methods that take torch tensors import torch
+    themselves, and `TensorBoard` writes scalars."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        return importlib.import_module("tensorboardX")
+    finder = _NoTorchOnThisThread()
+    sys.meta_path.insert(0, finder)
+    try:
+        return importlib.import_module("tensorboardX")
+    finally:
+        sys.meta_path.remove(finder)
+
+
 def preload_tensorboard() -> None:
     """Import tensorboardX on a thread of its own while the run builds and compiles (XLA releases the
-    GIL): where torch is installed tensorboardX imports it, seconds that would otherwise delay the first
-    step. `TensorBoard` then finds the module loaded (or waits for the import to finish)."""
-    threading.Thread(target=importlib.import_module, args=("tensorboardX",), name="meshtrain-import-tensorboardX",
-                     daemon=True).start()
+    GIL). `TensorBoard` then finds the module loaded (or waits for the import to finish)."""
+    threading.Thread(target=tensorboardx, name="meshtrain-import-tensorboardX", daemon=True).start()
 
 
 def import_wandb():
