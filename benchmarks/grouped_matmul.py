@@ -1,4 +1,4 @@
-"""The dropless experts' grouped matmul (models/moe.py `grouped_matmul`) on a buffer that is partly
+"""The dropless experts' grouped matmul (meshtrain/ops/grouped_matmul.py `grouped_matmul`) on a buffer that is partly
 empty, as expert parallelism's worst-case receive buffer is (1/8 filled at Qwen3-30B-A3B's pod: k 8,
 E/ep 16, ep 8, balanced): forward and backward time against a full buffer, on this machine's first
 device. The loop runs every tile of the buffer, filled or not, so the time barely falls with the
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.models.moe import grouped_matmul
+from meshtrain.ops.grouped_matmul import grouped_matmul
 
 
 def timed(rows: int, d: int, f: int, groups: int, fill: int, dtype, repeats: int) -> float:

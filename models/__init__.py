@@ -20,7 +20,7 @@ import dataclasses
 from meshtrain.core.errors import UserError
 from meshtrain.models import deepseek_v3, gemma3, llama, moe, qwen3, qwen3_moe
 from meshtrain.models.base import LanguageModel, Transformer
-from meshtrain.models.moe import MoELanguageModel
+from meshtrain.models.routed import MoELanguageModel
 from meshtrain.models.spec import Family, ModelSpec
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,

@@ -1,17 +1,20 @@
-"""The base every model family builds on: the model protocol (`LanguageModel`), the shared blocks
-and the Llama-style Hugging Face translation. A family (models/llama.py, moe.py, qwen3.py, ...) is
-one module that changes parts of these (a block's MLP or norms, its parameter axes, its config).
+"""The base every model family builds on: the model protocol (`LanguageModel`) and the shared
+blocks. A family (models/llama.py, moe.py, qwen3.py, ...) is one module that changes parts of these
+(a block's MLP or norms, its parameter axes, its config).
 
 - `LanguageModel`: the protocol meshtrain trains through (init, embed, block, loss, auxiliary_loss,
   head, logical_axes, the counts, the cached decode), on pure parameter pytrees; `scan_blocks` runs
   the layers, stacked on a leading `layers` axis, with one scan.
-- The blocks, in Flax NNX: RMSNorm, rotary embeddings (`rope_frequencies`, `rotary`), grouped-query
-  attention, SwiGLU, tied or untied head (`Block`, `Transformer`). With no changes they are the
-  `llama` family's decoder.
-- `PARAM_AXES` and `contracted_axes`: the logical axes of the parameters, which sharding, INT8
-  channels and Hugging Face layouts follow.
-- `LLAMA_TENSORS`, `read_llama_config`, `write_llama_config` and the rope entries: the
-  LlamaForCausalLM config.json and tensor names the other families' Hugging Face forms start from.
+- The blocks, in Flax NNX: RMSNorm, grouped-query attention with rotary embeddings
+  (models/rope.py), SwiGLU, tied or untied head (`Block`, `Transformer`). With no changes they are
+  the `llama` family's decoder.
+- `PARAM_AXES`: the logical axes of the parameters (models/axes.py, with LoRA's adapters,
+  models/lora.py), which sharding, INT8 channels and Hugging Face layouts follow.
+
+The shared pieces beside it: models/lora.py (the adapters' math and LoRA dropout), models/rope.py,
+models/kv_cache.py (cached attention), models/hf_llama.py (the LlamaForCausalLM form the families'
+Hugging Face forms start from), models/experts.py (routing and the experts' dispatch) and
+models/routed.py (the blocks of the routed-expert families).
 
 `Block` is three pieces: `project` (norm, q/k/v, rotary), the attention kernel, and `finish` (output
 projection, MLP, residuals); training runs them as `__call__`, generation as `decode` (a KV cache).
@@ -29,7 +32,6 @@ R = H / G query heads per kv head, K head dim, F mlp width, V vocab, T KV-cache 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,154 +39,22 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
-from meshtrain.models.spec import LORA_TARGETS, HFConfig, ModelSpec
+from meshtrain.models.axes import WEIGHT_AXES
+from meshtrain.models.kv_cache import cached_attention, write_rows
+from meshtrain.models.lora import LORA, adapter_axes, init_adapter, layer_keys, lora_dropout
+from meshtrain.models.rope import rope_attention_factor, rope_frequencies, rotary
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.embedding import lookup
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.ops.packing import visible
-from meshtrain.parallel.sharding import LAYER_AXES, constrain
+from meshtrain.parallel.sharding import constrain
 
 # Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
-# module is named here); stacked block parameters get a leading "layers" (`blocks`, which pipeline
-# stages split) or "outer_layers" (another stack: whole on every stage).
-PARAM_AXES = {
-    "embedding": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "scale": ("embed",),
-    "wq": ("embed", "heads", "head_dim"),
-    "wk": ("embed", "kv_heads", "head_dim"),
-    "wv": ("embed", "kv_heads", "head_dim"),
-    "wo": ("heads", "head_dim", "embed"),
-    "w_gate": ("embed", "mlp"),
-    "w_up": ("embed", "mlp"),
-    "w_down": ("mlp", "embed"),
-}
-STACKED_AXES = (*LAYER_AXES, "experts")  # leading axes that stack independent weights
-
-# LoRA (models/spec.py LoraSpec): each target's base weight and the einsums of x A and (x A) B.
-LORA = {"q": ("wq", "bld,dr->blr", "blr,rhk->blhk"), "k": ("wk", "bld,dr->blr", "blr,rgk->blgk"),
-        "v": ("wv", "bld,dr->blr", "blr,rgk->blgk"), "o": ("wo", "blhk,hkr->blr", "blr,rd->bld"),
-        "gate": ("w_gate", "bld,dr->blr", "blr,rf->blf"), "up": ("w_up", "bld,dr->blr", "blr,rf->blf"),
-        "down": ("w_down", "blf,fr->blr", "blr,rd->bld")}
-
-
-def contracted_axes(names: tuple) -> tuple[int, ...]:
-    """Indices of the axes a weight's matmul contracts, from its logical axes: the first one that is
-    not a stacking axis (layers, experts) or vocab, and head_dim after heads (wo [H, K, D] contracts
-    H and K); () for a vector (a norm scale). INT8 channels and Hugging Face layouts follow it."""
-    if sum(n not in STACKED_AXES for n in names) < 2:
-        return ()
-    first = next(i for i, n in enumerate(names) if n not in (*STACKED_AXES, "vocab"))
-    heads = names[first] in ("heads", "kv_heads") and names[first + 1:first + 2] == ("head_dim",)
-    return (first, first + 1) if heads else (first,)
-
-
-def lora_parts(base: tuple) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """The indices of a weight's axes (logical `base`) as an adapter factors it: the stacking ones
-    before those it contracts (experts: one adapter each), the contracted ones (x A) and the rest
-    ((x A) B gives them)."""
-    into = contracted_axes(base)
-    stacked = tuple(i for i in range(into[0]) if base[i] in STACKED_AXES)
-    return stacked, into, tuple(i for i in range(len(base)) if i not in stacked + into)
-
-
-def lora_axes(base: tuple) -> tuple[tuple, tuple]:
-    """The logical axes of an adapter's A and B on a weight of axes `base`: both keep its stacking
-    axes (a routed expert's adapter is that expert's), A takes its input (contracted) axes, B its
-    output axes; the rank ("lora_rank") is sharded as `embed` is where the factor has no `embed` axis
-    (meshtrain/parallel/sharding.py DEFAULT_RULES)."""
-    stacked, into, out = (tuple(base[i] for i in part) for part in lora_parts(base))
-    return (*stacked, *into, "lora_rank"), (*stacked, "lora_rank", *out)
-
-
-def init_adapter(key, shape: tuple, base: tuple, rank: int):
-    """An adapter's (A, B) in fp32 on a weight of `shape` and logical axes `base`: A as PEFT's
-    default (kaiming_uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero, so the
-    adapted model starts as its base."""
-    stacked, into, out = ([shape[i] for i in part] for part in lora_parts(base))
-    bound = 1.0 / np.sqrt(np.prod(into))
-    a = jax.random.uniform(key, (*stacked, *into, rank), jnp.float32, -bound, bound)
-    return a, jnp.zeros((*stacked, rank, *out), jnp.float32)
-
-
-PARAM_AXES |= {f"lora_{t}_{part}": axes for t, (w, *_) in LORA.items()
-               for part, axes in zip("ab", lora_axes(PARAM_AXES[w]))}
-
-
-def adapters_off(params):
-    """The same parameters with every LoRA B at zero: the model's output is then exactly the base's
-    (x A 0 adds 0), on every layout and executor; DPO's reference model with LoRA."""
-    zero_b = lambda path, x: jnp.zeros_like(x) if (path[-1].key.startswith("lora_") and
-                                                    path[-1].key.endswith("_b")) else x
-    return jax.tree_util.tree_map_with_path(zero_b, params)
-
-
-def adapted_weight(adapter: str) -> str:
-    """The base weight of the adapter `lora_<name>` (its `_a` and `_b`): a LORA target's, or a routed
-    expert projection's, `lora_expert_gate` on `expert_gate` (models/moe.py)."""
-    name = adapter.removeprefix("lora_")
-    return name if name.startswith("expert_") else LORA[name][0]
-
-
-def merge_adapters(params, lora) -> dict:
-    """The base parameters with each adapter folded in, W + (alpha / rank) A B (the merged weights
-    PEFT's merge_and_unload gives), and no adapters: the same function as the adapted model. A
-    [stack, in, r] and B [stack, r, out] on W [stack, in, out] (stack: layers, and experts for a
-    routed expert's), each group of axes flattened: s stacking axes make A.ndim + B.ndim = W.ndim + s + 2."""
-    blocks = {k: v for k, v in params["blocks"].items() if not k.startswith("lora_")}
-    for adapter in sorted({k[:-2] for k in params["blocks"] if k.startswith("lora_")}) if lora.rank else ():
-        name, a, b = adapted_weight(adapter), params["blocks"][f"{adapter}_a"], params["blocks"][f"{adapter}_b"]
-        w = blocks[name]
-        s = a.ndim + b.ndim - w.ndim - 2
-        S, R = math.prod(w.shape[:s]), a.shape[-1]
-        a_SxIxR, b_SxRxO = a.reshape(S, -1, R), b.reshape(S, R, -1)
-        delta = jnp.einsum("sir,sro->sio", a_SxIxR.astype(jnp.float32), b_SxRxO.astype(jnp.float32))
-        blocks[name] = (w.astype(jnp.float32) + lora.scale * delta.reshape(w.shape)).astype(w.dtype)
-    return {**params, "blocks": blocks}
-
-
-# LoRA dropout (LoraSpec.dropout), PEFT's: y = x W + scale dropout(x) A B, inverted (the kept
-# values / (1 - p)), in training only. A mask is a function of the step, the row of the step's batch,
-# the layer of the stack, the target and the token's true position alone: `row_keys` draws each row's
-# key from (seed, step), `layer_keys` folds in each layer's index in model order, `lora_dropout` the
-# target and the position. So every layout, microbatch split and pipeline schedule, and a resumed
-# run, draws the same mask for the same token (tests/test_lora.py).
-DROPOUT_STREAM = 0x4C6F5241  # folded into the seed first: apart from the initialization's keys
-
-
-def row_keys(seed: int, step, rows: int):
-    """[rows, 2] uint32: the raw keys of the step's batch rows, fold_in(fold_in(seed's, step), row)."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), DROPOUT_STREAM), step)
-    return jax.vmap(fold_key, (None, 0))(jax.random.key_data(key), jnp.arange(rows))
-
-
-def fold_key(raw_key, data):
-    """A raw key [2] (uint32, as it travels with its row) folded with `data`, raw."""
-    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(raw_key), data))
-
-
-def layer_keys(rows_Bx2, layers_N):
-    """[N, B, 2]: each row's key (`row_keys`) folded with each layer's index in model order."""
-    return jax.vmap(jax.vmap(fold_key, (0, None)), (None, 0))(rows_Bx2, jnp.asarray(layers_N, jnp.int32))
-
-
-def lora_dropout(x_BxLx_, keys_Bx2, target: str, rate: float, positions_L=None):
-    """x with each element zeroed with probability `rate` and the kept ones divided by 1 - rate; the
-    mask of row b and position l drawn from keys[b] (the layer's, `layer_keys`) folded with the
-    target and positions[l], the token's true position (default 0..L-1; context parallelism stores
-    the sequence permuted)."""
-    positions_L = jnp.arange(x_BxLx_.shape[1]) if positions_L is None else jnp.asarray(positions_L)
-    shape = x_BxLx_.shape[2:]
-
-    def row(key_2):
-        target_key = fold_key(key_2, LORA_TARGETS.index(target))
-        keep = lambda p: jax.random.bernoulli(jax.random.wrap_key_data(fold_key(target_key, p)), 1.0 - rate, shape)
-        return jax.vmap(keep)(positions_L)
-
-    keep_BxLx_ = jax.vmap(row)(keys_Bx2)
-    return jnp.where(keep_BxLx_, x_BxLx_ / (1.0 - rate), 0).astype(x_BxLx_.dtype)
+# module is named here): the shared weights' (models/axes.py) and their LoRA adapters'. Stacked block
+# parameters get a leading "layers" (`blocks`, which pipeline stages split) or "outer_layers" (another
+# stack: whole on every stage).
+PARAM_AXES = WEIGHT_AXES | adapter_axes({t: WEIGHT_AXES[w] for t, (w, *_) in LORA.items()})
 
 
 # Activations that the save_matmuls / offload remat policies keep for the backward pass.
@@ -212,83 +82,6 @@ class RMSNorm(nnx.Module):
         x = x_BxLxD.astype(jnp.float32)
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (y * self.gain()).astype(x_BxLxD.dtype)
-
-
-def rope_frequencies(cfg, dim: int | None = None):
-    """The rotary inverse frequencies [K/2] of `dim` rotated channels (default: head_dim): theta^(-2i/K)
-    (Su et al., RoFormer); with rope_scaling=llama3, Llama 3.1's long-context rescaling: wavelengths
-    2 pi / f longer than original_max_len / low_freq_factor are divided by `rope_factor`, shorter than
-    original_max_len / high_freq_factor kept, and those between interpolated with
-    s = (original_max_len / wavelength - low) / (high - low): f' = (1 - s) f / factor + s f; with
-    rope_scaling=linear (position interpolation, Chen et al. 2023), every f / `rope_factor`; with
-    rope_scaling=yarn (YaRN, Peng et al. 2023, as transformers computes it), channel i's r = i - lo over
-    hi - lo clipped to [0, 1] gives f' = r f / factor + (1 - r) f, where lo (floored) and hi (ceiled)
-    are the channels d(b) = K ln(original_max_len / (2 pi b)) / (2 ln theta) of b = beta_fast, beta_slow."""
-    K = dim or cfg.head_dim
-    inv_freq = cfg.rope_theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
-    if cfg.rope_scaling == "none":
-        return inv_freq
-    if cfg.rope_scaling == "linear":
-        return inv_freq / cfg.rope_factor
-    if cfg.rope_scaling == "yarn":
-        turns = lambda b: K * math.log(cfg.rope_original_max_len / (b * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-        lo, hi = max(math.floor(turns(cfg.rope_beta_fast)), 0), min(math.ceil(turns(cfg.rope_beta_slow)), K - 1)
-        ramp = jnp.clip((jnp.arange(K // 2, dtype=jnp.float32) - lo) / ((hi - lo) if hi != lo else 0.001), 0, 1)
-        return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
-    low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
-    wavelength = 2 * jnp.pi / inv_freq
-    smooth = (cfg.rope_original_max_len / wavelength - low) / (high - low)
-    scaled = jnp.where(wavelength > cfg.rope_original_max_len / low, inv_freq / factor, inv_freq)
-    medium = (wavelength >= cfg.rope_original_max_len / high) & (wavelength <= cfg.rope_original_max_len / low)
-    return jnp.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature m = 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def rope_attention_factor(cfg) -> float:
-    """What rope scaling multiplies cos and sin by (so rotated q . k by its square): 1 but under yarn,
-    m(rope_mscale) / m(rope_mscale_all_dim) when both are given, else m(1) (`yarn_mscale`)."""
-    if cfg.rope_scaling != "yarn":
-        return 1.0
-    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
-        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
-    return yarn_mscale(cfg.rope_factor)
-
-
-def rotary(x_BxLxNxK, inv_freq_K2, positions=None, scale: float = 1.0):
-    """Rotate channel pairs (i, i + K/2) by position x inv_freq[i] (`rope_frequencies`), times `scale`
-    (`rope_attention_factor`). `positions`: each stored position's place in the sequence, [L] or per
-    row [B, L] (None: 0..L-1)."""
-    L = x_BxLxNxK.shape[1]
-    positions = jnp.arange(L) if positions is None else jnp.asarray(positions)
-    angle = positions.astype(jnp.float32)[..., None] * inv_freq_K2  # [L, K/2] or [B, L, K/2]
-    cos, sin = scale * jnp.cos(angle)[..., None, :], scale * jnp.sin(angle)[..., None, :]
-    x1, x2 = jnp.split(x_BxLxNxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxLxNxK.dtype)
-
-
-def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int | None = None,
-                     scale: float | None = None):
-    """Attention of L queries per row over a KV cache of T positions: each query sees the cache
-    positions <= its own (`positions_BxL`), so what lies beyond a row's end is never read; with
-    `window`, only the last `window` of them (sliding-window attention, Beltagy et al. 2020).
-    fp32 scores and softmax, grouped-query, as `meshtrain.ops.attention.xla_attention`; scores x
-    `scale` (default K^-1/2)."""
-    pos_Bx1xLx1, cache_T = positions_BxL[:, None, :, None], jnp.arange(k_BxTxGxK.shape[1])
-    mask_Bx1xLxT = cache_T <= pos_Bx1xLx1
-    if window is not None:
-        mask_Bx1xLxT &= cache_T > pos_Bx1xLx1 - window
-    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, mask=mask_Bx1xLxT, scale=scale)
-
-
-def write_rows(cache_BxTx_, new_BxLx_, start_B):
-    """The cache with each row's L new entries written at its own start position."""
-    put = lambda c_Tx_, n_Lx_, s: jax.lax.dynamic_update_slice_in_dim(c_Tx_, n_Lx_, s, 0)
-    return jax.vmap(put)(cache_BxTx_, new_BxLx_.astype(cache_BxTx_.dtype), start_B)
 
 
 class Block(nnx.Module):
@@ -669,7 +462,7 @@ class LanguageModel:
         """Per token, the matmul parameters the step runs beyond N (the roofline's hardware FLOPs,
         not MFU's) with `expert_parallel` devices on the `expert` axis (`in_fp8`: those the block's
         fp8 matmul runs): none here; routed experts run every capacity slot, or dropless the whole
-        expert-parallel receive buffer, filled or not (moe.py)."""
+        expert-parallel receive buffer, filled or not (models/routed.py)."""
         return 0.0
 
     @property
@@ -692,7 +485,7 @@ class LanguageModel:
     def dispatch_bytes(self, rows: float, seq_len: int, act_bytes: int, expert_parallel: int = 1) -> dict | None:
         """One routed-expert layer's dispatch buffer per device, `rows` sequence rows held there and
         `expert_parallel` devices on the `expert` axis (the planner's memory and all-to-all traffic):
-        None here, without routed experts (moe.py)."""
+        None here, without routed experts (models/routed.py)."""
         return None
 
     def flops_per_token(self, params, seq_len: int) -> float:
@@ -701,105 +494,3 @@ class LanguageModel:
         c = self.cfg
         return flops_per_token(self.active_matmul_params(params), c.num_layers, c.num_heads * c.head_dim, seq_len,
                                c.layer_windows())
-
-
-# ---- the Llama-style Hugging Face form (LlamaForCausalLM's) that every family builds on ----
-
-LAYER = "model.layers.{i}."
-LLAMA_TENSORS = {
-    ("embedding",): ("model.embed_tokens.weight", False),
-    ("lm_head",): ("lm_head.weight", True),
-    ("final_norm", "scale"): ("model.norm.weight", False),
-    ("blocks", "attn_norm", "scale"): (LAYER + "input_layernorm.weight", False),
-    ("blocks", "mlp_norm", "scale"): (LAYER + "post_attention_layernorm.weight", False),
-    ("blocks", "wq"): (LAYER + "self_attn.q_proj.weight", True),
-    ("blocks", "wk"): (LAYER + "self_attn.k_proj.weight", True),
-    ("blocks", "wv"): (LAYER + "self_attn.v_proj.weight", True),
-    ("blocks", "wo"): (LAYER + "self_attn.o_proj.weight", True),
-    ("blocks", "w_gate"): (LAYER + "mlp.gate_proj.weight", True),
-    ("blocks", "w_up"): (LAYER + "mlp.up_proj.weight", True),
-    ("blocks", "w_down"): (LAYER + "mlp.down_proj.weight", True),
-}
-
-
-def read_llama_config(c: HFConfig, spec_type=ModelSpec, **fields) -> ModelSpec:
-    """The decoder fields every Llama-like config.json has (width, heads, rope, norm, head), as a
-    `spec_type` with `fields` (the family's own, or others' values in its place) added. Refuses
-    biases and other activations."""
-    c.refuse(attention_bias=bool, mlp_bias=bool, hidden_act=lambda v: v != "silu")
-    rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
-    rope_kind(c, rope)
-    heads, width = c.need("num_attention_heads"), c.need("hidden_size")
-    shared = dict(
-        vocab_size=c.need("vocab_size"), num_layers=c.need("num_hidden_layers"), d_model=width, num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or width // heads,
-        mlp_dim=c.get("intermediate_size"), rope_theta=float(rope["rope_theta"]),
-        norm_eps=float(c.need("rms_norm_eps")), tie_embeddings=bool(c.get("tie_word_embeddings", False)))
-    spec = spec_type(**{**shared, **fields})
-    if not spec.mlp_dim:
-        c.need("intermediate_size")
-    read_rope_scaling(c, rope, spec)
-    return spec
-
-
-def rope_kind(c: HFConfig, rope: dict) -> str:
-    """A config.json rope entry's type, which must be one meshtrain computes (`rope_frequencies`)."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear", "yarn"):
-        raise UserError(f"{c.path}: rope scaling {rope_type!r} is not implemented (meshtrain has none, llama3, "
-                        f"linear and yarn)")
-    if rope_type == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate", True) is not True):
-        raise UserError(f"{c.path}: yarn rope scaling with attention_factor or truncate=false is not implemented "
-                        f"(meshtrain derives the factor from mscale and mscale_all_dim, and truncates)")
-    return rope_type
-
-
-def read_rope_scaling(c: HFConfig, rope: dict, spec: ModelSpec) -> None:
-    """The spec's rope_* fields from a config.json rope entry (`rope_kind`'s types)."""
-    rope_type = rope_kind(c, rope)
-    if rope_type == "linear":
-        spec.rope_scaling, spec.rope_factor = "linear", float(c.need("factor", rope))
-    if rope_type == "llama3":
-        spec.rope_scaling, spec.rope_factor = "llama3", float(c.need("factor", rope))
-        spec.rope_low_freq_factor = float(c.need("low_freq_factor", rope))
-        spec.rope_high_freq_factor = float(c.need("high_freq_factor", rope))
-        spec.rope_original_max_len = int(c.need("original_max_position_embeddings", rope))
-    if rope_type == "yarn":
-        spec.rope_scaling, spec.rope_factor = "yarn", float(c.need("factor", rope))
-        spec.rope_original_max_len = int(c.need("original_max_position_embeddings", rope))
-        spec.rope_beta_fast = float(rope.get("beta_fast") or 32.0)  # transformers' defaults
-        spec.rope_beta_slow = float(rope.get("beta_slow") or 1.0)
-        spec.rope_mscale = float(rope.get("mscale") or 0.0)
-        spec.rope_mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
-
-
-def write_rope(m: ModelSpec) -> dict:
-    """A config.json rope entry (transformers 5's `rope_parameters` form) for the spec's rope_* fields."""
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling == "linear":
-        rope.update(rope_type="linear", factor=m.rope_factor)
-    if m.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=m.rope_factor, low_freq_factor=m.rope_low_freq_factor,
-                    high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
-    if m.rope_scaling == "yarn":
-        rope.update(rope_type="yarn", factor=m.rope_factor, original_max_position_embeddings=m.rope_original_max_len,
-                    beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow,
-                    **{k: v for k, v in (("mscale", m.rope_mscale), ("mscale_all_dim", m.rope_mscale_all_dim)) if v})
-    return rope
-
-
-def write_llama_config(m: ModelSpec, model_type: str = "llama", architecture: str = "LlamaForCausalLM") -> dict:
-    """config.json's decoder fields for a resolved spec: rope given both as `rope_parameters`
-    (transformers 5) and as `rope_theta` + `rope_scaling` (earlier versions)."""
-    rope = write_rope(m)
-    return {
-        "architectures": [architecture], "model_type": model_type, "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
-        "rope_parameters": rope, "rope_theta": m.rope_theta,
-        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling != "none" else None,
-        "max_position_embeddings": int(max(m.rope_original_max_len * (m.rope_factor if m.rope_scaling in (
-            "llama3", "yarn") else 1), 2048)),
-        "attention_bias": False, "mlp_bias": False,
-    }

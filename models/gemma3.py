@@ -25,21 +25,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.core.bounds import setting
 from meshtrain.core.errors import UserError
-from meshtrain.models.base import (
-    LAYER,
-    LLAMA_TENSORS,
-    PARAM_AXES,
-    RESIDUAL,
-    LanguageModel,
-    RMSNorm,
-    Transformer,
-    read_llama_config,
-    rope_frequencies,
-    rope_kind,
-    write_llama_config,
-    write_rope,
-)
-from meshtrain.models.qwen3 import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block
+from meshtrain.models.base import PARAM_AXES, RESIDUAL, LanguageModel, RMSNorm, Transformer
+from meshtrain.models.hf_llama import LAYER, LLAMA_TENSORS, read_llama_config, rope_kind, write_llama_config, write_rope
+from meshtrain.models.qk_norm import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block
+from meshtrain.models.rope import rope_frequencies
 from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec, family_setting
 from meshtrain.parallel.sharding import constrain
 
@@ -209,7 +198,7 @@ def read_gemma3(c: HFConfig) -> Gemma3Spec:
     rope = c.get("rope_parameters") or {}
     full = rope.get("full_attention") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 1e6)}
     local = rope.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
-    if rope_kind(c, full) == "yarn":  # its cos/sin factor would reach the local layers too (models/base.py)
+    if rope_kind(c, full) == "yarn":  # its cos/sin factor would reach the local layers too (models/rope.py)
         raise UserError(f"{c.path}: rope scaling 'yarn' is not implemented for gemma3 (meshtrain would scale the "
                         f"sliding_attention layers' rope as well); this checkpoint cannot be imported exactly")
     if rope_kind(c, local) != "default":

@@ -1,13 +1,14 @@
 """The `llama` family: the dense decoder of Llama 2 and 3 (grouped-query attention, SwiGLU, RoPE with
 Llama 3.1's long-context scaling, tied or untied head), which is models/base.py's model as it is.
-Hugging Face form: `LlamaForCausalLM` (model_type llama), base.py's tensor names and config
+Hugging Face form: `LlamaForCausalLM` (model_type llama), models/hf_llama.py's tensor names and config
 translation, without sliding windows.
 
 Architecture fields: the shared ones (models/spec.py `ModelSpec`), none of its own.
 """
 from __future__ import annotations
 
-from meshtrain.models.base import LLAMA_TENSORS, LanguageModel, read_llama_config, write_llama_config
+from meshtrain.models.base import LanguageModel
+from meshtrain.models.hf_llama import LLAMA_TENSORS, read_llama_config, write_llama_config
 from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
 
 

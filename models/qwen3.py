@@ -8,34 +8,10 @@ the only parameters it adds, per layer (`q_norm`, `k_norm`, logical axis head_di
 """
 from __future__ import annotations
 
-from meshtrain.models.base import (
-    LAYER,
-    LLAMA_TENSORS,
-    PARAM_AXES,
-    Block,
-    LanguageModel,
-    Transformer,
-    read_llama_config,
-    write_llama_config,
-)
+from meshtrain.models.base import PARAM_AXES, LanguageModel, Transformer
+from meshtrain.models.hf_llama import LLAMA_TENSORS, read_llama_config, write_llama_config
+from meshtrain.models.qk_norm import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block, refuse_windows
 from meshtrain.models.spec import Family, HFConfig, HFMap, ModelSpec
-
-QK_NORM_AXES = {"q_norm": ("head_dim",), "k_norm": ("head_dim",)}
-QK_NORM_TENSORS = {("blocks", "q_norm", "scale"): (LAYER + "self_attn.q_norm.weight", False),
-                   ("blocks", "k_norm", "scale"): (LAYER + "self_attn.k_norm.weight", False)}
-
-
-class Qwen3Block(Block):
-    """The llama block with q_norm and k_norm: RMSNorm over each head's K channels, one scale [K]
-    shared by all heads."""
-
-    def __init__(self, cfg, rngs):
-        super().__init__(cfg, rngs)
-        self.q_norm = self.norm(cfg.head_dim, cfg.norm_eps)
-        self.k_norm = self.norm(cfg.head_dim, cfg.norm_eps)
-
-    def normalize_qk(self, q_BxLxHxK, k_BxLxGxK):
-        return self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
 
 
 class Qwen3Transformer(Transformer):
@@ -45,12 +21,6 @@ class Qwen3Transformer(Transformer):
 class Qwen3LanguageModel(LanguageModel):
     module = Qwen3Transformer
     param_axes = {**PARAM_AXES, **QK_NORM_AXES}
-
-
-def refuse_windows(c: HFConfig) -> None:
-    """Qwen3 configs carry a sliding_window size that only use_sliding_window turns on."""
-    c.refuse(use_sliding_window=bool,
-             layer_types=lambda types: any(t != "full_attention" for t in types or ()))
 
 
 def read_qwen3(c: HFConfig) -> ModelSpec:

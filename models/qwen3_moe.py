@@ -1,20 +1,21 @@
-"""The `qwen3_moe` family: qwen3's attention (per-head q/k RMSNorm, models/qwen3.py) with routed
-SwiGLU experts in every block (models/moe.py `moe_mlp`): no shared experts, top-k of the softmax
+"""The `qwen3_moe` family: qwen3's attention (per-head q/k RMSNorm, models/qk_norm.py) with routed
+SwiGLU experts in every block (models/experts.py `moe_mlp`): no shared experts, top-k of the softmax
 router renormalized to sum 1 (Hugging Face's norm_topk_prob=True, Qwen3-30B-A3B and Qwen3-235B-A22B).
 Hugging Face form: `Qwen3MoeForCausalLM` (model_type qwen3_moe); configs with dense layers
 (mlp_only_layers, decoder_sparse_step != 1) or unnormalized top-k are refused.
 
 Architecture fields: the shared ones with mlp_dim the width of one expert (moe_intermediate_size),
-and the routed-expert fields (models/moe.py `RoutedExperts`).
+and the routed-expert fields (models/routed.py `RoutedExperts`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from meshtrain.core.errors import UserError
-from meshtrain.models.base import LAYER, LLAMA_TENSORS, Transformer, read_llama_config, write_llama_config
-from meshtrain.models.moe import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts, refuse_router_bias
-from meshtrain.models.qwen3 import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block, refuse_windows
+from meshtrain.models.base import Transformer
+from meshtrain.models.hf_llama import LAYER, LLAMA_TENSORS, read_llama_config, write_llama_config
+from meshtrain.models.qk_norm import QK_NORM_AXES, QK_NORM_TENSORS, Qwen3Block, refuse_windows
+from meshtrain.models.routed import MOE_PARAM_AXES, MoEBlock, MoELanguageModel, RoutedExperts, refuse_router_bias
 from meshtrain.models.spec import Family, HFConfig, HFMap, family_setting
 
 

@@ -30,7 +30,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an 
 class LoraSpec:
     """Low-rank adapters (Hu et al. 2021, LoRA) on the chosen projections (docs/fine-tuning.md):
     y = x W + (alpha / rank) dropout(x) A B, A [in, rank], B [rank, out], B zero at the start; W frozen.
-    The dropout (inverted, in training only) draws its masks as models/base.py `lora_dropout` says."""
+    The dropout (inverted, in training only) draws its masks as models/lora.py `lora_dropout` says."""
     rank: int = setting(0, "LoRA rank; 0 = no adapters, every weight is trained", min=0)
     alpha: float = setting(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank",
                            above=0.0)
@@ -114,6 +114,28 @@ class ModelSpec:
     def stacked_layers(self) -> int:
         """The layers of the stack `blocks`, which the layer scan runs and pipeline stages split: all."""
         return self.num_layers
+
+    # What code outside models/ asks of any spec; a family with the feature overrides it.
+    def routed_experts(self) -> int:
+        """Routed experts per block (models/routed.py `RoutedExperts`): none, dense MLPs."""
+        return 0
+
+    def shared_experts(self) -> int:
+        """Experts every token passes through besides its routed ones: none."""
+        return 0
+
+    def dense_first_layers(self) -> int:
+        """The first layers with a dense MLP in a routed model, a stack of their own (deepseek_v3): none."""
+        return 0
+
+    def mtp_modules(self) -> int:
+        """Multi-token prediction modules, training only (deepseek_v3): none."""
+        return 0
+
+    def latent_rank(self) -> int:
+        """The width of a compressed key/value latent (models/latent_attention.py): 0, keys and values
+        per kv head."""
+        return 0
 
     def layer_windows(self) -> tuple[int, ...]:
         """Each layer's sliding attention window, in model order (0: full causal attention)."""

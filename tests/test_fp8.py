@@ -147,7 +147,7 @@ def test_the_step_quantizes_the_projections_and_the_mlp_and_nothing_else(runs):
 
 
 def test_capacity_routed_experts_run_in_fp8_and_dropless_ones_in_bf16():
-    """models/moe.py: the capacity routing's expert einsums take the block's matmul; the dropless
+    """models/experts.py: the capacity routing's expert einsums take the block's matmul; the dropless
     grouped matmuls do not. Lowered only: moe_tiny's [B, N, E, C, D] = [16, 1, 4, 10, 32] slot buffer
     (C = ceil(1.25 x 16 x 2 / 4)) enters the experts in e4m3, and the dense shared expert either way."""
     def lowered(capacity):

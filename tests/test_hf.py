@@ -79,11 +79,11 @@ def test_import_reproduces_transformers_logits(tmp_path, kind, overrides):
                                               "original_max_position_embeddings": 4096},  # DeepSeek-V3's
                                   {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}])
 def test_yarn_frequencies_and_factor_are_transformers(rope):
-    """models/base.py's yarn rope equals transformers' own init function: inverse frequencies and the
+    """models/rope.py's yarn rope equals transformers' own init function: inverse frequencies and the
     factor on cos and sin (m(mscale) / m(mscale_all_dim), or m(1) without them)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from meshtrain.models.base import rope_attention_factor, rope_frequencies
+    from meshtrain.models.rope import rope_attention_factor, rope_frequencies
     from meshtrain.models.spec import HFConfig
 
     config = transformers.LlamaConfig(**{**COMMON, "head_dim": 32, "max_position_embeddings": int(

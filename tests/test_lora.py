@@ -9,7 +9,7 @@ from conftest import run_tiny, tiny_config
 from meshtrain.config.validate import check_config
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES
-from meshtrain.models.base import adapters_off, layer_keys, lora_dropout, row_keys
+from meshtrain.models.lora import adapters_off, layer_keys, lora_dropout, row_keys
 from meshtrain.ops.trainable import select
 from meshtrain.parallel.sharding import shard_factor
 from meshtrain.run.checkpoint import saved_metadata
@@ -31,7 +31,7 @@ def is_adapter(path) -> bool:
 
 def test_a_lora_step_is_the_same_on_every_layout_and_trains_only_the_adapters():
     """With dropout on the adapters' input: its mask is keyed by the row's index in the step's batch,
-    the layer's in model order, the target and the position (models/base.py `lora_dropout`), never by
+    the layer's in model order, the target and the position (models/lora.py `lora_dropout`), never by
     a shard or a microbatch, so every layout reproduces the 1-device run."""
     trainer, reference, params = run_tiny(*DROPOUT, "parallel.mesh=1", devices=jax.devices()[:1])
     start = jax.device_get(jax.jit(trainer.program.init_state)(jax.random.key(trainer.cfg.train.seed))["params"])

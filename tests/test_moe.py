@@ -46,7 +46,7 @@ def test_dropped_tokens_are_counted_and_layout_independent():
 def test_all_to_alls_carry_the_tokens():
     """Per MoE layer: dispatch and return in the forward, both again in the backward, and (dropless)
     the int32 counts per expert the receiving devices sort by, once in the forward; their link
-    bytes are traffic.py's (models/moe.py dispatch_bytes: 4 x rows x L x min(K, E/4) x D)."""
+    bytes are traffic.py's (models/experts.py dispatch_bytes: 4 x rows x L x min(K, E/4) x D)."""
     program = TrainProgram.from_config(tiny_config("parallel.mesh=data=2,expert=4", config=MOE_TINY))
     text = program.lower().compile().as_text()
     found = hlo.collectives(text, 8)

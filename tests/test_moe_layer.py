@@ -1,5 +1,6 @@
-"""models/moe.py: a dense reference, capacity drops counted in numpy, expert-parallel parity
-(outputs, stats, gradients) on 8 simulated devices, the all-to-alls in the HLO, and the errors."""
+"""models/experts.py and meshtrain/ops/grouped_matmul.py: a dense reference, capacity drops counted
+in numpy, expert-parallel parity (outputs, stats, gradients) on 8 simulated devices, the all-to-alls
+in the HLO, and the errors."""
 import re
 
 import jax
@@ -9,9 +10,9 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-import meshtrain.models.moe as moe_module
+import meshtrain.ops.grouped_matmul as gmm_module
 from meshtrain.config.loader import UserError
-from meshtrain.models.moe import capacity, moe_mlp
+from meshtrain.models.experts import capacity, moe_mlp
 from meshtrain.planner import hlo
 
 B, L, D, F, K = 8, 8, 16, 32, 2
@@ -94,7 +95,7 @@ def assert_close(got, want, tol=1e-5):
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Grouped-matmul tiles of 8 rows: several tiles per expert, and tiles that straddle experts."""
-    monkeypatch.setattr(moe_module, "GMM_TILE", 8)
+    monkeypatch.setattr(gmm_module, "GMM_TILE", 8)
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
@@ -247,7 +248,7 @@ def test_errors():
 def test_grouped_matmul_matches_per_row_products(monkeypatch):
     """Small tiles so that tiles straddle groups, empty groups, a ragged last tile and padding rows
     (group >= G, output 0): y and the gradients equal the per-row products."""
-    monkeypatch.setattr(moe_module, "GMM_TILE", 4)
+    monkeypatch.setattr(gmm_module, "GMM_TILE", 4)
     rng = np.random.default_rng(0)
     G, M, Kd, N = 5, 23, 6, 7
     group = np.sort(rng.choice([0, 1, 3, 3, 4, G], size=M)).astype(np.int32)
@@ -259,7 +260,7 @@ def test_grouped_matmul_matches_per_row_products(monkeypatch):
         y = jnp.einsum("mk,mkn->mn", x, jnp.take(w, jnp.minimum(group, G - 1), axis=0))
         return jnp.where((group < G)[:, None], y, 0)
 
-    got = jax.value_and_grad(lambda x, w: jnp.sum(moe_module.grouped_matmul(x, w, group) * ct), (0, 1))
+    got = jax.value_and_grad(lambda x, w: jnp.sum(gmm_module.grouped_matmul(x, w, group) * ct), (0, 1))
     want = jax.value_and_grad(lambda x, w: jnp.sum(reference(x, w) * ct), (0, 1))
     assert_close(jax.jit(got)(x, w), want(x, w))
 

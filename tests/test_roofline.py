@@ -8,7 +8,7 @@ import pytest
 from conftest import MOE_TINY, ROOT, TINY, tiny_config
 
 from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
-from meshtrain.models.moe import GMM_TILE
+from meshtrain.ops.grouped_matmul import GMM_TILE
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
 from meshtrain.planner import hlo, roofline
@@ -437,9 +437,10 @@ def test_a_conditional_costs_the_mean_of_its_branches():
 
 @pytest.mark.fast
 def test_a_fusion_that_reads_a_tile_of_the_buffer_it_updates_in_place_moves_the_tile_only():
-    """The grouped matmul's step (models/moe.py `_gmm_loop`): read a tile of the output, select, write the
-    tile back. The buffer is updated in place, so only the tile is read and written, not the whole buffer
-    (qwen3-30b-a3b's pod priced 596 s a step when the [262144, 2048] buffer was counted read each step)."""
+    """The grouped matmul's step (meshtrain/ops/grouped_matmul.py `_gmm_loop`): read a tile of the
+    output, select, write the tile back. The buffer is updated in place, so only the tile is read and
+    written, not the whole buffer (qwen3-30b-a3b's pod priced 596 s a step when the [262144, 2048]
+    buffer was counted read each step)."""
     from meshtrain.planner import kernel_time
 
     read_modify_write = WALKED.replace(

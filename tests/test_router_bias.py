@@ -12,7 +12,7 @@ from conftest import ROOT, run_tiny, tiny_config
 from meshtrain.config.loader import UserError, load_config
 from meshtrain.engine.program import TrainProgram
 from meshtrain.models import FAMILIES
-from meshtrain.models.moe import Router, moe_mlp, route
+from meshtrain.models.experts import Router, moe_mlp, route
 from meshtrain.parallel.batching import inputs_and_targets
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer

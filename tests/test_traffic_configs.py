@@ -105,7 +105,7 @@ def all_reduce_over_tensor(config):
 
 def test_moe_experts_split_over_tensor_all_reduce_as_megatron():
     """Dropless experts split on F over tensor, no expert axis: the partial sums are summed once per
-    layer after the combine (models/moe.py `width_axes`), the all-reduce at Megatron's formula. Left
+    layer after the combine (models/experts.py `width_axes`), the all-reduce at Megatron's formula. Left
     to the compiler they were all-reduced in the grouped matmuls' loops, every (tile, expert) step:
     6.3x the formula here. (The MoE layers' FSDP all-gathers read 0.73x, also without tensor: not
     this test's.)"""

@@ -164,7 +164,7 @@ def megatron_allreduce_bytes(tokens_per_device: float, width: int, tensor: int, 
 
 def moe_all_to_all_bytes(buffer_bytes: float, expert_axis: int, moe_layers: float, passes: int = 4,
                          count_bytes: float = 0) -> float:
-    """Expert parallelism: per MoE layer the dispatch buffer (models/moe.py `dispatch_bytes`) goes
+    """Expert parallelism: per MoE layer the dispatch buffer (models/experts.py `dispatch_bytes`) goes
     to the experts' devices and back, in the forward and again in the backward (4 all-to-alls; 6
     when remat reruns the forward), each (N-1)/N x its bytes over the expert axis (N = its size);
     dropless routing also sends `count_bytes` (an int32 count per expert) once per forward run."""

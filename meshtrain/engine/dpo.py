@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshtrain.models.base import adapters_off, fold_key
+from meshtrain.models.lora import adapters_off, fold_key
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.loss import sequence_log_probs
 from meshtrain.ops.precision import cast_for_compute
@@ -60,7 +60,7 @@ def pair_log_probs(model, params, x_NxLxD, targets_NxL):
 
 
 def sequence_keys(keys_Bx2):
-    """Each pair's LoRA dropout key (models/base.py `row_keys`) -> its sequences' [2B, 2], in the
+    """Each pair's LoRA dropout key (models/lora.py `row_keys`) -> its sequences' [2B, 2], in the
     order of `sequences`: the pair's key folded with 0 (chosen) and 1 (rejected)."""
     return jax.vmap(lambda k: jnp.stack([fold_key(k, 0), fold_key(k, 1)]))(keys_Bx2).reshape(-1, 2)
 

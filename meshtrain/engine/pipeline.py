@@ -45,7 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.data.tokens import token_ids
 from meshtrain.engine.dpo import dpo_loss, pair_log_probs, pipeline_sequences, sequence_keys
-from meshtrain.models.base import PER_LAYER_STATS, layer_keys, layer_means, layer_sums, per_layer, scan_blocks
+from meshtrain.models.base import PER_LAYER_STATS, layer_means, layer_sums, per_layer, scan_blocks
+from meshtrain.models.lora import layer_keys
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.ops.trainable import freeze, merge, select
@@ -201,7 +202,7 @@ class StageProgram:
 
     def chunk_noise(self, v, m):
         """The LoRA dropout keys [layers per chunk, b, 2] of chunk v's layers for microbatch m, or None:
-        its rows' keys folded with each layer's index in model order (models/base.py `layer_keys`)."""
+        its rows' keys folded with each layer's index in model order (models/lora.py `layer_keys`)."""
         return None if self.noise is None else layer_keys(_take(self.noise, m), _take(self.layer_ids, v))
 
     def layer_args(self, v, m) -> dict:
@@ -442,7 +443,7 @@ def _microbatches(model, tokens, micro: int, loss_mask: bool, pairs: bool):
 
 
 def _microbatch_keys(keys, micro: int, pairs: bool):
-    """LoRA dropout's row keys (models/base.py `row_keys`) [M, rows, 2] as `_microbatches` splits the
+    """LoRA dropout's row keys (models/lora.py `row_keys`) [M, rows, 2] as `_microbatches` splits the
     rows; DPO's pairs' keys as each pair's two sequences' (dpo.py `sequence_keys`), ordered as
     `pipeline_sequences` orders them. None without dropout."""
     if keys is None:

@@ -13,7 +13,7 @@ import optax
 
 from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
 from meshtrain.engine.pipeline import make_pipeline_grads, make_pipeline_log_probs
-from meshtrain.models.base import row_keys
+from meshtrain.models.lora import row_keys
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
@@ -54,7 +54,7 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
     `mtp_shares` ([D], `mtp_shares`; the train step's, None in evaluation): the objective adds the
     multi-token prediction loss, mtp_loss_weight x the mean of the D depths' losses (DeepSeek-V3
     eq. 25), weighted as the auxiliary losses are, and the metric 'mtp_loss' is that mean.
-    `dropout_keys` ([B, 2], the train step's, models/base.py `row_keys`): LoRA dropout is on."""
+    `dropout_keys` ([B, 2], the train step's, models/lora.py `row_keys`): LoRA dropout is on."""
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
     def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None, dropout_keys=None):
@@ -132,7 +132,7 @@ def grad_norms_by_group(grads, embed_stacks: tuple = ()) -> dict:
 
 def balance_routers(model, params, metrics, batch_shape, applied, pairs: bool = False):
     """The parameters with each routed layer's `router_bias` moved toward balance
-    (the MoE model's `balanced_router_bias`, models/moe.py), unless the step was skipped, and the metrics with
+    (the MoE model's `balanced_router_bias`, models/routed.py), unless the step was skipped, and the metrics with
     'expert_load' as counts [routed layers, E] (storage order) and 'batch_load_max', the worst
     layer's busiest expert's count over the mean count (1 = balanced over the whole global batch).
     `batch_shape`: the step's tokens [B, L + 1], or [B, 2 (L + 1)] preference pairs (`pairs`)."""
@@ -162,7 +162,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
     (meshtrain/engine/dpo.py), the reference log-probs taken first from `reference_params(state)`
     (on a pipeline, by a forward-only pass through its stages: `make_pipeline_log_probs`). Under LoRA
     dropout (model.lora.dropout > 0) each row of the batch gets its key from (`seed`, the state's
-    step) (models/base.py `row_keys`), which travels with the row through every executor's split."""
+    step) (models/lora.py `row_keys`), which travels with the row through every executor's split."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
     keep = model.cfg.trainable
     micro = plan.num_microbatches(stages)
@@ -227,7 +227,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         applied = ~(bad | overflow)
         keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
         new_params = merge(params, keep_if_skipped(optax.apply_updates(trained, updates), trained))
-        if "expert_load" in model_metrics:  # aux-loss-free balancing, after the optimizer (models/moe.py)
+        if "expert_load" in model_metrics:  # aux-loss-free balancing, after the optimizer (models/routed.py)
             new_params, model_metrics = balance_routers(model, new_params, model_metrics, tokens_BxL1.shape,
                                                         applied, pairs=dpo is not None)
         new_state = {**state, "step": state["step"] + 1,

@@ -36,7 +36,7 @@ from safetensors.numpy import load_file
 
 from meshtrain.core.errors import UserError
 from meshtrain.interop.hf import check_sums
-from meshtrain.models.base import contracted_axes
+from meshtrain.models.axes import contracted_axes
 
 SCHEMES = ("symmetric", "affine")
 KEPT = ("router",)  # by param name; 1-D params (norm scales) are kept too

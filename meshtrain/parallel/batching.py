@@ -33,7 +33,7 @@ class StepInputs:
     trained_share: Any = None
     # multi-token prediction: [D] each depth's trained share of the step batch (models/deepseek_v3.py mtp_shares)
     mtp_shares: Any = None
-    # LoRA dropout: [B, 2] each row's key (models/base.py `row_keys`), which travels with its row
+    # LoRA dropout: [B, 2] each row's key (models/lora.py `row_keys`), which travels with its row
     dropout_keys: Any = None
 
     def with_tokens(self, tokens, reference=None, dropout_keys=None) -> StepInputs:

@@ -26,7 +26,7 @@ from meshtrain.parallel.mesh import AXES
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # Outside the experts, the expert axis is data parallel; it is the batch's major factor, as the
-    # experts' all-to-all (models/moe.py) takes it, so tokens enter and leave it without a reshuffle.
+    # experts' all-to-all (models/experts.py) takes it, so tokens enter and leave it without a reshuffle.
     "batch": ("expert", "data", "fsdp"),
     "seq": ("context",),  # context parallelism splits the sequence
     "residual_seq": ("context",),  # the residual stream and norms; + tensor under sequence parallelism
@@ -44,7 +44,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # first stage, and its MTP modules): every stage holds them whole, as the embedding.
     "outer_layers": (),
     "experts": ("expert",),  # each expert-parallel device holds its own experts
-    # A LoRA factor's rank (models/base.py lora_axes) goes where `embed` does: a factor with an embed
+    # A LoRA factor's rank (models/lora.py lora_axes) goes where `embed` does: a factor with an embed
     # axis keeps it there (an axis shards one dimension), the others (B of q/k/v/gate/up, A of o/down)
     # split their rank, so every adapter is split over fsdp x context as ZeRO's formula divides it.
     "lora_rank": ("fsdp", "context"),

@@ -21,7 +21,7 @@ perfectly, the sum when none does):
 - compute = hardware FLOPs / peak / (1 - pipeline bubble). Hardware FLOPs are the model's dense
   6N per token (meshtrain/core/metrics.py), corrected by the model's `slot_matmul_params`, N_slot
   (capacity routing runs every expert slot, empty or not, not N's k/E share; dropless routing under
-  expert parallelism every row of its receive buffer, filled or not: models/moe.py), which counts
+  expert parallelism every row of its receive buffer, filled or not: models/experts.py), which counts
   with the blocks and, under fp8, with the fp8 matmuls where they run it; plus the forward the backward
   reruns, 2·(N_blocks + N_slot), under
   `parallel.remat=full` or a pipeline's `parallel.residuals=recompute` (`save_matmuls` and
