@@ -58,8 +58,8 @@ def check_config(cfg) -> None:
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
     m.check()  # the family's own
     m.lora.check()
-    experts_adapted = getattr(m, "num_experts", 0) and {"gate", "up", "down"} & set(m.lora.targets)
-    if m.lora.rank and m.lora.dropout and experts_adapted:  # models/moe.py: the adapters see dispatch buffers
+    experts_adapted = m.routed_experts() and {"gate", "up", "down"} & set(m.lora.targets)
+    if m.lora.rank and m.lora.dropout and experts_adapted:  # models/experts.py: the adapters see dispatch buffers
         raise UserError(f"model.lora.dropout={m.lora.dropout} on the adapters of routed experts is not built (their "
                         f"input is the experts' dispatch buffer, with no row or position to key a mask by); set "
                         f"model.lora.dropout=0, or adapt the attention only: model.lora.targets=[q,k,v,o]")
@@ -102,7 +102,7 @@ def _check_dpo(cfg) -> None:
     """train.objective=dpo reads one folder of preference pairs and trains no multi-token prediction
     modules."""
     d = cfg.data
-    if getattr(cfg.model, "mtp_depth", 0):
+    if cfg.model.mtp_modules():
         raise UserError("train.objective=dpo trains the next-token policy only; set model.mtp_depth=0 (the "
                         "multi-token prediction modules are a pretraining objective)")
     if d.sources or d.kind == "synthetic" or not d.path or d.train_on != "assistant":
@@ -133,7 +133,7 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     _check_kernels(par, t.seq_len, backend)
     stages = sizes["pipeline"]
     micro = par.num_microbatches(stages)
-    dense = getattr(m, "first_k_dense_replace", 0)
+    dense = m.dense_first_layers()
     if dense and stages > 1 and sizes["fsdp"] > 1 and sizes["tensor"] > 1:  # XLA:CPU hung in a collective-permute
         raise LayoutError(f"model.first_k_dense_replace={dense} on a pipeline with fsdp and tensor both > 1 is not "
                           f"built (the first stage's dense layers wait for the other stages); keep one of them at 1")
@@ -156,7 +156,7 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
             raise LayoutError(f"parallel.rules.{name}={list(rules[name])} splits the sequence {shards} ways, which "
                               f"does not divide train.seq_len={t.seq_len}; use a multiple of {shards} or other rules")
     experts = sizes["expert"]
-    if experts > 1 and not getattr(m, "num_experts", 0):
+    if experts > 1 and not m.routed_experts():
         raise UserError(f"mesh expert={experts} splits experts, and this model has none; set model.family to one "
                         f"with experts ({', '.join(f.name for f in declaring('num_experts'))}) and "
                         f"model.num_experts, or drop the expert axis")

@@ -98,7 +98,7 @@ class ChatFormat:
 
 def load_format(spec: str, tok) -> ChatFormat:
     """--chat-template: `auto` (the tokenizer's own), a built-in name, or a .jinja file."""
-    folder = getattr(tok, "path", None)
+    folder = tok.path
     specials = _specials(folder.parent) if folder is not None else {}
     if spec in BUILTIN:
         return ChatFormat(BUILTIN[spec], spec, specials)
@@ -167,7 +167,7 @@ def encode(fmt: ChatFormat, tok, conversations: list[list[dict]]) -> list[tuple[
 
 def ids_and_starts(tok, text: str) -> tuple[np.ndarray, np.ndarray]:
     """The text's ids (no special tokens added) and each token's first character."""
-    if getattr(tok, "rust", None) is None:  # bytes: every byte of a character starts at it
+    if tok.rust is None:  # bytes: every byte of a character starts at it
         ids = tok.encode(text)
         widths = [len(c.encode("utf-8", "surrogateescape")) for c in text]
         return ids, np.repeat(np.arange(len(text)), widths)

@@ -116,7 +116,7 @@ def unit_keys(parts: list[Unit], tok, field: str, chat: ChatFormat | None = None
     """A hash per unit of what its result is made from: the unit, its file's size and mtime, the
     tokenizer (its file's bytes, vocabulary and EOS), the text field, the chat template (its text and
     special tokens) and whether the rows are preference pairs."""
-    tok_file = getattr(tok, "path", None)
+    tok_file = tok.path
     made_with = [FORMAT, tok.name, tok.vocab_size, tok.eos_id, field,
                  hashlib.sha256(Path(tok_file).read_bytes()).hexdigest() if tok_file else None,
                  None if chat is None else [chat.template, sorted(chat.specials.items())], preference]

@@ -73,7 +73,7 @@ def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = Non
     pieces = [piece for ids in encoded for piece in (ids, end)]
     dtype = token_dtype(tok.vocab_size)
     characters, dropped = 0, {}
-    if getattr(tok, "may_drop", False):  # a tokenizer with no unknown token: count what it drops
+    if tok.may_drop:  # a tokenizer with no unknown token: count what it drops
         counts = collections.Counter()
         for text in texts:
             counts.update(text)

@@ -32,6 +32,9 @@ class Tokenizer(Protocol):
     name: str  # what is recorded: "byte" or the tokenizer.json path
     vocab_size: int
     eos_id: int | None
+    path: Path | None  # the tokenizer.json (None: bytes)
+    rust: object | None  # the `tokenizers` library's Tokenizer, for offsets (None: bytes, one id per byte)
+    may_drop: bool  # whether encoding may drop characters (no unknown token): prepare counts them
 
     def encode(self, text: str) -> np.ndarray: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
@@ -46,6 +49,7 @@ def document_end(tok: Tokenizer) -> np.ndarray:
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 (uint8 arrays); decoding replaces invalid UTF-8."""
     name, vocab_size, eos_id = "byte", 256, None
+    path, rust, may_drop = None, None, False
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", "surrogateescape"), dtype=np.uint8)

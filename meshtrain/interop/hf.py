@@ -37,7 +37,8 @@ from meshtrain.core import schema
 from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.core.errors import UserError
 from meshtrain.models import FAMILIES, Family, ModelSpec, family
-from meshtrain.models.base import adapted_weight, contracted_axes
+from meshtrain.models.axes import contracted_axes
+from meshtrain.models.lora import adapted_weight
 from meshtrain.models.spec import HFConfig
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -97,7 +98,7 @@ def read_spec(folder: str | Path) -> ModelSpec:
 
 def hf_form(spec_or_family) -> Family:
     """The family of a spec (or a family name), which must have a Hugging Face form."""
-    f = family(getattr(spec_or_family, "family", spec_or_family))
+    f = family(spec_or_family if isinstance(spec_or_family, str) else spec_or_family.family)
     if f.hf is None:
         raise UserError(f"the {f.name} family has no Hugging Face form; export is for "
                         f"{', '.join(x.name for x in FAMILIES.values() if x.hf)}")

@@ -104,7 +104,7 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
     mesh = layout.mesh
     step = (lambda a, b: (a, b)) if memory else (lambda a, b: (b, a))
     for donor, taker in (step(a, b) for a, b in MESH_MOVES):
-        if mesh[donor] == 1 or (taker == "expert" and not getattr(model, "num_experts", 0)):
+        if mesh[donor] == 1 or (taker == "expert" and not model.routed_experts()):
             continue
         f = _smallest_factor(mesh[donor])
         if taker == "tensor" and mesh["tensor"] * f > devices_per_node:
@@ -149,7 +149,7 @@ def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> lis
     wanted = {a: devices / named if s == -1 else s for a, s in wanted.items()}
     wanted_micro = par.num_microbatches(max(1, round(wanted["pipeline"])))
     rules = make_rules(par.rules, par.sequence_parallel)
-    axes = AXES if getattr(cfg.model, "num_experts", 0) else tuple(a for a in AXES if a != "expert")
+    axes = AXES if cfg.model.routed_experts() else tuple(a for a in AXES if a != "expert")
     found = []
     for mesh in _factorizations(devices, axes):
         sizes = {a: mesh.get(a, 1) for a in AXES}

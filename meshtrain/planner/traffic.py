@@ -127,7 +127,7 @@ def param_slices(program, experts: bool = True, trained: bool = False) -> dict[s
 
 
 def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
-    """One MoE layer's dispatch buffer per device (the model's `dispatch_bytes`, models/moe.py) for
+    """One MoE layer's dispatch buffer per device (the model's `dispatch_bytes`, models/routed.py) for
     this layout's rows per microbatch (`microbatches`: the plan's unless given); None without routed
     experts."""
     sizes, t = program.sizes, program.train
@@ -417,7 +417,7 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         gaps["all-gather"].append((
             "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
             "backward) where the formula counts one gather", 1, 4))
-    latent = getattr(program.model.cfg, "kv_lora_rank", 0)
+    latent = program.model.cfg.latent_rank()
     if T > 1 and latent:  # models/deepseek_v3.py: the latents are normalized, then split by heads
         m = program.model.cfg
         width = m.q_lora_rank + latent + m.qk_rope_head_dim
@@ -431,7 +431,7 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
     if E > 1:
         gaps["all-gather"].append((
-            "the MoE routing (models/moe.py) gathers token positions and router statistics over expert: not "
+            "the MoE routing (models/experts.py) gathers token positions and router statistics over expert: not "
             "modelled", 1, 1.5))
     if plan.sequence_parallel:
         why = ("sequence parallelism: besides the Megatron-SP reduce-scatter/all-gather pairs XLA reshards q, k, v "
