@@ -82,7 +82,7 @@ def test_lock_takes_over_only_what_no_process_holds(tmp_path, case, before, outc
         notice = lock.stale_notice()
         assert (notice is not None) == (outcome == "notice"), notice
         if notice:
-            assert notice.startswith(f"notice: --out {folder} was locked by pid ") and "lock taken over" in notice
+            assert notice.startswith(f"--out {folder} was locked by pid ") and "lock taken over" in notice
         assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
     finally:
         lock.release()

@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from meshtrain.core import schema
-from meshtrain.core.console import log
+from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, replace_file
 from meshtrain.models import FAMILIES
@@ -124,7 +124,7 @@ class Checkpointer:
         if owner and jax.process_index() == 0:
             for tmp in sorted(self.directory.glob(f"*{TMP_SUFFIX}*")):
                 shutil.rmtree(tmp, ignore_errors=True)
-                log.info(f"notice: removed {tmp}, a checkpoint save that was interrupted")
+                log.log(NOTICE, f"removed {tmp}, a checkpoint save that was interrupted")
         self.keep, self._manager, self._in_flight_gb = keep, None, None
 
     @property
@@ -223,9 +223,9 @@ class Checkpointer:
             raise Damaged("checksums of the restored arrays differ from those recorded at save time")
         for k in fresh:
             state[k] = optional[k]()
-            log.info(f"notice: checkpoint {folder} has no '{k}' in this run's layout; it starts fresh")
+            log.log(NOTICE, f"checkpoint {folder} has no '{k}' in this run's layout; it starts fresh")
         if unused and note_unused:
-            log.info(f"notice: checkpoint {folder} holds {', '.join(map(repr, unused))}, which this run does not use; "
+            log.log(NOTICE, f"checkpoint {folder} holds {', '.join(map(repr, unused))}, which this run does not use; "
                      f"not read")
         return {k: state[k] for k in abstract_state}, meta
 

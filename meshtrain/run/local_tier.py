@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from meshtrain.core.console import log
+from meshtrain.core.console import NOTICE, log
 from meshtrain.run.checkpoint import Damaged, agree, leaf_specs, state_checksums
 
 MANIFEST, SHARDS = "manifest.json", "shards.bin"
@@ -194,7 +194,7 @@ class LocalTier:
         newest = max((int(s) for s in every.flat if s > than), default=None)
         if newest is not None and newest not in common:
             lacking = [i for i, row in enumerate(every) if newest not in row]
-            log.info(f"notice: local checkpoint of step {newest} is missing or unusable on process(es) "
+            log.log(NOTICE, f"local checkpoint of step {newest} is missing or unusable on process(es) "
                      f"{', '.join(map(str, lacking))}; " + ("trying an older local step" if any(
                          s > than for s in common) else "using the persistent tier"))
         for step in sorted((s for s in common if s > than), reverse=True):

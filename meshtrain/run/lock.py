@@ -85,11 +85,11 @@ class FolderLock:
         exits.released()
 
     def stale_notice(self) -> str | None:
-        """The notice for a lock taken over from a killed run (once), or None."""
+        """The notice (logged at NOTICE) for a lock taken over from a killed run (once), or None."""
         h, self.taken_over = self.taken_over, None
         if not h:
             return None
-        return (f"notice: {self.flag} {self.folder} was locked by pid {h.get('pid')} on {h.get('host')} "
+        return (f"{self.flag} {self.folder} was locked by pid {h.get('pid')} on {h.get('host')} "
                 f"(since {h.get('since')}), which no longer runs; lock taken over")
 
     def _in_use(self, h: dict) -> str:

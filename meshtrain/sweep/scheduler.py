@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from meshtrain.config.loader import load_config
-from meshtrain.core.console import log
+from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.exits import EXIT_TERMINATED
 from meshtrain.sweep import folder
@@ -36,7 +36,7 @@ class Sweep:
         """Trials a killed sweep process left RUNNING: failed, and queued to resume in their folders."""
         for t in folder.orphans(self.study.get_trials(deepcopy=False), self.out):
             self.fail_for_retry(t.number, t._trial_id)
-            log.info(f"notice: trial {t.number} was left RUNNING by a sweep that is gone; failed, and queued to "
+            log.log(NOTICE, f"trial {t.number} was left RUNNING by a sweep that is gone; failed, and queued to "
                      f"resume in {shown_path(t.user_attrs.get('run_dir', self.out / f'trial-{t.number}'))}")
 
     def run(self) -> None:
