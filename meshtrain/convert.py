@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.config.loader import Config, UserError, commented_yaml
-from meshtrain.core.cli import Parser, command, devices_flag, number, simulate_devices
-from meshtrain.core.console import use_console
+from meshtrain.core.cli import Parser, arguments, command, compile_cache_flag, devices_flag, number, start_jax
 from meshtrain.core.folders import check_new, writing_whole
 from meshtrain.data import tokenizer
 from meshtrain.interop import hf
@@ -56,14 +55,14 @@ def parser() -> Parser:
     p.add_argument("--step", type=number(int, min=0), help="--to-hf, --quantize: read this checkpoint step "
                                                          "(default: the newest intact one)")
     devices_flag(p, "simulate this many CPU devices")
+    compile_cache_flag(p)
     return p
 
 
 @command
 def main(argv=None) -> int:
-    use_console()
-    args = parser().parse_args(argv)
-    simulate_devices(args.devices)
+    args = arguments(parser(), argv)
+    start_jax(args)
     if args.from_hf:
         if args.step is not None:
             raise UserError("--step chooses the checkpoint --to-hf or --quantize reads; --from-hf has none")
@@ -113,7 +112,7 @@ def to_hf(run: str, folder: str, dtype: str, max_shard_bytes: int, mesh_spec: st
     import jax
 
     from meshtrain.models import FAMILIES
-    from meshtrain.models.base import merge_adapters
+    from meshtrain.models.lora import merge_adapters
     from meshtrain.parallel.mesh import build_mesh, parse_mesh
     from meshtrain.parallel.sharding import param_shardings
 

@@ -14,9 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.core import compile_cache
-from meshtrain.core.cli import Parser, command, compile_cache_flag, devices_flag, number, simulate_devices
-from meshtrain.core.console import use_console
+from meshtrain.core.cli import Parser, arguments, command, compile_cache_flag, devices_flag, number, start_jax
 from meshtrain.core.errors import UserError
 
 HF_SEQ_LEN, HF_BATCH = 2048, 8  # --hf's window and rows unless --seq-len / --batch-size say otherwise
@@ -73,7 +71,7 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
         tok = tokenizer_lib.load(str(tok_spec))
     if tok is not None:
         tokenizer_lib.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
-    program = TrainProgram.from_config(cfg, devices, tokenizer_eos=getattr(tok, "eos_id", None))  # document_mask
+    program = TrainProgram.from_config(cfg, devices, tokenizer_eos=None if tok is None else tok.eos_id)  # document_mask
     shardings = program.state_shardings["params"]
     reference = None
     if run is not None:
@@ -192,10 +190,8 @@ def main(argv=None) -> int:
     from meshtrain.parallel.mesh import describe
     from meshtrain.run.loggers import format_record
 
-    use_console()
-    args = parser().parse_args(argv)
-    simulate_devices(args.devices)
-    compile_cache.use(args.compile_cache)
+    args = arguments(parser(), argv)
+    start_jax(args)
     json_out = args.json and file_target(args.json, "--json")  # checked before any work
     flagged = task_entries(args.task, args.limit)
     for entry in tasks.entries(flagged, "--task"):  # a bad --task file is found before any weight is read

@@ -11,9 +11,7 @@ import jax
 import numpy as np
 
 from meshtrain.config.validate import check_generation_size
-from meshtrain.core import compile_cache
-from meshtrain.core.cli import Parser, command, compile_cache_flag, devices_flag, number, simulate_devices
-from meshtrain.core.console import use_console
+from meshtrain.core.cli import Parser, arguments, command, compile_cache_flag, devices_flag, number, start_jax
 from meshtrain.core.errors import UserError
 from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
 
@@ -86,13 +84,11 @@ def parser() -> Parser:
 def main(argv=None) -> int:
     from meshtrain.run.run_dir import run_config
 
-    use_console()
-    args = parser().parse_args(argv)
+    args = arguments(parser(), argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = run_config(args.run).generate.max_new_tokens
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    simulate_devices(args.devices)
-    compile_cache.use(args.compile_cache)
+    start_jax(args)
     tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
     check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
                           args.max_new_tokens, jax.devices())

@@ -29,8 +29,7 @@ import shlex
 import sys
 
 from meshtrain.core import compile_cache
-from meshtrain.core.cli import Parser, check_platforms, command, compile_cache_flag, devices_flag, number
-from meshtrain.core.console import use_console
+from meshtrain.core.cli import Parser, arguments, check_platforms, command, compile_cache_flag, devices_flag, number
 from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.metrics import DEVICE_PROFILES
@@ -122,8 +121,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
-    use_console()
-    args = parser().parse_args(argv)
+    args = arguments(parser(), argv)
     if args.schedule:
         return schedule_main(args)
     if not (args.config and args.devices):

@@ -20,8 +20,8 @@ import os
 import sys
 import time
 
-from meshtrain.core.cli import Parser, command, number
-from meshtrain.core.console import log, use_console
+from meshtrain.core.cli import Parser, arguments, command, number
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.ray_cluster import connected
 from meshtrain.run.multihost import EXIT_PEER_LOST, die_with_parent, last_error
@@ -132,10 +132,9 @@ def launch(nodes: int, train_argv: list[str], strategy: str = "STRICT_SPREAD", c
 
 @command
 def main(argv=None) -> int:
-    use_console()
     argv = sys.argv[1:] if argv is None else argv
     own, train = split_argv(argv)
-    args = parser().parse_args(own)
+    args = arguments(parser(), own)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every process's lines, not "[repeated 2x]"
     started = time.time()
     with connected(args.address, local={"num_cpus": max(2, int(args.nodes * args.cpus_per_node))}):

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.core import jsonl
-from meshtrain.core.cli import Parser, command
-from meshtrain.core.console import duration, use_console
+from meshtrain.core.cli import Parser, arguments, command
+from meshtrain.core.console import duration
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.planner.drawing import figure_suffixes
@@ -131,8 +131,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
-    use_console()
-    args = parser().parse_args(argv)
+    args = arguments(parser(), argv)
     with writing_file(args.out, "--out", args.force, figure_suffixes()) as tmp:
         runs = [load_run(path) for path in args.runs]
         figure(runs).savefig(tmp, dpi=100)

@@ -16,6 +16,7 @@ from meshtrain.config.loader import (
 )
 from meshtrain.core.cli import (
     Parser,
+    arguments,
     command,
     compile_cache_flag,
     devices_flag,
@@ -23,7 +24,6 @@ from meshtrain.core.cli import (
     raise_interrupt,
     simulate_devices,
 )
-from meshtrain.core.console import use_console
 
 # Shortcut flags -> config keys.
 FLAG_KEYS = {"mesh": "parallel.mesh", "devices": "devices", "steps": "train.steps", "batch_size": "train.batch_size",
@@ -96,8 +96,7 @@ def overrides(args) -> list[str]:
 def main(argv=None) -> int:
     """Ctrl-C during training saves a checkpoint and returns 0 (Trainer.fit); before it, the
     wrapper's one line and 130: nothing was written yet."""
-    use_console()
-    args = parser().parse_args(argv)
+    args = arguments(parser(), argv)
     if args.config_reference:
         print(reference_markdown(), end="")
         return 0

@@ -12,9 +12,11 @@
 - Any other exception is a bug, not bad input: its traceback is kept and a last line asks for a
   report, exit 1; it is never dressed up as a one-line `error:`.
 
-The commands that run JAX share their `--devices N` too: `devices_flag(parser)` defines it and
-`simulate_devices(args.devices)` asks JAX for that many CPU devices, which must happen before JAX
-starts its backends (so right after parsing, before anything touches a device).
+Every command starts with `arguments(parser(), argv)`: the console, then its flags. The commands
+that run JAX share their `--devices N` and `--compile-cache` too: `devices_flag(parser)` and
+`compile_cache_flag(parser)` define them and `start_jax(args)` applies them (JAX is asked for that
+many CPU devices, which must happen before it starts its backends: right after parsing, before
+anything touches a device).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import traceback
 
 from meshtrain.core import compile_cache, exits
 from meshtrain.core.bounds import Bounds
+from meshtrain.core.console import use_console
 from meshtrain.core.errors import UserError
 from meshtrain.core.exits import (  # noqa: F401 - the statuses and lines, re-exported for the commands
     EXIT_BUG,
@@ -84,6 +87,20 @@ def command(main):
                   "above and the command you ran", file=sys.stderr)
             return EXIT_BUG
     return wrapped
+
+
+def arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """A command's first step: the console installed (its lines as the docs show them,
+    meshtrain/core/console.py), then its flags parsed (a usage error is one `error:` line, `Parser`)."""
+    use_console()
+    return parser.parse_args(argv)
+
+
+def start_jax(args) -> None:
+    """A JAX command's step before anything touches a device: `--devices` simulated
+    (`simulate_devices`) and `--compile-cache` in use (meshtrain/core/compile_cache.py)."""
+    simulate_devices(args.devices)
+    compile_cache.use(args.compile_cache)
 
 
 class Parser(argparse.ArgumentParser):

@@ -13,8 +13,7 @@ import os
 import sys
 import time
 
-from meshtrain.core.cli import Parser, command, number
-from meshtrain.core.console import use_console
+from meshtrain.core.cli import Parser, arguments, command, number
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.data import chat as chat_lib
@@ -73,8 +72,7 @@ def parser() -> Parser:
 
 @command
 def main(argv=None) -> int:
-    use_console()
-    args = parser().parse_args(argv)
+    args = arguments(parser(), argv)
     kind = detect(args.src, args.kind, "SRC")
     started = time.perf_counter()
     if args.command == "prepare":

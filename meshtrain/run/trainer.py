@@ -19,7 +19,7 @@ import numpy as np
 from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
 from meshtrain.core import compile_cache
-from meshtrain.core.console import default_console
+from meshtrain.core.console import NOTICE, default_console
 from meshtrain.core.console import log as console
 from meshtrain.core.folders import writable
 from meshtrain.core.metrics import run_peaks, throughput_fields
@@ -85,7 +85,7 @@ class Trainer:
         load_mixture = lambda: mixture.load(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
         # data.document_mask splits documents at the data's own tokenizer's EOS unless data.eos_id names one
         early = load_mixture() if cfg.data.document_mask and cfg.data.eos_id < 0 else None
-        eos = None if early is None else getattr(early.tokenizer, "eos_id", None)
+        eos = None if early is None or early.tokenizer is None else early.tokenizer.eos_id
         self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         self.mixture = load_mixture() if early is None else early
@@ -95,7 +95,7 @@ class Trainer:
             self.out, cfg, run_dir.mixture_fingerprint(self.mixture), allow_change,
             earlier=lambda: run_dir.mixture_fingerprint(self.mixture, run_dir.windows_fingerprint))
         if t.steps > cfg.optim.schedule_steps:
-            console.info(f"notice: train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
+            console.log(NOTICE, f"train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
                          f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay "
                          f"over a new horizon, pass --set optim.schedule_steps={t.steps} --allow-change")
         # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
@@ -158,7 +158,7 @@ class Trainer:
                                      f"pick another --out")
         notice = self.lock.stale_notice()
         if notice:
-            console.info(notice)
+            console.log(NOTICE, notice)
 
     def close(self) -> None:
         """Give --out back (fit() does at its end; a Trainer that never trains should be closed)."""

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from meshtrain.config.loader import default_out
-from meshtrain.core.cli import Parser, command, devices_flag, number
-from meshtrain.core.console import log, use_console
+from meshtrain.core.cli import Parser, arguments, command, devices_flag, number
+from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, writable
 from meshtrain.parallel.mesh import parse_mesh
@@ -72,8 +72,7 @@ def prepare(args):
 
 @command
 def main(argv=None) -> int:
-    use_console()
-    args = parser().parse_args(argv)
+    args = arguments(parser(), argv)
     space, base, slots = prepare(args)
     pruner = make_pruner(args, base, space)
     Path(args.out).mkdir(parents=True, exist_ok=True)
