@@ -85,7 +85,7 @@ def reference_run():
 
 # XLA:CPU maps memory for every compiled program's code. A worker that compiles ~600 tests' programs
 # reaches the kernel's default vm.max_map_count (65,530 regions): LLVM then fails with "Cannot allocate
-# memory" and the worker crashes (the stop-51 CI lost one that way in test_fp16, at 97%). Past the mark
+# memory" and the worker crashes. Past the mark
 # below, the worker lets its programs go: the memoized runs and JAX's caches (later tests compile again,
 # or load from the session's compilation cache); the next mark is set above what is left mapped, so a
 # worker whose regions stay mapped does not clear after every test.

@@ -69,17 +69,11 @@ def test_every_folder_is_a_declared_layer_and_an_installed_package():
         assert doc and len(doc.splitlines()) >= 2, f"{name}/__init__.py needs a docstring naming what it owns"
 
 
-# The modules of models/ that code outside it may import; every other one is a family's (it declares a
-# FAMILY), reached only through meshtrain.models.FAMILIES and the protocol in models/base.py, so a
-# family that only changes blocks stays one module.
-MODELS_SHARED = {"__init__", "spec", "base"}
-# Files outside models/ that test or time a family module's own internals, and the family they open.
-FAMILY_INTERNALS = {
-    "tests/test_moe_layer.py": "moe",  # the MoE layer's pure functions, with its GMM_TILE monkeypatched
-    "tests/test_roofline.py": "moe",  # moe's GMM_TILE sets the trip counts of the compiled loops it checks
-    "benchmarks/grouped_matmul.py": "moe",  # times moe's grouped matmul alone
-    "tests/test_router_bias.py": "moe",  # the router's pure functions: loads, the bias update, the balance loss
-}
+# The modules of models/ that code outside it may import, and that the families share; every other one
+# is a family's (it declares a FAMILY), reached only through meshtrain.models.FAMILIES and the protocol in
+# models/base.py, so a family that only changes blocks stays one module.
+MODELS_SHARED = {"__init__", "spec", "base", "axes", "lora", "rope", "kv_cache", "hf_llama", "experts", "routed",
+                 "qk_norm", "latent_attention"}
 
 
 def family_modules() -> set[str]:
@@ -123,14 +117,28 @@ def test_nothing_outside_models_imports_a_family_module():
     files = [p for p in sorted((ROOT / "meshtrain").rglob("*.py")) if p.relative_to(ROOT).parts[1] != "models"]
     files += [p for folder_ in ("tests", "benchmarks", "examples") for p in sorted((ROOT / folder_).rglob("*.py"))]
     assert len(files) > 100
-    found = []
-    for path in files:
-        where = path.relative_to(ROOT).as_posix()
-        for line, fam in imported_families(path.read_text(), families):
-            if FAMILY_INTERNALS.get(where) != fam:
-                found.append(f"{where}:{line} imports meshtrain.models.{fam}")
+    found = [f"{path.relative_to(ROOT).as_posix()}:{line} imports meshtrain.models.{fam}"
+             for path in files for line, fam in imported_families(path.read_text(), families)]
     assert not found, ("outside models/, go through meshtrain.models (FAMILIES, base, spec) or the family "
                        "protocol, not a family module:\n" + "\n".join(found))
+
+
+@pytest.mark.fast
+def test_no_family_module_imports_another():
+    """What two families share (qwen3's q/k norm, the routed-expert blocks, the Llama form) is a shared
+    module of models/, so each family module reads alone."""
+    families = family_modules()
+    found = [f"models/{name}.py:{line} imports meshtrain.models.{fam}"
+             for name in sorted(families)
+             for line, fam in imported_families((folder("models") / f"{name}.py").read_text(), families) if fam != name]
+    assert not found, "a family module imports another family's; move what they share to a shared module:\n" + \
+        "\n".join(found)
+
+
+@pytest.mark.fast
+def test_no_module_of_models_is_over_500_lines():
+    long = {p.name: n for p in folder("models").glob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"split these by concern (rope, LoRA, the KV cache, ... each have their own module): {long}"
 
 
 
@@ -203,3 +211,14 @@ def test_no_module_imports_itself_through_others():
     assert "meshtrain.planner.aot" in graph and "meshtrain.planner.fit" in graph["meshtrain.planner.aot"]
     cycles = import_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.fast
+def test_notices_go_through_the_notice_level():
+    """A notice is `log.log(NOTICE, ...)`: the console prefixes it and sends it to stderr, and a
+    handler can filter it by level; "notice: " typed into an info line does neither."""
+    typed = [f"{path.relative_to(ROOT)}:{node.lineno}" for _, path in modules()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("notice: ")
+             and path.name != "console.py"]
+    assert not typed, "log these at NOTICE, without the prefix:\n" + "\n".join(typed)
