@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from meshtrain.config.loader import documented_pod
-from meshtrain.planner.aot import human_bytes
+from meshtrain.planner.text import human_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,16 +2,20 @@
 
 Each family is one module declaring a `FAMILY` (the protocol: models/spec.py), chosen by
 `model.family`; `FAMILIES` is the registry the config, the program, the planner and Hugging Face
-import/export read. Code outside models/ goes through this package, spec.py and base.py (the model
-protocol `LanguageModel`, the shared blocks, `scan_blocks`, the parameters' logical axes), never
-through a family module, so a family that only changes blocks stays one module (tests/test_layout.py):
+import/export read. Code outside models/ goes through this package, spec.py, base.py (the model
+protocol `LanguageModel`, the shared blocks, `scan_blocks`, the parameters' logical axes) and the
+shared modules, never through a family module; a family module imports no other family's, so a
+family that only changes blocks stays one module (tests/test_layout.py). The families:
 - llama.py: `llama`, the dense decoder (Llama 2/3): base.py's model as it is.
-- moe.py: `moe`, mixture-of-experts MLPs (Mixtral/DeepSeek), expert-parallel dispatch.
+- moe.py: `moe`, mixture-of-experts MLPs (Mixtral; DeepSeek's shared experts).
 - qwen3.py: `qwen3`, the dense decoder with per-head q/k RMSNorm.
 - qwen3_moe.py: `qwen3_moe`, qwen3 attention with routed experts in every block.
 - gemma3.py: `gemma3`, Gemma 3's text decoder: sliding-window and global layers interleaved.
 - deepseek_v3.py: `deepseek_v3`, multi-head latent attention and DeepSeek MoE (shared experts, biased
   sigmoid routing), the first layers dense.
+The shared modules: axes.py (the weights' logical axes), lora.py, rope.py, kv_cache.py, hf_llama.py
+(the Llama-style Hugging Face form), experts.py (routing and dispatch of routed experts), routed.py
+(the routed-expert blocks), qk_norm.py (q/k RMSNorm), latent_attention.py (MLA).
 """
 from __future__ import annotations
 

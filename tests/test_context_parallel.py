@@ -9,9 +9,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.config.loader import UserError
-from meshtrain.ops import context_parallel
+from meshtrain.ops import context_parallel, ring_schedule
 from meshtrain.ops.attention import executed_attention
-from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
+from meshtrain.ops.context_parallel import ring_attention
+from meshtrain.ops.ring_schedule import load_balanced_order
 from meshtrain.planner import hlo
 from meshtrain.testing import value_and_grads
 
@@ -115,13 +116,13 @@ def test_schedule_visits_each_visible_score_once(cp, monkeypatch):
     seq = 48 * cp
     positions = load_balanced_order(seq, cp).reshape(cp, 1 if cp == 1 else 2, -1)  # [device, chunk, Lc]
     Lc = positions.shape[-1]
-    S = context_parallel.sub_block(Lc)
+    S = ring_schedule.sub_block(Lc)
     computed, visited = 0, np.zeros((seq, seq), int)
     for me in range(cp):
         for t in range(cp):
             src = (me - t) % cp
-            for qc, kc, causal in context_parallel.step_pairs(me, t, cp):
-                for i, j, diagonal in context_parallel.sub_block_pairs(Lc // S, causal):
+            for qc, kc, causal in ring_schedule.step_pairs(me, t, cp):
+                for i, j, diagonal in ring_schedule.sub_block_pairs(Lc // S, causal):
                     q = positions[me, qc, i * S:(i + 1) * S][:, None]
                     k = positions[src, kc, j * S:(j + 1) * S][None, :]
                     shown = np.tril(np.ones((S, S), bool)) if diagonal else np.ones((S, S), bool)
@@ -129,9 +130,9 @@ def test_schedule_visits_each_visible_score_once(cp, monkeypatch):
                     np.add.at(visited, (np.broadcast_to(q, (S, S))[shown], np.broadcast_to(k, (S, S))[shown]), 1)
                     computed += S * S
     assert (visited == np.tril(np.ones((seq, seq), int))).all()
-    assert computed / seq**2 == pytest.approx(context_parallel.computed_fraction(seq, cp))
+    assert computed / seq**2 == pytest.approx(ring_schedule.computed_fraction(seq, cp))
     n = Lc // S
-    assert context_parallel.computed_fraction(seq, cp) == pytest.approx(0.5 + 1 / (4 * n * cp if cp > 1 else 2 * n))
+    assert ring_schedule.computed_fraction(seq, cp) == pytest.approx(0.5 + 1 / (4 * n * cp if cp > 1 else 2 * n))
 
 
 def test_ring_with_batch_and_heads_sharded():

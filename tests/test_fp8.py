@@ -19,7 +19,7 @@ from meshtrain.engine.program import TrainProgram
 from meshtrain.ops.fp8 import E4M3, E5M2, dequantize, fp8_einsum, fp8_max, quantize
 from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
 from meshtrain.planner import roofline
-from meshtrain.run import loggers
+from meshtrain.run import dashboards, loggers
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
 
@@ -117,7 +117,7 @@ def test_an_fp8_run_logs_its_mfu_against_both_peaks(monkeypatch):
     assert record["mfu_fp8"] == pytest.approx(record["mfu"] * 989 / 1979)
     assert f"({record['tflops_per_device']:.0f} TFLOP/s/device; {record['mfu_fp8']:.1%} of the fp8 peak)" in \
         loggers.format_record(record)
-    assert loggers.tag("mfu_fp8") == "perf/mfu_fp8"
+    assert dashboards.tag("mfu_fp8") == "perf/mfu_fp8"
     assert records["bf16"]["mfu"] == record["mfu"] and "mfu_fp8" not in records["bf16"]
 
 

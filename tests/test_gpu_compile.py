@@ -29,8 +29,8 @@ from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.sharding import activation_rules, make_rules
 from meshtrain.plan import main
 from meshtrain.planner import compilers, hlo, kernel_time, kernels, traffic
-from meshtrain.planner.aot import format_plan
 from meshtrain.planner.hlo import Module, collectives
+from meshtrain.planner.text import format_plan
 
 pytestmark = pytest.mark.skipif(compilers.gpu_compiler_missing() is not None,
                                 reason="the compile-only GPU backend (the plan-gpu extra) is not installed")

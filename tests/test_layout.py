@@ -135,10 +135,16 @@ def test_no_family_module_imports_another():
         "\n".join(found)
 
 
+# The one module past the bound, and why it still is: its objective heads (token_head, dpo_head) and
+# LoRA dropout keys leave it when objectives become components (issue 54).
+LONG_MODULES = {"meshtrain/engine/pipeline.py"}
+
+
 @pytest.mark.fast
-def test_no_module_of_models_is_over_500_lines():
-    long = {p.name: n for p in folder("models").glob("*.py") if (n := len(p.read_text().splitlines())) > 500}
-    assert not long, f"split these by concern (rope, LoRA, the KV cache, ... each have their own module): {long}"
+def test_no_module_is_over_500_lines():
+    long = {rel: n for _, path in modules() if (n := len(path.read_text().splitlines())) > 500
+            and (rel := path.relative_to(ROOT).as_posix()) not in LONG_MODULES}
+    assert not long, f"split these by concern (as models/ is: rope, LoRA, the KV cache, ... each a module): {long}"
 
 
 
@@ -202,7 +208,6 @@ def test_import_cycles_are_found_and_named():
     assert import_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
-@pytest.mark.fast
 @pytest.mark.fast
 def test_no_module_imports_itself_through_others():
     """fit.py and aot.py imported each other once: a cycle makes the import order matter and the

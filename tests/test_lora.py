@@ -266,7 +266,8 @@ def test_a_resumed_lora_run_continues_bitwise_from_its_adapters_and_rebuilds_its
 @pytest.mark.fast
 def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only():
     from meshtrain.engine.program import TrainProgram
-    from meshtrain.planner.aot import trainable_note, zero_formula
+    from meshtrain.planner.aot import zero_formula
+    from meshtrain.planner.text import trainable_note
 
     full, lora = (TrainProgram.from_config(tiny_config("parallel.mesh=fsdp=2", *extra), devices=jax.devices()[:2])
                   for extra in ((), ("model.lora.rank=4",)))

@@ -15,7 +15,8 @@ from meshtrain.data import Batches, mixture, prepare
 from meshtrain.data.tokenizer import HFTokenizer, train_bpe
 from meshtrain.parallel.mesh import build_mesh, parse_mesh
 from meshtrain.run import run_dir
-from meshtrain.run.loggers import MetricsLog, format_record, tag
+from meshtrain.run.dashboards import tag
+from meshtrain.run.loggers import MetricsLog, format_record
 from meshtrain.run.trainer import Trainer
 from meshtrain.testing import tiny_config
 

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from meshtrain import report
 from meshtrain.planner import drawing
-from meshtrain.run import loggers
+from meshtrain.run import dashboards, loggers
 from meshtrain.train import main
 
 STEPS, EVAL_EVERY = 6, 3
@@ -126,7 +126,7 @@ def test_rewind_and_resume_purge_the_steps_tensorboard_will_see_again(tmp_path):
     """A guard rollback retrains steps: TensorBoard, like metrics.jsonl, then holds each step once,
     with the values of the attempt that counts."""
     log = loggers.MetricsLog(sinks=[loggers.Jsonl(tmp_path, keep_through=0),
-                                    loggers.TensorBoard(tmp_path / "tb", keep_through=0)])
+                                    dashboards.TensorBoard(tmp_path / "tb", keep_through=0)])
     for step in range(1, 7):
         log.write({"step": step, "loss": float(step)})
     log.rewind(3)
@@ -137,7 +137,7 @@ def test_rewind_and_resume_purge_the_steps_tensorboard_will_see_again(tmp_path):
     assert [r["loss"] for r in records(tmp_path)] == [1, 2, 3, 40, 50, 60]
     assert [r["loss"] for r in log.history] == [1, 2, 3, 40, 50, 60]
 
-    resumed = loggers.TensorBoard(tmp_path / "tb", keep_through=4)  # a run resuming from step 4
+    resumed = dashboards.TensorBoard(tmp_path / "tb", keep_through=4)  # a run resuming from step 4
     resumed.write({"step": 5, "loss": 7.0})
     resumed.close()
     assert scalars(tmp_path / "tb", "train/loss") == {1: 1, 2: 2, 3: 3, 4: 40, 5: 7}
@@ -149,8 +149,8 @@ def test_tensorboardx_loads_without_torch_which_still_imports_after_and_on_other
     meanwhile on any other thread."""
     code = """
 import sys, threading
-from meshtrain.run import loggers
-finder = loggers._NoTorchOnThisThread()
+from meshtrain.run import dashboards, loggers
+finder = dashboards._NoTorchOnThisThread()
 elsewhere = []
 other = threading.Thread(target=lambda: elsewhere.append(finder.find_spec("torch")))
 other.start()
@@ -161,7 +161,7 @@ try:
     raise AssertionError("torch was not refused on the finder's thread")
 except ModuleNotFoundError:
     pass
-board = loggers.TensorBoard(sys.argv[1])
+board = dashboards.TensorBoard(sys.argv[1])
 board.write({"step": 1, "loss": 2.5})
 board.close()
 assert "torch" not in sys.modules and "tensorboardX" in sys.modules
@@ -176,12 +176,12 @@ print("torch", torch.__version__)
 
 @pytest.mark.fast
 def test_tags_group_the_metrics():
-    assert [loggers.tag(k) for k in ("loss", "eval_loss", "tokens_per_sec", "mfu", "skipped_steps", "loss_scale",
+    assert [dashboards.tag(k) for k in ("loss", "eval_loss", "tokens_per_sec", "mfu", "skipped_steps", "loss_scale",
                                      "overflows", "router_aux_loss", "memory_peak_bytes_in_use", "new_metric")] == [
         "train/loss", "eval/loss", "perf/tokens_per_sec", "perf/mfu", "guard/skipped_steps",
         "precision/loss_scale", "precision/overflows", "moe/router_aux_loss", "memory/peak_bytes_in_use",
         "train/new_metric"]
-    assert dict(loggers.scalars({"step": 3, "time": 1.0, "loss": 2.5, "mfu": None, "finite": True})) == {
+    assert dict(dashboards.scalars({"step": 3, "time": 1.0, "loss": 2.5, "mfu": None, "finite": True})) == {
         "train/loss": 2.5}
 
 
@@ -193,7 +193,7 @@ def test_logging_section_chooses_the_sinks(tmp_path):
     log.close()
     cfg = tiny_config("logging.progress=lines", out=str(tmp_path))
     log = loggers.for_run(tmp_path, cfg, True, 0, 5)
-    assert [type(s) for s in log.sinks] == [loggers.Lines, loggers.Jsonl, loggers.TensorBoard]
+    assert [type(s) for s in log.sinks] == [loggers.Lines, loggers.Jsonl, dashboards.TensorBoard]
     log.close()
     assert loggers.for_run(tmp_path, cfg, False, 0, 5).sinks == []  # only process 0 writes
 

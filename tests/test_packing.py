@@ -14,10 +14,11 @@ import meshtrain.ops.attention as attention_lib
 from meshtrain.config.loader import UserError
 from meshtrain.engine.step import make_loss_fn
 from meshtrain.models import LanguageModel
-from meshtrain.ops import context_parallel
+from meshtrain.ops import context_parallel, ring_schedule
 from meshtrain.ops.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
-from meshtrain.ops.context_parallel import load_balanced_order, ring_attention
+from meshtrain.ops.context_parallel import ring_attention
 from meshtrain.ops.packing import Packing, packing_of, visible
+from meshtrain.ops.ring_schedule import load_balanced_order
 from meshtrain.planner import hlo
 from meshtrain.testing import value_and_grads
 
@@ -121,7 +122,7 @@ def test_ring_matches_the_dense_mask(cp, ring_block, segmented, window, monkeypa
 def test_a_short_window_skips_ring_exchanges(cp, window, exchanges):
     """L = 64: chunks of 64 / 2cp positions; a window reaching D chunks back needs 2D < cp - 1
     exchanges (D each way round the ring), else the whole ring."""
-    assert context_parallel.ring_exchanges(L, cp, window) == exchanges
+    assert ring_schedule.ring_exchanges(L, cp, window) == exchanges
 
 
 @pytest.mark.fast
@@ -132,14 +133,14 @@ def test_computed_fraction_counts_what_the_window_leaves(cp, window, monkeypatch
     monkeypatch.setattr(context_parallel, "RING_BLOCK", 2)
     positions = load_balanced_order(L, cp).reshape(cp, 1 if cp == 1 else 2, -1)
     Lc = positions.shape[-1]
-    S = context_parallel.sub_block(Lc)
-    steps = [0] + [t for _, ts in context_parallel.ring_legs(cp, Lc, window) for t in ts]
+    S = ring_schedule.sub_block(Lc)
+    steps = [0] + [t for _, ts in ring_schedule.ring_legs(cp, Lc, window) for t in ts]
     computed, visited = 0, np.zeros((L, L), int)
     for me in range(cp):
         for t in steps:
             src = (me - t) % cp
-            for qc, kc, causal in context_parallel.step_pairs(me, t, cp):
-                for i, j, _ in context_parallel.sub_block_pairs(Lc // S, causal):
+            for qc, kc, causal in ring_schedule.step_pairs(me, t, cp):
+                for i, j, _ in ring_schedule.sub_block_pairs(Lc // S, causal):
                     q = positions[me, qc, i * S:(i + 1) * S][:, None]
                     k = positions[src, kc, j * S:(j + 1) * S][None, :]
                     if window and q.min() - k.max() >= window:
@@ -149,11 +150,11 @@ def test_computed_fraction_counts_what_the_window_leaves(cp, window, monkeypatch
                     computed += S * S
     pos = np.arange(L)
     assert (visited == visible(pos[:, None], pos[None, :], window)).all()
-    fraction = context_parallel.computed_fraction(L, cp, window)
+    fraction = ring_schedule.computed_fraction(L, cp, window)
     assert computed / L**2 == pytest.approx(fraction)
     assert executed_attention("ring", L, cp, window)[1] == pytest.approx(fraction) or cp == 1
     if window:
-        assert fraction < context_parallel.computed_fraction(L, cp)
+        assert fraction < ring_schedule.computed_fraction(L, cp)
 
 
 @pytest.mark.fast
@@ -182,9 +183,9 @@ def test_compiled_ring_sends_what_ring_sends_counts(cp, window):
     with jax.set_mesh(mesh):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
     found = hlo.collectives(text, cp)
-    sends = context_parallel.ring_sends(L, cp, window)
+    sends = ring_schedule.ring_sends(L, cp, window)
     assert found["collective-permute"]["count"] == 2 * (2 * sends["kv"] - sends["legs"] + sends["grads"])
-    assert sends["kv"] == context_parallel.ring_exchanges(L, cp, window)
+    assert sends["kv"] == ring_schedule.ring_exchanges(L, cp, window)
     assert found["all-gather"]["count"] == 0  # the segment ids are read where they are, never gathered
 
 

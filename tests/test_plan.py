@@ -19,8 +19,9 @@ from meshtrain.config.loader import load_config
 from meshtrain.core.metrics import peak_flops
 from meshtrain.plan import main
 from meshtrain.planner import fit
-from meshtrain.planner.aot import compile_for_analysis_only, format_run_memory
+from meshtrain.planner.aot import compile_for_analysis_only
 from meshtrain.planner.hlo import collectives
+from meshtrain.planner.text import format_run_memory
 
 
 def one_of_each_collective(a):

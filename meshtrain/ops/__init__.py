@@ -1,7 +1,9 @@
 """The numerics a model is built from, chosen by the plan rather than the model.
 
 - attention.py: the backends (xla, blockwise, cudnn, ring) and what each computes.
-- context_parallel.py: ring attention over the `context` axis (load-balanced order, pairs, exchanges).
+- context_parallel.py: ring attention over the `context` axis; ring_schedule.py: its schedule (load-balanced
+  order, pairs, exchanges).
+- grouped_matmul.py: the dropless experts' grouped matmul.
 - ulysses.py: Ulysses and hybrid context parallelism (all-to-all to head-sharded, any local kernel).
 - packing.py: the one mask rule (causal, sliding window, same document) and packed documents' segment ids.
 - optimizers.py: optimizers and learning-rate schedules by name, with their state bytes.

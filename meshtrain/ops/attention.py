@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.ops.context_parallel import computed_fraction, ring_attention
+from meshtrain.ops.context_parallel import ring_attention
 from meshtrain.ops.packing import block_reaches, visible
+from meshtrain.ops.ring_schedule import computed_fraction
 
 ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel, at most
 MIN_ATTENTION_BLOCK = 128  # smaller blocks run too many serial steps: refused (meshtrain/config/validate.py)
@@ -146,7 +147,7 @@ def executed_attention(backend: str, seq_len: int, context: int = 1,
                        window: int = 0) -> tuple[tuple[int, int], float]:
     """((forward, backward) score-sized matmuls, the share of the [L, L] scores computed) of a
     backend: xla all of them; blockwise the blocks on and below the diagonal (within `window`);
-    ring (context > 1) context_parallel.computed_fraction, and blockwise without a context axis;
+    ring (context > 1) ring_schedule.computed_fraction, and blockwise without a context axis;
     cudnn's causal kernel about half (CUDNN_TILE-position tiles). Document masks skip nothing
     that is counted here (which blocks they empty depends on the data)."""
     if backend == "ring" and context == 1:

@@ -26,7 +26,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.ops.context_parallel import Ring, load_balanced_order
+from meshtrain.ops.context_parallel import Ring
+from meshtrain.ops.ring_schedule import load_balanced_order
 from meshtrain.parallel.sharding import mesh_axis, rule_axes
 
 

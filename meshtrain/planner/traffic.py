@@ -43,7 +43,7 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   device's keys and values (forward and backward; C-2 more under remat=full, whose recomputed
   forward's first send is the forward's own and XLA keeps one), and C sends of the fp32 dK/dV
   sums (C-1 round the ring, one home); K/V heads split over T. A sliding window shorter than the
-  ring needs fewer exchanges (`context_parallel.ring_sends`: 2D for a window D chunks deep), counted
+  ring needs fewer exchanges (`ring_schedule.ring_sends`: 2D for a window D chunks deep), counted
   per kind of layer (a model's layers may differ in window: `ModelSpec.layer_windows`).
 
 `compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
@@ -65,8 +65,8 @@ import jax
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
 from meshtrain.engine.dpo import keeps_reference
-from meshtrain.ops.context_parallel import ring_sends
 from meshtrain.ops.precision import compute_bytes
+from meshtrain.ops.ring_schedule import ring_sends
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.schedules import executor_tables, forwards_of, sends_per_step, timetable
@@ -158,7 +158,7 @@ def ring_layer_traffic(program) -> list[tuple[int, float, int, int]]:
     """Ring attention's link bytes per device per step for one layer of each kind (its sliding
     window, `ModelSpec.window_kinds`), as (window, bytes, K/V sends, dK/dV sends): forward and
     backward pass this device's K/V round the ring, C-1 sends a pass (fewer under a short window:
-    context_parallel.ring_sends), remat=full's recomputed forward again but for each leg's first
+    ring_schedule.ring_sends), remat=full's recomputed forward again but for each leg's first
     send (the forward's own: XLA keeps one; not when the kernels run behind a switch over the
     layers' kinds, whose forward and recomputed forward are two conditionals), and C sends of the
     fp32 dK/dV sums."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import shutil
@@ -37,7 +36,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -47,6 +45,7 @@ from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, replace_file
 from meshtrain.models import FAMILIES
+from meshtrain.run.checksums import state_checksums
 
 MANIFEST = "meshtrain_manifest.json"
 # What the readers use of a checkpoint's files (meshtrain/core/schema.py): the manifest (each file's size) and
@@ -63,43 +62,6 @@ METADATA_SCHEMA = {
     # a LoRA run's frozen base, which its checkpoints leave out (meshtrain/run/run_dir.py `lora_base`)
     "base": schema.Optional({"init_from": schema.Nullable(str), "seed": schema.Int(), "hash": str})}
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>[-<time>], then renames it
-
-
-def _bits(x):
-    """`x`'s raw bits as uint32 (8-byte types as two words)."""
-    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _leaf_checksum(x, axis: int | None):
-    """The sum of a leaf's raw bits as uint32, wrapping: exact and order-free, so the value does not
-    depend on the mesh or on how the sum is grouped; any flipped bit changes it. XLA:CPU materialises
-    the bitcast, so the bits are taken one slice along `axis` (a dimension no device splits) at a
-    time, summed elementwise on each device, and across devices once at the end."""
-    if axis is None:
-        return jnp.sum(_bits(x), dtype=jnp.uint32)
-    part = lambda i: _bits(jax.lax.dynamic_index_in_dim(x, i, axis, keepdims=False))
-    return jnp.sum(jax.lax.fori_loop(1, x.shape[axis], lambda i, total: total + part(i), part(0)), dtype=jnp.uint32)
-
-
-def state_checksums(state) -> list[int]:
-    """One checksum per leaf, one leaf (and within it one slice) at a time: a program over the whole
-    state held a copy of it on the CPU (S bytes of temporaries at every save and restore)."""
-    def slice_axis(x):
-        """A dimension every shard holds whole: the shortest of length 8 or more (at most an eighth of
-        the leaf at a time, in few steps), else the longest."""
-        whole = [d for d, (n, k) in enumerate(zip(x.shape, x.sharding.shard_shape(x.shape))) if n == k and n > 1]
-        long = [d for d in whole if x.shape[d] >= 8]
-        return min(long, key=lambda d: x.shape[d]) if long else max(whole, key=lambda d: x.shape[d], default=None)
-
-    return [int(_leaf_checksum(x, slice_axis(x))) for x in jax.tree.leaves(state)]
-
-
-def tree_hash(tree) -> str:
-    """A short hash of a tree's values (its leaves' checksums, `state_checksums`): the same on every
-    mesh and layer order, so a LoRA run's base, rebuilt anywhere, is checked against its record."""
-    return hashlib.sha256(json.dumps(state_checksums(tree)).encode()).hexdigest()[:16]
 
 
 class _FullDiskEchoes(logging.Filter):

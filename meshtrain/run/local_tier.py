@@ -33,7 +33,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshtrain.core.console import NOTICE, log
-from meshtrain.run.checkpoint import Damaged, agree, leaf_specs, state_checksums
+from meshtrain.run.checkpoint import Damaged, agree, leaf_specs
+from meshtrain.run.checksums import state_checksums
 
 MANIFEST, SHARDS = "manifest.json", "shards.bin"
 MAX_LISTED = 64  # steps per process compared across processes (retention keeps far fewer)

@@ -403,7 +403,7 @@ def base_record(cfg: Config, base) -> dict:
     """What a LoRA run's checkpoints record of its frozen `base` (parameters) instead of holding it:
     the pointer (`checkpoint.init_from`, or none: the base is `model.init` of `train.seed`, rebuilt
     bitwise on any mesh, so a run from scratch stores no copy of it) and its hash."""
-    from meshtrain.run.checkpoint import tree_hash
+    from meshtrain.run.checksums import tree_hash
 
     return {"init_from": cfg.checkpoint.init_from or None, "seed": cfg.train.seed, "hash": tree_hash(base)}
 
@@ -412,7 +412,7 @@ def lora_base(meta: dict, model, shardings) -> dict:
     """The frozen base (model order, in `shardings`) of a LoRA checkpoint whose metadata is `meta`,
     rebuilt from its record (`base_record`) and checked against the recorded hash: another base is
     one error naming both hashes, before anything is written."""
-    from meshtrain.run.checkpoint import tree_hash
+    from meshtrain.run.checksums import tree_hash
 
     record, frozen = meta.get("base"), lambda path: not model.cfg.trainable(path)
     if record is None:

@@ -32,7 +32,7 @@ from meshtrain.models import make_spec
 from meshtrain.ops.optimizers import map_param_states
 from meshtrain.ops.trainable import merge, select
 from meshtrain.parallel.mesh import describe
-from meshtrain.run import goodput, loggers, run_dir
+from meshtrain.run import dashboards, goodput, loggers, run_dir
 from meshtrain.run.actions import (
     Evaluation,
     Guard,
@@ -65,7 +65,7 @@ class Trainer:
         self.out = run_dir.checked(cfg.out)  # before anything is built: a bad --out costs no compile
         self.profile_window = loggers.check(cfg.logging, cfg.train.steps)  # and no bad --profile either
         if cfg.logging.tensorboard and jax.process_index() == 0 and "tensorboardX" not in sys.modules:
-            loggers.preload_tensorboard()  # meanwhile
+            dashboards.preload_tensorboard()  # meanwhile
         self.lock, created = FolderLock(self.out), not self.out.exists()
         weakref.finalize(self, self.lock.release)  # a Trainer dropped without fit() or close()
         self._own_folder()  # a second run on this --out stops here, at once
