@@ -9,7 +9,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.config.loader import UserError
-from meshtrain.ops import context_parallel, ring_schedule
+from meshtrain.ops import ring_schedule
 from meshtrain.ops.attention import executed_attention
 from meshtrain.ops.context_parallel import ring_attention
 from meshtrain.ops.ring_schedule import load_balanced_order
@@ -92,9 +92,8 @@ def test_ring_matches_reference(shape, names, parts):
 @pytest.mark.parametrize("parts", [1, 2])
 def test_ring_in_sub_blocks_matches_reference(parts, monkeypatch):
     """Each ring step in S x S sub-blocks (S = 4 here), as at long sequences; one device too."""
-    import meshtrain.ops.context_parallel as context_parallel
 
-    monkeypatch.setattr(context_parallel, "RING_BLOCK", 4)
+    monkeypatch.setattr(ring_schedule, "RING_BLOCK", 4)
     mesh = mesh_of((4, 2), ("data", "context")) if parts == 2 else mesh_of((1,), ("context",))
     check(mesh, load_balanced_order(L, parts))
 
@@ -112,7 +111,7 @@ def test_schedule_visits_each_visible_score_once(cp, monkeypatch):
     """Ring steps x chunk pairs x sub-blocks, in true positions: every (query, key) with key <= query
     exactly once, nothing hidden (the diagonal sub-blocks' lower triangle only), so the work is the
     share `computed_fraction` says: half the [L, L] scores plus the diagonal sub-blocks."""
-    monkeypatch.setattr(context_parallel, "RING_BLOCK", 8)
+    monkeypatch.setattr(ring_schedule, "RING_BLOCK", 8)
     seq = 48 * cp
     positions = load_balanced_order(seq, cp).reshape(cp, 1 if cp == 1 else 2, -1)  # [device, chunk, Lc]
     Lc = positions.shape[-1]
@@ -213,7 +212,7 @@ def test_compiled_ring_runs_the_matmuls_the_roofline_counts(monkeypatch):
     counts: 2 + 5 score-sized matmuls (the backward recomputes the scores) over the computed share of
     the [L, L] scores, as meshtrain.ops.attention.executed_attention tells the roofline (the backward's
     delta = rowsum(dO x O) compiles to a reduction, not a dot)."""
-    monkeypatch.setattr(context_parallel, "RING_BLOCK", 8)
+    monkeypatch.setattr(ring_schedule, "RING_BLOCK", 8)
     seq, cp, heads, k = 64, 2, 4, 8
     mesh = mesh_of((cp,), ("context",))
     positions = load_balanced_order(seq, cp)

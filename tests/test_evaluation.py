@@ -150,7 +150,8 @@ def run(tmp_path_factory):
 
 
 def test_tasks_are_logged_in_the_loop(run):
-    from meshtrain.run.loggers import format_record, tag
+    from meshtrain.run.dashboards import tag
+    from meshtrain.run.loggers import format_record
 
     _, history, _ = run
     records = [r for r in history if "eval_acc_play" in r]

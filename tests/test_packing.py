@@ -14,7 +14,7 @@ import meshtrain.ops.attention as attention_lib
 from meshtrain.config.loader import UserError
 from meshtrain.engine.step import make_loss_fn
 from meshtrain.models import LanguageModel
-from meshtrain.ops import context_parallel, ring_schedule
+from meshtrain.ops import ring_schedule
 from meshtrain.ops.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
 from meshtrain.ops.context_parallel import ring_attention
 from meshtrain.ops.packing import Packing, packing_of, visible
@@ -98,7 +98,7 @@ def test_ring_matches_the_dense_mask(cp, ring_block, segmented, window, monkeypa
     in storage order, against the reference in true order; windows that need 1 or 3 chunks back,
     only the own block (1) or the whole ring (40). (Segments without a window: the model's ring
     test below.)"""
-    monkeypatch.setattr(context_parallel, "RING_BLOCK", ring_block)
+    monkeypatch.setattr(ring_schedule, "RING_BLOCK", ring_block)
     q, k, v, cot, segments = inputs()
     segments = segments if segmented else None
     positions = load_balanced_order(L, cp)
@@ -130,7 +130,7 @@ def test_a_short_window_skips_ring_exchanges(cp, window, exchanges):
 def test_computed_fraction_counts_what_the_window_leaves(cp, window, monkeypatch):
     """Ring steps x chunk pairs x needed sub-blocks, in true positions: every visible (query, key)
     once, and the share `computed_fraction` (and so the roofline's executed_attention) reports."""
-    monkeypatch.setattr(context_parallel, "RING_BLOCK", 2)
+    monkeypatch.setattr(ring_schedule, "RING_BLOCK", 2)
     positions = load_balanced_order(L, cp).reshape(cp, 1 if cp == 1 else 2, -1)
     Lc = positions.shape[-1]
     S = ring_schedule.sub_block(Lc)
