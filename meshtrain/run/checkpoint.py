@@ -188,7 +188,7 @@ class Checkpointer:
             log.log(NOTICE, f"checkpoint {folder} has no '{k}' in this run's layout; it starts fresh")
         if unused and note_unused:
             log.log(NOTICE, f"checkpoint {folder} holds {', '.join(map(repr, unused))}, which this run does not use; "
-                     f"not read")
+                            f"not read")
         return {k: state[k] for k in abstract_state}, meta
 
     def restore_params(self, step: int, abstract_params, part: str = "params"):

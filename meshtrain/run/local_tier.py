@@ -196,8 +196,8 @@ class LocalTier:
         if newest is not None and newest not in common:
             lacking = [i for i, row in enumerate(every) if newest not in row]
             log.log(NOTICE, f"local checkpoint of step {newest} is missing or unusable on process(es) "
-                     f"{', '.join(map(str, lacking))}; " + ("trying an older local step" if any(
-                         s > than for s in common) else "using the persistent tier"))
+                            f"{', '.join(map(str, lacking))}; " + ("trying an older local step" if any(
+                                s > than for s in common) else "using the persistent tier"))
         for step in sorted((s for s in common if s > than), reverse=True):
             state, own = None, None
             try:

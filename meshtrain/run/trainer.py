@@ -96,8 +96,8 @@ class Trainer:
             earlier=lambda: run_dir.mixture_fingerprint(self.mixture, run_dir.windows_fingerprint))
         if t.steps > cfg.optim.schedule_steps:
             console.log(NOTICE, f"train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
-                         f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to decay "
-                         f"over a new horizon, pass --set optim.schedule_steps={t.steps} --allow-change")
+                                f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to "
+                                f"decay over a new horizon, pass --set optim.schedule_steps={t.steps} --allow-change")
         # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
         if program.dpo is None:
             self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,

@@ -37,7 +37,7 @@ class Sweep:
         for t in folder.orphans(self.study.get_trials(deepcopy=False), self.out):
             self.fail_for_retry(t.number, t._trial_id)
             log.log(NOTICE, f"trial {t.number} was left RUNNING by a sweep that is gone; failed, and queued to "
-                     f"resume in {shown_path(t.user_attrs.get('run_dir', self.out / f'trial-{t.number}'))}")
+                            f"resume in {shown_path(t.user_attrs.get('run_dir', self.out / f'trial-{t.number}'))}")
 
     def run(self) -> None:
         import optuna
