@@ -134,8 +134,6 @@ class DeepSeekV3Spec(RoutedExperts):
         """The routed layers: the dense first ones are the stack `dense_blocks`."""
         return self.num_layers - self.first_k_dense_replace
 
-    latent_cache = True
-
     def cached_values(self) -> int:
         """Per layer and position, MLA's cache holds the normalised latent and the rotated rope key:
         kv_lora_rank + qk_rope_head_dim values, whatever the heads."""

@@ -145,8 +145,6 @@ class ModelSpec:
         """The distinct windows of `layer_windows`, sorted: a layer's kind is its index here."""
         return tuple(sorted(set(self.layer_windows())))
 
-    latent_cache = False  # (no key) generation caches per position one latent, not keys and values per kv head
-
     def cached_values(self) -> int:
         """The values a layer caches per position (resolved spec): a key and a value per kv head, 2 G K
         (split over `tensor` with the heads, unless the cache is latent)."""

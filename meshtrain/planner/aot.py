@@ -140,10 +140,10 @@ def generation_memory(cfg, program) -> dict:
     out = compiled_memory(decode.lower(model, mesh, cfg.generate.batch_size, prompt, new, rules), False)
     m = model.cfg
     positions = prompt + new - 1
-    split = math.prod(sizes[a] for a in rules["batch"]) * (1 if m.latent_cache else sizes["tensor"])
+    split = math.prod(sizes[a] for a in rules["batch"]) * (1 if m.latent_rank() else sizes["tensor"])
     cache = formulas.kv_cache_bytes(m.cached_positions(positions), rows, m.cached_values(), split)
     terms = (f"{m.num_layers} layers x {positions:,} positions x {rows} rows x ({m.kv_lora_rank} kv_lora_rank + "
-             f"{m.qk_rope_head_dim} qk_rope_head_dim) x 4 bytes / {split}" if m.latent_cache else None)
+             f"{m.qk_rope_head_dim} qk_rope_head_dim) x 4 bytes / {split}" if m.latent_rank() else None)
     return {**out, "mesh": describe(sizes), "rows": rows, "prompt_len": prompt, "max_new_tokens": new,
             "kv_cache_formula": cache, "kv_cache_terms": terms}
 
