@@ -40,7 +40,6 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
     jax.devices(), as for Trainer."""
     from meshtrain.config.loader import Config, apply_overrides, check_config
     from meshtrain.data import tokenizer as tokenizer_lib
-    from meshtrain.engine.dpo import keeps_reference
     from meshtrain.engine.program import TrainProgram
     from meshtrain.run import run_dir
 
@@ -77,7 +76,7 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
     if run is not None:
         params, step = run_dir.newest_params(run, program.model, shardings, step)
         source = f"{run} step {step}"
-        if program.dpo is not None and keeps_reference(cfg.model):  # under LoRA the base is the reference
+        if "reference" in program.state_shardings:  # DPO's copy (under LoRA the base is the reference)
             reference, _ = run_dir.newest_params(run, program.model, shardings, step, part="reference")
     else:
         params, source = run_dir.initial_params(f"hf:{hf}", program.model, shardings), f"hf:{hf}"
@@ -86,29 +85,22 @@ def load(run: str | None = None, hf: str | None = None, *, mesh: str | None = No
 
 def validation(loaded: Loaded, batches: int) -> dict:
     """{eval_loss[, eval_loss_<source>]} on `batches` validation batches of the config's data, as the
-    training loop measures it (meshtrain/run/trainer.py `validation`); {} when the data holds none out.
-    A DPO run's: the held-out pairs' DPO eval_loss, eval_reward_accuracy and eval_reward_margin
-    (trainer.py `preference_validation`), against the reference of the same checkpoint."""
-    from meshtrain.data import mixture, preference
+    training loop measures it (the objective's `validation`, meshtrain/objectives/); {} when the data
+    holds none out. A DPO run's: the held-out pairs' DPO eval_loss, eval_reward_accuracy and
+    eval_reward_margin, against the reference of the same checkpoint."""
+    from meshtrain.data import mixture
     from meshtrain.run import run_dir
-    from meshtrain.run.trainer import preference_validation
-    from meshtrain.run.trainer import validation as mean_losses
 
     cfg, program = loaded.cfg, loaded.program
     mix = (run_dir.run_mixture(loaded.data_of, cfg, "pass --data PATH to evaluate on other data") if loaded.data_of
            else mixture.load(cfg.data, cfg.model.vocab_size))
-    t = cfg.train
-    split = (cfg.data.val_fraction, t.batch_size, t.seq_len, t.seed, program.batch_sharding, cfg.model.vocab_size)
-    if program.dpo is not None:  # the pairs the run held out, as the trainer holds them out
-        _, val_sets = preference.batches(mix.tokens[0], preference.read_pairs(cfg.data.path), *split)
-    else:
-        _, val_sets = mixture.batches(mix, *split)
+    objective = program.objective  # the data the run held out, as the trainer holds it out
+    _, val_sets = objective.batches(mix, cfg.data, cfg.train, program.batch_sharding, cfg.model.vocab_size)
     storage = lambda params: {**params, "blocks": program.reorder_blocks(params["blocks"], program.layer_order)}
+    reference = () if loaded.reference is None else (storage(loaded.reference),)
     with program.context():
-        if program.dpo is not None:
-            reference = () if loaded.reference is None else (storage(loaded.reference),)
-            return preference_validation(program.eval_step(), storage(loaded.params), val_sets, reference, batches)
-        return mean_losses(program.eval_step(), storage(loaded.params), val_sets, mix.sources, batches)
+        return objective.validation(program.eval_step(), storage(loaded.params), val_sets, reference, mix.sources,
+                                    batches)
 
 
 def task_entries(flags: list[str], limit: int) -> list[dict]:

@@ -19,7 +19,7 @@ model.router_aux_loss (models/experts.py's aux_loss is DeepSeek-V3's eq. 17-20).
 
 Multi-token prediction (DeepSeek-V3 section 2.2, model.mtp_depth D > 0): D sequential `MTPModule`s,
 the stack `mtp`, on the trunk's last hidden state, sharing the embedding and head; the train step adds
-mtp_loss_weight x the mean of their losses (`mtp_losses`, meshtrain/engine/step.py make_loss_fn).
+mtp_loss_weight x the mean of their losses (`mtp_losses`, meshtrain/objectives/next_token.py).
 Training only (`training_only`): generation, evaluation and export use the trunk.
 """
 from __future__ import annotations

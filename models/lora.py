@@ -104,6 +104,12 @@ def row_keys(seed: int, step, rows: int):
     return jax.vmap(fold_key, (None, 0))(jax.random.key_data(key), jnp.arange(rows))
 
 
+def dropout_rows(spec, seed: int, step, rows: int) -> dict:
+    """{'noise': `row_keys`} under LoRA dropout (`spec`: the ModelSpec), else {}: the keys travel
+    with the batch's rows as a model input (meshtrain/objectives/base.py `noise_rows`)."""
+    return {"noise": row_keys(seed, step, rows)} if spec.lora.rank and spec.lora.dropout else {}
+
+
 def fold_key(raw_key, data):
     """A raw key [2] (uint32, as it travels with its row) folded with `data`, raw."""
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(raw_key), data))

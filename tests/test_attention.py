@@ -31,8 +31,8 @@ def test_blockwise_equals_xla_values_and_gradients(block):
 
 
 def test_blockwise_model_matches_xla_model(monkeypatch):
-    from meshtrain.engine.step import make_loss_fn
     from meshtrain.models import LanguageModel
+    from meshtrain.objectives.next_token import make_loss_fn
 
     monkeypatch.setattr(attention_lib, "ATTENTION_BLOCK", 4)  # 4 blocks over the tiny model's 16 positions
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 256)

@@ -17,9 +17,10 @@ from conftest import ROOT, max_param_diff, run_tiny
 from meshtrain.config.loader import UserError, load_config
 from meshtrain.core.formulas import kv_cache_bytes
 from meshtrain.engine.decode import generate, place
-from meshtrain.engine.step import grad_norms_by_group, make_loss_fn, make_optimizer
+from meshtrain.engine.step import grad_norms_by_group, make_optimizer
 from meshtrain.interop import hf
 from meshtrain.models import FAMILIES
+from meshtrain.objectives.next_token import make_loss_fn
 from meshtrain.parallel.mesh import AXES, build_mesh, parse_mesh
 from meshtrain.parallel.sharding import param_shardings
 from meshtrain.run.health import grad_norm_fields

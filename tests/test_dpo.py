@@ -14,8 +14,8 @@ from meshtrain.data import chat, preference, tokenizer
 from meshtrain.data.__main__ import main
 from meshtrain.data.prepare import prepare
 from meshtrain.data.tokens import read_prepared, token_ids
-from meshtrain.engine.dpo import dpo_loss, make_dpo_loss_fn, make_log_probs
 from meshtrain.engine.program import TrainProgram
+from meshtrain.objectives.dpo import dpo_loss, make_log_probs
 from meshtrain.ops.trainable import select
 from meshtrain.run.loggers import format_record
 
@@ -134,7 +134,8 @@ def test_the_loss_and_its_gradients_are_the_direct_formulas(pairs_folder):
 
     beta, smoothing = 0.5, 0.1
     cfg = tiny_config("parallel.mesh=1", "parallel.precision=fp32", "train.objective=dpo",
-                      f"data.path={pairs_folder}", "data.kind=auto", "train.batch_size=4")
+                      f"data.path={pairs_folder}", "data.kind=auto", "train.batch_size=4", f"train.dpo.beta={beta}",
+                      f"train.dpo.label_smoothing={smoothing}")
     program = TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices=jax.devices()[:1])
     model, params = program.model, program.model.init(jax.random.key(0))
     noise = jax.tree.map(lambda p: 0.3 * jax.random.normal(jax.random.key(1), p.shape), params)
@@ -147,8 +148,8 @@ def test_the_loss_and_its_gradients_are_the_direct_formulas(pairs_folder):
         ref_Bx2 = jax.jit(make_log_probs(model, "fp32"))(reference, pairs)[0]
         direct_Bx2 = jax.jit(lambda p: direct_log_probs(model, p, pairs))
         np.testing.assert_allclose(ref_Bx2, direct_Bx2(reference), rtol=1e-5)
-        loss_fn = make_dpo_loss_fn(model, "fp32", "none", beta, smoothing)
-        (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, pairs, ref_Bx2)
+        loss_fn = lambda p: program.objective.loss(p, {"tokens": pairs, "reference": ref_Bx2}, {})
+        (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
         direct = lambda p: dpo_loss(direct_log_probs(model, p, pairs), ref_Bx2, beta, smoothing)[0]
         direct_grads = jax.jit(jax.grad(direct))(params)
         policy = torch.tensor(np.asarray(direct_Bx2(params), np.float64))
@@ -331,7 +332,7 @@ def test_the_eval_command_scores_a_dpo_run_as_its_loop_does(pairs_folder, tmp_pa
 
 def test_dpo_with_lora_dropout_drops_the_policys_inputs_alike_on_every_layout(pairs_folder):
     """LoRA dropout acts on the policy's pass only (each pair's key folded with chosen / rejected,
-    meshtrain/engine/dpo.py `sequence_keys`): the run departs from the one without dropout, and
+    meshtrain/objectives/dpo.py `sequence_keys`): the run departs from the one without dropout, and
     manual data shards with accumulation and a pipeline (the keys in its microbatches' pair order)
     draw the same masks as one device."""
     lora = ("model.lora.rank=4", "optim.lr=3e-2")

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from meshtrain.engine.step import make_loss_fn
 from meshtrain.models import LanguageModel
+from meshtrain.objectives.next_token import make_loss_fn
 from meshtrain.ops.attention import xla_attention
 
 

@@ -17,7 +17,7 @@ from conftest import ROOT, TINY, tiny_config
 from test_multihost import free_port
 
 from meshtrain.config.loader import UserError
-from meshtrain.engine.step import make_loss_fn
+from meshtrain.objectives.next_token import make_loss_fn
 from meshtrain.run.health import SpikeDetector, find_stragglers
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import meshtrain.ops.attention as attention_lib
 from meshtrain.config.loader import UserError
-from meshtrain.engine.step import make_loss_fn
 from meshtrain.models import LanguageModel
+from meshtrain.objectives.next_token import make_loss_fn
 from meshtrain.ops import ring_schedule
 from meshtrain.ops.attention import BACKENDS, blockwise_attention, executed_attention, xla_attention
 from meshtrain.ops.context_parallel import ring_attention
@@ -345,7 +345,8 @@ def test_packed_batch_through_a_pipeline(packed, schedule, residuals):
                       f"train.seq_len={SEQ}", "train.batch_size=4")
     program = TrainProgram(cfg.model, cfg.parallel, cfg.optim, cfg.train, jax.devices()[:2], Packing(EOS))
     param_specs = jax.tree.map(lambda s: s.spec, program.state_shardings["params"])
-    grads_fn = make_pipeline_grads(program.model, cfg.parallel, program.mesh, param_specs, program.grad_specs)
+    grads_fn = make_pipeline_grads(program.model, cfg.parallel, program.mesh, param_specs, program.grad_specs,
+                                   program.objective)
     with program.context():
-        out = jax.jit(grads_fn)(params, StepInputs(tokens))
+        out = jax.jit(grads_fn)(params, StepInputs({"tokens": tokens}, {}))
     assert_same_step(((None, out.metrics), out.grads), want, f"pipeline=2 {schedule} residuals={residuals}")

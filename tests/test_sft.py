@@ -217,7 +217,7 @@ def test_a_masked_moe_run_trains_the_router_losses_as_means_over_all_tokens(chat
     (the trained share travels in StepInputs) trains the run of 1 device."""
     from conftest import MOE_TINY
 
-    from meshtrain.engine.step import make_loss_fn
+    from meshtrain.objectives.next_token import make_loss_fn
 
     data = (f"data.path={chat_folder}", "data.kind=auto", "parallel.precision=fp32", "train.seq_len=32", *MOE)
     trainer, reference, _ = run_tiny(*data, "parallel.mesh=1", devices=jax.devices()[:1], config=MOE_TINY)

@@ -176,9 +176,10 @@ class TrainConfig:
                                        "and of each parameter kind (grad_norm_<name>), and the timed "
                                        "communication share of the step (comm_share); 0 = off (the step then "
                                        "computes no per-layer norms)", min=0)
-    objective: str = setting("sft", "sft: next-token cross-entropy (with chat data's loss mask); dpo: direct "
+    objective: str = setting("sft", "the training objective, one of meshtrain.objectives.OBJECTIVES: sft, "
+                                    "next-token cross-entropy (with chat data's loss mask); dpo, direct "
                                     "preference optimisation on data from prepare --preference, train.batch_size "
-                                    "pairs a batch (docs/fine-tuning.md)", choices=("sft", "dpo"))
+                                    "pairs a batch (docs/fine-tuning.md)")
     dpo: DPOConfig = setting(DPOConfig(), "train.objective=dpo: its temperature and label smoothing")
 
 

@@ -25,6 +25,7 @@ from meshtrain.data.tasks import entries as task_entries
 from meshtrain.data.tokenizer import check_vocab
 from meshtrain.data.tokenizer import load as load_tokenizer
 from meshtrain.models import declaring, family
+from meshtrain.objectives import objective
 from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
 from meshtrain.ops.ulysses import context_degrees
@@ -38,6 +39,7 @@ MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 
 
 def check_config(cfg) -> None:
     family(cfg.model.family)  # registered (meshtrain.models.FAMILIES)
+    objective(cfg.train.objective)  # registered (meshtrain.objectives.OBJECTIVES)
     for key, f, value in settings(cfg):
         choices = f.metadata["choices"]
         if choices and value not in choices:

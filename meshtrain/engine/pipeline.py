@@ -23,10 +23,11 @@ it enters (and adds the embedding gradient in its backward), the last stage appl
 the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
 reads that cotangent like any other stage). Layers that `embed` runs (deepseek_v3's dense first
 layers, outer parameters) run there too, their forward again in the embedding gradient. The loss
-is the `head`'s: the token loss, or under DPO the microbatch's DPO loss (each microbatch holds whole
-pairs), and its outputs (the metrics) are kept per microbatch. A forward-only pass
-(`make_pipeline_log_probs`, DPO's reference log-probs and evaluation) runs a schedule's forwards
-alone (`forwards_of`) and keeps the heads' outputs only: no residuals, no gradients. Received
+is the objective's `head` (meshtrain/objectives/base.py) on the microbatch, whose rows the objective
+ordered so that a microbatch is whole for it (`Objective.sequences`), and its outputs (the metrics)
+are kept per microbatch. A forward-only pass (`make_pipeline_scores`: an objective's forward
+scores, meshtrain/objectives/base.py `scores_first`) runs a schedule's forwards alone
+(`forwards_of`) and keeps the heads' outputs only: no residuals, no gradients. Received
 tensors wait in ring buffers sized from the timetable. The layers' statistics are summed over
 microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
 update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
@@ -43,15 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.data.tokens import token_ids
-from meshtrain.engine.dpo import dpo_loss, pair_log_probs, pipeline_sequences, sequence_keys
+from meshtrain.engine.stage_state import LayerResiduals, kind_kwarg, put, read, take, write, zeros
 from meshtrain.models.base import PER_LAYER_STATS, layer_means, layer_sums, per_layer, scan_blocks
 from meshtrain.models.lora import layer_keys
+from meshtrain.objectives.base import Microbatch
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.ops.trainable import freeze, merge, select
 from meshtrain.parallel import data_parallel
-from meshtrain.parallel.batching import Gradients, StepInputs, inputs_and_targets, split_microbatches
+from meshtrain.parallel.batching import Gradients, StepInputs, model_inputs, split_microbatches
 from meshtrain.parallel.schedules import Schedule, executor_tables, forwards_of, lookup, tick_phases, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
 
@@ -63,67 +64,6 @@ def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
     per_chunk = num_layers // (stages * virtual)
     return np.array([(v * stages + s) * per_chunk + j
                      for s in range(stages) for v in range(virtual) for j in range(per_chunk)])
-
-
-class LayerResiduals:
-    """One layer's backward as data: the function `jax.vjp` returns for the layer (x -> (y, stats))
-    is a pytree whose leaves are its residuals (integer ones too, e.g. MoE routing decisions:
-    `jax.closure_convert` would bake those in from a retrace instead). `forward` keeps the leaves
-    that are not parameters; `pullback` rebuilds the vjp from them and the parameters (retracing the
-    layer for the vjp's structure only: that forward is dead code, removed by XLA). `g_stats`: the
-    objective's constant derivative by the layer's statistics (the auxiliary losses' weights),
-    pulled back with every output cotangent."""
-
-    def __init__(self, layer, g_stats):
-        self.layer, self.g_stats = layer, g_stats
-
-    def _vjp(self, p_layer, x, *docs, **kind):
-        out, vjp = jax.vjp(lambda p, x: self.layer(p, x, *docs, **kind), p_layer, x)
-        leaves, structure = jax.tree.flatten(vjp)
-        params = jax.tree.leaves(p_layer)
-        is_param = [next((i for i, p in enumerate(params) if leaf is p), None) for leaf in leaves]
-        return out, leaves, structure, is_param
-
-    def forward(self, p_layer, x, *docs, **kind):
-        """(y, (residuals, stats)); `docs`: the microbatch's packing.Documents, if any; `kind`: the
-        layer's, when the model's layers differ (models/base.py `scan_blocks`)."""
-        (y, stats), leaves, _, is_param = self._vjp(p_layer, x, *docs, **kind)
-        return y, ([leaf for leaf, i in zip(leaves, is_param) if i is None], stats)
-
-    def pullback(self, p_layer, saved, g_y, *docs, **kind):
-        """(d p_layer, d x) for the output cotangent g_y (`docs` and `kind` as the forward's)."""
-        _, _, structure, is_param = self._vjp(p_layer, jnp.zeros(g_y.shape, g_y.dtype), *docs, **kind)
-        params, saved = jax.tree.leaves(p_layer), iter(saved)
-        vjp = jax.tree.unflatten(structure, [params[i] if i is not None else next(saved) for i in is_param])
-        return vjp((g_y, self.g_stats))
-
-
-# Dynamic slices, not gathers: XLA partitions them inside the manual region.
-def _take(x, i):
-    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
-
-
-def _put(x, value, i):
-    return jax.lax.dynamic_update_index_in_dim(x, value, i, 0)
-
-
-def _read(buffer, m, v, slots: int):
-    """Microbatch m's entry for chunk v of a ring buffer [slots, V, ...] (a pytree of them)."""
-    return jax.tree.map(lambda b: _take(_take(b, m % slots), v), buffer)
-
-
-def _write(buffer, value, m, v, slots: int):
-    return jax.tree.map(lambda b, x: _put(b, _put(_take(b, m % slots), x.astype(b.dtype), v), m % slots),
-                        buffer, value)
-
-
-def _zeros(like, *lead):
-    return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), like)
-
-
-def _kind(k) -> dict:
-    """A layer's `kind=` keyword (models/base.py `scan_blocks`), none when the layers are alike."""
-    return {} if k is None else {"kind": k}
 
 
 def stage_kinds(model, stages: int, virtual: int):
@@ -146,19 +86,20 @@ def has_frozen(blocks, keep) -> bool:
 class StageProgram:
     """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
-    timetable (meshtrain/parallel/schedules.py). `head`: (outer parameters, the last chunk's output,
-    the microbatch's targets and `extras` rows) -> (its loss, its outputs, a pytree kept per
-    microbatch); `trains=False`: a forward-only pass (`forwards_of` a schedule's tables) that keeps
-    no residuals and no gradients, only the heads' outputs."""
+    timetable (meshtrain/parallel/schedules.py). `micro`: the microbatches' rows [M, b, ...]
+    ('inputs', 'targets', 'docs' or None, the objective's 'extras' or None, the rows' random 'noise' or
+    None: `_microbatches`). `head`: (outer parameters, the last chunk's output, a `Microbatch`) ->
+    (its loss, its outputs, a pytree kept per microbatch); `trains=False`: a forward-only pass
+    (`forwards_of` a schedule's tables) that keeps no residuals and no gradients, only the heads'
+    outputs."""
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
-                 virtual: int, tables: dict, slots: dict, blocks, outer, inputs_MxbxL, targets_MxbxL, head,
-                 scale=None, docs_MxbxL=None, kinds=None, aux_weight=None, extras_Mxb=None, trains: bool = True,
-                 noise_Mxbx2=None):
+                 virtual: int, tables: dict, slots: dict, blocks, outer, micro_rows: dict, head, scale=None,
+                 kinds=None, aux_weight=None, trains: bool = True):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
-        self.head, self.extras, self.trains = head, extras_Mxb, trains
+        self.head, self.extras, self.trains = head, micro_rows["extras"], trains
         self.save, self.splits_weight_grad = trains and residuals == "save", schedule.splits_weight_grad
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
@@ -174,17 +115,18 @@ class StageProgram:
             blocks = merge(blocks, whole(self.trained_blocks(blocks)))
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
         self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
-        # LoRA dropout: the microbatches' row keys and this stage's layers' indices in model order [V, per chunk]
-        self.noise = noise_Mxbx2
+        # the microbatches' row keys (models/lora.py) and this stage's layers' indices in model order [V, per chunk]
+        self.noise = micro_rows["noise"]
         self.layer_ids = jnp.asarray(layer_order(model.stacked_layers, stages, virtual).reshape(stages, virtual, -1))[
             self.s]
-        self.outer, self.inputs, self.targets, self.docs = outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL
+        self.outer, self.docs = outer, micro_rows["docs"]
+        self.inputs, self.targets = micro_rows["inputs"], micro_rows["targets"]
         x_like = jax.eval_shape(self.embed, outer, 0)
         self.zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
         # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro),
         # times a loss mask's trained share (StepInputs)
         first = None if self.kinds is None else self.kinds[0, 0]
-        stats_like = jax.eval_shape(lambda p, x, k, *docs: layer(p, x, *docs, **_kind(k)),
+        stats_like = jax.eval_shape(lambda p, x, k, *docs: layer(p, x, *docs, **kind_kwarg(k)),
                                     jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x, first,
                                     *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
@@ -194,16 +136,16 @@ class StageProgram:
 
     # ---- pieces ----
     def chunk(self, v):
-        return jax.tree.map(lambda p: _take(p, v), self.chunks)
+        return jax.tree.map(lambda p: take(p, v), self.chunks)
 
     def chunk_kinds(self, v):
         """The kinds of chunk v's layers, or None."""
-        return None if self.kinds is None else _take(self.kinds, v)
+        return None if self.kinds is None else take(self.kinds, v)
 
     def chunk_noise(self, v, m):
-        """The LoRA dropout keys [layers per chunk, b, 2] of chunk v's layers for microbatch m, or None:
+        """The random keys [layers per chunk, b, 2] of chunk v's layers for microbatch m, or None:
         its rows' keys folded with each layer's index in model order (models/lora.py `layer_keys`)."""
-        return None if self.noise is None else layer_keys(_take(self.noise, m), _take(self.layer_ids, v))
+        return None if self.noise is None else layer_keys(take(self.noise, m), take(self.layer_ids, v))
 
     def layer_args(self, v, m) -> dict:
         """The per-layer keyword arguments of chunk v's layers for microbatch m (models/base.py `per_layer`)."""
@@ -224,15 +166,16 @@ class StageProgram:
     def documents(self, m) -> tuple:
         """(microbatch m's packing.Documents,), or () when the model packs none: the layers' extra
         arguments, travelling with the microbatch."""
-        return () if self.docs is None else (jax.tree.map(lambda d: _take(d, m), self.docs),)
+        return () if self.docs is None else (jax.tree.map(lambda d: take(d, m), self.docs),)
 
     def embed(self, p_outer, m):
-        return self.model.embed(freeze(p_outer, self.keep), _take(self.inputs, m))
+        return self.model.embed(freeze(p_outer, self.keep), take(self.inputs, m))
 
     def microbatch_head(self, p_outer, y, m):
-        """(microbatch m's loss, its outputs): `head` on its targets and `extras` rows."""
-        extras = None if self.extras is None else jax.tree.map(lambda e: _take(e, m), self.extras)
-        return self.head(freeze(p_outer, self.keep), y, _take(self.targets, m), extras)
+        """(microbatch m's loss, its outputs): `head` on its rows."""
+        at_m = lambda tree: jax.tree.map(lambda e: take(e, m), tree)
+        micro = Microbatch(take(self.inputs, m), take(self.targets, m), at_m(self.docs), at_m(self.extras))
+        return self.head(freeze(p_outer, self.keep), y, micro)
 
     def scaled_loss(self, p_outer, y, m):
         """(the loss x scale, to differentiate; the outputs)."""
@@ -250,21 +193,21 @@ class StageProgram:
         f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
         n, V = self.slots, self.virtual
         outputs_like = jax.eval_shape(self.microbatch_head, self.outer, self.zeros_x, 0)[1]
-        carry = {"inputs": _zeros(self.zeros_x, n["input_slots"], V),
+        carry = {"inputs": zeros(self.zeros_x, n["input_slots"], V),
                  "outputs": jax.tree.map(lambda o: jnp.zeros((self.micro, *o.shape), jnp.float32), outputs_like)}
         if self.trains:
-            carry |= {"cotangents": _zeros(self.zeros_x, n["cotangent_slots"], V),
+            carry |= {"cotangents": zeros(self.zeros_x, n["cotangent_slots"], V),
                       "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
                       "g_outer": f32_zeros(select(self.outer, self.keep))}
         saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.layer_args(0, 0), self.zeros_x,
                                                 *self.documents(0))[1]
         # the PER_LAYER_STATS summed per chunk and layer [V, layers per chunk, ...] (`add_stats`)
-        carry["stats"] = {k: _zeros(s, V) if k in PER_LAYER_STATS else _zeros(s) for k, s in stats_like.items()}
+        carry["stats"] = {k: zeros(s, V) if k in PER_LAYER_STATS else zeros(s) for k, s in stats_like.items()}
         if self.save:
-            carry["residuals"] = _zeros(saved_like, n["residual_slots"], V)
+            carry["residuals"] = zeros(saved_like, n["residual_slots"], V)
         if self.splits_weight_grad:
             per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
-            carry["deferred"] = _zeros(self.zeros_x, n["deferred_slots"], V, per_chunk)
+            carry["deferred"] = zeros(self.zeros_x, n["deferred_slots"], V, per_chunk)
         return carry
 
     def trained_blocks(self, blocks):
@@ -277,14 +220,14 @@ class StageProgram:
     def add_stats(self, c, stats, v):
         """Chunk v's statistics added to the sums over microbatches (the PER_LAYER_STATS at its rows)."""
         add = lambda a, s: a + s.astype(jnp.float32)
-        per_layer = lambda a, s: _put(a, add(_take(a, v), s), v)
+        per_layer = lambda a, s: put(a, add(take(a, v), s), v)
         return {**c, "stats": {k: jax.tree.map(per_layer if k in PER_LAYER_STATS else add, a, stats[k])
                                for k, a in c["stats"].items()}}
 
     def add_chunk(self, c, g_chunk, v):
         g_chunk = self.trained_blocks(g_chunk)
         pin = whole if self.whole_adapters else lambda tree: tree
-        return {**c, "g_chunks": pin(jax.tree.map(lambda a, g: _put(a, _take(a, v) + g.astype(jnp.float32), v),
+        return {**c, "g_chunks": pin(jax.tree.map(lambda a, g: put(a, take(a, v) + g.astype(jnp.float32), v),
                                                   pin(c["g_chunks"]), pin(g_chunk)))}
 
     def chunk_input(self, c, m, v):
@@ -293,7 +236,7 @@ class StageProgram:
         too (after deepseek_v3's dense layers, XLA left it replicated: "Inconsistent conditional
         sharding" on fsdp=2,pipeline=2)."""
         pin = lambda x: constrain(x, ("batch", "seq", "embed"))
-        received = lambda: pin(_read(c["inputs"], m, v, self.slots["input_slots"]))
+        received = lambda: pin(read(c["inputs"], m, v, self.slots["input_slots"]))
         return jax.lax.cond(self.is_first(v), lambda: pin(self.embed(self.outer, m)), received)
 
     # ---- actions ----
@@ -301,21 +244,21 @@ class StageProgram:
         x, docs = self.chunk_input(c, m, v), self.documents(m)
         if self.save:
             y, (saved, stats) = self.forward_saving(self.chunk(v), self.layer_args(v, m), x, *docs)
-            c = {**c, "residuals": _write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
+            c = {**c, "residuals": write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
         else:
             y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v),
                                    noise=self.chunk_noise(v, m))
         c = self.add_stats(c, stats, v)
 
         def keep(c, outputs):
-            return {**c, "outputs": jax.tree.map(lambda a, o: _put(a, o.astype(a.dtype), m), c["outputs"], outputs)}
+            return {**c, "outputs": jax.tree.map(lambda a, o: put(a, o.astype(a.dtype), m), c["outputs"], outputs)}
 
         def head_and_loss(c):
             """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
             (_, outputs), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
                 self.outer, y, m)
             c = self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer))
-            return keep({**c, "cotangents": _write(c["cotangents"], g_y / self.micro, m, v,
+            return keep({**c, "cotangents": write(c["cotangents"], g_y / self.micro, m, v,
                                                    self.slots["cotangent_slots"])}, outputs)
 
         head = head_and_loss if self.trains else lambda c: keep(c, self.microbatch_head(self.outer, y, m)[1])
@@ -324,7 +267,7 @@ class StageProgram:
     def backward(self, c, m, v):
         """The input gradient (sent back) and, unless the schedule splits it off (zb), the chunk's weight
         gradient."""
-        g_y = _read(c["cotangents"], m, v, self.slots["cotangent_slots"])
+        g_y = read(c["cotangents"], m, v, self.slots["cotangent_slots"])
         docs = self.documents(m)
         if self.save:
             def layer_back(g, xs):
@@ -332,10 +275,10 @@ class StageProgram:
                 g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **args)
                 return g_x, (g if self.splits_weight_grad else g_p)  # zb: keep each layer's output cotangent for W
 
-            saved = _read(c["residuals"], m, v, self.slots["residual_slots"])
+            saved = read(c["residuals"], m, v, self.slots["residual_slots"])
             g_x, layers = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.layer_args(v, m)), reverse=True)
             if self.splits_weight_grad:
-                c = {**c, "deferred": _write(c["deferred"], layers, m, v, self.slots["deferred_slots"])}
+                c = {**c, "deferred": write(c["deferred"], layers, m, v, self.slots["deferred_slots"])}
             else:
                 c = self.add_chunk(c, layers, v)
         else:
@@ -358,8 +301,8 @@ class StageProgram:
             p_layer, saved, g, args = xs
             return None, self.layers.pullback(p_layer, saved, g, *docs, **args)[0]
 
-        xs = (self.chunk(v), _read(c["residuals"], m, v, self.slots["residual_slots"]),
-              _read(c["deferred"], m, v, self.slots["deferred_slots"]), self.layer_args(v, m))
+        xs = (self.chunk(v), read(c["residuals"], m, v, self.slots["residual_slots"]),
+              read(c["deferred"], m, v, self.slots["deferred_slots"]), self.layer_args(v, m))
         return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
 
     # ---- ticks ----
@@ -382,7 +325,7 @@ class StageProgram:
                     got = jax.lax.ppermute(sent.get(kind, self.zeros_x), "pipeline", ring)
 
                     def store(b, got=got, name=name, n=self.slots[slots]):  # traced by the cond just below
-                        return _write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n)
+                        return write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n)
 
                     c = {**c, buffer: jax.lax.cond(at(name) > 0, store, lambda b: b, c[buffer])}
             return c, None
@@ -427,55 +370,16 @@ def _tables(schedule: Schedule, stages: int, micro: int, virtual: int, residuals
     return tables, slots, tick_phases(tables)
 
 
-def _microbatches(model, tokens, micro: int, loss_mask: bool, pairs: bool):
-    """(inputs, targets, packed documents or None), each [M, rows, ...], made outside the stages'
-    conds (inside them a resharding collective would wait for the stages that skip the branch), in
-    the plan's sequence order. `pairs`: tokens are DPO's [B, 2 (L + 1)] preference pairs, each
-    microbatch holding whole pairs (`pipeline_sequences`), their responses masked in."""
-    if pairs:
-        tokens = pipeline_sequences(tokens, micro)
-    masked = loss_mask or pairs
-    x, targets = inputs_and_targets(tokens, model.sequence_order)
-    tokens, x = (token_ids(tokens), token_ids(x)) if masked else (tokens, x)  # the targets keep the mask
-    docs = model.documents(tokens)  # packed documents travel with their microbatches
-    split = lambda a: split_microbatches(a, micro)
-    return split(x), split(targets), None if docs is None else jax.tree.map(split, docs)
-
-
-def _microbatch_keys(keys, micro: int, pairs: bool):
-    """LoRA dropout's row keys (models/lora.py `row_keys`) [M, rows, 2] as `_microbatches` splits the
-    rows; DPO's pairs' keys as each pair's two sequences' (dpo.py `sequence_keys`), ordered as
-    `pipeline_sequences` orders them. None without dropout."""
-    if keys is None:
-        return None
-    if pairs:  # [B, 2 sequences x 2] is laid out as the pairs [B, 2 (L + 1)] are
-        keys = pipeline_sequences(sequence_keys(keys).reshape(keys.shape[0], -1), micro)
-    return split_microbatches(keys, micro)
-
-
-def token_head(model, mtp_shares=None, aux_weight=None):
-    """The last stage's head for next-token training: the mean cross-entropy of the microbatch. With
-    multi-token prediction (`mtp_shares`: [D] the step batch's shares, models/deepseek_v3.py) the
-    extras are the microbatch's (inputs, documents): the MTP modules, outer parameters, run on y (the
-    trunk's last hidden state), and the objective adds their depths' mean loss 'mtp_loss' x
-    mtp_loss_weight x `aux_weight` (a loss mask's trained share), as step.py `make_loss_fn` does."""
-    weight = 1.0 if aux_weight is None else aux_weight
-
-    def head(p_outer, y, targets, extras):
-        loss = model.loss(p_outer, y, targets)
-        if mtp_shares is None:
-            return loss, {"loss": loss}
-        inputs, docs = extras
-        mtp = jnp.mean(model.mtp_losses(p_outer, y, inputs, targets, docs, mtp_shares))
-        return loss + weight * model.cfg.mtp_loss_weight * mtp, {"loss": loss, "mtp_loss": mtp}
-
-    return head
-
-
-def dpo_head(model, beta: float, label_smoothing: float):
-    """DPO's (meshtrain/engine/dpo.py): the microbatch's pairs' loss against their reference log-probs."""
-    return lambda p_outer, y, targets, reference_bx2: dpo_loss(pair_log_probs(model, p_outer, y, targets),
-                                                               reference_bx2, beta, label_smoothing)
+def _microbatches(model, objective, rows, micro: int) -> dict:
+    """The rows the stages read, each [M, b, ...]: the model's 'inputs', 'targets', packed 'docs'
+    (or None) and the rows' random 'noise' (or None) of the objective's `sequences`, and its 'extras'
+    (or None), all made outside the stages' conds (inside them a resharding collective would wait
+    for the stages that skip the branch), in the plan's sequence order."""
+    seqs = objective.sequences(rows, micro)
+    x, targets, docs = model_inputs(model, seqs["tokens"], objective.masked)  # the targets keep a loss mask
+    split = lambda tree: jax.tree.map(lambda a: split_microbatches(a, micro), tree)
+    return {"inputs": split(x), "targets": split(targets), "docs": split(docs), "noise": split(seqs.get("noise")),
+            "extras": split(objective.extras(rows))}
 
 
 class _Staging:
@@ -498,6 +402,10 @@ class _Staging:
                                      plan.remat, model.saveable)
         self.kinds = stage_kinds(model, self.stages, self.virtual)
 
+    def rows_specs(self, micro_rows):
+        """The shard_map specs of the microbatches' rows [M, b, ...]: b split over `data` when manual."""
+        return jax.tree.map(lambda _: self.tokens_spec, micro_rows)
+
     def unfolded(self, params):
         """(outer, blocks) in the compute dtype, unfolded for the shard_map (local reshapes)."""
         return _split(data_parallel.unfolded(cast_for_compute(params, self.plan.precision), self.param_specs,
@@ -511,21 +419,18 @@ class _Staging:
                                       self.param_layouts)
         return _split(data_parallel.folded(params, self.param_specs))
 
-    def program(self, schedule, residuals, tables, slots, blocks, outer, inputs, targets, docs, **kw):
+    def program(self, schedule, residuals, tables, slots, blocks, outer, micro_rows, **kw):
         return StageProgram(self.model, self.layer, schedule, residuals, self.stages, self.micro, self.virtual,
-                            tables, slots, blocks, outer, inputs, targets, docs_MxbxL=docs, kinds=self.kinds, **kw)
+                            tables, slots, blocks, outer, micro_rows, kinds=self.kinds, **kw)
 
 
-def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=None, error_specs=None,
-                        loss_mask: bool = False, dpo=None):
-    """A gradient function (meshtrain/parallel/batching.py): one step's forward and backward, pipelined
-    as `plan` (a ParallelPlan) says. With data > 1, `data` is manual too: each data shard pipelines its
-    own rows, and the gradients are reduced over it once per step (meshtrain/parallel/data_parallel.py).
-    With a `compressor` (meshtrain/parallel/compression.py) that reduction is int8 with error feedback:
-    the inputs' `grad_error` (laid out as `error_specs`) in, the new residuals out. `loss_mask`: the
-    tokens carry a loss mask (meshtrain/engine/step.py `make_loss_fn`): the targets keep it. `dpo`
-    (train.dpo): the tokens are preference pairs, the inputs' `reference` their reference log-probs,
-    and the last stage's loss is each microbatch's DPO loss (`dpo_head`), its metrics DPO's."""
+def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, objective, compressor=None, error_specs=None):
+    """A gradient function (meshtrain/parallel/batching.py): one step's forward and backward of
+    `objective` (meshtrain/objectives/base.py), pipelined as `plan` (a ParallelPlan) says. With data >
+    1, `data` is manual too: each data shard pipelines its own rows, and the gradients are reduced
+    over it once per step (meshtrain/parallel/data_parallel.py). With a `compressor`
+    (meshtrain/parallel/compression.py) that reduction is int8 with error feedback: the inputs'
+    `grad_error` (laid out as `error_specs`) in, the new residuals out."""
     st = _Staging(model, plan, mesh, param_specs)
     schedule, residuals, micro, manual = lookup(plan.schedule), plan.residuals, st.micro, st.manual
     tables, slots, phases = _tables(schedule, st.stages, micro, st.virtual, residuals)
@@ -533,19 +438,12 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
     outer_out, blocks_out = _split(data_parallel.local_specs(grad_layouts, manual))
     errors_local = data_parallel.local_specs(error_specs, manual) if compressor else None
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL, reference_Mxbx2, noise_Mxbx2,
-                  step_inputs: StepInputs):
-        scale = step_inputs.loss_scale
+    def per_stage(blocks, outer, micro_rows, step_inputs: StepInputs):
+        scale, shared = step_inputs.loss_scale, step_inputs.shared
         with manual_axes_rules(manual):  # activations are constrained over the compiler-managed axes only
             outer, blocks = st.stage_params(blocks, outer)
-            if dpo is not None:
-                head, extras = dpo_head(model, dpo.beta, dpo.label_smoothing), reference_Mxbx2
-            else:  # multi-token prediction's modules read the microbatch's tokens ahead
-                head = token_head(model, step_inputs.mtp_shares, step_inputs.trained_share)
-                extras = None if step_inputs.mtp_shares is None else (inputs_MxbxL, docs_MxbxL)
-            stage = st.program(schedule, residuals, tables, slots, blocks, outer, inputs_MxbxL, targets_MxbxL,
-                               docs_MxbxL, head=head, scale=scale, aux_weight=step_inputs.trained_share,
-                               extras_Mxb=extras, noise_Mxbx2=noise_Mxbx2)
+            stage = st.program(schedule, residuals, tables, slots, blocks, outer, micro_rows,
+                               head=objective.head(shared), scale=scale, aux_weight=objective.aux_weight(shared))
             metrics, g_blocks, g_outer = stage.run(phases)
             if not st.data_manual:
                 return Gradients(metrics, {**g_outer, "blocks": g_blocks})
@@ -558,51 +456,44 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, compressor=N
             return Gradients(metrics, data_parallel.reduce_mean(grads, {**outer_out, "blocks": blocks_out},
                                                                 grad_layouts))
 
-    tokens_spec = st.tokens_spec
     grads_out = {**outer_out, "blocks": blocks_out}
-    staged = lambda blocks, outer, inputs, targets, docs, reference, noise, step_inputs: jax.shard_map(
+    staged = lambda blocks, outer, micro_rows, step_inputs: jax.shard_map(
         per_stage, mesh=mesh, out_specs=Gradients(P(), grads_out, errors_local), axis_names=manual,
-        in_specs=(st.blocks_in, st.outer_in, tokens_spec, tokens_spec, tokens_spec, tokens_spec, tokens_spec,
+        in_specs=(st.blocks_in, st.outer_in, st.rows_specs(micro_rows),
                   data_parallel.input_specs(step_inputs, None, errors_local)),
-        check_vma=False)(blocks, outer, inputs, targets, docs, reference, noise, step_inputs)
+        check_vma=False)(blocks, outer, micro_rows, step_inputs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
         outer, blocks = st.unfolded(params)  # the gradients folded on the way out (local reshapes)
-        x, targets, docs = _microbatches(model, inputs.tokens, micro, loss_mask, pairs=dpo is not None)
-        # LoRA dropout's row keys travel with their rows (DPO's: each sequence's, in the pairs' order)
-        noise = _microbatch_keys(inputs.dropout_keys, micro, pairs=dpo is not None)
-        # the reference log-probs split as the pairs are; fp32 sums, which the step casts to the params' dtype
-        reference = None if inputs.reference is None else split_microbatches(inputs.reference, micro)
-        out = staged(blocks, outer, x, targets, docs, reference, noise, inputs.with_tokens(None))
+        micro_rows = _microbatches(model, objective, inputs.rows, micro)
+        out = staged(blocks, outer, micro_rows, inputs.with_rows(None))
         return dataclasses.replace(out, grads=data_parallel.folded(out.grads, grad_specs, mesh))
 
     return metrics_and_grads
 
 
-def make_pipeline_log_probs(model, plan, mesh, param_specs):
-    """(params, pairs [B, 2 (L + 1)]) -> [B, 2] their summed response log-probs (meshtrain/engine/
-    dpo.py `make_log_probs`), forward only through the pipeline's stages: the schedule's forwards
+def make_pipeline_scores(model, plan, mesh, param_specs, objective):
+    """(params, rows) -> the objective's per-row forward scores (`Objective.score_head`, e.g. the
+    summed response log-probs), forward only through the pipeline's stages: the schedule's forwards
     alone (`forwards_of`), no residuals, no gradients; each stage holds its own layers only, as in
-    training. DPO's reference pass, and its evaluation, on a pipeline mesh."""
+    training. An objective's forward pass before the gradients, and its evaluation, on a pipeline mesh."""
     st = _Staging(model, plan, mesh, param_specs)
     schedule, micro = forwards_of(plan.schedule), st.micro
     tables, slots, phases = _tables(schedule, st.stages, micro, st.virtual)
-    head = lambda p_outer, y, targets, _: (jnp.zeros((), jnp.float32), pair_log_probs(model, p_outer, y, targets))
+    head = lambda p_outer, y, mb: (jnp.zeros((), jnp.float32), objective.score_head(p_outer, y, mb))
 
-    def per_stage(blocks, outer, inputs_MxbxL, targets_MxbxL, docs_MxbxL):
+    def per_stage(blocks, outer, micro_rows):
         with manual_axes_rules(st.manual):
             outer, blocks = st.stage_params(blocks, outer)
-            stage = st.program(schedule, "save", tables, slots, blocks, outer, inputs_MxbxL, targets_MxbxL,
-                               docs_MxbxL, head=head, trains=False)
+            stage = st.program(schedule, "save", tables, slots, blocks, outer, micro_rows, head=head, trains=False)
             return stage.outputs(stage.ticks(phases))
 
-    spec = st.tokens_spec
-    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(st.blocks_in, st.outer_in, spec, spec, spec),
-                           out_specs=spec, axis_names=st.manual, check_vma=False)
-
-    def log_probs(params, pairs_BxP):
+    def scores(params, rows):
         outer, blocks = st.unfolded(jax.lax.stop_gradient(params))
-        out_Mxbx2 = staged(blocks, outer, *_microbatches(model, pairs_BxP, micro, False, pairs=True))
-        return out_Mxbx2.swapaxes(0, 1).reshape(pairs_BxP.shape[0], 2)  # row j * M + m, as split
+        micro_rows = _microbatches(model, objective, rows, micro)
+        staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(st.blocks_in, st.outer_in, st.rows_specs(micro_rows)),
+                               out_specs=st.tokens_spec, axis_names=st.manual, check_vma=False)
+        out_M = staged(blocks, outer, micro_rows)
+        return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(-1, *o.shape[2:]), out_M)  # row j * M + m, as split
 
-    return log_probs
+    return scores

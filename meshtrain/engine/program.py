@@ -17,17 +17,11 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.config.validate import check_layout
 from meshtrain.data.mixture import trains_on_mask
-from meshtrain.engine.dpo import keeps_reference, make_dpo_eval
-from meshtrain.engine.pipeline import layer_order, make_pipeline_log_probs
-from meshtrain.engine.step import (
-    lr_schedule,
-    make_loss_fn,
-    make_optimizer,
-    make_train_step,
-    trained_share,
-    trained_tokens,
-)
+from meshtrain.engine.pipeline import layer_order, make_pipeline_scores
+from meshtrain.engine.step import lr_schedule, make_optimizer, make_train_step
 from meshtrain.models import FAMILIES
+from meshtrain.objectives import objective
+from meshtrain.objectives.base import forward_scores
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.fp8 import matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
@@ -36,12 +30,10 @@ from meshtrain.ops.precision import initial_loss_scale
 from meshtrain.ops.trainable import select
 from meshtrain.ops.ulysses import context_layout
 from meshtrain.parallel import compression
-from meshtrain.parallel.batching import split_microbatches
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.parallel.sharding import (
     activation_rules,
     check_replication,
-    constrain,
     make_rules,
     owned_specs,
     spec_for,
@@ -56,11 +48,8 @@ class TrainProgram:
         """`packing`: how a training window splits into documents (meshtrain/ops/packing.py; None:
         attend across them), from `data.document_mask` (`from_config`). `loss_mask`: the batches
         carry chat data's loss mask and the loss averages over the trained tokens (data.train_on).
-        Under train.objective=dpo the batches are preference pairs [B, 2 (L + 1)] (their mask marks
-        the responses) and the state holds the reference parameters (meshtrain/engine/dpo.py)."""
-        self.dpo = train.dpo if train.objective == "dpo" else None
-        loss_mask = loss_mask and self.dpo is None
-        self.loss_mask = loss_mask
+        train.objective names the objective (meshtrain/objectives/), which says what a batch row holds
+        (under dpo, preference pairs [B, 2 (L + 1)]) and what the state keeps beside the parameters."""
         self.spec, self.plan, self.optim, self.train = model, plan, optim, train
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
@@ -75,8 +64,10 @@ class TrainProgram:
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
-        self.batch_shape = (t.batch_size, (t.seq_len + 1) * (1 if self.dpo is None else 2))
-        self.tokens_per_step = t.batch_size * t.seq_len * (1 if self.dpo is None else 2)  # tokens/s counts these
+        self.objective = objective(t.objective)(self.model, plan, t, loss_mask)
+        n = self.objective.sequences_per_row
+        self.batch_shape = (t.batch_size, (t.seq_len + 1) * n)
+        self.tokens_per_step = t.batch_size * t.seq_len * n  # tokens/s counts these
 
         abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))
         self.logical_axes = self.model.logical_axes(abstract_params)
@@ -98,13 +89,13 @@ class TrainProgram:
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, plan.zero, map_param_states, other,
                                                                 self.trained)
-        if self.dpo is not None and keeps_reference(self.model.cfg):  # the frozen reference: as the parameters
-            self.state_shardings["reference"] = self.state_shardings["params"]
-        specs = {"params": jax.tree.map(lambda s: s.spec, self.state_shardings["params"]),
-                 "grads": self.grad_specs, "batch": self.batch_sharding.spec, "owned": self.owned_specs, **other}
-        self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs,
-                                       layer_norms=t.grad_norms_every > 0, loss_mask=loss_mask, dpo=self.dpo,
-                                       seed=t.seed)
+        for name in self.objective.initial_state(abstract_params):  # e.g. DPO's frozen reference: as the parameters
+            self.state_shardings[name] = self.state_shardings["params"]
+        self.param_specs = jax.tree.map(lambda s: s.spec, self.state_shardings["params"])
+        specs = {"params": self.param_specs, "grads": self.grad_specs, "batch": self.batch_sharding.spec,
+                 "owned": self.owned_specs, **other}
+        self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs, self.objective,
+                                       layer_norms=t.grad_norms_every > 0)
         self.num_params = self.model.num_params(abstract_params)
         self.trainable_params = sum(x.size for x in jax.tree.leaves(self.trained(abstract_params)))
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
@@ -141,9 +132,7 @@ class TrainProgram:
                  "loss_scale": initial_loss_scale(self.plan)}
         if compression.applies(self.plan, self.sizes):
             state["grad_error"] = self.fresh_grad_error(params)
-        if self.dpo is not None and keeps_reference(self.model.cfg):  # DPO's reference model: these, frozen
-            state["reference"] = params
-        return state
+        return state | self.objective.initial_state(params)  # e.g. DPO's reference model: these, frozen
 
     def fresh_grad_error(self, params):
         """Zero residuals of the trained parameters' gradients (LoRA: the adapters' only)."""
@@ -173,48 +162,26 @@ class TrainProgram:
         return {**params, "blocks": self.reorder_blocks(params["blocks"], np.argsort(self.layer_order))}
 
     def eval_step(self):
-        """The jitted eval step: (params in storage order, tokens) -> (the mean loss, its weight),
-        replicated: the weight is 1, or with a loss mask the batch's trained tokens, so an eval set's
-        mean is sum(loss x weight) / sum(weight) (meshtrain/run/trainer.py `validation`). The
-        batch is cut into the train step's microbatches and their losses summed in a scan (equal
-        sizes: the mean of the means is the batch's mean), so an evaluation never holds more
-        activations than a training microbatch. The trainer runs it; the planner compiles it. With a
-        loss mask, the mean over the batch's trained tokens (`trained_share`). Under DPO, (params,
-        held-out pairs, *`eval_inputs(state)`) -> {loss, reward_accuracy, reward_margin}
-        (meshtrain/engine/dpo.py `make_dpo_eval`)."""
+        """The jitted evaluation of a held-out batch (`Objective.evaluation`): (params in storage
+        order, batch, *`eval_inputs(state)`) -> its metrics, replicated; for next-token training (the
+        mean loss, its weight), so an eval set's mean is sum(loss x weight) / sum(weight). It runs the
+        train step's microbatches one at a time, so an evaluation never holds more activations than a
+        training microbatch; an objective's forward scores run through the stages on a pipeline. The
+        trainer runs it; the planner compiles it."""
         micro = self.plan.num_microbatches(self.sizes["pipeline"])
-        replicated = NamedSharding(self.mesh, P())
-        if self.dpo is not None:  # on a pipeline, the log-probs by a forward-only pass through its stages
-            log_probs = None
-            if self.sizes["pipeline"] > 1:
-                param_specs = jax.tree.map(lambda s: s.spec, self.state_shardings["params"])
-                log_probs = make_pipeline_log_probs(self.model, self.plan, self.mesh, param_specs)
-            dpo_eval = make_dpo_eval(self.model, self.plan.precision, micro, self.dpo.beta, self.dpo.label_smoothing,
-                                     log_probs)
-            extra = (self.state_shardings["reference"],) if "reference" in self.state_shardings else ()
-            return jax.jit(dpo_eval, in_shardings=(self.state_shardings["params"], self.batch_sharding, *extra),
-                           out_shardings=replicated)
-        eval_loss = make_loss_fn(self.model, self.plan.precision, loss_mask=self.loss_mask)
-
-        def all_positions(params, tokens_BxL1):
-            if micro == 1:
-                return eval_loss(params, tokens_BxL1)[1]["loss"]
-            add = lambda total, tokens: (total + eval_loss(params, constrain(tokens, ("batch", None)))[1]["loss"], None)
-            return jax.lax.scan(add, jnp.zeros((), jnp.float32), split_microbatches(tokens_BxL1, micro))[0] / micro
-
-        def mean_loss(params, tokens_BxL1):
-            loss = all_positions(self.in_model_order(params), tokens_BxL1)
-            if not self.loss_mask:
-                return loss, jnp.ones((), jnp.float32)
-            return loss / trained_share(tokens_BxL1), trained_tokens(tokens_BxL1)
-
-        return jax.jit(mean_loss, in_shardings=(self.state_shardings["params"], self.batch_sharding),
-                       out_shardings=replicated)
+        if self.sizes["pipeline"] > 1:
+            score = make_pipeline_scores(self.model, self.plan, self.mesh, self.param_specs, self.objective)
+        else:
+            score = forward_scores(self.objective.scores, micro)
+        evaluate = self.objective.evaluation(score, micro, self.in_model_order)
+        extra = tuple(self.state_shardings[name] for name in self.objective.initial_state(self.param_specs))
+        return jax.jit(evaluate, in_shardings=(self.state_shardings["params"], self.batch_sharding, *extra),
+                       out_shardings=NamedSharding(self.mesh, P()))
 
     def eval_inputs(self, state) -> tuple:
         """What the eval step takes after (params, batch) from the train `state` (or its abstract
-        form): DPO's reference parameters where the state keeps them, else nothing."""
-        return (state["reference"],) if "reference" in self.state_shardings else ()
+        form): the objective's state entries (DPO's reference parameters where the state keeps them)."""
+        return self.objective.eval_inputs(state)
 
     def lower(self):
         """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs."""

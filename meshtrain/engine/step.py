@@ -1,8 +1,9 @@
-"""Train and eval steps on pure pytrees: loss -> grads (accumulated over microbatches) -> clip ->
-nonfinite guard -> the optimizer (meshtrain/ops/optimizers.py). The state is {'step', 'params',
-'opt_state', 'skipped_steps', 'loss_scale'}, and 'grad_error' under int8 gradient compression
-(meshtrain/parallel/compression.py), 'reference' under DPO (meshtrain/engine/dpo.py); the batch is
-[batch, seq_len + 1] tokens, [batch, 2 (seq_len + 1)] preference pairs under DPO."""
+"""The train step on pure pytrees: the objective's inputs (meshtrain/objectives/) -> grads
+(accumulated over microbatches, by one of three executors) -> clip -> nonfinite guard -> the
+optimizer (meshtrain/ops/optimizers.py). The state is {'step', 'params', 'opt_state',
+'skipped_steps', 'loss_scale'}, 'grad_error' under int8 gradient compression
+(meshtrain/parallel/compression.py), and the objective's own entries (`Objective.initial_state`);
+the batch is the objective's ([batch, seq_len + 1] tokens, or `sequences_per_row` sequences a row)."""
 from __future__ import annotations
 
 import math
@@ -11,15 +12,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.engine.dpo import make_dpo_loss_fn, make_reference_log_probs, reference_params
-from meshtrain.engine.pipeline import make_pipeline_grads, make_pipeline_log_probs
-from meshtrain.models.lora import row_keys
-from meshtrain.ops import remat as remat_lib
+from meshtrain.engine.pipeline import make_pipeline_grads, make_pipeline_scores
+from meshtrain.objectives.base import forward_scores
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
 from meshtrain.ops.trainable import merge, select
 from meshtrain.parallel import compression, data_parallel
-from meshtrain.parallel.batching import Gradients, StepInputs, accumulate, model_inputs
+from meshtrain.parallel.batching import Gradients, StepInputs, accumulate
 
 
 def lr_schedule(ocfg, total_steps: int):
@@ -44,67 +43,14 @@ def applied_lr(schedule, opt_state):
     return schedule(count)
 
 
-def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = False):
-    """(params, tokens [B, L+1]) -> (objective, metrics): the mean cross-entropy plus the model's
-    auxiliary losses, and the metrics (meshtrain/parallel/batching.py). The blocks run under the plan's remat
-    policy; their statistics are reported as means over layers. `loss_mask`: the tokens carry a loss
-    mask (meshtrain/data/tokens.py `with_mask`): the inputs are its ids, an untrained target adds
-    nothing, and the loss is still divided by all B x L positions (`trained_share` rescales it).
-    `aux_weight` multiplies the auxiliary losses (the trained share, which the step divides out).
-    `mtp_shares` ([D], `mtp_shares`; the train step's, None in evaluation): the objective adds the
-    multi-token prediction loss, mtp_loss_weight x the mean of the D depths' losses (DeepSeek-V3
-    eq. 25), weighted as the auxiliary losses are, and the metric 'mtp_loss' is that mean.
-    `dropout_keys` ([B, 2], the train step's, models/lora.py `row_keys`): LoRA dropout is on."""
-    layer = remat_lib.apply(model.block, remat, model.saveable)
-
-    def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None, dropout_keys=None):
-        compute = cast_for_compute(params, precision)
-        inputs, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
-        x_BxLxD, stats = model.trunk(compute, inputs, docs, layer, dropout_keys)
-        loss = model.loss(compute, x_BxLxD, targets)
-        objective, metrics = loss + aux_weight * model.auxiliary_loss(stats), {"loss": loss, **stats}
-        if mtp_shares is not None:
-            mtp = jnp.mean(model.mtp_losses(compute, x_BxLxD, inputs, targets, docs, mtp_shares))
-            objective, metrics["mtp_loss"] = objective + aux_weight * model.cfg.mtp_loss_weight * mtp, mtp
-        return objective, metrics
-
-    return loss_fn
-
-
-def mtp_shares(model, tokens_BxL1, loss_mask: bool = False):
-    """[D]: each multi-token prediction depth's trained share of the step batch (None without MTP)."""
-    if not model.mtp_depth:
-        return None
-    _, targets, docs = model_inputs(model, tokens_BxL1, loss_mask)
-    return model.mtp_shares(targets, docs)
-
-
-def trained_share(tokens_BxL1):
-    """The fraction of the batch's B x L targets that are trained (>= 0), at least one token's: the
-    executors average the masked loss over all positions, so loss / share is the sum of the trained
-    tokens' losses over their number, for the whole batch and every layout."""
-    trained_BxL = tokens_BxL1[:, 1:] >= 0
-    return jnp.maximum(jnp.mean(trained_BxL, dtype=jnp.float32), 1.0 / trained_BxL.size)
-
-
-def trained_tokens(tokens_BxL1):
-    """How many of the batch's targets are trained (>= 0), in fp32."""
-    return jnp.sum(tokens_BxL1[:, 1:] >= 0, dtype=jnp.float32)
-
-
-def metrics_and_grads(loss_fn, keep=lambda path: True):
-    """`loss_fn` -> a gradient function (meshtrain/parallel/batching.py): the metrics and the gradients
-    of the objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py),
-    by the parameters `keep` accepts (`ModelSpec.trainable`) only: the others are constants."""
+def metrics_and_grads(loss, keep=lambda path: True):
+    """`loss` ((params, rows, shared) -> (objective, metrics): an objective's, meshtrain/objectives/)
+    -> a gradient function (meshtrain/parallel/batching.py): the metrics and the gradients of the
+    objective, times the inputs' loss scale when there is one (fp16, meshtrain/ops/precision.py), by
+    the parameters `keep` accepts (`ModelSpec.trainable`) only: the others are constants."""
     def fn(params, inputs: StepInputs) -> Gradients:
-        # DPO's reference log-probs (meshtrain/engine/dpo.py) or, under a loss mask, the trained share by which
-        # the auxiliary losses are weighted: never both (config/validate.py: DPO takes no mask from data.train_on)
-        extra = [x for x in (inputs.reference, inputs.trained_share) if x is not None]
-        mtp = {} if inputs.mtp_shares is None else {"mtp_shares": inputs.mtp_shares}
-        noise = {} if inputs.dropout_keys is None else {"dropout_keys": inputs.dropout_keys}
-
         def objective(trained):
-            value, metrics = loss_fn(merge(params, trained), inputs.tokens, *extra, **mtp, **noise)
+            value, metrics = loss(merge(params, trained), inputs.rows, inputs.shared)
             return (value if inputs.loss_scale is None else value * inputs.loss_scale), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(select(params, keep))
@@ -130,14 +76,15 @@ def grad_norms_by_group(grads, embed_stacks: tuple = ()) -> dict:
             jnp.zeros((0,), jnp.float32), "kind": kind}
 
 
-def balance_routers(model, params, metrics, batch_shape, applied, pairs: bool = False):
+def balance_routers(model, params, metrics, batch_shape, applied, sequences_per_row: int = 1):
     """The parameters with each routed layer's `router_bias` moved toward balance
     (the MoE model's `balanced_router_bias`, models/routed.py), unless the step was skipped, and the metrics with
     'expert_load' as counts [routed layers, E] (storage order) and 'batch_load_max', the worst
     layer's busiest expert's count over the mean count (1 = balanced over the whole global batch).
-    `batch_shape`: the step's tokens [B, L + 1], or [B, 2 (L + 1)] preference pairs (`pairs`)."""
+    `batch_shape`: the step's [B, n (L + 1)], n `sequences_per_row` (the objective's)."""
     c = model.cfg
-    rows, seq = (2 * batch_shape[0], batch_shape[1] // 2 - 1) if pairs else (batch_shape[0], batch_shape[1] - 1)
+    n = sequences_per_row
+    rows, seq = n * batch_shape[0], batch_shape[1] // n - 1
     bias, count_NxE = model.balanced_router_bias(params["blocks"]["router_bias"], metrics["expert_load"],
                                                  rows * seq * c.experts_per_token)
     blocks = {**params["blocks"], "router_bias": jnp.where(applied, bias, params["blocks"]["router_bias"])}
@@ -145,24 +92,19 @@ def balance_routers(model, params, metrics, batch_shape, applied, pairs: bool = 
     return {**params, "blocks": blocks}, {**metrics, "expert_load": count_NxE, "batch_load_max": load_max}
 
 
-def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: bool = False,
-                    loss_mask: bool = False, dpo=None, seed: int = 0):
-    """The step for `plan` (a ParallelPlan) on `mesh`. `specs`: PartitionSpecs of 'params', 'grads'
-    (pytrees) and 'batch', and under int8 compression 'owned' (the gradients' ZeRO-2 layout) and
-    'grad_error' (the residuals'). With a `pipeline` axis > 1 the stacked layers run as pipeline
-    stages (meshtrain/engine/pipeline.py). Where `data` is manual (data_parallel.is_manual), each data shard
-    computes on the compute-dtype parameters and its own rows, accumulates locally and the gradients
-    are reduced over `data` once per step (in int8 with error feedback under compression, which
-    keeps the residuals of a skipped step). Otherwise XLA partitions the step from the shardings.
-    Under fp16 the gradients are of the scaled objective and unscaled here (meshtrain/ops/precision.py).
-    `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`).
-    `loss_mask` (chat data, data.train_on=assistant): the loss and its gradients average over the
-    trained tokens only (`trained_share`), and the metric 'trained_tokens' counts them. `dpo`
-    (train.dpo, under train.objective=dpo): the batch is preference pairs and the objective DPO's
-    (meshtrain/engine/dpo.py), the reference log-probs taken first from `reference_params(state)`
-    (on a pipeline, by a forward-only pass through its stages: `make_pipeline_log_probs`). Under LoRA
-    dropout (model.lora.dropout > 0) each row of the batch gets its key from (`seed`, the state's
-    step) (models/lora.py `row_keys`), which travels with the row through every executor's split."""
+def make_train_step(model, tx, schedule, plan, mesh, specs: dict, objective, layer_norms: bool = False):
+    """The step of `objective` (meshtrain/objectives/base.py) for `plan` (a ParallelPlan) on `mesh`.
+    `specs`: PartitionSpecs of 'params', 'grads' (pytrees) and 'batch', and under int8 compression
+    'owned' (the gradients' ZeRO-2 layout) and 'grad_error' (the residuals'). With a `pipeline` axis
+    > 1 the stacked layers run as pipeline stages (meshtrain/engine/pipeline.py). Where `data` is
+    manual (data_parallel.is_manual), each data shard computes on the compute-dtype parameters and
+    its own rows, accumulates locally and the gradients are reduced over `data` once per step (in
+    int8 with error feedback under compression, which keeps the residuals of a skipped step).
+    Otherwise XLA partitions the step from the shardings. Under fp16 the gradients are of the scaled
+    objective and unscaled here (meshtrain/ops/precision.py), and by the objective's divisor
+    (`Objective.finish`). An objective's forward-only pass before the gradients (`scores_first`)
+    runs a microbatch at a time, through the pipeline's stages on a pipeline (`make_pipeline_scores`).
+    `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
     keep = model.cfg.trainable
     micro = plan.num_microbatches(stages)
@@ -171,49 +113,34 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         compressor = compression.Int8Reduction(mesh, grad_specs, select(specs["owned"], keep), plan.compression_block,
                                                plan.zero)  # the trained parameters' gradients (LoRA: adapters')
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
-    if dpo is not None:
-        loss_fn = make_dpo_loss_fn(model, plan.precision, plan.remat, dpo.beta, dpo.label_smoothing)
-        reference_fn = (make_pipeline_log_probs(model, plan, mesh, specs["params"]) if stages > 1 else
-                        make_reference_log_probs(model, plan.precision, micro))
-    else:
-        loss_fn = make_loss_fn(model, plan.precision, plan.remat, loss_mask)
+    score = None
+    if objective.scores_first:
+        score = (make_pipeline_scores(model, plan, mesh, specs["params"], objective) if stages > 1 else
+                 forward_scores(objective.scores, micro))
     if stages > 1:
-        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, loss_mask=loss_mask,
-                                      dpo=dpo, **compressed)
+        grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, objective, **compressed)
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
                                  compressed=compressor is not None):
         others = set(mesh.axis_names) - {data_parallel.AXIS}
-        local = accumulate(metrics_and_grads(loss_fn, keep), micro, data_parallel.local_specs(grad_specs, others))
+        local = accumulate(metrics_and_grads(objective.loss, keep), micro,
+                           data_parallel.local_specs(grad_specs, others))
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
                                                 **compressed)
         # the gathers move compute-dtype parameters
         grad_fn = lambda params, inputs: per_shard(cast_for_compute(params, plan.precision), inputs)
     else:
-        grad_fn = accumulate(metrics_and_grads(loss_fn, keep), micro, grad_specs)
+        grad_fn = accumulate(metrics_and_grads(objective.loss, keep), micro, grad_specs)
 
-    def train_step(state, tokens_BxL1):
+    def train_step(state, batch):
         params, loss_scale = state["params"], state["loss_scale"]
         trained = select(params, keep)  # the optimizer's parameters (LoRA: the adapters)
         scale = loss_scale["scale"] if scales_loss(plan) else None
-        # cast before the forward's gathers, as the policy's parameters are
-        reference = None if dpo is None else reference_fn(
-            cast_for_compute(reference_params(state, model.cfg), plan.precision), tokens_BxL1)
-        share = trained_share(tokens_BxL1) if loss_mask else None
-        keys = None
-        if model.cfg.lora.rank and model.cfg.lora.dropout:
-            keys = jax.lax.with_sharding_constraint(row_keys(seed, state["step"], tokens_BxL1.shape[0]),
-                                                    specs["batch"])
-        out = grad_fn(params, StepInputs(tokens_BxL1, scale, state["grad_error"] if compressor else None,
-                                         reference=reference, trained_share=share,
-                                         mtp_shares=mtp_shares(model, tokens_BxL1, loss_mask), dropout_keys=keys))
-        model_metrics = out.metrics
-        divisors = [] if scale is None else [scale]  # the gradients are of the objective times these
-        if loss_mask:  # the mean over trained tokens (the model's statistics and auxiliary losses stay
-            # means over all tokens: the gradient functions weight those by the share)
-            model_metrics = {**model_metrics, "loss": model_metrics["loss"] / share,
-                             "trained_tokens": trained_tokens(tokens_BxL1)}
-            divisors.append(share)
+        rows, shared = objective.step_inputs(state, batch, score)
+        out = grad_fn(params, StepInputs(rows, shared, scale, state["grad_error"] if compressor else None))
+        model_metrics, divisor = objective.finish(out.metrics, rows, shared)
         loss = model_metrics["loss"]
+        # the gradients are of the objective times these
+        divisors = [d for d in (scale, divisor) if d is not None]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
         unscale = (lambda g: g / math.prod(divisors)) if divisors else (lambda g: g)
         grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
@@ -228,8 +155,8 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, layer_norms: b
         keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
         new_params = merge(params, keep_if_skipped(optax.apply_updates(trained, updates), trained))
         if "expert_load" in model_metrics:  # aux-loss-free balancing, after the optimizer (models/routed.py)
-            new_params, model_metrics = balance_routers(model, new_params, model_metrics, tokens_BxL1.shape,
-                                                        applied, pairs=dpo is not None)
+            new_params, model_metrics = balance_routers(model, new_params, model_metrics, batch.shape, applied,
+                                                        objective.sequences_per_row)
         new_state = {**state, "step": state["step"] + 1,
                      "params": new_params,
                      "opt_state": keep_if_skipped(opt_state, state["opt_state"]),

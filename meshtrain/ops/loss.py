@@ -123,7 +123,7 @@ _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
 
 def sequence_log_probs(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES):
     """[B]: each row's sum of log softmax(x w)[target] over its trained targets (>= 0), fp32; DPO's
-    sequence log-probability (meshtrain/engine/dpo.py). Chunked as `cross_entropy`, each chunk
+    sequence log-probability (meshtrain/objectives/dpo.py). Chunked as `cross_entropy`, each chunk
     rematerialised (`jax.checkpoint`): the backward remakes one chunk's logits at a time, so no
     [B, L, V] logits are held, at one more head matmul than the custom VJP of `_loss_sum` (whose
     gradients are scaled by one scalar cotangent, not one per row)."""

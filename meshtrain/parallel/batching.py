@@ -3,9 +3,9 @@ into the model's inputs and targets in the plan's sequence layout.
 
 Every executor (meshtrain/engine/step.py, meshtrain/parallel/data_parallel.py, meshtrain/engine/pipeline.py) is a
 gradient function `(params, StepInputs) -> Gradients`: `metrics` a dict of fp32 scalars, the
-cross-entropy `loss` first, then the model's block statistics (e.g. the MoE router's), each a mean
-over the step's tokens; `grads` the gradients of the training objective (loss + the model's
-auxiliary losses), a mean over the step's microbatches.
+objective's (meshtrain/objectives/) `loss` first, then the model's block statistics (e.g. the MoE
+router's), each a mean over the step's microbatches; `grads` the gradients of the training objective
+(its loss + the model's auxiliary losses), a mean over the step's microbatches.
 """
 from __future__ import annotations
 
@@ -22,23 +22,17 @@ from meshtrain.parallel.sharding import constrain
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """What a gradient function takes besides the parameters. A field that does not apply is None
-    (an empty pytree: nothing is traced or sent for it)."""
-    tokens: Any  # [B, L+1] token ids: inputs and (shifted by one) targets
+    """What a gradient function takes besides the parameters: the objective's (meshtrain/objectives/
+    base.py) rows and shared values, and what the executor owns. A field that does not apply is
+    None (an empty pytree: nothing is traced or sent for it)."""
+    rows: Any  # a pytree of [B, ...] arrays, split with the batch (the tokens [B, L+1] among them)
+    shared: Any = None  # a pytree of step constants, replicated
     loss_scale: Any = None  # fp16: the objective is multiplied by it (meshtrain/ops/precision.py)
     grad_error: Any = None  # int8 compression: the residuals carried in (meshtrain/parallel/compression.py)
-    reference: Any = None  # DPO: [B, 2] the reference model's log-probs of each row (meshtrain/engine/dpo.py)
-    # a loss mask: the step batch's trained share (meshtrain/engine/step.py `trained_share`), by which the
-    # auxiliary losses are weighted, so that the step's division by it leaves them means over all tokens
-    trained_share: Any = None
-    # multi-token prediction: [D] each depth's trained share of the step batch (models/deepseek_v3.py mtp_shares)
-    mtp_shares: Any = None
-    # LoRA dropout: [B, 2] each row's key (models/lora.py `row_keys`), which travels with its row
-    dropout_keys: Any = None
 
-    def with_tokens(self, tokens, reference=None, dropout_keys=None) -> StepInputs:
-        """These rows' tokens (and their reference log-probs and dropout keys): a microbatch's."""
-        return dataclasses.replace(self, tokens=tokens, reference=reference, dropout_keys=dropout_keys)
+    def with_rows(self, rows) -> StepInputs:
+        """These rows instead: a microbatch's, or a data shard's."""
+        return dataclasses.replace(self, rows=rows)
 
 
 @jax.tree_util.register_dataclass
@@ -71,11 +65,16 @@ def model_inputs(model, tokens_BxL1, loss_mask: bool = False):
     return inputs, targets, model.documents(tokens_BxL1)
 
 
-def split_microbatches(tokens_BxL1, num_micro: int):
-    """[B, L+1] -> [M, B/M, L+1] with microbatch m = rows i*M + m, so that every microbatch spans
+def batch_rows(x):
+    """`x` ([B, ...]) constrained as a batch's rows are laid out: split on the batch only."""
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def split_microbatches(rows_Bx_, num_micro: int):
+    """[B, ...] -> [M, B/M, ...] with microbatch m = rows i*M + m, so that every microbatch spans
     all data-parallel shards (a contiguous split would leave most devices idle)."""
-    B = tokens_BxL1.shape[0]
-    return tokens_BxL1.reshape(B // num_micro, num_micro, -1).swapaxes(0, 1)
+    B = rows_Bx_.shape[0]
+    return rows_Bx_.reshape(B // num_micro, num_micro, *rows_Bx_.shape[1:]).swapaxes(0, 1)
 
 
 def accumulate(grad_fn, microbatches: int, accumulator_specs):
@@ -88,19 +87,16 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
     pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
-        rows = lambda x: None if x is None else constrain(x, ("batch", None))
-        micro_inputs = lambda tokens, reference=None, keys=None: inputs.with_tokens(rows(tokens), rows(reference),
-                                                                                   rows(keys))
+        micro_inputs = lambda rows: inputs.with_rows(jax.tree.map(batch_rows, rows))
 
         def add(carry, micro_rows):
             metric_sums, grad_sums = carry
-            out = grad_fn(params, micro_inputs(*micro_rows))
+            out = grad_fn(params, micro_inputs(micro_rows))
             grad_sums = pin(jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sums, out.grads))
             return (jax.tree.map(jnp.add, metric_sums, out.metrics), grad_sums), None
 
-        split = lambda x: None if x is None else split_microbatches(x, microbatches)
-        micro_rows = (split(inputs.tokens), split(inputs.reference), split(inputs.dropout_keys))  # the same rows
-        like = jax.eval_shape(grad_fn, params, micro_inputs(*jax.tree.map(lambda x: x[0], micro_rows)))
+        micro_rows = jax.tree.map(lambda x: split_microbatches(x, microbatches), inputs.rows)
+        like = jax.eval_shape(grad_fn, params, micro_inputs(jax.tree.map(lambda x: x[0], micro_rows)))
         zeros = (jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), like.metrics),  # grads: the trained params'
                  pin(jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), like.grads)))  # fp32 sums
         (metrics, grads), _ = jax.lax.scan(add, zeros, micro_rows)

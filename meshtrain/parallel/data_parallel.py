@@ -169,16 +169,14 @@ def reduce_mean(tree, specs, layouts=None):
     return jax.tree.map(one, tree, specs, *([layouts] if layouts else []), is_leaf=_is_spec)
 
 
-def input_specs(inputs: StepInputs, tokens_spec: P, error_specs) -> StepInputs:
-    """The shard_map specs of a step's inputs: the tokens as given, the loss scale and trained shares
-    replicated, the residuals as laid out, DPO's reference log-probs and LoRA's dropout keys split as
-    the rows they belong to (absent fields stay None)."""
-    return StepInputs(tokens_spec, None if inputs.loss_scale is None else P(),
-                      None if inputs.grad_error is None else error_specs,
-                      None if inputs.reference is None else tokens_spec,
-                      None if inputs.trained_share is None else P(),
-                      None if inputs.mtp_shares is None else P(),
-                      None if inputs.dropout_keys is None else tokens_spec)
+def input_specs(inputs: StepInputs, rows_spec: P | None, error_specs) -> StepInputs:
+    """The shard_map specs of a step's inputs: every leaf of the rows split as `rows_spec` says (the
+    batch's dimension; None: no rows), the shared values and the loss scale replicated, the residuals
+    as laid out (absent fields stay None)."""
+    each = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
+    return StepInputs(each(inputs.rows, rows_spec), each(inputs.shared, P()),
+                      None if inputs.loss_scale is None else P(),
+                      None if inputs.grad_error is None else error_specs)
 
 
 def data_parallel(metrics_and_grads, mesh, param_specs, grad_specs, batch_spec: P, compressor=None,
@@ -206,7 +204,8 @@ def data_parallel(metrics_and_grads, mesh, param_specs, grad_specs, batch_spec: 
             return Gradients(metrics, unfolded(grads, grad_specs, mesh.shape), errors)
 
     def fn(params, inputs: StepInputs) -> Gradients:
-        in_specs = (in_params, input_specs(inputs, local_spec(batch_spec, manual), errors_local))
+        rows_spec = P(local_spec(batch_spec, manual)[0])  # a row's other dimensions stay whole
+        in_specs = (in_params, input_specs(inputs, rows_spec, errors_local))
         out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
                             out_specs=Gradients(P(), out_grads, errors_local), axis_names=manual,
                             check_vma=False)(unfolded(params, param_specs, mesh.shape, mesh), inputs)

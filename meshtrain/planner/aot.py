@@ -179,7 +179,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
               "temporaries": train_memory["temporaries"], "total": train_memory["total"],
               "cpu_copies": train_memory["cpu_copies"],
               "grad_error": shard_bytes(state["grad_error"], shardings["grad_error"]) if "grad_error" in state else 0,
-              # DPO's frozen reference (meshtrain/engine/dpo.py): one more copy of the parameters, no state
+              # DPO's frozen reference (meshtrain/objectives/dpo.py): one more copy of the parameters, no state
               "reference": shard_bytes(state["reference"], shardings["reference"]) if "reference" in state else 0}
     consumers = {"parameters": memory["parameters"], "optimizer state": memory["optimizer_state"],
                  "activations and temporaries (gradients included)": memory["temporaries"]}

@@ -64,7 +64,6 @@ import jax
 
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
-from meshtrain.engine.dpo import keeps_reference
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.ring_schedule import ring_sends
 from meshtrain.ops.ulysses import context_degrees
@@ -137,13 +136,14 @@ def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
 
 
 def sequences_per_row(program) -> int:
-    """The sequences a batch row holds: a DPO pair's two (chosen and rejected), else one."""
-    return 1 if program.dpo is None else 2
+    """The sequences a batch row holds (the objective's: a DPO pair's two, chosen and rejected)."""
+    return program.objective.sequences_per_row
 
 
 def reference_forward(program) -> bool:
-    """Whether the step also runs a DPO reference model forward over the batch (meshtrain/engine/dpo.py)."""
-    return program.dpo is not None
+    """Whether the step also runs a forward-only pass over the batch first (the objective's
+    `scores_first`: DPO's reference model, meshtrain/objectives/dpo.py)."""
+    return program.objective.scores_first
 
 
 def tokens_per_device(program) -> float:
@@ -258,7 +258,7 @@ def expected_traffic(program) -> dict[str, dict]:
             + ring_traffic("all-gather", slices["outer"] * act, A),
             f"DPO: the reference's layers gathered in the compute dtype per microbatch x {micro} in its forward-only "
             f"pass through the stages, the embedding, head and norm once")
-    elif reference_forward(program) and keeps_reference(program.model.cfg):  # DPO's own copy of the weights
+    elif reference_forward(program) and "reference" in program.state_shardings:  # DPO's own copy of the weights
         add("all-gather", (micro if gpu and micro > 1 else 1)
             * ring_traffic("all-gather", (slices["blocks"] + slices["outer"]) * act, A),
             "DPO: the reference parameters gathered for its forward in the compute dtype, once per step "

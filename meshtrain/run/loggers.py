@@ -108,7 +108,7 @@ def format_record(r: dict) -> str:
         parts.insert(2, f"mtp {r['mtp_loss']:.4f}")
     if "trained_tokens_per_sec" in r:  # a loss mask: the loss is over these tokens only
         parts.insert(4, f"trained tokens/s {r['trained_tokens_per_sec']:,.0f}")
-    if "reward_accuracy" in r:  # DPO (meshtrain/engine/dpo.py)
+    if "reward_accuracy" in r:  # DPO (meshtrain/objectives/dpo.py)
         parts.insert(2, f"reward acc {r['reward_accuracy']:.2f} margin {r['reward_margin']:.3f}")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}")

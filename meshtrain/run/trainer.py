@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 import shutil
 import sys
 import time
@@ -13,7 +12,6 @@ import weakref
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.config.loader import Config, UserError, to_dict
@@ -23,7 +21,7 @@ from meshtrain.core.console import NOTICE, default_console
 from meshtrain.core.console import log as console
 from meshtrain.core.folders import writable
 from meshtrain.core.metrics import run_peaks, throughput_fields
-from meshtrain.data import mixture, preference, tasks
+from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
 from meshtrain.engine import scoring
@@ -99,14 +97,9 @@ class Trainer:
                                 f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to "
                                 f"decay over a new horizon, pass --set optim.schedule_steps={t.steps} --allow-change")
         # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
-        if program.dpo is None:
-            self.train_batches, self.val_sets = mixture.batches(self.mixture, cfg.data.val_fraction, t.batch_size,
-                                                                t.seq_len, t.seed, program.batch_sharding,
-                                                                cfg.model.vocab_size)
-        else:  # preference pairs (meshtrain/data/preference.py), the file's tail held out
-            self.train_batches, self.val_sets = preference.batches(
-                self.mixture.tokens[0], preference.read_pairs(cfg.data.path), cfg.data.val_fraction, t.batch_size,
-                t.seq_len, t.seed, program.batch_sharding, cfg.model.vocab_size)
+        # the objective's batches: of the mixture, or of preference pairs, each with its held-out tail
+        self.train_batches, self.val_sets = program.objective.batches(self.mixture, cfg.data, t,
+                                                                      program.batch_sharding, cfg.model.vocab_size)
         self.shares = getattr(self.train_batches, "shares", None)  # a mixture's
 
         self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
@@ -297,16 +290,14 @@ class Trainer:
         return self.evaluation().get("eval_loss")
 
     def evaluation(self) -> dict:
-        """{'eval_loss': the mean loss of train.eval_batches validation batches}, {} without validation.
-        A mixture adds each source's `eval_loss_<name>` on its own held-out windows; eval_loss is their
-        mean weighted by the sources' shares. Under DPO: the held-out pairs' eval_loss,
-        eval_reward_accuracy and eval_reward_margin (`preference_validation`)."""
+        """{'eval_loss': the mean loss of train.eval_batches validation batches}, {} without validation
+        (the objective's `validation`, meshtrain/objectives/). A mixture adds each source's
+        `eval_loss_<name>` on its own held-out windows; eval_loss is their mean weighted by the sources'
+        shares. Under DPO: the held-out pairs' eval_loss, eval_reward_accuracy and eval_reward_margin."""
         with self.program.context():
-            if self.program.dpo is not None:
-                return preference_validation(self.eval_step, self.state["params"], self.val_sets,
-                                             self.program.eval_inputs(self.state), self.cfg.train.eval_batches)
-            return validation(self.eval_step, self.state["params"], self.val_sets, self.mixture.sources,
-                              self.cfg.train.eval_batches)
+            return self.program.objective.validation(self.eval_step, self.state["params"], self.val_sets,
+                                                     self.program.eval_inputs(self.state), self.mixture.sources,
+                                                     self.cfg.train.eval_batches)
 
     def task_evaluation(self) -> dict:
         """{eval_acc_<task>, eval_acc_norm_<task>} of eval.tasks (meshtrain/engine/scoring.py), {} without."""
@@ -438,32 +429,3 @@ class Trainer:
                                         self.peak, self.peak_fp8))
         record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
         return record
-
-
-def preference_validation(eval_step, params, val_sets: dict, reference: tuple, batches: int) -> dict:
-    """DPO's Trainer.evaluation record: the mean over `batches` batches of the held-out pairs (each
-    batch holds as many pairs, so the mean of the batches' means is the mean over all their pairs)
-    of the DPO loss (eval_loss), the reward accuracy and the reward margin; {} without held-out pairs."""
-    if not val_sets:
-        return {}
-    val = val_sets[""]
-    per_batch = [eval_step(params, val(i), *reference) for i in range(batches)]
-    mean = lambda k: float(jnp.mean(jnp.stack([m[k] for m in per_batch])))
-    return {"eval_loss": mean("loss"), "eval_reward_accuracy": mean("reward_accuracy"),
-            "eval_reward_margin": mean("reward_margin")}
-
-
-def validation(eval_step, params, val_sets: dict, sources, batches: int) -> dict:
-    """Trainer.evaluation's record for `params` (the eval step's layout): each validation set's mean
-    loss over `batches` batches (with a loss mask, over all their trained tokens: the batches' means
-    weighted by their trained tokens); with several sources, eval_loss is their mean weighted by the
-    sources' shares and each adds its eval_loss_<name>. Call it under the program's context."""
-    def mean(val):
-        loss_N, weight_N = (jnp.stack(x) for x in zip(*(eval_step(params, val(i)) for i in range(batches))))
-        return float(jnp.sum(loss_N * weight_N) / jnp.maximum(jnp.sum(weight_N), 1.0))  # no trained token: 0
-
-    losses = {name: mean(val) for name, val in val_sets.items()}
-    if len(losses) < 2:
-        return {"eval_loss": next(iter(losses.values()))} if losses else {}
-    record = {"eval_loss": math.fsum(s.share * losses[s.name] for s in sources)}
-    return record | {f"eval_loss_{name}": loss for name, loss in losses.items()}

@@ -16,11 +16,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from meshtrain.data import preference
 from meshtrain.models.lora import adapters_off, fold_key
+from meshtrain.objectives.base import Microbatch, Objective, run_trunk
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.loss import sequence_log_probs
 from meshtrain.ops.precision import cast_for_compute
-from meshtrain.parallel.batching import model_inputs, split_microbatches
+from meshtrain.parallel.batching import batch_rows, split_microbatches
 from meshtrain.parallel.sharding import constrain
 
 
@@ -73,11 +75,9 @@ def make_log_probs(model, precision: str, remat: str = "none"):
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
     def log_probs(params, pairs_BxP, dropout_keys=None):
-        compute = cast_for_compute(params, precision)
-        inputs, targets, docs = model_inputs(model, sequences(pairs_BxP), loss_mask=True)
-        keys = None if dropout_keys is None else constrain(sequence_keys(dropout_keys), ("batch", None))
-        x_NxLxD, stats = model.trunk(compute, inputs, docs, layer, keys)
-        return pair_log_probs(model, compute, x_NxLxD, targets), stats
+        keys = None if dropout_keys is None else batch_rows(sequence_keys(dropout_keys))
+        compute, x_NxLxD, micro, stats = run_trunk(model, layer, precision, params, sequences(pairs_BxP), True, keys)
+        return pair_log_probs(model, compute, x_NxLxD, micro.targets), stats
 
     return log_probs
 
@@ -94,50 +94,78 @@ def dpo_loss(policy_Bx2, reference_Bx2, beta: float, label_smoothing: float):
                   "reward_chosen": jnp.mean(rewards_Bx2[:, 0]), "reward_rejected": jnp.mean(rewards_Bx2[:, 1])}
 
 
-def make_dpo_loss_fn(model, precision: str, remat: str, beta: float, label_smoothing: float):
-    """(params, pairs [B, 2 (L + 1)], reference log-probs [B, 2]) -> (objective, metrics): the DPO
-    loss plus the model's auxiliary losses (the MoE router's), as `step.make_loss_fn` gives them;
-    the policy under LoRA dropout when given `dropout_keys` (the reference never)."""
-    log_probs = make_log_probs(model, precision, remat)
+class DPO(Objective):
+    """train.objective=dpo, its settings train.dpo (beta, label_smoothing). Its rows: the pairs
+    ('tokens' [B, 2 (L + 1)]) and their 'reference' log-probs [B, 2], scored before the gradient
+    pass by the executor's forward-only pass (`scores`); on a pipeline each microbatch holds whole
+    pairs (`sequences`), so its loss is the last stage's alone (`head`)."""
+    name = "dpo"
+    sequences_per_row = 2
+    scores_first = True
+    masked = True  # the responses are the trained targets
 
-    def loss_fn(params, pairs_BxP, reference_Bx2, dropout_keys=None):
-        policy_Bx2, stats = log_probs(params, pairs_BxP, dropout_keys)
-        loss, metrics = dpo_loss(policy_Bx2, reference_Bx2, beta, label_smoothing)
-        return loss + model.auxiliary_loss(stats), {**metrics, **stats}
+    def __init__(self, model, plan, train, loss_mask: bool = False):
+        super().__init__(model, plan, train)
+        self.beta, self.label_smoothing = train.dpo.beta, train.dpo.label_smoothing
+        self.forward_log_probs = make_log_probs(model, plan.precision)
 
-    return loss_fn
+    def initial_state(self, params) -> dict:
+        return {"reference": params} if keeps_reference(self.model.cfg) else {}
 
+    def step_inputs(self, state, pairs, score):
+        # cast before the forward's gathers, as the policy's parameters are
+        reference = score(cast_for_compute(reference_params(state, self.model.cfg), self.precision), {"tokens": pairs})
+        return {"tokens": pairs, "reference": reference, **self.noise_rows(state, pairs)}, {}
 
-def make_reference_log_probs(model, precision: str, microbatches: int):
-    """(reference params, pairs [B, 2 (L + 1)]) -> [B, 2], without gradient, a microbatch at a time
-    (rows as `split_microbatches` cuts them), so it holds no more activations than the train step.
-    The evaluation (`make_dpo_eval`) runs the policy through it too."""
-    log_probs = make_log_probs(model, precision)
+    def pair_loss(self, policy_Bx2, reference_Bx2):
+        return dpo_loss(policy_Bx2, reference_Bx2, self.beta, self.label_smoothing)
 
-    def reference(params, pairs_BxP):
-        params = jax.lax.stop_gradient(params)
-        if microbatches == 1:
-            return log_probs(params, pairs_BxP)[0]
-        one = lambda _, micro: (None, log_probs(params, constrain(micro, ("batch", None)))[0])
-        out_MxbX2 = jax.lax.scan(one, None, split_microbatches(pairs_BxP, microbatches))[1]
-        return out_MxbX2.swapaxes(0, 1).reshape(pairs_BxP.shape[0], 2)  # row j * M + m, as split
+    def sequences(self, rows, micro):
+        pairs = rows["tokens"]
+        out = {"tokens": pipeline_sequences(pairs, micro)}
+        if "noise" in rows:  # [B, 2 sequences x 2] is laid out as the pairs [B, 2 (L + 1)] are
+            out["noise"] = pipeline_sequences(sequence_keys(rows["noise"]).reshape(pairs.shape[0], -1), micro)
+        return out
 
-    return reference
+    def extras(self, rows):
+        return rows.get("reference")  # none in the forward-only pass that scores it
 
+    def head(self, shared):
+        return lambda p_outer, y, micro: self.pair_loss(self.score_head(p_outer, y, micro), micro.extras)
 
-def make_dpo_eval(model, precision: str, microbatches: int, beta: float, label_smoothing: float, log_probs=None):
-    """(params, pairs [B, 2 (L + 1)], the reference's parameters if the state keeps a copy) -> the
-    held-out pairs' DPO loss, reward_accuracy and reward_margin (`dpo_loss`), forward only, a
-    microbatch at a time for the policy and the reference alike: `log_probs` ((params, pairs) ->
-    [B, 2]; on a pipeline meshtrain/engine/pipeline.py `make_pipeline_log_probs`), by default
-    `make_reference_log_probs`."""
-    log_probs = log_probs or make_reference_log_probs(model, precision, microbatches)
+    def scores(self, params, rows):
+        return self.forward_log_probs(params, rows["tokens"])[0]
 
-    def evaluate(params, pairs_BxP, *reference):
-        ref = reference[0] if reference else adapters_off(params)
-        compute = lambda p: cast_for_compute(p, precision)
-        _, metrics = dpo_loss(log_probs(compute(params), pairs_BxP), log_probs(compute(ref), pairs_BxP), beta,
-                              label_smoothing)
-        return {k: metrics[k] for k in ("loss", "reward_accuracy", "reward_margin")}
+    def score_head(self, p_outer, y, micro: Microbatch):
+        return pair_log_probs(self.model, p_outer, y, micro.targets)
 
-    return evaluate
+    def evaluation(self, score, microbatches: int, model_order):
+        """(params, pairs, the reference's parameters if the state keeps a copy) -> the held-out
+        pairs' DPO loss, reward_accuracy and reward_margin (`dpo_loss`), forward only, a microbatch
+        at a time for the policy and the reference alike (`score`)."""
+        def evaluate(params, pairs_BxP, *reference):
+            ref = reference[0] if reference else adapters_off(params)
+            log_probs = lambda p: score(cast_for_compute(p, self.precision), {"tokens": pairs_BxP})
+            _, metrics = self.pair_loss(log_probs(params), log_probs(ref))
+            return {k: metrics[k] for k in ("loss", "reward_accuracy", "reward_margin")}
+
+        return evaluate
+
+    @staticmethod
+    def batches(mix, data, train, sharding, vocab_size: int):
+        """(training pair batches, {"": the held-out pairs' batches}) of data.path's preference pairs."""
+        return preference.batches(mix.tokens[0], preference.read_pairs(data.path), data.val_fraction,
+                                  train.batch_size, train.seq_len, train.seed, sharding, vocab_size)
+
+    @staticmethod
+    def validation(eval_step, params, val_sets: dict, eval_inputs: tuple, sources, batches: int) -> dict:
+        """The mean over `batches` batches of the held-out pairs (each batch holds as many pairs, so
+        the mean of the batches' means is the mean over all their pairs) of the DPO loss (eval_loss),
+        the reward accuracy and the reward margin; {} without held-out pairs."""
+        if not val_sets:
+            return {}
+        val = val_sets[""]
+        per_batch = [eval_step(params, val(i), *eval_inputs) for i in range(batches)]
+        mean = lambda k: float(jnp.mean(jnp.stack([m[k] for m in per_batch])))
+        return {"eval_loss": mean("loss"), "eval_reward_accuracy": mean("reward_accuracy"),
+                "eval_reward_margin": mean("reward_margin")}

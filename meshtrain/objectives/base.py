@@ -1,0 +1,150 @@
+"""What a training objective is to the executors (meshtrain/engine/step.py, meshtrain/parallel/
+data_parallel.py, meshtrain/engine/pipeline.py), which know no objective by name.
+
+Before the gradient pass, `step_inputs` turns the step's batch into the objective's **rows** (a
+pytree of [B, ...] arrays, every leaf split with the batch: into microbatches, over data shards,
+into pipeline microbatches) and its **shared** values (a pytree of replicated step constants, e.g.
+a loss mask's trained share of the whole batch). Then:
+- the flat executors call `loss(params, rows, shared)` on each microbatch's rows;
+- the pipeline feeds the stages `sequences(rows, micro)`, the token rows the model runs on, and its
+  last stage calls `head(shared)` on each microbatch's final hidden state (`Microbatch`);
+- `finish` turns the step's mean metrics into the reported ones, and names the divisor the
+  gradients are unscaled by.
+An objective that scores the batch forward-only first (DPO's reference) says `scores_first`,
+and gets a `score` function from the executor: `score(params, rows)` -> per-row outputs, from
+`scores(params, rows)` on one device's program or `score_head` on a pipeline's last stage.
+
+LoRA dropout is a model input, not an objective's: `noise_rows` adds the rows' keys
+(models/lora.py `dropout_rows`), which the trunk reads as `rows['noise']`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+
+from meshtrain.models.lora import dropout_rows
+from meshtrain.ops import remat as remat_lib
+from meshtrain.ops.precision import cast_for_compute
+from meshtrain.parallel.batching import batch_rows, model_inputs, split_microbatches
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Microbatch:
+    """One pipeline microbatch as the last stage's head sees it: the model's inputs and targets
+    [b, L], its packed documents (or None) and the objective's `extras` rows (or None)."""
+    inputs: Any
+    targets: Any
+    docs: Any = None
+    extras: Any = None
+
+
+def run_trunk(model, layer, precision: str, params, tokens_NxL1, masked: bool = False, noise=None):
+    """(the compute-dtype parameters, the final hidden state [N, L, D] before the final norm, the
+    rows' `Microbatch` (inputs, targets, documents), the blocks' statistics as means over layers)
+    of token rows [N, L + 1]: the flat executors' forward, through `layer` (the block under a remat
+    policy). `masked`: the tokens carry a loss mask; `noise`: the rows' LoRA dropout keys."""
+    compute = cast_for_compute(params, precision)
+    inputs, targets, docs = model_inputs(model, tokens_NxL1, masked)
+    x_NxLxD, stats = model.trunk(compute, inputs, docs, layer, noise)
+    return compute, x_NxLxD, Microbatch(inputs, targets, docs), stats
+
+
+def forward_scores(score, microbatches: int):
+    """`score` ((params, rows) -> per-row outputs [B, ...]) without gradient, a microbatch at a time
+    (rows as `split_microbatches` cuts them, reassembled in their order), so it holds no more
+    activations than the train step."""
+    def scores(params, rows):
+        params = jax.lax.stop_gradient(params)
+        if microbatches == 1:
+            return score(params, rows)
+        one = lambda _, micro: (None, score(params, jax.tree.map(batch_rows, micro)))
+        out_M = jax.lax.scan(one, None, jax.tree.map(lambda x: split_microbatches(x, microbatches), rows))[1]
+        return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(-1, *o.shape[2:]), out_M)  # row j * M + m, as split
+
+    return scores
+
+
+class Objective:
+    """The protocol, with the defaults of an objective that needs no extras, no forward pass first
+    and no state of its own. `model`: the family's LanguageModel; `plan`: the ParallelPlan (its
+    precision and remat); `train`: the TrainConfig (the objective's own settings); `loss_mask`:
+    the batches carry chat data's loss mask (data.train_on)."""
+    name: ClassVar[str]
+    sequences_per_row: ClassVar[int] = 1  # the sequences a batch row holds (a preference pair: 2)
+    scores_first: ClassVar[bool] = False  # `step_inputs` calls `score`: a forward-only pass first
+    masked: bool = False  # the tokens carry a loss mask (meshtrain/data/tokens.py `with_mask`)
+
+    def __init__(self, model, plan, train, loss_mask: bool = False):
+        self.model, self.precision, self.seed = model, plan.precision, train.seed
+        self.layer = remat_lib.apply(model.block, plan.remat, model.saveable)  # the plan's remat policy
+
+
+    def initial_state(self, params) -> dict:
+        """The state entries the objective keeps beside the parameters (laid out as they are)."""
+        return {}
+
+    def eval_inputs(self, state) -> tuple:
+        """What the evaluation takes after (params, batch) from the train `state` (or its abstract form)."""
+        return tuple(state[k] for k in self.initial_state(state["params"]))
+
+    def noise_rows(self, state, batch) -> dict:
+        """{'noise': the rows' LoRA dropout keys [B, 2]} under LoRA dropout, else {}."""
+        return jax.tree.map(batch_rows, dropout_rows(self.model.cfg, self.seed, state["step"], batch.shape[0]))
+
+    def step_inputs(self, state, batch, score) -> tuple[dict, dict]:
+        """(rows, shared) of the step's `batch` (`score`: see the module docstring); by default the
+        batch as token rows with their LoRA dropout keys, and no shared value."""
+        return {"tokens": batch, **self.noise_rows(state, batch)}, {}
+
+    def loss(self, params, rows: dict, shared: dict):
+        """(the objective to differentiate, its metrics, 'loss' first) of one microbatch's rows: the
+        pipeline's computation on one device. The trunk runs on `sequences(rows, 1)` under the plan's
+        precision and remat policy, `head` on its final hidden state, and the model's auxiliary losses
+        (x `aux_weight`) are added."""
+        seqs = self.sequences(rows, 1)
+        noise = seqs.get("noise")
+        compute, x, micro, stats = run_trunk(self.model, self.layer, self.precision, params, seqs["tokens"],
+                                             self.masked, None if noise is None else batch_rows(noise))
+        loss, metrics = self.head(shared)(compute, x, dataclasses.replace(micro, extras=self.extras(rows)))
+        weight = self.aux_weight(shared)
+        return loss + (1.0 if weight is None else weight) * self.model.auxiliary_loss(stats), {**metrics, **stats}
+
+    def sequences(self, rows: dict, micro: int) -> dict:
+        """The pipeline's token rows: {'tokens': [N, L + 1], 'noise': [N, 2] under LoRA dropout},
+        ordered so that `split_microbatches(., micro)` gives microbatch m the sequences of the rows
+        `split_microbatches(rows, micro)[m]`."""
+        return {k: rows[k] for k in ("tokens", "noise") if k in rows}
+
+    def extras(self, rows: dict):
+        """The rows the pipeline's head reads besides the tokens (`Microbatch.extras`), or None."""
+        return None
+
+    def head(self, shared: dict):
+        """The last pipeline stage's (outer parameters, the final hidden state [b, L, D], a
+        `Microbatch`) -> (its loss, its metrics): what `loss` adds on top of the trunk."""
+        raise NotImplementedError
+
+    def aux_weight(self, shared: dict):
+        """The weight of the model's auxiliary losses in the objective (None: 1)."""
+        return None
+
+    def finish(self, metrics: dict, rows: dict, shared: dict):
+        """(the step's reported metrics, the divisor the gradients are unscaled by or None) from the
+        mean of the microbatches' metrics."""
+        return metrics, None
+
+    def scores(self, params, rows: dict):
+        """Per-row outputs of a forward-only pass (objectives that say `scores_first`)."""
+        raise NotImplementedError
+
+    def score_head(self, p_outer, y, micro: Microbatch):
+        """`scores`, from a pipeline's last stage: the microbatch's per-row outputs."""
+        raise NotImplementedError
+
+    def evaluation(self, score, microbatches: int, model_order):
+        """(params in storage order, held-out batch, *`eval_inputs`) -> (the metrics of the batch,
+        replicated); `model_order` takes the parameters to model order (for the flat `loss`)."""
+        raise NotImplementedError
