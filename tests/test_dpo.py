@@ -170,15 +170,13 @@ def dpo_run(folder, mesh: str, n: int, *extra):
                     devices=jax.devices()[:n])
 
 
-# data=2: the manual data executor; on pipelines the reference log-probs come from a forward-only pass
-# through the stages and each microbatch's DPO loss from the last one (meshtrain/engine/pipeline.py)
+# The objective on the flat executors (XLA's accumulation; data=2: the manual data executor) and once on a
+# pipeline, where the reference log-probs come from a forward-only pass through the stages and each
+# microbatch's DPO loss from the last one. The executors with data shards and interleaved stages run an
+# objective they do not know in tests/test_objectives.py, every schedule the parity of tests/test_pipeline.py.
 LAYOUTS = {"fsdp=2,tensor=2": ("fsdp=2,tensor=2", 4, "parallel.microbatches=2"),
            "data=2": ("data=2", 2, "parallel.microbatches=2"),
-           "pipeline=2 1f1b": ("pipeline=2", 2, "parallel.schedule=1f1b", "parallel.microbatches=4"),
-           "data=2,pipeline=2 gpipe": ("data=2,pipeline=2", 4, "parallel.schedule=gpipe", "parallel.microbatches=2"),
-           "pipeline=2 zb": ("pipeline=2", 2, "parallel.schedule=zb", "parallel.microbatches=2"),
-           "fsdp=2,pipeline=2 interleaved": ("fsdp=2,pipeline=2", 4, "parallel.schedule=interleaved",
-                                             "parallel.virtual_stages=2", "parallel.microbatches=2")}
+           "pipeline=2 1f1b": ("pipeline=2", 2, "parallel.schedule=1f1b", "parallel.microbatches=4")}
 DPO_KEYS = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "reward_chosen", "reward_rejected")
 
 

@@ -2,6 +2,7 @@
 imports only from its own layer or the layers below it (function-level imports included), so the
 folders read bottom-up as the library is built. The commands (meshtrain/*.py) sit on top."""
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -223,3 +224,35 @@ def test_notices_go_through_the_notice_level():
              if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("notice: ")
              and path.name != "console.py"]
     assert not typed, "log these at NOTICE, without the prefix:\n" + "\n".join(typed)
+
+
+# The step and its executors call the Objective protocol (meshtrain/objectives/base.py) and no feature
+# by name, so an objective is one module; the words below belong to objectives and the adapters.
+EXECUTORS = ("meshtrain/engine/step.py", "meshtrain/engine/pipeline.py", "meshtrain/engine/stage_state.py",
+             "meshtrain/parallel/data_parallel.py", "meshtrain/parallel/batching.py")
+FEATURE_WORDS = re.compile(r"\b(dpo|mtp|reference|dropout|preference)\b", re.IGNORECASE)
+
+
+@pytest.mark.fast
+def test_the_executors_name_no_objective_feature():
+    named = [f"{rel}:{i}: {line.strip()}" for rel in EXECUTORS
+             for i, line in enumerate((ROOT / rel).read_text().splitlines(), 1) if FEATURE_WORDS.search(line)]
+    assert not named, "ask the objective (meshtrain/objectives/base.py) instead:\n" + "\n".join(named)
+    from meshtrain.config.spec import TrainConfig
+    from meshtrain.objectives import OBJECTIVES
+
+    assert set(OBJECTIVES) == {"sft", "dpo"} and TrainConfig().objective in OBJECTIVES
+
+
+# Callers ask a spec, a model or a tokenizer through its protocol (models/spec.py, models/base.py,
+# meshtrain/data/tokenizer.py), never `getattr(spec, "name", default)`: a probe hides a missing member.
+PROBED = re.compile(r"getattr\(\s*[\w.]*(spec|model|tok|tokenizer|family)\b", re.IGNORECASE)
+
+
+@pytest.mark.fast
+def test_no_probe_stands_in_for_a_protocol_member():
+    assert PROBED.search('getattr(program.model, "mtp_depth", 0)') and PROBED.search("getattr(spec, 'lora', None)")
+    probes = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for layer, path in modules()
+              if layer != "models" and path.name != "tokenizer.py"  # their own modules
+              for i, line in enumerate(path.read_text().splitlines(), 1) if PROBED.search(line)]
+    assert not probes, "declare the member on the protocol instead:\n" + "\n".join(probes)

@@ -132,7 +132,7 @@ def test_a_run_resumed_from_the_local_tier_continues_exactly(tmp_path, capsys):
     first = Trainer(tiny_config(*sets, out=str(tmp_path / "run")))
     history = first.fit(log=MetricsLog("/tmp/meshtrain-tests", primary=False))
     assert [r["step"] for r in history if "local_checkpoint_blocking_s" in r] == [2, 4]
-    tier = first.local_tier
+    tier = first.store.local_tier
     assert tier.steps() == [4, 2] and first.checkpointer.steps() == [6]  # step 6: the persistent tier's
     shutil.rmtree(first.checkpointer.path(6))  # as if killed before it
     capsys.readouterr()

@@ -34,6 +34,11 @@ class Batches:
         self.rows = np.array(sorted({i for idx in held for i in range(*idx[0].indices(batch_size))}))
         self.position = {int(r): i for i, r in enumerate(self.rows)}  # global row -> its place in `rows`
 
+    def shares(self, step: int) -> dict[str, float]:
+        """Each source's share of step k's tokens, by name: none for one source (a mixture's:
+        meshtrain/data/mixture.py `MixedBatches`)."""
+        return {}
+
     def local_rows(self, step: int) -> np.ndarray:
         """The rows `self.rows` of step k's batch."""
         rng = np.random.default_rng([self.seed, self.split, step])

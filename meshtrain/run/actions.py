@@ -127,6 +127,8 @@ class GradNorms:
 class Report:
     """The metric record, every train.log_every steps and at the last step; `extras` add their fields."""
 
+    judged = False  # needs no verdict of the guard on its step (see `Checkpointing`)
+
     def __init__(self, trainer, log):
         self.trainer, self.log, self.every = trainer, log, trainer.cfg.train.log_every
         self.extras = [StragglerCheck(trainer), GradNorms(trainer)]
@@ -150,6 +152,7 @@ class Evaluation:
     """train.eval_every: the validation loss (and a mixture's per-source losses)."""
 
     what = "evaluating"
+    judged = False
 
     def __init__(self, trainer, log):
         self.trainer, self.log, self.first = trainer, log, True
@@ -237,6 +240,28 @@ class Saving:
             console.info(f"preempted at step {step}: " + (f"checkpoint saved to {path}" if path else
                                                           "not saved (inside a NaN/Inf streak)"))
         return self.preempted
+
+
+class Checkpointing:
+    """Both checkpoint tiers as one periodic action: the persistent save when it is due (it stands for
+    a local one), else the local tier's. `judged`: the loop has the guard judge the step first, so a
+    checkpoint never lands inside a NaN/Inf streak. `run` is True when the run stops here (preempted)."""
+
+    judged = True
+
+    def __init__(self, trainer, log, signalled: threading.Event):
+        self.persistent, self.local = Saving(trainer, log, signalled), LocalSaving(trainer, log)
+        self.saves = False
+
+    def due(self, step: int, clock: StepClock) -> bool:
+        self.saves = self.persistent.due(step, clock)
+        return self.local.due(step, clock, self.saves) or self.saves
+
+    def run(self, step: int, metrics, clock: StepClock) -> bool:
+        if self.saves:
+            return self.persistent.run(step, metrics, clock)
+        self.local.run(step, clock)
+        return False
 
 
 def minutes_passed(since: float, minutes: float, step: int, log_every: int) -> bool:

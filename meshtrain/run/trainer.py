@@ -12,39 +12,33 @@ import weakref
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
 from meshtrain.core import compile_cache
 from meshtrain.core.console import NOTICE, default_console
 from meshtrain.core.console import log as console
-from meshtrain.core.folders import writable
 from meshtrain.core.metrics import run_peaks, throughput_fields
 from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
 from meshtrain.engine import scoring
 from meshtrain.engine.program import TrainProgram
-from meshtrain.models import make_spec
-from meshtrain.ops.optimizers import map_param_states
-from meshtrain.ops.trainable import merge, select
 from meshtrain.parallel.mesh import describe
 from meshtrain.run import dashboards, goodput, loggers, run_dir
 from meshtrain.run.actions import (
+    Checkpointing,
     Evaluation,
     Guard,
-    LocalSaving,
     Report,
-    Saving,
     StepClock,
     TaskScoring,
     preemption_signals,
 )
-from meshtrain.run.checkpoint import Checkpointer, abstract_like, resolve_resume
-from meshtrain.run.local_tier import LocalTier, run_folder, run_id
+from meshtrain.run.checkpoint import resolve_resume
 from meshtrain.run.lock import LOCK_FILE, FolderLock
 from meshtrain.run.multihost import agree_with_process_0
+from meshtrain.run.state_store import StateStore
 from meshtrain.run.watchdog import StepWatchdog
 
 
@@ -96,25 +90,22 @@ class Trainer:
             console.log(NOTICE, f"train.steps={t.steps} runs past the schedule's horizon (optim.schedule_steps="
                                 f"{cfg.optim.schedule_steps}): lr stays at the schedule's last value from there; to "
                                 f"decay over a new horizon, pass --set optim.schedule_steps={t.steps} --allow-change")
-        # val_sets: {source name: its validation batches}; shares: batch index -> each source's share of it
-        # the objective's batches: of the mixture, or of preference pairs, each with its held-out tail
+        # The objective's batches (the mixture's, or preference pairs), each with its held-out tail. val_sets:
+        # {source name: its validation batches}; shares: batch index -> each source's share of it ({}: one source)
         self.train_batches, self.val_sets = program.objective.batches(self.mixture, cfg.data, t,
                                                                       program.batch_sharding, cfg.model.vocab_size)
-        self.shares = getattr(self.train_batches, "shares", None)  # a mixture's
+        self.shares = self.train_batches.shares
 
-        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.checkpoint.keep, owner=True)
-        self.local_tier = None  # checkpoint.local_dir: made with the run's id (run_dir) by `_local`
-        if cfg.checkpoint.local_dir:  # before any compile: a folder no process can write is one error
-            writable(run_folder(cfg.checkpoint.local_dir, self.out), "checkpoint.local_dir")
-        self.resumed_from = None
-        self.base_record = None  # a LoRA run's: its frozen base's pointer and hash (run_dir.base_record)
+        self.store = StateStore(cfg, program, self.out)  # both checkpoint tiers
+        self.checkpointer = self.store.checkpointer
+        self.resumed_from, self.state = None, None
         self.skip_batches: list[int] = []  # batch indices the nonfinite guard skips (see batch_index)
         self.guard = Guard(self)  # its loss-spike detector is part of a checkpoint
         self.watchdog = StepWatchdog(-1, self.out)  # fit() arms its own
         with program.context():
             resume_root, resume_steps = resolve_resume(cfg.checkpoint.resume, self.out)
             resuming = cfg.checkpoint.resume != "never"
-            self.state = (self.restore(resume_root, resume_steps) if resume_steps or (resuming and self._local())
+            self.state = (self.restore(resume_root, resume_steps) if resume_steps or (resuming and self.store.local())
                           else None)  # None: neither tier holds one
             if self.state is None and cfg.checkpoint.init_from:
                 params = run_dir.initial_params(cfg.checkpoint.init_from, program.model,
@@ -125,8 +116,7 @@ class Trainer:
             elif self.state is None:
                 # Parameters are created already sharded: no device ever holds the full model.
                 self.state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(t.seed))
-            if cfg.model.lora.rank and self.base_record is None:
-                self.base_record = run_dir.base_record(cfg, select(self.state["params"], self._frozen))
+            self.store.record_base(self.state["params"])  # a LoRA run's frozen base, by pointer and hash
             # Compiled once, ahead of time: a shape or layout change is an error, never a recompile.
             primary = jax.process_index() == 0
             compiling, cached = time.perf_counter(), compile_cache.Outcome()
@@ -158,98 +148,19 @@ class Trainer:
         self.lock.release()
 
     def restore(self, root: Path | None, steps: list[int], verb: str = "resumed from"):
-        """Read the newest intact checkpoint among `steps` straight into this mesh's shardings
-        (elastic: any saved mesh works), or the local tier's newest when it is newer (same mesh
-        only); None when neither has one."""
-        p = self.program
-        abstract = self._stored(abstract_like(p.abstract_state, p.state_shardings))
-        local = self._local()
-        found = local.restore_newer(steps[0] if steps else -1, abstract, describe(self.program.sizes)) \
-            if local else None
-        if found is not None:
-            step, state, meta = found
-            where, tier = local.path(step), "local tier, "
-        elif not steps:
+        """The newest intact state among `steps` in `root`, or the local tier's newer one (StateStore
+        `read`: elastic, any saved mesh), with its record taken back: the skipped batches and the
+        loss-spike detector; None when neither tier holds one."""
+        found = self.store.read(root, steps, None if self.state is None else self.state["params"])
+        if found is None:
             return None
-        else:
-            reader = self.checkpointer if root == self.checkpointer.directory else Checkpointer(root, keep=1000)
-            step, state, meta = reader.restore_latest_intact(steps, abstract, self._check_same_model,
-                                                             self.program.optional_state())
-            where, tier = reader.path(step), ""
-        saved_order = np.asarray(meta.get("layer_order", range(self.cfg.model.stacked_layers())))
-        if not np.array_equal(saved_order, self.program.layer_order):
-            state = self._reorder_layers(state, saved_order)
-        if self.cfg.model.lora.rank:  # the checkpoint holds the adapters: the frozen base joins them
-            state = {**state, "params": merge(self._base(meta), state["params"])}
-        self.resumed_from = where
+        meta, self.resumed_from = found.meta, found.where
         self.skip(meta.get("skip_batches", []))
         if self.guard.spikes is not None:
             same_data = meta["config"].get("data") == to_dict(self.cfg)["data"]
             self.guard.spikes.resume(meta.get("spike_detector"), same_data)
-        console.info(f"{verb} step {step} ({tier}{self.resumed_from}, saved on mesh {meta['mesh']})")
-        return state
-
-    def _frozen(self, path) -> bool:
-        return not self.cfg.model.trainable(path)
-
-    def _stored(self, state):
-        """What a checkpoint holds of `state` (or of a tree like it): a LoRA run's parameters are its
-        adapters alone; the frozen base is recorded by pointer and hash (`run_dir.base_record`)."""
-        return {**state, "params": self.program.trained(state["params"])} if self.cfg.model.lora.rank else state
-
-    def _base(self, meta) -> dict:
-        """The frozen base in storage order: the one this trainer holds (a rollback), else rebuilt
-        from the checkpoint's record and checked against its hash (elastic: on this mesh)."""
-        p = self.program
-        if getattr(self, "state", None) is not None:
-            return select(self.state["params"], self._frozen)
-        base = run_dir.lora_base(meta, p.model, p.state_shardings["params"])
-        self.base_record = meta["base"]
-        return {**base, "blocks": p.reorder_blocks(base["blocks"], p.layer_order)}
-
-    def _local(self) -> LocalTier | None:
-        """The local tier (checkpoint.local_dir) of this run, once run.json names the run (its first
-        start); None without one."""
-        c = self.cfg.checkpoint
-        if c.local_dir and self.local_tier is None:
-            owner = run_id(run_dir.read_record(self.out))
-            if owner is not None:
-                self.local_tier = LocalTier(run_folder(c.local_dir, self.out), c.local_keep, owner)
-        return self.local_tier
-
-    def _check_same_model(self, meta, folder) -> None:
-        """Resume needs the same weights' definition (architecture, resolved); everything about how the
-        run executes or learns may change."""
-        saved = make_spec(meta["config"]["model"])
-        differ = self.cfg.model.architecture_difference(saved, "this run", f"checkpoint {folder}")
-        own = Path(folder).parent == self.checkpointer.directory  # --resume never refuses those
-        fresh = "use a new --out for a new run" if own else "pass --resume never to start fresh in --out"
-        if differ:
-            raise UserError(f"{differ}; {fresh}, or use the checkpoint's model config")
-        optimizer = meta["config"].get("optim", {}).get("optimizer", "adamw")  # earlier versions: AdamW
-        if optimizer != self.cfg.optim.optimizer:  # another state layout
-            raise UserError(f"checkpoint {folder} holds the state of optim.optimizer={optimizer}, this run has "
-                            f"{self.cfg.optim.optimizer}; resume with optim.optimizer={optimizer}, or {fresh} "
-                            f"(checkpoint.init_from takes a run's weights with a fresh optimizer)")
-
-    def _reorder_layers(self, state, saved_order):
-        """Move stacked layers from a checkpoint's storage order (interleaved pipelines store each
-        device's chunks together) into this run's."""
-        p = self.program
-        rows = np.argsort(saved_order)[p.layer_order]
-        move = lambda x, names: x[rows] if names and names[0] == "layers" else x
-        is_names = lambda n: isinstance(n, tuple)
-
-        def reorder(state):  # a checkpoint's state: with LoRA, of the adapters alone
-            axes = p.trained(p.logical_axes)
-            params = jax.tree.map(move, state["params"], axes, is_leaf=is_names)
-            opt_state = map_param_states(lambda x, _, names: move(x, names), state["opt_state"], state["params"], axes)
-            return {**state, "params": params, "opt_state": opt_state}
-
-        state = jax.jit(reorder, out_shardings=self._stored(p.state_shardings))(state)
-        if "grad_error" in state:  # compression residuals of the old order: they start fresh
-            state["grad_error"] = p.optional_state()["grad_error"]()
-        return state
+        console.info(f"{verb} step {found.step} ({found.tier}{found.where}, saved on mesh {meta['mesh']})")
+        return found.state
 
     def unpermuted_params(self):
         """The parameters as a single device holds them, on the host."""
@@ -269,22 +180,19 @@ class Trainer:
         return index
 
     def metadata(self) -> dict:
-        """What a checkpoint records beside the state (either tier): the resume needs all of it."""
+        """What a checkpoint records beside the state (either tier, with a LoRA run's base record):
+        the resume needs all of it."""
         p = self.program
         return {"config": to_dict(self.cfg), "mesh": describe(p.sizes), "devices": p.mesh.size,
                 "skip_batches": self.skip_batches, "layer_order": p.layer_order.tolist(),
-                "spike_detector": self.guard.spikes.state() if self.guard.spikes else None,
-                **({"base": self.base_record} if self.base_record else {})}
+                "spike_detector": self.guard.spikes.state() if self.guard.spikes else None}
 
     def save_checkpoint(self, wait: bool = False) -> Path:
-        self.checkpointer.save(self._stored(self.state), self.metadata())
-        if wait:
-            self.checkpointer.wait()
-        return self.checkpointer.path(int(self.state["step"]))
+        return self.store.save(self.state, self.metadata(), wait)
 
     def save_local(self) -> None:
         """Save to the local tier; returns once this process's shards are on the host."""
-        self._local().save(self._stored(self.state), self.metadata(), describe(self.program.sizes))
+        self.store.save_local(self.state, self.metadata())
 
     def evaluate(self) -> float | None:
         return self.evaluation().get("eval_loss")
@@ -348,8 +256,8 @@ class Trainer:
             closing = time.perf_counter()
             self.checkpointer.close()
             account.spend("checkpoint", time.perf_counter() - closing)
-            if self.local_tier is not None:
-                self.local_tier.wait()
+            if self.store.local_tier is not None:
+                self.store.local_tier.wait()
         except UserError:  # a full disk, say: the saves already started still become durable
             if jax.process_count() == 1:
                 with contextlib.suppress(Exception):
@@ -381,8 +289,8 @@ class Trainer:
         trace = loggers.ProfileWindow(self.profile_window, self.out / "profile", jax.process_index() == 0,
                                       state=lambda: self.state)
         clock = StepClock(first, steps, prefetch, dog, account)
-        periodic = [Report(self, log), Evaluation(self, log), TaskScoring(self, log)]
-        saving, local_saving = Saving(self, log, signalled), LocalSaving(self, log)
+        periodic = [Report(self, log), Evaluation(self, log), TaskScoring(self, log),
+                    Checkpointing(self, log, signalled)]
         k, pending = first, None  # pending: (step, metrics) not yet judged by the guard
         with self.program.context(), contextlib.closing(prefetch), trace:
             while k < steps:
@@ -398,18 +306,15 @@ class Trainer:
                 clock.exclude(trace.after(done))
                 pending = (done, metrics)
                 for action in periodic:
-                    if action.due(done, clock):
-                        action.run(done, metrics, clock)
-                save = saving.due(done, clock)
-                if not (local_saving.due(done, clock, save) or save):
-                    continue
-                judged, pending = pending, None  # a checkpoint never lands inside a NaN/Inf streak
-                if (back := self.guard.judge(judged, clock, log)) is not None:
-                    k = back
-                elif not save:
-                    local_saving.run(done, clock)
-                elif saving.run(done, metrics, clock):
-                    return  # preempted
+                    if not action.due(done, clock):
+                        continue
+                    if action.judged:  # the guard judges the step first (it may roll back)
+                        judged, pending = pending, None
+                        if (back := self.guard.judge(judged, clock, log)) is not None:
+                            k = back
+                            break
+                    if action.run(done, metrics, clock):
+                        return  # preempted
 
     def record(self, step, metrics, tokens_per_sec, step_time, data_wait) -> dict:
         """A step's metric record. `data_wait_s`: host seconds per step spent getting the batch (~0 when
@@ -423,8 +328,7 @@ class Trainer:
                        if k not in record and k not in ("finite", "grad_norms", "expert_load")})  # the model's
         if "trained_tokens" in record:  # a loss mask: the step's trained (assistant) tokens per second
             record["trained_tokens_per_sec"] = record["trained_tokens"] / step_time
-        if self.shares is not None:  # a mixture: each source's share of the step's tokens
-            record.update(self.shares(self.batch_index(step - 1)))
+        record.update(self.shares(self.batch_index(step - 1)))  # a mixture's sources' shares
         record.update(throughput_fields(tokens_per_sec, self.program.flops_per_token, self.program.mesh.size,
                                         self.peak, self.peak_fp8))
         record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
