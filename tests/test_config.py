@@ -119,7 +119,7 @@ def test_overrides_coerce_types_and_nest():
     ("parallel.microbatches=3", "not divisible by parallel.microbatches=3"),
     ("parallel.zero=4", "parallel.zero=4 is not one of 0, 1, 2, 3"),
     ("model.family=gpt", "model.family='gpt' is not one of llama, moe"),
-    ("parallel.attention=flash", "parallel.attention='flash' is not one of xla, blockwise, cudnn, ring"),
+    ("parallel.attention=flash", "parallel.attention='flash' is not one of auto, xla, blockwise, cudnn, ring"),
     ("model.num_experts=4", "the llama family has no num_experts .*; set model.family=moe"),
 ])
 def test_invalid_configs_fail_clearly(override, message):

@@ -55,7 +55,8 @@ def test_sequence_parallel_splits_the_residual_stream():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("parallel.mesh=data=4,context=2",), "mesh context=2 splits the sequence.*set parallel.attention=ring"),
+    (("parallel.mesh=data=4,context=2", "parallel.attention=xla"),  # auto, the default, takes the ring
+     "mesh context=2 splits the sequence.*set parallel.attention=ring"),
     (("parallel.mesh=data=2,context=4", "parallel.attention=ring", "train.seq_len=12"),
      r"train.seq_len=12 is not divisible by 2 x context \(8\)"),
 ])

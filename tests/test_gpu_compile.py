@@ -232,13 +232,31 @@ def test_no_step_holds_f32_logits():
 @pytest.mark.parametrize("remat,per_layer", [("none", (1, 1)), ("save_matmuls", (2, 1)), ("full", (2, 1))])
 def test_cudnn_attention_runs_the_fused_kernels_per_layer_docs_speed_states(remat, per_layer):
     """docs/speed.md: one fused forward and one backward per layer; save_matmuls and full rerun the
-    forward in the backward (for its softmax statistics, which JAX does not name)."""
+    forward in the backward (for its softmax statistics, which JAX does not name). The default,
+    parallel.attention=auto, takes cuDNN's kernel on the GPU."""
     layers = 2
-    text = compiled_step("parallel.mesh=1", "parallel.precision=bf16", "parallel.attention=cudnn",
-                         f"parallel.remat={remat}", "model.head_dim=64", f"model.num_layers={layers}",
-                         "train.seq_len=128", "train.batch_size=2")
+    text = compiled_step("parallel.mesh=1", "parallel.precision=bf16", f"parallel.remat={remat}", "model.head_dim=64",
+                         f"model.num_layers={layers}", "train.seq_len=128", "train.batch_size=2")
     att = kernels.read(text)["attention"]
     assert (att["forward"], att["backward"]) == (per_layer[0] * layers, per_layer[1] * layers)
+
+
+def test_auto_attention_says_why_it_is_not_cudnn_and_stays_xla_on_the_cpu():
+    """parallel.attention=auto where JAX's cuDNN check refuses the model (a head width of 256 on the
+    compile-only GPU, which JAX cannot see is a Hopper; fp32) runs blockwise, or xla where blockwise
+    cannot cut the sequence (521 is prime), with JAX's reason (`attention_note`, a notice); a context
+    axis running the ring takes the ring; the CPU keeps xla. Programs built, nothing compiled."""
+    def chosen(*sets, devices=None):
+        program = TrainProgram.from_config(tiny_config(*sets), devices=devices or gpu_devices(1))
+        return program.plan.attention, program.attention_note
+
+    kernel, why = chosen("parallel.precision=bf16", "model.head_dim=256", "train.seq_len=128")
+    assert kernel == "blockwise" and why.startswith("The head dim must be <= 128")
+    kernel, why = chosen("parallel.precision=fp32", "train.seq_len=521")
+    assert kernel == "xla" and why.startswith("Q must be fp16/bf16")
+    assert chosen("parallel.precision=bf16") == ("cudnn", None)
+    assert chosen("parallel.mesh=context=2", "parallel.precision=bf16", devices=gpu_devices(2)) == ("ring", None)
+    assert chosen("parallel.mesh=1", devices=jax.devices("cpu")[:1]) == ("xla", None)
 
 
 def test_ulysses_runs_cudnns_kernel_per_layer_and_moves_its_formulas_all_to_all_bytes():

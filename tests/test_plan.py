@@ -239,7 +239,7 @@ def test_fit_starts_from_a_valid_layout_when_the_configs_does_not_divide(capsys)
     assert out.startswith("plan: the config's layout is not valid on 8 devices (mesh 16x1x1 needs 16 devices, "
                           "found 8; change --mesh or --devices); searching the layouts that are\n")
     assert out.endswith("fastest that fits: data=8,fsdp=1,tensor=1,pipeline=1, zero=1, remat=none, 1 microbatch(es), "
-                        f"attention=xla (step >= {out.split('(step >= ')[-1].split(')')[0]})\n"
+                        f"attention=auto (step >= {out.split('(step >= ')[-1].split(')')[0]})\n"
                         f"  python -m meshtrain.train --config {TINY} --mesh data=8\n")
 
 
@@ -250,9 +250,9 @@ def test_the_search_starts_nearest_the_configs_layout():
     two as near the one that opens no new axis (fsdp=16 before context=2 from fsdp=8,tensor=8)."""
     path = str(ROOT / "configs" / "llama2_70b.yaml")
     first = lambda *sets: fit.describe_layout(fit.valid_layouts(load_config(path, list(sets)), 128, 8, "gpu")[0])
-    assert first() == "data=1,fsdp=16,tensor=8,pipeline=1, zero=3, remat=full, 32 microbatch(es), attention=xla"
+    assert first() == "data=1,fsdp=16,tensor=8,pipeline=1, zero=3, remat=full, 32 microbatch(es), attention=auto"
     assert first("parallel.mesh=data=-1") == \
-        "data=128,fsdp=1,tensor=1,pipeline=1, zero=3, remat=full, 8 microbatch(es), attention=xla"
+        "data=128,fsdp=1,tensor=1,pipeline=1, zero=3, remat=full, 8 microbatch(es), attention=auto"
     assert first("parallel.mesh=fsdp=8,tensor=8") == first()
     batch = load_config(path).train.batch_size
     for layout in fit.valid_layouts(load_config(path), 128, 4, "gpu"):  # as check_layout takes them; tensor <= 4

@@ -54,10 +54,12 @@ class ParallelPlan:
     rules: dict = setting({}, "logical axis -> mesh axes overrides, e.g. {mlp: [tensor, fsdp]}")
     remat: str = setting("none", "activation rematerialisation policy for each block",
                          choices=tuple(REMAT_POLICIES))
-    attention: str = setting("xla", "attention backend: xla (forms [B, H, L, L] scores), blockwise (online "
-                                    "softmax over blocks of positions, any device), cudnn (fused, GPU, bf16), "
-                                    "ring (context parallelism: keys/values passed around the context axis)",
-                             choices=tuple(ATTENTION_BACKENDS))
+    attention: str = setting("auto", "attention backend: auto (cudnn on GPUs where cuDNN takes the model's "
+                                     "shapes, else blockwise, with a notice saying why; ring on a context axis "
+                                     "that runs the ring; xla elsewhere), xla (forms [B, H, L, L] scores), "
+                                     "blockwise (online softmax over blocks of positions, any device), cudnn "
+                                     "(fused, GPU, bf16), ring (context parallelism: keys/values passed around "
+                                     "the context axis)", choices=("auto", *ATTENTION_BACKENDS))
     context_strategy: str = setting("ring", "how attention spans a `context` axis > 1: ring (parallel.attention=ring: "
                                             "K/V passed around the axis), ulysses (all-to-all to whole sequences "
                                             "of heads/context heads, then the local kernel parallel.attention), "

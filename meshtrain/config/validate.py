@@ -3,6 +3,8 @@ key and the fix.
 
 - `check_config(cfg)`: what needs no devices (allowed values, bounds, settings that must agree);
   run when a config is loaded.
+- `resolve_attention(model, plan, seq_len, sizes, backend)`: parallel.attention=auto made a kernel for
+  the device kind; run by the program before `check_layout`.
 - `check_layout(model, plan, train, sizes, rules, backend)`: what depends on the mesh and the device kind; run by
   the program before anything is traced.
 - `check_train_size(program)`, `check_generation_size(...)`: sizes no device can hold (a sequence of
@@ -12,6 +14,7 @@ key and the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -26,8 +29,8 @@ from meshtrain.data.tokenizer import check_vocab
 from meshtrain.data.tokenizer import load as load_tokenizer
 from meshtrain.models import declaring, family
 from meshtrain.objectives import objective
-from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block
-from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
+from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block, cudnn_refusal
+from meshtrain.ops.precision import COMPUTE_DTYPES, compute_bytes, saved_matmul_bytes
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel.schedules import check as check_schedule
 from meshtrain.parallel.schedules import check_residuals
@@ -127,6 +130,27 @@ def _check_local_tier(c, out: str) -> None:
     if persistent and (local == persistent or persistent in local.parents):
         raise UserError(f"checkpoint.local_dir={c.local_dir!r} is inside the persistent tier {persistent}; pick a "
                         f"folder on the node's own disk, outside --out/checkpoints")
+
+
+def resolve_attention(m, par, seq_len: int, sizes: dict[str, int], backend: str, documents: bool = False):
+    """(`par` with parallel.attention=auto made a kernel, why it is not cuDNN's fused attention on a
+    GPU or None). A context axis that splits the sequence around a ring (context_strategy ring or
+    hybrid) takes `ring`. On GPUs: `cudnn` where JAX's cuDNN check takes the model's heads, head
+    width, windows and document mask in the compute dtype (`cudnn_refusal`), else `blockwise` (O(L)
+    memory), or `xla` where blockwise cannot cut train.seq_len into blocks. Elsewhere `xla`, the CPU
+    kernel. `documents`: the batches carry a document mask (data.document_mask)."""
+    if par.attention != "auto":
+        return par, None
+    choice, why = "xla", None
+    if sizes["context"] > 1 and par.context_strategy != "ulysses":
+        choice = "ring"
+    elif backend == "gpu":
+        m = m.resolved()
+        why = cudnn_refusal(m.num_heads, m.num_kv_heads, m.head_dim, seq_len, COMPUTE_DTYPES[par.precision],
+                            m.layer_windows(), documents)
+        choice = ("cudnn" if why is None else
+                  "blockwise" if attention_block(seq_len) >= min(seq_len, MIN_ATTENTION_BLOCK) else "xla")
+    return dataclasses.replace(par, attention=choice), why
 
 
 def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) -> None:

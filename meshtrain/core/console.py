@@ -29,6 +29,15 @@ NOTICE = logging.INFO + 5  # between info and warning: quieted by setLevel(loggi
 logging.addLevelName(NOTICE, "NOTICE")
 PREFIXES = ((logging.ERROR, "error: "), (logging.WARNING, "warning: "), (NOTICE, "notice: "))
 _process = {"index": 0}
+_noticed: set[str] = set()
+
+
+def notice_once(message: str) -> None:
+    """`log.log(NOTICE, message)` the first time this process says it: a note about a choice every
+    program of a run (or of a planner's search) makes alike is said once."""
+    if message not in _noticed:
+        _noticed.add(message)
+        log.log(NOTICE, message)
 
 
 def set_process(index: int) -> None:

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
-from meshtrain.config.validate import check_layout
+from meshtrain.config.validate import check_layout, resolve_attention
+from meshtrain.core.console import notice_once
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine.pipeline import layer_order, make_pipeline_scores
 from meshtrain.engine.step import lr_schedule, make_optimizer, make_train_step
@@ -55,6 +56,11 @@ class TrainProgram:
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
         self.rules = make_rules(plan.rules, plan.sequence_parallel)
         backend = devices[0].platform if devices is not None else jax.default_backend()  # a plan's GPU target
+        plan, self.attention_note = resolve_attention(model, plan, t.seq_len, self.sizes, backend, packing is not None)
+        if self.attention_note:  # said once per process: a planner's search builds many programs alike
+            notice_once(f"parallel.attention=auto: cuDNN's fused attention does not take this model here "
+                        f"({self.attention_note}); running {plan.attention}")
+        self.plan = plan  # the kernels the program runs (parallel.attention=auto resolved)
         check_layout(model, plan, t, self.sizes, self.rules, backend)
         self.mesh = build_mesh(self.sizes, devices)
         attention, order = context_layout(plan.context_strategy, BACKENDS[plan.attention], self.sizes["context"],

@@ -122,6 +122,26 @@ def context_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment
     return ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, segment_ids=segment_ids, window=window)
 
 
+def cudnn_refusal(heads: int, kv_heads: int, head_dim: int, seq_len: int, dtype, windows=(0,),
+                  documents: bool = False) -> str | None:
+    """Why cuDNN's fused attention cannot train on these shapes, in JAX's own words (the checks of
+    `jax.nn.dot_product_attention`, traced for the gradient as a train step runs it, with each of
+    the model's `windows` and a document mask where `documents`), or None when it can. Nothing runs:
+    the trace is abstract."""
+    q = jax.ShapeDtypeStruct((1, seq_len, heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, seq_len, kv_heads, head_dim), dtype)
+    segments = jax.ShapeDtypeStruct((1, seq_len), jnp.int32) if documents else None
+    for window in sorted(set(windows)):
+        def loss(q, k, v, segment_ids, window=window):
+            return cudnn_attention(q, k, v, segment_ids=segment_ids, window=window).astype(jnp.float32).sum()
+
+        try:
+            jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
 BACKENDS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention,
             "ring": context_attention}
 

@@ -195,7 +195,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
 
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}  # the GPU compiler's is empty
-    t, par = cfg.train, cfg.parallel
+    t, par = cfg.train, program.plan  # the plan as the program runs it (parallel.attention=auto resolved)
     read_once = SimpleNamespace(argument_size_in_bytes=train_memory["arguments"],  # the HBM floor's bytes
                                 temp_size_in_bytes=memory["temporaries"], output_size_in_bytes=train_memory["outputs"])
     roofline = roof.estimate(program, read_once, records, profile, devices_per_node)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshtrain.config.validate import check_layout
+from meshtrain.config.validate import check_layout, resolve_attention
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.mesh import AXES, axis_sizes, describe
 from meshtrain.parallel.sharding import make_rules
@@ -164,7 +164,9 @@ def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> lis
         for micro in (m for m in range(1, rows + 1) if rows % m == 0):
             layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention, strategy, degree)
             try:
-                check_layout(cfg.model, layout.apply(cfg).parallel, t, sizes, rules, backend)
+                par_here = resolve_attention(cfg.model, layout.apply(cfg).parallel, t.seq_len, sizes, backend,
+                                             cfg.data.document_mask)[0]
+                check_layout(cfg.model, par_here, t, sizes, rules, backend)
             except UserError:
                 continue
             far = sum(abs(math.log2(sizes[a] / wanted[a])) for a in AXES) + abs(math.log2(micro / wanted_micro))
