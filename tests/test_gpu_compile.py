@@ -259,6 +259,18 @@ def test_auto_attention_says_why_it_is_not_cudnn_and_stays_xla_on_the_cpu():
     assert chosen("parallel.mesh=1", devices=jax.devices("cpu")[:1]) == ("xla", None)
 
 
+@pytest.mark.parametrize("mesh,n", [("data=2", 2), ("data=2,pipeline=2,tensor=2", 8)])
+def test_cudnn_attention_runs_inside_the_executors_manual_regions(mesh, n):
+    """The data-parallel executor's and the pipeline's steps run in shard_maps manual over some axes;
+    cuDNN's kernel, custom-partitioned, runs there manual over the others too (meshtrain/ops/
+    attention.py `each_device`; XLA's GPU compiler refuses custom partitioning in a partly manual
+    region), fused forward and backward."""
+    text = compiled_step(f"parallel.mesh={mesh}", "parallel.precision=bf16", "model.head_dim=64",
+                         "train.seq_len=128", "train.batch_size=8", "parallel.microbatches=2", count=n)
+    att = kernels.read(text)["attention"]
+    assert att["forward"] >= 1 and att["backward"] >= 1, att
+
+
 def test_ulysses_runs_cudnns_kernel_per_layer_and_moves_its_formulas_all_to_all_bytes():
     """docs/context.md: under Ulysses cuDNN's fused kernel runs on the whole sequence (the shard_map is
     manual over every axis: XLA's GPU compiler refuses its custom partitioning in a partly manual

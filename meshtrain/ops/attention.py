@@ -18,10 +18,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.ops.context_parallel import ring_attention
 from meshtrain.ops.packing import block_reaches, visible
 from meshtrain.ops.ring_schedule import computed_fraction
+from meshtrain.parallel.sharding import rule_axes
 
 ATTENTION_BLOCK = 512  # positions per query/key block of the blockwise kernel, at most
 MIN_ATTENTION_BLOCK = 128  # smaller blocks run too many serial steps: refused (meshtrain/config/validate.py)
@@ -54,7 +56,32 @@ def cudnn_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment_i
     (JAX 0.10 and 0.11 alike): the window as `local_window_size=(window - 1, 0)` (cuDNN's causal
     sliding window of window - 1 keys left of the query plus itself); segment ids as its boolean
     `mask` [B, 1, L, L], which JAX turns into an additive bias: the public API has no packed
-    (segment/offset) layout, so a document mask costs an [L, L] bias per row here."""
+    (segment/offset) layout, so a document mask costs an [L, L] bias per row here. Inside a partly
+    manual region (the pipeline's stages, the data-parallel executor's shards) it runs manual over
+    the remaining axes too (`each_device`): XLA's GPU compiler refuses its custom partitioning there."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes and set(mesh.axis_names) - set(mesh.manual_axes):
+        return each_device(fused_attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids, window)
+    return fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids, window)
+
+
+def each_device(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids, window: int):
+    """`kernel` on each device's rows (the batch's compiler-managed axes) and heads (those splitting
+    both query and kv heads), the sequence whole, in a shard_map over every axis not yet manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rest = set(mesh.axis_names) - set(mesh.manual_axes)
+    split = lambda name: tuple(a for a in rule_axes(name) if a in rest and mesh.shape[a] > 1)
+    batch, heads = split("batch"), tuple(a for a in split("heads") if a in split("kv_heads"))
+    spec = P(batch or None, None, heads or None)
+    segments = () if segment_ids is None else (segment_ids,)
+    attend = lambda q, k, v, *seg: kernel(q, k, v, seg[0] if seg else None, window)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3 + (P(batch or None),) * len(segments),
+                         out_specs=spec, axis_names=rest, check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK,
+                                                                          *segments)
+
+
+def fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids=None, window: int = 0):
+    """`jax.nn.dot_product_attention` on cuDNN, as `cudnn_attention` calls it."""
     mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask, is_causal=True,
                                         local_window_size=(window - 1, 0) if window else None,
