@@ -11,6 +11,7 @@ from conftest import ROOT
 from conftest import TINY as TINY_PATH
 
 from meshtrain.core.errors import UserError
+from meshtrain.core.exits import TERMINATED, Terminated
 
 
 def test_cli_trains_on_default_corpus_and_writes_metrics(tmp_path):
@@ -77,13 +78,25 @@ def raising(error):
     return work
 
 
+def import_error_from(signal_error):
+    try:
+        try:
+            raise signal_error
+        except KeyboardInterrupt as e:
+            raise ImportError("initialization failed") from e
+    except ImportError as e:
+        return e
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("error,code,last_line", [
     (KeyboardInterrupt(), 130, "interrupted (Ctrl-C); run the command again to redo it"),
     (UserError("bad input; fix it"), 2, "error: bad input; fix it"),
     (RuntimeError("a bug"), 1, "internal error: a bug in meshtrain, not in your input; please report it with the "
                                "traceback above and the command you ran"),
-], ids=["ctrl-c", "user-error", "bug"])
+    # SIGTERM raised while a native module initialised: the import reports its own error, chained to it
+    (import_error_from(Terminated()), 143, TERMINATED),
+], ids=["ctrl-c", "user-error", "bug", "sigterm-inside-an-import"])
 def test_every_command_reports_a_failure_in_one_line(command, error, code, last_line, monkeypatch, capsys):
     main, argv = stubbed_main(monkeypatch, command, raising(error))
     assert main(argv) == code

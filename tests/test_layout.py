@@ -241,7 +241,7 @@ def test_the_executors_name_no_objective_feature():
     from meshtrain.config.spec import TrainConfig
     from meshtrain.objectives import OBJECTIVES
 
-    assert set(OBJECTIVES) == {"sft", "dpo"} and TrainConfig().objective in OBJECTIVES
+    assert {"sft", "dpo"} <= set(OBJECTIVES) and TrainConfig().objective in OBJECTIVES  # docs add label_smoothed
 
 
 # Callers ask a spec, a model or a tokenizer through its protocol (models/spec.py, models/base.py,

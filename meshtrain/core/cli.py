@@ -58,6 +58,19 @@ def interrupted(error: KeyboardInterrupt) -> int:
     return exits.said(signum)
 
 
+def interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM an error stands for: one a library turned into its own error while the
+    signal's exception passed through it (a native module's import reports "initialization
+    failed", chained to it), found in the error's causes and contexts; else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 MAX_ERROR_CHARS = 2000  # an error quoting the user's input (a huge value, a long path) stays a readable line
 
 
@@ -81,7 +94,9 @@ def command(main):
             return EXIT_USER_ERROR
         except KeyboardInterrupt as e:
             return interrupted(e)
-        except Exception:  # noqa: BLE001 - a bug: shown whole, with where to report it
+        except Exception as e:  # noqa: BLE001 - a bug: shown whole, with where to report it
+            if (signalled := interrupt_behind(e)) is not None:
+                return interrupted(signalled)
             traceback.print_exc()
             print("internal error: a bug in meshtrain, not in your input; please report it with the traceback "
                   "above and the command you ran", file=sys.stderr)
