@@ -23,11 +23,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from meshtrain.config.loader import load_config
-from meshtrain.config.validate import check_train_size
+from meshtrain.config.validate import check_train_size, resolve_attention
 from meshtrain.core import formulas
 from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
+from meshtrain.ops.attention import MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
 from meshtrain.parallel.sharding import make_rules
 from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, traffic
@@ -158,11 +159,27 @@ def named_tokenizer_eos(dcfg) -> int | None:
     return tokenizer_lib.load(dcfg.tokenizer).eos_id
 
 
+def for_the_gpu(cfg, devices):
+    """`cfg` with parallel.attention=auto resolved for the GPUs a plan is for where XLA:CPU compiles it
+    in their place: the GPU's kernel (`resolve_attention`), or where that is cuDNN's, which XLA:CPU
+    cannot compile, blockwise (the same O(L) memory, not its speed; xla where blockwise cannot cut
+    train.seq_len). XLA's GPU compiler needs none of this: the program resolves auto itself."""
+    par, t = cfg.parallel, cfg.train
+    if par.attention != "auto" or (devices is not None and devices[0].platform == "gpu"):
+        return cfg
+    sizes = parse_mesh(par.mesh, len(devices) if devices is not None else jax.device_count())
+    kernel = resolve_attention(cfg.model, par, t.seq_len, sizes, "gpu", cfg.data.document_mask)[0].attention
+    if kernel == "cudnn":
+        kernel = "blockwise" if attention_block(t.seq_len) >= min(t.seq_len, MIN_ATTENTION_BLOCK) else "xla"
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(par, attention=kernel))
+
+
 def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, devices=None) -> dict:
     """The train step compiled for the config's mesh on `devices` (compile-only GPU devices or CPU
     devices: meshtrain/planner/compilers.py; default the process's): memory, collectives beside their
     formulas, the GPU program's kernels, FLOPs and the roofline (`plan` adds the eval step, generation
     and the verdict)."""
+    cfg = for_the_gpu(cfg, devices)
     program = TrainProgram.from_config(cfg, devices=devices, tokenizer_eos=named_tokenizer_eos(cfg.data))
     check_train_size(program, (profile["memory"], f"one {profile['name']} has"))  # before an endless compile
     lowered = program.lower()
