@@ -148,3 +148,12 @@ class Objective:
         """(params in storage order, held-out batch, *`eval_inputs`) -> (the metrics of the batch,
         replicated); `model_order` takes the parameters to model order (for the flat `loss`)."""
         raise NotImplementedError
+
+    def batches(self, mix, data, train, sharding, vocab_size: int):
+        """(the training batches, {name: validation batches}) of the run's data (`mix`: the loaded
+        mixture; `data`, `train`: the config's sections)."""
+        raise NotImplementedError
+
+    def validation(self, eval_step, params, val_sets: dict, eval_inputs: tuple, sources, batches: int) -> dict:
+        """The evaluation record (eval_loss first) of `batches` batches of each validation set."""
+        raise NotImplementedError
