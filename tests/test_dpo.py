@@ -15,7 +15,7 @@ from meshtrain.data.__main__ import main
 from meshtrain.data.prepare import prepare
 from meshtrain.data.tokens import read_prepared, token_ids
 from meshtrain.engine.program import TrainProgram
-from meshtrain.objectives.dpo import dpo_loss, make_log_probs
+from meshtrain.objectives.dpo import dpo_loss
 from meshtrain.ops.trainable import select
 from meshtrain.run.loggers import format_record
 
@@ -145,7 +145,7 @@ def test_the_loss_and_its_gradients_are_the_direct_formulas(pairs_folder):
                                    program.batch_sharding, 256).local_rows(0)
     assert (pairs[:, 17:] != ~0).any(axis=1).all()  # each row holds a rejected sequence in its second half
     with program.context():
-        ref_Bx2 = jax.jit(make_log_probs(model, "fp32"))(reference, pairs)[0]
+        ref_Bx2 = jax.jit(program.objective.scores)(reference, {"tokens": pairs})
         direct_Bx2 = jax.jit(lambda p: direct_log_probs(model, p, pairs))
         np.testing.assert_allclose(ref_Bx2, direct_Bx2(reference), rtol=1e-5)
         loss_fn = lambda p: program.objective.loss(p, {"tokens": pairs, "reference": ref_Bx2}, {})
@@ -215,8 +215,8 @@ def test_a_model_learns_to_prefer_the_chosen_answer_on_new_prompts(pairs_folder,
                                    trainer.program.batch_sharding, 256).local_rows(0)
     start = trainer.program.init_state(jax.random.key(trainer.cfg.train.seed))["params"]
     with trainer.program.context():
-        log_probs = make_log_probs(trainer.program.model, "fp32")
-        trained, reference = log_probs(params, pairs)[0], log_probs(start, pairs)[0]
+        log_probs = lambda p, pairs: trainer.program.objective.scores(p, {"tokens": pairs})
+        trained, reference = log_probs(params, pairs), log_probs(start, pairs)
     _, metrics = dpo_loss(trained, reference, trainer.cfg.train.dpo.beta, 0.0)
     assert metrics["reward_accuracy"] > 0.9 and metrics["reward_margin"] > 0.5
 
@@ -231,9 +231,9 @@ def test_the_evaluation_scores_the_held_out_pairs(pairs_folder):
     record = trainer.evaluation()
     start = trainer.program.init_state(jax.random.key(trainer.cfg.train.seed))["params"]
     with trainer.program.context():
-        log_probs = make_log_probs(trainer.program.model, "fp32")
+        log_probs = lambda p, pairs: trainer.program.objective.scores(p, {"tokens": pairs})
         batches = [trainer.val_sets[""](i) for i in range(trainer.cfg.train.eval_batches)]
-        each = [dpo_loss(log_probs(params, b)[0], log_probs(start, b)[0], trainer.cfg.train.dpo.beta, 0.0)[1]
+        each = [dpo_loss(log_probs(params, b), log_probs(start, b), trainer.cfg.train.dpo.beta, 0.0)[1]
                 for b in batches]
     for key in ("loss", "reward_accuracy", "reward_margin"):
         np.testing.assert_allclose(record[f"eval_{key}"], np.mean([m[key] for m in each]), rtol=1e-5, atol=1e-6)

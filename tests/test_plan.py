@@ -365,3 +365,17 @@ def test_the_gpu_compilers_own_failure_is_one_line_naming_the_cpu_plan():
     with pytest.raises(JaxRuntimeError):
         with Target("cpu", "h100", []).compiling():
             raise failure
+
+
+@pytest.mark.fast
+def test_xla_cpu_plans_a_gpu_pod_with_the_gpus_attention_memory():
+    """XLA:CPU cannot compile cuDNN's kernel: where parallel.attention=auto takes it on the GPU, the
+    CPU plan compiles blockwise (O(L) memory, as cuDNN's), not the [L, L] scores of xla; xla where
+    blockwise cannot cut the sequence (521 is prime); a kernel the config names stays."""
+    from meshtrain.planner.aot import for_the_gpu
+
+    kernel = lambda *sets: for_the_gpu(load_config(TINY, ["parallel.precision=bf16", *sets]),
+                                       jax.devices()[:8]).parallel.attention
+    assert kernel("train.seq_len=128") == "blockwise"
+    assert kernel("train.seq_len=521") == "xla"
+    assert kernel("train.seq_len=128", "parallel.attention=xla") == "xla"

@@ -18,11 +18,10 @@ from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfi
 from meshtrain.config.validate import check_layout, resolve_attention
 from meshtrain.core.console import notice_once
 from meshtrain.data.mixture import trains_on_mask
-from meshtrain.engine.pipeline import layer_order, make_pipeline_scores
-from meshtrain.engine.step import lr_schedule, make_optimizer, make_train_step
+from meshtrain.engine.pipeline import layer_order
+from meshtrain.engine.step import lr_schedule, make_optimizer, make_scores, make_train_step
 from meshtrain.models import FAMILIES
 from meshtrain.objectives import objective
-from meshtrain.objectives.base import forward_scores
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.fp8 import matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
@@ -175,10 +174,7 @@ class TrainProgram:
         training microbatch; an objective's forward scores run through the stages on a pipeline. The
         trainer runs it; the planner compiles it."""
         micro = self.plan.num_microbatches(self.sizes["pipeline"])
-        if self.sizes["pipeline"] > 1:
-            score = make_pipeline_scores(self.model, self.plan, self.mesh, self.param_specs, self.objective)
-        else:
-            score = forward_scores(self.objective.scores, micro)
+        score = make_scores(self.model, self.plan, self.mesh, self.param_specs, self.objective)
         evaluate = self.objective.evaluation(score, micro, self.in_model_order)
         extra = tuple(self.state_shardings[name] for name in self.objective.initial_state(self.param_specs))
         return jax.jit(evaluate, in_shardings=(self.state_shardings["params"], self.batch_sharding, *extra),

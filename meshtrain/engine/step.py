@@ -92,6 +92,16 @@ def balance_routers(model, params, metrics, batch_shape, applied, sequences_per_
     return {**params, "blocks": blocks}, {**metrics, "expert_load": count_NxE, "batch_load_max": load_max}
 
 
+def make_scores(model, plan, mesh, param_specs, objective):
+    """The objective's forward-only scores ((params, rows) -> per-row outputs, `Objective.scores`)
+    a microbatch at a time, through the pipeline's stages on a pipeline (`make_pipeline_scores`):
+    the forward pass before the gradients (`scores_first`) and the evaluation's."""
+    stages = mesh.shape["pipeline"]
+    if stages > 1:
+        return make_pipeline_scores(model, plan, mesh, param_specs, objective)
+    return forward_scores(objective.scores, plan.num_microbatches(stages))
+
+
 def make_train_step(model, tx, schedule, plan, mesh, specs: dict, objective, layer_norms: bool = False):
     """The step of `objective` (meshtrain/objectives/base.py) for `plan` (a ParallelPlan) on `mesh`.
     `specs`: PartitionSpecs of 'params', 'grads' (pytrees) and 'batch', and under int8 compression
@@ -103,7 +113,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, objective, lay
     Otherwise XLA partitions the step from the shardings. Under fp16 the gradients are of the scaled
     objective and unscaled here (meshtrain/ops/precision.py), and by the objective's divisor
     (`Objective.finish`). An objective's forward-only pass before the gradients (`scores_first`)
-    runs a microbatch at a time, through the pipeline's stages on a pipeline (`make_pipeline_scores`).
+    runs a microbatch at a time, through the pipeline's stages on a pipeline (`make_scores`).
     `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
     keep = model.cfg.trainable
@@ -113,10 +123,7 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, objective, lay
         compressor = compression.Int8Reduction(mesh, grad_specs, select(specs["owned"], keep), plan.compression_block,
                                                plan.zero)  # the trained parameters' gradients (LoRA: adapters')
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
-    score = None
-    if objective.scores_first:
-        score = (make_pipeline_scores(model, plan, mesh, specs["params"], objective) if stages > 1 else
-                 forward_scores(objective.scores, micro))
+    score = make_scores(model, plan, mesh, specs["params"], objective) if objective.scores_first else None
     if stages > 1:
         grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, objective, **compressed)
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,

@@ -52,6 +52,16 @@ def run_trunk(model, layer, precision: str, params, tokens_NxL1, masked: bool = 
     return compute, x_NxLxD, Microbatch(inputs, targets, docs), stats
 
 
+def head_loss(model, layer, precision: str, params, tokens_NxL1, head, masked: bool = False, noise=None,
+              extras=None, aux_weight=None):
+    """(the objective, its metrics) of token rows on one device: `run_trunk`, then `head` (a pipeline
+    last stage's: (parameters, final hidden state, `Microbatch` with `extras`) -> (loss, metrics)),
+    plus the model's auxiliary losses x `aux_weight` (None: 1) and the blocks' statistics."""
+    compute, x_NxLxD, micro, stats = run_trunk(model, layer, precision, params, tokens_NxL1, masked, noise)
+    loss, metrics = head(compute, x_NxLxD, dataclasses.replace(micro, extras=extras))
+    return loss + (1.0 if aux_weight is None else aux_weight) * model.auxiliary_loss(stats), {**metrics, **stats}
+
+
 def forward_scores(score, microbatches: int):
     """`score` ((params, rows) -> per-row outputs [B, ...]) without gradient, a microbatch at a time
     (rows as `split_microbatches` cuts them, reassembled in their order), so it holds no more
@@ -81,7 +91,6 @@ class Objective:
         self.model, self.precision, self.seed = model, plan.precision, train.seed
         self.layer = remat_lib.apply(model.block, plan.remat, model.saveable)  # the plan's remat policy
 
-
     def initial_state(self, params) -> dict:
         """The state entries the objective keeps beside the parameters (laid out as they are)."""
         return {}
@@ -106,11 +115,9 @@ class Objective:
         (x `aux_weight`) are added."""
         seqs = self.sequences(rows, 1)
         noise = seqs.get("noise")
-        compute, x, micro, stats = run_trunk(self.model, self.layer, self.precision, params, seqs["tokens"],
-                                             self.masked, None if noise is None else batch_rows(noise))
-        loss, metrics = self.head(shared)(compute, x, dataclasses.replace(micro, extras=self.extras(rows)))
-        weight = self.aux_weight(shared)
-        return loss + (1.0 if weight is None else weight) * self.model.auxiliary_loss(stats), {**metrics, **stats}
+        return head_loss(self.model, self.layer, self.precision, params, seqs["tokens"], self.head(shared),
+                         self.masked, None if noise is None else batch_rows(noise), self.extras(rows),
+                         self.aux_weight(shared))
 
     def sequences(self, rows: dict, micro: int) -> dict:
         """The pipeline's token rows: {'tokens': [N, L + 1], 'noise': [N, 2] under LoRA dropout},
@@ -136,13 +143,16 @@ class Objective:
         mean of the microbatches' metrics."""
         return metrics, None
 
-    def scores(self, params, rows: dict):
-        """Per-row outputs of a forward-only pass (objectives that say `scores_first`)."""
+    def score_head(self, p_outer, y, micro: Microbatch):
+        """A forward-only pass's per-row outputs, from a pipeline's last stage (objectives that say
+        `scores_first`): the microbatch's."""
         raise NotImplementedError
 
-    def score_head(self, p_outer, y, micro: Microbatch):
-        """`scores`, from a pipeline's last stage: the microbatch's per-row outputs."""
-        raise NotImplementedError
+    def scores(self, params, rows: dict):
+        """`score_head`'s per-row outputs of the rows on one device: the trunk on `sequences(rows, 1)`."""
+        seqs = self.sequences(rows, 1)
+        compute, x, micro, _ = run_trunk(self.model, self.layer, self.precision, params, seqs["tokens"], self.masked)
+        return self.score_head(compute, x, micro)
 
     def evaluation(self, score, microbatches: int, model_order):
         """(params in storage order, held-out batch, *`eval_inputs`) -> (the metrics of the batch,

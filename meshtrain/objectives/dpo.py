@@ -18,12 +18,10 @@ import jax.numpy as jnp
 
 from meshtrain.data import preference
 from meshtrain.models.lora import adapters_off, fold_key
-from meshtrain.objectives.base import Microbatch, Objective, run_trunk
-from meshtrain.ops import remat as remat_lib
+from meshtrain.objectives.base import Microbatch, Objective
 from meshtrain.ops.loss import sequence_log_probs
 from meshtrain.ops.precision import cast_for_compute
-from meshtrain.parallel.batching import batch_rows, split_microbatches
-from meshtrain.parallel.sharding import constrain
+from meshtrain.parallel.batching import split_microbatches
 
 
 def keeps_reference(model_spec) -> bool:
@@ -36,12 +34,6 @@ def reference_params(state, model_spec):
     """The weights the reference log-probs come from: the initial parameters kept in the state, or
     under LoRA the base, the parameters with the adapters off (`adapters_off`: no second copy)."""
     return state["reference"] if keeps_reference(model_spec) else adapters_off(state["params"])
-
-
-def sequences(pairs_BxP):
-    """[B, 2 (L + 1)] pairs -> [2B, L + 1] sequences: chosen 0, rejected 0, chosen 1, ..."""
-    B, P = pairs_BxP.shape
-    return constrain(pairs_BxP.reshape(2 * B, P // 2), ("batch", None))
 
 
 def pipeline_sequences(pairs_BxP, micro: int):
@@ -63,23 +55,8 @@ def pair_log_probs(model, params, x_NxLxD, targets_NxL):
 
 def sequence_keys(keys_Bx2):
     """Each pair's LoRA dropout key (models/lora.py `row_keys`) -> its sequences' [2B, 2], in the
-    order of `sequences`: the pair's key folded with 0 (chosen) and 1 (rejected)."""
+    order of `pipeline_sequences`: the pair's key folded with 0 (chosen) and 1 (rejected)."""
     return jax.vmap(lambda k: jnp.stack([fold_key(k, 0), fold_key(k, 1)]))(keys_Bx2).reshape(-1, 2)
-
-
-def make_log_probs(model, precision: str, remat: str = "none"):
-    """(params, pairs [B, 2 (L + 1)]) -> ([B, 2] summed response log-probs, chosen then rejected;
-    the blocks' statistics as means over layers). Untrained targets (the prompt, the padding: ~id,
-    meshtrain/data/tokens.py) add nothing. `dropout_keys` (the policy's in training): the pairs'
-    LoRA dropout keys."""
-    layer = remat_lib.apply(model.block, remat, model.saveable)
-
-    def log_probs(params, pairs_BxP, dropout_keys=None):
-        keys = None if dropout_keys is None else batch_rows(sequence_keys(dropout_keys))
-        compute, x_NxLxD, micro, stats = run_trunk(model, layer, precision, params, sequences(pairs_BxP), True, keys)
-        return pair_log_probs(model, compute, x_NxLxD, micro.targets), stats
-
-    return log_probs
 
 
 def dpo_loss(policy_Bx2, reference_Bx2, beta: float, label_smoothing: float):
@@ -107,7 +84,6 @@ class DPO(Objective):
     def __init__(self, model, plan, train, loss_mask: bool = False):
         super().__init__(model, plan, train)
         self.beta, self.label_smoothing = train.dpo.beta, train.dpo.label_smoothing
-        self.forward_log_probs = make_log_probs(model, plan.precision)
 
     def initial_state(self, params) -> dict:
         return {"reference": params} if keeps_reference(self.model.cfg) else {}
@@ -132,9 +108,6 @@ class DPO(Objective):
 
     def head(self, shared):
         return lambda p_outer, y, micro: self.pair_loss(self.score_head(p_outer, y, micro), micro.extras)
-
-    def scores(self, params, rows):
-        return self.forward_log_probs(params, rows["tokens"])[0]
 
     def score_head(self, p_outer, y, micro: Microbatch):
         return pair_log_probs(self.model, p_outer, y, micro.targets)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.data import mixture
-from meshtrain.objectives.base import Microbatch, Objective, run_trunk
+from meshtrain.objectives.base import Microbatch, Objective, head_loss
 from meshtrain.ops import remat as remat_lib
 from meshtrain.parallel.batching import batch_rows, model_inputs, split_microbatches
 
@@ -35,10 +35,9 @@ def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = F
     layer = remat_lib.apply(model.block, remat, model.saveable)
 
     def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None, dropout_keys=None):
-        compute, x_BxLxD, micro, stats = run_trunk(model, layer, precision, params, tokens_BxL1, loss_mask,
-                                                   dropout_keys)
-        loss, more = token_loss(model, compute, x_BxLxD, micro, aux_weight, mtp_shares)
-        return loss + aux_weight * model.auxiliary_loss(stats), {**more, **stats}
+        head = lambda p, x_BxLxD, micro: token_loss(model, p, x_BxLxD, micro, aux_weight, mtp_shares)
+        return head_loss(model, layer, precision, params, tokens_BxL1, head, loss_mask, dropout_keys,
+                         aux_weight=aux_weight)
 
     return loss_fn
 

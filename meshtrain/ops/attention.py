@@ -15,6 +15,8 @@ sees keys i - window < j <= i, Mistral / Gemma sliding-window attention).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +151,7 @@ def context_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment
     return ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, segment_ids=segment_ids, window=window)
 
 
+@functools.lru_cache(maxsize=64)  # asked for every layout a planner's search checks: the answer is the model's
 def cudnn_refusal(heads: int, kv_heads: int, head_dim: int, seq_len: int, dtype, windows=(0,),
                   documents: bool = False) -> str | None:
     """Why cuDNN's fused attention cannot train on these shapes, in JAX's own words (the checks of
