@@ -243,7 +243,8 @@ def test_cudnn_attention_runs_the_fused_kernels_per_layer_docs_speed_states(rema
 
 def test_auto_attention_says_why_it_is_not_cudnn_and_stays_xla_on_the_cpu():
     """parallel.attention=auto where JAX's cuDNN check refuses the model (a head width of 256 on the
-    compile-only GPU, which JAX cannot see is a Hopper; fp32) runs blockwise, or xla where blockwise
+    compile-only GPU, which JAX cannot see is a Hopper unless a plan says so, `cudnn_checks_see`, as
+    an A100 refuses it; fp32) runs blockwise, or xla where blockwise
     cannot cut the sequence (521 is prime), with JAX's reason (`attention_note`, a notice); a context
     axis running the ring takes the ring; the CPU keeps xla. Programs built, nothing compiled."""
     def chosen(*sets, devices=None):
@@ -252,11 +253,31 @@ def test_auto_attention_says_why_it_is_not_cudnn_and_stays_xla_on_the_cpu():
 
     kernel, why = chosen("parallel.precision=bf16", "model.head_dim=256", "train.seq_len=128")
     assert kernel == "blockwise" and why.startswith("The head dim must be <= 128")
+    with compilers.cudnn_checks_see(compilers.GPU_TARGETS["h100"]["cc"]):  # as a plan for H100s asks
+        assert chosen("parallel.precision=bf16", "model.head_dim=256", "train.seq_len=128") == ("cudnn", None)
+    with compilers.cudnn_checks_see(compilers.GPU_TARGETS["a100"]["cc"]):
+        assert chosen("parallel.precision=bf16", "model.head_dim=256", "train.seq_len=128")[0] == "blockwise"
     kernel, why = chosen("parallel.precision=fp32", "train.seq_len=521")
     assert kernel == "xla" and why.startswith("Q must be fp16/bf16")
     assert chosen("parallel.precision=bf16") == ("cudnn", None)
     assert chosen("parallel.mesh=context=2", "parallel.precision=bf16", devices=gpu_devices(2)) == ("ring", None)
     assert chosen("parallel.mesh=1", devices=jax.devices("cpu")[:1]) == ("xla", None)
+
+
+def test_a_plan_for_h100s_runs_cudnn_on_gemma3s_head_width_and_windows(capsys):
+    """Gemma 3's heads of 256 with sliding windows: a Hopper's cuDNN takes them, so a plan for H100s
+    compiles the fused kernel for every layer, local and global (compilers.cudnn_checks_see), as the pod's
+    own run does, and says nothing of a fallback."""
+    layers = 4
+    assert main(["--config", os.path.join(ROOT, "configs", "gemma3_tiny.yaml"), "--devices", "1", "--mesh", "1",
+                 "--compiler", "gpu", "--json", "--search-budget", "0", "--set", "parallel.precision=bf16",
+                 "--set", "model.head_dim=256", "--set", "train.seq_len=128", "--set", "model.sliding_window=32",
+                 "--set", "train.batch_size=2", "--set", "parallel.remat=none"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["config"]["attention"] == "cudnn" and "notice" not in out.err
+    # the layer scan's switch over the kinds holds a local and a global kernel: both counted per layer
+    assert report["kernels"]["attention"] == {"forward": 2 * layers, "backward": 2 * layers}
 
 
 @pytest.mark.parametrize("mesh,n", [("data=2", 2), ("data=2,pipeline=2,tensor=2", 8)])

@@ -101,7 +101,8 @@ class Target:
         from jax.errors import JaxRuntimeError
 
         try:
-            with compile_cache.suspended() if self.gpu else contextlib.nullcontext():
+            with compile_cache.suspended() if self.gpu else contextlib.nullcontext(), \
+                    cudnn_checks_see(GPU_TARGETS[self.device]["cc"]) if self.gpu else contextlib.nullcontext():
                 yield
         except JaxRuntimeError as e:
             if not self.gpu:
@@ -110,6 +111,34 @@ class Target:
             raise UserError(f"XLA's GPU compiler failed on this run's program: {said[0][:300]}; plan it with "
                             f"--compiler cpu, or change the widths it names") from None
 
+
+
+@contextlib.contextmanager
+def cudnn_checks_see(capability: tuple[int, int]):
+    """JAX's cuDNN attention checks (head widths up to 256 and multi-head latent attention from
+    Hopper on) answering for the target's compute `capability`: they ask the local GPU backend, which a
+    compile-only plan has not (it would refuse what the pod's own run takes). The checks are JAX's
+    private functions (jax/_src/cudnn/fused_attention_stablehlo.py, 0.10 and 0.11 alike); where they
+    are gone the plan keeps JAX's answer."""
+    from jax._src.cudnn import fused_attention_stablehlo as checks
+
+    from meshtrain.ops.attention import cudnn_refusal
+
+    names = ("check_compute_capability", "is_cuda_compute_capability_equal")
+    if not all(hasattr(checks, name) for name in names):
+        yield
+        return
+    wanted = lambda c: tuple(int(x) for x in c.split("."))
+    saved = {name: getattr(checks, name) for name in names}
+    checks.check_compute_capability = lambda c: capability >= wanted(c)
+    checks.is_cuda_compute_capability_equal = lambda c: capability == wanted(c)
+    cudnn_refusal.cache_clear()  # answers memoised for another device
+    try:
+        yield
+    finally:
+        for name, check in saved.items():
+            setattr(checks, name, check)
+        cudnn_refusal.cache_clear()
 
 
 def summary(compiled_for: dict) -> str:
