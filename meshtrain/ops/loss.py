@@ -11,7 +11,11 @@ costs the plain loss's three matmuls, and its largest temporaries are one chunk'
 The head is gathered over the axes `embed` shards it on (fsdp, context) once, before the chunks: left
 to XLA, its GPU compiler gathers it again in every chunk, forward and backward (gemma3-4b's pod
 all-gather 14x the formula, issue 39 section 3), as it does not hoist a gather out of a loop.
-C is chosen so a chunk's logits take about LOSS_CHUNK_BYTES per device.
+C is chosen so a chunk's logits take about LOSS_CHUNK_BYTES per device: the fp32 dw [D, V] is read
+and written once per chunk (8·D·V bytes) for 2·D·V·T FLOPs over the chunk's T tokens, so T of at least
+4 x an H100's 295 FLOP/byte (989 TFLOP/s over 3.35 TB/s), about 1,200 tokens, keeps that GEMM
+compute-bound; 1 GiB holds 2,048 tokens of a 128k vocabulary (256 MiB held 512: llama_1b's pod
+planned 20 ms a step more on the GPU program).
 
 The target logit is picked with a one-hot product, not a gather, so a vocabulary split over
 `tensor` stays split (XLA's gather partitioning fails inside pipeline stages). A target < 0 is not
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 
 from meshtrain.parallel.sharding import constrain, shard_count, summed_over_shards
 
-LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, per device
+LOSS_CHUNK_BYTES = 2**30  # fp32 logits of one chunk, per device
 
 
 def chunk_positions(batch_per_device: int, seq_len: int, vocab_per_device: int,

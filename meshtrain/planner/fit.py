@@ -11,7 +11,9 @@ other way round. The knobs, one move at a time (`moves`):
   tensor, pipeline or context (tensor within a node and dividing the heads, pipeline dividing the
   layers; a context axis opened twice, with the ring and with Ulysses around the layout's local
   kernel, one that grows keeps its strategy); MoE: to `expert`;
-- speed moves: the same in reverse.
+- speed moves: the same in reverse, with every lower ZeRO stage at once (one stage lower may gain
+  nothing where two do), and a move that opens the `data` axis also with ZeRO 0 on it: hybrid
+  sharding (HSDP: fsdp's gathers within the nodes, one gradient all-reduce across them).
 Offload (remat=offload) needs a GPU's host memory space and is not compiled here.
 
 `search` is a local search: from the config's layout it follows the memory moves, compiled, to the
@@ -111,6 +113,9 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
             continue
         new = {**mesh, donor: mesh[donor] // f, taker: mesh[taker] * f}
         out += [(f"{donor} -> {taker} x{f}{how}", moved) for how, moved in resized(layout, new)]
+        if not memory and taker == "data" and mesh["data"] == 1 and layout.zero:  # hybrid sharding (HSDP)
+            out += [(f"{donor} -> {taker} x{f}{how}, parallel.zero=0", moved.change(zero=0))
+                    for how, moved in resized(layout, new)]
     micro = layout.microbatches * 2 if memory else layout.microbatches // 2
     if micro >= 1 and micro >= mesh["pipeline"] and micro != layout.microbatches:
         out.append((f"parallel.microbatches={micro}", layout.change(microbatches=micro)))
@@ -118,9 +123,10 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
     if r is not None and 0 <= r + (1 if memory else -1) < len(REMAT_ORDER):
         remat = REMAT_ORDER[r + (1 if memory else -1)]
         out.append((f"parallel.remat={remat}", layout.change(remat=remat)))
-    zero = layout.zero + (1 if memory else -1)
-    if mesh["data"] > 1 and 0 <= zero <= 3:
-        out.append((f"parallel.zero={zero}", layout.change(zero=zero)))
+    if mesh["data"] > 1:  # a stage higher; or any lower one (a stage alone may gain nothing)
+        for zero in [layout.zero + 1] if memory else range(layout.zero):
+            if zero <= 3:
+                out.append((f"parallel.zero={zero}", layout.change(zero=zero)))
     swap = {"xla": "blockwise"} if memory else {"blockwise": "xla"}
     if layout.attention in swap and (mesh["context"] == 1 or layout.context_strategy == "ulysses"):
         out.append((f"parallel.attention={swap[layout.attention]}", layout.change(attention=swap[layout.attention])))
