@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.ops.loss import LOSS_CHUNK_BYTES, chunk_positions, cross_entropy
+from meshtrain.ops.loss import LOSS_CHUNK_TOKENS, chunk_positions, cross_entropy
 from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.sharding import activation_rules, make_rules
 
@@ -37,8 +37,8 @@ def assert_same_loss_and_grads(tiled, x, w, t):
 def test_tiled_loss_equals_the_plain_loss(chunk):
     x, w, t = inputs()
     budget = 4 * 50 * 4 * chunk  # B x C x V fp32 logits per chunk
-    assert chunk_positions(4, 12, 50, budget) == chunk
-    assert_same_loss_and_grads(lambda x, w, t: cross_entropy(x, w, t, budget), x, w, t)
+    assert chunk_positions(4, 12, 50, budget, least_tokens=1) == chunk
+    assert_same_loss_and_grads(lambda x, w, t: cross_entropy(x, w, t, budget, least_tokens=1), x, w, t)
 
 
 def test_tiled_loss_with_the_vocabulary_split_over_tensor():
@@ -50,7 +50,7 @@ def test_tiled_loss_with_the_vocabulary_split_over_tensor():
 
     def tiled(x, w, t):
         with activation_rules(rules, mesh):
-            return cross_entropy(x, w, t, budget=2 * 3 * 64 * 4)  # 4 chunks of 3 positions
+            return cross_entropy(x, w, t, budget=2 * 3 * 64 * 4, least_tokens=1)  # 4 chunks of 3 positions
 
     with jax.set_mesh(mesh):
         assert_same_loss_and_grads(jax.jit(tiled), x, w, t)
@@ -66,7 +66,7 @@ def test_tiled_loss_with_the_head_split_over_fsdp_beside_expert():
 
     def tiled(x, w, t):
         with activation_rules(make_rules(), mesh):
-            return cross_entropy(x, w, t, budget=3 * 64 * 4)  # 4 chunks of 3 positions
+            return cross_entropy(x, w, t, budget=3 * 64 * 4, least_tokens=1)  # 4 chunks of 3 positions
 
     with jax.set_mesh(mesh):
         assert_same_loss_and_grads(jax.jit(tiled), x, w, t)
@@ -85,4 +85,5 @@ def test_no_full_logits_for_a_128k_vocabulary():
     logits_bytes = B * L * V * 4
     tiled, plain = temp(cross_entropy), temp(plain_loss)
     print(f"temporaries: tiled {tiled / 1e9:.3f} GB, plain {plain / 1e9:.3f} GB, logits {logits_bytes / 1e9:.3f} GB")
-    assert tiled < 2.5 * LOSS_CHUNK_BYTES < logits_bytes / 6 < logits_bytes <= plain
+    chunk_bytes = 4 * LOSS_CHUNK_TOKENS * V  # the chunk holds its least tokens: 1.05 GB of logits
+    assert tiled < 2.5 * chunk_bytes < logits_bytes / 6 < logits_bytes <= plain

@@ -11,11 +11,11 @@ costs the plain loss's three matmuls, and its largest temporaries are one chunk'
 The head is gathered over the axes `embed` shards it on (fsdp, context) once, before the chunks: left
 to XLA, its GPU compiler gathers it again in every chunk, forward and backward (gemma3-4b's pod
 all-gather 14x the formula, issue 39 section 3), as it does not hoist a gather out of a loop.
-C is chosen so a chunk's logits take about LOSS_CHUNK_BYTES per device: the fp32 dw [D, V] is read
-and written once per chunk (8·D·V bytes) for 2·D·V·T FLOPs over the chunk's T tokens, so T of at least
-4 x an H100's 295 FLOP/byte (989 TFLOP/s over 3.35 TB/s), about 1,200 tokens, keeps that GEMM
-compute-bound; 1 GiB holds 2,048 tokens of a 128k vocabulary (256 MiB held 512: llama_1b's pod
-planned 20 ms a step more on the GPU program).
+C is chosen so a chunk's logits take about LOSS_CHUNK_BYTES per device, and a chunk holds at least
+LOSS_CHUNK_TOKENS tokens per device where the sequence allows: the fp32 dw [D, V] is read and written
+once per chunk (8·D·V bytes) for 2·D·V·T FLOPs over the chunk's T tokens, so T of at least 4 x an
+H100's 295 FLOP/byte (989 TFLOP/s over 3.35 TB/s), about 1,200, keeps that GEMM compute-bound (512-token
+chunks made it memory-bound: 20 ms a step more on llama_1b's pod, 0.17 s on gemma3_4b's, GPU program).
 
 The target logit is picked with a one-hot product, not a gather, so a vocabulary split over
 `tensor` stays split (XLA's gather partitioning fails inside pipeline stages). A target < 0 is not
@@ -32,21 +32,27 @@ import jax.numpy as jnp
 
 from meshtrain.parallel.sharding import constrain, shard_count, summed_over_shards
 
-LOSS_CHUNK_BYTES = 2**30  # fp32 logits of one chunk, per device
+LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, per device
+LOSS_CHUNK_TOKENS = 2048  # tokens of one chunk per device at least (the head's dw GEMM compute-bound)
 
 
 def chunk_positions(batch_per_device: int, seq_len: int, vocab_per_device: int,
-                    budget: int = LOSS_CHUNK_BYTES) -> int:
-    """The largest divisor C of seq_len with batch x C x vocab fp32 logits within `budget` (C >= 1)."""
+                    budget: int = LOSS_CHUNK_BYTES, least_tokens: int = LOSS_CHUNK_TOKENS) -> int:
+    """The largest divisor C of seq_len with batch x C x vocab fp32 logits within `budget`, or where
+    that holds fewer than `least_tokens` tokens, the smallest divisor holding that many (or seq_len)."""
+    divisors = [c for c in range(1, seq_len + 1) if seq_len % c == 0]
     fit = max(1, budget // (4 * vocab_per_device * batch_per_device))
-    return max(c for c in range(1, min(fit, seq_len) + 1) if seq_len % c == 0)
+    least = -(-least_tokens // batch_per_device)
+    return max(max(c for c in divisors if c <= fit), min((c for c in divisors if c >= least), default=seq_len))
 
 
-def cross_entropy(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES):
+def cross_entropy(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES,
+                  least_tokens: int = LOSS_CHUNK_TOKENS):
     """Mean over tokens of -log softmax(x w)[target]; logits in fp32."""
     B, L, _ = x_BxLxD.shape
     V = w_DxV.shape[1]
-    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget)
+    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget,
+                         least_tokens)
     return _loss_sum(x_BxLxD, w_DxV, targets_BxL, C) / (B * L)
 
 
@@ -125,7 +131,8 @@ def _loss_sum_bwd(C: int, residuals, g):
 _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
 
 
-def sequence_log_probs(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES):
+def sequence_log_probs(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES,
+                       least_tokens: int = LOSS_CHUNK_TOKENS):
     """[B]: each row's sum of log softmax(x w)[target] over its trained targets (>= 0), fp32; DPO's
     sequence log-probability (meshtrain/objectives/dpo.py). Chunked as `cross_entropy`, each chunk
     rematerialised (`jax.checkpoint`): the backward remakes one chunk's logits at a time, so no
@@ -133,7 +140,8 @@ def sequence_log_probs(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYT
     gradients are scaled by one scalar cotangent, not one per row)."""
     B, L, _ = x_BxLxD.shape
     V = w_DxV.shape[1]
-    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget)
+    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget,
+                         least_tokens)
     w_DxV = _gathered(w_DxV)
 
     @jax.checkpoint
