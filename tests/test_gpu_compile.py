@@ -280,14 +280,16 @@ def test_a_plan_for_h100s_runs_cudnn_on_gemma3s_head_width_and_windows(capsys):
     assert report["kernels"]["attention"] == {"forward": 2 * layers, "backward": 2 * layers}
 
 
-@pytest.mark.parametrize("mesh,n", [("data=2", 2), ("data=2,pipeline=2,tensor=2", 8)])
-def test_cudnn_attention_runs_inside_the_executors_manual_regions(mesh, n):
+@pytest.mark.parametrize("mesh,n,sets", [("data=2", 2, ()), ("data=2,pipeline=2,tensor=2", 8, ()),
+                                         ("fsdp=4,tensor=2", 8, ("parallel.sequence_parallel=true",))])
+def test_cudnn_attention_runs_inside_the_executors_manual_regions(mesh, n, sets):
     """The data-parallel executor's and the pipeline's steps run in shard_maps manual over some axes;
     cuDNN's kernel, custom-partitioned, runs there manual over the others too (meshtrain/ops/
     attention.py `each_device`; XLA's GPU compiler refuses custom partitioning in a partly manual
-    region), fused forward and backward."""
+    region), fused forward and backward; so it does under sequence parallelism, whose q, k and v JAX's
+    partitioner saw sharded apart (llama2_70b's plan with it failed to compile)."""
     text = compiled_step(f"parallel.mesh={mesh}", "parallel.precision=bf16", "model.head_dim=64",
-                         "train.seq_len=128", "train.batch_size=8", "parallel.microbatches=2", count=n)
+                         "train.seq_len=128", "train.batch_size=8", "parallel.microbatches=2", *sets, count=n)
     att = kernels.read(text)["attention"]
     assert att["forward"] >= 1 and att["backward"] >= 1, att
 
@@ -344,6 +346,22 @@ def test_a_script_that_imports_meshtrain_first_gets_no_cuda_check_traceback():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "cpu\n", done.stderr
     assert "Traceback" not in done.stderr and "configuration error" not in done.stderr, done.stderr
+
+
+def test_a_loop_xla_left_without_its_trip_count_is_counted_from_its_bounds():
+    """XLA:GPU's collective pipelining peels an iteration off the microbatch loop and drops its
+    known_trip_count: the walk and the kernel count read it from the loop's bounds (hlo.Module.trip_count:
+    start, step, limit), so the step counts every microbatch's GEMMs, as without the flag."""
+    cfg = tiny_config("parallel.mesh=fsdp=4", "parallel.microbatches=4", "parallel.precision=bf16")
+    program = TrainProgram.from_config(cfg, devices=gpu_devices(4))
+    plain = program.lower().compile().as_text()
+    piped = program.lower().compile(compiler_options={"xla_gpu_enable_pipelined_all_gather": True,
+                                                      "xla_gpu_enable_pipelined_reduce_scatter": True}).as_text()
+    module = Module(piped)
+    loops = [(comp, ins) for comp, instrs in module.comps.items() for ins in instrs.values() if ins.op == "while"]
+    unknown = [module.trip_count(comp, ins) for comp, ins in loops if "known_trip_count" not in ins.line]
+    assert unknown == [3]  # the microbatch loop, its first iteration peeled
+    assert kernels.read(piped)["gemms"] == kernels.read(plain)["gemms"]
 
 
 def test_a_gemms_flops_come_from_its_dots_shapes():

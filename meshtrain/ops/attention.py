@@ -58,11 +58,12 @@ def cudnn_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L=None, segment_i
     (JAX 0.10 and 0.11 alike): the window as `local_window_size=(window - 1, 0)` (cuDNN's causal
     sliding window of window - 1 keys left of the query plus itself); segment ids as its boolean
     `mask` [B, 1, L, L], which JAX turns into an additive bias: the public API has no packed
-    (segment/offset) layout, so a document mask costs an [L, L] bias per row here. Inside a partly
-    manual region (the pipeline's stages, the data-parallel executor's shards) it runs manual over
-    the remaining axes too (`each_device`): XLA's GPU compiler refuses its custom partitioning there."""
+    (segment/offset) layout, so a document mask costs an [L, L] bias per row here. On a mesh it runs
+    manual over every axis not yet manual (`each_device`): XLA's GPU compiler refuses its custom
+    partitioning inside a partly manual region (the pipeline's stages, the data-parallel executor's
+    shards), and JAX's partitioner refuses q, k and v sharded apart (sequence parallelism's)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.manual_axes and set(mesh.axis_names) - set(mesh.manual_axes):
+    if set(mesh.axis_names) - set(mesh.manual_axes):
         return each_device(fused_attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids, window)
     return fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids, window)
 

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+from jax.errors import JaxRuntimeError
 from jax.sharding import NamedSharding
 
 from meshtrain.config.loader import load_config
@@ -306,6 +307,10 @@ def _run(args, cfg, overrides: list[str], target, profile: dict, memory_budget: 
                 rows.append({**row, "settings": settings})
             except UserError as e:
                 skipped.append({"mesh": entry, "reason": str(e)})
+            except JaxRuntimeError as e:  # one entry the GPU compiler refuses: said beside the others
+                if not target.gpu:
+                    raise
+                skipped.append({"mesh": entry, "reason": str(compilers.refused(e))})
         rows.sort(key=lambda r: -r["roofline"]["mfu_ceiling"])
         return (json.dumps({"plans": rows, "skipped": skipped, "compiled_for": compiled_for}) if args.json else
                 "\n".join([compilers.summary(compiled_for), format_compare(rows, skipped)]))

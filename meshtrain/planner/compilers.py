@@ -107,9 +107,14 @@ class Target:
         except JaxRuntimeError as e:
             if not self.gpu:
                 raise
-            said = str(e).strip().splitlines() or [type(e).__name__]
-            raise UserError(f"XLA's GPU compiler failed on this run's program: {said[0][:300]}; plan it with "
-                            f"--compiler cpu, or change the widths it names") from None
+            raise refused(e) from None
+
+
+def refused(e: Exception) -> UserError:
+    """XLA's GPU compiler's refusal of a program, in one line with what to do."""
+    said = str(e).strip().splitlines() or [type(e).__name__]
+    return UserError(f"XLA's GPU compiler failed on this run's program: {said[0][:300]}; plan it with "
+                     f"--compiler cpu, or change the widths it names")
 
 
 

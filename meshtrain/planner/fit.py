@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jax.errors import JaxRuntimeError
+
 from meshtrain.config.validate import check_layout, resolve_attention
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.mesh import AXES, axis_sizes, describe
@@ -190,6 +192,8 @@ def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_pe
         r = measure(layout.apply(cfg), profile, devices_per_node, devices)
     except UserError as e:
         return {"layout": layout, "invalid": str(e)}
+    except JaxRuntimeError as e:  # a layout XLA's compiler refuses: the search goes on without it
+        return {"layout": layout, "invalid": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
     peak = r["memory"]["total"]
     return {"layout": layout, "peak": peak, "fits": peak <= memory_budget["budget"], "step_s": r["roofline"]["step_s"],
             "mfu_ceiling": r["roofline"]["mfu_ceiling"], "priced_by": r["roofline"]["priced_by"]}

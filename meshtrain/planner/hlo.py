@@ -286,6 +286,99 @@ class Module:
         return ins.op == "add" or (ins.op == "fusion" and any(
             i.op == "add" for i in self.comps.get(self.callee(ins), {}).values()))
 
+    def trip_count(self, comp: str, ins: Instr) -> int:
+        """Iterations of a `while` in `comp`: XLA's `known_trip_count`, or where a pass left none (XLA:GPU's
+        collective pipelining peels an iteration off a loop and drops it), from the loop itself as XLA's
+        while-loop analysis reads it: the induction variable's initial constant, the constant its body
+        adds, and the constant its condition compares it with (i < n, i <= n, i > n, i >= n). 1 where the
+        loop is not of that form."""
+        if (known := TRIP_COUNT.search(ins.line)) is not None:
+            return int(known.group(1))
+        cond, body = re.search(r"condition=%?([\w.\-]+)", ins.line), LOOP_BODY.search(ins.line)
+        index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', ins.line)
+        if not (cond and body and index and ins.operands):
+            return 1
+        k = int(index.group(1))
+        start = self._constant(comp, self._tuple_element(comp, ins.operands[0], k))
+        step = self._increment(body.group(1), k)
+        compare = self._compare(cond.group(1), k)
+        if start is None or not step or compare is None:
+            return 1
+        direction, limit = compare
+        span = {"LT": limit - start, "LE": limit - start + step, "GT": start - limit, "GE": start - limit - step}
+        if direction not in span:
+            return 1
+        return max(0, -(-span[direction] // abs(step)))
+
+    def _through(self, comp: str, name: str | None) -> Instr | None:
+        """The instruction a value comes from, past copies and bitcasts."""
+        for _ in range(20):
+            ins = self.comps[comp].get(name) if name else None
+            if ins is None or ins.op not in ("copy", "bitcast", "convert"):
+                return ins
+            name = ins.operands[0]
+        return None
+
+    def _tuple_element(self, comp: str, name: str, k: int) -> str | None:
+        ins = self._through(comp, name)
+        return ins.operands[k] if ins is not None and ins.op == "tuple" and k < len(ins.operands) else None
+
+    def _constant(self, comp: str, name: str | None) -> int | None:
+        ins = self._through(comp, name)
+        m = re.search(r"\bconstant\((-?\d+)\)", ins.line) if ins is not None and ins.op == "constant" else None
+        return int(m.group(1)) if m else None
+
+    def _induction(self, comp: str, name: str | None, k: int) -> bool:
+        """Whether `name` is element k of `comp`'s parameter tuple."""
+        ins = self._through(comp, name)
+        return ins is not None and ins.op == "get-tuple-element" and f"index={k}" in ins.line and \
+            self._through(comp, ins.operands[0]).op == "parameter"
+
+    def _scalar_op(self, comp: str, name: str | None, op: str):
+        """(computation, instruction) of the `op` that computes `name`, looking into a fusion's root,
+        with the fusion's parameters mapped to its operands by `_outer` on the way back."""
+        ins = self._through(comp, name)
+        if ins is not None and ins.op == "fusion" and (callee := self.callee(ins)) in self.comps:
+            inner = self._through(callee, self.roots.get(callee))
+            if inner is not None and inner.op == op:
+                return callee, inner, ins
+        return (comp, ins, None) if ins is not None and ins.op == op else None
+
+    def _side(self, comp: str, fusion: Instr | None, outer: str, name: str) -> tuple[str, str | None]:
+        """An operand inside a fusion's computation as (computation, name) outside it, where it is a
+        parameter of the fusion; else as it is."""
+        ins = self._through(comp, name)
+        if fusion is not None and ins is not None and ins.op == "parameter":
+            return outer, fusion.operands[int(_PARAMETER.search(ins.line).group(1))]
+        return comp, name
+
+    def _increment(self, body: str, k: int) -> int | None:
+        """The constant the body adds to tuple element k (i = i + c)."""
+        found = self._scalar_op(body, self._tuple_element(body, self.roots.get(body), k), "add")
+        if found is None:
+            return None
+        comp, add, fusion = found
+        sides = [self._side(comp, fusion, body, operand) for operand in add.operands[:2]]
+        for (c1, a), (c2, b) in (sides, sides[::-1]):
+            if self._induction(c1, a, k) and (value := self._constant(c2, b)) is not None:
+                return value
+        return None
+
+    def _compare(self, cond: str, k: int) -> tuple[str, int] | None:
+        """(direction, the constant) of the condition's i <direction> constant, i = tuple element k."""
+        found = self._scalar_op(cond, self.roots.get(cond), "compare")
+        if found is None:
+            return None
+        comp, compare, fusion = found
+        direction = re.search(r"direction=(\w+)", compare.line)
+        (c1, a), (c2, b) = (self._side(comp, fusion, cond, operand) for operand in compare.operands[:2])
+        flip = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}
+        if direction and self._induction(c1, a, k) and (value := self._constant(c2, b)) is not None:
+            return direction.group(1), value
+        if direction and self._induction(c2, b, k) and (value := self._constant(c1, a)) is not None:
+            return flip.get(direction.group(1), direction.group(1)), value
+        return None
+
     def execution_counts(self) -> dict[str, float]:
         """How often each computation runs per call of the entry: while bodies by their trip count."""
         times: dict[str, float] = defaultdict(float)
@@ -295,9 +388,9 @@ class Module:
                 return
             times[name] += factor
             for ins in self.comps[name].values():
-                trip, body = TRIP_COUNT.search(ins.line), LOOP_BODY.search(ins.line)
+                body = LOOP_BODY.search(ins.line) if ins.op == "while" else None
                 for callee in _CALLS.findall(ins.line):
-                    repeat = int(trip.group(1)) if trip and body and callee == body.group(1) else 1
+                    repeat = self.trip_count(name, ins) if body and callee == body.group(1) else 1
                     visit(callee, factor * repeat, depth + 1)
                 for group in BRANCHES.findall(ins.line):
                     for callee in group.split(","):

@@ -198,8 +198,7 @@ class StepTime:
                     clock = link_free
                 continue
             if ins.op == "while":
-                trip = hlo.TRIP_COUNT.search(ins.line)
-                n = int(trip.group(1)) if trip else 1
+                n = self.module.trip_count(comp, ins)
                 body, cond = hlo.LOOP_BODY.search(ins.line).group(1), re.search(r"condition=%?([\w.\-]+)", ins.line)
                 clock += n * self.run(body, times * n) + (n + 1) * (self.run(cond.group(1), times * (n + 1))
                                                                    if cond else 0.0)
