@@ -125,6 +125,21 @@ def test_comm_time_puts_each_axis_on_its_link():
 
 
 @pytest.mark.fast
+def test_a_group_with_k_devices_in_each_node_crosses_on_k_nics():
+    """roofline.link_bandwidth: a ring channel per NIC, so a group's k devices in a node cross the
+    node boundary on k 400 Gb/s NICs at once (NVLink's 450 GB/s at most): fsdp=16 on two nodes 400 GB/s
+    (NCCL's published multi-node H100 bus bandwidth, 400-450), fsdp=16 beside tensor=2 (4 a node)
+    200 GB/s, fsdp=8 beside tensor=8 (one a node) the NIC's 50 GB/s."""
+    bw = lambda axes, **mesh: roofline.link_bandwidth(H100, axes, sizes(**mesh), 8)
+    assert bw(("fsdp",), fsdp=16) == 400e9
+    assert bw(("fsdp",), fsdp=16, tensor=2) == 200e9
+    assert bw(("fsdp",), fsdp=8, tensor=8) == 50e9
+    assert bw(("fsdp",), fsdp=4, tensor=2) == 450e9  # in a node
+    assert bw(("data", "fsdp"), data=4, fsdp=8) == 400e9
+    assert roofline.link_bandwidth(H100, ("fsdp",), sizes(fsdp=32), 16) == 450e9  # 16 a node: NVLink's cap
+
+
+@pytest.mark.fast
 def test_roofs_overlapped_and_serial():
     """Model FLOPs of half a second at peak, 10% more hardware FLOPs (a recompute), a 20% bubble:
     0.55 / 0.8 = 0.6875 s of compute; 0.3 s of communication; 0.1 s of HBM traffic. Overlapped the

@@ -16,7 +16,8 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   and a dynamic-update-slice root writes only its update;
 - each kernel takes the longest of its arithmetic at its efficiency, its bytes at HBM bandwidth x
   `hbm_efficiency` (a GEMM's too), and `launch_s` (`kernel_seconds`); a `while` runs its body
-  trip-count times and its condition once more, a `conditional` costs the mean of its branches
+  trip-count times (XLA's known_trip_count, or the loop's bounds where a pass dropped it:
+  hlo.Module.trip_count) and its condition once more, a `conditional` costs the mean of its branches
   (blockwise attention's skipped and computed blocks: about half and half);
 - collectives (meshtrain/planner/hlo.py's records) on the link their replica groups cross (roofline.py),
   on their own stream: an async `-start` begins when the link is free and its `-done` waits for it, so
@@ -229,11 +230,12 @@ def step_time(hlo_text: str, profile: dict, link_s: dict[str, float]) -> dict:
 def link_seconds(collectives, sizes: dict[str, int], profile: dict, devices_per_node: int) -> dict[str, float]:
     """{instruction name: seconds per execution} of each collective (hlo.py's records): its ring link
     traffic at the bandwidth of the link its replica groups cross (roofline.py); 0 on no axis."""
-    out = {}
+    out, bandwidth = {}, {}
     for c in collectives:
         axes = roofline.axes_of_groups(c.groups, sizes)
-        bandwidth = roofline.link_bandwidth(profile, roofline.crosses_nodes(axes, sizes, devices_per_node))
-        out[c.name] = out.get(c.name, 0.0) + (c.traffic / bandwidth if axes else 0.0)
+        if axes and axes not in bandwidth:
+            bandwidth[axes] = roofline.link_bandwidth(profile, axes, sizes, devices_per_node)
+        out[c.name] = out.get(c.name, 0.0) + (c.traffic / bandwidth[axes] if axes else 0.0)
     return out
 
 

@@ -131,8 +131,25 @@ def traffic_by_axes(collectives: Iterable[tuple[Iterable[Sequence[int]], float]]
     return dict(out)
 
 
-def link_bandwidth(profile: dict, cross_node: bool) -> float:
-    return profile["cross_node_bw"] if cross_node else profile["in_node_bw"]
+def members_per_node(axes: Sequence[str], sizes: dict[str, int], devices_per_node: int) -> int:
+    """The fewest devices of one group along `axes` that share a node (device id // devices_per_node)."""
+    nodes = _groups_along(device_grid(sizes), axes) // devices_per_node
+    return int(min(np.unique(row, return_counts=True)[1].min() for row in nodes))
+
+
+def link_bandwidth(profile: dict, axes: Sequence[str], sizes: dict[str, int], devices_per_node: int) -> float:
+    """Bytes/s per device of a ring collective over `axes` (link traffic 2(n-1)/n x bytes for an
+    all-reduce): `in_node_bw` within a node; across nodes NCCL runs a ring channel per NIC, so a group
+    with k devices in each node crosses the node boundary on k NICs at once (each carrying 1/k of the
+    traffic; the node's other devices' NICs serve the other groups): k x `cross_node_bw`, at most
+    `in_node_bw`. On an H100 pod (8 x 400 Gb/s NICs a node) a group of 8 per node gets 400 GB/s; the
+    published NCCL all_reduce_perf bus bandwidth of multi-node H100 and H200 pods on NDR InfiniBand is
+    400-450 GB/s (saturncloud.io, "Validating Multi-Node GPU Clusters with NCCL Tests"), and 460-480 GB/s
+    within an 8 x H100 SXM node (docs.alayanew.com, "NCCL-tests in practice", 2026-05-06). A group with
+    one device per node is the 400 Gb/s NIC's 50 GB/s. Not calibrated on a measured pod."""
+    if not crosses_nodes(axes, sizes, devices_per_node):
+        return profile["in_node_bw"]
+    return min(profile["in_node_bw"], members_per_node(axes, sizes, devices_per_node) * profile["cross_node_bw"])
 
 
 def comm_times(traffic: dict[tuple[str, ...], float], sizes: dict[str, int], profile: dict,
@@ -143,7 +160,7 @@ def comm_times(traffic: dict[tuple[str, ...], float], sizes: dict[str, int], pro
     out = {}
     for axes, nbytes in traffic.items():
         cross = crosses_nodes(axes, sizes, per_node)
-        bw = link_bandwidth(profile, cross)
+        bw = link_bandwidth(profile, axes, sizes, per_node) if axes else profile["in_node_bw"]
         out[axes] = {"traffic_bytes": nbytes, "cross_node": cross, "bandwidth": bw,
                      "seconds": nbytes / bw if axes else 0.0}
     return out
