@@ -283,8 +283,9 @@ def test_the_search_opens_a_context_axis_with_the_ring_and_with_ulysses():
 @pytest.mark.fast
 def test_the_search_reaches_hybrid_sharding_in_one_speed_move():
     """fit.moves, speed: fsdp -> data also offers ZeRO 0 on the new data axis (HSDP: llama_1b on 32
-    H100s plans 45.8% MFU as data=4,fsdp=8,zero=0 where zero=3 alone gains nothing), and with a data
-    axis every lower ZeRO stage is one move; the memory moves keep one stage up."""
+    H100s, priced at one NIC a GPU across nodes, plans 45.8% MFU as data=4,fsdp=8,zero=0 where zero=3
+    alone gained nothing), and with a data axis every lower ZeRO stage is one move; the memory moves
+    keep one stage up."""
     cfg = load_config(TINY, ["parallel.zero=3"])
     start = fit.Layout.of(cfg, {"data": 1, "fsdp": 8, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1})
     faster = dict(fit.moves(start, cfg.model, 16, 8, memory=False))

@@ -86,7 +86,8 @@ def format_plan(r: dict) -> str:
     lines += [*format_kernels(r.get("kernels")),
               "", f"FLOPs per device per step: model (6N + 12·L·H·K·S per token, MFU's) {f['model_per_device']:.3e}; "
                   f"executed (recompute included, HFU's) {f['hardware_per_device']:.3e}; XLA cost analysis {xla}",
-              f"roofline on {roof['device']} ({roof['devices_per_node']} per node, {roof['nodes']} node(s)):"]
+              f"roofline on {roof['device']} ({roof['devices_per_node']} per node, {roof['nodes']} node(s); links at "
+              f"their datasheet rates, a group with k devices a node on k NICs: not calibrated on a measured pod):"]
     for axes, link in roof["links"].items():
         if link["traffic_bytes"]:
             lines.append(f"  over {axes:<22} {gb(link['traffic_bytes']):>12} at {link['bandwidth'] / 1e9:,.0f} GB/s "
