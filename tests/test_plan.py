@@ -250,10 +250,12 @@ def test_the_search_starts_nearest_the_configs_layout():
     two as near the one that opens no new axis (fsdp=16 before context=2 from fsdp=8,tensor=8)."""
     path = str(ROOT / "configs" / "llama2_70b.yaml")
     first = lambda *sets: fit.describe_layout(fit.valid_layouts(load_config(path, list(sets)), 128, 8, "gpu")[0])
-    assert first() == "data=1,fsdp=16,tensor=8,pipeline=1, zero=3, remat=full, 32 microbatch(es), attention=auto"
-    assert first("parallel.mesh=data=-1") == \
+    assert first() == "data=1,fsdp=128,tensor=1,pipeline=1, zero=3, remat=full, 4 microbatch(es), attention=auto"
+    old = ("parallel.mesh=fsdp=-1,tensor=8", "parallel.microbatches=32")  # the layout it had before 2026-12-02
+    assert first(*old) == "data=1,fsdp=16,tensor=8,pipeline=1, zero=3, remat=full, 32 microbatch(es), attention=auto"
+    assert first("parallel.mesh=data=-1", old[1]) == \
         "data=128,fsdp=1,tensor=1,pipeline=1, zero=3, remat=full, 8 microbatch(es), attention=auto"
-    assert first("parallel.mesh=fsdp=8,tensor=8") == first()
+    assert first("parallel.mesh=fsdp=8,tensor=8", old[1]) == first(*old)
     batch = load_config(path).train.batch_size
     for layout in fit.valid_layouts(load_config(path), 128, 4, "gpu"):  # as check_layout takes them; tensor <= 4
         sizes = layout.mesh

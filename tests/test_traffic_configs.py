@@ -46,7 +46,7 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
 
 
 # The layouts these formulas were proven on, before the pod configs took the layouts `plan --fit` finds
-# (ZeRO 1, remat save_matmuls): under save_matmuls the context-parallel exchanges' formulas read 1.33x
+# (remat save_matmuls, 8 microbatches): under save_matmuls the context-parallel exchanges' formulas read 1.33x
 # (Ulysses) and 2.42x (the ring), which the plans flag with no known cause.
 PINNED = {"llama3_8b": ("parallel.zero=3", "parallel.remat=full", "parallel.microbatches=16"),
           "gemma3_4b": ("parallel.remat=full",)}

@@ -101,6 +101,18 @@ def expert_params(program, trained: bool = False) -> int:
 GATHERED_AXES = ("data", "fsdp", "context")  # the axes a parameter slice is gathered and reduced over
 
 
+def unsharded_slice(program) -> float:
+    """Trained parameters in this device's slice that no gathered axis shards (qwen3's and gemma3's
+    per-head q/k norm weights, [head_dim]): each device holds them whole, and their gradients are
+    all-reduced where the others' are reduce-scattered."""
+    total = 0.0
+    for leaf, sharding, _ in _params_with_axes(program, trained=True):
+        used = [a for entry in sharding.spec for a in entry_axes(entry)]
+        if not any(program.sizes[a] > 1 for a in used if a in GATHERED_AXES):
+            total += leaf.size / math.prod(program.sizes[a] for a in used)
+    return total
+
+
 def param_slices(program, experts: bool = True, trained: bool = False) -> dict[str, float]:
     """Parameters in this device's slice, as split over tensor, pipeline and expert (data, fsdp and
     context, which the `embed` rule shards weights over, are the axes gathered and reduced over):
@@ -271,6 +283,10 @@ def expected_traffic(program) -> dict[str, dict]:
                                                A),
         f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the head's and "
         f"norm's in fp32, the embedding's in {table_grad}")
+    if A > 1 and not data_once:
+        add("all-reduce", micro * ring_traffic("all-reduce", 4 * unsharded_slice(program), A),
+            f"fp32 gradient all-reduce of the parameters the fsdp axes leave whole (per-head q/k norms) per "
+            f"microbatch x {micro}")
     if E > 1:  # outside the experts the expert axis is data parallel: XLA reduces those gradients over it
         shared = param_slices(program, experts=False, trained=True)  # per microbatch, the layers' in the compute dtype
         # the lookup's shard (meshtrain/ops/embedding.py), summed in fp32. XLA:GPU: an untied one's once a
