@@ -21,7 +21,7 @@ from meshtrain.plan import main
 from meshtrain.planner import fit
 from meshtrain.planner.aot import compile_for_analysis_only
 from meshtrain.planner.hlo import collectives
-from meshtrain.planner.text import format_run_memory
+from meshtrain.planner.text import format_plan, format_run_memory
 
 
 def one_of_each_collective(a):
@@ -210,6 +210,9 @@ def test_fit_searches_compiled_layouts_for_one_that_fits(capsys):
     best = found["best"]
     assert best["fits"] and best["peak"] <= report["budget"]["budget"] < report["memory"]["total"]
     assert best["command"].startswith(f"python -m meshtrain.train --config {TINY} --mesh ")
+    second = found["runner_up"]  # the next fastest that fits, its cost beside the best's in the text
+    assert second["fits"] and second["step_s"] >= best["step_s"] and second["layout"] != best["layout"]
+    assert f"runner-up: {second['layout']} (" in format_plan(report)
     sets = [f"{k}={v}" for k, v in best["settings"].items() if k != "parallel.mesh"]
     again = plan_json(capsys, "--mesh", best["settings"]["parallel.mesh"], "--device-memory", "2MB",
                       "--search-budget", "0", *[x for s in sets for x in ("--set", s)])

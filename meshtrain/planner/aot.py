@@ -333,6 +333,7 @@ def _run(args, cfg, overrides: list[str], target, profile: dict, memory_budget: 
         found = fit.search(cfg, starts, profile, memory_budget, args.search_budget, args.devices_per_node, known,
                            devices, measure=train_step_plan)
         report["search"] = {"best": found["best"] and search_row(found["best"], args, cfg),
+                            "runner_up": found["runner_up"] and search_row(found["runner_up"], args, cfg),
                             "compiled": [search_row(r, args, cfg) for r in found["compiled"]],
                             "path": found["path"], "budget": args.search_budget}
     if args.json:

@@ -204,7 +204,8 @@ def search(cfg, starts: list[Layout], profile: dict, memory_budget: dict, budget
     """Local search (module doc) from the first of `starts` (`valid_layouts`) that compiles, at most
     `budget` compiles by `measure` (`evaluate`; `known`: layouts already evaluated; `devices`: the
     compiler's, meshtrain/planner/compilers.py, the plan's own). Returns the best fitting candidate
-    found (None if none), every candidate compiled, and the moves taken."""
+    found (None if none), the next fastest that fits (None if none), every candidate compiled, and the
+    moves taken."""
     per_node = devices_per_node or profile["devices_per_node"]
     seen: dict[Layout, dict] = dict(known or {})
     limit = budget + len(seen)
@@ -237,8 +238,8 @@ def search(cfg, starts: list[Layout], profile: dict, memory_budget: dict, budget
                 break
             path.append(what)
             current = best
-    fitting = [r for r in seen.values() if r.get("fits")]
-    return {"best": min(fitting, key=lambda r: r["step_s"]) if fitting else None,
+    fitting = sorted((r for r in seen.values() if r.get("fits")), key=lambda r: r["step_s"])
+    return {"best": fitting[0] if fitting else None, "runner_up": fitting[1] if len(fitting) > 1 else None,
             "compiled": [r for layout, r in seen.items() if layout not in (known or {})], "path": path}
 
 

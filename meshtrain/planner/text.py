@@ -161,6 +161,9 @@ def format_search(r: dict) -> list[str]:
     else:
         lines += [f"fastest that fits: {best['layout']} ({step} {human_seconds(best['step_s'])}, MFU ceiling "
                   f"{best['mfu_ceiling']:.1%})", f"  {best['command']}"]
+        if (second := found.get("runner_up")) is not None:
+            lines.append(f"runner-up: {second['layout']} ({step} {human_seconds(second['step_s'])}, "
+                         f"{second['step_s'] / best['step_s'] - 1:+.1%})")
     return lines
 
 
