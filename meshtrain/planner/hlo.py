@@ -140,6 +140,21 @@ def _mesh_groups(axes: str, device_ids: str | None, chosen: str) -> list[list[in
 
 
 # ---- the module's computations and the value flow between instructions ----
+def module_text(compiled) -> str:
+    """A compiled program's HLO text as `compiled.as_text()` prints it, its large constants in full
+    (as_text() elides them as `{...}`; the index array of a layer scan's switch over the layers' kinds
+    is one: `Module.branch_shares` reads it). The elided text where jaxlib cannot print them."""
+    try:
+        from jaxlib import _hlo
+
+        modules = compiled.runtime_executable().hlo_modules()
+        options = _hlo.HloPrintOptions()
+        options.print_large_constants = True
+    except (ImportError, AttributeError):
+        return compiled.as_text()
+    return modules[0].to_string(options) if len(modules) == 1 else compiled.as_text()
+
+
 class Module:
     def __init__(self, text: str):
         self.comps: dict[str, dict[str, Instr]] = {}
@@ -309,6 +324,23 @@ class Module:
         if direction not in span:
             return 1
         return max(0, -(-span[direction] // abs(step)))
+
+    def branch_shares(self, comp: str, ins: Instr, branches: int) -> list[float] | None:
+        """The share of executions each branch of a `conditional` takes where its index is an element
+        of a constant integer array (a layer scan's switch over the layers' kinds: gemma3's local and
+        global layers), each branch the count of its value there (clamped into range, as XLA does);
+        None where the index is computed otherwise (a residual the forward saved: the mean then)."""
+        index = self._through(comp, ins.operands[0]) if ins.operands else None
+        if index is None or index.op != "fusion":
+            return None
+        candidates = [self._through(comp, o) for o in index.operands] + list(self.comps.get(self.callee(index),
+                                                                                         {}).values())
+        for c in candidates:
+            m = re.search(r"\bconstant\(\{([-\d,\s]+)\}\)", c.line) if c is not None and c.op == "constant" else None
+            if m and re.match(r"s32\[\d+\]", c.shape):
+                values = [min(max(int(v), 0), branches - 1) for v in m.group(1).split(",")]
+                return [values.count(b) / len(values) for b in range(branches)]
+        return None
 
     def _through(self, comp: str, name: str | None) -> Instr | None:
         """The instruction a value comes from, past copies and bitcasts."""

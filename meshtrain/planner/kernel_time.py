@@ -17,7 +17,9 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
 - each kernel takes the longest of its arithmetic at its efficiency, its bytes at HBM bandwidth x
   `hbm_efficiency` (a GEMM's too), and `launch_s` (`kernel_seconds`); a `while` runs its body
   trip-count times (XLA's known_trip_count, or the loop's bounds where a pass dropped it:
-  hlo.Module.trip_count) and its condition once more, a `conditional` costs the mean of its branches
+  hlo.Module.trip_count) and its condition once more, a `conditional` costs its branches weighted by
+  the share each takes where its index is a constant array's element (a layer scan's switch over the
+  layers' kinds, hlo.Module.branch_shares), else the mean of its branches
   (blockwise attention's skipped and computed blocks: about half and half);
 - collectives (meshtrain/planner/hlo.py's records) on the link their replica groups cross (roofline.py),
   on their own stream: an async `-start` begins when the link is free and its `-done` waits for it, so
@@ -206,7 +208,8 @@ class StepTime:
             elif ins.op == "conditional":
                 branches = [b.strip().lstrip("%") for g in hlo.BRANCHES.findall(ins.line) for b in g.split(",")] \
                     or re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.line)
-                clock += sum(self.run(b, times / len(branches)) for b in branches) / len(branches)
+                shares = self.module.branch_shares(comp, ins, len(branches)) or [1 / len(branches)] * len(branches)
+                clock += sum(share * self.run(b, times * share) for b, share in zip(branches, shares) if share)
             elif ins.op == "call" and (callee := re.search(r"to_apply=%?([\w.\-]+)", ins.line)):
                 clock += self.run(callee.group(1), times)
             else:
