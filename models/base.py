@@ -166,7 +166,7 @@ class Block(nnx.Module):
     def project(self, x_BxLxD, positions=None, kind=0):
         """Queries [B, L, H, K], keys and values [B, L, G, K] of norm(x); q and k rotated to their
         `positions` ([L] or [B, L], see `rotary`) with the frequencies of the layer's `kind`."""
-        h = self.attn_norm(x_BxLxD)
+        h = constrain(self.attn_norm(x_BxLxD), ("batch", "seq", "embed"))  # sequence parallel: gathered here
         q = checkpoint_name(self.adapted("q", self.einsum("bld,dhk->blhk", h, self.wq[...]), h), "q")
         k = checkpoint_name(self.adapted("k", self.einsum("bld,dgk->blgk", h, self.wk[...]), h), "k")
         v = checkpoint_name(self.adapted("v", self.einsum("bld,dgk->blgk", h, self.wv[...]), h), "v")
