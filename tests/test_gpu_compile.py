@@ -301,7 +301,7 @@ def test_sequence_parallelism_gathers_the_sequence_before_attention_and_sends_no
 def test_a_layer_switch_costs_its_branches_by_the_layers_that_take_them():
     """gemma3's layer scan switches between the local and the global kernel by an array of the layers'
     kinds, which as_text() elides when it is long ({...}); the planner's text prints it
-    (hlo.module_text) and the walk weights each branch by its layers (hlo.Module.branch_shares): 8 local
+    (kernels.module_text) and the walk weights each branch by its layers (kernel_time.branch_shares): 8 local
     and 4 global layers, 2/3 and 1/3, not half and half (gemma3_4b's pod: attention 283.5 -> 163.4 ms).
     Under remat save_matmuls (the pod's) the backward reads the same array; without remat it reads the
     kinds the forward saved, a residual the walk does not trace (the mean there)."""
@@ -310,12 +310,12 @@ def test_a_layer_switch_costs_its_branches_by_the_layers_that_take_them():
                       config=os.path.join(ROOT, "configs", "gemma3_tiny.yaml"))
     compiled = TrainProgram.from_config(cfg, devices=gpu_devices(1)).lower().compile()
     assert "s32[12]{0} constant({...})" in compiled.as_text()
-    module = Module(hlo.module_text(compiled))
+    module = Module(kernels.module_text(compiled))
     switches = [(comp, ins) for comp, instrs in module.comps.items() for ins in instrs.values()
                 if ins.op == "conditional"]
-    assert switches and all(sorted(module.branch_shares(comp, ins, 2)) == pytest.approx([1 / 3, 2 / 3])
+    assert switches and all(sorted(kernel_time.branch_shares(module, comp, ins, 2)) == pytest.approx([1 / 3, 2 / 3])
                             for comp, ins in switches)
-    assert Module(compiled.as_text()).branch_shares(*switches[0], 2) is None  # elided: the mean, as before
+    assert kernel_time.branch_shares(Module(compiled.as_text()), *switches[0], 2) is None  # elided: the mean
 
 
 @pytest.mark.parametrize("mesh,n,sets", [("data=2", 2, ()), ("data=2,pipeline=2,tensor=2", 8, ()),

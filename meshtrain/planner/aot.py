@@ -186,7 +186,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
     lowered = program.lower()
     compiled = lowered.compile()
     train_memory = compiled_memory(lowered, cpu_widened(program), default=compiled)
-    gpu, text = on_gpu(program), hlo.module_text(compiled)
+    gpu, text = on_gpu(program), kernels.module_text(compiled)
     mesh, sizes, n = program.mesh, program.sizes, program.mesh.size
     state, shardings = program.abstract_state, program.state_shardings
     grad_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), program.grad_specs,

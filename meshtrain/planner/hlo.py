@@ -140,21 +140,6 @@ def _mesh_groups(axes: str, device_ids: str | None, chosen: str) -> list[list[in
 
 
 # ---- the module's computations and the value flow between instructions ----
-def module_text(compiled) -> str:
-    """A compiled program's HLO text as `compiled.as_text()` prints it, its large constants in full
-    (as_text() elides them as `{...}`; the index array of a layer scan's switch over the layers' kinds
-    is one: `Module.branch_shares` reads it). The elided text where jaxlib cannot print them."""
-    try:
-        from jaxlib import _hlo
-
-        modules = compiled.runtime_executable().hlo_modules()
-        options = _hlo.HloPrintOptions()
-        options.print_large_constants = True
-    except (ImportError, AttributeError):
-        return compiled.as_text()
-    return modules[0].to_string(options) if len(modules) == 1 else compiled.as_text()
-
-
 class Module:
     def __init__(self, text: str):
         self.comps: dict[str, dict[str, Instr]] = {}
@@ -325,24 +310,7 @@ class Module:
             return 1
         return max(0, -(-span[direction] // abs(step)))
 
-    def branch_shares(self, comp: str, ins: Instr, branches: int) -> list[float] | None:
-        """The share of executions each branch of a `conditional` takes where its index is an element
-        of a constant integer array (a layer scan's switch over the layers' kinds: gemma3's local and
-        global layers), each branch the count of its value there (clamped into range, as XLA does);
-        None where the index is computed otherwise (a residual the forward saved: the mean then)."""
-        index = self._through(comp, ins.operands[0]) if ins.operands else None
-        if index is None or index.op != "fusion":
-            return None
-        candidates = [self._through(comp, o) for o in index.operands] + list(self.comps.get(self.callee(index),
-                                                                                         {}).values())
-        for c in candidates:
-            m = re.search(r"\bconstant\(\{([-\d,\s]+)\}\)", c.line) if c is not None and c.op == "constant" else None
-            if m and re.match(r"s32\[\d+\]", c.shape):
-                values = [min(max(int(v), 0), branches - 1) for v in m.group(1).split(",")]
-                return [values.count(b) / len(values) for b in range(branches)]
-        return None
-
-    def _through(self, comp: str, name: str | None) -> Instr | None:
+    def through(self, comp: str, name: str | None) -> Instr | None:
         """The instruction a value comes from, past copies and bitcasts."""
         for _ in range(20):
             ins = self.comps[comp].get(name) if name else None
@@ -352,26 +320,26 @@ class Module:
         return None
 
     def _tuple_element(self, comp: str, name: str, k: int) -> str | None:
-        ins = self._through(comp, name)
+        ins = self.through(comp, name)
         return ins.operands[k] if ins is not None and ins.op == "tuple" and k < len(ins.operands) else None
 
     def _constant(self, comp: str, name: str | None) -> int | None:
-        ins = self._through(comp, name)
+        ins = self.through(comp, name)
         m = re.search(r"\bconstant\((-?\d+)\)", ins.line) if ins is not None and ins.op == "constant" else None
         return int(m.group(1)) if m else None
 
     def _induction(self, comp: str, name: str | None, k: int) -> bool:
         """Whether `name` is element k of `comp`'s parameter tuple."""
-        ins = self._through(comp, name)
+        ins = self.through(comp, name)
         return ins is not None and ins.op == "get-tuple-element" and f"index={k}" in ins.line and \
-            self._through(comp, ins.operands[0]).op == "parameter"
+            self.through(comp, ins.operands[0]).op == "parameter"
 
     def _scalar_op(self, comp: str, name: str | None, op: str):
         """(computation, instruction) of the `op` that computes `name`, looking into a fusion's root,
         with the fusion's parameters mapped to its operands by `_outer` on the way back."""
-        ins = self._through(comp, name)
+        ins = self.through(comp, name)
         if ins is not None and ins.op == "fusion" and (callee := self.callee(ins)) in self.comps:
-            inner = self._through(callee, self.roots.get(callee))
+            inner = self.through(callee, self.roots.get(callee))
             if inner is not None and inner.op == op:
                 return callee, inner, ins
         return (comp, ins, None) if ins is not None and ins.op == op else None
@@ -379,7 +347,7 @@ class Module:
     def _side(self, comp: str, fusion: Instr | None, outer: str, name: str) -> tuple[str, str | None]:
         """An operand inside a fusion's computation as (computation, name) outside it, where it is a
         parameter of the fusion; else as it is."""
-        ins = self._through(comp, name)
+        ins = self.through(comp, name)
         if fusion is not None and ins is not None and ins.op == "parameter":
             return outer, fusion.operands[int(_PARAMETER.search(ins.line).group(1))]
         return comp, name

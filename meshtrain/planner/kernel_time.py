@@ -19,7 +19,7 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   trip-count times (XLA's known_trip_count, or the loop's bounds where a pass dropped it:
   hlo.Module.trip_count) and its condition once more, a `conditional` costs its branches weighted by
   the share each takes where its index is a constant array's element (a layer scan's switch over the
-  layers' kinds, hlo.Module.branch_shares), else the mean of its branches
+  layers' kinds, `branch_shares`), else the mean of its branches
   (blockwise attention's skipped and computed blocks: about half and half);
 - collectives (meshtrain/planner/hlo.py's records) on the link their replica groups cross (roofline.py),
   on their own stream: an async `-start` begins when the link is free and its `-done` waits for it, so
@@ -208,13 +208,31 @@ class StepTime:
             elif ins.op == "conditional":
                 branches = [b.strip().lstrip("%") for g in hlo.BRANCHES.findall(ins.line) for b in g.split(",")] \
                     or re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.line)
-                shares = self.module.branch_shares(comp, ins, len(branches)) or [1 / len(branches)] * len(branches)
+                shares = branch_shares(self.module, comp, ins, len(branches)) or [1 / len(branches)] * len(branches)
                 clock += sum(share * self.run(b, times * share) for b, share in zip(branches, shares) if share)
             elif ins.op == "call" and (callee := re.search(r"to_apply=%?([\w.\-]+)", ins.line)):
                 clock += self.run(callee.group(1), times)
             else:
                 clock += self.kernel(comp, ins, times)
         return max(clock, link_free)
+
+
+def branch_shares(module: Module, comp: str, ins, branches: int) -> list[float] | None:
+    """The share of executions each branch of a `conditional` takes where its index is an element
+    of a constant integer array (a layer scan's switch over the layers' kinds: gemma3's local and
+    global layers), each branch the count of its value there (clamped into range, as XLA does);
+    None where the index is computed otherwise (a residual the forward saved: the mean then)."""
+    index = module.through(comp, ins.operands[0]) if ins.operands else None
+    if index is None or index.op != "fusion":
+        return None
+    inner = module.comps.get(module.callee(index), {})
+    candidates = [module.through(comp, o) for o in index.operands] + list(inner.values())
+    for c in candidates:
+        m = re.search(r"\bconstant\(\{([-\d,\s]+)\}\)", c.line) if c is not None and c.op == "constant" else None
+        if m and re.match(r"s32\[\d+\]", c.shape):
+            values = [min(max(int(v), 0), branches - 1) for v in m.group(1).split(",")]
+            return [values.count(b) / len(values) for b in range(branches)]
+    return None
 
 
 def step_time(hlo_text: str, profile: dict, link_s: dict[str, float]) -> dict:

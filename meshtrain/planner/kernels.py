@@ -107,3 +107,18 @@ def read(hlo_text: str, largest: int = 8) -> dict:
     return {"gemms": dict(gemms), "attention": {"forward": attention["forward"], "backward": attention["backward"]},
             "collectives": dict(collectives), "fusions": fusions,
             "largest": sorted(arrays_made(module), key=lambda a: -a["bytes"])[:largest]}
+
+
+def module_text(compiled) -> str:
+    """A compiled program's HLO text as `compiled.as_text()` prints it, its large constants in full
+    (as_text() elides them as `{...}`; the index array of a layer scan's switch over the layers' kinds
+    is one: kernel_time.branch_shares reads it). The elided text where jaxlib cannot print them."""
+    try:
+        from jaxlib import _hlo
+
+        modules = compiled.runtime_executable().hlo_modules()
+        options = _hlo.HloPrintOptions()
+        options.print_large_constants = True
+    except (ImportError, AttributeError):
+        return compiled.as_text()
+    return modules[0].to_string(options) if len(modules) == 1 else compiled.as_text()
