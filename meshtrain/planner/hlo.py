@@ -39,6 +39,7 @@ BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 LOOP_BODY = re.compile(r"body=%?([\w.\-]+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
+_TUPLE_INDEX = re.compile(r"get-tuple-element\([^)]*\), index=(\d+)")
 _INDEX = re.compile(r"index=(\d+)")
 _LAYOUT = ("bitcast", "copy", "reshape", "transpose")  # the same values, laid out anew
 _SAME_VALUES = ("convert",) + _LAYOUT  # the elements pass through (converted at most)
@@ -311,7 +312,7 @@ class Module:
         return max(0, -(-span[direction] // abs(step)))
 
     def through(self, comp: str, name: str | None) -> Instr | None:
-        """The instruction a value comes from, past copies and bitcasts."""
+        """The instruction a value comes from, past copies, bitcasts and converts."""
         for _ in range(20):
             ins = self.comps[comp].get(name) if name else None
             if ins is None or ins.op not in ("copy", "bitcast", "convert"):
@@ -331,12 +332,15 @@ class Module:
     def _induction(self, comp: str, name: str | None, k: int) -> bool:
         """Whether `name` is element k of `comp`'s parameter tuple."""
         ins = self.through(comp, name)
-        return ins is not None and ins.op == "get-tuple-element" and f"index={k}" in ins.line and \
-            self.through(comp, ins.operands[0]).op == "parameter"
+        element = _TUPLE_INDEX.search(ins.line) if ins is not None and ins.op == "get-tuple-element" else None
+        if element is None or element.group(1) != str(k):
+            return False
+        source = self.through(comp, ins.operands[0])
+        return source is not None and source.op == "parameter"
 
     def _scalar_op(self, comp: str, name: str | None, op: str):
-        """(computation, instruction) of the `op` that computes `name`, looking into a fusion's root,
-        with the fusion's parameters mapped to its operands by `_outer` on the way back."""
+        """(computation, instruction, the fusion it is in or None) of the `op` that computes `name`,
+        looking into a fusion's root (`_side` maps the fusion's parameters back to its operands)."""
         ins = self.through(comp, name)
         if ins is not None and ins.op == "fusion" and (callee := self.callee(ins)) in self.comps:
             inner = self.through(callee, self.roots.get(callee))
