@@ -14,7 +14,7 @@ import sys
 #   little differently (the planner's XLA:CPU figures move by bytes; its commands keep XLA's default).
 # - One LLVM module per program (--xla_cpu_parallel_codegen_split_count=1): the workers already keep
 #   both cores busy, so splitting codegen over threads only adds work.
-# The workers' and subprocesses' CPU clients get 4 threads per device (meshtrain/core/cli.py
+# The workers' and subprocesses' CPU clients get 8 threads per device (meshtrain/core/cli.py
 # `cpu_client_threads`: with fewer, Python threads dispatching at once, a loop and its prefetcher, can
 # starve a collective into XLA's "Termination timeout" abort, whichever emitters compiled it). The
 # subprocesses inherit all this.

@@ -186,18 +186,20 @@ def check_platforms() -> None:
 # at once need devices x (T + 1) threads: with fewer, the dispatches can hold every thread while the
 # running collective waits for one device's share, and XLA aborts after 40 s ("Termination timeout for
 # `all reduce ...`"). Measured with 8 devices on 2 cores: 1 thread dies at 8 (3,000 dispatches), 2 at 16,
-# 4 at 32; 24 carries 2 and 64 carries 4. Four per device carry three: a run's loop, its batch
-# prefetcher and a checkpoint's copies. Threads idle are cheap: 16 -> 64 leaves the loop's time alike.
+# 4 at 32; 24 carries 2 and 64 carries 4. Four per device carried three (a run's loop, its batch
+# prefetcher and a checkpoint's copies) in most runs, but not in a clean CI run under the suite's load
+# (2026-12-02): twice the least, 8 per device, is what a process asks for. Threads idle are cheap:
+# 16 -> 64 leaves the loop's time alike.
 RUNNING_DEVICES = 64  # simulated meshes up to this size run programs; larger ones are planned (compile only)
 DISPATCHING_THREADS = 3
 
 
 def cpu_client_threads(count: int) -> None:
-    """PJRT_NPROC at least (DISPATCHING_THREADS + 1) x `count` simulated devices (see above; a larger
-    value stays), up to RUNNING_DEVICES devices. Before JAX starts its CPU backend."""
+    """PJRT_NPROC at least 2 x (DISPATCHING_THREADS + 1) x `count` simulated devices (see above; a
+    larger value stays), up to RUNNING_DEVICES devices. Before JAX starts its CPU backend."""
     if count <= RUNNING_DEVICES:
         now = os.environ.get("PJRT_NPROC", "")
-        wanted = (DISPATCHING_THREADS + 1) * count
+        wanted = 2 * (DISPATCHING_THREADS + 1) * count
         os.environ["PJRT_NPROC"] = str(max(wanted, os.cpu_count() or 1, int(now) if now.isdigit() else 0))
 
 
