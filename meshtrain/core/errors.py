@@ -8,3 +8,8 @@ class UserError(Exception):
 class LayoutError(UserError):
     """A layout (mesh, microbatches) that the device count, the model or the batch does not divide:
     another layout of the same run may (`python -m meshtrain.plan --fit` searches for one)."""
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message as one line (its first), or its type's name where it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -31,7 +31,7 @@ import numpy as np
 
 from meshtrain.core import exits, schema
 from meshtrain.core.console import log
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import UserError, first_line
 from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned
 from meshtrain.data import digest
 from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, sidecar
@@ -67,8 +67,7 @@ def reaching(uri: str, flag: str):
     except (pa.ArrowException, OSError) as e:
         if is_full_disk(e):
             raise  # the local disk's (a copy into the cache): full_disk_is_user_error says so
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{flag} {shown(uri)}: {first}; {FIX}") from None
+        raise UserError(f"{flag} {shown(uri)}: {first_line(e)}; {FIX}") from None
 
 
 class Prefix:

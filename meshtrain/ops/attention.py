@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.core.errors import first_line
 from meshtrain.ops.context_parallel import ring_attention
 from meshtrain.ops.packing import block_reaches, visible
 from meshtrain.ops.ring_schedule import computed_fraction
@@ -169,7 +170,7 @@ def cudnn_refusal(heads: int, kv_heads: int, head_dim: int, seq_len: int, dtype,
         try:
             jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
         except (NotImplementedError, RuntimeError, ValueError) as e:
-            return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return first_line(e)
     return None
 
 

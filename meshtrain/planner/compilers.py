@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 
 from meshtrain.core import compile_cache
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import UserError, first_line
 from meshtrain.parallel.mesh import simulate_cpu_devices
 
 # Per device: SMs (`core_count`), shared memory per SM and the largest opt-in block share, L2, boost
@@ -112,8 +112,7 @@ class Target:
 
 def refused(e: Exception) -> UserError:
     """XLA's GPU compiler's refusal of a program, in one line with what to do."""
-    said = str(e).strip().splitlines() or [type(e).__name__]
-    return UserError(f"XLA's GPU compiler failed on this run's program: {said[0][:300]}; plan it with "
+    return UserError(f"XLA's GPU compiler failed on this run's program: {first_line(e)[:300]}; plan it with "
                      f"--compiler cpu, or change the widths it names")
 
 
@@ -197,8 +196,7 @@ def choose(compiler: str, device: str, devices: int, per_node: int) -> Target:
                 found, hosts = gpu_devices(device, devices, per_node)
                 return Target("cuda", device, found, hosts)
             except Exception as e:  # a plugin of another jaxlib's version, a broken install: said, not raised
-                said = str(e).strip().splitlines() or [type(e).__name__]
-                missing = f"XLA's GPU compiler did not start ({said[0][:200]})"
+                missing = f"XLA's GPU compiler did not start ({first_line(e)[:200]})"
         if compiler == "gpu":
             raise UserError(f"--compiler gpu: {missing}; or plan with --compiler cpu")
         reason = f"{missing}; the figures are XLA:CPU's, corrected where it differs from a GPU's"

@@ -30,7 +30,7 @@ import math
 from jax.errors import JaxRuntimeError
 
 from meshtrain.config.validate import check_layout, resolve_attention
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import UserError, first_line
 from meshtrain.parallel.mesh import AXES, axis_sizes, describe
 from meshtrain.parallel.sharding import make_rules
 
@@ -193,7 +193,7 @@ def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_pe
     except UserError as e:
         return {"layout": layout, "invalid": str(e)}
     except JaxRuntimeError as e:  # a layout XLA's compiler refuses: the search goes on without it
-        return {"layout": layout, "invalid": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+        return {"layout": layout, "invalid": first_line(e)[:300]}
     peak = r["memory"]["total"]
     return {"layout": layout, "peak": peak, "fits": peak <= memory_budget["budget"], "step_s": r["roofline"]["step_s"],
             "mfu_ceiling": r["roofline"]["mfu_ceiling"], "priced_by": r["roofline"]["priced_by"]}
