@@ -264,20 +264,21 @@ def test_auto_attention_says_why_it_is_not_cudnn_and_stays_xla_on_the_cpu():
     assert chosen("parallel.mesh=1", devices=jax.devices("cpu")[:1]) == ("xla", None)
 
 
-def test_a_plan_for_h100s_runs_cudnn_on_gemma3s_head_width_and_windows(capsys):
-    """Gemma 3's heads of 256 with sliding windows: a Hopper's cuDNN takes them, so a plan for H100s
-    compiles the fused kernel for every layer, local and global (compilers.cudnn_checks_see), as the pod's
-    own run does, and says nothing of a fallback."""
+def test_a_plan_for_h100s_runs_cudnn_on_gemma3s_head_width_and_windows():
+    """Gemma 3's heads of 256 with sliding windows: a Hopper's cuDNN takes them, so the train step a plan
+    for H100s compiles (inside the plan's `Target.compiling`, compilers.cudnn_checks_see) runs the fused
+    kernel for every layer, local and global, as the pod's own run does, with no fallback note."""
     layers = 4
-    assert main(["--config", os.path.join(ROOT, "configs", "gemma3_tiny.yaml"), "--devices", "1", "--mesh", "1",
-                 "--compiler", "gpu", "--json", "--search-budget", "0", "--set", "parallel.precision=bf16",
-                 "--set", "model.head_dim=256", "--set", "train.seq_len=128", "--set", "model.sliding_window=32",
-                 "--set", "train.batch_size=2", "--set", "parallel.remat=none"]) == 0
-    out = capsys.readouterr()
-    report = json.loads(out.out)
-    assert report["config"]["attention"] == "cudnn" and "notice" not in out.err
+    target = compilers.choose("gpu", "h100", 1, 8)
+    cfg = tiny_config("parallel.mesh=1", "parallel.precision=bf16", "model.head_dim=256", "train.seq_len=128",
+                      "model.sliding_window=32", "train.batch_size=2", "parallel.remat=none",
+                      config=os.path.join(ROOT, "configs", "gemma3_tiny.yaml"))
+    with target.compiling():
+        program = TrainProgram.from_config(cfg, devices=target.devices)
+        text = program.lower().compile().as_text()
+    assert program.plan.attention == "cudnn" and program.attention_note is None
     # the layer scan's switch over the kinds holds a local and a global kernel: both counted per layer
-    assert report["kernels"]["attention"] == {"forward": 2 * layers, "backward": 2 * layers}
+    assert kernels.read(text)["attention"] == {"forward": 2 * layers, "backward": 2 * layers}
 
 
 def test_sequence_parallelism_gathers_the_sequence_before_attention_and_sends_no_all_to_all():
