@@ -16,8 +16,8 @@ import sys
 #   both cores busy, so splitting codegen over threads only adds work.
 # The workers' and subprocesses' CPU clients get 8 threads per device (meshtrain/core/cli.py
 # `cpu_client_threads`: with fewer, Python threads dispatching at once, a loop and its prefetcher, can
-# starve a collective into XLA's "Termination timeout" abort, whichever emitters compiled it). The
-# subprocesses inherit all this.
+# starve a collective into XLA's "Termination timeout" abort, whichever emitters compiled it; a test
+# dispatches from one thread at a time or waits as the trainer does). The subprocesses inherit all this.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",

@@ -170,13 +170,15 @@ def test_a_pipeline_of_100000_stages_is_refused_before_tracing():
         check_layout(cfg.model, cfg.parallel, cfg.train, sizes, make_rules(), "cpu")
 
 
-def test_simulated_devices_survive_thousands_of_programs_in_flight_from_three_threads():
-    """`simulate_cpu_devices(8)` gives XLA's CPU client 8 threads per device (PJRT_NPROC,
-    core/cli.py `cpu_client_threads`): three Python threads (a run's loop, its prefetcher, a checkpoint's
-    copies) each dispatch 1,000 8-device all-gathers, never waited on, and all complete. With 2 threads
-    per device the same loops hold every thread while a collective waits for one device's share and XLA
-    aborts after 40 s ("Termination timeout for `all gather ...`"); 4 did so once in a clean CI run. A
-    process of its own: the thread count is read when JAX starts its CPU backend."""
+def test_simulated_devices_run_a_loop_far_ahead_and_three_loops_that_wait_as_the_trainer_does():
+    """`simulate_cpu_devices(8)` gives XLA's CPU client 8 threads per device (PJRT_NPROC, core/cli.py
+    `cpu_client_threads`): one Python thread dispatches 1,000 8-device all-gathers never waited on (a
+    decode loop, a test's step loop: XLA's 32 programs in flight per device are reached), then three
+    threads (the trainer's loop, its prefetcher, a checkpoint's copies) each dispatch 1,000 keeping at
+    most 2 in flight, as the trainer does (it waits for step k-1 once step k is dispatched), and all
+    complete. Three threads each running far ahead are what no meshtrain loop does and no thread count
+    makes safe (core/cli.py). A process of its own: the thread count is read when JAX starts its CPU
+    backend."""
     script = """
 import threading
 import jax, jax.numpy as jnp
@@ -186,13 +188,17 @@ simulate_cpu_devices(8)
 mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
 split, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
 step = jax.jit(lambda x: jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, whole) + 1.0, split))
-ends = [None] * 3
-def loop(i):
-    x = jax.device_put(jnp.zeros((8, 64)), split)
+ends = [None] * 4
+def loop(i, ahead):
+    x, dispatched = jax.device_put(jnp.zeros((8, 64)), split), []
     for _ in range(1000):
         x = step(x)
+        dispatched.append(x)
+        if ahead and len(dispatched) > ahead:
+            dispatched.pop(0).block_until_ready()
     ends[i] = x
-threads = [threading.Thread(target=loop, args=(i,)) for i in range(3)]
+loop(0, None)
+threads = [threading.Thread(target=loop, args=(i, 2)) for i in (1, 2, 3)]
 for t in threads: t.start()
 for t in threads: t.join()
 print(sum(float(x[0, 0]) for x in ends))
@@ -200,4 +206,4 @@ print(sum(float(x[0, 0]) for x in ends))
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "XLA_FLAGS")}
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**env, "XLA_FLAGS": "--xla_backend_optimization_level=0"})
-    assert done.returncode == 0 and done.stdout.split()[-1] == "3000.0", done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.split()[-1] == "4000.0", done.stderr[-2000:]

@@ -182,14 +182,17 @@ def check_platforms() -> None:
 # XLA's CPU client runs each device's share of a multi-device program on a thread of one pool, of
 # max(cores, devices) threads (PJRT_NPROC replaces the core count). A Python thread's dispatch takes one
 # pool thread per device, and blocks it there while that device has 32 programs in flight; the programs
-# with collectives run one at a time, each on one pool thread per device. So T Python threads dispatching
-# at once need devices x (T + 1) threads: with fewer, the dispatches can hold every thread while the
-# running collective waits for one device's share, and XLA aborts after 40 s ("Termination timeout for
-# `all reduce ...`"). Measured with 8 devices on 2 cores: 1 thread dies at 8 (3,000 dispatches), 2 at 16,
-# 4 at 32; 24 carries 2 and 64 carries 4. Four per device carried three (a run's loop, its batch
-# prefetcher and a checkpoint's copies) in most runs, but not in a clean CI run under the suite's load
-# (2026-12-02): twice the least, 8 per device, is what a process asks for. Threads idle are cheap:
-# 16 -> 64 leaves the loop's time alike.
+# with collectives run one at a time, in the order they were dispatched, each on one pool thread per
+# device. So T Python threads dispatching at once need devices x (T + 1) threads: with fewer, the
+# dispatches can hold every thread while the running collective waits for one device's share, and XLA
+# aborts after 40 s ("Termination timeout for `all reduce ...`"). Measured with 8 devices on 2 cores: 1
+# thread dies at 8 (3,000 dispatches), 2 at 16, 4 at 32; 24 carries 2 and 64 carries 4. A process asks
+# for 8 per device, twice the least for DISPATCHING_THREADS. No thread count makes two Python threads
+# that each keep 32 programs in flight safe: a program's collective turn is fixed when it is dispatched,
+# its device's slot is taken later, so a later program can hold a device's last slot while the earlier
+# one waits for it (CI, 2026-12-02, 64 threads: "only 6 of them arrived"). meshtrain's loops never do
+# that: the trainer waits for step k-1 once step k is dispatched, and its prefetcher and checkpoints
+# only copy (tests/test_cli.py). Threads idle are cheap: 16 -> 64 leaves the loop's time alike.
 RUNNING_DEVICES = 64  # simulated meshes up to this size run programs; larger ones are planned (compile only)
 DISPATCHING_THREADS = 3
 
