@@ -241,14 +241,15 @@ def capacity_local(x_bxLxD, expert_bxKL, experts: dict, *, C: int, axis: str, ep
 
 # ---- dropless: assignments sorted by expert, the experts as a grouped matmul (meshtrain/ops/grouped_matmul.py) ----
 
-def sorted_swiglu(x_MxD, group_M, experts: dict, lora_scale: float = 1.0):
+def sorted_swiglu(x_MxD, group_M, experts: dict, lora_scale: float = 1.0, rows: int | None = None):
     """Each row's expert SwiGLU, rows in any order: sorted by group (stable), a grouped matmul per
     projection (and two per adapter: `projection`), unsorted. Rows with group >= G get 0. In x's
-    dtype. `experts`: the G experts' weights, as `swiglu_experts`."""
+    dtype. `experts`: the G experts' weights, as `swiglu_experts`. `rows`: how many are expected to
+    have a group (grouped_matmul's; None: all)."""
     dtype = x_MxD.dtype
     order_M = jnp.argsort(group_M, stable=True)
     xs_MxD, gs_M = x_MxD[order_M], group_M[order_M]
-    matmul = lambda x_MxI, w_GxIxO: grouped_matmul(x_MxI, w_GxIxO.astype(dtype), gs_M)
+    matmul = lambda x_MxI, w_GxIxO: grouped_matmul(x_MxI, w_GxIxO.astype(dtype), gs_M, rows)
     gate = projection(matmul, xs_MxD, experts, "expert_gate", lora_scale)
     up = projection(matmul, xs_MxD, experts, "expert_up", lora_scale)
     h_MxF = jax.nn.silu(checkpoint_name(gate, "mlp_gate")) * checkpoint_name(up, "mlp_up")
@@ -287,9 +288,11 @@ def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, l
     swap = lambda t: jax.lax.all_to_all(t, axis, 0, 0, tiled=True)
     recv_epxAxD, recv_count_epxe = swap(send_epxAxD), swap(count_E.reshape(ep, e))
     # a received row's local expert: how many of its sender's groups end at or before it
-    group_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right"))(
+    group_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right", method="compare_all"))(
         jnp.cumsum(recv_count_epxe, axis=1))
-    out_MxD = sorted_swiglu(recv_epxAxD.reshape(ep * A, D), group_epxA.reshape(-1), experts, lora_scale)
+    # balanced routing sends each device as many rows as it sends: the grouped matmuls expect b*K*L
+    out_MxD = sorted_swiglu(recv_epxAxD.reshape(ep * A, D), group_epxA.reshape(-1), experts, lora_scale,
+                            rows=b * KL)
     back_MxD = swap(out_MxD.reshape(ep, A, D)).reshape(ep * A, D)
     return back_MxD[slot_N].reshape(b, KL, D)
 

@@ -347,16 +347,24 @@ def test_ulysses_runs_cudnns_kernel_per_layer_and_moves_its_formulas_all_to_all_
     assert expected > 0 and collectives(text, 8)["all-to-all"]["traffic_bytes"] == expected
 
 
-def test_experts_compile_for_the_gpu_with_their_all_to_alls_and_their_formulas_bytes():
+def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_their_formulas_bytes():
     """moe_tiny's pod layout (data=2,expert=4, a tied table) in 2 microbatches on 8 H100s: the dispatch
-    runs as async all-to-alls, and each kind moves its formula's bytes (XLA:GPU all-reduces the tied
-    lookup's gradient over expert per microbatch apart from the head's: uncounted before, qwen3_moe_tiny
-    read 1.08x there)."""
+    runs as async all-to-alls, the experts as the grouped-matmul Triton kernels, and each kind moves its
+    formula's bytes (XLA:GPU all-reduces the tied lookup's gradient over expert per microbatch apart
+    from the head's: uncounted before, qwen3_moe_tiny read 1.08x there)."""
     cfg = tiny_config("parallel.mesh=data=2,expert=4", "parallel.microbatches=2", config=MOE_TINY)
     program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
     text = program.lower().compile().as_text()
     k = kernels.read(text)
     assert k["collectives"].get("all-to-all", 0) > 0 and sum(k["gemms"].values()) > 0
+    # the routed experts' grouped matmuls are meshtrain's Triton kernels, one per projection a layer a
+    # microbatch (gate, up, down; 4 layers x 2): forward, dx and dw; each expects its device's b*K*L = 32
+    # rows and is priced as 2·rows·K·N FLOPs (one local expert: no group boundary)
+    assert k["grouped_gemms"] == {"gmm": 24, "gmm_t": 24, "tgmm": 24}
+    module = Module(text)
+    priced = {kernel_time._grouped_gemm(module, comp, ins)[1] for ins, comp, _ in kernels.launches(module)
+              if kernels.GROUPED_GEMM.search(ins.line)}
+    assert priced == {2.0 * 32 * 32 * 32} and "meshtrain_gmm_rows32" in text
     measured, expected = collectives(text, 8, correct=False), traffic.expected_traffic(program)
     for kind in ("all-reduce", "all-gather", "all-to-all"):
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.02), kind

@@ -265,6 +265,31 @@ def test_grouped_matmul_matches_per_row_products(monkeypatch):
     assert_close(jax.jit(got)(x, w), want(x, w))
 
 
+@pytest.mark.fast
+def test_the_triton_kernels_match_per_row_products_in_pallas_interpreter():
+    """The GPU's grouped matmul (meshtrain/ops/grouped_matmul_triton.py) run by Pallas' interpreter:
+    3 tiles of 128 rows straddling groups, an empty group, padding rows (0 out) and a ragged last tile;
+    y, dx and dw (fp32, summed per group) equal the per-row products. Widths the blocks do not divide
+    down to 16 stay on the loop (`fits`)."""
+    from meshtrain.ops import grouped_matmul_triton as triton
+
+    rng = np.random.default_rng(1)
+    G, M, Kd, N = 6, 300, 32, 48
+    group = np.sort(rng.choice([0, 1, 1, 3, 4, 5, G], size=M)).astype(np.int32)
+    x, w = rng.normal(size=(M, Kd)).astype(np.float32), rng.normal(size=(G, Kd, N)).astype(np.float32)
+    ct = rng.normal(size=(M, N)).astype(np.float32)
+
+    def reference(x, w):
+        y = jnp.einsum("mk,mkn->mn", x, jnp.take(w, jnp.minimum(group, G - 1), axis=0))
+        return jnp.where((group < G)[:, None], y, 0)
+
+    got = jax.value_and_grad(
+        lambda x, w: jnp.sum(gmm_module.grouped_matmul(x, w, group, None, "interpret") * ct), (0, 1))
+    want = jax.value_and_grad(lambda x, w: jnp.sum(reference(x, w) * ct), (0, 1))
+    assert_close(got(x, w), want(x, w))
+    assert triton.fits(Kd, N) and not triton.fits(6, 7) and triton.block(48, 128) == 16
+
+
 def test_dropless_memory_is_flat_in_experts():
     """Dropless temporaries (forward and backward, weights as arguments) barely grow from 8 to 32
     experts at top-2: the sorted buffer holds B*L*K rows, not B*E*L (at these sizes the E-slot

@@ -1,15 +1,21 @@
-"""A grouped matmul for rows sorted by group, y[m] = x[m] @ w[group[m]], in O(rows x width) memory:
-a loop over (tile, group) steps, megablox-style, with its own backward (dw accumulated in fp32).
-XLA expands jax.lax.ragged_dot densely into [groups, rows, width] (on CPU in JAX 0.10 and on an
-H100 in JAX 0.11.2), which this avoids. The dropless experts run on it (models/experts.py).
+"""A grouped matmul for rows sorted by group, y[m] = x[m] @ w[group[m]], in O(rows x width) memory,
+with its own backward (dw accumulated in fp32), on one of two implementations (`grouped_matmul`):
+on NVIDIA GPUs three Pallas Triton kernels whose work follows the rows routed
+(meshtrain/ops/grouped_matmul_triton.py), elsewhere a loop over (tile, group) steps, megablox-style.
+XLA expands jax.lax.ragged_dot densely into [groups, rows, width] (on CPU in JAX 0.10 and on an H100
+in JAX 0.11.2), which both avoid. The dropless experts run on it (models/experts.py).
 
 Names carry their shapes: M rows, K and N the matmul's widths, G groups, R rows padded to whole
 tiles, T a tile's rows, S the loop's steps.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+
+from meshtrain.ops import grouped_matmul_triton as triton
 
 # Rows of the sorted buffer per grouped-matmul step. On an H100 (JAX 0.11.2, bf16, 16384 x 4096 @
 # [G, 4096, 14336]) the loop ran 102/178/243 TFLOP/s at 128/256/512 rows with G = 8 (ragged_dot:
@@ -28,7 +34,7 @@ def _schedule(group_M, groups: int, tile: int):
     pairs_T = last_T - first_T + 1
     end_T = jnp.cumsum(pairs_T)
     step_S = jnp.arange(nt + groups - 1)
-    tile_S = jnp.minimum(jnp.searchsorted(end_T, step_S, side="right"), nt - 1)
+    tile_S = jnp.minimum(jnp.searchsorted(end_T, step_S, side="right", method="compare_all"), nt - 1)
     group_S = first_T[tile_S] + step_S - (end_T - pairs_T)[tile_S]
     return tile_S, jnp.where(step_S < end_T[-1], group_S, -1)
 
@@ -56,28 +62,18 @@ def _gmm_loop(a_RxA, w_GxXxY, group_R, steps, tile: int, out_cols: int, transpos
     return jax.lax.fori_loop(0, tile_S.shape[0], step, out)
 
 
-@jax.custom_vjp
-def grouped_matmul(x_MxK, w_GxKxN, group_M):
-    """y[m] = x[m] @ w[group[m]] for rows sorted by group (group >= G: padding, y = 0), in
-    O(M x N) memory: a loop over (tile, group) steps (`_schedule`). XLA:CPU expands
-    jax.lax.ragged_dot densely into [G, M, N] (JAX 0.10), which this avoids."""
-    return _gmm_fwd(x_MxK, w_GxKxN, group_M)[0]
-
-
-def _gmm_fwd(x_MxK, w_GxKxN, group_M):
+def _loop_forward(x_MxK, w_GxKxN, group_M):
     M, (G, _, N) = x_MxK.shape[0], w_GxKxN.shape
     tile = min(GMM_TILE, M)
-    steps = _schedule(group_M, G, tile)
-    group_R = _tiles(group_M, tile)
-    y = _gmm_loop(_tiles(x_MxK, tile), w_GxKxN, group_R, steps, tile, N, False)[:M]
-    return y, (x_MxK, w_GxKxN, group_M, steps)
+    return _gmm_loop(_tiles(x_MxK, tile), w_GxKxN, _tiles(group_M, tile), _schedule(group_M, G, tile), tile, N,
+                     False)[:M]
 
 
-def _gmm_bwd(res, dy_MxN):
+def _loop_backward(x_MxK, w_GxKxN, group_M, dy_MxN):
     """dx = dy @ w[g].T per row; dw[g] = sum over g's rows of x^T dy, accumulated in fp32."""
-    x_MxK, w_GxKxN, group_M, (tile_S, group_S) = res
     M, K = x_MxK.shape
     tile = min(GMM_TILE, M)
+    tile_S, group_S = _schedule(group_M, w_GxKxN.shape[0], tile)
     x_RxK, dy_RxN, group_R = _tiles(x_MxK, tile), _tiles(dy_MxN, tile), _tiles(group_M, tile)
     dx_RxK = _gmm_loop(dy_RxN, w_GxKxN, group_R, (tile_S, group_S), tile, K, True)
 
@@ -92,7 +88,59 @@ def _gmm_bwd(res, dy_MxN):
         return jax.lax.dynamic_update_index_in_dim(dw_GxKxN, old + dw_KxN, g, 0)
 
     dw = jax.lax.fori_loop(0, tile_S.shape[0], step, jnp.zeros(w_GxKxN.shape, jnp.float32))
-    return dx_RxK[:M], dw.astype(w_GxKxN.dtype), None
+    return dx_RxK[:M], dw.astype(w_GxKxN.dtype)
+
+
+def _triton_forward(x_MxK, w_GxKxN, group_M, rows: int, interpret: bool = False):
+    M, G = x_MxK.shape[0], w_GxKxN.shape[0]
+    steps, group_R = _schedule(group_M, G, triton.BM), _tiles(group_M, triton.BM)
+    return triton.gmm(_tiles(x_MxK, triton.BM), w_GxKxN, steps, group_R, rows, interpret=interpret)[:M]
+
+
+def _triton_backward(x_MxK, w_GxKxN, group_M, dy_MxN, rows: int, interpret: bool = False):
+    M, G = x_MxK.shape[0], w_GxKxN.shape[0]
+    steps, group_R = _schedule(group_M, G, triton.BM), _tiles(group_M, triton.BM)
+    dy_RxN = _tiles(dy_MxN, triton.BM)
+    dx_MxK = triton.gmm(dy_RxN, w_GxKxN, steps, group_R, rows, transpose=True, interpret=interpret)[:M]
+    dw_GxKxN = triton.tgmm(_tiles(x_MxK, triton.BM), dy_RxN, group_R, G, rows, interpret=interpret)
+    return dx_MxK, dw_GxKxN.astype(w_GxKxN.dtype)
+
+
+def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, rows: int):
+    """The loop (`loop`) or the Triton kernels (`kernel`) on `args`, as `kernels` says (module doc)."""
+    use = partial(kernel, rows=rows)
+    if kernels == "interpret":
+        return use(*args, interpret=True)
+    if kernels == "triton":
+        return use(*args)
+    if kernels == "auto" and triton.fits(*w_GxKxN.shape[1:]):
+        return jax.lax.platform_dependent(*args, default=loop, cuda=use)
+    return loop(*args)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def grouped_matmul(x_MxK, w_GxKxN, group_M, rows: int | None = None, kernels: str = "auto"):
+    """y[m] = x[m] @ w[group[m]] for rows sorted by group (group >= G: padding, y = 0), in
+    O(M x N) memory. `kernels`: "auto" runs the Triton kernels where the program is lowered for an
+    NVIDIA GPU and the widths fit them (meshtrain/ops/grouped_matmul_triton.py; their work follows the
+    rows routed), the loop over (tile, group) steps elsewhere (`_schedule`; XLA expands
+    jax.lax.ragged_dot densely into [G, M, N] on both); "loop", "triton", or "interpret" (the Triton
+    kernels in Pallas' interpreter, for tests) force one. `rows`: the rows expected routed (the
+    planner prices the Triton kernels by them; None: all M)."""
+    return _gmm_fwd(x_MxK, w_GxKxN, group_M, rows, kernels)[0]
+
+
+def _gmm_fwd(x_MxK, w_GxKxN, group_M, rows, kernels):
+    rows = x_MxK.shape[0] if rows is None else rows
+    y = _by_kernels(kernels, _loop_forward, _triton_forward, w_GxKxN, x_MxK, w_GxKxN, group_M, rows=rows)
+    return y, (x_MxK, w_GxKxN, group_M)
+
+
+def _gmm_bwd(rows, kernels, res, dy_MxN):
+    x_MxK, w_GxKxN, group_M = res
+    rows = x_MxK.shape[0] if rows is None else rows
+    dx, dw = _by_kernels(kernels, _loop_backward, _triton_backward, w_GxKxN, *res, dy_MxN, rows=rows)
+    return dx, dw, None
 
 
 grouped_matmul.defvjp(_gmm_fwd, _gmm_bwd)

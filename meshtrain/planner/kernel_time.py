@@ -6,6 +6,12 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
 - GEMM (Triton GEMM fusion, cuBLAS call): FLOPs = 2·m·n·k from the dot's shapes (m the lhs's rows, batch
   dims included; k the contracted size; n the rest of the result); at the operand type's peak (bf16/f16,
   fp8; f32 as TF32) x `gemm_efficiency(m, n, k)`;
+- meshtrain's grouped-matmul Triton kernels (meshtrain/ops/grouped_matmul_triton.py, a
+  `__gpu$xla.gpu.triton` call named `meshtrain_<kernel>_rows<R>`): G GEMMs of the R rows expected
+  routed plus a tile of BM rows per group boundary (R + (G - 1)·BM rows: a tile holding two groups
+  runs once for each), FLOPs 2·rows·K·N at the operand type's peak x `gemm_efficiency(rows / G, N, K)`
+  (`tgmm`, dw: `gemm_efficiency(K, N, rows / G)`), bytes its rows of x and of the result and the
+  weights once; the grid's programs of empty tiles exit before their K loop (not priced);
 - cuDNN fused attention: forward 4·B·H·Lq·Lk·D FLOPs (QK^T and PV), the backward 2.5x that (it reruns
   QK^T, then dV, dP, dQ, dK: 5 matmuls for 2), a causal mask half of it, a sliding window Lk <= window;
   at the bf16 peak x `attention_efficiency`;
@@ -35,6 +41,7 @@ import math
 import re
 from collections import defaultdict
 
+from meshtrain.ops import grouped_matmul_triton as grouped
 from meshtrain.planner import hlo, kernels, roofline
 from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elements
 
@@ -84,6 +91,29 @@ def _dot(module: Module, comp: str, ins) -> tuple[str, int, int, int] | None:
     rows = math.prod(lhs_dims) // k  # the lhs's free (and batch) dims
     n = max(1, math.prod(out) // max(rows, 1))
     return lhs.arrays[0][0], rows, n, k
+
+
+def _peak(profile: dict, dtype: str) -> float:
+    """The peak FLOP/s of a GEMM on `dtype` operands: fp8's, TF32's for f32, else bf16's."""
+    return profile["peak_fp8_flops"] if dtype.startswith("f8") else profile["peak_tf32_flops"] if dtype == "f32" \
+        else profile["peak_flops"]
+
+
+def _grouped_gemm(module: Module, comp: str, ins) -> tuple[str, float, tuple[float, float, float], int] | None:
+    """(operand type, FLOPs, the (m, n, k) its efficiency takes, bytes) of one of meshtrain's grouped-matmul
+    kernels (module doc), None for any other instruction."""
+    found = kernels.GROUPED_GEMM.search(ins.line) if ins.op == "custom-call" else None
+    if found is None:
+        return None
+    dw = found.group(1) == "tgmm"
+    operands = [module.comps[comp][o] for o in ins.operands]
+    x, out = operands[2 if dw else 3], _dims(ins.shape)
+    (_, K), dtype = _dims(x.shape), x.arrays[0][0]
+    G, N = (out[0], out[2]) if dw else (_dims(operands[4].shape)[0], out[1])
+    rows = int(found.group(2)) + (G - 1) * grouped.BM
+    weights = G * K * N * (4 if dw else DTYPE_BYTES[dtype])  # dw is written in fp32
+    shape = (K, N, rows / G) if dw else (rows / G, N, K)
+    return dtype, 2.0 * rows * K * N, shape, rows * (K + N) * DTYPE_BYTES[dtype] + weights
 
 
 def _attention_flops(ins) -> float:
@@ -162,10 +192,12 @@ class StepTime:
         p, c = self.profile, self.c
         if (gemm := _dot(self.module, comp, ins)) is not None:
             dtype, m, n, k = gemm
-            peak = p["peak_fp8_flops"] if dtype.startswith("f8") else p["peak_tf32_flops"] if dtype == "f32" \
-                else p["peak_flops"]
+            peak = _peak(p, dtype)
             shape = gemm_efficiency(m, n, k, c) / c["gemm_peak"]
             return "gemm", 2.0 * m * n * k / (peak * shape), _fusion_bytes(self.module, comp, ins)
+        if (found := _grouped_gemm(self.module, comp, ins)) is not None:
+            dtype, flops, shape, nbytes = found
+            return "gemm", flops / (_peak(p, dtype) * gemm_efficiency(*shape, c) / c["gemm_peak"]), nbytes
         target = kernels.CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
         if target and target.group(1).startswith("__cudnn$fmha"):
             return "attention", _attention_flops(ins) / p["peak_flops"], 0

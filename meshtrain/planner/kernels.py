@@ -7,6 +7,8 @@ loop bodies, branches, async wrappers), never one inside a fusion: a fusion is o
   Triton GEMM fusions (`__triton_gemm`, `__triton_nested_gemm_fusion`; the operands of the `dot`
   inside) and cuBLAS/cuBLASLt custom calls (`__cublas$...`; the call's first two operands);
 - `attention`: cuDNN fused attention calls (`__cudnn$fmha...`), forward and backward;
+- `grouped_gemms`: meshtrain's grouped-matmul Triton kernels (meshtrain/ops/grouped_matmul_triton.py,
+  `__gpu$xla.gpu.triton` calls named `meshtrain_<kernel>_rows<R>`) by kernel: gmm, gmm_t, tgmm;
 - `collectives`: async collective launches (`all-gather-start`, ...) by kind;
 - `fusions`: every other fusion (elementwise, reductions, transposes), one kernel each;
 - `largest`: the largest arrays the program makes (instruction outputs), name, shape and bytes.
@@ -21,6 +23,7 @@ from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elemen
 GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas")
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([\w$]+)"')
 CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+GROUPED_GEMM = re.compile(r'name = "meshtrain_(gmm|gmm_t|tgmm)_rows(\d+)"')  # kernel, rows expected
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _NOT_NEW = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")  # no buffer of their own
 _FUSED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
@@ -92,7 +95,7 @@ def arrays_made(module: Module):
 def read(hlo_text: str, largest: int = 8) -> dict:
     """Kernels per step of a compiled GPU program by kind (module doc)."""
     module = Module(hlo_text)
-    gemms, attention, collectives, fusions = Counter(), Counter(), Counter(), 0.0
+    gemms, attention, grouped, collectives, fusions = Counter(), Counter(), Counter(), Counter(), 0.0
     for ins, comp, times in launches(module):
         types = gemm_types(module, comp, ins)
         target = CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
@@ -100,12 +103,14 @@ def read(hlo_text: str, largest: int = 8) -> dict:
             gemms[types] += times
         elif target and target.group(1).startswith("__cudnn$fmha"):
             attention["backward" if "Backward" in target.group(1) else "forward"] += times
+        elif target and (kernel := GROUPED_GEMM.search(ins.line)):
+            grouped[kernel.group(1)] += times
         elif ins.op.endswith("-start") and ins.op.removesuffix("-start") in KINDS:
             collectives[ins.op.removesuffix("-start")] += times
         elif ins.op == "fusion":
             fusions += times
     return {"gemms": dict(gemms), "attention": {"forward": attention["forward"], "backward": attention["backward"]},
-            "collectives": dict(collectives), "fusions": fusions,
+            "grouped_gemms": dict(grouped), "collectives": dict(collectives), "fusions": fusions,
             "largest": sorted(arrays_made(module), key=lambda a: -a["bytes"])[:largest]}
 
 

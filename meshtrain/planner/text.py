@@ -132,6 +132,8 @@ def format_kernels(k: dict | None) -> list[str]:
     lines = ["", "kernels per device per step (the GPU program)",
              f"  GEMMs {sum(k['gemms'].values()):,.0f} by operand types: {by(k['gemms']) or 'none'}",
              f"  fused attention (cuDNN): {att['forward']:,.0f} forward, {att['backward']:,.0f} backward",
+             *([f"  grouped GEMMs (meshtrain's Triton kernels) {sum(grouped.values()):,.0f}: {by(grouped)}"]
+               if (grouped := k.get("grouped_gemms")) else []),
              f"  async collectives {sum(k['collectives'].values()):,.0f}: {by(k['collectives']) or 'none'}",
              f"  other fusions {k['fusions']:,.0f}", "  largest arrays made:"]
     return lines + [f"    {a['shape']:<28} {human_bytes(a['bytes']):>10}  {a['op']}" for a in k["largest"][:5]]

@@ -1,0 +1,116 @@
+"""The grouped matmul on NVIDIA GPUs: three Pallas Triton kernels whose work follows the rows routed,
+not the buffer that holds them (meshtrain/ops/grouped_matmul.py chooses them on a GPU).
+
+- `gmm` y[r] = x[r] @ w[group[r]] (or w[group[r]].T): a program per (tile, group) step of the
+  megablox schedule (grouped_matmul.py `_schedule`) and column block. A step whose group has no row
+  in its tile exits before the K loop, so a tile costs the groups it holds and the worst-case
+  buffer's empty tiles cost a launch; rows of no group (padding, group >= G) are written 0.
+- `tgmm` dw[g] = x[rows of g].T @ dy[rows of g], fp32: a program per (group, K block, N block)
+  loops over its group's row tiles only (the group's offsets), so it too costs the rows it has.
+
+Each kernel accumulates in fp32 and is one `__gpu$xla.gpu.triton` call in the GPU program, named
+`meshtrain_<kernel>_rows<R>`: R is the rows it is expected to run (`rows`; balanced routing on an
+expert-parallel buffer, models/experts.py), which the planner prices it by (meshtrain/planner/
+kernel_time.py). Tests run the kernels in Pallas' interpreter on the CPU.
+
+Names carry their shapes: R rows (a whole number of tiles), K and N the matmul's widths, G groups,
+S the schedule's steps, BM a tile's rows, BK and BN the K and N blocks.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+# Blocks for an H100 (bf16 in, fp32 accumulated): Triton's usual 128 x 128 x 64 tile on 4 warps with a
+# 3-stage pipeline. Not tuned on a GPU yet (none measured); a width the block does not divide takes the
+# largest power of two that does, down to MIN_BLOCK (the tensor cores' 16).
+BM, BK, BN = 128, 64, 128
+WARPS, STAGES = 4, 3
+MIN_BLOCK = 16
+NAME = "meshtrain_{kernel}_rows{rows}"  # the planner reads the kernel and its rows back (kernel_time.py)
+
+
+def block(width: int, most: int) -> int | None:
+    """The largest power of two <= `most` dividing `width`, None below MIN_BLOCK."""
+    b = most
+    while b >= MIN_BLOCK and width % b:
+        b //= 2
+    return b if b >= MIN_BLOCK else None
+
+
+def fits(k: int, n: int) -> bool:
+    """The kernels take widths [k, n] (and the transposed product's [n, k])."""
+    return block(k, BK) is not None and block(n, BN) is not None and block(k, BN) is not None \
+        and block(n, BK) is not None
+
+
+def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, groups, bk, bn, transpose):
+    s, j = pl.program_id(0), pl.program_id(1)
+    g = group_ref[s]
+    rows = pl.ds(pl.multiple_of(tile_ref[s] * BM, BM), BM)
+    cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    group_T = row_group_ref[rows]
+    mine_T, padding_T = group_T == g, group_T >= groups
+
+    @pl.when(jnp.max(mine_T.astype(jnp.int32)) > 0)
+    def _():
+        def step(k, acc_TxN):
+            ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
+            w_KxN = w_ref[g, cols, ks].T if transpose else w_ref[g, ks, cols]
+            return acc_TxN + jnp.dot(x_ref[rows, ks], w_KxN, preferred_element_type=jnp.float32)
+
+        acc_TxN = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, jnp.zeros((BM, bn), jnp.float32))
+        plt.store(out_ref.at[rows, cols], acc_TxN.astype(out_ref.dtype), mask=mine_T[:, None])
+
+    @pl.when((g >= 0) & (jnp.max(padding_T.astype(jnp.int32)) > 0))
+    def _():
+        plt.store(out_ref.at[rows, cols], jnp.zeros((BM, bn), out_ref.dtype), mask=padding_T[:, None])
+
+
+def gmm(x_RxK, w_GxKxN, steps, group_R, rows: int, transpose: bool = False, interpret: bool = False):
+    """out[r] = x[r] @ w[group[r]] (w[group[r]].T when `transpose`; rows of no group: 0) over the
+    schedule `steps` (tile_S, group_S) of BM-row tiles."""
+    (R, K), G = x_RxK.shape, w_GxKxN.shape[0]
+    N = w_GxKxN.shape[1] if transpose else w_GxKxN.shape[2]
+    bk, bn = block(K, BK), block(N, BN)
+    tile_S, group_S = steps
+    kernel = functools.partial(_gmm_kernel, groups=G, bk=bk, bn=bn, transpose=transpose)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((R, N), x_RxK.dtype), grid=(tile_S.shape[0], N // bn),
+        compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES), interpret=interpret,
+        name=NAME.format(kernel="gmm_t" if transpose else "gmm", rows=rows),
+    )(tile_S, group_S, group_R, x_RxK, w_GxKxN)
+
+
+def _tgmm_kernel(offset_ref, row_group_ref, x_ref, dy_ref, dw_ref, *, bk, bn):
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ks, ns = pl.ds(pl.multiple_of(i * bk, bk), bk), pl.ds(pl.multiple_of(j * bn, bn), bn)
+    start, end = offset_ref[g], offset_ref[g + 1]
+
+    def step(t, acc_KxN):
+        rows = pl.ds(pl.multiple_of(t * BM, BM), BM)
+        mine_T = row_group_ref[rows] == g
+        x_TxK = jnp.where(mine_T[:, None], x_ref[rows, ks], 0)
+        return acc_KxN + jnp.dot(x_TxK.T, dy_ref[rows, ns], preferred_element_type=jnp.float32)
+
+    acc_KxN = jax.lax.fori_loop(start // BM, (end + BM - 1) // BM, step, jnp.zeros((bk, bn), jnp.float32))
+    dw_ref[g, ks, ns] = acc_KxN
+
+
+def tgmm(x_RxK, dy_RxN, group_R, groups: int, rows: int, interpret: bool = False):
+    """dw[g] = sum over the rows r of group g of x[r]^T dy[r], in fp32 ([G, K, N]; a group without
+    rows: 0). Rows sorted by group; group >= `groups` is padding."""
+    K, N = x_RxK.shape[1], dy_RxN.shape[1]
+    bk, bn = block(K, BK), block(N, BN)
+    offset_G1 = jnp.searchsorted(group_R, jnp.arange(groups + 1, dtype=group_R.dtype),
+                                 method="compare_all").astype(jnp.int32)  # one kernel, not a loop
+    return pl.pallas_call(
+        functools.partial(_tgmm_kernel, bk=bk, bn=bn),
+        out_shape=jax.ShapeDtypeStruct((groups, K, N), jnp.float32), grid=(groups, K // bk, N // bn),
+        compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES), interpret=interpret,
+        name=NAME.format(kernel="tgmm", rows=rows),
+    )(offset_G1, group_R, x_RxK, dy_RxN)
