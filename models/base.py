@@ -458,11 +458,13 @@ class LanguageModel:
         precision=fp8): all of them here; the head runs bf16."""
         return self.block_matmul_params(params)
 
-    def slot_matmul_params(self, params, seq_len: int, expert_parallel: int = 1, in_fp8: bool = False) -> float:
+    def slot_matmul_params(self, params, seq_len: int, expert_parallel: int = 1, in_fp8: bool = False,
+                           rows_routed: bool = False) -> float:
         """Per token, the matmul parameters the step runs beyond N (the roofline's hardware FLOPs,
         not MFU's) with `expert_parallel` devices on the `expert` axis (`in_fp8`: those the block's
-        fp8 matmul runs): none here; routed experts run every capacity slot, or dropless the whole
-        expert-parallel receive buffer, filled or not (models/routed.py)."""
+        fp8 matmul runs; `rows_routed`: the grouped matmuls run only the rows routed): none here;
+        routed experts run every capacity slot, or dropless the whole expert-parallel receive buffer,
+        filled or not, on the loop (models/routed.py)."""
         return 0.0
 
     @property

@@ -192,18 +192,23 @@ class MoELanguageModel(LanguageModel):
             fp8 -= self._routed_per_token(params)
         return fp8
 
-    def slot_matmul_params(self, params, seq_len: int, expert_parallel: int = 1, in_fp8: bool = False) -> float:
+    def slot_matmul_params(self, params, seq_len: int, expert_parallel: int = 1, in_fp8: bool = False,
+                           rows_routed: bool = False) -> float:
         """Capacity routing runs each row's E x C slots through the experts, empty or not: C/L of the
         routed expert parameters per token, against N's k/E (fewer where C < k L / E drops).
         Dropless routing under expert parallelism (ep > 1) runs the grouped matmuls over the whole
         receive buffer (`dropless_local`: ep x min(k, E/ep) rows per token, filled or not; 1/8
         filled at qwen3_30b_a3b's pod when balanced): (ep x min(k, E/ep) - k)/E of the routed
         parameters more; bf16 grouped matmuls, so none `in_fp8`. (The grouped matmul's spare steps,
-        at most E/ep - 1 tiles per matmul where a tile holds rows of two experts, are not counted.)"""
+        at most E/ep - 1 tiles per matmul where a tile holds rows of two experts, are not counted.)
+        `rows_routed`: the grouped matmuls run only the rows routed (the GPU's Triton kernels,
+        meshtrain/ops/grouped_matmul.py `runs_rows_routed`): k per token, none more when balanced."""
         c = self.cfg
         if not c.num_experts:
             return 0.0
         if c.capacity_factor == 0:
+            if rows_routed:
+                return 0.0
             rows = dropless_rows_per_token(c.num_experts, c.experts_per_token, expert_parallel)
             return 0.0 if in_fp8 else self._routed_params(params) / c.num_experts * (rows - c.experts_per_token)
         slots = capacity(seq_len, c.num_experts, c.experts_per_token, c.capacity_factor)

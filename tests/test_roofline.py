@@ -232,6 +232,7 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
     L = p.train.seq_len
     assert p.model.slot_matmul_params(params, L, ep) == routed / E * (ep * min(K, E // ep) - K) == routed / 2
     assert p.model.slot_matmul_params(params, L, ep, in_fp8=True) == 0 == p.model.slot_matmul_params(params, L)
+    assert p.model.slot_matmul_params(params, L, ep, rows_routed=True) == 0  # the GPU's Triton kernels
     est = roofline.estimate(p, _no_memory(), [], H100)
     tokens = p.train.batch_size * L / ep
     assert est["flops"]["hardware_per_device"] == pytest.approx(est["flops"]["model_per_device"]

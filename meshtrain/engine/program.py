@@ -60,6 +60,7 @@ class TrainProgram:
             notice_once(f"parallel.attention=auto: cuDNN's fused attention does not take this model here "
                         f"({self.attention_note}); running {plan.attention}")
         self.plan = plan  # the kernels the program runs (parallel.attention=auto resolved)
+        self.backend = backend  # the platform it is lowered for: "cpu", or a plan's "cuda"
         check_layout(model, plan, t, self.sizes, self.rules, backend)
         self.mesh = build_mesh(self.sizes, devices)
         attention, order = context_layout(plan.context_strategy, BACKENDS[plan.attention], self.sizes["context"],

@@ -106,6 +106,12 @@ def _triton_backward(x_MxK, w_GxKxN, group_M, dy_MxN, rows: int, interpret: bool
     return dx_MxK, dw_GxKxN.astype(w_GxKxN.dtype)
 
 
+def runs_rows_routed(platform: str, k: int, n: int) -> bool:
+    """Whether a grouped matmul of widths [k, n] on `platform` runs only the rows routed (the Triton
+    kernels, an NVIDIA GPU's), not its whole buffer (the loop: every tile, filled or not)."""
+    return platform in ("cuda", "gpu") and triton.fits(k, n)
+
+
 def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, rows: int):
     """The loop (`loop`) or the Triton kernels (`kernel`) on `args`, as `kernels` says (module doc)."""
     use = partial(kernel, rows=rows)

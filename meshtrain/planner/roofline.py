@@ -69,6 +69,7 @@ import numpy as np
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.ops.attention import executed_attention
+from meshtrain.ops.grouped_matmul import runs_rows_routed
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
@@ -266,8 +267,11 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     width = m.num_heads * m.head_dim
     recompute = recomputes(plan.remat, plan.residuals, stages)
     params = program.abstract_state["params"]
-    # N_slot: every capacity slot runs, and dropless every row of the expert-parallel receive buffer
-    slot_params = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1))
+    # N_slot: every capacity slot runs, and dropless every row of the expert-parallel receive buffer where
+    # the grouped matmul is the loop (the GPU's Triton kernels run the rows routed)
+    rows_routed = runs_rows_routed(program.backend, m.d_model, m.mlp_dim // math.prod(
+        sizes[a] for a in program.rules.get("mlp", ())))
+    slot_params = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), rows_routed=rows_routed)
     block_params = program.model.block_matmul_params(params) + slot_params  # the head is not rerun
     model_flops = program.flops_per_token * tokens
     windows = m.layer_windows()  # 0: the whole causal past
@@ -298,7 +302,8 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         if "peak_fp8_flops" not in profile:
             raise UserError(f"parallel.precision=fp8: the {profile['name']} has no fp8 matmuls; plan it on an "
                             f"H100/H200 or set parallel.precision=bf16")
-        fp8_slot = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), in_fp8=True)
+        fp8_slot = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), in_fp8=True,
+                                                    rows_routed=rows_routed)
         fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops, slowest_stage)
