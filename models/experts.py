@@ -38,8 +38,9 @@ caller's: y is the experts' contribution only, and a token whose assignments are
   Capacity: the [b, E, C, D] slot buffer, expert chunk n to device n. Dropless: a device sends
   device n its assignments of n's experts, sorted by expert, in a worst-case buffer of
   b*L*min(K, E/ep) rows per destination (a token picks at most min(K, E/ep) of n's experts;
-  all_to_all needs static shapes), and the counts per expert; device n sorts what it received by
-  expert, runs its experts and sends the results back. Per device [ep, b*L*min(K, E/ep), D],
+  all_to_all needs static shapes), and the counts per expert; device n runs its experts on what it
+  received as it arrived, a run per sender each sorted by expert (the grouped matmul's `runs`: no
+  sort, no [ep*A, D] gather), and sends the results back. Per device [ep, b*L*min(K, E/ep), D],
   against [b, E, L, D] for E slots of L: ep*min(K, E/ep)/E of it, so the same at E/ep = 1,
   K/(E/ep) of it at E/ep >= K (`dispatch_bytes`). The router, top-k and combine stay outside,
   under the compiler's sharding. Raises UserError when E or B is not divisible by the axis size.
@@ -241,20 +242,26 @@ def capacity_local(x_bxLxD, expert_bxKL, experts: dict, *, C: int, axis: str, ep
 
 # ---- dropless: assignments sorted by expert, the experts as a grouped matmul (meshtrain/ops/grouped_matmul.py) ----
 
-def sorted_swiglu(x_MxD, group_M, experts: dict, lora_scale: float = 1.0, rows: int | None = None):
-    """Each row's expert SwiGLU, rows in any order: sorted by group (stable), a grouped matmul per
-    projection (and two per adapter: `projection`), unsorted. Rows with group >= G get 0. In x's
-    dtype. `experts`: the G experts' weights, as `swiglu_experts`. `rows`: how many are expected to
-    have a group (grouped_matmul's; None: all)."""
-    dtype = x_MxD.dtype
-    order_M = jnp.argsort(group_M, stable=True)
-    xs_MxD, gs_M = x_MxD[order_M], group_M[order_M]
-    matmul = lambda x_MxI, w_GxIxO: grouped_matmul(x_MxI, w_GxIxO.astype(dtype), gs_M, rows)
+def grouped_swiglu(xs_MxD, gs_M, experts: dict, lora_scale: float = 1.0, rows: int | None = None,
+                   runs: int = 1):
+    """The expert SwiGLU of rows sorted by group (or `runs` runs each sorted, grouped_matmul's group
+    ids): a grouped matmul per projection (and two per adapter: `projection`). Padding rows get 0.
+    In x's dtype. `experts`: the G experts' weights, as `swiglu_experts`. `rows`: how many are
+    expected to have a group (grouped_matmul's; None: all)."""
+    dtype = xs_MxD.dtype
+    matmul = lambda x_MxI, w_GxIxO: grouped_matmul(x_MxI, w_GxIxO.astype(dtype), gs_M, rows, "auto", runs)
     gate = projection(matmul, xs_MxD, experts, "expert_gate", lora_scale)
     up = projection(matmul, xs_MxD, experts, "expert_up", lora_scale)
     h_MxF = jax.nn.silu(checkpoint_name(gate, "mlp_gate")) * checkpoint_name(up, "mlp_up")
     h_MxF = constrain(h_MxF, (None, "mlp"))
-    out_MxD = checkpoint_name(projection(matmul, h_MxF, experts, "expert_down", lora_scale), "mlp_out")
+    return checkpoint_name(projection(matmul, h_MxF, experts, "expert_down", lora_scale), "mlp_out")
+
+
+def sorted_swiglu(x_MxD, group_M, experts: dict, lora_scale: float = 1.0):
+    """Each row's expert SwiGLU, rows in any order: sorted by group (stable), `grouped_swiglu`,
+    unsorted. Rows with group >= G get 0."""
+    order_M = jnp.argsort(group_M, stable=True)
+    out_MxD = grouped_swiglu(x_MxD[order_M], group_M[order_M], experts, lora_scale)
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))
     return out_MxD[inverse_M]
 
@@ -264,7 +271,7 @@ def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, l
     ep == 1: the b*L*K assignments sorted by expert. ep > 1 (inside a shard_map manual over
     `axis`): device n gets this device's assignments of its E/ep experts, in expert order, in a
     buffer of A = b*L*min(K, E/ep) rows (the most a token can send it), plus their counts per
-    expert; it sorts all it received by expert, runs them, and sends the results back.
+    expert; it runs them in the runs they arrived in (`grouped_swiglu`) and sends the results back.
     `experts` (this device's e = E/ep), `lora_scale`: as `swiglu_experts`."""
     b, L, D = x_bxLxD.shape
     KL = expert_bxKL.shape[1]
@@ -287,12 +294,14 @@ def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, l
     send_epxAxD = jnp.take(x_TxD, token_of_slot, axis=0, mode="fill", fill_value=0).reshape(ep, A, D)
     swap = lambda t: jax.lax.all_to_all(t, axis, 0, 0, tiled=True)
     recv_epxAxD, recv_count_epxe = swap(send_epxAxD), swap(count_E.reshape(ep, e))
-    # a received row's local expert: how many of its sender's groups end at or before it
-    group_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right", method="compare_all"))(
+    # a received row's local expert: how many of its sender's groups end at or before it (e: padding);
+    # each sender's block is sorted by expert, so the buffer is ep runs of grouped_matmul's group ids
+    local_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right", method="compare_all"))(
         jnp.cumsum(recv_count_epxe, axis=1))
+    id_epxA = jnp.arange(ep)[:, None] * (e + 1) + local_epxA
     # balanced routing sends each device as many rows as it sends: the grouped matmuls expect b*K*L
-    out_MxD = sorted_swiglu(recv_epxAxD.reshape(ep * A, D), group_epxA.reshape(-1), experts, lora_scale,
-                            rows=b * KL)
+    out_MxD = grouped_swiglu(recv_epxAxD.reshape(ep * A, D), id_epxA.reshape(-1), experts, lora_scale,
+                             rows=b * KL, runs=ep)
     back_MxD = swap(out_MxD.reshape(ep, A, D)).reshape(ep * A, D)
     return back_MxD[slot_N].reshape(b, KL, D)
 

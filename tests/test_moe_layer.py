@@ -270,7 +270,7 @@ def test_the_triton_kernels_match_per_row_products_in_pallas_interpreter():
     """The GPU's grouped matmul (meshtrain/ops/grouped_matmul_triton.py) run by Pallas' interpreter:
     3 tiles of 128 rows straddling groups, an empty group, padding rows (0 out) and a ragged last tile;
     y, dx and dw (fp32, summed per group) equal the per-row products. Widths the blocks do not divide
-    down to 16 stay on the loop (`fits`)."""
+    down to 16 stay on the loop (`fits`). The loop alike; and both on two sorted runs (`runs`)."""
     from meshtrain.ops import grouped_matmul_triton as triton
 
     rng = np.random.default_rng(1)
@@ -283,10 +283,22 @@ def test_the_triton_kernels_match_per_row_products_in_pallas_interpreter():
         y = jnp.einsum("mk,mkn->mn", x, jnp.take(w, jnp.minimum(group, G - 1), axis=0))
         return jnp.where((group < G)[:, None], y, 0)
 
-    got = jax.value_and_grad(
-        lambda x, w: jnp.sum(gmm_module.grouped_matmul(x, w, group, None, "interpret") * ct), (0, 1))
-    want = jax.value_and_grad(lambda x, w: jnp.sum(reference(x, w) * ct), (0, 1))
-    assert_close(got(x, w), want(x, w))
+    for kernels in ("interpret", "loop"):
+        got = jax.value_and_grad(
+            lambda x, w, k=kernels: jnp.sum(gmm_module.grouped_matmul(x, w, group, None, k) * ct), (0, 1))
+        want = jax.value_and_grad(lambda x, w: jnp.sum(reference(x, w) * ct), (0, 1))
+        assert_close(got(x, w), want(x, w))
+    # two runs, each sorted with its padding last (an expert-parallel receive buffer of 2 senders):
+    # ids r (G + 1) + j, no sort, the same products
+    cut = 170
+    ids = np.concatenate([group[:cut], (G + 1) + group[cut:]]).astype(np.int32)
+    ids[cut - 20:cut] = G  # the first run's padding
+    expert = np.where(ids % (G + 1) == G, G, ids % (G + 1))
+    group = expert  # reference() reads it
+    for kernels in ("interpret", "loop"):
+        got = jax.value_and_grad(
+            lambda x, w, k=kernels: jnp.sum(gmm_module.grouped_matmul(x, w, ids, None, k, 2) * ct), (0, 1))
+        assert_close(got(x, w), want(x, w))
     assert triton.fits(Kd, N) and not triton.fits(6, 7) and triton.block(48, 128) == 16
 
 

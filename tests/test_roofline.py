@@ -222,9 +222,9 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
     """Dropless under expert=2 (E 4, k 2): a device's grouped matmuls run its whole receive buffer,
     ep x min(k, E/ep) = 4 rows per token, filled or not (k = 2 when balanced), so the executed FLOPs
     add 6 (4 - 2)/E of the routed parameters per token (bf16: none in fp8; one device: none). The
-    compiled loops say so: ceil(ep x A / tile) + E/ep - 1 = 3 steps each (3 projections forward, dx
-    and dw), A = b L min(k, E/ep) = 8 x 16 x 2 rows from each sender, where the filled rows alone
-    would take 2."""
+    compiled loops say so: ceil(ep x A / tile) + ep (E/ep + 1) - 1 = 7 steps each (3 projections
+    forward, dx and dw; the buffer is ep runs, a sender's each, of E/ep experts and their padding),
+    A = b L min(k, E/ep) = 8 x 16 x 2 rows from each sender, where the filled rows alone would take 2."""
     E, K, ep = 4, 2, 2
     p = _program("parallel.mesh=expert=2", "model.num_layers=1", devices=ep, config=MOE_TINY)
     params = p.abstract_state["params"]
@@ -239,7 +239,7 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
                                                                 + 6 * routed / 2 * tokens, rel=1e-12)
     buffer_rows = ep * (p.train.batch_size // ep) * L * min(K, E // ep)
     trips = [int(n) for n in hlo.TRIP_COUNT.findall(p.lower().compile().as_text())]
-    assert trips.count(-(-buffer_rows // GMM_TILE) + E // ep - 1) >= 9, trips
+    assert trips.count(-(-buffer_rows // GMM_TILE) + ep * (E // ep + 1) - 1) >= 9, trips
 
 
 def _no_memory():
@@ -337,9 +337,10 @@ def test_estimate_times_collectives_on_the_links_they_cross():
     program = SimpleNamespace(
         sizes=mesh, plan=SimpleNamespace(remat="none", residuals="save", attention="xla", precision="bf16",
                                          context_strategy="ring", ulysses_degree=0),
-        flops_per_token=0.0,
+        flops_per_token=0.0, backend="cpu", rules={},
         train=SimpleNamespace(batch_size=16, seq_len=16),
         model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1,
+                                                  mlp_dim=1,
                                                   layer_windows=lambda: (0,), window_kinds=lambda: (0,)),
                               block_matmul_params=lambda params: 0, slot_matmul_params=lambda params, *_, **__: 0),
         abstract_state={"params": None})

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.ops import grouped_matmul_triton as triton
+from meshtrain.ops.grouped_matmul_triton import group_ids, weight_of
 
 # Rows of the sorted buffer per grouped-matmul step. On an H100 (JAX 0.11.2, bf16, 16384 x 4096 @
 # [G, 4096, 14336]) the loop ran 102/178/243 TFLOP/s at 128/256/512 rows with G = 8 (ragged_dot:
@@ -46,15 +47,16 @@ def _tiles(a_MxX, tile: int):
 
 
 def _gmm_loop(a_RxA, w_GxXxY, group_R, steps, tile: int, out_cols: int, transpose: bool):
-    """out[r] = a[r] @ w[group[r]] (w[group[r]].T when `transpose`), a step per (tile, group)."""
+    """out[r] = a[r] @ w[group[r]] (w[group[r]].T when `transpose`), a step per (tile, group id)."""
     tile_S, group_S = steps
 
     def step(i, out_RxO):
         t, g = tile_S[i] * tile, group_S[i]
         a_TxA = jax.lax.dynamic_slice_in_dim(a_RxA, t, tile)
-        w_XxY = jax.lax.dynamic_index_in_dim(w_GxXxY, jnp.maximum(g, 0), keepdims=False)
+        j, real = weight_of(g, w_GxXxY.shape[0])
+        w_XxY = jax.lax.dynamic_index_in_dim(w_GxXxY, j, keepdims=False)
         y_TxO = a_TxA @ (w_XxY.T if transpose else w_XxY)
-        mine_T = jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g
+        mine_T = (jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g) & real
         old_TxO = jax.lax.dynamic_slice_in_dim(out_RxO, t, tile)
         return jax.lax.dynamic_update_slice_in_dim(out_RxO, jnp.where(mine_T[:, None], y_TxO, old_TxO), t, 0)
 
@@ -62,47 +64,48 @@ def _gmm_loop(a_RxA, w_GxXxY, group_R, steps, tile: int, out_cols: int, transpos
     return jax.lax.fori_loop(0, tile_S.shape[0], step, out)
 
 
-def _loop_forward(x_MxK, w_GxKxN, group_M):
+def _loop_forward(x_MxK, w_GxKxN, group_M, runs: int):
     M, (G, _, N) = x_MxK.shape[0], w_GxKxN.shape
     tile = min(GMM_TILE, M)
-    return _gmm_loop(_tiles(x_MxK, tile), w_GxKxN, _tiles(group_M, tile), _schedule(group_M, G, tile), tile, N,
-                     False)[:M]
+    return _gmm_loop(_tiles(x_MxK, tile), w_GxKxN, _tiles(group_M, tile), _schedule(group_M, group_ids(G, runs), tile),
+                     tile, N, False)[:M]
 
 
-def _loop_backward(x_MxK, w_GxKxN, group_M, dy_MxN):
+def _loop_backward(x_MxK, w_GxKxN, group_M, dy_MxN, runs: int):
     """dx = dy @ w[g].T per row; dw[g] = sum over g's rows of x^T dy, accumulated in fp32."""
     M, K = x_MxK.shape
+    G = w_GxKxN.shape[0]
     tile = min(GMM_TILE, M)
-    tile_S, group_S = _schedule(group_M, w_GxKxN.shape[0], tile)
+    tile_S, group_S = _schedule(group_M, group_ids(G, runs), tile)
     x_RxK, dy_RxN, group_R = _tiles(x_MxK, tile), _tiles(dy_MxN, tile), _tiles(group_M, tile)
     dx_RxK = _gmm_loop(dy_RxN, w_GxKxN, group_R, (tile_S, group_S), tile, K, True)
 
     def step(i, dw_GxKxN):
         t, g = tile_S[i] * tile, group_S[i]
-        mine_T = jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g
+        j, real = weight_of(g, G)
+        mine_T = (jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g) & real
         x_TxK = jnp.where(mine_T[:, None], jax.lax.dynamic_slice_in_dim(x_RxK, t, tile), 0)
         dw_KxN = jnp.einsum("tk,tn->kn", x_TxK, jax.lax.dynamic_slice_in_dim(dy_RxN, t, tile),
                             preferred_element_type=jnp.float32)
-        g = jnp.maximum(g, 0)
-        old = jax.lax.dynamic_index_in_dim(dw_GxKxN, g, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(dw_GxKxN, old + dw_KxN, g, 0)
+        old = jax.lax.dynamic_index_in_dim(dw_GxKxN, j, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(dw_GxKxN, old + dw_KxN, j, 0)
 
     dw = jax.lax.fori_loop(0, tile_S.shape[0], step, jnp.zeros(w_GxKxN.shape, jnp.float32))
     return dx_RxK[:M], dw.astype(w_GxKxN.dtype)
 
 
-def _triton_forward(x_MxK, w_GxKxN, group_M, rows: int, interpret: bool = False):
+def _triton_forward(x_MxK, w_GxKxN, group_M, runs: int, rows: int, interpret: bool = False):
     M, G = x_MxK.shape[0], w_GxKxN.shape[0]
-    steps, group_R = _schedule(group_M, G, triton.BM), _tiles(group_M, triton.BM)
-    return triton.gmm(_tiles(x_MxK, triton.BM), w_GxKxN, steps, group_R, rows, interpret=interpret)[:M]
+    steps, group_R = _schedule(group_M, group_ids(G, runs), triton.BM), _tiles(group_M, triton.BM)
+    return triton.gmm(_tiles(x_MxK, triton.BM), w_GxKxN, steps, group_R, runs, rows, interpret=interpret)[:M]
 
 
-def _triton_backward(x_MxK, w_GxKxN, group_M, dy_MxN, rows: int, interpret: bool = False):
+def _triton_backward(x_MxK, w_GxKxN, group_M, dy_MxN, runs: int, rows: int, interpret: bool = False):
     M, G = x_MxK.shape[0], w_GxKxN.shape[0]
-    steps, group_R = _schedule(group_M, G, triton.BM), _tiles(group_M, triton.BM)
+    steps, group_R = _schedule(group_M, group_ids(G, runs), triton.BM), _tiles(group_M, triton.BM)
     dy_RxN = _tiles(dy_MxN, triton.BM)
-    dx_MxK = triton.gmm(dy_RxN, w_GxKxN, steps, group_R, rows, transpose=True, interpret=interpret)[:M]
-    dw_GxKxN = triton.tgmm(_tiles(x_MxK, triton.BM), dy_RxN, group_R, G, rows, interpret=interpret)
+    dx_MxK = triton.gmm(dy_RxN, w_GxKxN, steps, group_R, runs, rows, transpose=True, interpret=interpret)[:M]
+    dw_GxKxN = triton.tgmm(_tiles(x_MxK, triton.BM), dy_RxN, group_R, G, runs, rows, interpret=interpret)
     return dx_MxK, dw_GxKxN.astype(w_GxKxN.dtype)
 
 
@@ -112,9 +115,9 @@ def runs_rows_routed(platform: str, k: int, n: int) -> bool:
     return platform in ("cuda", "gpu") and triton.fits(k, n)
 
 
-def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, rows: int):
+def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, runs: int, rows: int):
     """The loop (`loop`) or the Triton kernels (`kernel`) on `args`, as `kernels` says (module doc)."""
-    use = partial(kernel, rows=rows)
+    loop, use = partial(loop, runs=runs), partial(kernel, runs=runs, rows=rows)
     if kernels == "interpret":
         return use(*args, interpret=True)
     if kernels == "triton":
@@ -124,28 +127,32 @@ def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, rows: int):
     return loop(*args)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def grouped_matmul(x_MxK, w_GxKxN, group_M, rows: int | None = None, kernels: str = "auto"):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def grouped_matmul(x_MxK, w_GxKxN, group_M, rows: int | None = None, kernels: str = "auto", runs: int = 1):
     """y[m] = x[m] @ w[group[m]] for rows sorted by group (group >= G: padding, y = 0), in
-    O(M x N) memory. `kernels`: "auto" runs the Triton kernels where the program is lowered for an
-    NVIDIA GPU and the widths fit them (meshtrain/ops/grouped_matmul_triton.py; their work follows the
-    rows routed), the loop over (tile, group) steps elsewhere (`_schedule`; XLA expands
-    jax.lax.ragged_dot densely into [G, M, N] on both); "loop", "triton", or "interpret" (the Triton
-    kernels in Pallas' interpreter, for tests) force one. `rows`: the rows expected routed (the
-    planner prices the Triton kernels by them; None: all M)."""
-    return _gmm_fwd(x_MxK, w_GxKxN, group_M, rows, kernels)[0]
+    O(M x N) memory. `runs` > 1: the rows are that many runs each sorted by group with its padding
+    last (expert parallelism's receive buffer, a block per sender), run r's group j carrying id
+    r (G + 1) + j and its padding r (G + 1) + G (`group_ids`): no sort needed. `kernels`: "auto"
+    runs the Triton kernels where the program is lowered for an NVIDIA GPU and the widths fit them
+    (meshtrain/ops/grouped_matmul_triton.py; their work follows the rows routed), the loop over
+    (tile, group) steps elsewhere (`_schedule`; XLA expands jax.lax.ragged_dot densely into
+    [G, M, N] on both); "loop", "triton", or "interpret" (the Triton kernels in Pallas'
+    interpreter, for tests) force one. `rows`: the rows expected routed (the planner prices the
+    Triton kernels by them; None: all M)."""
+    return _gmm_fwd(x_MxK, w_GxKxN, group_M, rows, kernels, runs)[0]
 
 
-def _gmm_fwd(x_MxK, w_GxKxN, group_M, rows, kernels):
+def _gmm_fwd(x_MxK, w_GxKxN, group_M, rows, kernels, runs):
     rows = x_MxK.shape[0] if rows is None else rows
-    y = _by_kernels(kernels, _loop_forward, _triton_forward, w_GxKxN, x_MxK, w_GxKxN, group_M, rows=rows)
+    y = _by_kernels(kernels, _loop_forward, _triton_forward, w_GxKxN, x_MxK, w_GxKxN, group_M, runs=runs,
+                    rows=rows)
     return y, (x_MxK, w_GxKxN, group_M)
 
 
-def _gmm_bwd(rows, kernels, res, dy_MxN):
+def _gmm_bwd(rows, kernels, runs, res, dy_MxN):
     x_MxK, w_GxKxN, group_M = res
     rows = x_MxK.shape[0] if rows is None else rows
-    dx, dw = _by_kernels(kernels, _loop_backward, _triton_backward, w_GxKxN, *res, dy_MxN, rows=rows)
+    dx, dw = _by_kernels(kernels, _loop_backward, _triton_backward, w_GxKxN, *res, dy_MxN, runs=runs, rows=rows)
     return dx, dw, None
 
 

@@ -34,6 +34,18 @@ MIN_BLOCK = 16
 NAME = "meshtrain_{kernel}_rows{rows}"  # the planner reads the kernel and its rows back (kernel_time.py)
 
 
+def group_ids(groups: int, runs: int) -> int:
+    """How many group ids rows of `runs` sorted runs of `groups` groups carry: run r's group j is
+    r (G + 1) + j, and r (G + 1) + G its padding (grouped_matmul.py `grouped_matmul`; the loop's too)."""
+    return runs * (groups + 1)
+
+
+def weight_of(g, groups: int):
+    """(weight index, whether it is one) of a step's group id `g` (-1: none; `group_ids`)."""
+    j = jax.lax.rem(jnp.maximum(g, 0), groups + 1)
+    return jnp.minimum(j, groups - 1), (g >= 0) & (j < groups)
+
+
 def block(width: int, most: int) -> int | None:
     """The largest power of two <= `most` dividing `width`, None below MIN_BLOCK."""
     b = most
@@ -48,19 +60,21 @@ def fits(k: int, n: int) -> bool:
         and block(n, BK) is not None
 
 
-def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, groups, bk, bn, transpose):
+def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, groups, ids, bk, bn, transpose):
     s, j = pl.program_id(0), pl.program_id(1)
     g = group_ref[s]
+    expert, real = weight_of(g, groups)
     rows = pl.ds(pl.multiple_of(tile_ref[s] * BM, BM), BM)
     cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
     group_T = row_group_ref[rows]
-    mine_T, padding_T = group_T == g, group_T >= groups
+    mine_T = (group_T == g) & real
+    padding_T = (group_T >= ids) | (jax.lax.rem(group_T, groups + 1) == groups)
 
     @pl.when(jnp.max(mine_T.astype(jnp.int32)) > 0)
     def _():
         def step(k, acc_TxN):
             ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
-            w_KxN = w_ref[g, cols, ks].T if transpose else w_ref[g, ks, cols]
+            w_KxN = w_ref[expert, cols, ks].T if transpose else w_ref[expert, ks, cols]
             return acc_TxN + jnp.dot(x_ref[rows, ks], w_KxN, preferred_element_type=jnp.float32)
 
         acc_TxN = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, jnp.zeros((BM, bn), jnp.float32))
@@ -71,14 +85,15 @@ def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, gr
         plt.store(out_ref.at[rows, cols], jnp.zeros((BM, bn), out_ref.dtype), mask=padding_T[:, None])
 
 
-def gmm(x_RxK, w_GxKxN, steps, group_R, rows: int, transpose: bool = False, interpret: bool = False):
-    """out[r] = x[r] @ w[group[r]] (w[group[r]].T when `transpose`; rows of no group: 0) over the
-    schedule `steps` (tile_S, group_S) of BM-row tiles."""
+def gmm(x_RxK, w_GxKxN, steps, group_R, runs: int, rows: int, transpose: bool = False, interpret: bool = False):
+    """out[r] = x[r] @ w[group[r]] (w[group[r]].T when `transpose`; padding rows: 0) over the
+    schedule `steps` (tile_S, group_S) of BM-row tiles; group ids of `runs` runs (grouped_matmul.py
+    `group_ids`)."""
     (R, K), G = x_RxK.shape, w_GxKxN.shape[0]
     N = w_GxKxN.shape[1] if transpose else w_GxKxN.shape[2]
     bk, bn = block(K, BK), block(N, BN)
     tile_S, group_S = steps
-    kernel = functools.partial(_gmm_kernel, groups=G, bk=bk, bn=bn, transpose=transpose)
+    kernel = functools.partial(_gmm_kernel, groups=G, ids=group_ids(G, runs), bk=bk, bn=bn, transpose=transpose)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((R, N), x_RxK.dtype), grid=(tile_S.shape[0], N // bn),
         compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES), interpret=interpret,
@@ -86,31 +101,35 @@ def gmm(x_RxK, w_GxKxN, steps, group_R, rows: int, transpose: bool = False, inte
     )(tile_S, group_S, group_R, x_RxK, w_GxKxN)
 
 
-def _tgmm_kernel(offset_ref, row_group_ref, x_ref, dy_ref, dw_ref, *, bk, bn):
+def _tgmm_kernel(offset_ref, row_group_ref, x_ref, dy_ref, dw_ref, *, groups, runs, bk, bn):
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ks, ns = pl.ds(pl.multiple_of(i * bk, bk), bk), pl.ds(pl.multiple_of(j * bn, bn), bn)
-    start, end = offset_ref[g], offset_ref[g + 1]
 
-    def step(t, acc_KxN):
-        rows = pl.ds(pl.multiple_of(t * BM, BM), BM)
-        mine_T = row_group_ref[rows] == g
-        x_TxK = jnp.where(mine_T[:, None], x_ref[rows, ks], 0)
-        return acc_KxN + jnp.dot(x_TxK.T, dy_ref[rows, ns], preferred_element_type=jnp.float32)
+    def group_rows(run, acc_KxN):  # expert g's rows in one run: id run (G + 1) + g
+        gid = run * (groups + 1) + g
+        start, end = offset_ref[gid], offset_ref[gid + 1]
 
-    acc_KxN = jax.lax.fori_loop(start // BM, (end + BM - 1) // BM, step, jnp.zeros((bk, bn), jnp.float32))
-    dw_ref[g, ks, ns] = acc_KxN
+        def step(t, acc_KxN):
+            rows = pl.ds(pl.multiple_of(t * BM, BM), BM)
+            mine_T = row_group_ref[rows] == gid
+            x_TxK = jnp.where(mine_T[:, None], x_ref[rows, ks], 0)
+            return acc_KxN + jnp.dot(x_TxK.T, dy_ref[rows, ns], preferred_element_type=jnp.float32)
+
+        return jax.lax.fori_loop(start // BM, (end + BM - 1) // BM, step, acc_KxN)
+
+    dw_ref[g, ks, ns] = jax.lax.fori_loop(0, runs, group_rows, jnp.zeros((bk, bn), jnp.float32))
 
 
-def tgmm(x_RxK, dy_RxN, group_R, groups: int, rows: int, interpret: bool = False):
-    """dw[g] = sum over the rows r of group g of x[r]^T dy[r], in fp32 ([G, K, N]; a group without
-    rows: 0). Rows sorted by group; group >= `groups` is padding."""
+def tgmm(x_RxK, dy_RxN, group_R, groups: int, runs: int, rows: int, interpret: bool = False):
+    """dw[g] = sum over the rows r of expert g of x[r]^T dy[r], in fp32 ([G, K, N]; an expert without
+    rows: 0). Rows in `runs` runs sorted by group id (grouped_matmul.py `group_ids`)."""
     K, N = x_RxK.shape[1], dy_RxN.shape[1]
     bk, bn = block(K, BK), block(N, BN)
-    offset_G1 = jnp.searchsorted(group_R, jnp.arange(groups + 1, dtype=group_R.dtype),
-                                 method="compare_all").astype(jnp.int32)  # one kernel, not a loop
+    ids = jnp.arange(group_ids(groups, runs) + 1, dtype=group_R.dtype)
+    offset_I1 = jnp.searchsorted(group_R, ids, method="compare_all").astype(jnp.int32)  # one kernel, not a loop
     return pl.pallas_call(
-        functools.partial(_tgmm_kernel, bk=bk, bn=bn),
+        functools.partial(_tgmm_kernel, groups=groups, runs=runs, bk=bk, bn=bn),
         out_shape=jax.ShapeDtypeStruct((groups, K, N), jnp.float32), grid=(groups, K // bk, N // bn),
         compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES), interpret=interpret,
         name=NAME.format(kernel="tgmm", rows=rows),
-    )(offset_G1, group_R, x_RxK, dy_RxN)
+    )(offset_I1, group_R, x_RxK, dy_RxN)
