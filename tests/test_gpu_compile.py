@@ -17,6 +17,7 @@ from conftest import MOE_TINY, ROOT, TINY, tiny_config
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_plan import one_of_each_collective
+from test_roofline import _no_memory
 
 from meshtrain.core import cli, compile_cache
 from meshtrain.core.errors import UserError
@@ -28,7 +29,7 @@ from meshtrain.ops.loss import cross_entropy
 from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.sharding import activation_rules, make_rules
 from meshtrain.plan import main
-from meshtrain.planner import compilers, hlo, kernel_time, kernels, traffic
+from meshtrain.planner import compilers, hlo, kernel_time, kernels, roofline, traffic
 from meshtrain.planner.hlo import Module, collectives
 from meshtrain.planner.text import format_plan
 
@@ -365,6 +366,13 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     priced = {kernel_time._grouped_gemm(module, comp, ins)[1] for ins, comp, _ in kernels.launches(module)
               if kernels.GROUPED_GEMM.search(ins.line)}
     assert priced == {2.0 * 32 * 32 * 32} and "meshtrain_gmm_rows32" in text
+    # the roofline's executed FLOPs count the rows routed on this program, the loop's whole buffer
+    # (ep x min(k, E/ep) = 4 rows a token, not 2) on the CPU's
+    hardware = lambda: roofline.estimate(program, _no_memory(), [], DEVICE_PROFILES["h100"])["flops"][
+        "hardware_per_device"]
+    on_gpu, program.backend = hardware(), "cpu"
+    slot = program.model.slot_matmul_params(program.abstract_state["params"], program.train.seq_len, 4)
+    assert slot > 0 and hardware() - on_gpu == pytest.approx(6 * slot * 16 * 16 / 8, rel=1e-9)
     measured, expected = collectives(text, 8, correct=False), traffic.expected_traffic(program)
     for kind in ("all-reduce", "all-gather", "all-to-all"):
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.02), kind

@@ -94,15 +94,20 @@ def _loop_backward(x_MxK, w_GxKxN, group_M, dy_MxN, runs: int):
     return dx_RxK[:M], dw.astype(w_GxKxN.dtype)
 
 
+def _triton_steps(group_M, groups: int, runs: int):
+    """The kernels' (tile, group id) schedule of BM-row tiles and the tiles' group ids."""
+    return _schedule(group_M, group_ids(groups, runs), triton.BM), _tiles(group_M, triton.BM)
+
+
 def _triton_forward(x_MxK, w_GxKxN, group_M, runs: int, rows: int, interpret: bool = False):
     M, G = x_MxK.shape[0], w_GxKxN.shape[0]
-    steps, group_R = _schedule(group_M, group_ids(G, runs), triton.BM), _tiles(group_M, triton.BM)
+    steps, group_R = _triton_steps(group_M, G, runs)
     return triton.gmm(_tiles(x_MxK, triton.BM), w_GxKxN, steps, group_R, runs, rows, interpret=interpret)[:M]
 
 
 def _triton_backward(x_MxK, w_GxKxN, group_M, dy_MxN, runs: int, rows: int, interpret: bool = False):
     M, G = x_MxK.shape[0], w_GxKxN.shape[0]
-    steps, group_R = _schedule(group_M, group_ids(G, runs), triton.BM), _tiles(group_M, triton.BM)
+    steps, group_R = _triton_steps(group_M, G, runs)
     dy_RxN = _tiles(dy_MxN, triton.BM)
     dx_MxK = triton.gmm(dy_RxN, w_GxKxN, steps, group_R, runs, rows, transpose=True, interpret=interpret)[:M]
     dw_GxKxN = triton.tgmm(_tiles(x_MxK, triton.BM), dy_RxN, group_R, G, runs, rows, interpret=interpret)
@@ -120,8 +125,6 @@ def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, runs: int, rows: int
     loop, use = partial(loop, runs=runs), partial(kernel, runs=runs, rows=rows)
     if kernels == "interpret":
         return use(*args, interpret=True)
-    if kernels == "triton":
-        return use(*args)
     if kernels == "auto" and triton.fits(*w_GxKxN.shape[1:]):
         return jax.lax.platform_dependent(*args, default=loop, cuda=use)
     return loop(*args)
@@ -136,8 +139,8 @@ def grouped_matmul(x_MxK, w_GxKxN, group_M, rows: int | None = None, kernels: st
     runs the Triton kernels where the program is lowered for an NVIDIA GPU and the widths fit them
     (meshtrain/ops/grouped_matmul_triton.py; their work follows the rows routed), the loop over
     (tile, group) steps elsewhere (`_schedule`; XLA expands jax.lax.ragged_dot densely into
-    [G, M, N] on both); "loop", "triton", or "interpret" (the Triton kernels in Pallas'
-    interpreter, for tests) force one. `rows`: the rows expected routed (the planner prices the
+    [G, M, N] on both); "loop" or "interpret" (the Triton kernels in Pallas' interpreter, for
+    tests) force one. `rows`: the rows expected routed (the planner prices the
     Triton kernels by them; None: all M)."""
     return _gmm_fwd(x_MxK, w_GxKxN, group_M, rows, kernels, runs)[0]
 

@@ -18,12 +18,15 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from meshtrain.ops import grouped_matmul_triton
 from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elements
 
 GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas")
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([\w$]+)"')
 CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-GROUPED_GEMM = re.compile(r'name = "meshtrain_(gmm|gmm_t|tgmm)_rows(\d+)"')  # kernel, rows expected
+# meshtrain's grouped-matmul kernels by the name they are given: (kernel, rows expected)
+_GROUPED_NAME = grouped_matmul_triton.NAME.format(kernel="(gmm|gmm_t|tgmm)", rows=r"(\d+)")
+GROUPED_GEMM = re.compile(f'name = "{_GROUPED_NAME}"')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _NOT_NEW = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")  # no buffer of their own
 _FUSED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
