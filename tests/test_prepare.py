@@ -185,16 +185,17 @@ def test_bad_sources_are_one_line_errors(bpe, tmp_path, capsys, monkeypatch):
         data.load_corpus(DataConfig(path=str(tmp_path / "other.jsonl"), text_field="content"), 256)
 
 
-def test_a_prepared_folder_carries_its_hash_and_a_run_reads_no_shard_for_it(tmp_path, monkeypatch):
+def test_a_run_checks_every_prepared_byte_once_and_refuses_a_changed_shard_by_name(tmp_path, monkeypatch):
     """prepare hashes what it writes (each shard in its sidecar and manifest row, the stream in the
-    manifest); a run takes the hash from there, without reading a shard, while no shard changed after
-    the manifest; a changed shard, or a manifest of an earlier version without hashes, is read."""
+    manifest); a run checks the shards' bytes against the manifest before it trains, reading them once
+    per version of the files (digest.py's cache), and refuses a shard changed since by its name; a
+    manifest of an earlier version without hashes vouches for nothing: the stream is hashed."""
     import hashlib
-    import time
 
     from meshtrain.data import digest
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(digest, "RACY_NS", 0)  # the files were written a moment ago: cache them all the same
     src, out = write_jsonl(tmp_path / "docs.jsonl"), tmp_path / "out"
     manifest = prepare(str(src), BYTE, out, shard_tokens=700)
     shards = [out / s["file"] for s in manifest["shards"]]
@@ -207,19 +208,21 @@ def test_a_prepared_folder_carries_its_hash_and_a_run_reads_no_shard_for_it(tmp_
     monkeypatch.setattr(digest, "read_sha256", lambda paths: reads.append(paths) or hashlib.sha256(
         b"".join(open(p, "rb").read() for p in paths)).hexdigest())
     stream = lambda path: data.load_corpus(DataConfig(path=str(path)), 512).tokens
-    assert stream(out).sha256() == whole and stream(shards[1]).sha256() == manifest["shards"][1]["sha256"]
+    assert stream(out).sha256() == whole and reads == [shards]  # every byte read once, before training
+    assert stream(out).sha256() == whole and reads == [shards]  # then known from the cache
+    assert stream(shards[1]).sha256() == manifest["shards"][1]["sha256"]  # a token file: its sidecar's
     raw = stream(src)  # tokenized on load: the same tokens, the same hash
-    assert raw.sha256() == whole and reads == []
+    assert raw.sha256() == whole and reads == [shards]
 
-    time.sleep(0.05)  # past the clock tick of the manifest's write
     prepared = shards[1].read_bytes()
-    shards[1].write_bytes(b"x\0" * 3 + prepared[6:])
-    assert stream(out).sha256() == hashlib.sha256(b"".join(f.read_bytes() for f in shards)).hexdigest() != whole
-    assert reads == [shards] and stream(shards[0]).sha256() == manifest["shards"][0]["sha256"]
+    shards[1].write_bytes(b"x\0" * 3 + prepared[6:])  # the same size, other bytes
+    with pytest.raises(UserError, match=f"{out}: the bytes of shard-00001.bin are not the ones prepare wrote"):
+        stream(out)
+    assert reads[1:] == [shards, [shards[0]], [shards[1]]]  # the stream, then each shard to the changed one
     shards[1].write_bytes(prepared)  # as it was prepared
     del manifest["sha256"]
     (out / "manifest.json").write_text(json.dumps(manifest))  # an earlier version's manifest
-    assert stream(out).sha256() == whole and len(reads) == 2
+    assert stream(out).sha256() == whole
 
 
 def test_a_tokenizer_without_an_unknown_token_that_drops_text_is_an_error_or_a_counted_warning(tmp_path, capsys,

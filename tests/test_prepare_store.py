@@ -141,13 +141,13 @@ def test_processes_sharing_a_cache_share_one_copy(s3, local, tmp_path, monkeypat
     uri, fs = s3
     src, folder = local
     prepare(str(src), BYTE, uri("shared"), shard_tokens=SHARD_TOKENS, stage=tmp_path / "stage")
-    check, cache = store._check_hashes, tmp_path / "cache"
+    check, cache = store.check_sha256, tmp_path / "cache"
     key = json.loads((folder / "manifest.json").read_text())["sha256"]
 
-    def finished_elsewhere(tmp, m, u):
-        check(tmp, m, u)
+    def finished_elsewhere(*args):
+        check(*args)
         shutil.copytree(folder, cache / key)  # the other process's copy, whole
-    monkeypatch.setattr(store, "_check_hashes", finished_elsewhere)
+    monkeypatch.setattr(store, "check_sha256", finished_elsewhere)
     assert store.cached(uri("shared"), cache) == cache / key
     assert [p.name for p in cache.iterdir()] == [key] and files(cache / key) == files(folder)
 
@@ -159,7 +159,7 @@ def test_a_shard_changed_in_the_store_is_refused_by_its_hash(s3, local, tmp_path
     shard = (folder / "shard-00002.bin").read_bytes()
     with fs.open_output_stream("bucket/changed/shard-00002.bin") as f:
         f.write(shard[::-1])  # same size, other bytes
-    with pytest.raises(UserError, match=r"s3://bucket/changed: the copied .bin files' sha256 is not the one"):
+    with pytest.raises(UserError, match=r"s3://bucket/changed: the bytes of shard-00002.bin are not the ones prepare wrote"):
         store.cached(uri("changed"), tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())  # nothing half-copied left as cached data
     with fs.open_output_stream("bucket/changed/manifest.json") as f:
@@ -182,7 +182,8 @@ def test_chat_data_keeps_its_loss_mask_through_the_store(s3, tmp_path):
     mask = (tmp_path / "local" / "shard-00001.mask").read_bytes()
     with fs.open_output_stream("bucket/chat/shard-00001.mask") as f:
         f.write(bytes(1 - b for b in mask))
-    with pytest.raises(UserError, match=r"the copied .mask files' sha256 is not the one its manifest.json records"):
+    with pytest.raises(UserError, match=r"the bytes of the .mask files are not the ones prepare wrote \(their sha256 is not the one "
+                                         r"manifest.json records"):
         store.cached(uri("chat"), tmp_path / "other-cache")
 
 

@@ -61,6 +61,10 @@ def parser() -> Parser:
     prep.add_argument("--allow-dropped-text", action="store_true",
                       help="prepare although the tokenizer (one without an unknown token) maps some characters to "
                            "no token: a warning with their counts instead of an error")
+    prep.add_argument("--allow-degenerate-rows", action="store_true",
+                      help="with --chat or --preference: keep rows that train nothing or the wrong thing (unknown "
+                           "roles, no assistant turn, identical or empty responses, a response holding another "
+                           "turn) with a warning of their counts, instead of an error")
     train = commands.add_parser("train-tokenizer", parents=[source], help="train a byte-level BPE on SRC")
     train.add_argument("--vocab-size", type=number(int, min=1), required=True,
                        help="ids in the vocabulary, EOS included")
@@ -81,6 +85,9 @@ def main(argv=None) -> int:
             raise UserError("--chat prepares conversations, --preference preference pairs: pass one")
         if args.chat_template is not None and not (args.chat or args.preference):
             raise UserError("--chat-template renders chat data: pass --chat (or --preference) too")
+        if args.allow_degenerate_rows and not (args.chat or args.preference):
+            raise UserError("--allow-degenerate-rows keeps chat or preference rows that train nothing; plain text "
+                            "has none: pass --chat or --preference, or leave it out")
         field = chat_lib.MESSAGES if args.chat and args.text_field == "text" else args.text_field
         templated = args.chat or args.chat_template is not None  # preference pairs: where one is named
         chat = chat_lib.load_format(args.chat_template or "auto", tok) if templated else None
@@ -89,13 +96,15 @@ def main(argv=None) -> int:
                             f"local folder, written in place: leave --stage out")
         if args.ray is None:
             m = prepare(args.src, tok, args.out, args.workers or os.cpu_count(), field, args.shard_tokens,
-                        kind, args.allow_dropped_text, chat, args.preference, args.stage)
+                        kind, args.allow_dropped_text, chat, args.preference, args.stage,
+                        allow_degenerate=args.allow_degenerate_rows)
         elif args.workers is not None:
             raise UserError("--workers is for one machine; with --ray each unit is a Ray task on a CPU of the "
                             "cluster: leave --workers out")
         else:
             m = prepare_on_ray(args.src, tok, args.out, args.ray, field, args.shard_tokens, kind,
-                               args.allow_dropped_text, chat, args.preference, args.stage)
+                               args.allow_dropped_text, chat, args.preference, args.stage,
+                               allow_degenerate=args.allow_degenerate_rows)
         seconds = time.perf_counter() - started
         trained = f"; {m['trained_tokens']:,} tokens in assistant turns (the loss mask)" if args.chat else ""
         if args.preference:

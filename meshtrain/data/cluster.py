@@ -41,13 +41,14 @@ from meshtrain.data.chat import ChatFormat
 from meshtrain.data.prepare import SHARD_TOKENS, Tokenized, source_units, tokenize, write_prepared
 from meshtrain.data.sources import Unit
 
-FORMAT = 2  # of a unit's result file (`_tokenize_unit` writes it, `_load` reads it): bump when it changes
+FORMAT = 3  # of a unit's result file (`_tokenize_unit` writes it, `_load` reads it): bump when it changes
 PROGRESS_S = 10.0  # seconds between the driver's progress lines
 
 
 def prepare_on_ray(src: str, tok, out: str | Path, address: str = "auto", text_field: str = "text",
                    shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False,
-                   chat: ChatFormat | None = None, preference: bool = False, stage: str | None = None) -> dict:
+                   chat: ChatFormat | None = None, preference: bool = False, stage: str | None = None, *,
+                   allow_degenerate: bool = False) -> dict:
     """prepare.py `prepare` (its `chat` and `preference` too, `out` a folder or an object-store URI
     staged under `stage`), its units tokenized on the Ray cluster at `address` (auto: the running
     one; local: one started on this machine; the one this process is connected to, if any). Returns
@@ -57,7 +58,8 @@ def prepare_on_ray(src: str, tok, out: str | Path, address: str = "auto", text_f
         work = work_folder(local)
         with connected(address, "--ray", logging_level=logging.WARNING):  # not Ray's start-up lines
             manifest = write_prepared(ray_tokenized(parts, tok, text_field, work, out, chat, preference), src, kind,
-                                      tok, local, text_field, shard_tokens, allow_dropped_text, chat, preference)
+                                      tok, local, text_field, shard_tokens, allow_dropped_text, chat, preference,
+                                      allow_degenerate=allow_degenerate)
         shutil.rmtree(work, ignore_errors=True)
     return manifest
 
@@ -151,14 +153,15 @@ def _tokenize_unit(unit: Unit, how: tuple, field: str, path: str) -> None:
     mask = {} if part.mask is None else {"mask": part.mask}
     with writing_file(path, "the unit's result", force=True) as tmp, open(tmp, "wb") as f:  # a full disk: one line
         np.savez(f, ids=part.ids, ends=part.ends, **mask,
-                 counts=np.array(json.dumps({"characters": part.characters, "dropped": part.dropped})))
+                 counts=np.array(json.dumps({"characters": part.characters, "dropped": part.dropped,
+                                             "faults": part.faults})))
 
 
 def _load(path: Path) -> Tokenized:
     with np.load(path) as saved:
         counts = json.loads(str(saved["counts"]))
         return Tokenized(saved["ids"], saved["ends"], counts["characters"], counts["dropped"],
-                         saved["mask"] if "mask" in saved.files else None)
+                         saved["mask"] if "mask" in saved.files else None, counts["faults"])
 
 
 def _result(ref) -> None:

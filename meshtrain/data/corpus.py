@@ -19,7 +19,7 @@ from meshtrain.data import store
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import DroppedText, tokenize
 from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
-from meshtrain.data.tokens import Tokens, read_prepared, token_stream
+from meshtrain.data.tokens import Tokens, prepared_kind, read_prepared, token_stream
 
 RAW_LIMIT_BYTES = 256 << 20
 
@@ -27,6 +27,7 @@ RAW_LIMIT_BYTES = 256 << 20
 class Corpus(NamedTuple):
     tokens: Tokens | None  # None: synthetic data
     tokenizer: object | None  # None: synthetic data, or token files that name no tokenizer
+    kind: str = "plain"  # what it holds: a key of tokens.DATA_KINDS
 
 
 def load_corpus(dcfg, vocab_size: int) -> Corpus:
@@ -40,16 +41,21 @@ def load_corpus(dcfg, vocab_size: int) -> Corpus:
     kind = detect(dcfg.path, dcfg.kind)
     explicit = None if dcfg.tokenizer == "auto" else tokenizer_lib.load(dcfg.tokenizer)
     if kind == "synthetic":
-        return Corpus(None, None)
+        return Corpus(None, None, "synthetic")
     if kind in RAW_KINDS:
         tok = explicit or tokenizer_lib.ByteTokenizer()
         tokenizer_lib.check_vocab(tok, vocab_size, "data.tokenizer")
         return Corpus(_tokenized(kind, dcfg, tok), tok)
     path = Path(dcfg.path)
+    holds = "plain"
     if kind == "prepared":
-        tokens, _ = read_prepared(path)
+        tokens, manifest = read_prepared(path)
+        holds = prepared_kind(manifest)
         if dcfg.train_on == "all" and tokens.masks is not None:  # chat data trained on every token
             tokens = tokens.unmasked()
+        elif manifest.get("trained_tokens") == 0:  # written before prepare refused it (degenerate.py)
+            raise UserError(f"{path}: its loss mask trains no token (no assistant turn or response is marked); "
+                            f"prepare it again (prepare names the rows at fault), or set data.train_on=all")
         own = tokenizer_lib.recorded(path)
     else:  # a token file
         tokens, meta = token_stream(path)
@@ -63,7 +69,7 @@ def load_corpus(dcfg, vocab_size: int) -> Corpus:
     tok = explicit or own
     if tok is not None:
         tokenizer_lib.check_vocab(tok, vocab_size, "data.tokenizer" if explicit else f"{path}'s tokenizer")
-    return Corpus(tokens, tok)
+    return Corpus(tokens, tok, holds)
 
 
 def _tokenized(kind: str, dcfg, tok) -> Tokens:

@@ -132,6 +132,7 @@ class Mixture(NamedTuple):
     sources: list[Source]
     tokens: list  # each source's `Tokens`; [None]: synthetic data (a single source)
     tokenizer: object | None  # the sources' one tokenizer; None: synthetic, or token files naming none
+    kinds: tuple[str, ...] = ()  # what each source holds (tokens.DATA_KINDS)
 
 
 def load(dcfg, vocab_size: int) -> Mixture:
@@ -147,7 +148,8 @@ def load(dcfg, vocab_size: int) -> Mixture:
             raise UserError(f"data.sources[{i}] ({found[i].path}) was tokenized by {tok.name} ({tok.vocab_size} ids), "
                             f"data.sources[{first}] ({found[first].path}) by {other.name} ({other.vocab_size} ids); "
                             f"a model reads one vocabulary: prepare every source with one tokenizer")
-    return Mixture(found, [c.tokens for c in corpora], known[0][1] if known else None)
+    return Mixture(found, [c.tokens for c in corpora], known[0][1] if known else None,
+                   tuple(c.kind for c in corpora))
 
 
 def trains_on_mask(dcfg) -> bool:

@@ -46,7 +46,11 @@ def encode(fmt: chat_lib.ChatFormat | None, tok, examples: list[tuple]) -> list[
     """(text, ids, uint8 response mask) of prompt + chosen, then of prompt + rejected, for each example."""
     out = []
     for prompt, chosen, rejected, where in examples:
-        for response in (chosen, rejected):
+        for name, response in (("chosen", chosen), ("rejected", rejected)):
+            others = [] if isinstance(response, str) else [m["role"] for m in response if m["role"] != "assistant"]
+            if others:  # the whole conversation as the response (HH-RLHF style) would train the prompt as the answer
+                raise UserError(f"{where}: {name} holds a {others[0]!r} turn; a response is the assistant's answer "
+                                f"alone: put the turns before it in prompt")
             text, start = _text(fmt, prompt, response, where)
             ids, starts = chat_lib.ids_and_starts(tok, text)
             out.append((text, ids, (starts >= start).astype(np.uint8)))

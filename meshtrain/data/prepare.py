@@ -29,8 +29,8 @@ from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import writing_whole
 from meshtrain.data import chat as chat_lib
+from meshtrain.data import degenerate, store
 from meshtrain.data import preference as preference_lib
-from meshtrain.data import store
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.sources import RAW_KINDS, Unit, detect, read, units
 from meshtrain.data.tokens import MANIFEST, MASK_SUFFIX, file_meta, sidecar, token_dtype, write_json
@@ -49,6 +49,7 @@ class Tokenized(NamedTuple):
     characters: int = 0
     dropped: dict[str, int] = {}
     mask: np.ndarray | None = None
+    faults: dict[str, list] = {}  # chat and preference rows that train nothing or the wrong thing (degenerate.py)
 
 
 def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = None,
@@ -59,17 +60,22 @@ def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = Non
         if preference:
             rows = list(read(unit, None, preference_lib.example_of, preference_lib.FIELDS))
         else:
-            rows = list(read(unit, field, chat_lib.messages_of if chat else None))
+            located = lambda value, name, where: (chat_lib.messages_of(value, name, where), where)
+            rows = list(read(unit, field, located if chat else None))
     except OSError as e:  # unreadable (permissions, a vanished file): the user's to fix, named
         raise UserError(f"{unit.file} cannot be read ({e.strerror or e}); fix its permissions or remove it "
                         f"from the source") from None
-    end = tokenizer_lib.document_end(tok)
-    if chat or preference:
-        encode = preference_lib.encode if preference else chat_lib.encode
-        texts, encoded, masks = zip(*encode(chat, tok, rows)) if rows else ((), (), ())
-        masks = [m for mask in masks for m in (mask, np.zeros(len(end), np.uint8))]
+    end, faults = tokenizer_lib.document_end(tok), {}
+    if preference:
+        texts, encoded, masks = zip(*preference_lib.encode(chat, tok, rows)) if rows else ((), (), ())
+        faults = degenerate.pair_faults(rows, masks)
+    elif chat:
+        texts, encoded, masks = zip(*chat_lib.encode(chat, tok, [m for m, _ in rows])) if rows else ((), (), ())
+        faults = degenerate.chat_faults(rows, masks)
     else:
         texts, masks, encoded = rows, None, tok.encode_batch(rows)
+    if masks is not None:
+        masks = [m for mask in masks for m in (mask, np.zeros(len(end), np.uint8))]
     pieces = [piece for ids in encoded for piece in (ids, end)]
     dtype = token_dtype(tok.vocab_size)
     characters, dropped = 0, {}
@@ -81,9 +87,9 @@ def tokenize(unit: Unit, tok, field: str, chat: chat_lib.ChatFormat | None = Non
         dropped = tok.dropped(counts)
     if not pieces:
         return Tokenized(np.zeros(0, dtype), np.zeros(0, np.int64), characters, dropped,
-                         None if masks is None else np.zeros(0, np.uint8))
+                         None if masks is None else np.zeros(0, np.uint8), faults)
     return Tokenized(np.concatenate(pieces).astype(dtype), np.cumsum([len(p) for p in pieces])[1::2], characters,
-                     dropped, None if masks is None else np.concatenate(masks))
+                     dropped, None if masks is None else np.concatenate(masks), faults)
 
 
 class DroppedText:
@@ -201,17 +207,20 @@ class ShardWriter:
 
 def prepare(src: str, tok, out: str | Path, workers: int = 1, text_field: str = "text",
             shard_tokens: int = SHARD_TOKENS, kind: str = "auto", allow_dropped_text: bool = False,
-            chat: chat_lib.ChatFormat | None = None, preference: bool = False, stage: str | None = None) -> dict:
+            chat: chat_lib.ChatFormat | None = None, preference: bool = False, stage: str | None = None, *,
+            allow_degenerate: bool = False) -> dict:
     """Tokenize `src` (a raw source: text, jsonl, Parquet, datasets folder) into the empty or new
     folder `out`, or an object-store URI (written in a local folder under `stage`, then uploaded:
     meshtrain/data/store.py); returns the manifest. Text the tokenizer maps to no token is an error unless
     `allow_dropped_text` (then a warning with the counts). `chat`: rows are conversations in
     `text_field`, rendered with this format, and a loss mask is written beside the tokens.
-    `preference`: jsonl rows are preference pairs (meshtrain/data/preference.py)."""
+    `preference`: jsonl rows are preference pairs (meshtrain/data/preference.py). Chat and preference rows
+    that train nothing or the wrong thing are an error unless `allow_degenerate` (meshtrain/data/degenerate.py)."""
     kind, parts = source_units(src, kind, shard_tokens, workers)
     with store.staged(out, stage) as local:
         return write_prepared(tokenized(parts, tok, text_field, workers, chat, preference), src, kind, tok,
-                              local, text_field, shard_tokens, allow_dropped_text, chat, preference)
+                              local, text_field, shard_tokens, allow_dropped_text, chat, preference,
+                              allow_degenerate=allow_degenerate)
 
 
 def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tuple[str, list[Unit]]:
@@ -227,18 +236,20 @@ def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tu
 
 def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: str | Path, text_field: str,
                    shard_tokens: int, allow_dropped_text: bool, chat: chat_lib.ChatFormat | None = None,
-                   preference: bool = False) -> dict:
+                   preference: bool = False, *, allow_degenerate: bool = False) -> dict:
     """The prepared folder `out` (shards, tokenizer, manifest written last) of the units' tokens
     `parts`, in order, whichever engine made them (`tokenized` here, meshtrain/data/cluster.py on
     Ray): written whole or not at all (writing_whole), `out` checked before the first part is asked
     for. Returns the manifest."""
     dropped = DroppedText(tok, src, allow_dropped_text, "pass --allow-dropped-text to prepare it without them")
+    faults = degenerate.Degenerate(src, allow_degenerate)
     with writing_whole(out, "--out") as tmp:
         writer = ShardWriter(tmp, tok, shard_tokens)
         ends = []  # preference data: every document's end in the stream
         try:
             for part in parts:
                 dropped.add(part)
+                faults.add(part.faults)
                 ends.append(part.ends + sum(s["tokens"] for s in writer.shards) + writer.tokens)
                 writer.add(part.ids, part.ends, part.mask)
             shards = writer.close()
@@ -249,6 +260,9 @@ def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: st
         if not shards:
             raise UserError(f"{src} holds no documents; pass a source with text in it")
         dropped.warn()
+        faults.warn()
+        if writer.masked:
+            degenerate.check_trained(src, writer.trained, "pairs' responses" if preference else "assistant turns")
         tokenizer_lib.record(tmp, tok)
         manifest = {**file_meta(tok, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)),
                     "source": {"path": str(src), "kind": kind, "text_field": text_field,

@@ -34,7 +34,7 @@ from meshtrain.core.console import log
 from meshtrain.core.errors import UserError, first_line
 from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned
 from meshtrain.data import digest
-from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, sidecar
+from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, check_sha256, sidecar
 
 CHUNK = 8 << 20  # bytes a read or write moves
 FIX = ("check the URI, that the store is reachable from here, and its credentials (AWS_ACCESS_KEY_ID and "
@@ -240,7 +240,7 @@ def cached(uri: str, cache_dir: str | Path = "", flag: str = "data.path") -> Pat
             try:
                 for name in sorted(set(there) - {MANIFEST}):
                     prefix.get(name, tmp / name)
-                _check_hashes(tmp, m, uri)
+                check_sha256(tmp, m, f"data.path {shown(uri)}", "prepare it again", digest.read_sha256)
                 (tmp / MANIFEST).write_bytes(prefix.read(MANIFEST))
                 try:
                     os.replace(tmp, folder)
@@ -271,15 +271,3 @@ def _check_sizes(found, m: dict, where: str, fix: str) -> None:
         if has != size:
             what = "is missing" if has is None else f"has {has:,} bytes, its manifest says {size:,}"
             raise UserError(f"{where}: {name} {what}; {fix}")
-
-
-def _check_hashes(folder: Path, m: dict, uri: str) -> None:
-    """The copied stream's sha256 (and its mask's) are the manifest's."""
-    bins = [folder / s["file"] for s in m["shards"]]
-    streams = [(bins, m["sha256"])]
-    if m.get("mask_sha256"):
-        streams.append(([b.with_suffix(MASK_SUFFIX) for b in bins], m["mask_sha256"]))
-    for files, sha256 in streams:
-        if digest.read_sha256(files) != sha256:
-            raise UserError(f"data.path {shown(uri)}: the copied {files[0].suffix} files' sha256 is not the one "
-                            f"its {MANIFEST} records (changed in the store after prepare?); prepare it again")

@@ -40,6 +40,18 @@ PLAIN_DTYPE = np.dtype(np.uint16)  # a token file without a sidecar, as nanoGPT 
 DTYPES = ("uint16", "uint32")
 SIDECAR_SCHEMA = {"dtype": DTYPES, "tokens": schema.Optional(schema.Int()), "tokenizer": str,
                   "vocab_size": schema.Int(1, 1 << 32), "sha256": schema.Optional(str)}
+# What a source holds, as an objective reads it (meshtrain/objectives/base.py `Objective.reads`).
+DATA_KINDS = {"synthetic": "synthetic tokens", "plain": "plain text",
+              "chat": "chat conversations (prepared with --chat)",
+              "preference": "preference pairs (prepared with --preference)"}
+
+
+def prepared_kind(manifest: dict) -> str:
+    """What a prepared folder holds, from its manifest: preference pairs, chat data (a loss mask), or
+    plain text."""
+    return "preference" if "pairs" in manifest else "chat" if manifest.get("mask_sha256") else "plain"
+
+
 MANIFEST_SCHEMA = {"dtype": DTYPES, "tokens": schema.Int(), "sha256": schema.Optional(str),
                    "shards": [{"file": schema.Name(), "tokens": schema.Int()}],
                    "mask_sha256": schema.Optional(str)}
@@ -115,14 +127,36 @@ def read_prepared(folder: Path) -> tuple[Tokens, dict]:
     files = [Path(folder) / s["file"] for s in manifest["shards"]]
     parts = [read_token_file(f, {"dtype": manifest["dtype"], "tokens": s["tokens"]})[0]
              for f, s in zip(files, manifest["shards"])]
-    tokens = Tokens(parts, files, vouched(manifest, Path(folder) / MANIFEST, files))
+    check_sha256(Path(folder), manifest, str(folder), "prepare the data again")  # sizes checked: now the bytes
+    tokens = Tokens(parts, files, manifest.get("sha256"))
     if manifest.get("mask_sha256") is not None:
         mask_files = [f.with_suffix(MASK_SUFFIX) for f in files]
         masks = [read_token_file(f, {"dtype": "uint8", "tokens": s["tokens"]})[0]
                  for f, s in zip(mask_files, manifest["shards"])]
-        tokens.masks = Tokens(masks, mask_files, vouched({"sha256": manifest["mask_sha256"]},
-                                                         Path(folder) / MANIFEST, mask_files))
+        tokens.masks = Tokens(masks, mask_files, manifest["mask_sha256"])
     return tokens, manifest
+
+
+def check_sha256(folder: Path, manifest: dict, where: str, fix: str, read=digest.files_sha256) -> None:
+    """Every byte a run reads is a byte prepare hashed: the shards' stream (and the loss mask's) against
+    the manifest's sha256, read once per version of the files (`read`: digest.py's cache; a fresh copy
+    passes digest.read_sha256). A mismatch names the shard (its own sha256, the manifest's row). A
+    manifest written before prepare recorded hashes vouches for nothing and is not checked."""
+    bins = [folder / s["file"] for s in manifest["shards"]]
+    streams = [(bins, manifest.get("sha256"), [s.get("sha256") for s in manifest["shards"]])]
+    if manifest.get("mask_sha256") is not None:
+        streams.append(([b.with_suffix(MASK_SUFFIX) for b in bins], manifest["mask_sha256"], []))
+    for files, sha256, each in streams:
+        if sha256 is None:
+            continue
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise UserError(f"{where}: {MANIFEST}'s sha256 must be 64 hex digits, not {schema.shown(sha256)}; {fix}")
+        if read(files) == sha256:
+            continue
+        bad = next((f.name for f, h in zip(files, each) if h and digest.read_sha256([f]) != h), None)
+        what = bad or f"the {files[0].suffix} files"
+        raise UserError(f"{where}: the bytes of {what} are not the ones prepare wrote (their sha256 is not the one "
+                        f"{MANIFEST} records: changed since); {fix}")
 
 
 def vouched(meta: dict | None, described_in: Path, files: list[Path]) -> str | None:

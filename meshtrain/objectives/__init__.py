@@ -8,6 +8,7 @@ shard_map, the pipeline) call the protocol and name no objective (docs/layout.md
 from __future__ import annotations
 
 from meshtrain.core.errors import UserError
+from meshtrain.data.tokens import DATA_KINDS
 from meshtrain.objectives.base import Microbatch, Objective
 from meshtrain.objectives.dpo import DPO
 from meshtrain.objectives.next_token import NextToken
@@ -21,4 +22,19 @@ def objective(name: str) -> type[Objective]:
     return OBJECTIVES[name]
 
 
-__all__ = ["OBJECTIVES", "Microbatch", "Objective", "objective"]
+def check_data(name: str, mix) -> None:
+    """Every source of the data mixture `mix` holds what objective `name` trains on (its `reads`): SFT
+    on preference pairs would train both responses as answers, DPO on chat data has no pairs."""
+    reads = OBJECTIVES[name].reads
+    for i, (source, kind) in enumerate(zip(mix.sources, mix.kinds)):
+        if kind in reads:
+            continue
+        where = f"data.path {source.path}" if len(mix.sources) == 1 else f"data.sources[{i}] ({source.path})"
+        others = [o for o, cls in OBJECTIVES.items() if kind in cls.reads]
+        fix = f"set train.objective={others[0]}, or " if others else ""
+        raise UserError(f"{where} holds {DATA_KINDS[kind]}; train.objective={name} trains on "
+                        f"{' or '.join(DATA_KINDS[k] for k in reads)}: {fix}prepare the data for it "
+                        f"(python -m meshtrain.data prepare)")
+
+
+__all__ = ["OBJECTIVES", "Microbatch", "Objective", "check_data", "objective"]

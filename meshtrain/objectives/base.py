@@ -86,6 +86,7 @@ class Objective:
     sequences_per_row: ClassVar[int] = 1  # the sequences a batch row holds (a preference pair: 2)
     scores_first: ClassVar[bool] = False  # `step_inputs` calls `score`: a forward-only pass first
     masked: bool = False  # the tokens carry a loss mask (meshtrain/data/tokens.py `with_mask`)
+    reads: ClassVar[tuple[str, ...]] = ("synthetic", "plain", "chat")  # the data it trains on: tokens.DATA_KINDS
 
     def __init__(self, model, plan, train, loss_mask: bool = False):
         self.model, self.precision, self.seed = model, plan.precision, train.seed

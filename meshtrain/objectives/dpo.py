@@ -80,6 +80,7 @@ class DPO(Objective):
     sequences_per_row = 2
     scores_first = True
     masked = True  # the responses are the trained targets
+    reads = ("preference",)
 
     def __init__(self, model, plan, train, loss_mask: bool = False):
         super().__init__(model, plan, train)

@@ -124,6 +124,15 @@ class GradNorms:
         return grad_norm_fields(metrics["grad_norms"], self.program.layer_order) | self.timer.share(wall)
 
 
+def check_trained(step: int, metrics, train) -> None:
+    """A step whose batch trains no token (its loss and gradients 0: nothing learned, yet Adam's moments
+    move the weights) stops the run: the data's loss mask leaves whole batches untrained."""
+    if "trained_tokens" in metrics and int(metrics["trained_tokens"]) == 0:
+        raise UserError(f"step {step}'s batch holds no trained token: the loss mask (data.train_on=assistant) "
+                        f"marks none of its {train.batch_size} x {train.seq_len} tokens; train on data with more "
+                        f"assistant text per window, a longer train.seq_len, or data.train_on=all")
+
+
 class Report:
     """The metric record, every train.log_every steps and at the last step; `extras` add their fields."""
 
@@ -138,6 +147,7 @@ class Report:
 
     def run(self, step: int, metrics, clock: StepClock) -> None:
         metrics = jax.device_get(clock.wait(step, metrics)[1])
+        check_trained(step, metrics, self.trainer.cfg.train)  # before its record: no "loss 0.0000" logged
         wall, data, host = clock.close(step)
         record = self.trainer.record(step, metrics, self.trainer.program.tokens_per_step / wall, wall, data)
         self.trainer.watchdog.observe(wall)
@@ -350,6 +360,7 @@ class Guard:
         return back
 
     def _verdict(self, step: int, metrics, log) -> int | None:
+        check_trained(step, metrics, self.trainer.cfg.train)
         if bool(metrics["finite"]):
             self.bad_batches = []
             return self._spike(step, float(metrics["loss"]), log) if self.spikes is not None else None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 
+from meshtrain import objectives
 from meshtrain.config.loader import Config, UserError, to_dict
 from meshtrain.config.validate import check_train_size
 from meshtrain.core import compile_cache
@@ -81,6 +82,7 @@ class Trainer:
         self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         self.mixture = load_mixture() if early is None else early
+        objectives.check_data(cfg.train.objective, self.mixture)  # SFT on preference pairs, DPO on chat: refused
         self.tasks = tasks.load(cfg.eval.tasks, self.mixture.tokenizer)  # now: a bad task file costs no compile
         # What defines the run, checked against the folder's record.
         self.identity, self.changes = run_dir.continued(
