@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from meshtrain.config.validate import check_generation_size
+from meshtrain.core import unicode
 from meshtrain.core.cli import Parser, arguments, command, compile_cache_flag, devices_flag, number, start_jax
 from meshtrain.core.errors import UserError
 from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
@@ -48,6 +49,9 @@ def encode_prompts(run: str, texts: list[str], tokenizer_spec: str | None = None
     cfg = run_config(run)
     tok = tokenizer.load(tokenizer_spec) if tokenizer_spec else tokenizer.for_run(run)
     tokenizer.check_vocab(tok, cfg.model.vocab_size, "the tokenizer")
+    for text in texts:  # argv keeps undecodable bytes as lone surrogates: one line, not a replaced character
+        unicode.check(text, f"--prompt {text.encode('utf-8', 'replace').decode()[:20]!r}",
+                      "pass the prompt as valid UTF-8")
     prompts = [tok.encode(text).astype(np.int32) for text in texts]
     context = cfg.train.seq_len
     for text, ids in zip(texts, prompts):

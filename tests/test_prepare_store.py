@@ -159,7 +159,7 @@ def test_a_shard_changed_in_the_store_is_refused_by_its_hash(s3, local, tmp_path
     shard = (folder / "shard-00002.bin").read_bytes()
     with fs.open_output_stream("bucket/changed/shard-00002.bin") as f:
         f.write(shard[::-1])  # same size, other bytes
-    with pytest.raises(UserError, match=r"s3://bucket/changed: the bytes of shard-00002.bin are not the ones prepare wrote"):
+    with pytest.raises(UserError, match=r"s3://bucket/changed: the bytes of shard-00002.bin are not the ones prepare"):
         store.cached(uri("changed"), tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())  # nothing half-copied left as cached data
     with fs.open_output_stream("bucket/changed/manifest.json") as f:
@@ -182,8 +182,8 @@ def test_chat_data_keeps_its_loss_mask_through_the_store(s3, tmp_path):
     mask = (tmp_path / "local" / "shard-00001.mask").read_bytes()
     with fs.open_output_stream("bucket/chat/shard-00001.mask") as f:
         f.write(bytes(1 - b for b in mask))
-    with pytest.raises(UserError, match=r"the bytes of the .mask files are not the ones prepare wrote \(their sha256 is not the one "
-                                         r"manifest.json records"):
+    with pytest.raises(UserError, match=r"the bytes of the .mask files are not the ones prepare wrote \(their "
+                                        r"sha256 is not the one manifest.json records"):
         store.cached(uri("chat"), tmp_path / "other-cache")
 
 

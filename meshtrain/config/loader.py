@@ -27,6 +27,7 @@ from meshtrain.config.spec import (  # noqa: F401
     settings,
 )
 from meshtrain.config.validate import check_config
+from meshtrain.core import unicode
 from meshtrain.core.bounds import Bounds
 from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
@@ -125,7 +126,7 @@ def parse_yaml(text: str, source: str):
         if node is None:
             return None
         _expanded_size(node)
-        return loader.construct_document(node)
+        return unicode.check(loader.construct_document(node), source, "write the text as valid Unicode")
     except _Refused as e:
         raise UserError(f"{source}: {e}") from None
     except RecursionError:
@@ -238,7 +239,10 @@ def _other_familys_default(spec, name: str, value, key: str) -> bool:
 
 
 def split_override(item: str) -> tuple[str, str]:
-    key, eq, raw = item.partition("=")
+    """A `--set` item's (key, raw value); argv's undecodable bytes (kept by Python as surrogate escapes)
+    are one error."""
+    key, eq, raw = unicode.check(item, f"--set {item.encode('utf-8', 'replace').decode()!r}",
+                                 "pass the value as valid UTF-8").partition("=")
     if not eq or not key.strip():
         raise UserError(f"--set {item!r} needs the form key=value, e.g. --set train.steps=100")
     return key.strip(), raw

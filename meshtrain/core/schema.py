@@ -30,6 +30,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.core import unicode
 from meshtrain.core.bounds import Bounds
 from meshtrain.core.errors import UserError
 
@@ -166,14 +167,16 @@ def check(value, schema, where: str, fix: str, key: str = "") -> None:
 
 def parse_json(text: str | bytes, where: str, fix: str):
     """A JSON document (text, or UTF-8 bytes), or one UserError naming `where`: not UTF-8, not JSON,
-    nested deeper than Python's recursion limit, an integer of more than 4,300 digits."""
+    nested deeper than Python's recursion limit, an integer of more than 4,300 digits, a lone surrogate
+    escape ("\\ud800": not Unicode, meshtrain/core/unicode.py)."""
     try:
-        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+        value = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
     except UnicodeDecodeError as e:
         raise UserError(f"{where} is unreadable (not UTF-8: byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
                         f"{fix}") from None
     except (ValueError, RecursionError) as e:
         raise UserError(f"{where} is unreadable (not JSON: {shown(e, 100)}); {fix}") from None
+    return unicode.check(value, where, fix)
 
 
 def read_json(path: str | Path, schema, fix: str, where: str | None = None):

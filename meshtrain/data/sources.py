@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.core import unicode
 from meshtrain.core.errors import UserError
 from meshtrain.data.tokens import MANIFEST
 
@@ -35,6 +36,8 @@ class Unit:
     lo: int = 0  # jsonl: byte range; parquet: row groups; arrow: record batches
     hi: int = 0
 
+
+UNICODE_FIX = "save the source as valid UTF-8 text"
 
 def stdlib_files() -> list[Path]:
     """The Python standard library's own .py files: a real corpus every machine has offline. The walk
@@ -113,24 +116,28 @@ def source_bytes(parts: list[Unit]) -> int:
 
 
 def read(unit: Unit, field: str | None, value=None, columns: tuple = ()) -> Iterator:
-    """The unit's documents: a text file whole (undecodable bytes kept as surrogate escapes, so the
-    byte tokenizer sees the file's own bytes); jsonl lines' / Parquet or Arrow rows' `field`, checked
+    """The unit's documents: a text file whole; jsonl lines' / Parquet or Arrow rows' `field`, checked
     by `value(field value, field, where)` (default: text; meshtrain/data/chat.py: a conversation);
     `field` None: whole rows, jsonl lines' or Parquet/Arrow rows' `columns` as a dict
-    (meshtrain/data/preference.py: a preference pair)."""
+    (meshtrain/data/preference.py: a preference pair). Text that is not valid Unicode (bytes that are not
+    UTF-8, a lone surrogate) is one error naming the file and line (meshtrain/core/unicode.py)."""
     value = value or _text
     if unit.kind == "text":
         if value is not _text:
             what = "preference data is rows of prompt, chosen and rejected" if field is None else \
                 "chat data is rows of messages"
             raise UserError(f"{unit.file} is a text file; {what} (jsonl, Parquet or a datasets folder)")
-        yield Path(unit.file).read_bytes().decode("utf-8", errors="surrogateescape")
+        yield unicode.decode(Path(unit.file).read_bytes(), unit.file, UNICODE_FIX)
     elif unit.kind == "jsonl":
         yield from _jsonl(unit, field, value)
     else:
         names = list(columns) if field is None else [field]
         table = _parquet_rows(unit, names) if unit.kind == "parquet" else _arrow_rows(unit, names)
-        rows = table.to_pylist() if field is None else table.column(field).to_pylist()
+        try:  # Arrow's strings are UTF-8 (its writers refuse surrogates); another writer's bad bytes are one line
+            rows = table.to_pylist() if field is None else table.column(field).to_pylist()
+        except UnicodeDecodeError as e:
+            raise UserError(f"{unit.file} ({unit.kind} part {unit.lo}): a string is not UTF-8 ({e.reason}); "
+                            f"{UNICODE_FIX}") from None
         for i, row in enumerate(rows):
             yield value(row, field, f"{unit.file} ({unit.kind} part {unit.lo}, row {i})")
 
@@ -151,8 +158,9 @@ def _jsonl(unit: Unit, field: str, value) -> Iterator:
         while (at := f.tell()) < unit.hi and (line := f.readline()):
             if not line.strip():
                 continue
+            where = f"{unit.file}, line at byte {at}"
             try:
-                row = json.loads(line)
+                row = unicode.check(json.loads(unicode.decode(line, where, UNICODE_FIX, None)), where, UNICODE_FIX)
             except ValueError as e:
                 raise UserError(f"{unit.file}, line at byte {at}: not JSON ({e}); fix the line or the "
                                 f"file (one JSON object per line)") from None

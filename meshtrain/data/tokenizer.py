@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from meshtrain.core import unicode
 from meshtrain.core.errors import UserError
 
 HF_FILE, HF_CONFIG, BYTE_NOTE = "tokenizer.json", "tokenizer_config.json", "tokenizer.txt"
@@ -219,11 +220,14 @@ def train_bpe(files_or_texts: Iterable[str | Path], vocab_size: int, out_path: s
 
 
 def _texts(items: Iterable[str | Path], chunk_chars: int = 1 << 20) -> Iterable[str]:
-    """Texts as given; files in chunks of whole lines, so a large file is never held at once."""
+    """Texts as given; files in chunks of whole lines, so a large file is never held at once, each
+    valid UTF-8 or one error naming the file and line (meshtrain/core/unicode.py)."""
     for item in items:
         if not isinstance(item, Path):
             yield item
             continue
-        with open(item, errors="replace") as f:
+        with open(item, "rb") as f:
+            line = 1
             while chunk := f.read(chunk_chars) + f.readline():
-                yield chunk
+                yield unicode.decode(chunk, str(item), "save it as valid UTF-8 text", line)
+                line += chunk.count(b"\n")
