@@ -7,7 +7,9 @@ loss, eval loss and tokens/s against the step, one color per run, into one PNG
 and the step it was reached at, median tokens/s (the median: the first steps' warm-up does not
 count). For a run folder whose run.json holds goodput accounts (meshtrain/run/goodput.py), it then
 prints where the run's wall time went, summed over its starts: goodput (productive / wall) and each
-category's seconds and share, the largest first (docs/operating.md, "Goodput").
+category's seconds and share, the largest first (docs/operating.md, "Goodput"). A record that lacks a
+field (an earlier version's, an edited file) costs only what it cannot show: each run's notes say what
+is missing, and the rest is drawn and tabled.
 """
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ class Run:
     train: list[dict]  # records with a loss, by step
     evals: list[dict]  # records with an eval_loss, by step
     goodput: dict | None = None  # its starts' goodput accounts summed (goodput.total), None without
+    notes: tuple[str, ...] = ()  # what its records lack, and what is not shown for it
+    record_problems: tuple[str, ...] = ()  # what its run.json lacks or cannot be read of
+
+    @property
+    def rates(self) -> list[dict]:
+        """The training records that hold a tokens/s figure."""
+        return [r for r in self.train if _number(r, "tokens_per_sec")]
 
     def series(self, records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
         return np.array([r["step"] for r in records]), np.array([r[key] for r in records], float)
@@ -45,26 +54,47 @@ def load_run(path: str) -> Run:
         raise UserError(f"{path}: no metrics.jsonl there; pass a run folder (the --out of a training run) "
                         f"or its metrics.jsonl")
     records = jsonl.read(file)  # a torn last record is dropped with a warning
-    train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+    placed = [r for r in records if isinstance(r, dict) and _number(r, "step")]
+    train = sorted((r for r in placed if _number(r, "loss")), key=lambda r: r["step"])
     if not train:
-        raise UserError(f"{file} holds no training records yet; pass a run that has logged a step")
-    evals = sorted((r for r in records if "eval_loss" in r), key=lambda r: r["step"])
-    return Run(path.rstrip("/"), train, evals, run_goodput(file.parent))
+        raise UserError(f"{file} holds no training records yet (none with a numeric step and loss); pass a run "
+                        f"that has logged a step")
+    evals = sorted((r for r in placed if _number(r, "eval_loss")), key=lambda r: r["step"])
+    notes = []
+    if len(placed) < len(records):
+        notes.append(f"{len(records) - len(placed):,} of {len(records):,} records have no numeric step: left out")
+    accounts, problems = run_goodput(file.parent)
+    run = Run(path.rstrip("/"), train, evals, accounts, record_problems=tuple(problems))
+    if len(run.rates) < len(train):
+        shown = "not drawn" if not run.rates else f"drawn from the other {len(run.rates):,}"
+        notes.append(f"{len(train) - len(run.rates):,} of {len(train):,} training records have no tokens_per_sec: "
+                     f"tokens/s {shown}")
+    run.notes = tuple(notes)
+    return run
 
 
-def run_goodput(folder: Path) -> dict | None:
-    """The goodput of the run in `folder`, summed over the starts that recorded an account."""
-    from meshtrain.run.run_dir import read_record  # JAX: only when a report is made
+def _number(record: dict, key: str) -> bool:
+    """Whether the record holds a real number under `key` (JSON's true/false are not one)."""
+    value = record.get(key)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    record = read_record(folder)
-    accounts = [s["goodput"] for s in record.get("starts", []) if "goodput" in s] if record else []
-    return goodput.total(accounts) if accounts else None
+
+def run_goodput(folder: Path) -> tuple[dict | None, list[str]]:
+    """The goodput of the run in `folder`, summed over the starts that recorded an account (None: none
+    did), and what its run.json lacks or cannot be read of."""
+    from meshtrain.run.run_dir import readable_record  # JAX: only when a report is made
+
+    record, problems = readable_record(folder)
+    accounts = [s["goodput"] for s in record.get("starts", []) if "goodput" in s]
+    return (goodput.total(accounts) if accounts else None), problems
 
 
 def goodput_table(run: Run) -> str:
     """`<run>: goodput 62% of 1m33s over 3 starts (2 restarts), 7 steps replayed`, then a line per
     category: seconds and share of the wall time, productive first, then the losses, largest first."""
     g = run.goodput
+    if g is None and run.record_problems:
+        return f"{run.name}: no goodput shown ({'; '.join(run.record_problems)})"
     if g is None:
         return f"{run.name}: no goodput recorded (no run.json account beside its metrics.jsonl: a run of an " \
                f"earlier version, or a copied file)"
@@ -90,7 +120,7 @@ def figure(runs: list[Run]):
         if run.evals:
             panels[1].plot(*run.series(run.evals, "eval_loss"), color=color, marker="o", markersize=3,
                            label=run.name, linewidth=1.2)
-        panels[2].plot(*run.series(run.train, "tokens_per_sec"), color=color, label=run.name, linewidth=1.2)
+        panels[2].plot(*run.series(run.rates, "tokens_per_sec"), color=color, label=run.name, linewidth=1.2)
     titles = ("train loss", "eval loss", "tokens/s")
     for ax, title in zip(panels, titles):
         ax.set_title(title, fontsize=10)
@@ -115,16 +145,20 @@ def table(runs: list[Run]) -> str:
             best_text = f"{best['eval_loss']:.4f} ({best['step']})"
         else:
             best_text = "-"
-        rate = float(np.median([r["tokens_per_sec"] for r in run.train]))
-        lines.append(f"{run.name:<{width}}  {last['step']:>6}  {last['loss']:>10.4f}  {best_text:>18}  {rate:>10,.0f}")
+        rate = f"{np.median([r['tokens_per_sec'] for r in run.rates]):,.0f}" if run.rates else "-"
+        lines.append(f"{run.name:<{width}}  {last['step']:>6}  {last['loss']:>10.4f}  {best_text:>18}  {rate:>10}")
     return "\n".join(lines)
+
+
+DEFAULT_OUT = "report.png"  # in the current folder: comparing runs never writes into one of them
 
 
 def parser() -> Parser:
     p = Parser(prog="python -m meshtrain.report", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (--out of a training run) or its metrics.jsonl")
-    p.add_argument("--out", default="report.png", metavar="PNG",
-                   help="where to write the plot (default report.png; its suffix picks the format)")
+    p.add_argument("--out", metavar="PNG",
+                   help=f"where to write the plot (its suffix picks the format); a file named here is never "
+                        f"replaced without --force (default {DEFAULT_OUT}, replaced by the next report)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     return p
 
@@ -132,13 +166,15 @@ def parser() -> Parser:
 @command
 def main(argv=None) -> int:
     args = arguments(parser(), argv)
-    with writing_file(args.out, "--out", args.force, figure_suffixes()) as tmp:
+    out = Path(args.out or DEFAULT_OUT)  # the command's own default is its to replace; a named file is the user's
+    with writing_file(out, "--out", args.force or args.out is None, figure_suffixes()) as tmp:
         runs = [load_run(path) for path in args.runs]
         figure(runs).savefig(tmp, dpi=100)
-    out = Path(args.out)
     print(table(runs))
     for run in runs:
         print(goodput_table(run))
+        for note in run.notes:
+            print(f"{run.name}: {note}")
     print(f"plot written to {out}")
     return 0
 

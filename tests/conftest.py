@@ -98,14 +98,67 @@ def _mapped_regions() -> int:
 
 
 @pytest.fixture(autouse=True)
-def _release_programs_near_the_map_limit():
+def _release_programs_near_the_map_limit(request):
     yield
-    if os.path.exists("/proc/self/maps") and _mapped_regions() > _maps_mark[0]:
+    if not os.path.exists("/proc/self/maps"):
+        return
+    regions = _mapped_regions()
+    _worker_status(f"after {request.node.nodeid}: {regions:,} mapped regions (mark {_maps_mark[0]:,})")
+    if regions > _maps_mark[0]:
         import gc
 
         from meshtrain import testing
 
+        _worker_status(f"releasing the programs after {request.node.nodeid} at {regions:,} mapped regions")
         testing._RUNS.clear()
         jax.clear_caches()
         gc.collect()
         _maps_mark[0] = max(_maps_mark[0], _mapped_regions() + 10_000)
+        _worker_status(f"released after {request.node.nodeid}: {_mapped_regions():,} mapped regions left")
+
+
+# A worker killed by a fatal signal (an XLA check's abort, a segfault) takes its evidence with it:
+# pytest-xdist names the test and the log holds faulthandler's dump somewhere in the middle. Each
+# worker writes that dump to a file, and a status line after every test (its mapped regions, a
+# release under way) to another; the controller puts both into the crashed test's report
+# (`pytest_handlecrashitem`), which CI prints near the end of its log: the other threads' tops first,
+# then the status, the fatal error and the crashing thread's innermost frames last, where a log's
+# tail shows them.
+CRASHES = "MESHTRAIN_TEST_CRASH_DIR"
+_crash_dump: list = []  # the worker's open dump file (faulthandler writes to its descriptor)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin enabled it on stderr: this file instead
+def pytest_configure(config):
+    import faulthandler
+    import tempfile
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        os.environ.setdefault(CRASHES, tempfile.mkdtemp(prefix="meshtrain-test-crashes-"))  # the workers inherit it
+    elif os.environ.get(CRASHES):
+        _crash_dump.append(open(os.path.join(os.environ[CRASHES], f"{worker}.dump"), "w"))
+        faulthandler.enable(_crash_dump[0], all_threads=True)
+
+
+def _worker_status(line: str) -> None:
+    worker, folder = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(CRASHES)
+    if worker and folder:
+        with open(os.path.join(folder, f"{worker}.status"), "w") as f:
+            f.write(line + "\n")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    gateway = getattr(getattr(report, "node", None), "gateway", None)
+    folder = os.environ.get(CRASHES)
+    if gateway is None or not folder:
+        return
+    read = lambda suffix: (open(path, errors="replace").read() if os.path.exists(
+        path := os.path.join(folder, f"{gateway.id}.{suffix}")) else "")
+    blocks = [b.splitlines() for b in read("dump").split("\n\n") if b.strip()]
+    fatal = [b for b in blocks if b[0].startswith("Fatal Python error")]
+    current = [b for b in blocks if b[0].startswith("Current thread")]
+    others = [line for b in blocks if b[0].startswith("Thread ") for line in b[:3]]
+    said = [*others, read("status").strip(), *(fatal[0][:1] if fatal else []), *(current[0][:14] if current else [])]
+    report.longrepr = "\n".join([str(report.longrepr), "", *filter(None, said)])

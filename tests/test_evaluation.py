@@ -194,6 +194,30 @@ def test_eval_command_reproduces_the_loop_on_another_mesh(run, capsys):
     assert results["eval_acc_norm_play"] == last["eval_acc_norm_play"]
 
 
+@pytest.mark.parametrize("lost", ["identity", "starts", "data_files"])
+def test_eval_of_a_run_whose_record_lacks_a_section_evaluates_and_names_it(run, lost, tmp_path, capsys, caplog):
+    """A read-only command degrades: run.json without a section still evaluates (on the run's data as
+    config.yaml names it) and says what it could not check; it never asks for a new run."""
+    import shutil
+
+    from meshtrain.eval import main
+
+    folder, history, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(folder / "run", copy, ignore=shutil.ignore_patterns("run.lock"))
+    record = json.loads((copy / "run.json").read_text())
+    del record[lost]
+    (copy / "run.json").write_text(json.dumps(record))
+    assert main(["--run", str(copy), "--mesh", "fsdp=2,tensor=4", "--json", str(tmp_path / "r.json")]) == 0
+    last = {k: v for r in history if r["step"] == 4 for k, v in r.items()}
+    assert abs(json.loads((tmp_path / "r.json").read_text())["eval_loss"] - last["eval_loss"]) < 1e-5
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if lost == "identity":
+        assert warned == [f"{copy}: run.json has no identity: the data is not checked against what the run "
+                          f"trained on"]
+    assert not any("--out" in w for w in warned)
+
+
 def test_lm_eval_adapter_agrees_with_the_model(tiny, run):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance

@@ -115,10 +115,11 @@ def test_resume_restores_the_scale_bitwise_on_any_mesh(tmp_path, caplog):
     old = {k: v for k, v in resumed.state.items() if k != "loss_scale"}
     checkpointer = Checkpointer(tmp_path / "old" / "checkpoints", keep=1)
     checkpointer.save(old, {"config": to_dict(resumed.cfg), "mesh": "fsdp=8", "devices": 8, "skip_batches": []})
-    checkpointer.wait()
+    checkpointer.close()  # saved, and its manager's threads ended
     (tmp_path / "old" / "config.yaml").write_text((tmp_path / "run" / "config.yaml").read_text())
     caplog.clear()
     fresh = Trainer(tiny_config(*overrides, "parallel.mesh=fsdp=8", "checkpoint.resume=auto",
                                 out=str(tmp_path / "old")))
     assert "has no 'loss_scale' in this run's layout; it starts fresh" in caplog.text  # a notice, logged
     assert float(fresh.state["loss_scale"]["scale"]) == 2.0 ** 30 and int(fresh.state["step"]) == 8
+    fresh.close()

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import TINY, tiny_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from meshtrain import report
@@ -273,6 +275,63 @@ def test_report_errors_are_one_line(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no training records yet" in err
+
+
+FIELDS = ("step", "loss", "eval_loss", "tokens_per_sec")
+
+
+@pytest.mark.fast
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dropped=st.lists(st.tuples(st.integers(0, 7), st.sampled_from(FIELDS)), max_size=10),
+       record_keys=st.sets(st.sampled_from(["identity", "starts", "data_files", "data_source"])))
+def test_report_shows_what_records_hold_and_names_what_they_lack(tmp_path_factory, dropped, record_keys):
+    """Any fields dropped from any records of metrics.jsonl and any sections from run.json: report
+    draws and tables what is left, says how many records lack a step or tokens/s, and fails (one
+    line) only when no record holds a step and a loss; run twice, its default report.png is replaced."""
+    import os
+
+    tmp = tmp_path_factory.mktemp("records")
+    records = [{"step": k + 1, "loss": 5.0 - k / 10, "tokens_per_sec": 1000.0 + k, **({"eval_loss": 4.9 - k / 10}
+                if k % 4 == 3 else {})} for k in range(8)]
+    for k, field in dropped:
+        records[k].pop(field, None)
+    (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    start = {"time": 1.0, "step": 0, "devices": 1, "mesh": "data=1", "process_count": 1}
+    full = {"identity": {"model": {}, "data": None, "seed": 0, "schedule_steps": 8}, "starts": [start],
+            "data_files": [], "data_source": "x"}
+    (tmp / "run.json").write_text(json.dumps({k: full[k] for k in record_keys}))
+    trains = [r for r in records if "step" in r and "loss" in r]
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        code = report.main([str(tmp)])
+        assert code == (0 if trains else 2)
+        if not trains:
+            return
+        assert report.main([str(tmp)]) == 0 and (tmp / "report.png").is_file()  # the default output, replaced
+    finally:
+        os.chdir(cwd)
+    run = report.load_run(str(tmp))
+    unplaced = sum("step" not in r for r in records)
+    assert (f"{unplaced:,} of 8 records have no numeric step: left out" in run.notes) == bool(unplaced)
+    rated = [r for r in trains if "tokens_per_sec" in r]
+    assert any("have no tokens_per_sec" in n for n in run.notes) == (len(rated) < len(trains))
+    row = report.table([run]).splitlines()[1].split()
+    assert row[1] == str(max(r["step"] for r in trains)) and row[-1] == (
+        f"{np.median([r['tokens_per_sec'] for r in rated]):,.0f}" if rated else "-")
+    assert ("starts" in record_keys) or "run.json has no" in report.goodput_table(run)
+
+
+@pytest.mark.fast
+def test_a_named_report_file_is_protected_and_the_default_replaced(tmp_path, capsys, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "tokens_per_sec": 5.0}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    assert report.main([str(tmp_path)]) == 0 and report.main([str(tmp_path)]) == 0
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"my own figure")
+    assert report.main([str(tmp_path), "--out", str(mine)]) == 2 and mine.read_bytes() == b"my own figure"
+    assert f"--out {mine} already exists" in capsys.readouterr().err
+    assert report.main([str(tmp_path), "--out", str(mine), "--force"]) == 0
 
 
 @pytest.mark.fast

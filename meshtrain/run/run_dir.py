@@ -32,6 +32,7 @@ import yaml
 from meshtrain.config.loader import Config, UserError, default_out, load_config, parse_yaml, to_dict
 from meshtrain.core import schema
 from meshtrain.core.console import NOTICE, log
+from meshtrain.core.errors import first_line
 from meshtrain.core.folders import full_disk_is_user_error, replace_file, writable
 from meshtrain.data import mixture, store
 from meshtrain.data.mixture import sources as data_sources
@@ -180,7 +181,8 @@ def run_mixture(run: str | Path, cfg: Config, other: str | None = None):
     """The data `cfg` (a run's config, `resolve_data` applied) names, loaded and checked to be what
     the run trained on (`check_run_data`); a source that is gone is one error. `other`: how to use
     other data instead (a flag), if the command has a way."""
-    files = _data_files(read_record(Path(run)) or {})
+    record, problems = readable_record(Path(run))  # a read-only command: it shows what it can
+    files = _data_files(record)
     for i, s in enumerate(data_sources(cfg.data)):
         if s.path and not store.is_uri(s.path) and not os.path.exists(s.path):
             recorded = files[i] if len(files) > i and files[i].get("path") == s.path else None
@@ -189,14 +191,18 @@ def run_mixture(run: str | Path, cfg: Config, other: str | None = None):
             raise UserError(f"the data the run in {run} trained on is not at {where}; put it back"
                             f"{f', or {other}' if other else ''}")
     mix = mixture.load(cfg.data, cfg.model.vocab_size)
-    check_run_data(run, mix, other)
+    if problems and "identity" not in record:
+        log.warning(f"{run}: {'; '.join(problems)}: the data is not checked against what the run trained on")
+        return mix
+    check_run_data(run, mix, other, record or None)
     return mix
 
 
-def check_run_data(run: str | Path, mix, other: str | None = None) -> None:
-    """`mix` is the data the run in `run` trained on last (run.json's identity), or one error naming
-    the source that differs and the fix (`other`: how to use other data instead)."""
-    record = read_record(Path(run))
+def check_run_data(run: str | Path, mix, other: str | None = None, record: dict | None = None) -> None:
+    """`mix` is the data the run in `run` trained on last (run.json's identity; `record`: run.json
+    as read already), or one error naming the source that differs and the fix (`other`: how to use
+    other data instead)."""
+    record = record if record is not None else read_record(Path(run))
     recorded = record["identity"].get("data") if record else None
     if recorded is None:
         return  # an earlier version's run without run.json: nothing to compare with
@@ -227,6 +233,35 @@ def read_record(out: Path) -> dict | None:
     record = schema.read_json(path, RUN_SCHEMA, fix)
     check_model(record["identity"]["model"], str(path), fix, "identity.model")
     return record
+
+
+def readable_record(out: Path) -> tuple[dict, list[str]]:
+    """For a read-only command (report, eval): run.json's sections that read, each checked alone, and
+    what is missing or unreadable, named; ({}, []) where there is no run.json. A run that continues
+    reads it whole (`read_record`)."""
+    path = out / RUN_RECORD
+    if not path.exists():
+        return {}, []
+    try:
+        record = schema.parse_json(path.read_bytes(), str(path), "")
+    except (UserError, OSError) as e:
+        return {}, [first_line(e).rstrip("; ")]
+    if not isinstance(record, dict):
+        return {}, [f"{RUN_RECORD} does not hold a mapping"]
+    kept, problems = {}, []
+    for key, inner in RUN_SCHEMA.items():
+        optional = isinstance(inner, schema.Optional)
+        if key not in record:
+            problems += [] if optional else [f"{RUN_RECORD} has no {key}"]
+            continue
+        try:
+            schema.check(record[key], inner.schema if optional else inner, str(path), "", key)
+            if key == "identity":
+                check_model(record[key]["model"], str(path), "", "identity.model")
+            kept[key] = record[key]
+        except UserError as e:
+            problems.append(f"{RUN_RECORD}'s {key} is unreadable ({first_line(e).rstrip('; ')})")
+    return kept, problems
 
 
 def record_or_rebuilt(out: Path) -> dict | None:

@@ -146,7 +146,11 @@ class Trainer:
             console.log(NOTICE, notice)
 
     def close(self) -> None:
-        """Give --out back (fit() does at its end; a Trainer that never trains should be closed)."""
+        """End the checkpoint manager a restore opened (its threads) and give --out back (fit() does at its
+        end; a Trainer that never trains should be closed)."""
+        if getattr(self, "checkpointer", None) is not None:
+            with contextlib.suppress(Exception):  # closing after an error: the first error is the one said
+                self.checkpointer.close()
         self.lock.release()
 
     def restore(self, root: Path | None, steps: list[int], verb: str = "resumed from"):
