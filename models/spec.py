@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshtrain.core.bounds import setting
+from meshtrain.core.bounds import Applies, setting
 from meshtrain.core.errors import UserError
 
 FAMILY_HELP = "model family (docs/families.md); it decides which other model keys exist"
@@ -33,11 +33,12 @@ class LoraSpec:
     The dropout (inverted, in training only) draws its masks as models/lora.py `lora_dropout` says."""
     rank: int = setting(0, "LoRA rank; 0 = no adapters, every weight is trained", min=0)
     alpha: float = setting(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank",
-                           above=0.0)
+                           above=0.0, applies=Applies("model.lora.rank"))
     dropout: float = setting(0.0, "dropout on the adapters' input in training (PEFT's lora_dropout); the same mask "
-                             "on every layout", min=0.0, below=1.0)
+                             "on every layout", min=0.0, below=1.0, applies=Applies("model.lora.rank"))
     targets: list = setting(list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
-                                                   "(routed experts: an adapter per expert)")
+                                                   "(routed experts: an adapter per expert)",
+                            applies=Applies("model.lora.rank"))
 
     def check(self) -> None:
         """One UserError for targets that are not projections, named twice, or none at all."""

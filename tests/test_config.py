@@ -253,3 +253,76 @@ def test_an_error_line_is_bounded(capsys):
     assert main([]) == 2
     line = capsys.readouterr().err
     assert line.count("\n") == 1 and len(line) < 2100 and "characters cut" in line and line.endswith("\\nend\n")
+
+
+SWITCHED_ON = {"data.document_mask": True, "train.straggler_every": 2, "checkpoint.local_dir": "/tmp/local",
+               "guard.spike_factor": 3.0, "logging.wandb": True, "model.lora.rank": 4,
+               "eval.tasks": [{"path": "tasks.jsonl"}]}
+
+
+def _other_value(f, default):
+    """A value of the setting `f` other than its default, within its choices and range."""
+    from meshtrain.core.bounds import Bounds
+
+    if f.metadata["choices"]:
+        return next(c for c in f.metadata["choices"] if c != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, list):
+        return default[:1] or ["x"]
+    if isinstance(default, str):
+        return "x"
+    b = f.metadata["bounds"]
+    for candidate in (default + 1, default * 2, default / 2, 0.1):
+        candidate = type(default)(candidate)
+        if candidate != default and Bounds.problem(b, candidate) is None:
+            return candidate
+    raise AssertionError(f"no other value for {f.name}")
+
+
+def _declared():
+    from meshtrain.config.spec import settings
+
+    return [(key, f) for key, f, _ in settings(load_config(TINY_CONFIG, ["model.lora.rank=4"]))
+            if f.metadata.get("applies")]
+
+
+TINY_CONFIG = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("key, f", _declared(), ids=lambda x: x if isinstance(x, str) else "")
+def test_a_setting_changed_where_it_has_no_effect_is_one_line_by_one_rule(key, f):
+    """Every setting that declares where it applies (core/bounds.py `Applies`): changed from its default
+    with its switch off, one error naming both keys; with the switch on, accepted."""
+    import dataclasses
+
+    from meshtrain.config.spec import Config, settings
+
+    applies = f.metadata["applies"]
+    fields = {k: g for k, g, _ in settings(Config())} | {k: g for k, g in _declared()}
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    value = _other_value(f, default)
+    switch = fields[applies.key]
+    switch_default = switch.default_factory() if switch.default is dataclasses.MISSING else switch.default
+    off = next((c for c in switch.metadata["choices"] if c not in applies.values), switch_default)
+    flow = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
+    setting = f"{key}={flow(value) if not isinstance(value, list) else value}"
+    with pytest.raises(UserError) as e:
+        load_config(TINY_CONFIG, [f"{applies.key}={flow(off) if not isinstance(off, list) else off}", setting])
+    assert str(e.value).startswith(f"{key}={value!r} has no effect with {applies.key}={off!r} (it applies where "
+                                   f"{applies.key} is ")
+    on = applies.values[0] if applies.values else SWITCHED_ON[applies.key]
+    try:
+        load_config(TINY_CONFIG, [f"{applies.key}={flow(on) if not isinstance(on, list) else on}", setting])
+    except UserError as other:  # another check may still object to the tiny model (not this rule)
+        assert "has no effect" not in str(other)
+
+
+@pytest.mark.fast
+def test_a_runs_recorded_config_with_a_setting_without_effect_still_reads(tmp_path):
+    """An earlier version accepted it: the run's config.yaml is read back as it is (eval, generate)."""
+    (tmp_path / "config.yaml").write_text("parallel: {loss_scale_window: 5}\n")
+    assert load_config(str(tmp_path / "config.yaml"), recorded=True).parallel.loss_scale_window == 5
+    with pytest.raises(UserError, match="parallel.loss_scale_window=5 has no effect"):
+        load_config(str(tmp_path / "config.yaml"))

@@ -107,8 +107,8 @@ def test_an_interrupted_save_is_removed_and_the_folder_is_the_runs_own(tmp_path)
 
 @pytest.mark.fast
 @pytest.mark.parametrize("overrides, message", [
-    (("checkpoint.local_every=5",), "checkpoint.local_every / local_every_minutes are set but checkpoint.local_dir "
-                                    "is not"),
+    (("checkpoint.local_every=5",), "checkpoint.local_every=5 has no effect with checkpoint.local_dir='' (it "
+                                    "applies where checkpoint.local_dir is set)"),
     (("checkpoint.local_dir=/tmp/nvme",), "checkpoint.local_dir='/tmp/nvme' is never written: set "
                                           "checkpoint.local_every"),
     (("checkpoint.local_dir=/tmp/r/checkpoints/l", "checkpoint.local_every=2", "out=/tmp/r"),

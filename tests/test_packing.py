@@ -199,7 +199,7 @@ def test_document_mask_needs_an_eos():
     with pytest.raises(UserError, match=r"data.document_mask=true needs an EOS id.*set data.eos_id"):
         packing_of(DataConfig(document_mask=True), None)
     with pytest.raises(UserError, match=r"data.eos_id=300 is outside model.vocab_size=256"):
-        tiny_config("data.eos_id=300")
+        tiny_config("data.document_mask=true", "data.eos_id=300")
     from meshtrain.run.trainer import Trainer
 
     with pytest.raises(UserError, match=r"data.document_mask=true needs an EOS id"):  # synthetic data: no tokenizer

@@ -118,8 +118,8 @@ def test_moe_training_matches_single_device():
       "parallel.attention=ring"), r"one of 2"),
     (("parallel.mesh=data=2,context=4", "parallel.context_strategy=hybrid", "parallel.ulysses_degree=2",
       "parallel.attention=xla"), r"parallel.attention=xla cannot attend across; set parallel.attention=ring"),
-    (("parallel.ulysses_degree=2",), r"parallel.ulysses_degree=2 sizes the all-to-all groups of "
-                                     r"parallel.context_strategy=hybrid"),
+    (("parallel.ulysses_degree=2",), r"parallel.ulysses_degree=2 has no effect with parallel.context_strategy="
+                                     r"'ring' \(it applies where parallel.context_strategy is 'hybrid'\)"),
     (("parallel.mesh=data=2,context=4", "parallel.context_strategy=hybrid", "parallel.ulysses_degree=2",
       "parallel.attention=ring", "train.seq_len=10"), r"train.seq_len=10 is not divisible by 4: "
                                                      r"context_strategy=hybrid splits it over context=4 in 4 chunks"),

@@ -307,7 +307,9 @@ def read_text(path: Path, what: str) -> str:
         raise UserError(f"{what} {path} cannot be read ({e.strerror}); check the path and its permissions") from None
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: list[str] = (), recorded: bool = False) -> Config:
+    """The config of the YAML file `path` with `overrides` (`--set` items), checked. `recorded`: a run's
+    own config.yaml, read back (a setting it holds without effect is not refused: the run is what it is)."""
     cfg = Config()
     if path:
         p = Path(path)
@@ -319,7 +321,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         apply_overrides(cfg, data)
     apply_overrides(cfg, list(overrides))
     cfg.out = cfg.out or default_out(path)
-    check_config(cfg)
+    check_config(cfg, effective=not recorded)
     return cfg
 
 
@@ -331,7 +333,8 @@ def reference_markdown() -> str:
              "(a test keeps it in sync). Set any key in a YAML file (`section: {key: value}`) or with",
              "`--set section.key=value`; `python -m meshtrain.train --print-config` prints the resolved",
              "values of a command. Numbers must be finite (no NaN or infinity) and integers at most",
-             "2^31 - 1; a value outside its range is an error naming the key, the value and the range.", ""]
+             "2^31 - 1; a value outside its range is an error naming the key, the value and the range. A key",
+             "marked *only where ...* has no effect elsewhere: changed from its default there, it is an error.", ""]
     for section in dataclasses.fields(Config):
         default = getattr(Config(), section.name)
         if not dataclasses.is_dataclass(default):
@@ -380,6 +383,9 @@ def _reference_row(key: str, f, value) -> str:
         notes.append(str(f.metadata["bounds"]))
     if not f.metadata["architecture"] and key.startswith("model."):
         notes.append("*may change on resume*")
+    if applies := f.metadata.get("applies"):  # config/validate.py check_effective refuses it elsewhere
+        where = " or ".join(f"`{v}`" for v in applies.values) if applies.values else "set"
+        notes.append(f"*only where `{applies.key}` is {where}*")
     return f"| `{key}` | `{_flow_yaml(value)}` | {'; '.join(notes)} |"
 
 

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshtrain.core import compile_cache as cache_setting
-from meshtrain.core.bounds import setting
+from meshtrain.core.bounds import Applies, setting
 from meshtrain.core.cli import MAX_SIMULATED_DEVICES
 from meshtrain.data.sources import KINDS as DATA_KINDS
 from meshtrain.models import ModelSpec  # noqa: F401 (the model section: its family's spec, models/spec.py)
@@ -41,16 +41,19 @@ class ParallelPlan:
                                      "projections' and MLP's matmuls in fp8 (e4m3 forward, e5m2 gradients, "
                                      "per-tensor current scaling)", choices=("fp32", "bf16", "fp16", "fp8"))
     loss_scale_initial: float = setting(65536.0, "fp16: the loss scale at step 0 (2^16, DeepSpeed's default); an "
-                                                 "overflowing step is skipped and halves it", min=1.0)
+                                                 "overflowing step is skipped and halves it", min=1.0,
+                                        applies=Applies("parallel.precision", ("fp16",)))
     loss_scale_window: int = setting(1000, "fp16: the scale doubles after this many steps in a row without "
-                                           "overflow (Megatron/DeepSpeed: 1000)", min=1)
+                                           "overflow (Megatron/DeepSpeed: 1000)", min=1,
+                                     applies=Applies("parallel.precision", ("fp16",)))
     loss_scale_min: float = setting(1.0, "fp16: the scale never falls below this; at it an overflow is a "
-                                         "NaN/Inf step for the guard", above=0.0)
+                                         "NaN/Inf step for the guard", above=0.0,
+                                    applies=Applies("parallel.precision", ("fp16",)))
     grad_compression: str = setting("none", "the data-parallel gradient reduction: none (fp32), or int8 (blockwise "
                                             "int8 with a scale per block and error feedback, carried over the "
                                             "network as int8)", choices=("none", "int8"))
     compression_block: int = setting(256, "grad_compression=int8: values per quantization block (one fp32 scale "
-                                          "each)", min=1)
+                                          "each)", min=1, applies=Applies("parallel.grad_compression", ("int8",)))
     rules: dict = setting({}, "logical axis -> mesh axes overrides, e.g. {mlp: [tensor, fsdp]}")
     remat: str = setting("none", "activation rematerialisation policy for each block",
                          choices=tuple(REMAT_POLICIES))
@@ -66,7 +69,8 @@ class ParallelPlan:
                                             "hybrid (ulysses within groups of parallel.ulysses_degree devices, "
                                             "the ring across groups)", choices=("ring", "ulysses", "hybrid"))
     ulysses_degree: int = setting(0, "context_strategy=hybrid: devices per all-to-all group; divides the context "
-                                     "axis, and the ring runs over context / ulysses_degree groups", min=0)
+                                     "axis, and the ring runs over context / ulysses_degree groups", min=0,
+                                  applies=Applies("parallel.context_strategy", ("hybrid",)))
     microbatches: int = setting(0, "microbatches per step: gradient accumulation, or the pipeline's "
                                    "microbatches (>= stages); 0 = 1 without a pipeline, 2 x stages with one",
                                 min=0)
@@ -95,8 +99,10 @@ class OptimSpec:
                                       "it over the horizon's last decay_fraction), constant (lr)",
                             choices=tuple(LR_SCHEDULES))
     min_lr_ratio: float = setting(0.1, "cosine, linear and wsd decay to lr x min_lr_ratio at the schedule's last "
-                                       "step", min=0.0, max=1.0)
-    decay_fraction: float = setting(0.2, "wsd: the share of the schedule's horizon that decays", above=0.0, max=1.0)
+                                       "step", min=0.0, max=1.0,
+                                  applies=Applies("optim.schedule", ("cosine", "linear", "wsd")))
+    decay_fraction: float = setting(0.2, "wsd: the share of the schedule's horizon that decays", above=0.0, max=1.0,
+                                    applies=Applies("optim.schedule", ("wsd",)))
     schedule_steps: int = setting(0, "the schedule's horizon: warmup + decay span this many steps, then lr stays "
                                      "at its last value; 0 = train.steps of the run's first start (recorded in "
                                      "<out>/run.json, so resuming with more --steps continues the same curve)",
@@ -106,9 +112,10 @@ class OptimSpec:
     b1: float = setting(0.9, "Adam beta1 (Lion: the update's interpolation beta)", min=0.0, below=1.0)
     b2: float = setting(0.95, "Adam beta2 (Lion: the momentum's beta)", min=0.0, below=1.0)
     eps: float = setting(1e-8, "Adam epsilon", above=0.0)
-    muon_momentum: float = setting(0.95, "muon: Nesterov momentum of the matrices' updates", min=0.0, below=1.0)
+    muon_momentum: float = setting(0.95, "muon: Nesterov momentum of the matrices' updates", min=0.0, below=1.0,
+                                   applies=Applies("optim.optimizer", ("muon",)))
     muon_ns_steps: int = setting(5, "muon: Newton-Schulz iterations that orthogonalise each matrix's update",
-                                 min=1, max=100)
+                                 min=1, max=100, applies=Applies("optim.optimizer", ("muon",)))
     clip_norm: float = setting(1.0, "global gradient-norm clipping; 0 disables it", min=0.0)
 
 
@@ -139,9 +146,11 @@ class DataConfig:
     document_mask: bool = setting(False, "packed documents: attention stays inside each document of a "
                                          "training window (a token after an EOS starts a new one); false "
                                          "attends across them (GPT-style)")
-    restart_positions: bool = setting(True, "with document_mask: rotary positions restart at 0 in each document")
+    restart_positions: bool = setting(True, "with document_mask: rotary positions restart at 0 in each document",
+                                      applies=Applies("data.document_mask"))
     eos_id: int = setting(-1, "the end-of-document id document_mask splits at; -1 = the tokenizer's (the byte "
-                              "tokenizer has none: prepared byte data ends documents with a newline, 10)", min=-1)
+                              "tokenizer has none: prepared byte data ends documents with a newline, 10)", min=-1,
+                          applies=Applies("data.document_mask"))
     train_on: str = setting("assistant", "chat data (prepare --chat): assistant = the loss averages over the "
                                          "assistant turns' tokens only, all = over every token; data without a "
                                          "loss mask trains on every token either way", choices=("assistant", "all"))
@@ -150,10 +159,10 @@ class DataConfig:
 @dataclass
 class DPOConfig:
     beta: float = setting(0.1, "the DPO temperature: the implicit reward is beta x (policy - reference) log-prob "
-                               "of a response", above=0.0)
+                               "of a response", above=0.0, applies=Applies("train.objective", ("dpo",)))
     label_smoothing: float = setting(0.0, "the share of pairs taken as mislabelled (conservative DPO): the loss is "
                                           "-(1 - ls) log sigmoid(beta m) - ls log sigmoid(-beta m)",
-                                     min=0.0, below=0.5)
+                                     min=0.0, below=0.5, applies=Applies("train.objective", ("dpo",)))
 
 
 @dataclass
@@ -173,7 +182,8 @@ class TrainConfig:
                                       "(outside waiting for the devices) and data wait; one slower than the "
                                       "median by train.straggler_factor is logged by host name; 0 = off", min=0)
     straggler_factor: float = setting(2.0, "train.straggler_every: how many times the median host time per step "
-                                           "makes a process a straggler", above=1.0)
+                                           "makes a process a straggler", above=1.0,
+                                      applies=Applies("train.straggler_every"))
     grad_norms_every: int = setting(0, "every N steps, log the gradient norm of each layer (grad_norm_layer_<i>) "
                                        "and of each parameter kind (grad_norm_<name>), and the timed "
                                        "communication share of the step (comm_share); 0 = off (the step then "
@@ -192,7 +202,7 @@ class EvalConfig:
                               "name (default: the file's) and limit (the first N items; default all); logged as "
                               "eval_acc_<name> and eval_acc_norm_<name> (docs/evaluation.md); [] = none")
     task_every: int = setting(0, "steps between downstream task evaluations (and the last step); 0 = with eval_loss, "
-                                 "every train.eval_every steps", min=0)
+                                 "every train.eval_every steps", min=0, applies=Applies("eval.tasks"))
 
 
 @dataclass
@@ -218,11 +228,13 @@ class CheckpointConfig:
                                  "disk (NVMe) where every process saves its own shards, more often than the "
                                  "persistent tier in <out>/checkpoints; a restart on the same processes and mesh "
                                  "restores from whichever tier is newer; '' = off")
-    local_every: int = setting(0, "checkpoint.local_dir: save there every N steps; 0 = by time only", min=0)
+    local_every: int = setting(0, "checkpoint.local_dir: save there every N steps; 0 = by time only", min=0,
+                               applies=Applies("checkpoint.local_dir"))
     local_every_minutes: float = setting(0.0, "checkpoint.local_dir: also save there when this many minutes "
-                                              "passed since the last local save; 0 disables it", min=0.0)
+                                              "passed since the last local save; 0 disables it", min=0.0,
+                                         applies=Applies("checkpoint.local_dir"))
     local_keep: int = setting(2, "checkpoint.local_dir: keep the newest N local checkpoints of each process",
-                              min=1)
+                              min=1, applies=Applies("checkpoint.local_dir"))
 
 
 @dataclass
@@ -236,7 +248,7 @@ class GuardConfig:
     spike_window: int = setting(50, "guard.spike_factor: the running mean is an exponential moving average with "
                                     "weight 1/spike_window on each new loss; judging starts after this many steps "
                                     "(checkpoints keep the mean: a resumed run on the same data does not warm up "
-                                    "again)", min=1)
+                                    "again)", min=1, applies=Applies("guard.spike_factor"))
 
 
 @dataclass
@@ -248,9 +260,10 @@ class LoggingConfig:
     tensorboard: bool = setting(True, "write TensorBoard event files to <out>/tensorboard, one scalar per metric "
                                       "(train/loss, eval/loss, perf/tokens_per_sec, memory/..., moe/...)")
     wandb: bool = setting(False, "also log to Weights & Biases (needs pip install wandb)")
-    wandb_project: str = setting("meshtrain", "logging.wandb: the W&B project")
+    wandb_project: str = setting("meshtrain", "logging.wandb: the W&B project", applies=Applies("logging.wandb"))
     wandb_mode: str = setting("offline", "logging.wandb: offline (files under <out>/wandb; wandb sync uploads "
-                                         "them) or online", choices=("offline", "online"))
+                                         "them) or online", choices=("offline", "online"),
+                              applies=Applies("logging.wandb"))
     profile: str = setting("", "START:STOP: trace these steps (as logged, both included) with jax.profiler "
                                "into <out>/profile, for TensorBoard's profile plugin and Perfetto; '' = none")
 

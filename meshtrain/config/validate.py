@@ -40,7 +40,41 @@ ABSURD_FACTOR = 4  # a step whose lower bound needs this many times a device's m
 MIN_COMPRESSION_BLOCK = 16  # int8 + a scale per block: 0.31x the fp32 bytes at 16, 1.25x at 1
 
 
-def check_config(cfg) -> None:
+def check_effective(cfg) -> None:
+    """One rule for every setting that declares where it has an effect (meshtrain/core/bounds.py
+    `Applies`): changed from its default where it has none (a LoRA dropout without adapters, a loss
+    scale outside fp16, a local tier's cadence without its folder), it is one line; the user meant
+    something the run would not do."""
+    for key, f, value in settings(cfg):
+        applies = f.metadata.get("applies")
+        if applies is None or value == _default(f):
+            continue
+        switch = _lookup(cfg, applies.key)
+        if switch in applies.values if applies.values else switch != _default(_field(cfg, applies.key)):
+            continue
+        where = " or ".join(map(repr, applies.values)) if applies.values else "set"
+        raise UserError(f"{key}={value!r} has no effect with {applies.key}={switch!r} (it applies where "
+                        f"{applies.key} is {where}); leave {key} out, or set {applies.key}")
+
+
+def _lookup(cfg, dotted: str):
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def _field(cfg, dotted: str) -> dataclasses.Field:
+    *section, name = dotted.split(".")
+    holder = _lookup(cfg, ".".join(section)) if section else cfg
+    return next(f for f in dataclasses.fields(holder) if f.name == name)
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def check_config(cfg, effective: bool = True) -> None:
+    """`effective`: also refuse a setting changed where it has no effect (`check_effective`)."""
     family(cfg.model.family)  # registered (meshtrain.models.FAMILIES)
     objective(cfg.train.objective)  # registered (meshtrain.objectives.OBJECTIVES)
     for key, f, value in settings(cfg):
@@ -49,6 +83,8 @@ def check_config(cfg) -> None:
             raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             f.metadata["bounds"].check(key, value)
+    if effective:  # a value in range, then: does it do anything here
+        check_effective(cfg)
     m, t, par = cfg.model, cfg.train, cfg.parallel
     make_rules(par.rules, par.sequence_parallel)  # its own checks: logical axes, mesh axes, each once
     if m.num_heads % m.num_kv_heads:
@@ -117,10 +153,7 @@ def _check_dpo(cfg) -> None:
 
 def _check_local_tier(c, out: str) -> None:
     """checkpoint.local_*: the local tier is written when it is set, and is never the persistent tier."""
-    if not c.local_dir:
-        if c.local_every or c.local_every_minutes:
-            raise UserError("checkpoint.local_every / local_every_minutes are set but checkpoint.local_dir is not; "
-                            "name a folder on the node's own disk, or set them to 0")
+    if not c.local_dir:  # its cadence set without it: check_effective
         return
     if not (c.local_every or c.local_every_minutes):
         raise UserError(f"checkpoint.local_dir={c.local_dir!r} is never written: set checkpoint.local_every (steps) "
@@ -201,10 +234,7 @@ def _check_context(m, par, seq_len: int, context: int, tensor: int) -> None:
     """parallel.context_strategy on a context axis of `context` (meshtrain/ops/ulysses.py): the ring
     needs the ring kernel; ulysses a local kernel and heads (per tensor shard) that divide by the
     axis; hybrid the ring kernel across groups of parallel.ulysses_degree devices, which divides it."""
-    strategy, degree = par.context_strategy, par.ulysses_degree
-    if degree and strategy != "hybrid":
-        raise UserError(f"parallel.ulysses_degree={degree} sizes the all-to-all groups of "
-                        f"parallel.context_strategy=hybrid; set that, or drop parallel.ulysses_degree")
+    strategy, degree = par.context_strategy, par.ulysses_degree  # a degree outside hybrid: check_effective
     if context == 1:
         return
     if strategy == "ulysses":

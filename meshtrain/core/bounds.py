@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from meshtrain.core.errors import UserError
 
@@ -52,13 +53,21 @@ class Bounds:
             raise UserError(f"{name}={value} {problem}")
 
 
+class Applies(NamedTuple):
+    """Where a setting has an effect: while the setting `key` (dotted, from the config's root) is one
+    of `values`, or, with `values` empty, anything but its own default (a key that switches a feature
+    on). A setting set to other than its default where it has none is refused (config/validate.py)."""
+    key: str
+    values: tuple = ()
+
+
 def setting(default, help: str, *, choices=(), min=None, max=None, above=None, below=None,
-            architecture: bool = True):
+            architecture: bool = True, applies: Applies | None = None):
     """A config field. `min`/`max` (inclusive), `above`/`below` (exclusive): its range (`Bounds`).
     `architecture=False`: a model setting that does not define the weights (a loss weight, a routing
-    capacity), so it may differ on resume."""
+    capacity), so it may differ on resume. `applies`: where it has an effect (`Applies`)."""
     meta = {"help": help, "choices": tuple(choices), "bounds": Bounds(min, max, above, below),
-            "architecture": architecture}
+            "architecture": architecture, "applies": applies}
     if dataclasses.is_dataclass(default) or isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)

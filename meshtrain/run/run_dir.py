@@ -397,7 +397,7 @@ def run_config(run: str | Path, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise UserError(f"{run} is not a meshtrain run folder (no config.yaml); pass the --out of a training run")
     try:  # config.yaml's schema is the config itself (meshtrain/config): its loader checks every key
-        cfg = load_config(str(path), [f"out={run}", *overrides])
+        cfg = load_config(str(path), [f"out={run}", *overrides], recorded=True)
     except UserError as e:  # named the file when the loader did not
         raise UserError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
     if not any(o.startswith(("data.path=", "data.sources=")) for o in overrides):
