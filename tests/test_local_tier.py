@@ -94,6 +94,33 @@ def test_damage_falls_back_to_the_previous_step_and_is_set_aside(tmp_path, mesh,
     assert (tmp_path / "process-0" / "3.damaged").is_dir() and tier.steps() == [2, 1]
     (tier.path(1) / "manifest.json").unlink()  # nothing readable left: the persistent tier's turn
     assert tier.restore_newer(-1, abstract(state_at(0, mesh)), MESH) is None
+    # The damaged copy is evidence while its step would be kept, then pruned with the others.
+    tier.save(state_at(4, mesh), {}, MESH)
+    tier.wait()
+    assert (tmp_path / "process-0" / "3.damaged").is_dir() and tier.steps() == [4, 2, 1]
+    tier.save(state_at(5, mesh), {}, MESH)
+    tier.save(state_at(6, mesh), {}, MESH)
+    tier.wait()
+    assert tier.steps() == [6, 5, 4] and not (tmp_path / "process-0" / "3.damaged").exists()
+
+
+@pytest.mark.fast
+def test_a_local_save_that_failed_on_any_process_is_said_by_process_0(tmp_path, mesh, caplog, monkeypatch):
+    """Process 1's disk is full: it says why in its own log; process 0, whose log the user reads, names
+    it at the next save (or the run's end), a collective over the processes' failed steps."""
+    from jax.experimental import multihost_utils
+
+    tier = LocalTier(tmp_path, keep=2, run_id="r")
+    tier.save(state_at(1, mesh), {}, MESH)
+    tier.report_failures()
+    assert "not written" not in caplog.text  # one process, and it wrote it
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    gathered = []
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: gathered.append(int(x)) or np.array([int(x), 2], np.int64))
+    tier.report_failures()  # process 1 failed step 2
+    assert gathered == [-1] and ("local checkpoint of step 2 not written on process(es) 1 (each process's log says "
+                                 "why); the persistent tier goes on") in caplog.text
 
 
 @pytest.mark.fast

@@ -15,7 +15,9 @@ newest step that every process holds is read when it is newer than the persisten
 each process checking its shards' CRC-32, then all agreeing (run/checkpoint.py `agree`), then the
 state's recorded checksums (`state_checksums`, bit-exact). Any failure falls back: to an older
 common local step, then to the persistent tier; nothing crashes and nothing persistent is touched.
-A process whose copy failed its checks renames it `<step>.damaged` (never read again).
+A process whose copy failed its checks renames it `<step>.damaged` (never read again; pruned when
+its step would be). A save that fails on a process (a full disk) is said in its log, and by process
+0 at the next save or the run's end (`report_failures`), naming the processes.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class LocalTier:
         self.root = Path(root) / f"process-{jax.process_index()}"
         self.keep, self.run_id = keep, run_id
         self._thread, self._warned = None, False
+        self.failed = -1  # the newest step whose save failed on this process, not yet told to process 0
         for tmp in self.root.glob("*.tmp-*"):  # a save a kill interrupted (the run's lock excludes others)
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -85,7 +88,7 @@ class LocalTier:
     def save(self, state, metadata: dict, mesh: str) -> None:
         """Copy this process's shards of `state` to the host, then write them in the background. The
         checksums are a collective: every process saves the same step."""
-        self.wait()
+        self.report_failures()
         step = int(state["step"])
         meta = {**metadata, "checksums": state_checksums(state)}
         picked = []  # per leaf: (path, array, its distinct shards on this process's devices)
@@ -126,8 +129,13 @@ class LocalTier:
             kept = [s for s in self.steps() if s <= step][:self.keep]
             for old in set(self.steps()) - set(kept):  # older ones, and a timeline left behind (newer)
                 shutil.rmtree(self.path(old), ignore_errors=True)
+            for damaged in self.root.glob("*.damaged"):  # set aside by a restore: kept while its step would be
+                s = damaged.name.removesuffix(".damaged")
+                if s.isdigit() and not kept[-1] <= int(s) <= step:
+                    shutil.rmtree(damaged, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 - the local tier is a cache: the persistent tier still holds
             shutil.rmtree(tmp, ignore_errors=True)
+            self.failed = step
             if not self._warned:
                 log.warning(f"local checkpoint of step {step} not written to {self.root} ({e}); the persistent "
                             f"tier goes on (said once)")
@@ -139,6 +147,20 @@ class LocalTier:
             self._thread.join()
             self._thread = None
 
+    def report_failures(self) -> None:
+        """Wait for the save in flight; then process 0, whose log a user reads, says which processes
+        failed a local save since the last report (each said why in its own log). A collective: every
+        process calls it, at each save and at the run's end."""
+        self.wait()
+        failed, self.failed = self.failed, -1
+        if jax.process_count() == 1:
+            return  # this process said so itself
+        every = multihost_utils.process_allgather(np.int64(failed))
+        lacking = [i for i, s in enumerate(np.asarray(every).reshape(-1)) if s >= 0 and i != jax.process_index()]
+        if lacking and jax.process_index() == 0:
+            log.warning(f"local checkpoint of step {int(max(every))} not written on process(es) "
+                        f"{', '.join(map(str, lacking))} (each process's log says why); the persistent tier goes "
+                        f"on, and a restore takes a local step only where every process holds it")
     # Restoring.
 
     def _manifest(self, step: int, abstract_state, mesh: str) -> dict | None:

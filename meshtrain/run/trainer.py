@@ -263,7 +263,7 @@ class Trainer:
             self.checkpointer.close()
             account.spend("checkpoint", time.perf_counter() - closing)
             if self.store.local_tier is not None:
-                self.store.local_tier.wait()
+                self.store.local_tier.report_failures()
         except UserError:  # a full disk, say: the saves already started still become durable
             if jax.process_count() == 1:
                 with contextlib.suppress(Exception):
