@@ -238,3 +238,41 @@ def test_nan_or_inf_weights_are_refused_as_they_are_read(tmp_path):
     with pytest.raises(UserError, match=rf"^{folder}: tensor model.layers.1.mlp.up_proj.weight holds 2 NaN/inf "
                                         rf"values; the checkpoint is damaged"):
         imported(folder)
+
+
+@pytest.mark.fast
+def test_the_streaming_writer_writes_what_safetensors_reads_one_tensor_at_a_time(tmp_path):
+    """safetensors_writer: every dtype the export writes, any shapes (a scalar, an empty one), read back
+    equal by the safetensors library with the metadata; each tensor is made only once the one before it
+    is written and released, so the host holds one at a time."""
+    import gc
+    import weakref
+
+    import ml_dtypes
+    from safetensors import safe_open
+
+    from meshtrain.interop import safetensors_writer as writer
+
+    rng = np.random.default_rng(0)
+    wanted = {"a": rng.normal(size=(3, 5)).astype(np.float32), "b.weight": rng.normal(size=(7,)).astype(
+        ml_dtypes.bfloat16), "c": np.array(2.5, np.float16), "d": np.zeros((0, 4), np.float32)}
+    alive = []
+
+    def make(name):
+        def made():
+            gc.collect()
+            assert not [r for r in alive if r() is not None], f"{name} made while another tensor is held"
+            x = wanted[name].copy()
+            alive.append(weakref.ref(x))
+            return x
+        return made
+    writer.write(tmp_path / "x.safetensors", [writer.Entry(n, x.dtype, x.shape, make(n)) for n, x in wanted.items()],
+                 {"format": "pt"})
+    with safe_open(tmp_path / "x.safetensors", framework="numpy") as f:
+        assert f.metadata() == {"format": "pt"} and sorted(f.keys()) == sorted(wanted)
+        for name, x in wanted.items():
+            if x.dtype != ml_dtypes.bfloat16:  # safetensors' numpy loader cannot return bfloat16
+                np.testing.assert_array_equal(f.get_tensor(name), x)
+    read = hf.SafetensorsFolder(tmp_path)  # meshtrain's own reader takes bfloat16 too
+    for name, x in wanted.items():
+        np.testing.assert_array_equal(read.get(name), x)

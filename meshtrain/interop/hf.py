@@ -36,6 +36,7 @@ from safetensors.numpy import save_file
 from meshtrain.core import schema
 from meshtrain.core.bounds import INT_LIMIT
 from meshtrain.core.errors import UserError
+from meshtrain.interop import safetensors_writer
 from meshtrain.models import FAMILIES, Family, ModelSpec, family
 from meshtrain.models.axes import contracted_axes
 from meshtrain.models.lora import adapted_weight
@@ -268,7 +269,8 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
                 max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write `params` (model order; jax arrays on any mesh, or numpy) as a Hugging Face folder:
     config.json, and model.safetensors, or model-0000k-of-0000n.safetensors + index when larger than
-    `max_shard_bytes`. One tensor at a time is gathered to the host, one file's worth is held there.
+    `max_shard_bytes`. One tensor at a time is gathered to the host, converted and written
+    (safetensors_writer.py): host memory holds the largest tensor and its conversion, not a file's worth.
     Returns the files written."""
     if dtype not in DTYPE_NAMES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPE_NAMES)}")
@@ -291,13 +293,14 @@ def save_params(params, spec: ModelSpec, folder: str | Path, dtype: str = "float
              [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))])
     folder.mkdir(parents=True, exist_ok=True)
     weight_map = {}
+    out_dtype = np.dtype(DTYPE_NAMES[dtype])
     for file, group in zip(names, groups):
-        tensors = {name: np.ascontiguousarray(to_hf(f, path, _fetch(x, index)).astype(DTYPE_NAMES[dtype]))
-                   for name, path, x, index in group}
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        made = lambda path, x, index: lambda: to_hf(f, path, _fetch(x, index)).astype(out_dtype)
+        safetensors_writer.write(folder / file, [
+            safetensors_writer.Entry(name, out_dtype, hf_shape(f, path, x.shape[len(index):]), made(path, x, index))
+            for name, path, x, index in group], metadata={"format": "pt"})
         user_mode(folder / file)
-        weight_map.update(dict.fromkeys(tensors, file))
-        del tensors
+        weight_map.update(dict.fromkeys((name for name, *_ in group), file))
     if len(names) > 1:
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map},
                                                indent=2))
