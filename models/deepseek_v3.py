@@ -127,6 +127,9 @@ class DeepSeekV3Spec(RoutedExperts):
     def mtp_modules(self) -> int:
         return self.mtp_depth
 
+    def rope_width(self) -> tuple[str, int]:
+        return "qk_rope_head_dim", self.qk_rope_head_dim  # MLA rotates the decoupled channels only
+
     def latent_rank(self) -> int:
         return self.kv_lora_rank
 

@@ -133,6 +133,11 @@ class ModelSpec:
         """Multi-token prediction modules, training only (deepseek_v3): none."""
         return 0
 
+    def rope_width(self) -> tuple[str, int]:
+        """(the key that sets it, the channels per head rotary embeddings rotate), for errors that name
+        the family's own key: the whole head here."""
+        return "head_dim", self.resolved().head_dim
+
     def latent_rank(self) -> int:
         """The width of a compressed key/value latent (models/latent_attention.py): 0, keys and values
         per kv head."""

@@ -326,3 +326,18 @@ def test_a_runs_recorded_config_with_a_setting_without_effect_still_reads(tmp_pa
     assert load_config(str(tmp_path / "config.yaml"), recorded=True).parallel.loss_scale_window == 5
     with pytest.raises(UserError, match="parallel.loss_scale_window=5 has no effect"):
         load_config(str(tmp_path / "config.yaml"))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("config, override, message", [
+    ("deepseek_v3_tiny", "model.qk_rope_head_dim=3", r"^model.qk_rope_head_dim=3: rotary embeddings rotate pairs of "
+                                                      r"channels, so it must be even; set model.qk_rope_head_dim$"),
+    ("tiny", "model.head_dim=7", r"^model.head_dim=7: rotary embeddings rotate pairs of channels"),
+    ("deepseek_v3_tiny", "model.mtp_depth=100", r"^model.mtp_depth=100 predicts up to 101 tokens ahead, which "
+                                                r"train.seq_len=\d+ does not hold"),
+])
+def test_errors_name_the_familys_own_key(config, override, message):
+    """A family's error names the key it has (deepseek_v3's rope width is qk_rope_head_dim, not the
+    head_dim it does not set); an MTP deeper than the sequence is one line, not a traceback."""
+    with pytest.raises(UserError, match=message):
+        load_config(str(ROOT / "configs" / f"{config}.yaml"), [override])

@@ -92,8 +92,15 @@ def check_config(cfg, effective: bool = True) -> None:
     if not m.head_dim and m.d_model % m.num_heads:
         raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
                         f"set model.head_dim")
-    if m.resolved().head_dim % 2:
-        raise UserError(f"rotary embeddings need an even head_dim, got {m.resolved().head_dim}; set model.head_dim")
+    rope_key, rope_width = m.rope_width()  # the family's own key: head_dim, or deepseek_v3's qk_rope_head_dim
+    if rope_width % 2:
+        derived = "" if getattr(m, rope_key) else f" (d_model / num_heads = {rope_width})"
+        raise UserError(f"model.{rope_key}={getattr(m, rope_key)}{derived}: rotary embeddings rotate pairs of "
+                        f"channels, so it must be even; set model.{rope_key}")
+    if m.mtp_modules() >= t.seq_len:  # module k predicts the token k + 1 places past the next one
+        raise UserError(f"model.mtp_depth={m.mtp_modules()} predicts up to {m.mtp_modules() + 1} tokens ahead, which "
+                        f"train.seq_len={t.seq_len} does not hold; set model.mtp_depth below train.seq_len "
+                        f"(DeepSeek-V3 uses 1)")
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)")
