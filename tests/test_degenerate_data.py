@@ -92,7 +92,7 @@ def test_prepare_refuses_chat_rows_that_train_nothing_or_keeps_them_with_their_c
     assert manifest["trained_tokens"] > 0
 
 
-pairs = st.lists(st.tuples(st.sampled_from(["q ", "why? "]), st.sampled_from(["", "yes", "no"]),
+pairs = st.lists(st.tuples(st.sampled_from(["q ", "why? "]), st.sampled_from(["", " ", "yes", "no"]),
                            st.sampled_from(["", "yes", "no"])), min_size=1, max_size=6)
 
 
@@ -103,7 +103,7 @@ def test_prepare_refuses_identical_and_empty_preference_pairs(tmp_path_factory, 
     tmp = tmp_path_factory.mktemp("pairs")
     src = tmp / "pairs.jsonl"
     wheres = write_rows(src, [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in rows])
-    faults = [(c == r, not (c and r)) for _, c, r in rows]
+    faults = [(c == r, not (c.strip() and r.strip())) for _, c, r in rows]
     first_bad = next((i for i, f in enumerate(faults) if any(f)), None)
     if first_bad is None:
         assert prepare(str(src), BYTE, tmp / "out", preference=True)["pairs"] == len(rows)
@@ -113,7 +113,7 @@ def test_prepare_refuses_identical_and_empty_preference_pairs(tmp_path_factory, 
     said = str(e.value)
     assert f"the first at {wheres[first_bad]}" in said
     assert ("chosen and rejected are identical" in said) == any(same for same, _ in faults)
-    assert ("a response (chosen or rejected) has no token" in said) == any(empty for _, empty in faults)
+    assert ("a response (chosen or rejected) is blank or has no token" in said) == any(empty for _, empty in faults)
     if any(c or r for _, c, r in rows):  # some response has tokens: allowed, it is prepared
         assert prepare(str(src), BYTE, tmp / "kept", preference=True, allow_degenerate=True)["pairs"] == len(rows)
 

@@ -104,3 +104,15 @@ def test_check_walks_nested_values_and_passes_valid_text():
         unicode.check({"a": ["ok", ("x\udc80", )]}, "w", "fix")
     with pytest.raises(UserError, match=r"^w: the text holds a lone surrogate U\+D800"):
         unicode.check({"\ud800": 1}, "w", "fix")
+
+
+@pytest.mark.fast
+def test_a_byte_order_mark_is_no_part_of_the_text(tmp_path):
+    """An editor's BOM before a text file or a jsonl file is not trained: the tokens are those of the
+    file without it."""
+    for name, body in (("a.txt", "hello world\n"), ("a.jsonl", '{"text": "hello"}\n{"text": "world"}\n')):
+        (tmp_path / name).write_text(body)
+        (tmp_path / ("bom-" + name)).write_bytes(b"\xef\xbb\xbf" + body.encode())
+        plain = prepare(str(tmp_path / name), BYTE, tmp_path / f"out-{name}")
+        marked = prepare(str(tmp_path / ("bom-" + name)), BYTE, tmp_path / f"out-bom-{name}")
+        assert marked["sha256"] == plain["sha256"]

@@ -3,7 +3,7 @@
 Chat data: a row whose roles the chat format does not know (`Assistant`, `bot`: the template renders
 them, and no turn of theirs is trained), a row with no assistant turn, and a row whose assistant turns
 the template renders as no token. Preference pairs: chosen and rejected identical (a zero DPO
-gradient) and a response with no token (a response that holds another turn, the whole conversation
+gradient) and a response that is blank or has no token (a response that holds another turn, the whole conversation
 given as `chosen` HH-RLHF style, is an error in preference.py: it cannot be located). Each is
 counted with the first row it was found in; prepare refuses the data at the first part holding one,
 or, with --allow-degenerate-rows, keeps the rows and warns with the counts. Data whose loss mask
@@ -47,8 +47,9 @@ def pair_faults(examples: list[tuple], masks) -> Faults:
     for i, (_, chosen, rejected, where) in enumerate(examples):
         if chosen == rejected:
             _count(faults, "chosen and rejected are identical", where)
-        if not (masks[2 * i].any() and masks[2 * i + 1].any()):
-            _count(faults, "a response (chosen or rejected) has no token", where)
+        blank = any(isinstance(r, str) and not r.strip() for r in (chosen, rejected))
+        if blank or not (masks[2 * i].any() and masks[2 * i + 1].any()):
+            _count(faults, "a response (chosen or rejected) is blank or has no token", where)
     return faults
 
 

@@ -38,6 +38,7 @@ class Unit:
 
 
 UNICODE_FIX = "save the source as valid UTF-8 text"
+BOM = "\ufeff"  # the byte order mark some editors write first: no part of the text
 
 def stdlib_files() -> list[Path]:
     """The Python standard library's own .py files: a real corpus every machine has offline. The walk
@@ -127,7 +128,7 @@ def read(unit: Unit, field: str | None, value=None, columns: tuple = ()) -> Iter
             what = "preference data is rows of prompt, chosen and rejected" if field is None else \
                 "chat data is rows of messages"
             raise UserError(f"{unit.file} is a text file; {what} (jsonl, Parquet or a datasets folder)")
-        yield unicode.decode(Path(unit.file).read_bytes(), unit.file, UNICODE_FIX)
+        yield unicode.decode(Path(unit.file).read_bytes(), unit.file, UNICODE_FIX).removeprefix(BOM)
     elif unit.kind == "jsonl":
         yield from _jsonl(unit, field, value)
     else:
@@ -159,6 +160,7 @@ def _jsonl(unit: Unit, field: str, value) -> Iterator:
             if not line.strip():
                 continue
             where = f"{unit.file}, line at byte {at}"
+            line = line.removeprefix(BOM.encode()) if at == 0 else line  # an editor's byte order mark: not text
             try:
                 row = unicode.check(json.loads(unicode.decode(line, where, UNICODE_FIX, None)), where, UNICODE_FIX)
             except ValueError as e:
