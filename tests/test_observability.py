@@ -281,7 +281,7 @@ FIELDS = ("step", "loss", "eval_loss", "tokens_per_sec")
 
 
 @pytest.mark.fast
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dropped=st.lists(st.tuples(st.integers(0, 7), st.sampled_from(FIELDS)), max_size=10),
        record_keys=st.sets(st.sampled_from(["identity", "starts", "data_files", "data_source"])))
 def test_report_shows_what_records_hold_and_names_what_they_lack(tmp_path_factory, dropped, record_keys):
