@@ -199,3 +199,20 @@ def test_bad_uris_are_one_error_naming_the_uri(tmp_path, capsys):
     assert names(["s3://b/web?endpoint_override=h:1&scheme=http", "gs://c/data/code"]) == ["web", "code"]  # metrics
     with pytest.raises(UserError, match="data.kind=jsonl with data.path s3://b/x: an object store holds prepared"):
         load_corpus(DataConfig(path="s3://b/x?endpoint_override=h:1", kind="jsonl"), 256)
+
+
+@pytest.mark.fast
+def test_an_unreachable_gcs_endpoint_ends_within_its_retry_bound(monkeypatch, capsys):
+    """pyarrow's GCS client retries an unreachable endpoint for 15 minutes; meshtrain bounds it
+    (store.bounded: retry_limit_seconds, here 2 s) and it ends in one line naming the URI."""
+    import time
+
+    assert store.bounded("gs://b/x") == "gs://b/x?retry_limit_seconds=60"
+    assert store.bounded("gs://b/x?scheme=http") == "gs://b/x?scheme=http&retry_limit_seconds=60"
+    assert store.bounded("gs://b/x?retry_limit_seconds=5") == "gs://b/x?retry_limit_seconds=5"
+    assert store.bounded("s3://b/x") == "s3://b/x"
+    monkeypatch.setattr(store, "GCS_RETRY_S", 2)
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"^data.path gs://b/x: .*Retry policy exhausted"):
+        store.Prefix("gs://b/x?endpoint_override=127.0.0.1:9&scheme=http", "data.path").files()
+    assert time.monotonic() - started < 30

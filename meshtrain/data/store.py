@@ -70,6 +70,18 @@ def reaching(uri: str, flag: str):
         raise UserError(f"{flag} {shown(uri)}: {first_line(e)}; {FIX}") from None
 
 
+GCS_RETRY_S = 60  # pyarrow's GCS client retries an unreachable endpoint for 15 minutes by default
+
+
+def bounded(uri: str) -> str:
+    """`uri` with a bound on pyarrow's retries where its scheme retries without one: gs:// gets
+    retry_limit_seconds=GCS_RETRY_S unless the URI sets its own (s3:// gives up after its client's 3
+    attempts)."""
+    if not uri.startswith("gs://") or "retry_limit_seconds=" in uri:
+        return uri
+    return f"{uri}{'&' if '?' in uri else '?'}retry_limit_seconds={GCS_RETRY_S}"
+
+
 class Prefix:
     """A folder in a store: its filesystem and the path in it, from the URI."""
 
@@ -78,7 +90,7 @@ class Prefix:
 
         self.uri, self.flag = uri, flag
         with reaching(uri, flag):
-            self.fs, path = pafs.FileSystem.from_uri(uri)
+            self.fs, path = pafs.FileSystem.from_uri(bounded(uri))
         self.path = path.rstrip("/")
 
     def files(self) -> dict[str, int]:
