@@ -31,6 +31,24 @@ pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:Runtime
 UNIT_BYTES = 700  # jsonl ranges end mid-line: several units per file
 
 
+@pytest.mark.parametrize("address", ["not an address", ":80"])
+def test_an_address_ray_cannot_parse_is_one_line(address, tmp_path, capsys, monkeypatch):
+    """--ray ADDRESS that Ray's own parser refuses (ray.init parses before it connects, with
+    canonicalize_bootstrap_address): one line naming the flag and the forms, not a traceback."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from meshtrain.data.__main__ import main
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # whatever another test left: a new connection
+    monkeypatch.setattr(ray, "init", lambda address, **_: canonicalize_bootstrap_address(address))
+    assert main(["prepare", str(write_jsonl(tmp_path / "d.jsonl")), "--out", str(tmp_path / "out"),
+                 "--ray", address]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --ray {address!r} is not a Ray address (") and err[-1].endswith(
+        "pass auto, local, HOST:PORT or ray://HOST:PORT")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})

@@ -24,6 +24,9 @@ def connected(address: str, flag: str = "--address", local: dict | None = None, 
         except ConnectionError as e:
             raise UserError(f"no Ray cluster at {flag} {address} ({str(e).splitlines()[0]}); start one "
                             f"with ray start --head, or pass {flag} local") from None
+        except ValueError as e:  # Ray's parse of the address: "Invalid address format"
+            raise UserError(f"{flag} {address!r} is not a Ray address ({str(e).splitlines()[0]}); pass auto, "
+                            f"local, HOST:PORT or ray://HOST:PORT") from None
     try:
         yield
     finally:
