@@ -58,7 +58,7 @@ class Degenerate:
     user allows it, a warning with the counts at the end."""
 
     def __init__(self, src: str, allowed: bool):
-        self.src, self.allowed, self.faults, self.rows = src, allowed, {}, 0
+        self.src, self.allowed, self.faults = src, allowed, {}
 
     def add(self, faults: Faults) -> None:
         for reason, (n, where) in faults.items():
