@@ -12,6 +12,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from conftest import ROOT, TINY, tiny_config
 
 from meshtrain.run.checkpoint import Checkpointer, abstract_like
@@ -172,3 +173,33 @@ def test_gloos_interleaved_connection_lines_leave_stdout():
     done = subprocess.run([sys.executable, "-c", _FILTER, json.dumps(GLOO_PIECES), "", ""],
                           input=stream, capture_output=True, text=True, timeout=60)
     assert done.stdout == "step      1  loss 5.5\nerror: 7 steps\n"
+
+
+def test_a_job_that_does_not_meet_ends_at_init_timeout_in_one_line(tmp_path):
+    """Process 1 started alone: at --init-timeout it ends with one line naming the coordinator and the
+    fix, exit 2 (JAX's own bound aborts with a C++ stack trace, exit 134, and blamed a lost peer)."""
+    port, started = free_port(), time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", TINY, "--devices", "2", "--out",
+                           str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                           "--process-id", "1", "--init-timeout", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: the job did not meet within --init-timeout 3 s: process 0 (the coordinator) did not answer there: "
+        f"start it, check that this host reaches that address and port, and that every process names the same "
+        f"one; or raise --init-timeout (multi-host: flags, coordinator 127.0.0.1:{port})")
+    assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_while_the_job_meets_ends_at_once_in_one_line(tmp_path, sig):
+    """Process 0 waiting for a process 1 that never comes (JAX's join holds the main thread in C++,
+    where Python runs no signal handler: Ctrl-C waited out the whole --init-timeout)."""
+    from test_signals import LINES, signalled
+
+    argv = ["meshtrain.train", "--config", TINY, "--devices", "2", "--out", str(tmp_path / "run"), "--coordinator",
+            f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "0", "--init-timeout", "300"]
+    started = time.monotonic()
+    status, output = signalled(argv, sig, "waiting for all 2 processes of the job", timeout=120)
+    assert (status, output.strip().splitlines()[-1]) == LINES[sig], output[-3000:]
+    assert time.monotonic() - started < 60

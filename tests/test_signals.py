@@ -45,8 +45,10 @@ def signalled(argv: list[str], sig: int, after: float | str, timeout: float = 24
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        if isinstance(after, str):
-            assert seen.wait(timeout), "".join(lines)[-2000:]
+        if isinstance(after, str):  # a process that ended without the text fails at once
+            deadline = time.monotonic() + timeout
+            while not seen.wait(0.1):
+                assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-2000:]
         else:  # seconds after meshtrain took the signals: not in Python's own start-up, before any of its code
             assert catches_sigterm(proc, timeout), "".join(lines)[-2000:]
             time.sleep(after)
@@ -165,3 +167,25 @@ def test_a_signal_in_the_shutdown_of_a_finished_command_leaves_its_status():
     a command that had finished (status -15, the old failure); now it ends with the command's own 0."""
     status, output = signalled([SLOW_SHUTDOWN], signal.SIGTERM, "finished", run="-c")
     assert status == 0 and output.strip() == "finished", (status, output)
+
+
+LIBRARY_SCRIPT = """
+import signal, sys, time
+from meshtrain.testing import tiny_config
+from meshtrain.run.loggers import MetricsLog
+from meshtrain.run.trainer import Trainer
+trainer = Trainer(tiny_config("model.num_layers=1", out=sys.argv[1]))
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "constructing a Trainer took SIGTERM"
+trainer.fit(2, log=MetricsLog(primary=False))
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "fit kept its SIGTERM handler"
+print("trained", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_library_users_sigterm_outside_fit_ends_the_process(tmp_path):
+    """A script that trains through the Python API owns its signals: meshtrain takes SIGTERM only while
+    `fit` runs (to checkpoint) and gives it back, so a SIGTERM after `fit` ends the script as Python's
+    default does (killed by the signal), never absorbed."""
+    status, output = signalled([LIBRARY_SCRIPT, str(tmp_path / "run")], signal.SIGTERM, "trained", run="-c")
+    assert status == -signal.SIGTERM, (status, output[-3000:])

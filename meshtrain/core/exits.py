@@ -76,6 +76,18 @@ def end(signum: int) -> None:
     os._exit(status)
 
 
+def fail_now(line: str) -> None:
+    """As a process: `line` (an `error:` line) then exit 2 at once, where the interpreter's shutdown
+    would print a native library's teardown after it (JAX's half-joined multi-host runtime)."""
+    if _as_process:
+        if line_fd == 2:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            os.write(line_fd, f"{line}\n".encode())
+        sys.stdout.flush()
+        os._exit(EXIT_USER_ERROR)
+
+
 def on_signal(signum, frame):
     """The handler for SIGINT and SIGTERM (see the module doc). Where the signal is raised, not inside a
     garbage-collection callback (JAX registers one), where Python would print the exception as

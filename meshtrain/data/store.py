@@ -24,18 +24,21 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from meshtrain.core import exits, schema
+from meshtrain.core import exits, schema, waits
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError, first_line
-from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned
+from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned, writable
 from meshtrain.data import digest
 from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, check_sha256, sidecar
 
+T = TypeVar("T")
 CHUNK = 8 << 20  # bytes a read or write moves
 FIX = ("check the URI, that the store is reachable from here, and its credentials (AWS_ACCESS_KEY_ID and "
        "AWS_SECRET_ACCESS_KEY for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://, ...)")
@@ -89,16 +92,22 @@ class Prefix:
         import pyarrow.fs as pafs
 
         self.uri, self.flag = uri, flag
-        with reaching(uri, flag):
-            self.fs, path = pafs.FileSystem.from_uri(bounded(uri))
+        self.fs, path = self._talk("connecting", lambda: pafs.FileSystem.from_uri(bounded(uri)))
         self.path = path.rstrip("/")
+
+    def _talk(self, doing: str | Callable[[], str], work: Callable[[], T]) -> T:
+        """`work()` against the store: its errors one UserError (`reaching`); its wait says so every
+        30 s and yields to Ctrl-C and SIGTERM (core/waits.py: pyarrow's calls hold signals while
+        they retry)."""
+        what = (lambda: f"{shown(self.uri)} ({doing()})") if callable(doing) else f"{shown(self.uri)} ({doing})"
+        with reaching(self.uri, self.flag):
+            return waits.interruptible(work, what)
 
     def files(self) -> dict[str, int]:
         """{name: size} of the files directly in the prefix ({} where there is none)."""
         import pyarrow.fs as pafs
 
-        with reaching(self.uri, self.flag):
-            found = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        found = self._talk("listing", lambda: self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True)))
         return {Path(f.path).name: f.size for f in found if f.type == pafs.FileType.File}
 
     def check_root(self) -> None:
@@ -107,31 +116,48 @@ class Prefix:
         import pyarrow.fs as pafs
 
         root = self.path.split("/")[0] or "/"
-        with reaching(self.uri, self.flag):
-            missing = self.fs.get_file_info(root).type == pafs.FileType.NotFound
-        if missing:
+        if self._talk("finding its bucket", lambda: self.fs.get_file_info(root)).type == pafs.FileType.NotFound:
             raise UserError(f"{self.flag} {shown(self.uri)}: the bucket {root} does not exist; create it, or fix "
                             f"the URI")
 
     def read(self, name: str) -> bytes:
-        with reaching(self.uri, self.flag), self.fs.open_input_stream(f"{self.path}/{name}") as f:
-            return f.read()
+        def work():
+            with self.fs.open_input_stream(f"{self.path}/{name}") as f:
+                return f.read()
+        return self._talk(f"reading {name}", work)
 
     def put(self, local: Path) -> None:
         """Upload the file `local` as the prefix's file of that name (an object appears whole)."""
-        with reaching(self.uri, self.flag):
+        def work():
             try:
                 out = self.fs.open_output_stream(f"{self.path}/{local.name}")
             except FileNotFoundError:  # a filesystem with folders (file://, hdfs://): make the prefix's
                 self.fs.create_dir(self.path, recursive=True)
                 out = self.fs.open_output_stream(f"{self.path}/{local.name}")
             with open(local, "rb") as f, out:
-                shutil.copyfileobj(f, out, CHUNK)
+                _copy(f, out, moved)
+        moved = [0]
+        self._talk(lambda: f"uploading {local.name}: {_mb(moved[0])} of {_mb(local.stat().st_size)}", work)
 
-    def get(self, name: str, local: Path) -> None:
-        with reaching(self.uri, self.flag), self.fs.open_input_stream(f"{self.path}/{name}") as f, \
-                open(local, "wb") as out:
-            shutil.copyfileobj(f, out, CHUNK)
+    def get(self, name: str, local: Path, size: int) -> None:
+        """Copy the prefix's file `name` (of `size` bytes) to `local`."""
+        def work():
+            with self.fs.open_input_stream(f"{self.path}/{name}") as f, open(local, "wb") as out:
+                _copy(f, out, moved)
+        moved = [0]
+        self._talk(lambda: f"copying {name}: {_mb(moved[0])} of {_mb(size)}", work)
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB"
+
+
+def _copy(source, target, moved: list[int]) -> None:
+    """`source`'s bytes to `target`, CHUNK at a time, counted in `moved[0]`; stopped where the wait
+    for it was abandoned (a Ctrl-C: the caller has gone on to unwind)."""
+    while (chunk := source.read(CHUNK)) and not waits.abandoned():
+        target.write(chunk)
+        moved[0] += len(chunk)
 
 
 # ---- writing: prepare --out URI
@@ -144,12 +170,16 @@ def staged(out, stage: str | Path | None = None, flag: str = "--out"):
     if not is_uri(out):
         yield out
         return
+    if stage is not None and (not str(stage) or is_uri(stage)):
+        raise UserError(f"--stage {str(stage)!r}: name a local folder to write the data in before its upload "
+                        f"(default: {cache_root() / 'staging'})")
+    staging = writable(Path(stage or cache_root() / "staging"), "--stage")
     prefix = Prefix(str(out), flag)
     if MANIFEST in prefix.files():
         raise UserError(f"{flag} {shown(out)} already holds prepared data ({MANIFEST}); pick a new prefix or "
                         f"delete it")
     prefix.check_root()
-    home = Path(stage or cache_root() / "staging") / hashlib.sha256(shown(out).encode()).hexdigest()[:16]
+    home = staging / hashlib.sha256(shown(out).encode()).hexdigest()[:16]
     home.mkdir(parents=True, exist_ok=True)
     lock = os.open(home, os.O_RDONLY)  # one prepare per URI on this machine: they share the folder
     try:
@@ -251,7 +281,7 @@ def cached(uri: str, cache_dir: str | Path = "", flag: str = "data.path") -> Pat
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 for name in sorted(set(there) - {MANIFEST}):
-                    prefix.get(name, tmp / name)
+                    prefix.get(name, tmp / name, there[name])
                 check_sha256(tmp, m, f"data.path {shown(uri)}", "prepare it again", digest.read_sha256)
                 (tmp / MANIFEST).write_bytes(prefix.read(MANIFEST))
                 try:

@@ -4,7 +4,9 @@
   Kubernetes Job / JobSet environment, read by `resolve_launch`) in JAX's recoverable mode, so a
   dead peer is reported to the others instead of aborting each of them with a C++ stack trace; a
   watcher thread then ends this process with one `error:` line naming the lost process, once the
-  coordination service has missed its heartbeats for `heartbeat_timeout_s` (exit code 3).
+  coordination service has missed its heartbeats for `heartbeat_timeout_s` (exit code 3). The
+  join itself says it waits, yields to Ctrl-C and SIGTERM, and ends at `init_timeout_s` with one
+  line from where this process stands (core/waits.py: JAX's own bound aborts with a stack trace).
 - Decisions that must be the same everywhere (save now, stop now) are agreed: process 0's clock
   decides saves by time (`agree_with_process_0`); a SIGTERM that reaches any process stops all of
   them at the same step (`preemption_reached`, JAX's preemption sync point).
@@ -25,11 +27,12 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from meshtrain.core import console
+from meshtrain.core import console, exits, waits
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError
 
 EXIT_PEER_LOST = 3
+JAX_ABORT_AFTER_S = 60  # JAX's join timeout is --init-timeout plus this: ours ends the wait first
 RESUME_HINT = "rerun the same command on every host to resume from the latest checkpoint"
 _run_over = threading.Event()  # set when this process is done: a peer that finished first is not lost
 
@@ -74,10 +77,10 @@ def resolve_launch(env=None, coordinator: str | None = None, num_processes: int 
     JAX_COORDINATOR_ADDRESS replaces the coordinator found, JAX_COORDINATOR_PORT its port, as
     they do for JAX. A variable a launcher needs and lacks is one UserError naming it."""
     env = os.environ if env is None else env
-    address = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    address = coordinator if coordinator is not None else env.get("JAX_COORDINATOR_ADDRESS")
     if coordinator is not None or num_processes is not None or process_id is not None:
-        launch = _from_flags(address, num_processes, process_id, "--coordinator" if coordinator else
-                             "JAX_COORDINATOR_ADDRESS")
+        launch = _from_flags(address, num_processes, process_id, "--coordinator" if coordinator is not None
+                             else "JAX_COORDINATOR_ADDRESS")
     elif _count(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") > 1:
         launch = _slurm(env)
     elif _count(env, "OMPI_COMM_WORLD_SIZE") > 1:
@@ -85,15 +88,20 @@ def resolve_launch(env=None, coordinator: str | None = None, num_processes: int 
     elif "JOB_COMPLETION_INDEX" in env:
         launch = _jobset(env) if "JOBSET_NAME" in env else _indexed_job(env)
     elif address:  # JAX's own detection finds the count and id (a Cloud TPU pod's metadata)
-        return Launch("JAX", address, None, None)
+        return Launch("JAX", check_address(address, "JAX_COORDINATOR_ADDRESS"), None, None)
     else:
         return None
     if launch is None:
         return None
-    if address and launch.launcher != "flags":
-        launch = replace(launch, coordinator=address)
-    elif env.get("JAX_COORDINATOR_PORT") and launch.launcher != "flags":
-        launch = replace(launch, coordinator=f"{launch.coordinator.rsplit(':', 1)[0]}:{env['JAX_COORDINATOR_PORT']}")
+    if launch.launcher != "flags":  # (the flags' address is checked as they are read)
+        named = "JAX_COORDINATOR_ADDRESS" if address else launch.launcher
+        if address:
+            launch = replace(launch, coordinator=address)
+        elif env.get("JAX_COORDINATOR_PORT"):
+            named = f"{launch.launcher} with JAX_COORDINATOR_PORT"
+            host = launch.coordinator.rsplit(":", 1)[0]
+            launch = replace(launch, coordinator=f"{host}:{env['JAX_COORDINATOR_PORT']}")
+        check_address(launch.coordinator, named)
     if not 0 <= launch.process_id < launch.num_processes:
         raise UserError(f"{launch.launcher}: process id {launch.process_id} is not one of the {launch.num_processes} "
                         f"processes (0 to {launch.num_processes - 1}); check the launcher's process count")
@@ -107,9 +115,18 @@ def _from_flags(address, num_processes, process_id, named) -> Launch:
     if not 0 <= process_id < num_processes:
         raise UserError(f"--process-id {process_id} is not one of the {num_processes} processes; give each "
                         f"process its own id from 0 to {num_processes - 1}")
-    if ":" not in address:
-        raise UserError(f"{named} {address}: give host:port, e.g. 10.0.0.1:1234")
-    return Launch("flags", address, num_processes, process_id)
+    return Launch("flags", check_address(address, named), num_processes, process_id)
+
+
+def check_address(address: str, named: str) -> str:
+    """`address` if it is host:port (a port from 1 to 65535), else one UserError naming `named`: JAX
+    hands a malformed one to gRPC, which retries it until --init-timeout, then aborts."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536 or \
+            any(c.isspace() for c in address):
+        raise UserError(f"{named} {address!r} is not host:port: give a host name or address and a port from 1 to "
+                        f"65535 (10.0.0.1:1234, node-0:1234, [fd00::1]:1234)")
+    return address
 
 
 def _need(env, name: str, launcher: str, fix: str) -> str:
@@ -268,14 +285,42 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     devices = list(launch.local_device_ids) if launch.local_device_ids is not None else None
     # All given: JAX's own detection ("deactivate") must not restrict the devices again.
     detection = None if launch.launcher == "JAX" else "deactivate"
-    jax.distributed.initialize(launch.coordinator, launch.num_processes, launch.process_id, devices,
-                               cluster_detection_method=detection, initialization_timeout=init_timeout_s,
-                               heartbeat_timeout_seconds=heartbeat_timeout_s)
+    # JAX's own bound is later than ours: at it JAX aborts the process (a C++ stack trace, exit 134).
+    join = lambda: jax.distributed.initialize(  # noqa: E731
+        launch.coordinator, launch.num_processes, launch.process_id, devices, cluster_detection_method=detection,
+        initialization_timeout=init_timeout_s + JAX_ABORT_AFTER_S, heartbeat_timeout_seconds=heartbeat_timeout_s)
+    if launch.process_id is not None:  # only process 0 says it is waiting, as it logs the run
+        console.set_process(launch.process_id)
+    log.info(f"waiting for {_meeting(launch)}: at most {init_timeout_s} s (--init-timeout)")
+    try:
+        waits.interruptible(join, _meeting(launch), deadline_s=init_timeout_s,
+                            timed_out=lambda: _not_met(launch, init_timeout_s))
+    except UserError as e:
+        exits.fail_now(f"error: {e}")  # a command: before the runtime's teardown prints after the line
+        raise
     console.set_process(jax.process_index())  # from here on only process 0's notices reach the console
     _watch_peers(heartbeat_timeout_s)
     log.info(f"multi-host: {jax.process_count()} processes ({launch.launcher}), coordinator {launch.coordinator}, "
              f"{jax.device_count()} devices")
     return launch
+
+
+def _meeting(launch: Launch) -> str:
+    who = "all processes" if launch.num_processes is None else f"all {launch.num_processes} processes"
+    me = "" if launch.process_id is None else f", this is process {launch.process_id}"
+    return f"{who} of the job to join at the coordinator {launch.coordinator} ({launch.launcher}{me})"
+
+
+def _not_met(launch: Launch, init_timeout_s: int) -> UserError:
+    """The one line for a job that did not meet within --init-timeout, from where this process stands."""
+    if launch.process_id == 0:
+        why = ("not every other process joined this one (the coordinator): start all of them, each with the "
+               "same coordinator address and process count and its own process id")
+    else:
+        why = ("process 0 (the coordinator) did not answer there: start it, check that this host reaches that "
+               "address and port, and that every process names the same one")
+    return UserError(f"the job did not meet within --init-timeout {init_timeout_s} s: {why}; or raise "
+                     f"--init-timeout (multi-host: {launch.launcher}, coordinator {launch.coordinator})")
 
 
 def _live_processes() -> set[int]:
@@ -329,7 +374,8 @@ def leave_together(timeout_s: int = 300) -> None:
         return
     from jax._src import distributed
 
-    distributed.global_state.client.wait_at_barrier("meshtrain-run-finished", timeout_s * 1000)
+    meet = lambda: distributed.global_state.client.wait_at_barrier("meshtrain-run-finished", timeout_s * 1000)  # noqa: E731
+    waits.interruptible(meet, f"all {jax.process_count()} processes to finish the run")
     if jax.process_index() != 0:
         jax.distributed.shutdown()
         return
