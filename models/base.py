@@ -116,7 +116,7 @@ class Block(nnx.Module):
         (`targets`: of those, the ones this block's own weights take; default all)."""
         for t in (cfg.lora.targets if targets is None else targets) if cfg.lora.rank else ():
             w = LORA[t][0]
-            a, b = init_adapter(rngs.params(), getattr(self, w).shape, PARAM_AXES[w], cfg.lora.rank)
+            a, b = init_adapter(rngs.params(), getattr(self, w).shape, PARAM_AXES[w], cfg.lora.rank, w)
             setattr(self, f"lora_{t}_a", nnx.Param(a))
             setattr(self, f"lora_{t}_b", nnx.Param(b))
 

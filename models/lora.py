@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtrain.core.errors import UserError
 from meshtrain.models.axes import STACKED_AXES, contracted_axes
 from meshtrain.models.spec import LORA_TARGETS
 
@@ -47,11 +48,18 @@ def adapter_axes(adapted: dict[str, tuple]) -> dict[str, tuple]:
     return {f"lora_{name}_{part}": axes for name, base in adapted.items() for part, axes in zip("ab", lora_axes(base))}
 
 
-def init_adapter(key, shape: tuple, base: tuple, rank: int):
-    """An adapter's (A, B) in fp32 on a weight of `shape` and logical axes `base`: A as PEFT's
-    default (kaiming_uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero, so the
-    adapted model starts as its base."""
+def init_adapter(key, shape: tuple, base: tuple, rank: int, weight: str):
+    """An adapter's (A, B) in fp32 on the weight `weight` of `shape` and logical axes `base`: A as
+    PEFT's default (kaiming_uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero, so
+    the adapted model starts as its base. A rank above the weight's own is refused: A B has rank at
+    most min(in, out), so the rest would train nothing, at more cost than the weight itself."""
     stacked, into, out = ([shape[i] for i in part] for part in lora_parts(base))
+    fan_in, fan_out = math.prod(into), math.prod(out)
+    if rank > min(fan_in, fan_out):
+        raise UserError(f"model.lora.rank={rank} is above the rank of the {weight} weight it adapts ({fan_in} x "
+                        f"{fan_out}, rank at most {min(fan_in, fan_out)}): the extra rank trains nothing and costs "
+                        f"more than training {weight} itself; set model.lora.rank to at most "
+                        f"{min(fan_in, fan_out)}, or leave that projection out of model.lora.targets")
     bound = 1.0 / np.sqrt(np.prod(into))
     a = jax.random.uniform(key, (*stacked, *into, rank), jnp.float32, -bound, bound)
     return a, jnp.zeros((*stacked, rank, *out), jnp.float32)

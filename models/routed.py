@@ -112,7 +112,7 @@ class MoEBlock(Block):
         dense = cfg.shared_experts() or not cfg.num_experts
         super().init_lora(cfg, rngs, [t for t in targets if dense or t not in EXPERT_LORA])
         for w in self.expert_adapters(cfg, targets):
-            a, b = init_adapter(rngs.params(), getattr(self, w).shape, MOE_PARAM_AXES[w], cfg.lora.rank)
+            a, b = init_adapter(rngs.params(), getattr(self, w).shape, MOE_PARAM_AXES[w], cfg.lora.rank, w)
             setattr(self, f"lora_{w}_a", nnx.Param(a))
             setattr(self, f"lora_{w}_b", nnx.Param(b))
 

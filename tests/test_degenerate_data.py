@@ -5,6 +5,7 @@ prepared folder's bytes are the ones prepare hashed."""
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 
 import jax
@@ -219,3 +220,30 @@ def test_any_changed_byte_of_a_prepared_folder_is_refused_naming_its_file(tmp_pa
     victim.write_bytes(original)
     tokens, _ = read_prepared(folder)
     assert np.asarray(tokens.unmasked()).size == sum(f.stat().st_size for f in folder.glob("shard-*.mask"))
+
+
+@pytest.mark.fast
+@PROPERTY
+@given(st.lists(st.sampled_from(["", "", "a", " ", "text"]), min_size=1, max_size=5), st.booleans())
+def test_plain_documents_that_are_all_empty_are_refused_on_prepare_and_on_load(tmp_path_factory, texts, as_file):
+    """A source whose documents are all empty would train their end tokens alone: refused as prepare
+    writes it and as a run tokenizes it on load; one with any text (a space counts) is taken."""
+    from meshtrain.config.loader import load_config
+    from meshtrain.data.corpus import load_corpus
+
+    folder = tmp_path_factory.mktemp("plain")
+    src = folder / ("doc.txt" if as_file else "rows.jsonl")
+    if as_file:
+        src.write_text(texts[0])
+        texts = texts[:1]
+    else:
+        write_rows(src, [{"text": t} for t in texts])
+    refused = f"{src} holds {len(texts):,} document(s), all empty: only their end tokens would be trained"
+    attempts = [lambda: prepare(str(src), BYTE, folder / "out", 1),
+                lambda: load_corpus(load_config(None, [f"data.path={src}", "model.vocab_size=256"]).data, 256)]
+    for attempt in attempts:
+        if any(texts):
+            attempt()
+        else:
+            with pytest.raises(UserError, match=f"^{re.escape(refused)}"):
+                attempt()

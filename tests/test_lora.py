@@ -143,6 +143,19 @@ def test_bad_lora_settings_are_one_error(setting, message):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("config,targets,weight,sides", [
+    (TINY, "[q,k,v,o]", "wq", "32 x 64"), (QWEN3_MOE_TINY, "[gate]", "expert_gate", None)])
+def test_a_rank_above_the_adapted_weights_is_one_error(config, targets, weight, sides):
+    """A B has rank at most min(in, out): a larger rank trains nothing more, at more cost than the
+    weight (refused where the adapter is made: the planner's and the run's model alike)."""
+    spec = tiny_config("model.lora.rank=1", f"model.lora.targets={targets}", config=config).model.resolved()
+    spec.lora.rank = 1 + max(spec.d_model, spec.mlp_dim, spec.num_heads * spec.head_dim)
+    with pytest.raises(UserError, match=rf"^model.lora.rank={spec.lora.rank} is above the rank of the {weight} "
+                                        rf"weight it adapts \({sides or '.*'}, rank at most"):
+        FAMILIES[spec.family](spec)
+
+
+@pytest.mark.fast
 def test_dropout_on_routed_experts_adapters_is_refused_and_on_their_attention_accepted():
     """The experts' adapters see dispatch buffers, with no row or position to key a mask by."""
     with pytest.raises(UserError, match="model.lora.dropout=0.1 on the adapters of routed experts is not built"):

@@ -17,7 +17,7 @@ import numpy as np
 from meshtrain.core.errors import UserError
 from meshtrain.data import store
 from meshtrain.data import tokenizer as tokenizer_lib
-from meshtrain.data.prepare import DroppedText, tokenize
+from meshtrain.data.prepare import DroppedText, check_documents, tokenize
 from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
 from meshtrain.data.tokens import Tokens, prepared_kind, read_prepared, token_stream
 
@@ -81,13 +81,13 @@ def _tokenized(kind: str, dcfg, tok) -> Tokens:
                         f"{dcfg.path} --tokenizer {tok.name} --out DIR once, then train on --data DIR")
     dropped = DroppedText(tok, dcfg.path, False, f"prepare it with python -m meshtrain.data prepare {dcfg.path} "
                                                 f"--tokenizer {tok.name} --allow-dropped-text --out DIR")
-    ids = []
+    ids, documents = [], 0
     for unit in parts:
         part = tokenize(unit, tok, dcfg.text_field)
         dropped.add(part)
         ids.append(part.ids)
-    if not any(len(i) for i in ids):
-        raise UserError(f"{dcfg.path or 'the data'} holds no documents; pass a source with text in it")
+        documents += len(part.ends)
+    check_documents(dcfg.path or "the data", sum(len(i) for i in ids), documents, tok)
     return Tokens([np.concatenate(ids)])
 
 

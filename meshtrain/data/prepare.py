@@ -234,6 +234,16 @@ def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tu
     return kind, units(kind, src)
 
 
+def check_documents(src, tokens: int, documents: int, tok) -> None:
+    """One UserError where the source holds no document, or only empty ones (each would be its end
+    token alone: nothing to learn)."""
+    if not documents:
+        raise UserError(f"{src} holds no documents; pass a source with text in it")
+    if tokens == documents * len(tokenizer_lib.document_end(tok)):
+        raise UserError(f"{src} holds {documents:,} document(s), all empty: only their end tokens would be "
+                        f"trained; pass a source with text in it")
+
+
 def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: str | Path, text_field: str,
                    shard_tokens: int, allow_dropped_text: bool, chat: chat_lib.ChatFormat | None = None,
                    preference: bool = False, *, allow_degenerate: bool = False) -> dict:
@@ -257,8 +267,7 @@ def write_prepared(parts: Iterable[Tokenized], src: str, kind: str, tok, out: st
             for file in (writer.file, writer.mask_file):
                 if file is not None:
                     file.close()
-        if not shards:
-            raise UserError(f"{src} holds no documents; pass a source with text in it")
+        check_documents(src, sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards), tok)
         dropped.warn()
         faults.warn()
         if writer.masked:
