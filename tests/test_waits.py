@@ -126,3 +126,22 @@ def test_a_staging_folder_that_is_not_one_is_one_line_before_any_work(tmp_path, 
     with pytest.raises(UserError) as e, store.staged(f"file://{tmp_path}/out", fill(stage)):
         pass
     assert str(e.value).startswith(fill(message)) and not (tmp_path / "out").exists()
+
+
+SCHEMES = st.sampled_from(["s3", "gs", "https", "file", "hdfs", "abfs"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(scheme=SCHEMES, slashes=st.sampled_from([":", ":/", "://", ":///"]), rest=st.text(max_size=8),
+       flag=st.sampled_from(["--out", "--json", "--to-hf DIR", "compile_cache", "data.cache_dir"]))
+def test_a_uri_where_a_local_path_is_taken_is_one_line(scheme, slashes, rest, flag):
+    """Every output path and local folder goes through folders.local: a URI there wrote a folder named
+    `s3:` in the working directory (report, convert, compile_cache) or was a traceback (train, eval)."""
+    from meshtrain.core import compile_cache
+    from meshtrain.core.folders import check_new, file_target, writable
+
+    uri = f"{scheme}{slashes}{'/' if slashes == ':' and rest else ''}{rest}"
+    for check in (writable, check_new, file_target, lambda path, flag: compile_cache.folder_for(path)):
+        with pytest.raises(UserError) as e:
+            check(uri, flag)
+        assert "\n" not in str(e.value) and " is a URI; " in str(e.value)

@@ -29,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 from meshtrain.core.errors import UserError
+from meshtrain.core.folders import local
 
 DEFAULT_MAX_GB = 10.0  # the cache's bound: past it, least recently used entries are evicted
 MIN_COMPILE_S = 0.1  # programs that compile faster are not written (JAX's default is 1 s; see `use`)
@@ -55,7 +56,7 @@ def folder_for(setting: str | None) -> Path | None:
         return None
     if setting in AUTO:
         return Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_folder())
-    return Path(setting).expanduser()
+    return local(setting, "compile_cache").expanduser()
 
 
 def use(setting: str | None = "auto", max_gb: float = DEFAULT_MAX_GB) -> Path | None:

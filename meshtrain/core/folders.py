@@ -8,6 +8,7 @@ import errno
 import fcntl
 import glob
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -17,11 +18,23 @@ from meshtrain.core import exits
 from meshtrain.core.console import NOTICE, log
 from meshtrain.core.errors import UserError
 
+URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?:/+|$)")  # s3://b/x, or as a Path keeps it: s3:/b/x
 
-def writable(path: Path, flag: str) -> Path:
+
+def local(path: str | Path, flag: str) -> Path:
+    """`path` as a Path on this machine; a URI (s3://, gs://, https://, ...) is one UserError naming
+    `flag`, not a folder named `s3:` in the working directory."""
+    if URI.match(str(path)):
+        shown = path if isinstance(path, str) else URI.sub(r"\1://", str(path), count=1)  # as typed, where known
+        raise UserError(f"{flag} {shown} is a URI; {flag} takes a path on this machine, or on a filesystem "
+                        f"mounted on it")
+    return Path(path)
+
+
+def writable(path: str | Path, flag: str) -> Path:
     """`path`, once it is known that it can be created or written (`flag` names it in errors, e.g.
     '--out'); nothing is written."""
-    probe = path
+    path = probe = local(path, flag)
     while not probe.exists() and probe != probe.parent:
         if probe.is_symlink():  # dangling: creating `path` would fail on it
             raise UserError(f"{flag} {path}: {probe} is a link to {os.readlink(probe)}, which does not exist; "
@@ -40,7 +53,7 @@ def writable(path: Path, flag: str) -> Path:
 
 def check_new(path: str | Path, flag: str) -> Path:
     """`path`, once it is known that it can be created and is new or empty; nothing is written."""
-    path = writable(Path(path), flag)
+    path = writable(path, flag)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UserError(f"{flag} {path} already exists and is not empty; pick a new folder or delete it")
     return path
@@ -77,7 +90,7 @@ def full_disk_is_user_error(path: str | Path, what: str, then: str = "rerun"):
 def file_target(path: str | Path, flag: str) -> Path:
     """`path`, once it is known that a file can be written there (not a folder, in a writable one);
     nothing is written."""
-    path = Path(path)
+    path = local(path, flag)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder; name a file")
     writable(path.parent, flag)

@@ -34,7 +34,7 @@ import numpy as np
 from meshtrain.core import exits, schema, waits
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError, first_line
-from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned, writable
+from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, local, remove_abandoned, writable
 from meshtrain.data import digest
 from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, check_sha256, sidecar
 
@@ -264,7 +264,7 @@ def cached(uri: str, cache_dir: str | Path = "", flag: str = "data.path") -> Pat
     prefix = Prefix(uri, flag)
     m, there = _listed(prefix)
     key = m["sha256"] + (f"-{m['mask_sha256'][:16]}" if m.get("mask_sha256") else "")
-    root = Path(cache_dir or cache_root() / "data")
+    root = local(cache_dir or cache_root() / "data", "data.cache_dir")
     folder = root / key
     if (folder / MANIFEST).is_file():
         _check_sizes(folder, m, f"the cached copy {folder} of {shown(uri)}", "delete it and run again")

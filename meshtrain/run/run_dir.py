@@ -79,7 +79,7 @@ def is_run(path: Path) -> bool:
 def checked(out: str) -> Path:
     """The output folder, once it is known that it can be created or written and is new, empty or a
     run's; nothing is written."""
-    path = writable(Path(out or default_out()), "--out")
+    path = writable(out or default_out(), "--out")
     if path.is_dir() and not is_run(path):
         foreign = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
         if foreign:

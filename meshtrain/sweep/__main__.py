@@ -64,7 +64,7 @@ def prepare(args):
             raise UserError(f"mesh {base.parallel.mesh} does not fit the {per_trial} device(s) each trial gets "
                             f"(--parallel {args.parallel}); set parallel.mesh with --set") from None
     args.out = args.out or f"{default_out(args.config)}-sweep"
-    writable(Path(args.out), "--out")
+    writable(args.out, "--out")
     args.study = args.study or Path(args.out).absolute().name
     args.storage = args.storage or f"sqlite:///{Path(args.out).absolute() / 'study.db'}"
     return space, base, slots
