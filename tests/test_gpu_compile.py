@@ -61,7 +61,7 @@ def compiled_step(*overrides, config=TINY, count=1):
 @pytest.fixture(scope="module")
 def steps():
     """The tiny model's train step on one H100, by precision (mesh=1: every row on the device)."""
-    return {p: compiled_step("parallel.mesh=1", f"parallel.precision={p}") for p in ("bf16", "fp8")}
+    return {p: compiled_step("parallel.mesh=1", f"parallel.precision={p}") for p in ("bf16", "fp8", "fp8_rowwise")}
 
 
 def test_the_plan_is_the_gpu_programs_and_says_so(capsys):
@@ -199,16 +199,33 @@ def test_fsdp_formula_holds_on_the_gpu_program(tied):
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.10), kind
 
 
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
+def test_a_b200_plan_is_its_gpu_program_with_fp8_gemms_and_says_its_constants_are_not_calibrated(capsys, recipe):
+    """Blackwell as a target (XLA's own B200 spec, cc 10.0): both fp8 recipes compile to fp8 GEMMs there
+    too, and the step priced from its kernels says the constants are the H100/H200's."""
+    assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--device", "b200", "--compiler", "gpu",
+                 "--set", f"parallel.precision={recipe}", "--json", "--search-budget", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["compiled_for"]["device_kind"] == "NVIDIA B200"
+    assert {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"} <= set(report["kernels"]["gemms"])
+    roof = report["roofline"]
+    assert roof["priced_by"] == "kernels" and roof["kernel_time"]["calibrated"] is False
+    assert "GPU kernels (NOT calibrated on this GPU: the H100/H200's shares" in format_plan(report)
+    assert roof["mfu_fp8_ceiling"] == pytest.approx(roof["mfu_ceiling"] * 2250 / 4500)
+
+
 PROJECTIONS = ("bld,dhk->blhk", "bld,dgk->blgk", "blhk,hkd->bld", "bld,df->blf", "blf,fd->bld")  # the 7
 
 
-def test_fp8_projections_run_fp8_gemms_forward_and_backward_and_bf16_none(steps):
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
+def test_fp8_projections_run_fp8_gemms_forward_and_backward_and_bf16_none(steps, recipe):
     """Every GEMM a projection's einsum makes (forward, and both gradients' transposed einsums) takes
-    fp8 operands on the GPU: e4m3 x e4m3 forward, e5m2 cotangents x e4m3 residuals backward; the bf16
-    step has no fp8 GEMM. (XLA may merge the q, k and v GEMMs, which share their input.)"""
+    fp8 operands on the GPU: e4m3 x e4m3 forward, e5m2 cotangents x e4m3 operands backward, with a
+    scale per tensor or per row; the bf16 step has no fp8 GEMM. (XLA may merge the q, k and v GEMMs,
+    which share their input.)"""
     specs = {spec: "forward" for spec in PROJECTIONS}
     specs.update({t: "backward" for spec in PROJECTIONS for t in transposed_specs(spec)})
-    fp8 = kernels.gemm_sites(steps["fp8"])
+    fp8 = kernels.gemm_sites(steps[recipe])
     made = {}
     for site in fp8:
         spec = next((s for s in specs if f"/{s}/" in site["op"]), None)

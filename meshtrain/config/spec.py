@@ -39,7 +39,8 @@ class ParallelPlan:
     precision: str = setting("fp32", "fp32, or bf16 / fp16 compute with fp32 master weights (fp16 with dynamic "
                                      "loss scaling: the loss_scale_* keys), or fp8: bf16 with the attention "
                                      "projections' and MLP's matmuls in fp8 (e4m3 forward, e5m2 gradients, "
-                                     "per-tensor current scaling)", choices=("fp32", "bf16", "fp16", "fp8"))
+                                     "per-tensor current scaling), or fp8_rowwise: fp8 with a scale per row "
+                                     "of each GEMM's operands", choices=("fp32", "bf16", "fp16", "fp8", "fp8_rowwise"))
     loss_scale_initial: float = setting(65536.0, "fp16: the loss scale at step 0 (2^16, DeepSpeed's default); an "
                                                  "overflowing step is skipped and halves it", min=1.0,
                                         applies=Applies("parallel.precision", ("fp16",)))

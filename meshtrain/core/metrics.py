@@ -18,6 +18,7 @@ from __future__ import annotations
 
 # Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind (first match wins).
 PEAK_BF16_FLOPS = {
+    "B200": 2250e12,
     "H200": 989e12,
     "H100 PCIe": 756e12,
     "H100": 989e12,
@@ -29,6 +30,7 @@ PEAK_BF16_FLOPS = {
 }
 # Dense fp8 (e4m3/e5m2) tensor-core peak FLOP/s, 2x bf16 on Hopper; devices without fp8 matmuls absent.
 PEAK_FP8_FLOPS = {
+    "B200": 4500e12,
     "H200": 1979e12,
     "H100 PCIe": 1513e12,
     "H100": 1979e12,
@@ -45,6 +47,9 @@ PEAK_FP8_FLOPS = {
 #   x 50 GB/s) -> 450 GB/s each way. DGX/HGX H100: 8 GPUs on NVSwitch, one 400 Gb/s ConnectX-7
 #   (InfiniBand NDR) per GPU for the compute fabric -> 50 GB/s each way.
 # - H200 SXM 141GB: HBM3e 4.8 TB/s; NVLink 4 and the DGX/HGX H200 network as the H100's.
+# - B200 (NVIDIA HGX B200 and DGX B200 datasheets, per GPU of 8, dense = half the sparse figures): bf16
+#   2.25 PFLOP/s, fp8 4.5, tf32 1.125; 180 GB HBM3e at 8 TB/s; NVLink 5 1.8 TB/s per GPU both directions
+#   -> 900 GB/s each way; DGX B200: one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s.
 # - A100 SXM4 80GB: HBM2e 2,039 GB/s; NVLink 3 600 GB/s per GPU both ways (12 x 50) -> 300 GB/s.
 #   DGX A100: 8 GPUs, one 200 Gb/s ConnectX-6 (InfiniBand HDR) per GPU -> 25 GB/s.
 # - TPU v5p (cloud.google.com/tpu/docs/v5p): 95 GiB HBM2e at 2,765 GB/s; ICI 1,200 GB/s per chip
@@ -61,8 +66,8 @@ PEAK_FP8_FLOPS = {
 # ms) and with XLA's attention (674.2 ms), and H100 llama3-8b's shape with 4 layers, batch 2, remat
 # full, blockwise attention (1,131.6 ms). Held out, each within 3.2% of its prediction: H200 llama_1b
 # batch 16 cuDNN (530.9 ms), batch 8 blockwise (654.7 ms), H100 llama3-8b batch 4 in 2 microbatches
-# save_matmuls (1,991.1 ms). One set serves the H100 and H200 (one GH100 die); the A100 takes the
-# same shares, not calibrated on an A100.
+# save_matmuls (1,991.1 ms). One set serves the H100 and H200 (one GH100 die); the A100 and B200 take the
+# same shares, not calibrated on either (`kernels_calibrated` False: the plan says so).
 # - gemm_peak: a large GEMM's share of the dense peak of its operand type (fitted);
 # - gemm_half_size: a GEMM side of this many rows or columns runs at half that share (the 128-wide
 #   tensor-core tile edge: not fitted);
@@ -79,9 +84,14 @@ DEVICE_PROFILES = {
     "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "peak_fp8_flops": PEAK_FP8_FLOPS["H200"],
              "peak_tf32_flops": 494.7e12, "hbm_bw": 4.8e12, "memory": 141e9,
              "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
+    "b200": {"name": "B200", "peak_flops": PEAK_BF16_FLOPS["B200"], "peak_fp8_flops": PEAK_FP8_FLOPS["B200"],
+             "peak_tf32_flops": 1125e12, "hbm_bw": 8e12, "memory": 180e9,
+             "in_node_bw": 900e9, "cross_node_bw": 50e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
+             "kernels_calibrated": False},
     "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "peak_tf32_flops": 156e12,
              "hbm_bw": 2.039e12, "memory": 80e9,
-             "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
+             "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
+             "kernels_calibrated": False},
     "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.765e12,
                 "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144,
                 "preallocates": False},
@@ -99,7 +109,7 @@ def peak_flops(device_kind: str, fp8: bool = False) -> float | None:
 def run_peaks(device_kind: str, precision: str) -> tuple[float | None, float | None]:
     """A run's MFU denominators: the bf16 peak (MFU's convention, under fp8 too) and, under
     precision=fp8, the fp8 peak beside it (None where unknown or absent)."""
-    return peak_flops(device_kind), peak_flops(device_kind, fp8=True) if precision == "fp8" else None
+    return peak_flops(device_kind), peak_flops(device_kind, fp8=True) if precision.startswith("fp8") else None
 
 
 def flops_per_token(matmul_params: int, num_layers: int, attention_width: int, seq_len: int,

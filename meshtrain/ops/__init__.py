@@ -10,5 +10,6 @@
 - loss.py: the vocabulary-tiled cross-entropy (never the full fp32 logits).
 - embedding.py: the vocab-parallel lookup, its gradient reduce-scattered onto the table's shards.
 - precision.py: compute dtypes and fp16 loss scaling; remat.py: the activation-saving policies.
-- fp8.py: the fp8 matmul of precision=fp8 (per-tensor current scaling, fp8 operands into the GEMM).
+- fp8.py: the fp8 matmuls of precision=fp8 (per-tensor current scaling) and fp8_rowwise (a scale per row),
+  fp8 operands into the GEMM.
 """

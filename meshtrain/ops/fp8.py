@@ -16,6 +16,15 @@ fp8 GEMM's numbers exactly (products of fp8 values are exact in fp32). `fp8_eins
 operands and their scales as its residuals (1 byte per saved element) and differentiates with the
 cotangent quantized to e5m2, each gradient one more fp8 GEMM:
     dx = (sg x sw) . einsum^T(qg, qw),    dw = (sx x sg) . einsum^T(qx, qg).
+`parallel.precision=fp8_rowwise` (torchao's "rowwise" recipe) scales each GEMM's operands per row
+instead: one fp32 scale per slice along the axes that GEMM contracts (x's per token, w's per output
+column), rounded up to a power of 2 so the scaling itself is exact:
+    s_a[i] = 2^ceil(log2(amax_k |a[i, k]| / fmax)),    y[i, j] = s_a[i] s_b[j] . sum_k q_a[i, k] q_b[k, j].
+The scales are constant along the contraction, so they leave the sum: `einsum(spec, s_a, s_b)` of the
+scales (size 1 on the contracted axes) is their outer product on y's axes. A gradient GEMM contracts
+other axes (dx over w's outputs, dw over the tokens), so the backward quantizes the saved operands
+again along its own: it keeps x and w in bf16 (2 bytes per saved element, not 1), and one outlier
+costs only its own row's precision, not the whole tensor's.
 Delayed scaling (a scale from an amax history of earlier steps) is left out: it needs per-matmul
 state through the layer scan, the pipeline stages and microbatch accumulation, and torchao removed
 it once current scaling ran as fast. So fp8 adds no train state and nothing to checkpoint, and
@@ -93,7 +102,63 @@ def _bwd(spec, residuals, g):
 fp8_einsum.defvjp(_fwd, _bwd)
 
 
+def contracted_axes(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The axes of each operand of `spec` ("a,b->y") that its einsum sums over (in the other operand,
+    not in the output)."""
+    a, rest = spec.replace(" ", "").split(",")
+    b, y = rest.split("->")
+    return tuple(i for i, c in enumerate(a) if c not in y), tuple(i for i, c in enumerate(b) if c not in y)
+
+
+def quantize_rows(t, dtype, axes: tuple[int, ...]):
+    """(q, s): one fp32 scale per slice of t along `axes` (kept as size-1 axes), s = amax / fmax rounded
+    up to a power of 2 (1 where the slice is 0), q = t / s in fp8 `dtype` (|t / s| <= fmax: no clip
+    needed, kept against rounding)."""
+    fmax = fp8_max(dtype)
+    amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
+    mantissa, exponent = jnp.frexp(amax / fmax)  # exact, where exp2(ceil(log2())) is approximated
+    power = jnp.ldexp(jnp.ones_like(amax), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    s = jnp.where(amax > 0, power, 1.0)
+    return jnp.clip(t.astype(jnp.float32) / s, -fmax, fmax).astype(dtype), s
+
+
+def rowwise_gemm(spec: str, a, b, a_dtype, b_dtype):
+    """einsum(spec, a, b) as an fp8 GEMM with row-wise scales (module doc), in a's dtype."""
+    a_axes, b_axes = contracted_axes(spec)
+    (qa, sa), (qb, sb) = quantize_rows(a, a_dtype, a_axes), quantize_rows(b, b_dtype, b_axes)
+    y = jnp.einsum(spec, qa, qb, preferred_element_type=jnp.float32)
+    return (y * jnp.einsum(spec, sa, sb)).astype(a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_rowwise_einsum(spec: str, x, w):
+    """jnp.einsum(spec, x, w) as fp8 GEMMs with row-wise scales: e4m3 operands forward, the cotangent in
+    e5m2 backward, each gradient GEMM scaled along its own contraction."""
+    return rowwise_gemm(spec, x, w, E4M3, E4M3)
+
+
+def _rowwise_fwd(spec, x, w):
+    return rowwise_gemm(spec, x, w, E4M3, E4M3), (x, w)
+
+
+def _rowwise_bwd(spec, residuals, g):
+    x, w = residuals
+    dx_spec, dw_spec = transposed_specs(spec)
+    return rowwise_gemm(dx_spec, g, w, E5M2, E4M3), rowwise_gemm(dw_spec, x, g, E4M3, E5M2).astype(w.dtype)
+
+
+fp8_rowwise_einsum.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+# parallel.precision's fp8 recipes: the einsum the transformer's projections and MLP run, and the bytes
+# per element a matmul saves for its backward (the fp8 copy, or the bf16 operand requantized there).
+RECIPES = {"fp8": (fp8_einsum, 1), "fp8_rowwise": (fp8_rowwise_einsum, 2)}
+
+
+def is_fp8(precision: str) -> bool:
+    return precision in RECIPES
+
+
 def matmul_for(precision: str):
-    """The einsum the transformer's projections and MLP run under a precision: `fp8_einsum` under
-    fp8, jnp.einsum otherwise."""
-    return fp8_einsum if precision == "fp8" else jnp.einsum
+    """The einsum the transformer's projections and MLP run under a precision: its fp8 recipe's, else
+    jnp.einsum."""
+    return RECIPES[precision][0] if is_fp8(precision) else jnp.einsum

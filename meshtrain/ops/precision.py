@@ -23,8 +23,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from meshtrain.ops.fp8 import RECIPES, is_fp8
+
 # fp8 computes as bf16 but for the transformer's projection and MLP matmuls (meshtrain/ops/fp8.py).
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16, "fp8": jnp.bfloat16}
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16,
+                  **{recipe: jnp.bfloat16 for recipe in RECIPES}}
 
 
 def compute_bytes(precision: str) -> int:
@@ -34,9 +37,9 @@ def compute_bytes(precision: str) -> int:
 
 
 def saved_matmul_bytes(precision: str) -> int:
-    """Bytes per element of what only a matmul's backward reads (its saved input): 1 under fp8 (the
-    fp8 copy, meshtrain/ops/fp8.py), else `compute_bytes`."""
-    return 1 if precision == "fp8" else compute_bytes(precision)
+    """Bytes per element of what only a matmul's backward reads (its saved input): its fp8 recipe's
+    (meshtrain/ops/fp8.py: 1 for fp8's fp8 copy, 2 for fp8_rowwise's bf16), else `compute_bytes`."""
+    return RECIPES[precision][1] if is_fp8(precision) else compute_bytes(precision)
 
 
 def cast_for_compute(params, precision: str):

@@ -270,14 +270,15 @@ def branch_shares(module: Module, comp: str, ins, branches: int) -> list[float] 
 def step_time(hlo_text: str, profile: dict, link_s: dict[str, float]) -> dict:
     """The step's seconds by the walk (`StepTime`), with the seconds per step of each kind of work
     (GEMMs, fused attention, memory-bound kernels, collectives on their links) and the
-    kernels launched of each kind."""
+    kernels launched of each kind; `calibrated`: whether the constants were fitted on this device's
+    steps (else they are the H100/H200's, and the plan says so)."""
     walk = StepTime(hlo_text, profile, link_s)
     step = walk.run(walk.module.entry)
     busy = sum(walk.parts[k] for k in ("gemm", "attention", "memory"))
     return {"step_s": step, "kernels_s": busy, "exposed_comm_s": max(0.0, step - busy),
             "by_kind_s": {k: walk.parts[k] for k in ("gemm", "attention", "memory", "collectives")},
             "launches": {k: walk.counts[k] for k in ("gemm", "attention", "memory")},
-            "constants": dict(walk.c)}
+            "constants": dict(walk.c), "calibrated": profile.get("kernels_calibrated", True)}
 
 
 def link_seconds(collectives, sizes: dict[str, int], profile: dict, devices_per_node: int) -> dict[str, float]:

@@ -67,8 +67,9 @@ import jax
 import numpy as np
 
 from meshtrain.core.errors import UserError
-from meshtrain.core.metrics import flops_per_token
+from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
 from meshtrain.ops.attention import executed_attention
+from meshtrain.ops.fp8 import is_fp8
 from meshtrain.ops.grouped_matmul import runs_rows_routed
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel.mesh import AXES
@@ -298,10 +299,11 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     ma = memory_analysis
     memory_bytes = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
     fp8_flops = 0.0
-    if plan.precision == "fp8":  # the blocks' fp8 matmuls (meshtrain/ops/fp8.py), rerun ones included
+    if is_fp8(plan.precision):  # the blocks' fp8 matmuls (meshtrain/ops/fp8.py), rerun ones included
         if "peak_fp8_flops" not in profile:
-            raise UserError(f"parallel.precision=fp8: the {profile['name']} has no fp8 matmuls; plan it on an "
-                            f"H100/H200 or set parallel.precision=bf16")
+            has = sorted(name for name, p in DEVICE_PROFILES.items() if "peak_fp8_flops" in p)
+            raise UserError(f"parallel.precision={plan.precision}: the {profile['name']} has no fp8 matmuls; plan "
+                            f"it on --device {' or '.join(has)}, or set parallel.precision=bf16")
         fp8_slot = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), in_fp8=True,
                                                     rows_routed=rows_routed)
         fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens

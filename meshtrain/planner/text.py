@@ -116,7 +116,8 @@ def format_kernel_time(roof: dict) -> list[str]:
         return []
     k, c = roof["kernel_time"], roof["kernel_time"]["by_kind_s"]
     n = k["launches"]
-    return [f"  GPU kernels (calibrated, meshtrain/core/metrics.py KERNEL_CONSTANTS): GEMMs {c['gemm'] * 1e3:,.1f} ms "
+    how = "calibrated" if k.get("calibrated", True) else "NOT calibrated on this GPU: the H100/H200's shares"
+    return [f"  GPU kernels ({how}, meshtrain/core/metrics.py KERNEL_CONSTANTS): GEMMs {c['gemm'] * 1e3:,.1f} ms "
             f"({n['gemm']:,.0f}), fused attention {c['attention'] * 1e3:,.1f} ms ({n['attention']:,.0f}), "
             f"memory-bound {c['memory'] * 1e3:,.1f} ms ({n['memory']:,.0f}); "
             f"collectives {c['collectives'] * 1e3:,.1f} ms on their links, {k['exposed_comm_s'] * 1e3:,.1f} ms of "
