@@ -47,7 +47,8 @@ def interruptible(work: Callable[[], T], what: str | Callable[[], str], *, every
     function giving the current one) names what is awaited in the progress lines."""
     if threading.current_thread() is not threading.main_thread():
         return work()  # signals reach the main thread only: nothing to keep responsive here
-    helper = _Helper(work, what if isinstance(what, str) else what())
+    said = (lambda: what) if isinstance(what, str) else what
+    helper = _Helper(work, said())
     started = time.monotonic()
     helper.start()
     last_said = started
@@ -56,11 +57,10 @@ def interruptible(work: Callable[[], T], what: str | Callable[[], str], *, every
             helper.join(SLICE_S)
             now = time.monotonic()
             if helper.is_alive() and deadline_s is not None and now - started >= deadline_s:
-                raise timed_out() if timed_out else TimeoutError(f"waited {deadline_s:g} s for {what}")
+                raise timed_out() if timed_out else TimeoutError(f"waited {deadline_s:g} s for {said()}")
             if helper.is_alive() and now - last_said >= every_s:
                 bound = f" of {deadline_s:g} s" if deadline_s is not None else ""
-                log.info(f"waiting for {what if isinstance(what, str) else what()}: {now - started:.0f} s{bound} "
-                         f"(Ctrl-C stops)")
+                log.info(f"waiting for {said()}: {now - started:.0f} s{bound} (Ctrl-C stops)")
                 last_said = now
     except BaseException:
         helper.abandoned.set()
