@@ -247,3 +247,19 @@ def test_plain_documents_that_are_all_empty_are_refused_on_prepare_and_on_load(t
         else:
             with pytest.raises(UserError, match=f"^{re.escape(refused)}"):
                 attempt()
+
+
+class StartToken(tokenizer.ByteTokenizer):
+    """The byte tokenizer with a start token before every text, as Llama's tokenizers add one."""
+
+    def encode_batch(self, texts):
+        return [np.concatenate([[1], ids]).astype(ids.dtype) for ids in super().encode_batch(texts)]
+
+
+@pytest.mark.fast
+def test_empty_documents_are_refused_where_the_tokenizer_adds_a_start_token(tmp_path):
+    write_rows(tmp_path / "empty.jsonl", [{"text": ""}] * 3)
+    with pytest.raises(UserError, match="holds 3 document.s., all empty"):
+        prepare(str(tmp_path / "empty.jsonl"), StartToken(), tmp_path / "out", 1)
+    write_rows(tmp_path / "one.jsonl", [{"text": ""}, {"text": "a"}])
+    prepare(str(tmp_path / "one.jsonl"), StartToken(), tmp_path / "out", 1)

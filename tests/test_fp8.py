@@ -106,9 +106,11 @@ def numpy_rowwise(spec, a, b, a_dtype, b_dtype):
 
     def quantized(t, dtype, axes):
         fmax = float(ml_dtypes.finfo(dtype).max)
-        amax = np.max(np.abs(t), axis=axes, keepdims=True)
-        mantissa, exponent = np.frexp(amax / np.float32(fmax))  # the smallest power of 2 >= amax / fmax
-        s = np.where(amax > 0, np.ldexp(np.float32(1), exponent - (mantissa == 0.5)), 1.0).astype(np.float32)
+        amax = np.max(np.abs(t), axis=axes, keepdims=True).astype(np.float64)
+        with np.errstate(divide="ignore"):  # float64's log2 is exact at powers of 2
+            s = np.where(amax > 0, 2.0 ** np.ceil(np.log2(amax / fmax)), 1.0)
+        assert np.all((s / 2 < amax / fmax) | (amax == 0))  # the smallest such power
+        s = s.astype(np.float32)
         assert np.all(np.abs(t / s) <= fmax)  # the power of 2 rounds the scale up: nothing saturates
         return (t / s).astype(dtype).astype(np.float32), s
 

@@ -108,6 +108,11 @@ def test_a_coordinator_address_is_host_and_port_or_one_line(address):
 ])
 def test_an_address_from_the_environment_names_its_variable(env, named):
     assert check_address("[fd00::1]:1234", "--coordinator") == "[fd00::1]:1234"
+    mpi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp6://[fd00::1]:34911"}
+    assert resolve_launch(mpi).coordinator.startswith("[fd00::1]:")  # bracketed, or the port reads as the host's
+    with pytest.raises(UserError, match="is not host:port"):
+        check_address("node:²", "--coordinator")  # a digit to str.isdigit, not to int()
     with pytest.raises(UserError, match=f"^{named} '.*' is not host:port"):
         resolve_launch(env)
 
@@ -132,7 +137,8 @@ SCHEMES = st.sampled_from(["s3", "gs", "https", "file", "hdfs", "abfs"])
 
 
 @settings(max_examples=30, deadline=None)
-@given(scheme=SCHEMES, slashes=st.sampled_from([":", ":/", "://", ":///"]), rest=st.text(max_size=8),
+@given(scheme=SCHEMES, slashes=st.sampled_from([":", ":/", "://", ":///"]),
+       rest=st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=8),
        flag=st.sampled_from(["--out", "--json", "--to-hf DIR", "compile_cache", "data.cache_dir"]))
 def test_a_uri_where_a_local_path_is_taken_is_one_line(scheme, slashes, rest, flag):
     """Every output path and local folder goes through folders.local: a URI there wrote a folder named

@@ -61,12 +61,16 @@ def released() -> None:
 def said(signum: int) -> int:
     """Write the line for this signal (SIGINT or SIGTERM) to stderr; return its exit status."""
     terminated = signum == signal.SIGTERM
-    line = TERMINATED if terminated else INTERRUPTED
+    _write(TERMINATED if terminated else INTERRUPTED)
+    return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+
+
+def _write(line: str) -> None:
+    """`line` to stderr, or where stderr was while it is redirected (`line_fd`)."""
     if line_fd == 2:
         print(line, file=sys.stderr, flush=True)
     else:
         os.write(line_fd, f"{line}\n".encode())
-    return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
 
 
 def end(signum: int) -> None:
@@ -80,10 +84,7 @@ def fail_now(line: str) -> None:
     """As a process: `line` (an `error:` line) then exit 2 at once, where the interpreter's shutdown
     would print a native library's teardown after it (JAX's half-joined multi-host runtime)."""
     if _as_process:
-        if line_fd == 2:
-            print(line, file=sys.stderr, flush=True)
-        else:
-            os.write(line_fd, f"{line}\n".encode())
+        _write(line)
         sys.stdout.flush()
         os._exit(EXIT_USER_ERROR)
 

@@ -44,7 +44,8 @@ def abandoned() -> bool:
 def interruptible(work: Callable[[], T], what: str | Callable[[], str], *, every_s: float = PROGRESS_EVERY_S,
                   deadline_s: float | None = None, timed_out: Callable[[], BaseException] | None = None) -> T:
     """`work()`'s result (or its exception), waited for as the module doc says. `what` (a text, or a
-    function giving the current one) names what is awaited in the progress lines."""
+    function giving the current one) names what is awaited in the progress lines. Off the main thread
+    (no signal reaches it) `work` runs in place: no progress lines, no deadline."""
     if threading.current_thread() is not threading.main_thread():
         return work()  # signals reach the main thread only: nothing to keep responsive here
     said = (lambda: what) if isinstance(what, str) else what

@@ -235,11 +235,12 @@ def source_units(src: str, kind: str, shard_tokens: int, workers: int = 1) -> tu
 
 
 def check_documents(src, tokens: int, documents: int, tok) -> None:
-    """One UserError where the source holds no document, or only empty ones (each would be its end
-    token alone: nothing to learn)."""
+    """One UserError where the source holds no document, or only empty ones (each would be its start
+    and end tokens alone: nothing to learn)."""
     if not documents:
         raise UserError(f"{src} holds no documents; pass a source with text in it")
-    if tokens == documents * len(tokenizer_lib.document_end(tok)):
+    empty = len(tok.encode_batch([""])[0]) + len(tokenizer_lib.document_end(tok))  # a start token, if any
+    if tokens == documents * empty:
         raise UserError(f"{src} holds {documents:,} document(s), all empty: only their end tokens would be "
                         f"trained; pass a source with text in it")
 

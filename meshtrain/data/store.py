@@ -34,7 +34,8 @@ import numpy as np
 from meshtrain.core import exits, schema, waits
 from meshtrain.core.console import log
 from meshtrain.core.errors import UserError, first_line
-from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, local, remove_abandoned, writable
+from meshtrain.core.folders import full_disk_is_user_error, is_full_disk, remove_abandoned, writable
+from meshtrain.core.folders import local as local_path
 from meshtrain.data import digest
 from meshtrain.data.tokens import MANIFEST, MANIFEST_SCHEMA, MASK_SUFFIX, check_sha256, sidecar
 
@@ -128,14 +129,15 @@ class Prefix:
 
     def put(self, local: Path) -> None:
         """Upload the file `local` as the prefix's file of that name (an object appears whole)."""
-        def work():
-            try:
-                out = self.fs.open_output_stream(f"{self.path}/{local.name}")
-            except FileNotFoundError:  # a filesystem with folders (file://, hdfs://): make the prefix's
-                self.fs.create_dir(self.path, recursive=True)
-                out = self.fs.open_output_stream(f"{self.path}/{local.name}")
-            with open(local, "rb") as f, out:
-                _copy(f, out, moved)
+        def work():  # the local file opened first: an output stream is published whenever it closes
+            with open(local, "rb") as f:
+                try:
+                    out = self.fs.open_output_stream(f"{self.path}/{local.name}")
+                except FileNotFoundError:  # a filesystem with folders (file://, hdfs://): make the prefix's
+                    self.fs.create_dir(self.path, recursive=True)
+                    out = self.fs.open_output_stream(f"{self.path}/{local.name}")
+                with out:  # whole even if the wait is abandoned: a stream stopped early would publish a cut file
+                    _copy(f, out, moved, stoppable=False)
         moved = [0]
         self._talk(lambda: f"uploading {local.name}: {_mb(moved[0])} of {_mb(local.stat().st_size)}", work)
 
@@ -152,10 +154,10 @@ def _mb(size: int) -> str:
     return f"{size / 1e6:,.1f} MB"
 
 
-def _copy(source, target, moved: list[int]) -> None:
-    """`source`'s bytes to `target`, CHUNK at a time, counted in `moved[0]`; stopped where the wait
-    for it was abandoned (a Ctrl-C: the caller has gone on to unwind)."""
-    while (chunk := source.read(CHUNK)) and not waits.abandoned():
+def _copy(source, target, moved: list[int], stoppable: bool = True) -> None:
+    """`source`'s bytes to `target`, CHUNK at a time, counted in `moved[0]`; `stoppable`: stopped where
+    the wait for it was abandoned (a Ctrl-C: the caller has gone on to unwind)."""
+    while (chunk := source.read(CHUNK)) and not (stoppable and waits.abandoned()):
         target.write(chunk)
         moved[0] += len(chunk)
 
@@ -264,7 +266,7 @@ def cached(uri: str, cache_dir: str | Path = "", flag: str = "data.path") -> Pat
     prefix = Prefix(uri, flag)
     m, there = _listed(prefix)
     key = m["sha256"] + (f"-{m['mask_sha256'][:16]}" if m.get("mask_sha256") else "")
-    root = local(cache_dir or cache_root() / "data", "data.cache_dir")
+    root = local_path(cache_dir or cache_root() / "data", "data.cache_dir")
     folder = root / key
     if (folder / MANIFEST).is_file():
         _check_sizes(folder, m, f"the cached copy {folder} of {shown(uri)}", "delete it and run again")

@@ -1,10 +1,11 @@
 """Dtype policies and dynamic loss scaling. Master parameters and optimizer state are always fp32.
 
-fp32: compute in fp32.  bf16 / fp16 / fp8: parameters are cast to the compute dtype at the start of the
-step, matmuls and activations run in it, while RMSNorm, softmax, logits and the loss stay in fp32
-(the model does those upcasts). bf16 has fp32's exponent range and needs no loss scaling. fp8 is
-bf16 whose transformer projections and MLP run as fp8 matmuls with per-tensor current scaling
-(meshtrain/ops/fp8.py): no loss scaling either, each tensor's scale maps its own amax onto fp8's range.
+fp32: compute in fp32.  bf16 / fp16 / the fp8 recipes: parameters are cast to the compute dtype at the
+start of the step, matmuls and activations run in it, while RMSNorm, softmax, logits and the loss stay
+in fp32 (the model does those upcasts). bf16 has fp32's exponent range and needs no loss scaling. The
+fp8 recipes (meshtrain/ops/fp8.py: fp8 per-tensor, fp8_rowwise per row) are bf16 whose transformer
+projections and MLP run as fp8 matmuls: no loss scaling either, each scale maps its own amax onto
+fp8's range.
 
 fp16 (largest finite 65504, smallest normal 6.1e-5) needs it: small gradients underflow to zero
 in the backward unless the loss is multiplied by a scale S first. The step differentiates S x

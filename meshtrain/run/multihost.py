@@ -122,7 +122,7 @@ def check_address(address: str, named: str) -> str:
     """`address` if it is host:port (a port from 1 to 65535), else one UserError naming `named`: JAX
     hands a malformed one to gRPC, which retries it until --init-timeout, then aborts."""
     host, colon, port = address.rpartition(":")
-    if not colon or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536 or \
+    if not colon or not host.strip("[]") or not re.fullmatch("[0-9]{1,5}", port) or not 0 < int(port) < 65536 or \
             any(c.isspace() for c in address):
         raise UserError(f"{named} {address!r} is not host:port: give a host name or address and a port from 1 to "
                         f"65535 (10.0.0.1:1234, node-0:1234, [fd00::1]:1234)")
@@ -228,7 +228,8 @@ def _open_mpi(env) -> Launch:
                         f"not); export JAX_COORDINATOR_ADDRESS=<first host>:<port> to every process "
                         f"(mpirun -x JAX_COORDINATOR_ADDRESS)")
     port = int(uri.split(".", 1)[0]) // 2**12 % 2**12 + (65535 - 2**12 + 1) if host else 0  # JAX's choice
-    address = f"{next(h for h in host.groups() if h)}:{port}" if host else env["JAX_COORDINATOR_ADDRESS"]
+    ipv4, ipv6 = host.groups() if host else (None, None)
+    address = f"{ipv4 or f'[{ipv6}]'}:{port}" if host else env["JAX_COORDINATOR_ADDRESS"]
     return Launch(launcher, address, num, pid, _local_devices(local, tasks, None, launcher, "", ""))
 
 
@@ -269,7 +270,9 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
                      process_id: int | None = None, heartbeat_timeout_s: int = 100,
                      init_timeout_s: int = 300) -> Launch | None:
     """Join the job (`resolve_launch`); a no-op for a single process. `init_timeout_s` bounds the
-    wait for all processes to join; `heartbeat_timeout_s` how long a dead peer goes unnoticed."""
+    wait for all processes to join (a library caller that gets the error or a Ctrl-C should end the
+    process: JAX cannot cancel the join, and aborts the process 60 s later); `heartbeat_timeout_s` how
+    long a dead peer goes unnoticed."""
     import jax
 
     launch = resolve_launch(None, coordinator, num_processes, process_id)
@@ -285,6 +288,12 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     devices = list(launch.local_device_ids) if launch.local_device_ids is not None else None
     # All given: JAX's own detection ("deactivate") must not restrict the devices again.
     detection = None if launch.launcher == "JAX" else "deactivate"
+    from jax._src import distributed  # the client has no public handle
+
+    if distributed.global_state.client is not None:  # JAX would raise "should only be called once"
+        raise UserError("this process has already joined a multi-host job, or a join it gave up on is still "
+                        "under way (JAX cannot cancel one, and aborts the process at its own bound): run the job "
+                        "again in a new process")
     # JAX's own bound is later than ours: at it JAX aborts the process (a C++ stack trace, exit 134).
     join = lambda: jax.distributed.initialize(  # noqa: E731
         launch.coordinator, launch.num_processes, launch.process_id, devices, cluster_detection_method=detection,
@@ -313,7 +322,10 @@ def _meeting(launch: Launch) -> str:
 
 def _not_met(launch: Launch, init_timeout_s: int) -> UserError:
     """The one line for a job that did not meet within --init-timeout, from where this process stands."""
-    if launch.process_id == 0:
+    if launch.process_id is None:  # JAX's own detection: where this process stands is not known here
+        why = ("not every process reached the coordinator: start all of them, and check that each host "
+               "reaches that address and port")
+    elif launch.process_id == 0:
         why = ("not every other process joined this one (the coordinator): start all of them, each with the "
                "same coordinator address and process count and its own process id")
     else:
