@@ -151,3 +151,15 @@ def test_a_uri_where_a_local_path_is_taken_is_one_line(scheme, slashes, rest, fl
         with pytest.raises(UserError) as e:
             check(uri, flag)
         assert "\n" not in str(e.value) and " is a URI; " in str(e.value)
+
+
+def test_a_second_join_in_one_process_is_one_line(monkeypatch):
+    """JAX cannot cancel a join: one given up on (a library caller's Ctrl-C or deadline) still holds
+    JAX's client, and a second `initialize` would be JAX's RuntimeError."""
+    from jax._src import distributed
+
+    from meshtrain.run.multihost import init_distributed
+
+    monkeypatch.setattr(distributed.global_state, "client", object())
+    with pytest.raises(UserError, match="^this process has already joined a multi-host job, or a join it gave up"):
+        init_distributed("127.0.0.1:1234", 2, 1)

@@ -278,6 +278,12 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     launch = resolve_launch(None, coordinator, num_processes, process_id)
     if launch is None:
         return None
+    from jax._src import distributed  # the client has no public handle
+
+    if distributed.global_state.client is not None:  # JAX would raise "should only be called once"
+        raise UserError("this process has already joined a multi-host job, or a join it gave up on is still "
+                        "under way (JAX cannot cancel one, and aborts the process at its own bound): run the job "
+                        "again in a new process")
     # On CPU the cross-process collectives go through gloo (a real multi-host test on one machine).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:  # a dead peer is reported to the survivors rather than aborting them (the watcher exits)
@@ -288,12 +294,6 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     devices = list(launch.local_device_ids) if launch.local_device_ids is not None else None
     # All given: JAX's own detection ("deactivate") must not restrict the devices again.
     detection = None if launch.launcher == "JAX" else "deactivate"
-    from jax._src import distributed  # the client has no public handle
-
-    if distributed.global_state.client is not None:  # JAX would raise "should only be called once"
-        raise UserError("this process has already joined a multi-host job, or a join it gave up on is still "
-                        "under way (JAX cannot cancel one, and aborts the process at its own bound): run the job "
-                        "again in a new process")
     # JAX's own bound is later than ours: at it JAX aborts the process (a C++ stack trace, exit 134).
     join = lambda: jax.distributed.initialize(  # noqa: E731
         launch.coordinator, launch.num_processes, launch.process_id, devices, cluster_detection_method=detection,
