@@ -138,9 +138,9 @@ def _claim(work: Path, keep: set[str], out) -> int:
         os.close(lock)
         raise UserError(f"another prepare is writing {out} (its work folder {work} is locked); wait for it to "
                         f"finish or pick another --out") from None
-    for f in work.iterdir():
-        if f.name not in keep:
-            f.unlink()
+    for f in work.iterdir():  # a task still out from a Ctrl-C'd run may add or remove files meanwhile,
+        if f.name not in keep and f.is_file():  # and its writable() probe is a folder it removes itself
+            f.unlink(missing_ok=True)
     return lock
 
 
