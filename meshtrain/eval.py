@@ -87,7 +87,8 @@ def validation(loaded: Loaded, batches: int) -> dict:
     """{eval_loss[, eval_loss_<source>]} on `batches` validation batches of the config's data, as the
     training loop measures it (the objective's `validation`, meshtrain/objectives/); {} when the data
     holds none out. A DPO run's: the held-out pairs' DPO eval_loss, eval_reward_accuracy and
-    eval_reward_margin, against the reference of the same checkpoint."""
+    eval_reward_margin, against the reference of the same checkpoint. A GRPO run's: the held-out
+    prompts' eval_reward, as its loop scores them (meshtrain/engine/rollout.py `Rollouts.evaluation`)."""
     from meshtrain.data import mixture
     from meshtrain.run import run_dir
 
@@ -98,6 +99,13 @@ def validation(loaded: Loaded, batches: int) -> dict:
     _, val_sets = objective.batches(mix, cfg.data, cfg.train, program.batch_sharding, cfg.model.vocab_size)
     storage = lambda params: {**params, "blocks": program.reorder_blocks(params["blocks"], program.layer_order)}
     reference = () if loaded.reference is None else (storage(loaded.reference),)
+    if objective.rolls_out:
+        from meshtrain.engine.rollout import Rollouts
+
+        rollouts = Rollouts(program, cfg.rl, loaded.tok, cfg.train.seed)
+        rollouts.check_rows(*val_sets.values())
+        with program.context():
+            return {} if not val_sets else rollouts.evaluation(loaded.params, val_sets[""], batches)
     with program.context():
         return objective.validation(program.eval_step(), storage(loaded.params), val_sets, reference, mix.sources,
                                     batches)
@@ -198,8 +206,8 @@ def main(argv=None) -> int:
         val_batches = loaded.cfg.train.eval_batches if (args.run or args.data) else 0
     record = evaluate(loaded, tasks_config, val_batches)
     print(f"evaluated {loaded.source} on mesh {describe(loaded.program.sizes)}")
-    if "eval_loss" in record:
-        held_out = {k: v for k, v in record.items() if k.startswith(("eval_loss", "eval_reward_"))}  # DPO's reward
+    if "eval_loss" in record or "eval_reward" in record:
+        held_out = {k: v for k, v in record.items() if k.startswith(("eval_loss", "eval_reward", "eval_response"))}
         print(format_record({"step": 0, **held_out})
               .removeprefix(f"step {0:>6}  "))
     tasks = {k: v for k, v in record.items() if k.startswith("eval_acc")}

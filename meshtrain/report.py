@@ -2,14 +2,16 @@
 
 Reads each run's metrics.jsonl (RUN is a run folder, the --out of a training run, or the file
 itself; a torn last record is dropped with a warning, see meshtrain/core/jsonl.py), draws train
-loss, eval loss and tokens/s against the step, one color per run, into one PNG
+loss, eval loss and tokens/s against the step (a GRPO run's: its rollouts' reward and the held-out
+prompts' eval_reward in place of the losses), one color per run, into one PNG
 (default report.png in the current folder), and prints a table: steps, final loss, best eval loss
-and the step it was reached at, median tokens/s (the median: the first steps' warm-up does not
-count). For a run folder whose run.json holds goodput accounts (meshtrain/run/goodput.py), it then
-prints where the run's wall time went, summed over its starts: goodput (productive / wall) and each
-category's seconds and share, the largest first (docs/operating.md, "Goodput"). A record that lacks a
-field (an earlier version's, an edited file) costs only what it cannot show: each run's notes say what
-is missing, and the rest is drawn and tabled.
+(a GRPO run's: final reward, best eval_reward) and the step it was reached at, median tokens/s (the
+median: the first steps' warm-up does not count). For a run folder whose run.json holds goodput
+accounts (meshtrain/run/goodput.py), it then prints where the run's wall time went, summed over its
+starts: goodput (productive / wall) and each category's seconds and share, the largest first
+(docs/operating.md, "Goodput"). A record that lacks a field (an earlier version's, an edited file)
+costs only what it cannot show: each run's notes say what is missing, and the rest is drawn and
+tabled.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from meshtrain.run import goodput
 class Run:
     name: str
     train: list[dict]  # records with a loss, by step
-    evals: list[dict]  # records with an eval_loss, by step
+    evals: list[dict]  # records with an eval_loss (a GRPO run's: eval_reward), by step
     goodput: dict | None = None  # its starts' goodput accounts summed (goodput.total), None without
     notes: tuple[str, ...] = ()  # what its records lack, and what is not shown for it
     record_problems: tuple[str, ...] = ()  # what its run.json lacks or cannot be read of
@@ -41,6 +43,20 @@ class Run:
     def rates(self) -> list[dict]:
         """The training records that hold a tokens/s figure."""
         return [r for r in self.train if _number(r, "tokens_per_sec")]
+
+    @property
+    def rewarded(self) -> bool:
+        """A reinforcement-learning run (train.objective=grpo): its figures are rewards, higher better."""
+        return any(_number(r, "reward") or _number(r, "clip_fraction") for r in self.train)
+
+    @property
+    def metric(self) -> str:
+        return "reward" if self.rewarded else "loss"
+
+    @property
+    def drawn(self) -> list[dict]:
+        """The training records drawn: a GRPO run's that sampled a rollout (its first updates)."""
+        return [r for r in self.train if _number(r, self.metric)]
 
     def series(self, records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
         return np.array([r["step"] for r in records]), np.array([r[key] for r in records], float)
@@ -59,7 +75,8 @@ def load_run(path: str) -> Run:
     if not train:
         raise UserError(f"{file} holds no training records yet (none with a numeric step and loss); pass a run "
                         f"that has logged a step")
-    evals = sorted((r for r in placed if _number(r, "eval_loss")), key=lambda r: r["step"])
+    held_out = "eval_reward" if Run("", train, []).rewarded else "eval_loss"
+    evals = sorted((r for r in placed if _number(r, held_out)), key=lambda r: r["step"])
     notes = []
     if len(placed) < len(records):
         notes.append(f"{len(records) - len(placed):,} of {len(records):,} records have no numeric step: left out")
@@ -116,12 +133,13 @@ def figure(runs: list[Run]):
     panels = fig.subplots(1, 3)
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
-        panels[0].plot(*run.series(run.train, "loss"), color=color, label=run.name, linewidth=1.2)
+        panels[0].plot(*run.series(run.drawn, run.metric), color=color, label=run.name, linewidth=1.2)
         if run.evals:
-            panels[1].plot(*run.series(run.evals, "eval_loss"), color=color, marker="o", markersize=3,
+            panels[1].plot(*run.series(run.evals, f"eval_{run.metric}"), color=color, marker="o", markersize=3,
                            label=run.name, linewidth=1.2)
         panels[2].plot(*run.series(run.rates, "tokens_per_sec"), color=color, label=run.name, linewidth=1.2)
-    titles = ("train loss", "eval loss", "tokens/s")
+    metrics = " / ".join(dict.fromkeys(run.metric for run in runs))  # a GRPO run's: its rollouts' mean reward
+    titles = (f"train {metrics}", f"eval {metrics}", "tokens/s")
     for ax, title in zip(panels, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
@@ -137,16 +155,19 @@ def figure(runs: list[Run]):
 
 def table(runs: list[Run]) -> str:
     width = max(len("run"), *(len(run.name) for run in runs))
-    lines = [f"{'run':<{width}}  {'steps':>6}  {'final loss':>10}  {'best eval (step)':>18}  {'tokens/s':>10}"]
+    final = "final " + " / ".join(dict.fromkeys(run.metric for run in runs))
+    lines = [f"{'run':<{width}}  {'steps':>6}  {final:>10}  {'best eval (step)':>18}  {'tokens/s':>10}"]
     for run in runs:
-        last = run.train[-1]
-        if run.evals:
-            best = min(run.evals, key=lambda r: r["eval_loss"])
-            best_text = f"{best['eval_loss']:.4f} ({best['step']})"
+        key = f"eval_{run.metric}"
+        if run.evals:  # the lowest loss; the highest reward
+            best = (max if run.rewarded else min)(run.evals, key=lambda r: r[key])
+            best_text = f"{best[key]:.4f} ({best['step']})"
         else:
             best_text = "-"
         rate = f"{np.median([r['tokens_per_sec'] for r in run.rates]):,.0f}" if run.rates else "-"
-        lines.append(f"{run.name:<{width}}  {last['step']:>6}  {last['loss']:>10.4f}  {best_text:>18}  {rate:>10}")
+        last = f"{run.drawn[-1][run.metric]:.4f}" if run.drawn else "-"
+        lines.append(f"{run.name:<{width}}  {run.train[-1]['step']:>6}  {last:>{len(final)}}  {best_text:>18}  "
+                     f"{rate:>10}")
     return "\n".join(lines)
 
 

@@ -100,6 +100,6 @@ def test_an_objective_no_executor_knows_trains_alike_on_every_executor(registere
 
 @pytest.mark.fast
 def test_an_unregistered_objective_is_one_error():
-    with pytest.raises(UserError, match="train.objective='grpo' is not one of sft, dpo"):
-        tiny_config("train.objective=grpo")
+    with pytest.raises(UserError, match="train.objective='ppo' is not one of sft, dpo, grpo"):
+        tiny_config("train.objective=ppo")
 

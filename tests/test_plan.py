@@ -113,7 +113,7 @@ def test_plan_json_schema_and_a_config_that_does_not_fit(capsys):
     assert main(["--config", TINY, "--devices", "8", "--mesh", "2x2x2", "--device-memory", "100KB",
                  "--search-budget", "0", "--compiler", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"verdict: DOES NOT FIT in 75.00 KB: peak [\d.]+ MB \((train step|eval step|generation)\)", out)
+    assert re.search(r"verdict: DOES NOT FIT in 75.00 KB: peak [\d.]+ [KM]B \((train step|eval step|generation)\)", out)
     assert "the train step's largest consumer is activations and temporaries" in out
 
 

@@ -336,7 +336,7 @@ def test_estimate_times_collectives_on_the_links_they_cross():
     mesh = sizes(data=2, fsdp=8)
     program = SimpleNamespace(
         sizes=mesh, plan=SimpleNamespace(remat="none", residuals="save", attention="xla", precision="bf16",
-                                         context_strategy="ring", ulysses_degree=0),
+                                         context_strategy="ring", ulysses_degree=0, offload="none"),
         flops_per_token=0.0, backend="cpu", rules={},
         train=SimpleNamespace(batch_size=16, seq_len=16),
         model=SimpleNamespace(cfg=SimpleNamespace(num_heads=1, head_dim=1, num_layers=1, vocab_size=1, d_model=1,
@@ -429,7 +429,7 @@ def test_the_gpu_programs_kernels_are_costed_in_schedule_order(link_s):
     loop = 4 * (add + update) + 5 * 1e-6  # 4 trips; the condition's compare runs 5 times, at the launch floor
     assert r["by_kind_s"]["gemm"] == pytest.approx(gemm)
     assert r["by_kind_s"]["memory"] == pytest.approx(4 * (add + update) + 5e-6 + copy)
-    assert r["launches"] == {"gemm": 1, "attention": 0, "memory": 4 * 2 + 5 + 1}
+    assert r["launches"] == {"gemm": 1, "attention": 0, "memory": 4 * 2 + 5 + 1, "host": 0}
     # the all-reduce runs beside the GEMM scheduled between its start and done: only what outlasts it shows
     assert r["step_s"] == pytest.approx(max(gemm, link_s) + loop + copy)
     assert r["exposed_comm_s"] == pytest.approx(max(0.0, link_s - gemm))

@@ -24,6 +24,7 @@ from meshtrain.core.cli import MAX_SIMULATED_DEVICES
 from meshtrain.data.sources import KINDS as DATA_KINDS
 from meshtrain.models import ModelSpec  # noqa: F401 (the model section: its family's spec, models/spec.py)
 from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
+from meshtrain.ops.offload import MODES as OFFLOAD_MODES
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, describe
 from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
 from meshtrain.parallel.schedules import SCHEDULES
@@ -58,6 +59,12 @@ class ParallelPlan:
     rules: dict = setting({}, "logical axis -> mesh axes overrides, e.g. {mlp: [tensor, fsdp]}")
     remat: str = setting("none", "activation rematerialisation policy for each block",
                          choices=tuple(REMAT_POLICIES))
+    offload: str = setting("none", "what lives in host memory between steps: none; optimizer (the optimizer "
+                                   "state's moments, in pinned host memory, streamed through the device a layer "
+                                   "at a time for the update: ZeRO-Offload's offload_optimizer); optimizer+params "
+                                   "(and the stacked layers' parameters and gradients, each layer fetched inside "
+                                   "its rematerialised block: FSDP's CPU offload)",
+                           choices=OFFLOAD_MODES)
     attention: str = setting("auto", "attention backend: auto (cudnn on GPUs where cuDNN takes the model's "
                                      "shapes, else blockwise, with a notice saying why; ring on a context axis "
                                      "that runs the ring; xla elsewhere), xla (forms [B, H, L, L] scores), "
@@ -166,6 +173,39 @@ class DPOConfig:
                                      min=0.0, below=0.5, applies=Applies("train.objective", ("dpo",)))
 
 
+GRPO = Applies("train.objective", ("grpo",))
+
+
+@dataclass
+class RLConfig:
+    group_size: int = setting(8, "completions sampled per prompt; a step trains train.batch_size completions, "
+                                 "train.batch_size / group_size prompts", min=2, applies=GRPO)
+    max_new_tokens: int = setting(64, "the longest completion, in tokens (a prompt then has at most train.seq_len + "
+                                      "1 - max_new_tokens)", min=1, applies=GRPO)
+    temperature: float = setting(1.0, "the sampling temperature; the policy's log-probabilities are of logits / "
+                                      "temperature, in the sampler and the trainer alike", above=0.0, applies=GRPO)
+    top_p: float = setting(1.0, "nucleus sampling mass (1 = the policy's whole distribution; below 1 the draws "
+                                "come from a truncated one the loss does not correct for)", above=0.0, max=1.0,
+                           applies=GRPO)
+    reward: str = setting("exact_answer", "the reward, a weighted sum of comma-separated terms [weight*]name: "
+                                          "exact_answer (the completion's final answer equals the row's answer), "
+                                          "format (it matches rl.format_pattern) or module:function, a Python "
+                                          "function(prompts, completions, rows) -> one number per completion "
+                                          "(docs/fine-tuning.md)", applies=GRPO)
+    format_pattern: str = setting("", "the regular expression a whole completion must match for the format "
+                                      "reward", applies=GRPO)
+    scale_rewards: bool = setting(True, "divide each group's centred rewards by their standard deviation (GRPO); "
+                                        "false keeps them centred only (Dr. GRPO)", applies=GRPO)
+    clip_eps: float = setting(0.2, "PPO's clip range: a token's ratio to the rollout policy is clipped to "
+                                   "[1 - clip_eps, 1 + clip_eps_high]", min=0.0, below=1.0, applies=GRPO)
+    clip_eps_high: float = setting(0.0, "the clip range's upper side (DAPO's clip-higher, e.g. 0.28); 0 = rl.clip_eps",
+                                   min=0.0, applies=GRPO)
+    kl_coef: float = setting(0.0, "weight of the KL penalty to the frozen initial policy (k3 estimator); 0 keeps no "
+                                  "reference model", min=0.0, applies=GRPO)
+    updates_per_batch: int = setting(1, "policy updates (train steps) per rollout batch, each against the rollout "
+                                        "policy's log-probabilities", min=1, applies=GRPO)
+
+
 @dataclass
 class TrainConfig:
     steps: int = setting(200, "optimizer steps", min=1)
@@ -192,7 +232,9 @@ class TrainConfig:
     objective: str = setting("sft", "the training objective, one of meshtrain.objectives.OBJECTIVES: sft, "
                                     "next-token cross-entropy (with chat data's loss mask); dpo, direct "
                                     "preference optimisation on data from prepare --preference, train.batch_size "
-                                    "pairs a batch (docs/fine-tuning.md)")
+                                    "pairs a batch; grpo, reinforcement learning from rewards on data from prepare "
+                                    "--prompts, train.batch_size completions a batch (the rl section; "
+                                    "docs/fine-tuning.md)")
     dpo: DPOConfig = setting(DPOConfig(), "train.objective=dpo: its temperature and label smoothing")
 
 
@@ -277,6 +319,7 @@ class Config:
     optim: OptimSpec = setting(OptimSpec(), "how it learns: optimizer, learning-rate schedule, clipping")
     data: DataConfig = setting(DataConfig(), "where tokens come from")
     train: TrainConfig = setting(TrainConfig(), "the loop")
+    rl: RLConfig = setting(RLConfig(), "train.objective=grpo: rollouts, rewards and the policy loss")
     eval: EvalConfig = setting(EvalConfig(), "downstream tasks scored while training (meshtrain.eval scores them "
                                              "without training)")
     generate: GenerateConfig = setting(GenerateConfig(), "text generation from a run: batch and length")

@@ -29,6 +29,8 @@ from meshtrain.data.tokenizer import check_vocab
 from meshtrain.data.tokenizer import load as load_tokenizer
 from meshtrain.models import declaring, family
 from meshtrain.objectives import objective
+from meshtrain.objectives.grpo import longest_prompt
+from meshtrain.ops import offload
 from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block, cudnn_refusal
 from meshtrain.ops.precision import COMPUTE_DTYPES, compute_bytes, saved_matmul_bytes
 from meshtrain.ops.ulysses import context_degrees
@@ -87,6 +89,8 @@ def check_config(cfg, effective: bool = True) -> None:
         check_effective(cfg)
     m, t, par = cfg.model, cfg.train, cfg.parallel
     make_rules(par.rules, par.sequence_parallel)  # its own checks: logical axes, mesh axes, each once
+    # the task scorer reads the train state's parameters as they lie (meshtrain/ops/offload.py check_layout)
+    offload.check_layout(par.offload, {}, {"eval.tasks": par.offload == "optimizer+params" and bool(cfg.eval.tasks)})
     if m.num_heads % m.num_kv_heads:
         raise UserError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
     if not m.head_dim and m.d_model % m.num_heads:
@@ -138,6 +142,8 @@ def check_config(cfg, effective: bool = True) -> None:
     _check_local_tier(cfg.checkpoint, cfg.out)
     if t.objective == "dpo":
         _check_dpo(cfg)
+    if t.objective == "grpo":
+        _check_grpo(cfg)
     spec = cfg.data.tokenizer  # a missing file is reported when the data loads: a run's config stays readable
     if spec == "byte" or (spec != "auto" and Path(spec).exists()):
         check_vocab(load_tokenizer(spec), m.vocab_size, "data.tokenizer")
@@ -156,6 +162,29 @@ def _check_dpo(cfg) -> None:
     if d.sources or d.kind == "synthetic" or not d.path or d.train_on != "assistant":
         raise UserError("train.objective=dpo trains on one folder from python -m meshtrain.data prepare --preference "
                         "(data.path, with data.train_on=assistant and no data.sources)")
+
+
+def _check_grpo(cfg) -> None:
+    """train.objective=grpo: whole groups a batch, room for a prompt beside the completion, one
+    folder of prompts, the next-token policy only."""
+    t, rl, d = cfg.train, cfg.rl, cfg.data
+    if d.sources or d.kind == "synthetic" or not d.path:
+        raise UserError("train.objective=grpo trains on one folder from python -m meshtrain.data prepare --prompts "
+                        "(data.path, no data.sources)")
+    if t.batch_size % rl.group_size:
+        raise UserError(f"train.batch_size={t.batch_size} is not a multiple of rl.group_size={rl.group_size} (a "
+                        f"batch holds whole groups of completions); use a multiple of {rl.group_size}")
+    if longest_prompt(t.seq_len, rl) < 1:
+        raise UserError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in train.seq_len + 1 = "
+                        f"{t.seq_len + 1} tokens; raise train.seq_len or lower rl.max_new_tokens")
+    if cfg.model.mtp_modules():
+        raise UserError("train.objective=grpo trains the next-token policy only; set model.mtp_depth=0")
+    if cfg.model.lora.dropout:  # the scored log-probs are dropout's-free: the first update's ratio would not be 1
+        raise UserError(f"model.lora.dropout={cfg.model.lora.dropout} with train.objective=grpo: the policy's ratio "
+                        f"to the rollout's would measure the dropout noise; set model.lora.dropout=0")
+    if d.document_mask:  # the sampler attends across an EOS in the prompt, training would not
+        raise UserError("data.document_mask with train.objective=grpo would train completions that do not see "
+                        "their prompt past an EOS, which the sampler saw; set data.document_mask=false")
 
 
 def _check_local_tier(c, out: str) -> None:
@@ -211,6 +240,10 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
             of = f" ({stacked} in the stacked blocks)" if stacked != m.num_layers else ""
             raise LayoutError(f"model.num_layers={m.num_layers}{of} is not divisible by pipeline stages ({stages}) x "
                               f"parallel.virtual_stages ({par.virtual_stages})")
+    if t.objective == "grpo" and (stages > 1 or sizes["context"] > 1):
+        axis = "pipeline" if stages > 1 else "context"
+        raise LayoutError(f"train.objective=grpo samples its rollouts on the training mesh, and the sampler runs no "
+                          f"{axis} axis; drop it (data, fsdp, tensor and expert axes sample)")
     tp = sizes["tensor"]
     for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
         if value % tp:
@@ -334,7 +367,7 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
               if par.attention == "xla" or "softmax" not in k}
     activations = sum(formed.values()) * m.num_layers / stages
     states = sum(zero_bytes(program.num_params, sizes, par.zero,
-                            optimizer_state=program.optimizer_state_bytes()).values())
+                            optimizer_state=program.optimizer_state_bytes()).values()) - program.offloaded_bytes()
     _refuse_beyond_memory(f"train.seq_len={t.seq_len} x train.batch_size={t.batch_size}", activations + states,
                           f"activations {activations / 1e9:,.1f} GB + model states {states / 1e9:,.1f} GB, "
                           f"meshtrain/core/formulas.py", memory or device_memory(list(program.mesh.devices.flat)),

@@ -52,6 +52,10 @@ PEAK_FP8_FLOPS = {
 #   -> 900 GB/s each way; DGX B200: one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s.
 # - A100 SXM4 80GB: HBM2e 2,039 GB/s; NVLink 3 600 GB/s per GPU both ways (12 x 50) -> 300 GB/s.
 #   DGX A100: 8 GPUs, one 200 Gb/s ConnectX-6 (InfiniBand HDR) per GPU -> 25 GB/s.
+# Host memory (parallel.offload, meshtrain/ops/offload.py): `host_bw`, the GPU's host link in bytes/s
+# each way, and `host_memory`, one node's system memory (DGX datasheets): H100 and H200 SXM, PCIe Gen5
+# x16 "128 GB/s" both ways -> 64 GB/s each way, DGX H100/H200 2 TB; B200 PCIe Gen5 x16 -> 64 GB/s, DGX
+# B200 2 TB (4 TB optional); A100 SXM4 PCIe Gen4 x16 "64 GB/s" -> 32 GB/s, DGX A100 2 TB.
 # - TPU v5p (cloud.google.com/tpu/docs/v5p): 95 GiB HBM2e at 2,765 GB/s; ICI 1,200 GB/s per chip
 #   bidirectional -> 600 GB/s each way; DCN 50 Gb/s per chip -> 6.25 GB/s. A "node" is a slice (one
 #   ICI domain): 6,144 chips is the largest slice a job can have (16x16x24), so any mesh up to that
@@ -80,17 +84,21 @@ KERNEL_CONSTANTS = {"gemm_peak": 0.75, "gemm_half_size": 128, "attention_efficie
 DEVICE_PROFILES = {
     "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "peak_fp8_flops": PEAK_FP8_FLOPS["H100"],
              "peak_tf32_flops": 494.7e12, "hbm_bw": 3.35e12, "memory": 80e9,
-             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
+             "in_node_bw": 450e9, "cross_node_bw": 50e9, "host_bw": 64e9, "host_memory": 2e12,
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
     "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "peak_fp8_flops": PEAK_FP8_FLOPS["H200"],
              "peak_tf32_flops": 494.7e12, "hbm_bw": 4.8e12, "memory": 141e9,
-             "in_node_bw": 450e9, "cross_node_bw": 50e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
+             "in_node_bw": 450e9, "cross_node_bw": 50e9, "host_bw": 64e9, "host_memory": 2e12,
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
     "b200": {"name": "B200", "peak_flops": PEAK_BF16_FLOPS["B200"], "peak_fp8_flops": PEAK_FP8_FLOPS["B200"],
              "peak_tf32_flops": 1125e12, "hbm_bw": 8e12, "memory": 180e9,
-             "in_node_bw": 900e9, "cross_node_bw": 50e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
+             "in_node_bw": 900e9, "cross_node_bw": 50e9, "host_bw": 64e9, "host_memory": 2e12,
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
              "kernels_calibrated": False},
     "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "peak_tf32_flops": 156e12,
              "hbm_bw": 2.039e12, "memory": 80e9,
-             "in_node_bw": 300e9, "cross_node_bw": 25e9, "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
+             "in_node_bw": 300e9, "cross_node_bw": 25e9, "host_bw": 32e9, "host_memory": 2e12,
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
              "kernels_calibrated": False},
     "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.765e12,
                 "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144,

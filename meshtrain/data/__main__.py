@@ -2,7 +2,7 @@
 
     python -m meshtrain.data prepare SRC --tokenizer byte|PATH --out DIR|URI [--stage DIR]
                                      [--workers N | --ray ADDRESS]
-                                     [--text-field text] [--chat | --preference]
+                                     [--text-field text] [--chat | --preference | --prompts]
                                      [--chat-template auto|chatml|FILE]
     python -m meshtrain.data train-tokenizer SRC --vocab-size N --out tokenizer.json
 """
@@ -21,6 +21,7 @@ from meshtrain.data import store
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.cluster import prepare_on_ray
 from meshtrain.data.prepare import SHARD_TOKENS, prepare
+from meshtrain.data.prompts import prepare_prompts
 from meshtrain.data.sources import RAW_KINDS, detect, read, units
 
 
@@ -54,10 +55,14 @@ def parser() -> Parser:
                       help="jsonl rows are preference pairs {\"prompt\", \"chosen\", \"rejected\"} (text, or "
                            "messages rendered with --chat-template) for train.objective=dpo: two sequences an "
                            "example, a loss mask on the responses (docs/fine-tuning.md)")
+    prep.add_argument("--prompts", action="store_true",
+                      help="jsonl rows of prompts for train.objective=grpo: {\"prompt\": text} or {\"messages\": "
+                           "[...]} (rendered with --chat-template and its generation prompt), any other field (e.g. "
+                           "\"answer\") kept for the rewards (docs/fine-tuning.md)")
     prep.add_argument("--chat-template",
-                      help=f"with --chat (default auto) or --preference (default none: rows of text): auto (the "
-                           f"tokenizer's own chat_template), a built-in ({', '.join(chat_lib.BUILTIN)}) or a "
-                           f".jinja file")
+                      help=f"with --chat (default auto), --preference or --prompts (default none: rows of text): "
+                           f"auto (the tokenizer's own chat_template), a built-in ({', '.join(chat_lib.BUILTIN)}) "
+                           f"or a .jinja file")
     prep.add_argument("--allow-dropped-text", action="store_true",
                       help="prepare although the tokenizer (one without an unknown token) maps some characters to "
                            "no token: a warning with their counts instead of an error")
@@ -81,10 +86,12 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.command == "prepare":
         tok = tokenizer_lib.load(args.tokenizer)
+        if args.prompts:
+            return _prepare_prompts(args, kind, tok, started)
         if args.chat and args.preference:
             raise UserError("--chat prepares conversations, --preference preference pairs: pass one")
         if args.chat_template is not None and not (args.chat or args.preference):
-            raise UserError("--chat-template renders chat data: pass --chat (or --preference) too")
+            raise UserError("--chat-template renders chat data: pass --chat (or --preference, or --prompts) too")
         if args.allow_degenerate_rows and not (args.chat or args.preference):
             raise UserError("--allow-degenerate-rows keeps chat or preference rows that train nothing; plain text "
                             "has none: pass --chat or --preference, or leave it out")
@@ -118,6 +125,25 @@ def main(argv=None) -> int:
         tok = tokenizer_lib.HFTokenizer(args.out, eos=args.eos)
         print(f"{args.out}: byte-level BPE, {tok.vocab_size:,} ids, EOS {args.eos!r} = {tok.eos_id}, "
               f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _prepare_prompts(args, kind: str, tok, started: float) -> int:
+    """prepare --prompts (meshtrain/data/prompts.py): one process, a local --out."""
+    others = [flag for flag, given in (("--chat", args.chat), ("--preference", args.preference), ("--ray", args.ray),
+                                       ("--workers", args.workers), ("--stage", args.stage),
+                                       ("--allow-degenerate-rows", args.allow_degenerate_rows),
+                                       ("--text-field", args.text_field != "text")) if given]
+    if others:
+        raise UserError(f"--prompts prepares prompt rows (their prompt or messages field) on this machine; leave "
+                        f"out {', '.join(others)}")
+    if kind != "jsonl":
+        raise UserError(f"--prompts reads jsonl rows; {args.src} is {kind}: write one JSON object a line")
+    if store.is_uri(args.out):
+        raise UserError(f"--prompts writes a local folder; --out {args.out} is a URI: prepare locally, then copy it")
+    fmt = chat_lib.load_format(args.chat_template, tok) if args.chat_template else None
+    m = prepare_prompts(args.src, tok, args.out, fmt, args.allow_dropped_text)
+    print(f"{args.out}: {m['prompts']:,} prompts, {m['tokens']:,} tokens, {time.perf_counter() - started:.1f} s")
     return 0
 
 

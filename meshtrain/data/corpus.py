@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from meshtrain.core.errors import UserError
-from meshtrain.data import store
+from meshtrain.data import prompts, store
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prepare import DroppedText, check_documents, tokenize
 from meshtrain.data.sources import RAW_KINDS, detect, source_bytes, units
@@ -25,7 +25,7 @@ RAW_LIMIT_BYTES = 256 << 20
 
 
 class Corpus(NamedTuple):
-    tokens: Tokens | None  # None: synthetic data
+    tokens: Tokens | None  # None: synthetic data; a prompt folder's `prompts.Identity`
     tokenizer: object | None  # None: synthetic data, or token files that name no tokenizer
     kind: str = "plain"  # what it holds: a key of tokens.DATA_KINDS
 
@@ -48,6 +48,10 @@ def load_corpus(dcfg, vocab_size: int) -> Corpus:
         return Corpus(_tokenized(kind, dcfg, tok), tok)
     path = Path(dcfg.path)
     holds = "plain"
+    if kind == "prepared" and prompts.is_prompts(path):  # reinforcement learning's: read by its objective
+        own = tokenizer_lib.recorded(path)
+        tokenizer_lib.check_vocab(own, vocab_size, f"{path}'s tokenizer")
+        return Corpus(prompts.Identity(path), own, "prompts")
     if kind == "prepared":
         tokens, manifest = read_prepared(path)
         holds = prepared_kind(manifest)

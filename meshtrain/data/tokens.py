@@ -43,7 +43,8 @@ SIDECAR_SCHEMA = {"dtype": DTYPES, "tokens": schema.Optional(schema.Int()), "tok
 # What a source holds, as an objective reads it (meshtrain/objectives/base.py `Objective.reads`).
 DATA_KINDS = {"synthetic": "synthetic tokens", "plain": "plain text",
               "chat": "chat conversations (prepared with --chat)",
-              "preference": "preference pairs (prepared with --preference)"}
+              "preference": "preference pairs (prepared with --preference)",
+              "prompts": "prompts (prepared with --prompts)"}
 
 
 def prepared_kind(manifest: dict) -> str:

@@ -40,6 +40,8 @@ from jax.sharding import NamedSharding
 
 from meshtrain.core.bounds import Bounds
 from meshtrain.core.errors import UserError
+from meshtrain.ops.loss import token_log_probs
+from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel.sharding import activation_rules, make_rules, param_shardings, spec_for
 
 
@@ -70,14 +72,15 @@ PREFILL_CHUNK = 512  # prompt positions per prefill step: its scores are [B, H, 
 
 
 @functools.lru_cache(maxsize=32)
-def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
+def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK, precision: str = "fp32"):
     """The jitted generation of max_new tokens (jit caches the compiled shapes; the sampling
     settings, eos and window are traced, so changing them compiles nothing); traced under `rules`
     (a tuple of items) on `mesh` when one is given. Prompts longer than `chunk` are prefilled
-    `chunk` positions at a time (`prefill`)."""
+    `chunk` positions at a time (`prefill`). The parameters are cast to `precision`'s compute dtype
+    inside the program (a trainer's fp32 state samples without a second copy)."""
     def run(params, prompts_BxP, lengths_B, key, settings):
         with activation_rules(dict(rules), mesh) if mesh is not None else contextlib.nullcontext():
-            return tokens(params, prompts_BxP, lengths_B, key, **settings)
+            return tokens(cast_for_compute(params, precision), prompts_BxP, lengths_B, key, **settings)
 
     def prefill(params, prompts_BxP, lengths_B, window):
         """The prompts through the cached forward, `chunk` positions at a time (each chunk's queries
@@ -86,7 +89,9 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
         keys lie beyond each row's end, where new tokens overwrite them before any query reads."""
         B, P = prompts_BxP.shape
         n = -(-P // chunk)
-        cache = model.init_cache(B, max(n * chunk, P + max_new - 1))
+        # one chunk: the prompt's and the new tokens' positions; more: whole chunks, padding included
+        positions = P + max_new - 1 if n == 1 else max(n * chunk, P + max_new - 1)
+        cache = model.init_cache(B, positions, params["embedding"].dtype)  # in the compute dtype
         if n == 1:
             x_BxPxD, cache = model.decode(params, prompts_BxP, cache, jnp.zeros(B, jnp.int32), window, lengths_B)
             return cache, jnp.take_along_axis(x_BxPxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
@@ -110,25 +115,28 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK):
         B = prompts_BxP.shape[0]
         cache, x_BxD = prefill(params, prompts_BxP, lengths_B, window)
 
-        def next_token(x_BxD, t, done_B):  # a finished row repeats eos_id (-1: none)
+        def next_token(x_BxD, t, done_B):  # a finished row repeats eos_id (-1: none), log-prob 0
             logits_BxV = model.head(params, x_BxD[:, None])[:, 0]
             logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab, logits_BxV, -jnp.inf)
             token_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
-            return jnp.where(done_B, eos_id, token_B), done_B | (token_B == eos_id)
+            logp_B = token_log_probs(logits_BxV, token_B, jnp.where(temperature > 0, temperature, 1.0))
+            return jnp.where(done_B, eos_id, token_B), jnp.where(done_B, 0.0, logp_B), done_B | (token_B == eos_id)
 
-        first_B, done_B = next_token(x_BxD, 0, jnp.zeros(B, bool))
+        first_B, logp_B, done_B = next_token(x_BxD, 0, jnp.zeros(B, bool))
         out_BxN = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first_B)
+        logp_BxN = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(logp_B)
 
         def step(state):
-            t, out_BxN, cache, done_B = state
+            t, out_BxN, logp_BxN, cache, done_B = state
             last_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxN, t - 1, 1, axis=1)
             x_Bx1xD, cache = model.decode(params, last_Bx1, cache, lengths_B + t - 1, window)
-            token_B, done_B = next_token(x_Bx1xD[:, 0], t, done_B)
-            return t + 1, jax.lax.dynamic_update_slice_in_dim(out_BxN, token_B[:, None], t, 1), cache, done_B
+            token_B, logp_B, done_B = next_token(x_Bx1xD[:, 0], t, done_B)
+            put = lambda a_BxN, new_B: jax.lax.dynamic_update_slice_in_dim(a_BxN, new_B[:, None], t, 1)
+            return t + 1, put(out_BxN, token_B), put(logp_BxN, logp_B), cache, done_B
 
-        going = lambda state: (state[0] < max_new) & ~jnp.all(state[3])
-        _, out_BxN, _, _ = jax.lax.while_loop(going, step, (1, out_BxN, cache, done_B))
-        return out_BxN
+        going = lambda state: (state[0] < max_new) & ~jnp.all(state[-1])
+        _, out_BxN, logp_BxN, _, _ = jax.lax.while_loop(going, step, (1, out_BxN, logp_BxN, cache, done_B))
+        return out_BxN, logp_BxN
 
     return jax.jit(run)
 
@@ -142,33 +150,60 @@ def generate(model, params, prompts, max_new_tokens: int, *, temperature: float 
     token; ids >= `vocab` (the tokenizer's size, when the model's vocabulary is larger) are never
     produced. With `mesh`, runs there under the logical `rules` (default: meshtrain's), `params`
     placed by `place`; rows are padded to a multiple of the batch axes and the padding dropped."""
+    out_BxN, _ = sample_rows(model, params, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed, eos_id=eos_id, window=window, vocab=vocab, mesh=mesh,
+                             rules=rules, prefill_chunk=prefill_chunk)
+    return [row[:np.argmax(row == eos_id)] if eos_id is not None and (row == eos_id).any() else row
+            for row in out_BxN]
+
+
+def sample_rows(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
+                vocab: int | None = None, mesh=None, rules=None, prefill_chunk: int = PREFILL_CHUNK,
+                precision: str = "fp32", pad_to: int | None = None):
+    """`generate`'s rows whole, as numpy [len(prompts), max_new_tokens]: the new ids (after a row's
+    first `eos_id`, eos_id again) and each one's log-probability under the policy it was drawn
+    from, log softmax(logits / temperature) (temperature 0: of the logits; ids >= `vocab` masked;
+    top_k and top_p filter the draw, not this distribution), 0 after the row's first eos_id. The
+    log-probabilities are `token_log_probs` of the cached forward's logits: the trainer's
+    recomputation applies the same function to its own forward's. `precision`: the parameters are
+    cast to its compute dtype inside the program (meshtrain/ops/precision.py). `pad_to`: the prompts'
+    padded width (default: the longest prompt's), so batches of other prompt lengths compile nothing
+    new. Every process gets the whole rows."""
     check_settings(max_new_tokens, temperature, top_k, top_p)
     lengths = [len(p) for p in prompts]
     if not prompts or min(lengths) == 0:
         raise UserError("every prompt needs at least one token; pass a non-empty prompt")
     rules = rules or make_rules()
     rows = padded_rows(len(prompts), mesh, rules)
-    prompts_BxP = np.zeros((rows, max(lengths)), np.int32)
+    prompts_BxP = np.zeros((rows, max(max(lengths), pad_to or 0)), np.int32)
     lengths_B = np.full(rows, lengths[0], np.int32)
     for b, p in enumerate(prompts):
         prompts_BxP[b, :len(p)], lengths_B[b] = p, len(p)
     prompts_BxP[len(prompts):, :lengths[0]] = prompts[0]  # padding rows repeat the first prompt
     program = _program(model, max_new_tokens, mesh, None if mesh is None else tuple(sorted(rules.items())),
-                       prefill_chunk)
+                       prefill_chunk, precision)
     settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
                 "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
                 "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens),
                 "vocab": np.int32(vocab or model.cfg.vocab_size)}
     args = [prompts_BxP, lengths_B]
     if mesh is None:
-        out_BxN = program(params, *args, jax.random.key(seed), settings)
+        out = program(params, *args, jax.random.key(seed), settings)
     else:
         with jax.set_mesh(mesh):
             args = [jax.device_put(a, row_sharding(a.ndim, mesh, rules)) for a in args]
-            out_BxN = program(params, *args, jax.random.key(seed), settings)
-    out_BxN = np.asarray(jax.device_get(out_BxN))[:len(prompts)]
-    return [row[:np.argmax(row == eos_id)] if eos_id is not None and (row == eos_id).any() else row
-            for row in out_BxN]
+            out = program(params, *args, jax.random.key(seed), settings)
+    out_BxN, logp_BxN = (whole(a)[:len(prompts)] for a in out)
+    return out_BxN, logp_BxN
+
+
+def whole(x) -> np.ndarray:
+    """A global array's values on every process (gathered from the others where it spans several)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def padded_rows(rows: int, mesh, rules) -> int:
@@ -183,22 +218,24 @@ def row_sharding(ndim: int, mesh, rules):
     return NamedSharding(mesh, spec_for(("batch",) + (None,) * (ndim - 1), rules, mesh))
 
 
-def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=None):
+def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=None, param_shardings=None,
+          precision: str = "fp32"):
     """The generation program `generate` runs, lowered on `mesh` from abstract inputs (nothing
     materialised; the planner compiles it for its memory): `batch` prompts of `prompt_len` tokens
-    (rows padded as `generate` pads them), the parameters laid out by `place`, a KV cache of
-    prompt_len + max_new_tokens - 1 positions."""
+    (rows padded as `generate` pads them), the parameters laid out by `place` (or by
+    `param_shardings`: a trainer's rollouts sample from its state's layout) and cast to `precision`'s
+    compute dtype, a KV cache of prompt_len + max_new_tokens - 1 positions."""
     rules = rules or make_rules()
     rows = padded_rows(batch, mesh, rules)
     abstract = lambda tree, shardings: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-    params = abstract(jax.eval_shape(model.init, jax.random.key(0)), place(model, mesh, rules))
+    params = abstract(jax.eval_shape(model.init, jax.random.key(0)), param_shardings or place(model, mesh, rules))
     prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=row_sharding(2, mesh, rules))
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, mesh, rules))
     settings = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "eos_id": jnp.int32,
                 "window": jnp.int32, "vocab": jnp.int32}
     settings = {k: jax.ShapeDtypeStruct((), dtype) for k, dtype in settings.items()}
-    program = _program(model, max_new_tokens, mesh, tuple(sorted(rules.items())))
+    program = _program(model, max_new_tokens, mesh, tuple(sorted(rules.items())), PREFILL_CHUNK, precision)
     with jax.set_mesh(mesh):
         return program.lower(params, prompts, lengths, jax.eval_shape(jax.random.key, 0), settings)
 

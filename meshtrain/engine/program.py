@@ -11,6 +11,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -18,10 +19,12 @@ from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfi
 from meshtrain.config.validate import check_layout, resolve_attention
 from meshtrain.core.console import notice_once
 from meshtrain.data.mixture import trains_on_mask
+from meshtrain.engine import decode
 from meshtrain.engine.pipeline import layer_order
-from meshtrain.engine.step import lr_schedule, make_optimizer, make_scores, make_train_step
+from meshtrain.engine.step import in_place_update, lr_schedule, make_scores, make_train_step, optimizer_parts
 from meshtrain.models import FAMILIES
 from meshtrain.objectives import objective
+from meshtrain.ops import offload
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.fp8 import matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
@@ -29,7 +32,7 @@ from meshtrain.ops.packing import Packing, packing_of
 from meshtrain.ops.precision import initial_loss_scale
 from meshtrain.ops.trainable import select
 from meshtrain.ops.ulysses import context_layout
-from meshtrain.parallel import compression
+from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
 from meshtrain.parallel.sharding import (
     activation_rules,
@@ -44,12 +47,14 @@ from meshtrain.parallel.sharding import (
 
 class TrainProgram:
     def __init__(self, model: ModelSpec, plan: ParallelPlan, optim: OptimSpec, train: TrainConfig, devices=None,
-                 packing: Packing | None = None, loss_mask: bool = False):
+                 packing: Packing | None = None, loss_mask: bool = False, rl=None, vocab: int | None = None):
         """`packing`: how a training window splits into documents (meshtrain/ops/packing.py; None:
         attend across them), from `data.document_mask` (`from_config`). `loss_mask`: the batches
         carry chat data's loss mask and the loss averages over the trained tokens (data.train_on).
         train.objective names the objective (meshtrain/objectives/), which says what a batch row holds
-        (under dpo, preference pairs [B, 2 (L + 1)]) and what the state keeps beside the parameters."""
+        (under dpo, preference pairs [B, 2 (L + 1)]; under grpo a rollout) and what the state keeps beside
+        the parameters. `rl`: the config's rl section (grpo's settings); `vocab`: the data tokenizer's
+        size (grpo's log-probabilities mask the ids past it, as its sampler does)."""
         self.spec, self.plan, self.optim, self.train = model, plan, optim, train
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
@@ -70,9 +75,11 @@ class TrainProgram:
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
-        self.objective = objective(t.objective)(self.model, plan, t, loss_mask)
+        self.objective = objective(t.objective)(self.model, plan, t, loss_mask, rl, vocab)
         n = self.objective.sequences_per_row
         self.batch_shape = (t.batch_size, (t.seq_len + 1) * n)
+        self.step_batch = self.objective.batch_struct(self.batch_shape)  # what the step takes: tokens, or a rollout
+        self.step_batch_shardings = jax.tree.map(lambda x: self.row_sharding(x.ndim), self.step_batch)
         self.tokens_per_step = t.batch_size * t.seq_len * n  # tokens/s counts these
 
         abstract_params = jax.eval_shape(self.model.init, jax.random.key(t.seed))
@@ -81,7 +88,19 @@ class TrainProgram:
         horizon = optim.schedule_steps or t.steps  # the trainer sets it from the run's record
         self.schedule = lr_schedule(optim, horizon)
         self.trained = lambda tree: select(tree, model.trainable)  # what the optimizer trains (LoRA: adapters)
-        self.tx = make_optimizer(optim, horizon, self.trained(self.logical_axes))
+        trained_axes = self.trained(self.logical_axes)
+        clip, inner = optimizer_parts(optim, horizon, trained_axes)
+        self.tx = optax.chain(clip, inner)
+        offload.check_layout(plan.offload, self.sizes, {
+            "microbatches (parallel.microbatches > 1)": plan.num_microbatches(self.sizes["pipeline"]) > 1,
+            "parallel.remat=none (set full or save_matmuls)": plan.remat == "none",
+            "a data axis the step runs by hand (data > 1 at ZeRO 0/1)": data_parallel.is_manual(
+                self.sizes["data"], zero=plan.zero), "int8 gradient compression": plan.grad_compression != "none",
+            "LoRA (model.lora.rank)": bool(model.lora.rank), "train.grad_norms_every": t.grad_norms_every > 0,
+            f"train.objective={t.objective}": t.objective != "sft",
+            "aux-loss-free router balancing": "router_bias" in abstract_params["blocks"]})
+        update = (in_place_update(self.tx) if plan.offload == "none" else
+                  offload.offloaded_update(optim.clip_norm, inner, trained_axes))
 
         self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
         stages = self.sizes["pipeline"]
@@ -95,16 +114,42 @@ class TrainProgram:
         self.state_shardings, self.grad_specs = state_shardings(self.abstract_state, self.logical_axes, self.rules,
                                                                 self.mesh, plan.zero, map_param_states, other,
                                                                 self.trained)
-        for name in self.objective.initial_state(abstract_params):  # e.g. DPO's frozen reference: as the parameters
-            self.state_shardings[name] = self.state_shardings["params"]
+        # parallel.offload: the optimizer state's parameter-shaped parts in pinned host memory, and under
+        # optimizer+params the stacked layers' parameters too
+        self.host_params = offload.host_param_leaves(self.logical_axes, plan.offload)
+        for key, flags in self.host_arguments().items():
+            self.state_shardings[key] = offload.in_host_memory(self.state_shardings[key], flags)
+        for name, entry in jax.eval_shape(self.objective.initial_state, abstract_params).items():
+            rows = name in self.objective.row_state()  # e.g. GRPO's kept rollout: as the batch's rows
+            self.state_shardings[name] = (jax.tree.map(lambda x: self.row_sharding(x.ndim), entry) if rows else
+                                          self.state_shardings["params"])  # e.g. DPO's frozen reference
         self.param_specs = jax.tree.map(lambda s: s.spec, self.state_shardings["params"])
         specs = {"params": self.param_specs, "grads": self.grad_specs, "batch": self.batch_sharding.spec,
                  "owned": self.owned_specs, **other}
-        self.step_fn = make_train_step(self.model, self.tx, self.schedule, plan, self.mesh, specs, self.objective,
-                                       layer_norms=t.grad_norms_every > 0)
+        step = make_train_step(self.model, update, self.schedule, plan, self.mesh, specs, self.objective,
+                               layer_norms=t.grad_norms_every > 0)
+        self.step_fn = lambda state, batch: step({**state, "params": self.typed_params(state["params"])}, batch)
         self.num_params = self.model.num_params(abstract_params)
         self.trainable_params = sum(x.size for x in jax.tree.leaves(self.trained(abstract_params)))
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
+
+    def row_sharding(self, ndim: int) -> NamedSharding:
+        """[B, ...] arrays split as the batch's rows: on the batch axes only."""
+        return decode.row_sharding(ndim, self.mesh, self.rules)
+
+    def typed_params(self, params):
+        """The parameters with those in host memory typed so when traced (`offload.to_host_where`: what
+        the compile-only GPU devices' shardings cannot say); the parameters themselves elsewhere."""
+        return offload.to_host_where(params, self.host_params) if self.plan.offload == "optimizer+params" else params
+
+    def offloaded_bytes(self, parts: bool = False):
+        """The device's share of what parallel.offload keeps in host memory: the moments
+        (offload.host_bytes of `host_arguments`), and under optimizer+params the layers' parameters and as many gradient
+        bytes; `parts`: (moments, parameters) apart."""
+        host = self.host_arguments()
+        moments, params = (offload.host_bytes(self.abstract_state[k], self.state_shardings[k], host[k])
+                           for k in ("opt_state", "params"))
+        return (moments, params) if parts else moments + 2 * params
 
     def optimizer_state_bytes(self) -> tuple[int, int, int]:
         """The optimizer state's bytes (meshtrain/ops/optimizers.py `state_bytes`) in all, of the
@@ -117,13 +162,14 @@ class TrainProgram:
                 sum(b for b, a in rows if "experts" in a))
 
     @classmethod
-    def from_config(cls, cfg, devices=None, tokenizer_eos: int | None = None) -> TrainProgram:
+    def from_config(cls, cfg, devices=None, tokenizer_eos: int | None = None,
+                    tokenizer_vocab: int | None = None) -> TrainProgram:
         """`tokenizer_eos`: the data's tokenizer's EOS id, which `data.document_mask` splits at
-        unless `data.eos_id` names one."""
+        unless `data.eos_id` names one; `tokenizer_vocab`: its size (see `__init__`'s `vocab`)."""
         if cfg.devices:
             simulate_cpu_devices(cfg.devices)
         return cls(cfg.model, cfg.parallel, cfg.optim, cfg.train, devices, packing_of(cfg.data, tokenizer_eos),
-                   trains_on_mask(cfg.data))
+                   trains_on_mask(cfg.data), cfg.rl, tokenizer_vocab)
 
     def init_state(self, key):
         return self.state_from_params(self.model.init(key))
@@ -176,7 +222,8 @@ class TrainProgram:
         trainer runs it; the planner compiles it."""
         micro = self.plan.num_microbatches(self.sizes["pipeline"])
         score = make_scores(self.model, self.plan, self.mesh, self.param_specs, self.objective)
-        evaluate = self.objective.evaluation(score, micro, self.in_model_order)
+        scored = self.objective.evaluation(score, micro, self.in_model_order)
+        evaluate = lambda params, *rest: scored(self.typed_params(params), *rest)
         extra = tuple(self.state_shardings[name] for name in self.objective.initial_state(self.param_specs))
         return jax.jit(evaluate, in_shardings=(self.state_shardings["params"], self.batch_sharding, *extra),
                        out_shardings=NamedSharding(self.mesh, P()))
@@ -188,11 +235,24 @@ class TrainProgram:
 
     def lower(self):
         """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs."""
-        batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.step_batch,
+                             self.step_batch_shardings)
         with self.context():
-            return jax.jit(self.step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
-                           out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
-                           donate_argnums=0).lower(self.abstract_state, batch)
+            lowered = jax.jit(self.step_fn, in_shardings=(self.state_shardings, self.step_batch_shardings),
+                              out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
+                              donate_argnums=0).lower(self.abstract_state, batch)
+        if self.plan.offload != "none" and self.backend != "cpu":  # compile-only GPU devices drop memory kinds
+            offload.mark_host_arguments(lowered, jax.tree.leaves(self.host_arguments()) + [False])
+        return lowered
+
+    def host_arguments(self) -> dict:
+        """Per leaf of the train state: whether it lives in host memory (parallel.offload)."""
+        nowhere = jax.tree.map(lambda _: False, self.abstract_state)
+        if self.plan.offload == "none":
+            return nowhere
+        return {**nowhere, "params": self.host_params,
+                "opt_state": offload.host_leaves(self.abstract_state["opt_state"],
+                                                 self.trained(self.abstract_state["params"]))}
 
     def context(self):
         """Mesh and activation rules in force while tracing and running."""

@@ -36,6 +36,7 @@ from meshtrain.models import FAMILIES
 from meshtrain.ops.attention import BACKENDS, MIN_ATTENTION_BLOCK, xla_attention
 from meshtrain.ops.loss import chunk_positions
 from meshtrain.ops.precision import cast_for_compute
+from meshtrain.parallel.batching import placed_rows
 from meshtrain.parallel.sharding import activation_rules, constrain, make_rules, shard_count, spec_for
 
 
@@ -126,7 +127,7 @@ class Scorer:
         """A host array of rows (one of `pack`'s), placed as the program takes it."""
         if self.mesh is None:
             return a
-        return jax.make_array_from_callback(a.shape, self.row_sharding, lambda index: a[index])
+        return placed_rows(a, self.row_sharding)
 
     def __call__(self, params, requests) -> tuple[np.ndarray, np.ndarray]:
         scores, greedy = [], []

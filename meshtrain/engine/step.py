@@ -14,6 +14,7 @@ import optax
 
 from meshtrain.engine.pipeline import make_pipeline_grads, make_pipeline_scores
 from meshtrain.objectives.base import forward_scores
+from meshtrain.ops import offload
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS
 from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_scale
 from meshtrain.ops.trainable import merge, select
@@ -26,13 +27,36 @@ def lr_schedule(ocfg, total_steps: int):
     return LR_SCHEDULES[ocfg.schedule](ocfg, total_steps)
 
 
-def make_optimizer(ocfg, total_steps: int, logical_axes):
-    """Global-norm clipping, then `optim.optimizer` (meshtrain/ops/optimizers.py OPTIMIZERS), which
+def optimizer_parts(ocfg, total_steps: int, logical_axes):
+    """(global-norm clipping, `optim.optimizer`): meshtrain/ops/optimizers.py OPTIMIZERS, which
     reads the parameters' logical axes (weight decay on matrices, not norms; which dimensions form
-    each matrix). The state's tree does not depend on any other hyperparameter (clip_norm=0 is an
-    identity in the clipping slot), so a checkpoint resumes with other optimizer settings."""
+    each matrix). clip_norm=0 is an identity in the clipping slot."""
     clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm > 0 else optax.identity()
-    return optax.chain(clip, OPTIMIZERS[ocfg.optimizer].build(ocfg, lr_schedule(ocfg, total_steps), logical_axes))
+    return clip, OPTIMIZERS[ocfg.optimizer].build(ocfg, lr_schedule(ocfg, total_steps), logical_axes)
+
+
+def make_optimizer(ocfg, total_steps: int, logical_axes):
+    """The chain of `optimizer_parts`. The state's tree does not depend on any other hyperparameter,
+    so a checkpoint resumes with other optimizer settings."""
+    return optax.chain(*optimizer_parts(ocfg, total_steps, logical_axes))
+
+
+def kept_unless(applied, new, old):
+    """`new` where the step is `applied`, else `old` (the nonfinite guard's choice, leaf by leaf)."""
+    return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+def in_place_update(tx):
+    """The step's optimizer update with the state on the device: (grads, opt_state, trained,
+    applied, unscale, grad_norm) -> (new trained parameters, new opt_state), both kept as they were
+    where `applied` (the nonfinite guard) is false; the gradients are finished (`unscale`, the global
+    `grad_norm`: what meshtrain/ops/offload.py `offloaded_update`, the host-memory one, reads)."""
+    def update(grads, opt_state, trained, applied, unscale=None, grad_norm=None):
+        updates, new_state = tx.update(grads, opt_state, trained)
+        return (kept_unless(applied, optax.apply_updates(trained, updates), trained),
+                kept_unless(applied, new_state, opt_state))
+
+    return update
 
 
 def applied_lr(schedule, opt_state):
@@ -102,7 +126,7 @@ def make_scores(model, plan, mesh, param_specs, objective):
     return forward_scores(objective.scores, plan.num_microbatches(stages))
 
 
-def make_train_step(model, tx, schedule, plan, mesh, specs: dict, objective, layer_norms: bool = False):
+def make_train_step(model, update, schedule, plan, mesh, specs: dict, objective, layer_norms: bool = False):
     """The step of `objective` (meshtrain/objectives/base.py) for `plan` (a ParallelPlan) on `mesh`.
     `specs`: PartitionSpecs of 'params', 'grads' (pytrees) and 'batch', and under int8 compression
     'owned' (the gradients' ZeRO-2 layout) and 'grad_error' (the residuals'). With a `pipeline` axis
@@ -114,7 +138,9 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, objective, lay
     objective and unscaled here (meshtrain/ops/precision.py), and by the objective's divisor
     (`Objective.finish`). An objective's forward-only pass before the gradients (`scores_first`)
     runs a microbatch at a time, through the pipeline's stages on a pipeline (`make_scores`).
-    `layer_norms` (train.grad_norms_every > 0) adds the metric 'grad_norms' (`grad_norms_by_group`)."""
+    `update`: the optimizer's (`in_place_update`, or with the state in host memory
+    meshtrain/ops/offload.py `offloaded_update`). `layer_norms` (train.grad_norms_every > 0)
+    adds the metric 'grad_norms' (`grad_norms_by_group`)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
     keep = model.cfg.trainable
     micro = plan.num_microbatches(stages)
@@ -150,26 +176,29 @@ def make_train_step(model, tx, schedule, plan, mesh, specs: dict, objective, lay
         divisors = [d for d in (scale, divisor) if d is not None]
         # the reduced gradients' layout (where XLA reduces, this is its ZeRO-2/3 reduce-scatter)
         unscale = (lambda g: g / math.prod(divisors)) if divisors else (lambda g: g)
-        grads = jax.tree.map(lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s),
-                             out.grads, trained, grad_specs)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], trained)
+        # those the backward wrote to host memory (parallel.offload=optimizer+params) stay there as they
+        # are: the norm and the update read them a layer at a time, dividing them on the device
+        finished = lambda g, p, s: jax.lax.with_sharding_constraint(unscale(g.astype(p.dtype)), s)
+        grads = jax.tree.map(lambda g, p, s: g if offload.on_host(g) else finished(g, p, s), out.grads, trained,
+                             grad_specs)
+        grad_norm = offload.global_norm(grads, unscale)
         # Nonfinite guard: a NaN/Inf loss or gradient updates nothing (the global norm is NaN/Inf
         # if any gradient element is), but the step still advances so the next batch is new. Under
         # fp16 a NaN/Inf gradient is first an overflow: skipped too, but it halves the loss scale.
         loss_scale, overflow, bad = update_loss_scale(plan, loss_scale, jnp.isfinite(loss), jnp.isfinite(grad_norm))
         applied = ~(bad | overflow)
-        keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
-        new_params = merge(params, keep_if_skipped(optax.apply_updates(trained, updates), trained))
+        new_trained, opt_state = update(grads, state["opt_state"], trained, applied, unscale, grad_norm)
+        new_params = merge(params, new_trained)
         if "expert_load" in model_metrics:  # aux-loss-free balancing, after the optimizer (models/routed.py)
-            new_params, model_metrics = balance_routers(model, new_params, model_metrics, batch.shape, applied,
-                                                        objective.sequences_per_row)
+            new_params, model_metrics = balance_routers(model, new_params, model_metrics, rows["tokens"].shape,
+                                                        applied, objective.sequences_per_row)
         new_state = {**state, "step": state["step"] + 1,
                      "params": new_params,
-                     "opt_state": keep_if_skipped(opt_state, state["opt_state"]),
-                     "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale}
+                     "opt_state": opt_state,
+                     "skipped_steps": state["skipped_steps"] + bad.astype(jnp.int32), "loss_scale": loss_scale,
+                     **objective.next_state(state, batch, rows)}
         if compressor:  # a skipped step's residuals may hold its NaN/Inf: they are dropped with it
-            new_state["grad_error"] = keep_if_skipped(out.grad_error, state["grad_error"])
+            new_state["grad_error"] = kept_unless(applied, out.grad_error, state["grad_error"])
         metrics = {**model_metrics, "grad_norm": grad_norm, "lr": applied_lr(schedule, state["opt_state"]),
                    "finite": ~bad, "skipped_steps": new_state["skipped_steps"]}
         if layer_norms:

@@ -4,6 +4,7 @@ evaluation), registered in `OBJECTIVES`. The executors (meshtrain/engine/step.py
 shard_map, the pipeline) call the protocol and name no objective (docs/layout.md "Adding an objective").
 - next_token.py: `sft`, next-token cross-entropy (chat data's loss mask, multi-token prediction).
 - dpo.py: `dpo`, direct preference optimisation against a frozen reference.
+- grpo.py: `grpo`, reinforcement learning from rewards (rewards.py) on the trainer's own rollouts.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from meshtrain.core.errors import UserError
 from meshtrain.data.tokens import DATA_KINDS
 from meshtrain.objectives.base import Microbatch, Objective
 from meshtrain.objectives.dpo import DPO
+from meshtrain.objectives.grpo import GRPO
 from meshtrain.objectives.next_token import NextToken
 
-OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (NextToken, DPO)}
+OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (NextToken, DPO, GRPO)}
 
 
 def objective(name: str) -> type[Objective]:

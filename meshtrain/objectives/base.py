@@ -23,8 +23,10 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain.models.lora import dropout_rows
+from meshtrain.ops import offload
 from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel.batching import batch_rows, model_inputs, split_microbatches
@@ -87,14 +89,42 @@ class Objective:
     scores_first: ClassVar[bool] = False  # `step_inputs` calls `score`: a forward-only pass first
     masked: bool = False  # the tokens carry a loss mask (meshtrain/data/tokens.py `with_mask`)
     reads: ClassVar[tuple[str, ...]] = ("synthetic", "plain", "chat")  # the data it trains on: tokens.DATA_KINDS
+    rolls_out: ClassVar[bool] = False  # its batches are rollouts the trainer samples (meshtrain/engine/rollout.py)
 
-    def __init__(self, model, plan, train, loss_mask: bool = False):
+    def __init__(self, model, plan, train, loss_mask: bool = False, rl=None, vocab: int | None = None):
+        """`rl`: the config's rl section (reinforcement learning's settings); `vocab`: the data
+        tokenizer's size, where the model's vocabulary is padded past it (None: unknown)."""
         self.model, self.precision, self.seed = model, plan.precision, train.seed
-        self.layer = remat_lib.apply(model.block, plan.remat, model.saveable)  # the plan's remat policy
+        self.rl, self.vocab = rl, vocab
+        # the plan's remat policy; under offload=optimizer+params each layer's parameters fetched inside it
+        self.fetches = plan.offload == "optimizer+params"
+        block = offload.fetching(model.block, lambda p: cast_for_compute(p, plan.precision)) if self.fetches \
+            else model.block
+        self.layer = remat_lib.apply(block, plan.remat, model.saveable)
+
+    scores_reference: ClassVar[bool] = False  # one of its forward-only passes is a frozen reference's
+
+    def forward_passes(self) -> int:
+        """The forward-only passes over the batch before the gradient pass (`score`): 1 where it
+        `scores_first`."""
+        return int(self.scores_first)
 
     def initial_state(self, params) -> dict:
-        """The state entries the objective keeps beside the parameters (laid out as they are)."""
+        """The state entries the objective keeps beside the parameters (laid out as they are, but for
+        those `row_state` names)."""
         return {}
+
+    def row_state(self) -> tuple[str, ...]:
+        """The names of `initial_state`'s entries laid out as the batch's rows, not as the parameters."""
+        return ()
+
+    def next_state(self, state, batch, rows) -> dict:
+        """The objective's state entries after the step (default: unchanged)."""
+        return {}
+
+    def batch_struct(self, shape):
+        """The step's batch as abstract arrays: by default the token rows `shape` ([B, n (L + 1)])."""
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
 
     def eval_inputs(self, state) -> tuple:
         """What the evaluation takes after (params, batch) from the train `state` (or its abstract form)."""

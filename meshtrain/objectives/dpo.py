@@ -81,8 +81,9 @@ class DPO(Objective):
     scores_first = True
     masked = True  # the responses are the trained targets
     reads = ("preference",)
+    scores_reference = True
 
-    def __init__(self, model, plan, train, loss_mask: bool = False):
+    def __init__(self, model, plan, train, loss_mask: bool = False, rl=None, vocab: int | None = None):
         super().__init__(model, plan, train)
         self.beta, self.label_smoothing = train.dpo.beta, train.dpo.label_smoothing
 

@@ -20,19 +20,23 @@ import jax.numpy as jnp
 
 from meshtrain.data import mixture
 from meshtrain.objectives.base import Microbatch, Objective, head_loss
+from meshtrain.ops import offload
 from meshtrain.ops import remat as remat_lib
+from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel.batching import batch_rows, model_inputs, split_microbatches
 
 
-def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = False):
+def make_loss_fn(model, precision: str, remat: str = "none", loss_mask: bool = False, fetch: bool = False):
     """(params, tokens [B, L+1]) -> (objective, metrics): the mean cross-entropy plus the model's
     auxiliary losses, and the metrics ('loss', then the blocks' statistics as means over layers).
     The blocks run under the plan's remat policy. `loss_mask`: the tokens carry a loss mask; the loss
     is still divided by all B x L positions. `aux_weight` multiplies the auxiliary losses and the MTP
     term; `mtp_shares` ([D], `mtp_shares`; None in evaluation): the objective adds the multi-token
     prediction loss and the metric 'mtp_loss'; `dropout_keys` ([B, 2], models/lora.py `row_keys`):
-    LoRA dropout is on."""
-    layer = remat_lib.apply(model.block, remat, model.saveable)
+    LoRA dropout is on. `fetch`: the stacked layers' parameters may be in host memory
+    (parallel.offload=optimizer+params: meshtrain/ops/offload.py `fetching`)."""
+    block = offload.fetching(model.block, lambda p: cast_for_compute(p, precision)) if fetch else model.block
+    layer = remat_lib.apply(block, remat, model.saveable)
 
     def loss_fn(params, tokens_BxL1, aux_weight=1.0, mtp_shares=None, dropout_keys=None):
         head = lambda p, x_BxLxD, micro: token_loss(model, p, x_BxLxD, micro, aux_weight, mtp_shares)
@@ -76,7 +80,7 @@ def trained_tokens(tokens_BxL1):
 class NextToken(Objective):
     name = "sft"
 
-    def __init__(self, model, plan, train, loss_mask: bool = False):
+    def __init__(self, model, plan, train, loss_mask: bool = False, rl=None, vocab: int | None = None):
         super().__init__(model, plan, train)
         self.masked = loss_mask
 
@@ -105,7 +109,7 @@ class NextToken(Objective):
         batch's trained tokens, so an eval set's mean is sum(loss x weight) / sum(weight)
         (`validation`). The batch is cut into the train step's microbatches (equal sizes: the mean of
         the means is the batch's mean)."""
-        eval_loss = make_loss_fn(self.model, self.precision, loss_mask=self.masked)
+        eval_loss = make_loss_fn(self.model, self.precision, loss_mask=self.masked, fetch=self.fetches)
 
         def all_positions(params, tokens_BxL1):
             if microbatches == 1:

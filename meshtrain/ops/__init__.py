@@ -10,6 +10,8 @@
 - loss.py: the vocabulary-tiled cross-entropy (never the full fp32 logits).
 - embedding.py: the vocab-parallel lookup, its gradient reduce-scattered onto the table's shards.
 - precision.py: compute dtypes and fp16 loss scaling; remat.py: the activation-saving policies.
+- offload.py: the optimizer state (and the layers' parameters and gradients) in host memory, streamed
+  through the device a layer at a time (parallel.offload).
 - fp8.py: the fp8 matmuls of precision=fp8 (per-tensor current scaling) and fp8_rowwise (a scale per row),
   fp8 operands into the GEMM.
 """

@@ -134,10 +134,29 @@ _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
 def sequence_log_probs(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES,
                        least_tokens: int = LOSS_CHUNK_TOKENS):
     """[B]: each row's sum of log softmax(x w)[target] over its trained targets (>= 0), fp32; DPO's
-    sequence log-probability (meshtrain/objectives/dpo.py). Chunked as `cross_entropy`, each chunk
-    rematerialised (`jax.checkpoint`): the backward remakes one chunk's logits at a time, so no
-    [B, L, V] logits are held, at one more head matmul than the custom VJP of `_loss_sum` (whose
-    gradients are scaled by one scalar cotangent, not one per row)."""
+    sequence log-probability (meshtrain/objectives/dpo.py): `position_log_probs` summed, so each
+    chunk is rematerialised: the backward remakes one chunk's logits at a time, so no [B, L, V]
+    logits are held, at one more head matmul than the custom VJP of `_loss_sum` (whose gradients are
+    scaled by one scalar cotangent, not one per position)."""
+    return jnp.sum(position_log_probs(x_BxLxD, w_DxV, targets_BxL, budget=budget, least_tokens=least_tokens), -1)
+
+
+def token_log_probs(logits_BxV, token_B, temperature=1.0):
+    """log softmax(logits / temperature)[token] over the last axis, fp32: the sampler's log-probability
+    of a drawn token (meshtrain/engine/decode.py) and the trainer's recomputation of it (`position_log_probs`)
+    are this one expression, so on one layout they differ only where the two forwards' logits do."""
+    scaled = logits_BxV.astype(jnp.float32) / temperature
+    # a select and a sum over the vocabulary, not a gather: a vocab-split head reduces a scalar a row
+    picked = jnp.sum(jnp.where(jnp.arange(scaled.shape[-1]) == token_B[..., None], scaled, 0.0), axis=-1)
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def position_log_probs(x_BxLxD, w_DxV, targets_BxL, temperature=1.0, vocab: int | None = None,
+                       entropy: bool = False, budget: int = LOSS_CHUNK_BYTES, least_tokens: int = LOSS_CHUNK_TOKENS):
+    """[B, L]: `token_log_probs` of each target under the head's logits / temperature (ids >= `vocab`
+    masked as the sampler masks them), 0 where the target is untrained (< 0); with `entropy`, also
+    each position's entropy of that distribution [B, L] (no gradient: a metric). Chunked as
+    `cross_entropy`, each chunk rematerialised (`jax.checkpoint`), so no [B, L, V] logits are held."""
     B, L, _ = x_BxLxD.shape
     V = w_DxV.shape[1]
     C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget,
@@ -145,11 +164,16 @@ def sequence_log_probs(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYT
     w_DxV = _gathered(w_DxV)
 
     @jax.checkpoint
-    def chunk(total_B, xs):
+    def chunk(_, xs):
         x_BxCxD, t_BxC = xs
         logits = _logits(x_BxCxD, w_DxV)
-        logp_BxC = jnp.sum(logits * _one_hot(t_BxC, V), -1) - jax.nn.logsumexp(logits, axis=-1)
-        return total_B + jnp.sum(jnp.where(t_BxC >= 0, logp_BxC, 0.0), -1), None
+        if vocab is not None and vocab < V:
+            logits = jnp.where(jnp.arange(V) < vocab, logits, -jnp.inf)
+        logp_BxC = jnp.where(t_BxC >= 0, token_log_probs(logits, t_BxC, temperature), 0.0)
+        if not entropy:
+            return None, logp_BxC
+        logq = jax.nn.log_softmax(jax.lax.stop_gradient(logits) / temperature, axis=-1)
+        return None, (logp_BxC, -jnp.sum(jnp.where(logq > -jnp.inf, jnp.exp(logq) * logq, 0.0), axis=-1))
 
-    zeros_B = constrain(jnp.zeros((B,), jnp.float32), ("batch",))
-    return jax.lax.scan(chunk, zeros_B, (_chunks(x_BxLxD, C), _chunks(targets_BxL, C)))[0]
+    _, out = jax.lax.scan(chunk, None, (_chunks(x_BxLxD, C), _chunks(targets_BxL, C)))
+    return jax.tree.map(lambda o_NxBxC: jnp.moveaxis(o_NxBxC, 0, 2).reshape(B, L), out)  # `_chunks` undone

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.ops.fp8 import RECIPES, is_fp8
+from meshtrain.ops.offload import on_host
 
 # fp8 computes as bf16 but for the transformer's projection and MLP matmuls (meshtrain/ops/fp8.py).
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16,
@@ -44,10 +45,13 @@ def saved_matmul_bytes(precision: str) -> int:
 
 
 def cast_for_compute(params, precision: str):
+    """The floating parameters in the compute dtype; one in host memory (parallel.offload=optimizer+params'
+    stacked layers) is left there, cast where its block fetches it (meshtrain/ops/offload.py)."""
     dtype = COMPUTE_DTYPES[precision]
     if dtype == jnp.float32:
         return params
-    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) and not on_host(p) else p,
+                        params)
 
 
 def scales_loss(plan) -> bool:

@@ -70,6 +70,11 @@ def batch_rows(x):
     return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
 
+def placed_rows(rows_Bx_, sharding):
+    """A host array every process holds whole, placed on `sharding`: each device takes its slice."""
+    return jax.make_array_from_callback(rows_Bx_.shape, sharding, lambda index: rows_Bx_[index])
+
+
 def split_microbatches(rows_Bx_, num_micro: int):
     """[B, ...] -> [M, B/M, ...] with microbatch m = rows i*M + m, so that every microbatch spans
     all data-parallel shards (a contiguous split would leave most devices idle)."""

@@ -29,12 +29,15 @@ from meshtrain.core import formulas
 from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
+from meshtrain.objectives.grpo import longest_prompt, prompts_per_batch
+from meshtrain.ops import offload
 from meshtrain.ops.attention import MIN_ATTENTION_BLOCK, attention_block
+from meshtrain.ops.precision import compute_bytes
 from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
 from meshtrain.parallel.sharding import make_rules
 from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, traffic
 from meshtrain.planner import roofline as roof
-from meshtrain.planner.budget import budget, memory_fraction, verdict
+from meshtrain.planner.budget import budget, host_budget, memory_fraction, verdict
 from meshtrain.planner.hlo import KINDS
 from meshtrain.planner.text import format_compare, format_layout_search, format_plan, format_zero_table
 from meshtrain.planner.traffic import on_gpu
@@ -82,6 +85,9 @@ def compiled_memory(lowered, widened: bool, default=None) -> dict:
     out = {"temporaries": temporaries, "arguments": int(ma.argument_size_in_bytes),
            "outputs": int(ma.output_size_in_bytes),
            "total": int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + temporaries),
+           # host memory space (the GPU program's S(5) buffers: parallel.offload's state); XLA:CPU has one memory
+           "host": int(sum(getattr(ma, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp"))
+                       - getattr(ma, "host_alias_size_in_bytes", 0)),
            "cpu_copies": 0}
     if widened and default is not None:
         out["cpu_copies"] = max(0, int(default.memory_analysis().temp_size_in_bytes) - temporaries)
@@ -93,8 +99,11 @@ def eval_step_memory(program) -> dict:
     only) compiled on the same mesh, its parameters included."""
     batch = jax.ShapeDtypeStruct(program.batch_shape, jnp.int32, sharding=program.batch_sharding)
     with program.context():
-        lowered = program.eval_step().lower(program.abstract_state["params"], batch,
-                                            *program.eval_inputs(program.abstract_state))
+        extra = program.eval_inputs(program.abstract_state)
+        lowered = program.eval_step().lower(program.abstract_state["params"], batch, *extra)
+    if program.plan.offload == "optimizer+params" and on_gpu(program):  # the layers' parameters: host arguments
+        offload.mark_host_arguments(lowered, jax.tree.leaves(program.host_params) + [False] * (
+            1 + len(jax.tree.leaves(extra))))
     return {**compiled_memory(lowered, cpu_widened(program)),
             "microbatches": program.plan.num_microbatches(program.sizes["pipeline"])}
 
@@ -150,6 +159,28 @@ def generation_memory(cfg, program) -> dict:
             "kv_cache_formula": cache, "kv_cache_terms": terms}
 
 
+def rollout_memory(cfg, program) -> dict:
+    """train.objective=grpo's sampler (meshtrain/engine/rollout.py) compiled on the training mesh:
+    train.batch_size completion rows (or the held-out prompts' greedy ones, where more) of prompts
+    padded to train.seq_len + 1 - rl.max_new_tokens tokens and rl.max_new_tokens new ones, the
+    parameters as the train state lays them out, cast to the compute dtype inside; and its KV
+    cache by formula (as `generation_memory`'s, in the compute dtype)."""
+    from meshtrain.engine import decode
+
+    rl, t = cfg.rl, cfg.train
+    prompt, new, model = longest_prompt(t.seq_len, rl), rl.max_new_tokens, program.model
+    rows = max(t.batch_size, t.eval_batches * prompts_per_batch(t.batch_size, rl) if t.eval_every else 0)
+    rows = decode.padded_rows(rows, program.mesh, program.rules)
+    lowered = decode.lower(model, program.mesh, rows, prompt, new, program.rules, program.state_shardings["params"],
+                           program.plan.precision)
+    out = compiled_memory(lowered, False)
+    m, sizes = model.cfg, program.sizes
+    split = math.prod(sizes[a] for a in program.rules["batch"]) * (1 if m.latent_rank() else sizes["tensor"])
+    cache = formulas.kv_cache_bytes(m.cached_positions(prompt + new - 1), rows, m.cached_values(), split,
+                                    compute_bytes(program.plan.precision))
+    return {**out, "rows": rows, "prompt_len": prompt, "max_new_tokens": new, "kv_cache_formula": cache}
+
+
 def named_tokenizer_eos(dcfg) -> int | None:
     """The EOS id data.document_mask splits at without data.eos_id, where it is known without the
     data: data.tokenizer's when it names a tokenizer file ('auto' is the data's, 'byte' has none)."""
@@ -197,9 +228,13 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
               "temporaries": train_memory["temporaries"], "total": train_memory["total"],
               "cpu_copies": train_memory["cpu_copies"],
               "grad_error": shard_bytes(state["grad_error"], shardings["grad_error"]) if "grad_error" in state else 0,
-              # DPO's frozen reference (meshtrain/objectives/dpo.py): one more copy of the parameters, no state
-              "reference": shard_bytes(state["reference"], shardings["reference"]) if "reference" in state else 0}
-    consumers = {"parameters": memory["parameters"], "optimizer state": memory["optimizer_state"],
+              # DPO's and GRPO's frozen reference (meshtrain/objectives/): one more copy of the parameters, no state
+              "reference": shard_bytes(state["reference"], shardings["reference"]) if "reference" in state else 0,
+              # GRPO's kept rollout (rl.updates_per_batch > 1): a batch's rows and their log-probs
+              "objective_state": sum(shard_bytes(state[k], shardings[k]) for k in program.objective.row_state())}
+    memory.update(host_memory(program, gpu, memory, train_memory))
+    consumers = {"parameters": memory["parameters"],
+                 "optimizer state": 0 if memory["offload"] != "none" else memory["optimizer_state"],
                  "activations and temporaries (gradients included)": memory["temporaries"]}
     memory["largest"] = max(consumers, key=consumers.get)
 
@@ -239,6 +274,21 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
             **({"moe": moe} if (moe := traffic.moe_dispatch(program)) else {})}
 
 
+def host_memory(program, gpu: bool, memory: dict, train_memory: dict) -> dict:
+    """parallel.offload's host memory per device and where the figure comes from, with the train step's
+    device `total` corrected where the program cannot tell the memories apart: the GPU program holds the
+    offloaded state in host memory space and reports it apart (measured); XLA:CPU has one memory, so
+    there the state's bytes (by formula, `roofline.offloaded_bytes`) move from the device total to the host."""
+    offload = program.plan.offload
+    if offload == "none":
+        return {"offload": offload, "host_total": 0, "host_source": ""}
+    if gpu:
+        return {"offload": offload, "host_total": train_memory["host"], "host_source": "the GPU program"}
+    host = program.offloaded_bytes()
+    return {"offload": offload, "host_total": host, "total": memory["total"] - host,
+            "host_source": "by formula: XLA:CPU keeps host and device arrays in one memory"}
+
+
 def zero_formula(program) -> dict:
     """ZeRO's bytes per device (`formulas.zero_bytes`): the parameters all of them, the gradients
     and the optimizer state those of the trained parameters (LoRA: the adapters) only."""
@@ -259,18 +309,32 @@ def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None =
     program, mem = report.pop("_program"), report["memory"]
     # The eval step and the scorer take the parameters only; the rest of the train state (the
     # optimizer state, int8 compression's residuals) stays on the device beside them.
-    resident = mem["optimizer_state"] + mem["grad_error"] + mem["reference"]
+    resident = (0 if mem["offload"] != "none" else mem["optimizer_state"]) + mem["grad_error"] + mem["reference"]
     gen = generation_memory(cfg, program)
     steps = {"train": mem["total"], "generation": gen["total"]}
-    # DPO's eval step takes the reference copy as an argument: its compiled memory holds it
-    resident_eval = resident - (mem["reference"] if program.eval_inputs(program.abstract_state) else 0)
-    ev = {**eval_step_memory(program), "resident_state": resident_eval}
-    steps["eval"] = ev["total"] + resident_eval
+    ev = None
+    if program.objective.rolls_out:  # grpo samples with the whole train state on the device; no eval step
+        kept = mem["optimizer_state"] + mem["grad_error"] + mem["reference"] + mem["objective_state"]
+        report["rollout"] = {**rollout_memory(cfg, program), "resident_state": kept}
+        steps["rollout"] = report["rollout"]["total"] + kept
+    else:  # DPO's eval step takes the reference copy as an argument: its compiled memory holds it
+        resident_eval = resident - (mem["reference"] if program.eval_inputs(program.abstract_state) else 0)
+        ev = {**eval_step_memory(program), "resident_state": resident_eval}
+        steps["eval"] = ev["total"] + resident_eval
     if cfg.eval.tasks:
         report["scoring"] = {**scoring_memory(program), "resident_state": resident}
         steps["scoring"] = report["scoring"]["total"] + resident
     peak_of = max(steps, key=steps.get)
     run_verdict = {**verdict(steps[peak_of], memory_budget), "peak_of": peak_of}
+    if mem["offload"] != "none":  # the host's share too: over it, the run does not fit either
+        if "host" not in memory_budget:
+            raise UserError(f"parallel.offload={mem['offload']}: no host memory figure for this device; pass "
+                            f"--host-memory (a node's, e.g. 1TB)")
+        host = memory_budget["host"]
+        run_verdict["host"] = {"peak": mem["host_total"], "budget": host["budget"],
+                               "fits": mem["host_total"] <= host["budget"]}
+        if not run_verdict["host"]["fits"]:
+            run_verdict["status"] = "does not fit"
     report["memory"].update(device_memory=memory_budget["device_memory"], fits=run_verdict["status"] != "does not fit")
     return {**report, "eval_step": ev, "generation": gen, "steps": steps, "budget": memory_budget,
             "verdict": run_verdict}
@@ -282,6 +346,12 @@ def run(args) -> str:
                               args.devices_per_node or profile["devices_per_node"])
     fraction, source = memory_fraction(profile, args.mem_fraction)
     memory_budget = budget(args.device_memory or profile["memory"], fraction, args.headroom, source)
+    per_node = args.devices_per_node or profile["devices_per_node"]
+    if args.host_memory:
+        memory_budget["host"] = host_budget(args.host_memory, args.devices, per_node, "--host-memory")
+    elif "host_memory" in profile:
+        memory_budget["host"] = host_budget(profile["host_memory"], args.devices, per_node,
+                                            f"a {profile['name']} node's, meshtrain/core/metrics.py")
     overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
     cfg = load_config(args.config, overrides)
     cfg.devices = 0
@@ -327,7 +397,8 @@ def _run(args, cfg, overrides: list[str], target, profile: dict, memory_budget: 
             base = fit.Layout.of(cfg, parse_mesh(cfg.parallel.mesh, args.devices))
             starts = [base, *(s for s in starts if s != base)]
             known[base] = {"layout": base, "peak": report["memory"]["total"], "step_s": report["roofline"]["step_s"],
-                           "fits": report["memory"]["total"] <= memory_budget["budget"],
+                           "fits": report["memory"]["total"] <= memory_budget["budget"] and
+                           report["verdict"].get("host", {}).get("fits", True),
                            "mfu_ceiling": report["roofline"]["mfu_ceiling"],
                            "priced_by": report["roofline"]["priced_by"]}
         found = fit.search(cfg, starts, profile, memory_budget, args.search_budget, args.devices_per_node, known,

@@ -11,6 +11,11 @@ and staging), which no compiled program reports. So, per device:
 
 A peak within the budget FITS, with its margin (budget - peak); one within the usable memory but not
 the budget fits with less margin than the headroom (TIGHT); one above the usable memory DOES NOT FIT.
+
+Host memory (parallel.offload keeps the optimizer state there): a node's system memory (--host-memory,
+default the device profile's) is shared by the processes of its devices, one per GPU, so a device's
+share is host_memory / (devices on the node), of which HOST_RESERVE is kept for the operating system,
+the data pipeline and the runtime's own pinned staging buffers.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from meshtrain.core.errors import UserError
 GPU_PREALLOCATED = 0.75  # JAX's default XLA_CLIENT_MEM_FRACTION
 FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 HEADROOM = 0.10
+HOST_RESERVE = 0.10
 
 
 def memory_fraction(profile: dict, override: float | None = None, env=None) -> tuple[float, str]:
@@ -58,3 +64,11 @@ def verdict(peak: float, b: dict) -> dict:
     margin: budget - peak (negative when it does not fit within the budget)."""
     status = "fits" if peak <= b["budget"] else "tight" if peak <= b["usable"] else "does not fit"
     return {"status": status, "peak": peak, "margin": b["budget"] - peak}
+
+
+def host_budget(host_memory: float, devices: int, devices_per_node: int, source: str) -> dict:
+    """One device's share of its node's host memory (module doc) and the budget within it."""
+    sharing = min(devices, devices_per_node)
+    share = host_memory / sharing
+    return {"host_memory": host_memory, "source": source, "sharing": sharing, "share": share,
+            "reserve": HOST_RESERVE, "budget": share * (1 - HOST_RESERVE)}

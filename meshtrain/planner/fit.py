@@ -14,7 +14,10 @@ other way round. The knobs, one move at a time (`moves`):
 - speed moves: the same in reverse, with every lower ZeRO stage at once (one stage lower may gain
   nothing where two do), and a move that opens the `data` axis also with ZeRO 0 on it: hybrid
   sharding (HSDP: fsdp's gathers within the nodes, one gradient all-reduce across them).
-Offload (remat=offload) needs a GPU's host memory space and is not compiled here.
+- parallel.offload none -> optimizer -> optimizer+params (a memory move; back as a speed move): the
+  state in host memory, slower by its copies (meshtrain/ops/offload.py), so the search takes it
+  where no faster move fits, and a candidate fits only if its host memory fits too.
+Activation offload (remat=offload) needs a GPU's host memory space and is not compiled here.
 
 `search` is a local search: from the config's layout it follows the memory moves, compiled, to the
 fitting neighbour with the shortest step (or, while none fits, to the neighbour with the smallest
@@ -37,6 +40,7 @@ from meshtrain.parallel.sharding import make_rules
 MESH_MOVES = [("data", "fsdp"), ("data", "tensor"), ("fsdp", "tensor"), ("data", "pipeline"), ("fsdp", "pipeline"),
               ("data", "context"), ("fsdp", "context"), ("data", "expert"), ("fsdp", "expert")]
 REMAT_ORDER = ("none", "save_matmuls", "full")
+OFFLOAD_ORDER = ("none", "optimizer", "optimizer+params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +53,13 @@ class Layout:
     attention: str
     context_strategy: str = "ring"
     ulysses_degree: int = 0
+    offload: str = "none"
 
     @classmethod
     def of(cls, cfg, sizes: dict) -> Layout:
         par = cfg.parallel
         return cls(tuple((a, sizes[a]) for a in AXES), par.zero, par.remat, par.num_microbatches(sizes["pipeline"]),
-                   par.attention, par.context_strategy, par.ulysses_degree)
+                   par.attention, par.context_strategy, par.ulysses_degree, par.offload)
 
     @property
     def mesh(self) -> dict:
@@ -65,12 +70,14 @@ class Layout:
         return {"parallel.mesh": ",".join(f"{a}={s}" for a, s in self.sizes if s > 1) or "data=1",
                 "parallel.zero": self.zero, "parallel.remat": self.remat,
                 "parallel.microbatches": self.microbatches, "parallel.attention": self.attention,
-                "parallel.context_strategy": self.context_strategy, "parallel.ulysses_degree": self.ulysses_degree}
+                "parallel.context_strategy": self.context_strategy, "parallel.ulysses_degree": self.ulysses_degree,
+                "parallel.offload": self.offload}
 
     def apply(self, cfg):
         par = dataclasses.replace(cfg.parallel, mesh=self.settings()["parallel.mesh"], zero=self.zero,
                                   remat=self.remat, microbatches=self.microbatches, attention=self.attention,
-                                  context_strategy=self.context_strategy, ulysses_degree=self.ulysses_degree)
+                                  context_strategy=self.context_strategy, ulysses_degree=self.ulysses_degree,
+                                  offload=self.offload)
         return dataclasses.replace(cfg, parallel=par)
 
     def change(self, **values) -> Layout:
@@ -129,6 +136,9 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
         for zero in [layout.zero + 1] if memory else range(layout.zero):
             if zero <= 3:
                 out.append((f"parallel.zero={zero}", layout.change(zero=zero)))
+    o = OFFLOAD_ORDER.index(layout.offload) + (1 if memory else -1)
+    if 0 <= o < len(OFFLOAD_ORDER):
+        out.append((f"parallel.offload={OFFLOAD_ORDER[o]}", layout.change(offload=OFFLOAD_ORDER[o])))
     swap = {"xla": "blockwise"} if memory else {"blockwise": "xla"}
     if layout.attention in swap and (mesh["context"] == 1 or layout.context_strategy == "ulysses"):
         out.append((f"parallel.attention={swap[layout.attention]}", layout.change(attention=swap[layout.attention])))
@@ -170,7 +180,8 @@ def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> lis
         degree = par.ulysses_degree if strategy == "hybrid" else 0
         rows = t.batch_size // math.prod(sizes[a] for a in rules["batch"])
         for micro in (m for m in range(1, rows + 1) if rows % m == 0):
-            layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention, strategy, degree)
+            layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention, strategy, degree,
+                            par.offload)
             try:
                 par_here = resolve_attention(cfg.model, layout.apply(cfg).parallel, t.seq_len, sizes, backend,
                                              cfg.data.document_mask)[0]
@@ -194,8 +205,10 @@ def evaluate(cfg, layout: Layout, profile: dict, memory_budget: dict, devices_pe
         return {"layout": layout, "invalid": str(e)}
     except JaxRuntimeError as e:  # a layout XLA's compiler refuses: the search goes on without it
         return {"layout": layout, "invalid": first_line(e)[:300]}
-    peak = r["memory"]["total"]
-    return {"layout": layout, "peak": peak, "fits": peak <= memory_budget["budget"], "step_s": r["roofline"]["step_s"],
+    peak, host = r["memory"]["total"], r["memory"].get("host_total", 0)
+    host_fits = not host or host <= memory_budget.get("host", {}).get("budget", 0)
+    return {"layout": layout, "peak": peak, "fits": peak <= memory_budget["budget"] and host_fits,
+            "step_s": r["roofline"]["step_s"],
             "mfu_ceiling": r["roofline"]["mfu_ceiling"], "priced_by": r["roofline"]["priced_by"]}
 
 
@@ -258,5 +271,6 @@ def command(config_path: str, overrides: list[str], cfg, layout: Layout) -> str:
 def describe_layout(layout: Layout) -> str:
     strategy = "" if layout.mesh["context"] == 1 else f", context_strategy={layout.context_strategy}" + (
         f", ulysses_degree={layout.ulysses_degree}" if layout.context_strategy == "hybrid" else "")
+    offloaded = f", offload={layout.offload}" if layout.offload != "none" else ""
     return (f"{describe(layout.mesh)}, zero={layout.zero}, remat={layout.remat}, "
-            f"{layout.microbatches} microbatch(es), attention={layout.attention}{strategy}")
+            f"{layout.microbatches} microbatch(es), attention={layout.attention}{strategy}{offloaded}")

@@ -30,6 +30,10 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
 - collectives (meshtrain/planner/hlo.py's records) on the link their replica groups cross (roofline.py),
   on their own stream: an async `-start` begins when the link is free and its `-done` waits for it, so
   the kernels scheduled between them hide it; a synchronous one stops the compute stream.
+- copies between host and device memory (an async `copy-start`, or a `fusion-start` of a dynamic slice
+  or update, with a host array, layout memory space S(5), in its shape: parallel.offload's state,
+  meshtrain/ops/offload.py) on the host link (`host_bw`, each direction its own stream: PCIe is
+  full duplex), as collectives are: the device-side array's bytes, the `-done` waiting for them.
 
 The constants (`KERNEL_CONSTANTS` in meshtrain/core/metrics.py) are calibrated on measured steps and
 stated there with the rows they came from (benchmarks/RESULTS.md, "A step time to book a pod on").
@@ -52,6 +56,28 @@ _DIMS = re.compile(r"\[([\d,]*)\]")
 _FREE = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all", "partition-id",
          "replica-id", "opt-barrier", "copy-done", "send-done", "recv-done", "async-done")  # no kernel of their own
 _SLICES = ("dynamic-slice", "slice", "gather")
+
+
+_LAID_OUT = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+_ASYNC_HOST = ("copy-start", "fusion-start")
+
+
+def host_transfer(ins) -> tuple[str, int] | None:
+    """("to_host" or "to_device", bytes) of an async copy between host and device memory (module doc),
+    None for any other instruction. The bytes are the device side's arrays (a row's slice or update,
+    not the host buffer it lands in); the direction is where the start's output lies (a copy-start's
+    first element, a fusion-start's second)."""
+    if ins.op not in _ASYNC_HOST or ":S(5)" not in ins.shape:
+        return None
+    arrays = [(dtype, dims, layout or "") for dtype, dims, layout in _LAID_OUT.findall(ins.shape)]
+    on_device = sum(math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+                    for dtype, dims, layout in arrays if "S(5)" not in layout and dims)
+    if ins.op == "copy-start":
+        output = arrays[0]
+    else:  # ((operands...), output, context): the output follows the operands' tuple
+        operands = ins.shape[1:].split(")", 1)[0]
+        output = arrays[len(_LAID_OUT.findall(operands))]
+    return ("to_host" if "S(5)" in output[2] else "to_device"), on_device
 
 
 def _dims(shape: str) -> list[int]:
@@ -218,8 +244,19 @@ class StepTime:
     def run(self, comp: str, times: float = 1.0) -> float:
         """Seconds of one execution of `comp`: compute stream and collective stream, in schedule order."""
         clock = link_free = 0.0
+        host_free = {"to_host": 0.0, "to_device": 0.0}
         ends: dict[str, float] = {}
         for ins in self.module.comps[comp].values():
+            if (moved := host_transfer(ins)) is not None:
+                direction, nbytes = moved
+                seconds = nbytes / self.profile["host_bw"]
+                host_free[direction] = ends[ins.name] = max(clock, host_free[direction]) + seconds
+                self.parts["host"] += times * seconds
+                self.counts["host"] += times
+                continue
+            if ins.op in ("copy-done", "fusion-done") and ins.operands and ins.operands[0] in ends:
+                clock = max(clock, ends.pop(ins.operands[0]))
+                continue
             kind = ins.op.removesuffix("-start").removesuffix("-done")
             if kind in KINDS:
                 seconds = self.link_s.get(ins.name, 0.0)
@@ -276,8 +313,8 @@ def step_time(hlo_text: str, profile: dict, link_s: dict[str, float]) -> dict:
     step = walk.run(walk.module.entry)
     busy = sum(walk.parts[k] for k in ("gemm", "attention", "memory"))
     return {"step_s": step, "kernels_s": busy, "exposed_comm_s": max(0.0, step - busy),
-            "by_kind_s": {k: walk.parts[k] for k in ("gemm", "attention", "memory", "collectives")},
-            "launches": {k: walk.counts[k] for k in ("gemm", "attention", "memory")},
+            "by_kind_s": {k: walk.parts[k] for k in ("gemm", "attention", "memory", "collectives", "host")},
+            "launches": {k: walk.counts[k] for k in ("gemm", "attention", "memory", "host")},
             "constants": dict(walk.c), "calibrated": profile.get("kernels_calibrated", True)}
 
 

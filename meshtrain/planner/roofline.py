@@ -231,24 +231,41 @@ def embedded_flops_per_token(stacks, attention_width: int, seq_len: int, windows
 
 
 def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes: float, profile: dict,
-          bubble: float = 0.0, fp8_flops: float = 0.0, slowest_stage: float = 1.0) -> dict:
+          bubble: float = 0.0, fp8_flops: float = 0.0, slowest_stage: float = 1.0, host_s: float = 0.0) -> dict:
     """The three roofs for one device's step, the step with perfect overlap (their max) and with
     none (their sum), and the MFU and HFU ceilings at the overlapped step. `fp8_flops`: the part of
     the hardware FLOPs that runs at the profile's `peak_fp8_flops` (precision=fp8); `slowest_stage`:
-    a pipeline's `stage_factor`."""
+    a pipeline's `stage_factor`; `host_s`: host-link seconds (`offload_seconds`), a fourth roof where
+    there are any (the GPU program overlaps the fetches with compute, the update's copies with none)."""
     fp8_s = fp8_flops / profile["peak_fp8_flops"] if fp8_flops else 0.0
     compute_s = ((hardware_flops - fp8_flops) / profile["peak_flops"] + fp8_s) / (1.0 - bubble) * slowest_stage
     memory_s = memory_bytes / profile["hbm_bw"]
-    roofs = {"compute": compute_s, "communication": comm_s, "memory": memory_s}
+    roofs = {"compute": compute_s, "communication": comm_s, "memory": memory_s, **({"host": host_s} if host_s else {})}
     step_s = max(roofs.values())
     out = {"compute_s": compute_s, "comm_s": comm_s, "memory_s": memory_s, "pipeline_bubble": bubble,
-           "stage_factor": slowest_stage,
+           "stage_factor": slowest_stage, "host_s": host_s,
            "step_s": step_s, "serial_s": sum(roofs.values()), "bound": max(roofs, key=roofs.get),
            "mfu_ceiling": model_flops / profile["peak_flops"] / step_s if step_s else 0.0,
            "hfu_ceiling": hardware_flops / profile["peak_flops"] / step_s if step_s else 0.0}
     if fp8_flops:
         out["mfu_fp8_ceiling"] = model_flops / profile["peak_fp8_flops"] / step_s if step_s else 0.0
     return out
+
+
+def offload_seconds(program, profile: dict) -> float:
+    """parallel.offload's host-link seconds per step by formula, one direction after the other as the
+    GPU program schedules them: the update (after the backward, which it needs whole) brings each
+    stacked layer's moments M in and writes them back (2 M); under optimizer+params the layers' fp32
+    parameters P also come in for the forward and again for the backward's rerun, and in and out for
+    the update (4 P), their gradients G out of the backward, in for the global norm and in for the
+    update (3 G, G = P): 2 M + 7 P, the GPU program's own bytes (tests/test_offload.py)."""
+    if program.plan.offload == "none":
+        return 0.0
+    if "host_bw" not in profile:
+        raise UserError(f"parallel.offload={program.plan.offload}: no host link figure for the {profile['name']} "
+                        f"(meshtrain/core/metrics.py); plan it on a GPU --device, or set parallel.offload=none")
+    moments, params = program.offloaded_bytes(parts=True)
+    return (2.0 * moments + 7.0 * params) / profile["host_bw"]
 
 
 def _label(axes: tuple[str, ...]) -> str:
@@ -308,7 +325,7 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
                                                     rows_routed=rows_routed)
         fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
-                  bubble, fp8_flops, slowest_stage)
+                  bubble, fp8_flops, slowest_stage, offload_seconds(program, profile))
     return {"device": profile["name"], "priced_by": "formulas", "devices_per_node": per_node,
             "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),

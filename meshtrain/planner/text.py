@@ -47,12 +47,17 @@ def format_plan(r: dict) -> str:
              *([compilers.summary(r["compiled_for"])] if "compiled_for" in r else []),
              "", "train step memory per device    measured      "
                  f"formula (ZeRO, {r['config'].get('optimizer', 'adamw')})"]
-    for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"),
-                       ("gradients", "gradients")):
+    on_host, layers = mem.get("offload", "none") != "none", mem.get("offload") == "optimizer+params"
+    for key, label in (("parameters", "parameters (layers: host)" if layers else "parameters"),
+                       ("optimizer_state", "optimizer state (host)" if on_host else "optimizer state"),
+                       ("gradients", "gradients (layers: host)" if layers else "gradients")):
         lines.append(f"  {label:<30} {gb(mem[key]):>12}  {gb(zf[key]):>12}")
     if mem["reference"]:
-        lines.append(f"  {'DPO reference parameters':<30} {gb(mem['reference']):>12}  (the frozen initial parameters, "
-                     f"laid out as the parameters; no gradient or optimizer state)")
+        lines.append(f"  {'reference parameters':<30} {gb(mem['reference']):>12}  (DPO's, GRPO's KL: the frozen "
+                     f"initial parameters, laid out as the parameters; no gradient or optimizer state)")
+    if mem.get("objective_state"):
+        lines.append(f"  {'kept rollout':<30} {gb(mem['objective_state']):>12}  (grpo, rl.updates_per_batch > 1: the "
+                     f"rollout's rows and log-probs, for its later updates)")
     if mem["grad_error"]:
         lines.append(f"  {'int8 residuals':<30} {gb(mem['grad_error']):>12}  (error feedback: the local gradient's "
                      f"fp32 bytes, + 1/D of them at zero 0/1)")
@@ -98,7 +103,8 @@ def format_plan(r: dict) -> str:
                  + (f" (x {roof['stage_factor']:.3f}: the slowest stage over the mean; the first also runs the "
                     f"embedding's layers, the last the head{' and MTP' if mtp else ''})"
                     if roof.get("stage_factor", 1.0) != 1.0 else "")
-                 + f", communication {roof['comm_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms -> "
+                 + f", communication {roof['comm_s'] * 1e3:,.1f} ms, HBM {roof['memory_s'] * 1e3:,.1f} ms"
+                 + (f", host link {roof['host_s'] * 1e3:,.1f} ms" if roof.get("host_s") else "") + " -> "
                    f"step >= {roof.get('formula_step_s', roof['step_s']) * 1e3:,.1f} ms at the datasheet peaks "
                    f"({roof['bound']}-bound; {roof['serial_s'] * 1e3:,.1f} ms without overlap)"
                  + (f"; priced by the GPU program's kernels: step {roof['step_s'] * 1e3:,.1f} ms"
@@ -120,8 +126,9 @@ def format_kernel_time(roof: dict) -> list[str]:
     return [f"  GPU kernels ({how}, meshtrain/core/metrics.py KERNEL_CONSTANTS): GEMMs {c['gemm'] * 1e3:,.1f} ms "
             f"({n['gemm']:,.0f}), fused attention {c['attention'] * 1e3:,.1f} ms ({n['attention']:,.0f}), "
             f"memory-bound {c['memory'] * 1e3:,.1f} ms ({n['memory']:,.0f}); "
-            f"collectives {c['collectives'] * 1e3:,.1f} ms on their links, {k['exposed_comm_s'] * 1e3:,.1f} ms of "
-            f"it not hidden -> step {k['step_s'] * 1e3:,.1f} ms"]
+            f"collectives {c['collectives'] * 1e3:,.1f} ms on their links"
+            + (f", host copies {c['host'] * 1e3:,.1f} ms on the host link ({n['host']:,.0f})" if c.get("host") else "")
+            + f", {k['exposed_comm_s'] * 1e3:,.1f} ms of it not hidden -> step {k['step_s'] * 1e3:,.1f} ms"]
 
 
 def format_kernels(k: dict | None) -> list[str]:
@@ -173,23 +180,48 @@ def format_search(r: dict) -> list[str]:
 def format_run_memory(r: dict) -> list[str]:
     """The run's programs, compiled, and the memory they run against."""
     gb, mem, ev, gen, b = human_bytes, r["memory"], r["eval_step"], r["generation"], r["budget"]
-    held = "the optimizer state" + (" and int8 compression's residuals" if mem["grad_error"] else "")
-    held += " and the DPO reference" if mem["reference"] else ""
-    resident = f"with {held} left on the device, {gb(mem['optimizer_state'] + mem['grad_error'] + mem['reference'])}"
+    on_host = mem.get("offload", "none") != "none"
+    kept = [("the optimizer state", 0 if on_host else mem["optimizer_state"]),
+            ("int8 compression's residuals", mem["grad_error"]), ("the reference parameters", mem["reference"])]
+    kept = [(name, n) for name, n in kept if n]
+    resident = (f"with {' and '.join(name for name, _ in kept)} left on the device, {gb(sum(n for _, n in kept))}"
+                if kept else "nothing else of the train state on the device")
+    held = {"none": "parameters, optimizer state, gradients and temporaries",
+            "optimizer": "parameters, gradients and temporaries; the optimizer state in host memory",
+            "optimizer+params": "the unstacked parameters and their gradients, a layer's fetched parameters and "
+                                "temporaries; the layers' parameters and gradients and the optimizer state in host "
+                                "memory"}[mem.get("offload", "none")]
     copies = (f"; XLA:CPU's f32 copies of bf16 loop values, {gb(mem['cpu_copies'])} more there, left out: GPUs "
               f"compute in bf16" if mem["cpu_copies"] else "")
     return ["run memory per device (compiled)",
-            f"  train step   {gb(mem['total']):>12}  (parameters, optimizer state, gradients and temporaries{copies})",
+            f"  train step   {gb(mem['total']):>12}  ({held}{copies})",
             *([f"  eval step    {gb(r['steps']['eval']):>12}  (forward only, {ev['microbatches']} microbatch(es) as "
                f"training; {resident})"] if ev else []),
             *([f"  task scorer  {gb(r['steps']['scoring']):>12}  (eval.tasks: {sc['rows']} rows of {sc['length']:,} "
                f"tokens, forward only; {resident})"] if (sc := r.get("scoring")) else []),
+            *([f"  rollout      {gb(r['steps']['rollout']):>12}  (grpo: {ro['rows']} completion rows, prompts "
+               f"padded to {ro['prompt_len']:,} tokens + {ro['max_new_tokens']:,} new, the parameters as the train "
+               f"state lays them out, in the compute dtype; KV cache {gb(ro['kv_cache_formula'])} by formula; the "
+               f"rest of the train state beside it, {gb(ro['resident_state'])})"] if (ro := r.get("rollout")) else []),
             f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
             f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
             + (f"latent KV cache {gb(gen['kv_cache_formula'])} by formula: {gen['kv_cache_terms']})"
                if gen["kv_cache_terms"] else f"KV cache {gb(gen['kv_cache_formula'])} by formula)"),
             f"usable: {gb(b['device_memory'])} x {b['fraction']:.2f} ({b['fraction_source']}) = {gb(b['usable'])}; "
-            f"{b['headroom']:.0%} kept free for fragmentation and collective buffers -> budget {gb(b['budget'])}"]
+            f"{b['headroom']:.0%} kept free for fragmentation and collective buffers -> budget {gb(b['budget'])}",
+            *format_host_memory(r)]
+
+
+def format_host_memory(r: dict) -> list[str]:
+    """parallel.offload's host memory per device against the device's share of its node's (budget.py)."""
+    mem, host = r["memory"], r["budget"].get("host")
+    if mem.get("offload", "none") == "none" or host is None:
+        return []
+    gb = human_bytes
+    return [f"host memory per device: {gb(mem['host_total'])} ({mem['host_source']}) against "
+            f"{gb(host['host_memory'])} a node ({host['source']}) / {host['sharing']} device(s) x "
+            f"{1 - host['reserve']:.2f} (kept for the OS and the data pipeline) = {gb(host['budget'])}: "
+            + ("fits" if mem["host_total"] <= host["budget"] else "DOES NOT FIT")]
 
 
 def format_verdict(r: dict) -> str:
@@ -201,6 +233,14 @@ def format_verdict(r: dict) -> str:
     if v["status"] == "tight":
         return (f"verdict: TIGHT: {peak} fits the usable {gb(b['usable'])} with {gb(b['usable'] - v['peak'])} "
                 f"to spare, less than the {b['headroom']:.0%} headroom ({gb(b['usable'] - b['budget'])})")
+    if (h := v.get("host")) and not h["fits"]:  # format_host_memory
+        device = "fits" if v["margin"] >= 0 else "does not fit either" if v["peak"] > b["usable"] else "is tight"
+        return (f"verdict: DOES NOT FIT in host memory: {gb(h['peak'])} per device, {gb(h['peak'] - h['budget'])} "
+                f"over its share {gb(h['budget'])}; the device's {peak} {device}")
+    if v["peak_of"] == "generation" and (training := max(r["steps"].get(k, 0) for k in ("train", "eval"))) \
+            <= b["budget"]:  # the training run fits: the generate command is what does not, on these devices
+        return (f"verdict: DOES NOT FIT in {gb(b['usable'])}: {peak}, {gb(-v['margin'])} over the budget; training "
+                f"fits (its peak {gb(training)}): generate on more devices (python -m meshtrain.generate --mesh)")
     return (f"verdict: DOES NOT FIT in {gb(b['usable'])}: {peak}, {gb(-v['margin'])} over the budget; the train "
             f"step's largest consumer is {r['memory']['largest']}")
 

@@ -152,10 +152,17 @@ def sequences_per_row(program) -> int:
     return program.objective.sequences_per_row
 
 
-def reference_forward(program) -> bool:
-    """Whether the step also runs a forward-only pass over the batch first (the objective's
-    `scores_first`: DPO's reference model, meshtrain/objectives/dpo.py)."""
-    return program.objective.scores_first
+def forward_passes(program) -> int:
+    """The forward-only passes over the batch the step runs before its gradient pass (the objective's
+    `forward_passes`: DPO's reference model; GRPO's policy, and its reference under rl.kl_coef)."""
+    return program.objective.forward_passes()
+
+
+def forward_gathers(program) -> int:
+    """Those of `forward_passes` that gather parameters of their own: all but a LoRA run's reference,
+    the base the policy's passes already gather (the adapters off)."""
+    shared = "reference" not in program.state_shardings and program.objective.scores_reference
+    return forward_passes(program) - int(shared)
 
 
 def tokens_per_device(program) -> float:
@@ -265,16 +272,16 @@ def expected_traffic(program) -> dict[str, dict]:
             "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
             "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
             "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
-    if reference_forward(program) and P > 1:  # the forward-only pass through the stages (engine/pipeline.py)
+    if forward_passes(program) and P > 1:  # the forward-only pass through the stages (engine/pipeline.py)
         add("all-gather", micro * ring_traffic("all-gather", slices["blocks"] * act, A)
             + ring_traffic("all-gather", slices["outer"] * act, A),
             f"DPO: the reference's layers gathered in the compute dtype per microbatch x {micro} in its forward-only "
             f"pass through the stages, the embedding, head and norm once")
-    elif reference_forward(program) and "reference" in program.state_shardings:  # DPO's own copy of the weights
-        add("all-gather", (micro if gpu and micro > 1 else 1)
+    elif gathers := forward_gathers(program):  # DPO's own copy of the weights; GRPO's policy (and reference)
+        add("all-gather", gathers * (micro if gpu and micro > 1 else 1)
             * ring_traffic("all-gather", (slices["blocks"] + slices["outer"]) * act, A),
-            "DPO: the reference parameters gathered for its forward in the compute dtype, once per step "
-            "(XLA:GPU: per microbatch)")
+            f"the parameters of {gathers} forward-only pass(es) (DPO's reference; GRPO's policy, and its reference "
+            f"under rl.kl_coef) gathered in the compute dtype, once per step (XLA:GPU: per microbatch)")
     # the lookup's gradient is summed over the shards in fp32 (meshtrain/ops/embedding.py); XLA:GPU
     # reduces a tied table's apart from the head's (meshtrain/ops/loss.py), XLA:CPU adds the two first
     lookup = trained["lookup"] * 4 if gpu and program.model.cfg.tie_embeddings else 0
@@ -309,7 +316,7 @@ def expected_traffic(program) -> dict[str, dict]:
     # output's but not the MLP output's, whose only use is the next layer's (saved) input, unless
     # the block normalizes it (gemma3's post-MLP norm, whose backward needs it again).
     per_layer = (6 if program.model.post_norm else 5) if plan.remat == "full" else 4
-    per_layer += 2 if reference_forward(program) else 0  # DPO: the reference model's forward, 2 more
+    per_layer += 2 * forward_passes(program)  # each forward-only pass (DPO's reference), 2 more
     tokens = tokens_per_device(program)
     megatron = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, m.num_layers / P, per_layer, act)
     if plan.sequence_parallel:
@@ -318,8 +325,8 @@ def expected_traffic(program) -> dict[str, dict]:
     else:
         add("all-reduce", megatron, f"Megatron: {per_layer} activation all-reduces per layer")
     if T > 1:  # the lookup's partial rows (forward) and the head's input gradient (backward), fp32
-        # (DPO: the reference forward's lookup too)
-        vocab = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, 1, 3 if reference_forward(program) else 2, 4)
+        # (and each forward-only pass's lookup)
+        vocab = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, 1, 2 + forward_passes(program), 4)
         kind = "vocab-parallel embedding and head: an fp32 all-reduce of [b, s, h] each"
         if plan.sequence_parallel:
             add("reduce-scatter", vocab / 2, kind + " (a reduce-scatter and an all-gather under SP)")
@@ -328,7 +335,7 @@ def expected_traffic(program) -> dict[str, dict]:
             add("all-reduce", vocab, kind)
     if E > 1:
         passes = 6 if plan.remat == "full" else 4  # the recomputed forward exchanges again
-        passes += 2 if reference_forward(program) else 0  # DPO: the reference model's forward
+        passes += 2 * forward_passes(program)  # each forward-only pass (DPO's reference model's)
         buffer = moe_dispatch(program, microbatches=1)  # the step's rows: the microbatches' buffers summed
         counts = 0 if m.capacity_factor else 4 * m.num_experts
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"], E, program.model.routed_layers / P, passes,
@@ -354,7 +361,7 @@ def expected_traffic(program) -> dict[str, dict]:
         tables = executor_tables(timetable(plan.schedule, P, micro, plan.virtual_stages, plan.residuals))
         sends = sends_per_step(tables)
         what = f"pipeline: {sends} sends (activations forward, cotangents back) over {len(tables['F'])} ticks"
-        if reference_forward(program):  # DPO: the reference's forward-only pass through the stages first
+        if forward_passes(program):  # DPO: the reference's forward-only pass through the stages first
             forwards = executor_tables(timetable(forwards_of(plan.schedule), P, micro, plan.virtual_stages))
             sends += sends_per_step(forwards)
             what += f", and the reference's forward-only pass: {sends_per_step(forwards)} over {len(forwards['F'])}"

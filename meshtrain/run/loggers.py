@@ -93,6 +93,9 @@ def format_record(r: dict) -> str:
         dpo = (f"  reward accuracy {r['eval_reward_accuracy']:.1%} margin {r['eval_reward_margin']:.3f}"
                if "eval_reward_accuracy" in r else "")  # DPO's held-out pairs
         return f"step {r['step']:>6}  eval_loss {r['eval_loss']:.4f}" + (f" ({sources})" if sources else "") + dpo
+    if "eval_reward" in r:  # GRPO's held-out prompts (meshtrain/engine/rollout.py)
+        return (f"step {r['step']:>6}  eval_reward {r['eval_reward']:.4f}  response length "
+                f"{r['eval_response_length']:.1f}")
     tasks = [k.removeprefix("eval_acc_") for k in r if k.startswith("eval_acc_") and not k.startswith("eval_acc_norm_")]
     if tasks:  # downstream tasks (eval.tasks)
         return f"step {r['step']:>6}  tasks: " + ", ".join(
@@ -110,6 +113,11 @@ def format_record(r: dict) -> str:
         parts.insert(4, f"trained tokens/s {r['trained_tokens_per_sec']:,.0f}")
     if "reward_accuracy" in r:  # DPO (meshtrain/objectives/dpo.py)
         parts.insert(2, f"reward acc {r['reward_accuracy']:.2f} margin {r['reward_margin']:.3f}")
+    if "clip_fraction" in r:  # GRPO (meshtrain/objectives/grpo.py); its rollout's figures on its first update
+        rollout = (f"reward {r['reward']:.3f} (std {r['reward_std']:.3f})  length {r['response_length']:.1f}  "
+                   if "reward" in r else "")
+        parts.insert(2, f"{rollout}kl {r['kl']:.4f}  clipped {r['clip_fraction']:.1%}  "
+                        f"logp diff {r['logp_diff_max']:.1e}")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}")
     if "loss_scale" in r:

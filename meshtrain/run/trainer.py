@@ -25,6 +25,7 @@ from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
 from meshtrain.engine import scoring
 from meshtrain.engine.program import TrainProgram
+from meshtrain.engine.rollout import Rollouts
 from meshtrain.parallel.mesh import describe
 from meshtrain.run import dashboards, goodput, loggers, run_dir
 from meshtrain.run.actions import (
@@ -77,9 +78,12 @@ class Trainer:
         self.cfg = cfg
         load_mixture = lambda: mixture.load(cfg.data, cfg.model.vocab_size)  # memory-mapped where prepared
         # data.document_mask splits documents at the data's own tokenizer's EOS unless data.eos_id names one
-        early = load_mixture() if cfg.data.document_mask and cfg.data.eos_id < 0 else None
+        # and under grpo the log-probabilities mask the ids past the prompts' tokenizer's, as its sampler does
+        rolls_out = objectives.objective(t.objective).rolls_out
+        early = load_mixture() if (cfg.data.document_mask and cfg.data.eos_id < 0) or rolls_out else None
         eos = None if early is None or early.tokenizer is None else early.tokenizer.eos_id
-        self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos)
+        vocab = early.tokenizer.vocab_size if rolls_out and early.tokenizer is not None else None
+        self.program = program = TrainProgram.from_config(cfg, devices, tokenizer_eos=eos, tokenizer_vocab=vocab)
         check_train_size(program)  # before any compile: an absurd size is an error, not an OOM or a hang
         self.mixture = load_mixture() if early is None else early
         objectives.check_data(cfg.train.objective, self.mixture)  # SFT on preference pairs, DPO on chat: refused
@@ -97,6 +101,10 @@ class Trainer:
         self.train_batches, self.val_sets = program.objective.batches(self.mixture, cfg.data, t,
                                                                       program.batch_sharding, cfg.model.vocab_size)
         self.shares = self.train_batches.shares
+        # grpo: each step's prompts become its batch by sampling from the step's parameters
+        self.rollouts = Rollouts(program, cfg.rl, self.mixture.tokenizer, t.seed) if rolls_out else None
+        if self.rollouts is not None:  # every row holds what the rewards read, before any compile
+            self.rollouts.check_rows(self.train_batches.prompts, *self.val_sets.values())
 
         self.store = StateStore(cfg, program, self.out)  # both checkpoint tiers
         self.checkpointer = self.store.checkpointer
@@ -125,7 +133,7 @@ class Trainer:
             with loggers.Ticker("compiling the train step", lambda: cached.verb("the train step"), enabled=primary):
                 self.compiled_step = program.lower().compile()
             self._compile_s, self.step_from_cache = time.perf_counter() - compiling, bool(cached.loaded)
-            self.eval_step = program.eval_step()
+            self.eval_step = None if rolls_out else program.eval_step()  # rollouts score their held-out prompts
             self.scorer = scoring.for_program(program, self.tasks) if self.tasks else None
         self.peak, self.peak_fp8 = run_peaks(program.mesh.devices.flat[0].device_kind, program.plan.precision)
         self.local_devices = program.mesh.local_devices
@@ -207,8 +215,12 @@ class Trainer:
         """{'eval_loss': the mean loss of train.eval_batches validation batches}, {} without validation
         (the objective's `validation`, meshtrain/objectives/). A mixture adds each source's
         `eval_loss_<name>` on its own held-out windows; eval_loss is their mean weighted by the sources'
-        shares. Under DPO: the held-out pairs' eval_loss, eval_reward_accuracy and eval_reward_margin."""
+        shares. Under DPO: the held-out pairs' eval_loss, eval_reward_accuracy and eval_reward_margin; under
+        GRPO the held-out prompts' eval_reward (meshtrain/engine/rollout.py `Rollouts.evaluation`)."""
         with self.program.context():
+            if self.rollouts is not None:
+                return {} if not self.val_sets else self.rollouts.evaluation(self.state["params"], self.val_sets[""],
+                                                                             self.cfg.train.eval_batches)
             return self.program.objective.validation(self.eval_step, self.state["params"], self.val_sets,
                                                      self.program.eval_inputs(self.state), self.mixture.sources,
                                                      self.cfg.train.eval_batches)
@@ -299,12 +311,19 @@ class Trainer:
                     Checkpointing(self, log, signalled)]
         k, pending = first, None  # pending: (step, metrics) not yet judged by the guard
         with self.program.context(), contextlib.closing(prefetch), trace:
+            if self.rollouts is not None and first == 0 and periodic[1].every:
+                periodic[1].run(0, {}, clock)  # grpo: the starting policy's held-out reward, step 0's record
             while k < steps:
                 dog.doing(f"getting the batch of step {k + 1}")
                 batch = prefetch.get(self.batch_index(k), [self.batch_index(k + j) for j in range(1, depth + 1)])
+                sampled = {}
+                if self.rollouts is not None:  # grpo: the prompts' completions from the current parameters
+                    dog.doing(f"sampling the rollout of step {k + 1}")
+                    batch, sampled = self.rollouts(self.state, batch, k)
                 clock.exclude(trace.before(k + 1))  # tracing's own time is no step's
                 dog.doing(f"dispatching step {k + 1}")
                 self.state, metrics = self.compiled_step(self.state, batch)
+                metrics = {**metrics, **sampled}
                 if (back := self.guard.judge(pending, clock, log)) is not None:
                     k, pending = back, None  # rolled back (the clock too): the step in flight is dropped
                     continue
