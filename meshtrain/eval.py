@@ -105,7 +105,7 @@ def validation(loaded: Loaded, batches: int) -> dict:
         rollouts = Rollouts(program, cfg.rl, loaded.tok, cfg.train.seed)
         rollouts.check_rows(*val_sets.values())
         with program.context():
-            return {} if not val_sets else rollouts.evaluation(loaded.params, val_sets[""], batches)
+            return rollouts.evaluation(loaded.params, val_sets, batches)
     with program.context():
         return objective.validation(program.eval_step(), storage(loaded.params), val_sets, reference, mix.sources,
                                     batches)

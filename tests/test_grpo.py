@@ -92,21 +92,25 @@ def test_group_advantages_and_the_clipped_token_loss_are_their_formulas():
     assert out["clipped"][0, :2].tolist() == [0.0, trained[0, 1]]  # A > 0: the high side clips, the low side not
 
 
+@pytest.mark.parametrize("sampler", ["cache", "exact"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_samplers_log_probs_are_the_trainers_recomputation(precision):
-    """Each drawn token's log-probability from the KV-cache sampler against the trainer's forward
-    over the whole sequence (`position_log_probs`), one device: the same expression of logits that
-    differ only by the two forwards' arithmetic (one position's matmuls and the cached attention
-    against the full sequence's), measured at 9.5e-7 in fp32 and 4.8e-7 in bf16 on XLA:CPU."""
+def test_the_samplers_log_probs_are_the_trainers_recomputation(precision, sampler):
+    """Each drawn token's log-probability from the sampler against the trainer's forward over the
+    whole sequence (`position_log_probs`), one device: the same expression of logits. The KV-cache
+    sampler's logits differ by the two forwards' arithmetic (one position's matmuls and the cached
+    attention against the full sequence's), measured at 9.5e-7 in fp32 and 4.8e-7 in bf16 on XLA:CPU;
+    the exact sampler runs the trainer's forward and head shapes, so they are equal bit for bit."""
     program = TrainProgram.from_config(tiny_config("parallel.mesh=1", f"parallel.precision={precision}"),
                                        jax.devices()[:1])
     model = program.model
     compute = cast_for_compute(model.init(jax.random.key(0)), precision)
     prompts = [np.array([1, 5, 7, 9], np.int32), np.array([3, 4], np.int32), np.array([2, 8, 8], np.int32)]
     new, temperature = 12, 0.7
-    tokens, logp = sample_rows(model, compute, prompts, new, temperature=temperature, seed=3)
-    assert [t.tolist() for t in tokens] == [t.tolist() for t in generate(model, compute, prompts, new,
-                                                                         temperature=temperature, seed=3)]
+    tokens, logp = sample_rows(model, compute, prompts, new, temperature=temperature, seed=3,
+                               exact=sampler == "exact")
+    if sampler == "cache":
+        assert [t.tolist() for t in tokens] == [t.tolist() for t in generate(model, compute, prompts, new,
+                                                                             temperature=temperature, seed=3)]
     seq_BxL1 = np.zeros((len(prompts), 4 + new), np.int32)
     targets_BxL = np.full((len(prompts), 3 + new), -1, np.int32)
     for b, p in enumerate(prompts):
@@ -120,7 +124,7 @@ def test_the_samplers_log_probs_are_the_trainers_recomputation(precision):
 
     again = np.asarray(trainer(compute, seq_BxL1[:, :-1], targets_BxL))
     diff = max(np.abs(again[b, len(p) - 1:len(p) - 1 + new] - logp[b]).max() for b, p in enumerate(prompts))
-    assert diff <= 2e-6, diff
+    assert diff <= (0.0 if sampler == "exact" else 2e-6), diff
     assert np.all(logp < 0) and np.all(again[targets_BxL < 0] == 0)
 
 
@@ -284,6 +288,14 @@ UPDATES = ("rl.updates_per_batch=2", "rl.kl_coef=0.05")
 KEYS = ("loss", "kl", "clip_fraction", "entropy", "reward", "response_length", "grad_norm")
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_exact_sampler_logs_a_logp_diff_of_zero_at_every_step(prompts_folder, precision):
+    """rl.sampler=exact on one device: every step's logp_diff_max, the sampler's log-probs against the
+    step's own scoring pass, is 0."""
+    trainer = grpo_run(prompts_folder, "1", 1, "rl.sampler=exact", f"parallel.precision={precision}")[0]
+    assert [r["logp_diff_max"] for r in trainer.history if "loss" in r] == [0.0] * 6
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_grpo_steps_are_the_same_on_every_layout(prompts_folder, layout):
     mesh, n, *extra = LAYOUTS[layout]
@@ -394,3 +406,17 @@ def test_the_plan_of_a_grpo_run_compiles_its_rollout_and_prices_its_forward_pass
     assert report["steps"]["rollout"] == rollout["total"] + rollout["resident_state"]
     for kind in ("all-reduce", "all-gather", "reduce-scatter"):
         assert abs(report["collectives"][kind]["ratio"] - 1) < 0.1, (kind, report["collectives"][kind])
+
+
+def test_the_plan_of_an_exact_sampler_compiles_it_without_a_kv_cache(prompts_folder, capsys):
+    """rl.sampler=exact: the planner compiles the cache-free sampler (the training forward over the
+    whole sequence) and counts no KV cache."""
+    from conftest import TINY
+
+    from meshtrain.plan import main as plan
+
+    assert plan(["--config", TINY, *[a for s in GRPO for a in ("--set", s)], "--set", f"data.path={prompts_folder}",
+                 "--set", "rl.sampler=exact", "--devices", "8", "--mesh", "fsdp=8", "--compiler", "cpu",
+                 "--search-budget", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "16 completion rows, prompts padded to 11 tokens + 6 new" in out and "no KV cache: rl.sampler=exact" in out

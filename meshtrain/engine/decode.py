@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain.core.bounds import Bounds
 from meshtrain.core.errors import UserError
-from meshtrain.ops.loss import token_log_probs
+from meshtrain.ops.loss import position_chunk_logits, token_log_probs
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.parallel.sharding import activation_rules, make_rules, param_shardings, spec_for
 
@@ -66,6 +66,20 @@ def sample(logits_BxV, key, temperature, top_k, top_p):
     filtered_BxV = filter_logits(logits_BxV / jnp.where(hot, temperature, 1.0), top_k, top_p)
     drawn_B = jax.random.categorical(key, filtered_BxV, axis=-1)
     return jnp.where(hot, drawn_B, jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
+
+
+def draw(logits_BxV, key, done_B, temperature, top_k, top_p, eos_id, log_probs=token_log_probs):
+    """(each row's next token, its log-probability under logits / temperature (`log_probs`, of the
+    logits, the token and the temperature), the rows done): a row already done repeats eos_id (-1:
+    none) with log-prob 0."""
+    token_B = sample(logits_BxV, key, temperature, top_k, top_p)
+    logp_B = log_probs(logits_BxV, token_B, jnp.where(temperature > 0, temperature, 1.0))
+    return jnp.where(done_B, eos_id, token_B), jnp.where(done_B, 0.0, logp_B), done_B | (token_B == eos_id)
+
+
+def put(a_BxN, new_B, t):
+    """Column t of a_BxN set to new_B."""
+    return jax.lax.dynamic_update_slice_in_dim(a_BxN, new_B[:, None].astype(a_BxN.dtype), t, 1)
 
 
 PREFILL_CHUNK = 512  # prompt positions per prefill step: its scores are [B, H, chunk, T], never [B, H, P, T]
@@ -115,27 +129,59 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK, preci
         B = prompts_BxP.shape[0]
         cache, x_BxD = prefill(params, prompts_BxP, lengths_B, window)
 
-        def next_token(x_BxD, t, done_B):  # a finished row repeats eos_id (-1: none), log-prob 0
+        def next_token(x_BxD, t, done_B):
             logits_BxV = model.head(params, x_BxD[:, None])[:, 0]
             logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab, logits_BxV, -jnp.inf)
-            token_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
-            logp_B = token_log_probs(logits_BxV, token_B, jnp.where(temperature > 0, temperature, 1.0))
-            return jnp.where(done_B, eos_id, token_B), jnp.where(done_B, 0.0, logp_B), done_B | (token_B == eos_id)
+            return draw(logits_BxV, jax.random.fold_in(key, t), done_B, temperature, top_k, top_p, eos_id)
 
         first_B, logp_B, done_B = next_token(x_BxD, 0, jnp.zeros(B, bool))
-        out_BxN = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first_B)
-        logp_BxN = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(logp_B)
+        out_BxN, logp_BxN = (put(jnp.zeros((B, max_new), a.dtype), a, 0) for a in (first_B, logp_B))
 
         def step(state):
             t, out_BxN, logp_BxN, cache, done_B = state
             last_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxN, t - 1, 1, axis=1)
             x_Bx1xD, cache = model.decode(params, last_Bx1, cache, lengths_B + t - 1, window)
             token_B, logp_B, done_B = next_token(x_Bx1xD[:, 0], t, done_B)
-            put = lambda a_BxN, new_B: jax.lax.dynamic_update_slice_in_dim(a_BxN, new_B[:, None], t, 1)
-            return t + 1, put(out_BxN, token_B), put(logp_BxN, logp_B), cache, done_B
+            return t + 1, put(out_BxN, token_B, t), put(logp_BxN, logp_B, t), cache, done_B
 
         going = lambda state: (state[0] < max_new) & ~jnp.all(state[-1])
         _, out_BxN, logp_BxN, _, _ = jax.lax.while_loop(going, step, (1, out_BxN, logp_BxN, cache, done_B))
+        return out_BxN, logp_BxN
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=32)
+def _exact_program(model, max_new: int, mesh, rules, precision: str = "fp32"):
+    """`_program`'s generation without a KV cache (rl.sampler=exact): each new token runs the training
+    forward (`model.trunk`) over the whole padded sequence [B, P + max_new - 1], the width the trainer
+    scores, and its logits are the head's at the row's last position as the trainer's log-probs compute
+    them (`position_chunk_logits`): the same GEMM shapes, so the drawn tokens' log-probabilities are the
+    trainer's bit for bit on one layout. max_new forwards of the whole width; no window."""
+    def run(params, tokens_BxL, lengths_B, key, settings):
+        with activation_rules(dict(rules), mesh) if mesh is not None else contextlib.nullcontext():
+            return tokens(cast_for_compute(params, precision), tokens_BxL, lengths_B, key, **settings)
+
+    def tokens(params, tokens_BxL, lengths_B, key, temperature, top_k, top_p, eos_id, window, vocab):
+        B, rows_B = tokens_BxL.shape[0], jnp.arange(tokens_BxL.shape[0])
+
+        def step(state):
+            t, tokens_BxL, out_BxN, logp_BxN, done_B = state
+            x_BxLxD, _ = model.trunk(params, tokens_BxL)
+            logits_BxCxV, column_B = position_chunk_logits(model.final_norm(params, x_BxLxD),
+                                                           model.unembedding(params), lengths_B + t - 1, vocab)
+            # the token's log-prob over the whole chunk, as the trainer's (`position_log_probs`), then its column
+            log_probs = lambda _, token_B, temp: token_log_probs(
+                logits_BxCxV, jnp.broadcast_to(token_B[:, None], logits_BxCxV.shape[:2]), temp)[rows_B, column_B]
+            token_B, logp_B, done_B = draw(logits_BxCxV[rows_B, column_B], jax.random.fold_in(key, t), done_B,
+                                           temperature, top_k, top_p, eos_id, log_probs)
+            tokens_BxL = tokens_BxL.at[rows_B, lengths_B + t].set(token_B, mode="drop")  # the last one: no input
+            return t + 1, tokens_BxL, put(out_BxN, token_B, t), put(logp_BxN, logp_B, t), done_B
+
+        going = lambda state: (state[0] < max_new) & ~jnp.all(state[-1])
+        start = (0, tokens_BxL, jnp.zeros((B, max_new), jnp.int32), jnp.zeros((B, max_new), jnp.float32),
+                 jnp.zeros(B, bool))
+        _, _, out_BxN, logp_BxN, _ = jax.lax.while_loop(going, step, start)
         return out_BxN, logp_BxN
 
     return jax.jit(run)
@@ -160,7 +206,7 @@ def generate(model, params, prompts, max_new_tokens: int, *, temperature: float 
 def sample_rows(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
                 vocab: int | None = None, mesh=None, rules=None, prefill_chunk: int = PREFILL_CHUNK,
-                precision: str = "fp32", pad_to: int | None = None):
+                precision: str = "fp32", pad_to: int | None = None, exact: bool = False):
     """`generate`'s rows whole, as numpy [len(prompts), max_new_tokens]: the new ids (after a row's
     first `eos_id`, eos_id again) and each one's log-probability under the policy it was drawn
     from, log softmax(logits / temperature) (temperature 0: of the logits; ids >= `vocab` masked;
@@ -169,20 +215,23 @@ def sample_rows(model, params, prompts, max_new_tokens: int, *, temperature: flo
     recomputation applies the same function to its own forward's. `precision`: the parameters are
     cast to its compute dtype inside the program (meshtrain/ops/precision.py). `pad_to`: the prompts'
     padded width (default: the longest prompt's), so batches of other prompt lengths compile nothing
-    new. Every process gets the whole rows."""
+    new. `exact`: without a KV cache, the training forward over the whole sequence for each token
+    (`_exact_program`; rl.sampler=exact). Every process gets the whole rows."""
     check_settings(max_new_tokens, temperature, top_k, top_p)
     lengths = [len(p) for p in prompts]
     if not prompts or min(lengths) == 0:
         raise UserError("every prompt needs at least one token; pass a non-empty prompt")
     rules = rules or make_rules()
     rows = padded_rows(len(prompts), mesh, rules)
-    prompts_BxP = np.zeros((rows, max(max(lengths), pad_to or 0)), np.int32)
+    width = max(max(lengths), pad_to or 0)
+    prompts_BxP = np.zeros((rows, width + max_new_tokens - 1 if exact else width), np.int32)
     lengths_B = np.full(rows, lengths[0], np.int32)
     for b, p in enumerate(prompts):
         prompts_BxP[b, :len(p)], lengths_B[b] = p, len(p)
     prompts_BxP[len(prompts):, :lengths[0]] = prompts[0]  # padding rows repeat the first prompt
-    program = _program(model, max_new_tokens, mesh, None if mesh is None else tuple(sorted(rules.items())),
-                       prefill_chunk, precision)
+    items = None if mesh is None else tuple(sorted(rules.items()))
+    program = (_exact_program(model, max_new_tokens, mesh, items, precision) if exact
+               else _program(model, max_new_tokens, mesh, items, prefill_chunk, precision))
     settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
                 "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
                 "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens),
@@ -219,23 +268,27 @@ def row_sharding(ndim: int, mesh, rules):
 
 
 def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=None, param_shardings=None,
-          precision: str = "fp32"):
+          precision: str = "fp32", exact: bool = False):
     """The generation program `generate` runs, lowered on `mesh` from abstract inputs (nothing
     materialised; the planner compiles it for its memory): `batch` prompts of `prompt_len` tokens
     (rows padded as `generate` pads them), the parameters laid out by `place` (or by
     `param_shardings`: a trainer's rollouts sample from its state's layout) and cast to `precision`'s
-    compute dtype, a KV cache of prompt_len + max_new_tokens - 1 positions."""
+    compute dtype, a KV cache of prompt_len + max_new_tokens - 1 positions (`exact`: none, the
+    sequence that wide instead: `_exact_program`)."""
     rules = rules or make_rules()
     rows = padded_rows(batch, mesh, rules)
     abstract = lambda tree, shardings: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
     params = abstract(jax.eval_shape(model.init, jax.random.key(0)), param_shardings or place(model, mesh, rules))
-    prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=row_sharding(2, mesh, rules))
+    width = prompt_len + max_new_tokens - 1 if exact else prompt_len
+    prompts = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=row_sharding(2, mesh, rules))
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, mesh, rules))
     settings = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "eos_id": jnp.int32,
                 "window": jnp.int32, "vocab": jnp.int32}
     settings = {k: jax.ShapeDtypeStruct((), dtype) for k, dtype in settings.items()}
-    program = _program(model, max_new_tokens, mesh, tuple(sorted(rules.items())), PREFILL_CHUNK, precision)
+    items = tuple(sorted(rules.items()))
+    program = (_exact_program(model, max_new_tokens, mesh, items, precision) if exact
+               else _program(model, max_new_tokens, mesh, items, PREFILL_CHUNK, precision))
     with jax.set_mesh(mesh):
         return program.lower(params, prompts, lengths, jax.eval_shape(jax.random.key, 0), settings)
 

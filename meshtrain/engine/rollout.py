@@ -4,7 +4,8 @@ step's own parameters (no copy through the host, no second engine).
 
 A rollout of P prompts samples rl.group_size = G completions of each with the KV-cache sampler
 (meshtrain/engine/decode.py `sample_rows`: rl.temperature, rl.top_p, up to rl.max_new_tokens, a
-completion ending at the tokenizer's EOS, which it keeps), in the plan's compute dtype. Row
+completion ending at the tokenizer's EOS, which it keeps), in the plan's compute dtype; under
+rl.sampler=exact without a KV cache, each token from the training forward over the whole sequence. Row
 p * G + g is prompt p's g-th completion, drawn with the key of (train.seed, step), so any layout of
 the same batch samples the same tokens (JAX's partitionable threefry: its bits do not depend on the
 sharding). The completions are decoded and scored (rl.reward,
@@ -62,7 +63,8 @@ class Rollouts:
         out_BxN, logp_BxN = sample_rows(p.model, params, ids, self.rl.max_new_tokens, temperature=temperature,
                                         top_p=self.rl.top_p, seed=key_seed, eos_id=self.tok.eos_id,
                                         vocab=self.tok.vocab_size, mesh=p.mesh, rules=p.rules,
-                                        precision=p.plan.precision, pad_to=self.prompt_len)
+                                        precision=p.plan.precision, pad_to=self.prompt_len,
+                                        exact=self.rl.sampler == "exact")
         ended = out_BxN == self.tok.eos_id if self.tok.eos_id is not None else np.zeros(out_BxN.shape, bool)
         lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, out_BxN.shape[1])
         return out_BxN, logp_BxN, lengths
@@ -93,15 +95,14 @@ class Rollouts:
         like = {k: np.zeros(len(texts)) for k in keys} if out is None else out
         return {k: np.asarray(v) for k, v in multihost_utils.broadcast_one_to_all(like).items()}
 
-    def __call__(self, state, batch, step: int):
-        """(the step's batch, its rollout metrics) from `batch`, the step's `prompts.Prompts`."""
+    def __call__(self, state, prompts, step: int):
+        """(the step's batch, its rollout metrics) from `prompts`, the step's `prompts.Prompts`."""
         U = self.rl.updates_per_batch
         if U > 1 and step % U:  # the rollout the state keeps (copied: the state is donated to the step), and
             # its reward figures where this process sampled it (not after a resume between its updates)
             return {k: jnp.copy(state["rollout"][k]) for k in BATCH}, dict(self.figures)
         jax.block_until_ready(state["params"])  # the step before's: its time is not the rollout's
         started, G = time.perf_counter(), self.rl.group_size
-        prompts = batch
         ids = [p for p in prompts.ids for _ in range(G)]
         key_seed = int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0])
         out_BxN, logp_BxN, lengths = self.sample(state["params"], ids, self.rl.temperature, key_seed)
@@ -133,9 +134,13 @@ class Rollouts:
             sampler[r, P - 1:P - 1 + n] = logp_BxN[r, :n]
         return {"tokens": tokens, "sampler_logp": sampler, "advantages": advantages.astype(np.float32)}
 
-    def evaluation(self, params, held, batches: int) -> dict:
+    def evaluation(self, params, val_sets: dict, batches: int) -> dict:
         """{'eval_reward': the mean reward of one greedy completion of each of the first batches x
-        (prompts a batch) held-out prompts (`prompts.Prompts`), and each term's where there are several}."""
+        (prompts a batch) held-out prompts (val_sets[""], a `prompts.Prompts`), and each term's where
+        there are several}; {} where the data holds none out."""
+        if not val_sets:
+            return {}
+        held = val_sets[""]
         prompts = held.subset(range(min(len(held), batches * self.count)))
         out_BxN, _, lengths = self.sample(params, prompts.ids, 0.0, self.seed)
         scored = self.scores(prompts, out_BxN, lengths, 1)

@@ -50,10 +50,15 @@ def cross_entropy(x_BxLxD, w_DxV, targets_BxL, budget: int = LOSS_CHUNK_BYTES,
                   least_tokens: int = LOSS_CHUNK_TOKENS):
     """Mean over tokens of -log softmax(x w)[target]; logits in fp32."""
     B, L, _ = x_BxLxD.shape
+    return _loss_sum(x_BxLxD, w_DxV, targets_BxL, loss_chunk(x_BxLxD, w_DxV, budget, least_tokens)) / (B * L)
+
+
+def loss_chunk(x_BxLxD, w_DxV, budget: int = LOSS_CHUNK_BYTES, least_tokens: int = LOSS_CHUNK_TOKENS) -> int:
+    """`chunk_positions` for these activations and this head, per device."""
+    B, L, _ = x_BxLxD.shape
     V = w_DxV.shape[1]
-    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget,
-                         least_tokens)
-    return _loss_sum(x_BxLxD, w_DxV, targets_BxL, C) / (B * L)
+    return chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget,
+                           least_tokens)
 
 
 def _chunks(a, C: int):
@@ -158,17 +163,13 @@ def position_log_probs(x_BxLxD, w_DxV, targets_BxL, temperature=1.0, vocab: int 
     each position's entropy of that distribution [B, L] (no gradient: a metric). Chunked as
     `cross_entropy`, each chunk rematerialised (`jax.checkpoint`), so no [B, L, V] logits are held."""
     B, L, _ = x_BxLxD.shape
-    V = w_DxV.shape[1]
-    C = chunk_positions(max(1, B // shard_count("batch")), L, max(1, V // shard_count("vocab")), budget,
-                         least_tokens)
+    C = loss_chunk(x_BxLxD, w_DxV, budget, least_tokens)
     w_DxV = _gathered(w_DxV)
 
     @jax.checkpoint
     def chunk(_, xs):
         x_BxCxD, t_BxC = xs
-        logits = _logits(x_BxCxD, w_DxV)
-        if vocab is not None and vocab < V:
-            logits = jnp.where(jnp.arange(V) < vocab, logits, -jnp.inf)
+        logits = _vocab_logits(x_BxCxD, w_DxV, vocab)
         logp_BxC = jnp.where(t_BxC >= 0, token_log_probs(logits, t_BxC, temperature), 0.0)
         if not entropy:
             return None, logp_BxC
@@ -177,3 +178,26 @@ def position_log_probs(x_BxLxD, w_DxV, targets_BxL, temperature=1.0, vocab: int 
 
     _, out = jax.lax.scan(chunk, None, (_chunks(x_BxLxD, C), _chunks(targets_BxL, C)))
     return jax.tree.map(lambda o_NxBxC: jnp.moveaxis(o_NxBxC, 0, 2).reshape(B, L), out)  # `_chunks` undone
+
+
+def position_chunk_logits(x_BxLxD, w_DxV, positions_B, vocab=None, budget: int = LOSS_CHUNK_BYTES,
+                          least_tokens: int = LOSS_CHUNK_TOKENS):
+    """([B, C, V] fp32 logits, [B] columns): for each row of x [B, L, D], the head's logits on the chunk
+    of C positions `position_log_probs` computes its position in (one [B, C, D] x [D, V] GEMM of the
+    same shape; ids >= `vocab` masked, `vocab` may be traced), and the position's column in it.
+    rl.sampler=exact (meshtrain/engine/decode.py) draws from these and takes `token_log_probs` over
+    the whole [B, C, V], as the trainer does: the same arithmetic, bit for bit on one layout."""
+    B, L, _ = x_BxLxD.shape
+    C = loss_chunk(x_BxLxD, w_DxV, budget, least_tokens)
+    stride = L // C  # `_chunks`: position p is chunk p % stride's (p // stride)-th
+    x_BxCxD = _chunks(x_BxLxD, C)[positions_B % stride, jnp.arange(B)]
+    return _vocab_logits(x_BxCxD, _gathered(w_DxV), vocab), positions_B // stride
+
+
+def _vocab_logits(x_BxCxD, w_DxV, vocab=None):
+    """`_logits`, ids >= `vocab` at -inf (the tokenizer's size, where the model's vocabulary is padded)."""
+    logits = _logits(x_BxCxD, w_DxV)
+    V = w_DxV.shape[1]
+    if vocab is None or (isinstance(vocab, int) and vocab >= V):
+        return logits
+    return jnp.where(jnp.arange(V) < vocab, logits, -jnp.inf)

@@ -164,20 +164,21 @@ def rollout_memory(cfg, program) -> dict:
     train.batch_size completion rows (or the held-out prompts' greedy ones, where more) of prompts
     padded to train.seq_len + 1 - rl.max_new_tokens tokens and rl.max_new_tokens new ones, the
     parameters as the train state lays them out, cast to the compute dtype inside; and its KV
-    cache by formula (as `generation_memory`'s, in the compute dtype)."""
+    cache by formula (as `generation_memory`'s, in the compute dtype; none under rl.sampler=exact)."""
     from meshtrain.engine import decode
 
     rl, t = cfg.rl, cfg.train
     prompt, new, model = longest_prompt(t.seq_len, rl), rl.max_new_tokens, program.model
     rows = max(t.batch_size, t.eval_batches * prompts_per_batch(t.batch_size, rl) if t.eval_every else 0)
     rows = decode.padded_rows(rows, program.mesh, program.rules)
+    exact = rl.sampler == "exact"
     lowered = decode.lower(model, program.mesh, rows, prompt, new, program.rules, program.state_shardings["params"],
-                           program.plan.precision)
+                           program.plan.precision, exact)
     out = compiled_memory(lowered, False)
     m, sizes = model.cfg, program.sizes
     split = math.prod(sizes[a] for a in program.rules["batch"]) * (1 if m.latent_rank() else sizes["tensor"])
-    cache = formulas.kv_cache_bytes(m.cached_positions(prompt + new - 1), rows, m.cached_values(), split,
-                                    compute_bytes(program.plan.precision))
+    cache = 0 if exact else formulas.kv_cache_bytes(m.cached_positions(prompt + new - 1), rows, m.cached_values(),
+                                                    split, compute_bytes(program.plan.precision))
     return {**out, "rows": rows, "prompt_len": prompt, "max_new_tokens": new, "kv_cache_formula": cache}
 
 

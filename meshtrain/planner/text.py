@@ -201,8 +201,11 @@ def format_run_memory(r: dict) -> list[str]:
                f"tokens, forward only; {resident})"] if (sc := r.get("scoring")) else []),
             *([f"  rollout      {gb(r['steps']['rollout']):>12}  (grpo: {ro['rows']} completion rows, prompts "
                f"padded to {ro['prompt_len']:,} tokens + {ro['max_new_tokens']:,} new, the parameters as the train "
-               f"state lays them out, in the compute dtype; KV cache {gb(ro['kv_cache_formula'])} by formula; the "
-               f"rest of the train state beside it, {gb(ro['resident_state'])})"] if (ro := r.get("rollout")) else []),
+               f"state lays them out, in the compute dtype; "
+               + (f"KV cache {gb(ro['kv_cache_formula'])} by formula" if ro["kv_cache_formula"] else
+                  "no KV cache: rl.sampler=exact")
+               + f"; the rest of the train state beside it, {gb(ro['resident_state'])})"] if (ro := r.get("rollout"))
+              else []),
             f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
             f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
             + (f"latent KV cache {gb(gen['kv_cache_formula'])} by formula: {gen['kv_cache_terms']})"

@@ -219,8 +219,7 @@ class Trainer:
         GRPO the held-out prompts' eval_reward (meshtrain/engine/rollout.py `Rollouts.evaluation`)."""
         with self.program.context():
             if self.rollouts is not None:
-                return {} if not self.val_sets else self.rollouts.evaluation(self.state["params"], self.val_sets[""],
-                                                                             self.cfg.train.eval_batches)
+                return self.rollouts.evaluation(self.state["params"], self.val_sets, self.cfg.train.eval_batches)
             return self.program.objective.validation(self.eval_step, self.state["params"], self.val_sets,
                                                      self.program.eval_inputs(self.state), self.mixture.sources,
                                                      self.cfg.train.eval_batches)
