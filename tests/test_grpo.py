@@ -182,6 +182,36 @@ def test_prepare_keeps_each_prompt_its_fields_and_where_it_was_read(prompts_fold
     assert got.texts == [fmt.render(rows[0]["messages"], add_generation_prompt=True),
                          fmt.render([{"role": "user", "content": "3+3"}], add_generation_prompt=True)]
     assert got.rows == [{"answer": 4}, {"answer": 6}]
+    assert got.end_of_turn is None  # chatml's <|im_end|> is ten bytes here, not a token: completions end at EOS
+
+
+@fast
+def test_a_chat_templates_end_of_turn_token_ends_the_completions(tmp_path, capsys):
+    """Prompts prepared with a chat template whose end-of-turn marker is one special token of the
+    tokenizer (not its EOS) record it, and the sampler (either) ends a row there, keeping it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    rust.train_from_iterator(["what is 2+2? it is 4."] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    rust.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "what is 2+2?", "answer": "4"}) + "\n")
+    assert main(["prepare", str(tmp_path / "p.jsonl"), "--prompts", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--chat-template", "chatml", "--out", str(tmp_path / "chat")]) == 0
+    assert "completions end at EOS or <|im_end|>" in capsys.readouterr().out
+    assert prompts.read_prompts(tmp_path / "chat").end_of_turn == rust.token_to_id("<|im_end|>")
+
+    model = TrainProgram.from_config(tiny_config("parallel.mesh=1"), jax.devices()[:1]).model
+    params, rows = model.init(jax.random.key(0)), [np.array([1, 5, 7], np.int32), np.array([3, 4], np.int32)]
+    for exact in (False, True):
+        free, _ = sample_rows(model, params, rows, 6, eos_id=0, exact=exact)
+        stop = next(t for t in free[0] if t not in free[0][:2] and t != 0)  # a token row 0 draws third or later
+        at = free[0].tolist().index(stop)
+        out, logp = sample_rows(model, params, rows, 6, eos_id=0, exact=exact, end_of_turn=int(stop))
+        assert out[0, :at + 1].tolist() == free[0, :at + 1].tolist() and np.all(out[0, at + 1:] == 0)
+        assert np.all(logp[0, at + 1:] == 0) and np.all(logp[0, :at + 1] < 0)
 
 
 @fast
@@ -420,3 +450,23 @@ def test_the_plan_of_an_exact_sampler_compiles_it_without_a_kv_cache(prompts_fol
                  "--search-budget", "0"]) == 0
     out = capsys.readouterr().out
     assert "16 completion rows, prompts padded to 11 tokens + 6 new" in out and "no KV cache: rl.sampler=exact" in out
+
+
+def test_two_processes_roll_out_and_train_as_one(prompts_folder, tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed on 127.0.0.1): each samples its share of the rows
+    and gathers the whole rollout, process 0 scores it and sends the rewards, and the run logs the
+    rewards, losses and gradient norms of one process with 8 devices."""
+    from test_multihost import free_port, launch
+
+    layout = ("parallel.mesh=data=2,fsdp=2,tensor=2", "train.steps=3", "train.log_every=1")
+    settings = (f"data.path={prompts_folder}", *GRPO, "train.eval_every=0", *A_LETTER, *layout)
+    out = tmp_path / "run"
+    procs = launch(tmp_path, out, free_port(), *[a for s in settings for a in ("--set", s)])
+    for p in procs:
+        assert p.wait(timeout=300) == 0, (tmp_path / f"p{procs.index(p)}.err").read_text()[-3000:]
+    two = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    one = run_tiny(*settings)[0].history
+    for k in ("reward", "loss", "grad_norm", "logp_diff_max"):
+        want, got = ([r[k] for r in records if "loss" in r] for records in (one, two))
+        assert len(got) == len(want) == 3
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=k)

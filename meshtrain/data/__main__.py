@@ -143,7 +143,9 @@ def _prepare_prompts(args, kind: str, tok, started: float) -> int:
         raise UserError(f"--prompts writes a local folder; --out {args.out} is a URI: prepare locally, then copy it")
     fmt = chat_lib.load_format(args.chat_template, tok) if args.chat_template else None
     m = prepare_prompts(args.src, tok, args.out, fmt, args.allow_dropped_text)
-    print(f"{args.out}: {m['prompts']:,} prompts, {m['tokens']:,} tokens, {time.perf_counter() - started:.1f} s")
+    ends = "EOS" if m["end_of_turn"] is None else f"EOS or {tok.decode([m['end_of_turn']])}"
+    print(f"{args.out}: {m['prompts']:,} prompts, {m['tokens']:,} tokens (completions end at {ends}), "
+          f"{time.perf_counter() - started:.1f} s")
     return 0
 
 

@@ -96,6 +96,19 @@ class ChatFormat:
         return text, spans
 
 
+def end_of_turn(fmt: ChatFormat, tok) -> int | None:
+    """The special token the template closes an assistant turn with (chatml's <|im_end|>, Llama 3's
+    <|eot_id|>, Gemma's <end_of_turn>): the longest of the tokenizer's special tokens that the text the
+    template writes right after an answer starts with. None where it writes none (the marker is text
+    of several tokens: a byte tokenizer's) or where that token is the EOS."""
+    answer = "meshtrain's answer"
+    text = fmt.render([{"role": "user", "content": "a question"}, {"role": "assistant", "content": answer}])
+    after = text[text.rfind(answer) + len(answer):] if answer in text else ""
+    ends = sorted((t for t in tok.special_tokens if after.startswith(t)), key=len)
+    token = tok.special_tokens[ends[-1]] if ends else None
+    return None if token == tok.eos_id else token
+
+
 def load_format(spec: str, tok) -> ChatFormat:
     """--chat-template: `auto` (the tokenizer's own), a built-in name, or a .jinja file."""
     folder = tok.path

@@ -5,7 +5,9 @@
 `python -m meshtrain.data prepare prompts.jsonl --prompts --tokenizer T [--chat-template C] --out DIR`
 renders each prompt (with a chat template: as the conversation's messages, a prompt string being one
 user message, followed by the generation prompt; without: the text as it is) and tokenizes it, with
-no document end: the completion follows it. DIR holds `prompts.npy` (every prompt's ids, one after
+no document end: the completion follows it. A completion ends at the tokenizer's EOS, or at the chat
+template's end-of-turn token where the tokenizer has it as one special token (manifest.json's
+`end_of_turn`, `chat.end_of_turn`). DIR holds `prompts.npy` (every prompt's ids, one after
 another), `offsets.npy` (int64 [N + 1]: prompt i is ids[offsets[i]:offsets[i + 1]]), `rows.jsonl`
 (each row's other fields and where it was read), the tokenizer, and manifest.json last, with the
 files' sha256.
@@ -94,6 +96,7 @@ def prepare_prompts(src: str, tok, out: str, fmt: chat_lib.ChatFormat | None = N
         tokenizer_lib.record(tmp, tok)
         manifest = {"kind": KIND, "prompts": len(rows), "tokens": int(len(ids)), "tokenizer": tok.name,
                     "chat_template": None if fmt is None else fmt.name,
+                    "end_of_turn": None if fmt is None else chat_lib.end_of_turn(fmt, tok),
                     "sha256": {name: hashlib.sha256((tmp / name).read_bytes()).hexdigest() for name in FILES}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -125,18 +128,20 @@ class Identity:
 @dataclasses.dataclass(frozen=True)
 class Prompts:
     """A prompt folder read and checked: `ids[i]` prompt i's tokens, `texts[i]` its rendered text,
-    `rows[i]` its other fields, `where[i]` where it was read."""
+    `rows[i]` its other fields, `where[i]` where it was read; `end_of_turn`: the chat template's
+    end-of-turn token, where prepare found one (`chat.end_of_turn`), at which a completion ends."""
     ids: list
     texts: list
     rows: list
     where: list
+    end_of_turn: int | None = None
 
     def __len__(self):
         return len(self.ids)
 
     def subset(self, indices) -> Prompts:
         pick = lambda xs: [xs[i] for i in indices]
-        return Prompts(pick(self.ids), pick(self.texts), pick(self.rows), pick(self.where))
+        return Prompts(pick(self.ids), pick(self.texts), pick(self.rows), pick(self.where), self.end_of_turn)
 
 
 def read_prompts(folder: str | Path) -> Prompts:
@@ -153,7 +158,8 @@ def read_prompts(folder: str | Path) -> Prompts:
     ids, offsets = np.load(folder / FILES[0]), np.load(folder / FILES[1])
     lines = [json.loads(line) for line in (folder / FILES[2]).read_text().splitlines()]
     return Prompts([ids[a:b].astype(np.int32) for a, b in zip(offsets[:-1], offsets[1:])],
-                   [x["text"] for x in lines], [x["fields"] for x in lines], [x["where"] for x in lines])
+                   [x["text"] for x in lines], [x["fields"] for x in lines], [x["where"] for x in lines],
+                   manifest.get("end_of_turn"))
 
 
 def split_prompts(prompts: Prompts, val_fraction: float) -> tuple[Prompts, Prompts | None]:

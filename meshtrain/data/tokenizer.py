@@ -36,6 +36,7 @@ class Tokenizer(Protocol):
     path: Path | None  # the tokenizer.json (None: bytes)
     rust: object | None  # the `tokenizers` library's Tokenizer, for offsets (None: bytes, one id per byte)
     may_drop: bool  # whether encoding may drop characters (no unknown token): prepare counts them
+    special_tokens: dict[str, int]  # the special tokens' text -> id (none for bytes)
 
     def encode(self, text: str) -> np.ndarray: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
@@ -50,7 +51,7 @@ def document_end(tok: Tokenizer) -> np.ndarray:
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 (uint8 arrays); decoding replaces invalid UTF-8."""
     name, vocab_size, eos_id = "byte", 256, None
-    path, rust, may_drop = None, None, False
+    path, rust, may_drop, special_tokens = None, None, False, {}
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", "surrogateescape"), dtype=np.uint8)
@@ -85,6 +86,8 @@ class HFTokenizer:
                             f"pass a tokenizer.json written by the tokenizers library") from None
         self.name = str(self.path)
         self.vocab_size = self.rust.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = {t["content"]: t["id"] for t in json.loads(self.path.read_text()).get("added_tokens", [])
+                               if t.get("special")}
         self.eos_id = self._eos_id(eos)
         model = json.loads(self.rust.to_str()).get("model", {})
         # Without an unknown token or byte fallback, a character outside the vocabulary becomes no token
@@ -113,9 +116,7 @@ class HFTokenizer:
             if self.rust.token_to_id(eos) is None:
                 raise UserError(f"EOS token {eos!r} is not in {self.path}; name one of its special tokens")
             return self.rust.token_to_id(eos)
-        special = {t["content"]: t["id"] for t in json.loads(self.path.read_text()).get("added_tokens", [])
-                   if t.get("special")}
-        return next((special[n] for n in EOS_NAMES if n in special), None)
+        return next((self.special_tokens[n] for n in EOS_NAMES if n in self.special_tokens), None)
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]

@@ -68,13 +68,14 @@ def sample(logits_BxV, key, temperature, top_k, top_p):
     return jnp.where(hot, drawn_B, jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
 
 
-def draw(logits_BxV, key, done_B, temperature, top_k, top_p, eos_id, log_probs=token_log_probs):
+def draw(logits_BxV, key, done_B, temperature, top_k, top_p, eos_id, end_of_turn, log_probs=token_log_probs):
     """(each row's next token, its log-probability under logits / temperature (`log_probs`, of the
-    logits, the token and the temperature), the rows done): a row already done repeats eos_id (-1:
-    none) with log-prob 0."""
+    logits, the token and the temperature), the rows done): a row ends at eos_id or end_of_turn (-1:
+    none), and once done repeats eos_id with log-prob 0."""
     token_B = sample(logits_BxV, key, temperature, top_k, top_p)
     logp_B = log_probs(logits_BxV, token_B, jnp.where(temperature > 0, temperature, 1.0))
-    return jnp.where(done_B, eos_id, token_B), jnp.where(done_B, 0.0, logp_B), done_B | (token_B == eos_id)
+    ends_B = (token_B == eos_id) | (token_B == end_of_turn)
+    return jnp.where(done_B, eos_id, token_B), jnp.where(done_B, 0.0, logp_B), done_B | ends_B
 
 
 def put(a_BxN, new_B, t):
@@ -125,14 +126,16 @@ def _program(model, max_new: int, mesh, rules, chunk: int = PREFILL_CHUNK, preci
         (cache, x_BxD), _ = jax.lax.scan(step, (cache, x_BxD), (jnp.arange(n), chunks_NxBxC))
         return cache, x_BxD
 
-    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, window, vocab):
+    def tokens(params, prompts_BxP, lengths_B, key, temperature, top_k, top_p, eos_id, end_of_turn, window,
+               vocab):
         B = prompts_BxP.shape[0]
         cache, x_BxD = prefill(params, prompts_BxP, lengths_B, window)
 
         def next_token(x_BxD, t, done_B):
             logits_BxV = model.head(params, x_BxD[:, None])[:, 0]
             logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab, logits_BxV, -jnp.inf)
-            return draw(logits_BxV, jax.random.fold_in(key, t), done_B, temperature, top_k, top_p, eos_id)
+            return draw(logits_BxV, jax.random.fold_in(key, t), done_B, temperature, top_k, top_p, eos_id,
+                        end_of_turn)
 
         first_B, logp_B, done_B = next_token(x_BxD, 0, jnp.zeros(B, bool))
         out_BxN, logp_BxN = (put(jnp.zeros((B, max_new), a.dtype), a, 0) for a in (first_B, logp_B))
@@ -162,7 +165,8 @@ def _exact_program(model, max_new: int, mesh, rules, precision: str = "fp32"):
         with activation_rules(dict(rules), mesh) if mesh is not None else contextlib.nullcontext():
             return tokens(cast_for_compute(params, precision), tokens_BxL, lengths_B, key, **settings)
 
-    def tokens(params, tokens_BxL, lengths_B, key, temperature, top_k, top_p, eos_id, window, vocab):
+    def tokens(params, tokens_BxL, lengths_B, key, temperature, top_k, top_p, eos_id, end_of_turn, window,
+               vocab):
         B, rows_B = tokens_BxL.shape[0], jnp.arange(tokens_BxL.shape[0])
 
         def step(state):
@@ -174,7 +178,7 @@ def _exact_program(model, max_new: int, mesh, rules, precision: str = "fp32"):
             log_probs = lambda _, token_B, temp: token_log_probs(
                 logits_BxCxV, jnp.broadcast_to(token_B[:, None], logits_BxCxV.shape[:2]), temp)[rows_B, column_B]
             token_B, logp_B, done_B = draw(logits_BxCxV[rows_B, column_B], jax.random.fold_in(key, t), done_B,
-                                           temperature, top_k, top_p, eos_id, log_probs)
+                                           temperature, top_k, top_p, eos_id, end_of_turn, log_probs)
             tokens_BxL = tokens_BxL.at[rows_B, lengths_B + t].set(token_B, mode="drop")  # the last one: no input
             return t + 1, tokens_BxL, put(out_BxN, token_B, t), put(logp_BxN, logp_B, t), done_B
 
@@ -206,17 +210,19 @@ def generate(model, params, prompts, max_new_tokens: int, *, temperature: float 
 def sample_rows(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
                 vocab: int | None = None, mesh=None, rules=None, prefill_chunk: int = PREFILL_CHUNK,
-                precision: str = "fp32", pad_to: int | None = None, exact: bool = False):
+                precision: str = "fp32", pad_to: int | None = None, exact: bool = False,
+                end_of_turn: int | None = None):
     """`generate`'s rows whole, as numpy [len(prompts), max_new_tokens]: the new ids (after a row's
-    first `eos_id`, eos_id again) and each one's log-probability under the policy it was drawn
+    first `eos_id` or `end_of_turn`, eos_id again) and each one's log-probability under the policy it was drawn
     from, log softmax(logits / temperature) (temperature 0: of the logits; ids >= `vocab` masked;
-    top_k and top_p filter the draw, not this distribution), 0 after the row's first eos_id. The
+    top_k and top_p filter the draw, not this distribution), 0 after the row's end. The
     log-probabilities are `token_log_probs` of the cached forward's logits: the trainer's
     recomputation applies the same function to its own forward's. `precision`: the parameters are
     cast to its compute dtype inside the program (meshtrain/ops/precision.py). `pad_to`: the prompts'
     padded width (default: the longest prompt's), so batches of other prompt lengths compile nothing
     new. `exact`: without a KV cache, the training forward over the whole sequence for each token
-    (`_exact_program`; rl.sampler=exact). Every process gets the whole rows."""
+    (`_exact_program`; rl.sampler=exact). `end_of_turn`: a second id a row ends at, which it keeps (a
+    chat template's, meshtrain/data/chat.py `end_of_turn`). Every process gets the whole rows."""
     check_settings(max_new_tokens, temperature, top_k, top_p)
     lengths = [len(p) for p in prompts]
     if not prompts or min(lengths) == 0:
@@ -234,6 +240,7 @@ def sample_rows(model, params, prompts, max_new_tokens: int, *, temperature: flo
                else _program(model, max_new_tokens, mesh, items, prefill_chunk, precision))
     settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
                 "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
+                "end_of_turn": np.int32(-1 if end_of_turn is None else end_of_turn),
                 "window": np.int32(window or prompts_BxP.shape[1] + max_new_tokens),
                 "vocab": np.int32(vocab or model.cfg.vocab_size)}
     args = [prompts_BxP, lengths_B]
@@ -284,7 +291,7 @@ def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=N
     prompts = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=row_sharding(2, mesh, rules))
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, mesh, rules))
     settings = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "eos_id": jnp.int32,
-                "window": jnp.int32, "vocab": jnp.int32}
+                "end_of_turn": jnp.int32, "window": jnp.int32, "vocab": jnp.int32}
     settings = {k: jax.ShapeDtypeStruct((), dtype) for k, dtype in settings.items()}
     items = tuple(sorted(rules.items()))
     program = (_exact_program(model, max_new_tokens, mesh, items, precision) if exact

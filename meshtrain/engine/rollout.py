@@ -4,7 +4,8 @@ step's own parameters (no copy through the host, no second engine).
 
 A rollout of P prompts samples rl.group_size = G completions of each with the KV-cache sampler
 (meshtrain/engine/decode.py `sample_rows`: rl.temperature, rl.top_p, up to rl.max_new_tokens, a
-completion ending at the tokenizer's EOS, which it keeps), in the plan's compute dtype; under
+completion ending at the tokenizer's EOS or the prompts' chat template's end-of-turn token
+(`prompts.Prompts.end_of_turn`), which it keeps), in the plan's compute dtype; under
 rl.sampler=exact without a KV cache, each token from the training forward over the whole sequence. Row
 p * G + g is prompt p's g-th completion, drawn with the key of (train.seed, step), so any layout of
 the same batch samples the same tokens (JAX's partitionable threefry: its bits do not depend on the
@@ -43,8 +44,9 @@ class Rollouts:
         self.count = prompts_per_batch(program.train.batch_size, rl)
         self.figures: dict = {}  # the last rollout's reward figures, which its later updates report too
         if tokenizer.eos_id is None:
-            log.log(NOTICE, f"the prompts' tokenizer ({tokenizer.name}) has no EOS: every completion runs "
-                            f"rl.max_new_tokens={rl.max_new_tokens} tokens")
+            log.log(NOTICE, f"the prompts' tokenizer ({tokenizer.name}) has no EOS: a completion runs "
+                            f"rl.max_new_tokens={rl.max_new_tokens} tokens unless its chat template's end-of-turn "
+                            f"token ends it")
 
     def check_rows(self, *prompt_sets) -> None:
         """Every row of the `prompts.Prompts` holds what the rewards read (exact_answer: an 'answer'):
@@ -57,25 +59,29 @@ class Rollouts:
                 raise UserError(f"{where}: rl.reward exact_answer reads each row's 'answer', and this row has "
                                 f"none; add it to the prompt data, or set another rl.reward")
 
-    def sample(self, params, ids: list, temperature: float, key_seed: int):
-        """(completion ids [N, max_new], their log-probs, each completion's length with its EOS)."""
+    def sample(self, params, ids: list, temperature: float, key_seed: int, end_of_turn: int | None):
+        """(completion ids [N, max_new], their log-probs, each completion's length with the EOS or
+        end-of-turn token it ends at)."""
         p = self.program
         out_BxN, logp_BxN = sample_rows(p.model, params, ids, self.rl.max_new_tokens, temperature=temperature,
                                         top_p=self.rl.top_p, seed=key_seed, eos_id=self.tok.eos_id,
                                         vocab=self.tok.vocab_size, mesh=p.mesh, rules=p.rules,
                                         precision=p.plan.precision, pad_to=self.prompt_len,
-                                        exact=self.rl.sampler == "exact")
-        ended = out_BxN == self.tok.eos_id if self.tok.eos_id is not None else np.zeros(out_BxN.shape, bool)
+                                        exact=self.rl.sampler == "exact", end_of_turn=end_of_turn)
+        ended = np.isin(out_BxN, self.stops(end_of_turn))
         lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, out_BxN.shape[1])
         return out_BxN, logp_BxN, lengths
+
+    def stops(self, end_of_turn: int | None) -> list[int]:
+        return [t for t in (self.tok.eos_id, end_of_turn) if t is not None]
 
     def scores(self, prompts, out_BxN, lengths, repeat: int) -> dict:
         """rl.reward's terms of each completion (`rewards.score`), each row's prompt repeated `repeat`
         times. With several processes, process 0 scores and sends the figures to the others, so a
         reward that is not a pure function of its inputs (a judge, a timeout) gives every process the
         same advantages, and a reward's error stops every process, not one in a collective."""
-        eos = self.tok.eos_id
-        texts = [self.tok.decode([t for t in row[:n] if t != eos]) for row, n in zip(out_BxN, lengths)]
+        stops = self.stops(prompts.end_of_turn)  # the text scored is the completion's without them
+        texts = [self.tok.decode([t for t in row[:n] if t not in stops]) for row, n in zip(out_BxN, lengths)]
         each = lambda xs: [x for x in xs for _ in range(repeat)]
         score = lambda: rewards.score(self.terms, each(prompts.texts), texts, each(prompts.rows), each(prompts.where))
         if jax.process_count() == 1:
@@ -105,7 +111,8 @@ class Rollouts:
         started, G = time.perf_counter(), self.rl.group_size
         ids = [p for p in prompts.ids for _ in range(G)]
         key_seed = int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0])
-        out_BxN, logp_BxN, lengths = self.sample(state["params"], ids, self.rl.temperature, key_seed)
+        out_BxN, logp_BxN, lengths = self.sample(state["params"], ids, self.rl.temperature, key_seed,
+                                                 prompts.end_of_turn)
         scored = self.scores(prompts, out_BxN, lengths, G)
         rewards_PxG = scored["reward"].reshape(-1, G)
         advantages = group_advantages(rewards_PxG, self.rl.scale_rewards).reshape(-1)
@@ -142,7 +149,7 @@ class Rollouts:
             return {}
         held = val_sets[""]
         prompts = held.subset(range(min(len(held), batches * self.count)))
-        out_BxN, _, lengths = self.sample(params, prompts.ids, 0.0, self.seed)
+        out_BxN, _, lengths = self.sample(params, prompts.ids, 0.0, self.seed, prompts.end_of_turn)
         scored = self.scores(prompts, out_BxN, lengths, 1)
         record = {"eval_reward": float(np.mean(scored["reward"])),
                   "eval_response_length": float(np.mean(lengths))}
