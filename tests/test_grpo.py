@@ -342,9 +342,13 @@ def test_grpo_steps_are_the_same_on_every_layout(prompts_folder, layout):
 
 def test_two_updates_a_rollout_clip_the_second_and_a_resume_between_them_continues_exactly(prompts_folder, tmp_path):
     """rl.updates_per_batch=2: the first update of a rollout has ratio 1 (nothing clipped, no KL), the
-    second trains on the same rollout (no new reward figures) against its kept log-probs; a run stopped
-    after step 3 (mid-rollout) and resumed ends where the straight run does, bitwise."""
+    second trains on the same rollout (no new reward figures) against its kept log-probs, in a step
+    compiled without the scoring passes; a run stopped after step 3 (mid-rollout) and resumed ends where
+    the straight run does, bitwise."""
     straight, _, params = grpo_run(prompts_folder, "1", 1, *UPDATES)
+    flops = lambda compiled: (lambda c: (c[0] if isinstance(c, list) else c)["flops"])(compiled.cost_analysis())
+    # the policy's and the reference's forward passes left out: about 2 of the first step's 5 forward-equivalents
+    assert 0.5 < flops(straight.reuse_step) / flops(straight.compiled_step) < 0.75
     records = [r for r in straight.history if "loss" in r]
     assert all(r["clip_fraction"] == 0 and r["kl"] == 0 for r in records[:1])
     assert [r["rollout_s"] > 0 for r in records if "rollout_s" in r] == [True] * 3  # a rollout every 2 steps

@@ -126,9 +126,12 @@ class TrainProgram:
         self.param_specs = jax.tree.map(lambda s: s.spec, self.state_shardings["params"])
         specs = {"params": self.param_specs, "grads": self.grad_specs, "batch": self.batch_sharding.spec,
                  "owned": self.owned_specs, **other}
-        step = make_train_step(self.model, update, self.schedule, plan, self.mesh, specs, self.objective,
-                               layer_norms=t.grad_norms_every > 0)
-        self.step_fn = lambda state, batch: step({**state, "params": self.typed_params(state["params"])}, batch)
+        step = lambda reuse: make_train_step(self.model, update, self.schedule, plan, self.mesh, specs,
+                                             self.objective, layer_norms=t.grad_norms_every > 0, reuse=reuse)
+        typed = lambda fn: lambda state, batch: fn({**state, "params": self.typed_params(state["params"])}, batch)
+        self.step_fn = typed(step(False))
+        # an objective's steps that take the scores the state keeps (GRPO's later updates of a rollout)
+        self.reuse_step_fn = typed(step(True)) if self.objective.reuses_scores() else None
         self.num_params = self.model.num_params(abstract_params)
         self.trainable_params = sum(x.size for x in jax.tree.leaves(self.trained(abstract_params)))
         self.flops_per_token = self.model.flops_per_token(abstract_params, t.seq_len)
@@ -233,12 +236,14 @@ class TrainProgram:
         form): the objective's state entries (DPO's reference parameters where the state keeps them)."""
         return self.objective.eval_inputs(state)
 
-    def lower(self):
-        """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs."""
+    def lower(self, reuse: bool = False):
+        """The jitted step (pjit: in/out shardings, donated state) lowered for abstract inputs; `reuse`:
+        the step that takes the scores the state keeps (`reuse_step_fn`)."""
         batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.step_batch,
                              self.step_batch_shardings)
         with self.context():
-            lowered = jax.jit(self.step_fn, in_shardings=(self.state_shardings, self.step_batch_shardings),
+            fn = self.reuse_step_fn if reuse else self.step_fn
+            lowered = jax.jit(fn, in_shardings=(self.state_shardings, self.step_batch_shardings),
                               out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
                               donate_argnums=0).lower(self.abstract_state, batch)
         if self.plan.offload != "none" and self.backend != "cpu":  # compile-only GPU devices drop memory kinds

@@ -126,7 +126,8 @@ def make_scores(model, plan, mesh, param_specs, objective):
     return forward_scores(objective.scores, plan.num_microbatches(stages))
 
 
-def make_train_step(model, update, schedule, plan, mesh, specs: dict, objective, layer_norms: bool = False):
+def make_train_step(model, update, schedule, plan, mesh, specs: dict, objective, layer_norms: bool = False,
+                    reuse: bool = False):
     """The step of `objective` (meshtrain/objectives/base.py) for `plan` (a ParallelPlan) on `mesh`.
     `specs`: PartitionSpecs of 'params', 'grads' (pytrees) and 'batch', and under int8 compression
     'owned' (the gradients' ZeRO-2 layout) and 'grad_error' (the residuals'). With a `pipeline` axis
@@ -140,7 +141,8 @@ def make_train_step(model, update, schedule, plan, mesh, specs: dict, objective,
     runs a microbatch at a time, through the pipeline's stages on a pipeline (`make_scores`).
     `update`: the optimizer's (`in_place_update`, or with the state in host memory
     meshtrain/ops/offload.py `offloaded_update`). `layer_norms` (train.grad_norms_every > 0)
-    adds the metric 'grad_norms' (`grad_norms_by_group`)."""
+    adds the metric 'grad_norms' (`grad_norms_by_group`). `reuse`: the step of an objective that
+    `reuses_scores` without its forward-only passes (its `step_inputs` gets `score` None)."""
     grad_specs, stages = specs["grads"], mesh.shape["pipeline"]  # of the trainable parameters
     keep = model.cfg.trainable
     micro = plan.num_microbatches(stages)
@@ -149,7 +151,8 @@ def make_train_step(model, update, schedule, plan, mesh, specs: dict, objective,
         compressor = compression.Int8Reduction(mesh, grad_specs, select(specs["owned"], keep), plan.compression_block,
                                                plan.zero)  # the trained parameters' gradients (LoRA: adapters')
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
-    score = make_scores(model, plan, mesh, specs["params"], objective) if objective.scores_first else None
+    scores = objective.scores_first and not reuse
+    score = make_scores(model, plan, mesh, specs["params"], objective) if scores else None
     if stages > 1:
         grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, objective, **compressed)
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,

@@ -109,6 +109,16 @@ class Objective:
         `scores_first`."""
         return int(self.scores_first)
 
+    def reuses_scores(self) -> bool:
+        """Whether some steps take the scores the state keeps instead of scoring (GRPO's later updates
+        of a rollout): the trainer compiles a second step without the forward-only passes, whose
+        `step_inputs` gets `score` None, and runs it where `scores_at` says no."""
+        return False
+
+    def scores_at(self, step: int) -> bool:
+        """Whether the step after `step` steps scores its batch (runs the forward-only passes)."""
+        return True
+
     def initial_state(self, params) -> dict:
         """The state entries the objective keeps beside the parameters (laid out as they are, but for
         those `row_state` names)."""

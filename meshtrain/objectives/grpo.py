@@ -86,8 +86,8 @@ class GRPO(Objective):
     ratio is exactly 1) and, against the sampler's, the metric logp_diff_max; under rl.kl_coef > 0 also
     the reference's. With rl.updates_per_batch = U > 1 the state keeps the rollout and those log-probs
     ('rollout'), scored on the first of its U steps and reused by the others, so a resume mid-batch
-    continues exactly. (Those others run the scoring passes too and keep the first's: see
-    `step_inputs`.)"""
+    continues exactly; those others run a second compiled step without the scoring passes
+    (`reuses_scores`: a conditional in one program would deadlock XLA:CPU's collectives)."""
     name = "grpo"
     scores_first = True
     masked = True  # the completions are the trained targets
@@ -111,6 +111,12 @@ class GRPO(Objective):
 
     def keeps_rollout(self) -> bool:
         return self.rl.updates_per_batch > 1
+
+    def reuses_scores(self) -> bool:
+        return self.keeps_rollout()
+
+    def scores_at(self, step: int) -> bool:
+        return step % self.rl.updates_per_batch == 0  # a rollout's first update
 
     def initial_state(self, params) -> dict:
         state = {}
@@ -140,11 +146,10 @@ class GRPO(Objective):
 
     def step_inputs(self, state, batch, score):
         tokens = batch["tokens"]
-        logps = self.scored(state, tokens, score)
-        if self.keeps_rollout():  # the first update's scores, kept for the others (which score and drop theirs:
-            # under a lax.cond XLA:CPU's collectives deadlock, the conditional's against those outside it)
-            first = state["step"] % self.rl.updates_per_batch == 0
-            logps = {k: jnp.where(first, v, state["rollout"][k]) for k, v in logps.items()}
+        if score is None:  # a rollout's later update (`reuses_scores`): its first update's scores, kept
+            logps = {k: state["rollout"][k] for k in ("old_logp", "ref_logp") if k in state["rollout"]}
+        else:
+            logps = self.scored(state, tokens, score)
         trained_BxL = tokens[:, 1:] >= 0
         diff = jnp.max(jnp.where(trained_BxL, jnp.abs(logps["old_logp"] - batch["sampler_logp"]), 0.0))
         rows = {"tokens": tokens, "advantages": batch["advantages"], **logps, **self.noise_rows(state, tokens)}

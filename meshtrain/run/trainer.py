@@ -132,6 +132,8 @@ class Trainer:
             compiling, cached = time.perf_counter(), compile_cache.Outcome()
             with loggers.Ticker("compiling the train step", lambda: cached.verb("the train step"), enabled=primary):
                 self.compiled_step = program.lower().compile()
+                # GRPO's later updates of a rollout: the step without the scoring passes
+                self.reuse_step = program.lower(reuse=True).compile() if program.reuse_step_fn else None
             self._compile_s, self.step_from_cache = time.perf_counter() - compiling, bool(cached.loaded)
             self.eval_step = None if rolls_out else program.eval_step()  # rollouts score their held-out prompts
             self.scorer = scoring.for_program(program, self.tasks) if self.tasks else None
@@ -321,7 +323,8 @@ class Trainer:
                     batch, sampled = self.rollouts(self.state, batch, k)
                 clock.exclude(trace.before(k + 1))  # tracing's own time is no step's
                 dog.doing(f"dispatching step {k + 1}")
-                self.state, metrics = self.compiled_step(self.state, batch)
+                scores = self.reuse_step is None or self.program.objective.scores_at(k)
+                self.state, metrics = (self.compiled_step if scores else self.reuse_step)(self.state, batch)
                 metrics = {**metrics, **sampled}
                 if (back := self.guard.judge(pending, clock, log)) is not None:
                     k, pending = back, None  # rolled back (the clock too): the step in flight is dropped
