@@ -1,6 +1,8 @@
 """`python -m meshtrain.generate --run RUN --prompt "ROMEO:"`: text from a training run's newest intact
 checkpoint, or `--step N`, read verified (meshtrain/run/checkpoint.py `read_params`), on one device or
-sharded over `--mesh`. The generation itself is meshtrain/engine/decode.py.
+sharded over `--mesh`, in fp32 or, with `--precision bf16|fp16` (the run's generate.precision by
+default), read into host memory, cast there and placed in that dtype, with its KV cache. The
+generation itself is meshtrain/engine/decode.py.
 """
 from __future__ import annotations
 
@@ -9,25 +11,35 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from meshtrain.config.validate import check_generation_size
 from meshtrain.core import unicode
 from meshtrain.core.cli import Parser, arguments, command, compile_cache_flag, devices_flag, number, start_jax
 from meshtrain.core.errors import UserError
 from meshtrain.engine.decode import SAMPLING, check_settings, generate, place
+from meshtrain.ops.precision import cast_for_compute, compute_bytes
 
 
-def load(run: str, mesh_spec: str | None = None, step: int | None = None):
+def load(run: str, mesh_spec: str | None = None, step: int | None = None, precision: str = "fp32"):
     """(model, params, mesh, step) of a run's newest intact checkpoint, or of `step`: on the first
-    device, or sharded over `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device)."""
+    device, or sharded over `mesh_spec` ('run': the run's own parallel.mesh; mesh None on one device);
+    in `precision`'s compute dtype (not fp32: read and verified on the host, cast there, then placed)."""
     from meshtrain.models import FAMILIES
     from meshtrain.parallel.mesh import build_mesh, parse_mesh
     from meshtrain.run.run_dir import newest_params, run_config
 
     cfg = run_config(run)
     model = FAMILIES[cfg.model.family](cfg.model)
+
+    def read(shardings):
+        if precision == "fp32":
+            return newest_params(run, model, shardings, step)
+        params, at = newest_params(run, model, SingleDeviceSharding(jax.devices("cpu")[0]), step)
+        return jax.device_put(cast_for_compute(params, precision), shardings), at
+
     if mesh_spec is None:
-        params, step = newest_params(run, model, step=step)
+        params, step = read(SingleDeviceSharding(jax.devices()[0]))
         return model, params, None, step
     spec = cfg.parallel.mesh if mesh_spec == "run" else mesh_spec
     sizes = parse_mesh(spec, jax.device_count())
@@ -36,7 +48,7 @@ def load(run: str, mesh_spec: str | None = None, step: int | None = None):
             raise UserError(f"mesh {spec} has {axis}={sizes[axis]}, which decoding does not use; pass "
                             f"--mesh without it, e.g. --mesh tensor=2 (the parameters are resharded on load)")
     mesh = build_mesh(sizes)
-    params, step = newest_params(run, model, place(model, mesh), step)
+    params, step = read(place(model, mesh))
     return model, params, mesh, step
 
 
@@ -75,6 +87,9 @@ def parser() -> Parser:
                    help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=number(float, SAMPLING["top_p"]), default=1.0, help="nucleus sampling mass; 1 = all")
     p.add_argument("--seed", type=number(int, min=0), default=0)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                   help="the dtype of the parameters and the KV cache (default: the run's generate.precision, "
+                        "fp32 unless set); bf16 and fp16 halve both")
     p.add_argument("--step", type=number(int, min=0), help="read this checkpoint step (default: the newest intact one)")
     p.add_argument("--mesh", help="shard over this mesh ('tensor=2', 'data=2,tensor=2'; 'run' = the run's "
                                   "own); default: one device")
@@ -91,12 +106,13 @@ def main(argv=None) -> int:
     args = arguments(parser(), argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = run_config(args.run).generate.max_new_tokens
+    precision = args.precision or run_config(args.run).generate.precision
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     start_jax(args)
     tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
     check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
-                          args.max_new_tokens, jax.devices())
-    model, params, mesh, step = load(args.run, args.mesh, args.step)
+                          args.max_new_tokens, jax.devices(), compute_bytes(precision))
+    model, params, mesh, step = load(args.run, args.mesh, args.step, precision)
     start = time.perf_counter()
     out = generate(model, params, prompts, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,

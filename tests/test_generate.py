@@ -170,3 +170,27 @@ def test_cli_prints_text_and_errors(reference_run, capsys):
         assert main(["--run", run, "--prompt", "ab", "--tokenizer", "byte", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_half_precision_generation_places_the_cast_checkpoint_and_plans_half_the_cache(reference_run, capsys):
+    """generate --precision bf16 (generate.precision): the verified checkpoint is read on the host and
+    placed already cast, so the mesh holds bf16 weights equal to the fp32 ones cast; the planner's
+    generation holds half the KV cache bytes and less memory than fp32's."""
+    from meshtrain.engine.program import TrainProgram
+    from meshtrain.generate import load
+    from meshtrain.ops.precision import cast_for_compute
+    from meshtrain.planner.aot import generation_memory
+
+    run = str(reference_run[0].out)
+    model, held, mesh, _ = load(run, "data=-1,tensor=2", precision="bf16")
+    full = load(run, "data=-1,tensor=2")[1]
+    assert {x.dtype for x in jax.tree.leaves(held)} == {jnp.dtype(jnp.bfloat16)}
+    assert held["blocks"]["wq"].sharding.spec[2] == "tensor"
+    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(cast_for_compute(full, "bf16"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert main(["--run", run, "--prompt", "ab", "--max-new-tokens", "4", "--tokenizer", "byte",
+                 "--precision", "bf16"]) == 0 and capsys.readouterr().out.startswith("ab")
+    plans = {p: generation_memory(cfg := tiny_config("parallel.mesh=1", f"generate.precision={p}"),
+                                  TrainProgram.from_config(cfg, jax.devices()[:1])) for p in ("fp32", "bf16")}
+    assert plans["bf16"]["kv_cache_formula"] * 2 == plans["fp32"]["kv_cache_formula"] > 0
+    assert plans["bf16"]["precision"] == "bf16" and plans["bf16"]["total"] < plans["fp32"]["total"]

@@ -260,6 +260,10 @@ class GenerateConfig:
     max_new_tokens: int = setting(200, "tokens generated per prompt (the generate command's default for "
                                        "--max-new-tokens); the KV cache holds train.seq_len + this - 1 positions",
                                   min=1)
+    precision: str = setting("fp32", "the dtype generate holds the parameters and the KV cache in (the generate "
+                                     "command's default for --precision): bf16 or fp16 halves both; the "
+                                     "checkpoint is read into host memory and cast there, so no device holds "
+                                     "fp32 weights", choices=("fp32", "bf16", "fp16"))
 
 
 @dataclass

@@ -375,15 +375,15 @@ def check_train_size(program, memory: tuple[float, str] | None = None) -> None:
                           ("" if memory else "; python -m meshtrain.plan shows the compiled figure"))
 
 
-def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, devices) -> None:
+def check_generation_size(m, rows: int, prompt_len: int, max_new_tokens: int, devices, value_bytes: int = 4) -> None:
     """Generation's KV cache (formulas.kv_cache_bytes; `m` a resolved ModelSpec) for `rows` prompts of
-    up to `prompt_len` tokens, split over every device at best, against their memory."""
+    up to `prompt_len` tokens, `value_bytes` a value, split over every device at best, against their memory."""
     positions = prompt_len + max_new_tokens - 1
     what = f"--max-new-tokens {max_new_tokens}"
     if positions > INT_LIMIT:
         raise UserError(f"{what}: {positions:,} positions exceed the 2^31 - 1 a position id holds; "
                         f"generate fewer tokens")
-    need = kv_cache_bytes(m.cached_positions(positions), rows, m.cached_values(), split=len(devices))
+    need = kv_cache_bytes(m.cached_positions(positions), rows, m.cached_values(), len(devices), value_bytes)
     _refuse_beyond_memory(what, need, f"the KV cache of {rows} row(s) x {positions:,} positions, "
                           f"meshtrain/core/formulas.py", device_memory(devices),
                           "generate fewer tokens or fewer prompts at once")

@@ -116,8 +116,8 @@ def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, he
 def kv_cache_bytes(layer_positions: int, rows: int, values: int, split: int = 1, value_bytes: int = 4) -> float:
     """Generation's KV cache per device: `values` per layer, row and position (ModelSpec.cached_values:
     a key and a value per kv head, 2 G K, or MLA's latent, kv_lora_rank + qk_rope_head_dim), of
-    `value_bytes` each (fp32: generate's; a trainer's rollouts cache the compute dtype), split `split`
-    ways (the batch axes, x tensor where the cache has heads). `layer_positions`: the positions
+    `value_bytes` each (generate.precision's, fp32 by default; a trainer's rollouts cache the compute
+    dtype), split `split` ways (the batch axes, x tensor where the cache has heads). `layer_positions`: the positions
     cached summed over layers (layers x positions; a sliding-window layer keeps its window's,
     ModelSpec.cached_positions)."""
     return layer_positions * rows * values * value_bytes / split

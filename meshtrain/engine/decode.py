@@ -275,18 +275,20 @@ def row_sharding(ndim: int, mesh, rules):
 
 
 def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=None, param_shardings=None,
-          precision: str = "fp32", exact: bool = False):
+          precision: str = "fp32", exact: bool = False, held: str = "fp32"):
     """The generation program `generate` runs, lowered on `mesh` from abstract inputs (nothing
     materialised; the planner compiles it for its memory): `batch` prompts of `prompt_len` tokens
     (rows padded as `generate` pads them), the parameters laid out by `place` (or by
     `param_shardings`: a trainer's rollouts sample from its state's layout) and cast to `precision`'s
     compute dtype, a KV cache of prompt_len + max_new_tokens - 1 positions (`exact`: none, the
-    sequence that wide instead: `_exact_program`)."""
+    sequence that wide instead: `_exact_program`). `held`: the precision whose compute dtype the
+    parameters arrive in (generate --precision casts them before placing them)."""
     rules = rules or make_rules()
     rows = padded_rows(batch, mesh, rules)
     abstract = lambda tree, shardings: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-    params = abstract(jax.eval_shape(model.init, jax.random.key(0)), param_shardings or place(model, mesh, rules))
+    shapes = jax.eval_shape(lambda key: cast_for_compute(model.init(key), held), jax.random.key(0))
+    params = abstract(shapes, param_shardings or place(model, mesh, rules))
     width = prompt_len + max_new_tokens - 1 if exact else prompt_len
     prompts = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=row_sharding(2, mesh, rules))
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding(1, mesh, rules))

@@ -135,11 +135,11 @@ def generation_sizes(sizes: dict[str, int]) -> dict[str, int]:
 def generation_memory(cfg, program) -> dict:
     """`python -m meshtrain.generate` for generate.batch_size prompts of train.seq_len tokens (the
     longest it takes) and generate.max_new_tokens new ones, on the plan's devices
-    (`generation_sizes`), compiled: its total per device, and the KV cache by formula
-    (formulas.kv_cache_bytes, fp32): keys and values [layers, rows, positions, kv heads, head dim]
-    (a sliding-window layer's positions its window's) split over the batch axes and tensor, or MLA's
-    latent [layers, rows, positions, kv_lora_rank + qk_rope_head_dim], which has no heads to split
-    over tensor."""
+    (`generation_sizes`), its parameters in generate.precision's dtype, compiled: its total per device,
+    and the KV cache by formula (formulas.kv_cache_bytes, in that dtype): keys and values [layers,
+    rows, positions, kv heads, head dim] (a sliding-window layer's positions its window's) split over
+    the batch axes and tensor, or MLA's latent [layers, rows, positions, kv_lora_rank +
+    qk_rope_head_dim], which has no heads to split over tensor."""
     from meshtrain.engine import decode
     from meshtrain.models import FAMILIES
 
@@ -148,15 +148,16 @@ def generation_memory(cfg, program) -> dict:
     mesh = build_mesh(sizes, list(program.mesh.devices.flat))
     prompt, new, rules = cfg.train.seq_len, cfg.generate.max_new_tokens, make_rules()
     rows = decode.padded_rows(cfg.generate.batch_size, mesh, rules)
-    out = compiled_memory(decode.lower(model, mesh, cfg.generate.batch_size, prompt, new, rules), False)
-    m = model.cfg
+    held = cfg.generate.precision
+    out = compiled_memory(decode.lower(model, mesh, cfg.generate.batch_size, prompt, new, rules, held=held), False)
+    m, value_bytes = model.cfg, compute_bytes(held)
     positions = prompt + new - 1
     split = math.prod(sizes[a] for a in rules["batch"]) * (1 if m.latent_rank() else sizes["tensor"])
-    cache = formulas.kv_cache_bytes(m.cached_positions(positions), rows, m.cached_values(), split)
+    cache = formulas.kv_cache_bytes(m.cached_positions(positions), rows, m.cached_values(), split, value_bytes)
     terms = (f"{m.num_layers} layers x {positions:,} positions x {rows} rows x ({m.kv_lora_rank} kv_lora_rank + "
-             f"{m.qk_rope_head_dim} qk_rope_head_dim) x 4 bytes / {split}" if m.latent_rank() else None)
+             f"{m.qk_rope_head_dim} qk_rope_head_dim) x {value_bytes} bytes / {split}" if m.latent_rank() else None)
     return {**out, "mesh": describe(sizes), "rows": rows, "prompt_len": prompt, "max_new_tokens": new,
-            "kv_cache_formula": cache, "kv_cache_terms": terms}
+            "precision": held, "kv_cache_formula": cache, "kv_cache_terms": terms}
 
 
 def rollout_memory(cfg, program) -> dict:

@@ -207,7 +207,7 @@ def format_run_memory(r: dict) -> list[str]:
                + f"; the rest of the train state beside it, {gb(ro['resident_state'])})"] if (ro := r.get("rollout"))
               else []),
             f"  generation   {gb(gen['total']):>12}  ({gen['rows']} prompt(s) of {gen['prompt_len']:,} tokens + "
-            f"{gen['max_new_tokens']:,} new, fp32, on {gen['mesh']}; "
+            f"{gen['max_new_tokens']:,} new, {gen['precision']}, on {gen['mesh']}; "
             + (f"latent KV cache {gb(gen['kv_cache_formula'])} by formula: {gen['kv_cache_terms']})"
                if gen["kv_cache_terms"] else f"KV cache {gb(gen['kv_cache_formula'])} by formula)"),
             f"usable: {gb(b['device_memory'])} x {b['fraction']:.2f} ({b['fraction_source']}) = {gb(b['usable'])}; "
