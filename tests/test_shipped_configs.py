@@ -2,7 +2,9 @@
 parallel.mesh): the planner's one verdict for the run (train step, eval step, generation, each
 compiled for the pod's mesh on simulated CPU devices) FITS the memory the runtime can use, with its
 margin, and the collective traffic it prints matches its formula per kind (or the plan flags the
-kind). One plan per config, in a subprocess with the pod's device count."""
+kind). One plan per config, in a subprocess with the pod's device count. A config that keeps its
+layers' parameters in host memory (parallel.offload=optimizer+params) is planned by XLA's GPU compiler
+for an H100: XLA:CPU holds host and device arrays in one memory, so only the GPU program separates them."""
 import json
 import subprocess
 import sys
@@ -22,8 +24,10 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 def plan(config, capsys) -> dict:
     """The plan's JSON: in this process when the pod has this process's 8 simulated devices, else
     in a subprocess with the pod's device count."""
+    gpu = load_config(str(config)).parallel.offload == "optimizer+params"
     argv = ["--config", str(config.relative_to(ROOT)), *documented_pod(config), "--json", "--search-budget", "0",
-            "--compiler", "cpu"]  # the pods by XLA:CPU: 8-15 s each here, 30-100 s by the GPU compiler
+            # the pods by XLA:CPU: 8-15 s each here, 30-100 s by the GPU compiler
+            *(("--compiler", "gpu", "--device", "h100") if gpu else ("--compiler", "cpu"))]
     if argv[argv.index("--devices") + 1] == str(len(jax.devices())):
         capsys.readouterr()
         assert plan_main(argv) in (0, None)
