@@ -35,7 +35,13 @@ def load(run: str, mesh_spec: str | None = None, step: int | None = None, precis
     def read(shardings):
         if precision == "fp32":
             return newest_params(run, model, shardings, step)
-        params, at = newest_params(run, model, SingleDeviceSharding(jax.devices("cpu")[0]), step)
+        try:
+            host = jax.devices("cpu")[0]
+        except RuntimeError:
+            raise UserError(f"--precision {precision} reads the checkpoint on the host through JAX's CPU backend, "
+                            f"which JAX_PLATFORMS leaves out; add cpu to it (e.g. cuda,cpu) or pass --precision "
+                            f"fp32") from None
+        params, at = newest_params(run, model, SingleDeviceSharding(host), step)
         return jax.device_put(cast_for_compute(params, precision), shardings), at
 
     if mesh_spec is None:

@@ -209,6 +209,7 @@ def test_a_chat_templates_end_of_turn_token_ends_the_completions(tmp_path, capsy
         free, _ = sample_rows(model, params, rows, 6, eos_id=0, exact=exact)
         stop = next(t for t in free[0] if t not in free[0][:2] and t != 0)  # a token row 0 draws third or later
         at = free[0].tolist().index(stop)
+        assert free[0, at + 1] != 0  # the free row goes on past it: the stop is what ends the row below
         out, logp = sample_rows(model, params, rows, 6, eos_id=0, exact=exact, end_of_turn=int(stop))
         assert out[0, :at + 1].tolist() == free[0, :at + 1].tolist() and np.all(out[0, at + 1:] == 0)
         assert np.all(logp[0, at + 1:] == 0) and np.all(logp[0, :at + 1] < 0)

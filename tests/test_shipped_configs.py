@@ -16,7 +16,7 @@ from conftest import ROOT
 from meshtrain.config.loader import documented_pod, load_config
 from meshtrain.parallel.mesh import parse_mesh
 from meshtrain.plan import main as plan_main
-from meshtrain.planner import traffic
+from meshtrain.planner import compilers, traffic
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -25,6 +25,8 @@ def plan(config, capsys) -> dict:
     """The plan's JSON: in this process when the pod has this process's 8 simulated devices, else
     in a subprocess with the pod's device count."""
     gpu = load_config(str(config)).parallel.offload == "optimizer+params"
+    if gpu and (missing := compilers.gpu_compiler_missing()):
+        pytest.skip(missing)
     argv = ["--config", str(config.relative_to(ROOT)), *documented_pod(config), "--json", "--search-budget", "0",
             # the pods by XLA:CPU: 8-15 s each here, 30-100 s by the GPU compiler
             *(("--compiler", "gpu", "--device", "h100") if gpu else ("--compiler", "cpu"))]

@@ -204,9 +204,10 @@ class RLConfig:
                                   "reference model", min=0.0, applies=GRPO)
     sampler: str = setting("cache", "cache: the KV-cache sampler (one forward a new token over one position); "
                                     "exact: each new token runs the training forward over the whole sequence, so "
-                                    "the sampled tokens' log-probabilities equal the trainer's bit for bit on one "
-                                    "device (rl.max_new_tokens whole forwards a rollout)", choices=("cache", "exact"),
-                           applies=GRPO)
+                                    "the sampled tokens' log-probabilities equal the trainer's bit for bit where "
+                                    "its step has the sampler's shapes (one microbatch; dense or dropless MoE "
+                                    "models; docs/fine-tuning.md); rl.max_new_tokens whole forwards a rollout",
+                           choices=("cache", "exact"), applies=GRPO)
     updates_per_batch: int = setting(1, "policy updates (train steps) per rollout batch, each against the rollout "
                                         "policy's log-probabilities", min=1, applies=GRPO)
 

@@ -191,6 +191,13 @@ def _exact_program(model, max_new: int, mesh, rules, precision: str = "fp32"):
     return jax.jit(run)
 
 
+def _chosen(model, max_new: int, mesh, rules, chunk: int, precision: str, exact: bool):
+    """The generation program: `_exact_program` or `_program`, traced under `rules` (None: none)."""
+    items = None if rules is None else tuple(sorted(rules.items()))
+    return (_exact_program(model, max_new, mesh, items, precision) if exact
+            else _program(model, max_new, mesh, items, chunk, precision))
+
+
 def generate(model, params, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, window: int | None = None,
              vocab: int | None = None, mesh=None, rules=None,
@@ -216,9 +223,10 @@ def sample_rows(model, params, prompts, max_new_tokens: int, *, temperature: flo
     first `eos_id` or `end_of_turn`, eos_id again) and each one's log-probability under the policy it was drawn
     from, log softmax(logits / temperature) (temperature 0: of the logits; ids >= `vocab` masked;
     top_k and top_p filter the draw, not this distribution), 0 after the row's end. The
-    log-probabilities are `token_log_probs` of the cached forward's logits: the trainer's
-    recomputation applies the same function to its own forward's. `precision`: the parameters are
-    cast to its compute dtype inside the program (meshtrain/ops/precision.py). `pad_to`: the prompts'
+    log-probabilities are `token_log_probs` of the cached forward's logits (`exact`: of the training
+    forward's): the trainer's recomputation applies the same function to its own forward's.
+    `precision`: the parameters are cast to its compute dtype inside the program
+    (meshtrain/ops/precision.py). `pad_to`: the prompts'
     padded width (default: the longest prompt's), so batches of other prompt lengths compile nothing
     new. `exact`: without a KV cache, the training forward over the whole sequence for each token
     (`_exact_program`; rl.sampler=exact). `end_of_turn`: a second id a row ends at, which it keeps (a
@@ -235,9 +243,7 @@ def sample_rows(model, params, prompts, max_new_tokens: int, *, temperature: flo
     for b, p in enumerate(prompts):
         prompts_BxP[b, :len(p)], lengths_B[b] = p, len(p)
     prompts_BxP[len(prompts):, :lengths[0]] = prompts[0]  # padding rows repeat the first prompt
-    items = None if mesh is None else tuple(sorted(rules.items()))
-    program = (_exact_program(model, max_new_tokens, mesh, items, precision) if exact
-               else _program(model, max_new_tokens, mesh, items, prefill_chunk, precision))
+    program = _chosen(model, max_new_tokens, mesh, None if mesh is None else rules, prefill_chunk, precision, exact)
     settings = {"temperature": np.float32(temperature), "top_k": np.int32(top_k),
                 "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
                 "end_of_turn": np.int32(-1 if end_of_turn is None else end_of_turn),
@@ -295,9 +301,7 @@ def lower(model, mesh, batch: int, prompt_len: int, max_new_tokens: int, rules=N
     settings = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "eos_id": jnp.int32,
                 "end_of_turn": jnp.int32, "window": jnp.int32, "vocab": jnp.int32}
     settings = {k: jax.ShapeDtypeStruct((), dtype) for k, dtype in settings.items()}
-    items = tuple(sorted(rules.items()))
-    program = (_exact_program(model, max_new_tokens, mesh, items, precision) if exact
-               else _program(model, max_new_tokens, mesh, items, PREFILL_CHUNK, precision))
+    program = _chosen(model, max_new_tokens, mesh, rules, PREFILL_CHUNK, precision, exact)
     with jax.set_mesh(mesh):
         return program.lower(params, prompts, lengths, jax.eval_shape(jax.random.key, 0), settings)
 

@@ -242,8 +242,10 @@ def format_verdict(r: dict) -> str:
                 f"over its share {gb(h['budget'])}; the device's {peak} {device}")
     if v["peak_of"] == "generation" and (training := max(r["steps"].get(k, 0) for k in ("train", "eval"))) \
             <= b["budget"]:  # the training run fits: the generate command is what does not, on these devices
+        halved = " or in bf16 (generate.precision=bf16)" if r["generation"]["precision"] == "fp32" else ""
         return (f"verdict: DOES NOT FIT in {gb(b['usable'])}: {peak}, {gb(-v['margin'])} over the budget; training "
-                f"fits (its peak {gb(training)}): generate on more devices (python -m meshtrain.generate --mesh)")
+                f"fits (its peak {gb(training)}): generate on more devices (python -m meshtrain.generate --mesh)"
+                f"{halved}")
     return (f"verdict: DOES NOT FIT in {gb(b['usable'])}: {peak}, {gb(-v['margin'])} over the budget; the train "
             f"step's largest consumer is {r['memory']['largest']}")
 
