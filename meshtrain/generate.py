@@ -112,10 +112,10 @@ def main(argv=None) -> int:
     args = arguments(parser(), argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = run_config(args.run).generate.max_new_tokens
-    precision = args.precision or run_config(args.run).generate.precision
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     start_jax(args)
     tok, prompts = encode_prompts(args.run, args.prompt, args.tokenizer)
+    precision = args.precision or run_config(args.run).generate.precision
     check_generation_size(run_config(args.run).model.resolved(), len(prompts), max(map(len, prompts)),
                           args.max_new_tokens, jax.devices(), compute_bytes(precision))
     model, params, mesh, step = load(args.run, args.mesh, args.step, precision)
