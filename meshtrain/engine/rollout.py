@@ -81,9 +81,12 @@ class Rollouts:
         reward that is not a pure function of its inputs (a judge, a timeout) gives every process the
         same advantages, and a reward's error stops every process, not one in a collective."""
         stops = self.stops(prompts.end_of_turn)  # the text scored is the completion's without them
-        texts = [self.tok.decode([t for t in row[:n] if t not in stops]) for row, n in zip(out_BxN, lengths)]
         each = lambda xs: [x for x in xs for _ in range(repeat)]
-        score = lambda: rewards.score(self.terms, each(prompts.texts), texts, each(prompts.rows), each(prompts.where))
+
+        def score():  # on the scoring process only: the texts are decoded there
+            texts = [self.tok.decode([t for t in row[:n] if t not in stops]) for row, n in zip(out_BxN, lengths)]
+            return rewards.score(self.terms, each(prompts.texts), texts, each(prompts.rows), each(prompts.where))
+
         if jax.process_count() == 1:
             return score()
         from jax.experimental import multihost_utils
@@ -98,7 +101,7 @@ class Rollouts:
             raise error or UserError("process 0's rl.reward failed on this rollout (its error line names the row); "
                                      "fix the reward or the row")
         keys = ["reward"] + [f"reward_{t.name}" for t in self.terms]
-        like = {k: np.zeros(len(texts)) for k in keys} if out is None else out
+        like = {k: np.zeros(len(out_BxN)) for k in keys} if out is None else out
         return {k: np.asarray(v) for k, v in multihost_utils.broadcast_one_to_all(like).items()}
 
     def __call__(self, state, prompts, step: int):

@@ -26,14 +26,13 @@ the placement (meshtrain/planner/aot.py).
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from meshtrain.core.errors import UserError
 from meshtrain.ops.optimizers import map_param_states
+from meshtrain.parallel.sharding import shard_bytes
 
 MODES = ("none", "optimizer", "optimizer+params")
 HOST_KIND = "pinned_host"
@@ -125,8 +124,9 @@ def in_host_memory(shardings, flags):
 
 def host_bytes(tree, shardings, flags) -> int:
     """The bytes per device of the leaves of `tree` that `flags` marks, under `shardings`."""
-    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s, host in
-               zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), jax.tree.leaves(flags)) if host)
+    marked = [(x, s) for x, s, host in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings),
+                                           jax.tree.leaves(flags)) if host]
+    return shard_bytes([x for x, _ in marked], [s for _, s in marked])
 
 
 def _stacked(logical_axes):

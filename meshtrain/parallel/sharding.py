@@ -327,3 +327,9 @@ def stage_replicated(axes: tuple) -> bool:
     """Whether every pipeline stage holds this parameter whole: it has no `layers` axis (embedding,
     final norm, head, an `outer_layers` stack), so it sits outside the stacked layers the stages split."""
     return "layers" not in axes
+
+
+def shard_bytes(tree, shardings) -> int:
+    """The bytes per device of `tree`'s leaves (arrays or ShapeDtypeStructs) under `shardings`."""
+    return int(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))))

@@ -34,7 +34,7 @@ from meshtrain.ops import offload
 from meshtrain.ops.attention import MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
-from meshtrain.parallel.sharding import make_rules
+from meshtrain.parallel.sharding import make_rules, shard_bytes
 from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, traffic
 from meshtrain.planner import roofline as roof
 from meshtrain.planner.budget import budget, host_budget, memory_fraction, verdict
@@ -67,11 +67,6 @@ def compile_for_analysis_only(environ) -> None:
 def cpu_widened(program) -> bool:
     """Whether XLA:CPU's f32 copies of bf16/fp16 loop values are to be left out (CPU_F32_COPIES)."""
     return program.plan.precision != "fp32" and not on_gpu(program)
-
-
-def shard_bytes(tree, shardings) -> int:
-    return int(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))))
 
 
 def compiled_memory(lowered, widened: bool, default=None) -> dict:
@@ -280,7 +275,7 @@ def host_memory(program, gpu: bool, memory: dict, train_memory: dict) -> dict:
     """parallel.offload's host memory per device and where the figure comes from, with the train step's
     device `total` corrected where the program cannot tell the memories apart: the GPU program holds the
     offloaded state in host memory space and reports it apart (measured); XLA:CPU has one memory, so
-    there the state's bytes (by formula, `roofline.offloaded_bytes`) move from the device total to the host."""
+    there the state's bytes (by formula, `TrainProgram.offloaded_bytes`) move from the device total to the host."""
     offload = program.plan.offload
     if offload == "none":
         return {"offload": offload, "host_total": 0, "host_source": ""}
