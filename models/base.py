@@ -11,10 +11,9 @@ blocks. A family (models/llama.py, moe.py, qwen3.py, ...) is one module that cha
 - `PARAM_AXES`: the logical axes of the parameters (models/axes.py, with LoRA's adapters,
   models/lora.py), which sharding, INT8 channels and Hugging Face layouts follow.
 
-The shared pieces beside it: models/lora.py (the adapters' math and LoRA dropout), models/rope.py,
-models/kv_cache.py (cached attention), models/hf_llama.py (the LlamaForCausalLM form the families'
-Hugging Face forms start from), models/experts.py (routing and the experts' dispatch) and
-models/routed.py (the blocks of the routed-expert families).
+Beside it: models/lora.py (adapters, LoRA dropout), rope.py, kv_cache.py (cached attention), hf_llama.py
+(the LlamaForCausalLM form the families' Hugging Face forms start from), experts.py (routing, dispatch)
+and routed.py (the blocks of the routed-expert families).
 
 `Block` is three pieces: `project` (norm, q/k/v, rotary), the attention kernel, and `finish` (output
 projection, MLP, residuals); training runs them as `__call__`, generation as `decode` (a KV cache).
@@ -313,9 +312,8 @@ class LanguageModel:
 
     `attention`: the kernel (meshtrain/ops/attention.py); `sequence_order`: the true position of each
     stored sequence position when the sequence is stored permuted (None: in order); `packing`:
-    how a window splits into documents (meshtrain/ops/packing.py; None: it does not); `matmul`:
-    the einsum of `block`'s projections and MLP (meshtrain/ops/fp8.py's under fp8; the cached
-    `decode` keeps jnp.einsum)."""
+    how a window splits into documents (meshtrain/ops/packing.py; None: it does not); `matmul`: the einsum
+    of `block`'s projections and MLP (meshtrain/ops/fp8.py's under fp8; the cached `decode` keeps jnp.einsum)."""
 
     module = Transformer
     saveable = MATMUL_OUTPUTS
@@ -454,9 +452,13 @@ class LanguageModel:
         return self.active_matmul_params(params) - self.cfg.vocab_size * self.cfg.d_model
 
     def fp8_matmul_params(self, params) -> int:
-        """Of the blocks', those of the matmuls `block` runs through its `matmul` (fp8 under
-        precision=fp8): all of them here; the head runs bf16."""
+        """Of the blocks', those `block` multiplies through its `matmul` (fp8 recipes): all; the head is bf16."""
         return self.block_matmul_params(params)
+
+    def fp8_weight(self, name: str, leaf) -> bool:
+        """Whether the fp8 recipes quantize parameter `name` for `block`'s matmul (FSDP gathers it in fp8):
+        every stacked matrix (projections, MLP, adapters); not a norm, the embedding or the head."""
+        return leaf.ndim >= 3
 
     def slot_matmul_params(self, params, seq_len: int, expert_parallel: int = 1, in_fp8: bool = False,
                            rows_routed: bool = False) -> float:

@@ -192,6 +192,11 @@ class MoELanguageModel(LanguageModel):
             fp8 -= self._routed_per_token(params)
         return fp8
 
+    def fp8_weight(self, name: str, leaf) -> bool:
+        """Less the router (fp32) and, dropless, the routed experts and their adapters (bf16 grouped matmuls)."""
+        routed = name.startswith(("expert_", "lora_expert_")) and self.cfg.capacity_factor == 0
+        return super().fp8_weight(name, leaf) and name != "router" and not routed
+
     def slot_matmul_params(self, params, seq_len: int, expert_parallel: int = 1, in_fp8: bool = False,
                            rows_routed: bool = False) -> float:
         """Capacity routing runs each row's E x C slots through the experts, empty or not: C/L of the

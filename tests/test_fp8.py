@@ -62,14 +62,16 @@ SPECS = {"bld,dhk->blhk": ((2, 8, 32), (32, 4, 8)), "blhk,hkd->bld": ((2, 8, 4, 
 
 def results(spec, x32, w32, g32):
     """fp8_einsum's output and gradients; the fp8 GEMM's by its definition (the fp8 values as fp32,
-    fp32 sums, the product of the two scales applied in fp32, one rounding to bf16), each gradient the
-    vjp of the fp32 einsum of the fp8 values applied to the e5m2 cotangent; and fp32's."""
+    fp32 sums rounded to bf16 (the GEMM's output type), the product of the two scales applied in fp32,
+    rounded to bf16 again), each gradient the vjp of the fp32 einsum of the fp8 values applied to the
+    e5m2 cotangent; and fp32's."""
     x, w, g = (t.astype(jnp.bfloat16) for t in (x32, w32, g32))
     y, vjp = jax.vjp(functools.partial(fp8_einsum, spec), x, w)
     (qx, sx), (qw, sw), (qg, sg) = quantize(x, E4M3), quantize(w, E4M3), quantize(g, E5M2)
     f32 = lambda t: t.astype(jnp.float32)
     gemm, gemm_vjp = jax.vjp(functools.partial(jnp.einsum, spec), f32(qx), f32(qw))
-    (dx, dw), scaled = gemm_vjp(f32(qg)), lambda t, a, b: (t * (f32(a) * f32(b))).astype(jnp.bfloat16)
+    dx, dw = gemm_vjp(f32(qg))
+    scaled = lambda t, a, b: (f32(t.astype(jnp.bfloat16)) * (f32(a) * f32(b))).astype(jnp.bfloat16)
     y32, vjp32 = jax.vjp(functools.partial(jnp.einsum, spec), x32, w32)
     return (y, *vjp(g)), (scaled(gemm, sx, sw), scaled(dx, sg, sw), scaled(dw, sx, sg)), (y32, *vjp32(g32))
 
@@ -101,7 +103,8 @@ def test_the_fp8_einsum_is_the_scaled_fp8_gemm_and_its_gradients_track_fp32(eins
 def numpy_rowwise(spec, a, b, a_dtype, b_dtype):
     """fp8_rowwise's GEMM by its definition, in NumPy with ml_dtypes' fp8 casts: per slice along the
     axes the GEMM contracts, s = 2^ceil(log2(amax / fmax)) (1 for a zero slice); the fp8 values'
-    products summed in fp32, times the scales' outer product, rounded to bf16 once."""
+    products summed in fp32, times the scales' outer product, rounded to bf16 once (the GEMM writes its
+    sum in bf16 and then scales it: by powers of 2, the same bits)."""
     import ml_dtypes
 
     def quantized(t, dtype, axes):

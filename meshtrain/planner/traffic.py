@@ -17,7 +17,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   once per step.
 - FSDP (over F x C, and D at zero 3 without microbatches or a pipeline), per microbatch: the
   layers' weights all-gathered in the compute dtype in the forward and again in the backward
-  (remat=full recomputes with the backward's gather), their gradients reduce-scattered in the
+  (remat=full recomputes with the backward's gather; under an fp8 recipe XLA:GPU gathers the matrices
+  the recipe quantizes, the model's `fp8_weight`, in fp8: 1 byte), their gradients reduce-scattered in the
   compute dtype; the embedding, head and final norm gathered once per step (XLA:CPU hoists the gather
   out of the microbatch loop: an untied table in the compute dtype, the head twice in it; XLA:GPU
   does not: per microbatch, the table and head in the compute dtype) and reduced per microbatch,
@@ -52,9 +53,8 @@ knows for that layout and ratio (else UNEXPLAINED) and that the roofline (meshtr
 times the measured bytes. Checked within 10% (tests/test_traffic.py, tests/test_traffic_configs.py,
 tests/test_shipped_configs.py) for data (zero 1 and 3), fsdp, tensor (with fsdp, under remat),
 pipeline, expert parallelism's all-to-all, the ring's permutes, int8 compression and each shipped
-pod's main kinds; flagged with their reasons: see `known_gaps`. On the shipped pods
-(`python -m meshtrain.plan --config configs/C.yaml` with the config's `# pod:` flags) the
-docs/planner.md lists measured/formula per kind.
+pod's main kinds; flagged with their reasons: see `known_gaps`. docs/planner.md lists measured/formula
+per kind on the shipped pods (`python -m meshtrain.plan --config configs/C.yaml`, the config's `# pod:` flags).
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ import jax
 
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
+from meshtrain.ops.fp8 import is_fp8
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.ring_schedule import ring_sends
 from meshtrain.ops.ulysses import context_degrees
@@ -79,23 +80,24 @@ def on_gpu(program) -> bool:
 
 
 def _params_with_axes(program, trained: bool = False):
-    """(parameter, its sharding, its logical axes) for each parameter (`trained`: each one the step
-    trains, `TrainProgram.trained`: LoRA's adapters)."""
+    """(parameter, its sharding, its logical axes, its name) for each parameter (`trained`: each one the
+    step trains, `TrainProgram.trained`: LoRA's adapters)."""
     pick = program.trained if trained else (lambda tree: tree)
-    names = jax.tree.leaves(pick(program.logical_axes), is_leaf=lambda n: isinstance(n, tuple))
-    return zip(jax.tree.leaves(pick(program.abstract_state["params"])),
-               jax.tree.leaves(pick(program.state_shardings["params"])), names)
+    axes = jax.tree.leaves(pick(program.logical_axes), is_leaf=lambda n: isinstance(n, tuple))
+    named = jax.tree_util.tree_leaves_with_path(pick(program.abstract_state["params"]))
+    return zip([leaf for _, leaf in named], jax.tree.leaves(pick(program.state_shardings["params"])), axes,
+               [str(path[-1].key) for path, _ in named])
 
 
 def stage_replicated_params(program, trained: bool = False) -> int:
     """Parameters every pipeline stage holds whole: ZeRO's formula (`formulas.zero_bytes`) does not
     divide them by `pipeline`."""
-    return sum(leaf.size for leaf, _, axes in _params_with_axes(program, trained) if stage_replicated(axes))
+    return sum(leaf.size for leaf, _, axes, _ in _params_with_axes(program, trained) if stage_replicated(axes))
 
 
 def expert_params(program, trained: bool = False) -> int:
     """The MoE experts' parameters (an `experts` axis): ZeRO's formula divides them by `expert` too."""
-    return sum(leaf.size for leaf, _, axes in _params_with_axes(program, trained) if "experts" in axes)
+    return sum(leaf.size for leaf, _, axes, _ in _params_with_axes(program, trained) if "experts" in axes)
 
 
 GATHERED_AXES = ("data", "fsdp", "context")  # the axes a parameter slice is gathered and reduced over
@@ -106,7 +108,7 @@ def unsharded_slice(program) -> float:
     per-head q/k norm weights, [head_dim]): each device holds them whole, and their gradients are
     all-reduced where the others' are reduce-scattered."""
     total = 0.0
-    for leaf, sharding, _ in _params_with_axes(program, trained=True):
+    for leaf, sharding, _, _ in _params_with_axes(program, trained=True):
         used = [a for entry in sharding.spec for a in entry_axes(entry)]
         if not any(program.sizes[a] > 1 for a in used if a in GATHERED_AXES):
             total += leaf.size / math.prod(program.sizes[a] for a in used)
@@ -120,16 +122,19 @@ def param_slices(program, experts: bool = True, trained: bool = False) -> dict[s
     `experts=False`: the parameters outside the experts only (those the expert axis replicates).
     `table`: of `outer`, an untied embedding table's slice (the lookup gathers it in the compute
     dtype; a tied table is the head too); `lookup`: the table the lookup reads, tied or not;
-    `vocab`: the parameters with a vocabulary axis (the table and an untied head). `trained`: the
-    trained parameters only, whose gradients are reduced (LoRA: the adapters)."""
-    out = {"blocks": 0.0, "outer": 0.0, "table": 0.0, "lookup": 0.0, "vocab": 0.0}
-    tied = program.model.cfg.tie_embeddings
-    for leaf, sharding, axes in _params_with_axes(program, trained):
+    `vocab`: the parameters with a vocabulary axis (the table and an untied head); `fp8`: of `blocks`,
+    those an fp8 recipe quantizes before its matmul (the model's `fp8_weight`: FSDP gathers their fp8
+    copies). `trained`: the trained parameters only, whose gradients are reduced (LoRA: the adapters)."""
+    out = {"blocks": 0.0, "outer": 0.0, "table": 0.0, "lookup": 0.0, "vocab": 0.0, "fp8": 0.0}
+    model, fp8 = program.model, is_fp8(program.plan.precision)
+    tied = model.cfg.tie_embeddings
+    for leaf, sharding, axes, name in _params_with_axes(program, trained):
         if not experts and "experts" in axes:
             continue
         split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
                           if a not in GATHERED_AXES)
         out["outer" if stage_replicated(axes) else "blocks"] += leaf.size / split
+        out["fp8"] += leaf.size / split if fp8 and not stage_replicated(axes) and model.fp8_weight(name, leaf) else 0
         if axes[:1] == ("vocab",):
             out["lookup"] += leaf.size / split
             out["table"] += 0 if tied else leaf.size / split
@@ -259,8 +264,13 @@ def expected_traffic(program) -> dict[str, dict]:
     # The layers' weights in the compute dtype, forward and backward (under remat=full the
     # recomputed forward uses the backward's gather); the embedding and head in fp32, once: the
     # forward's gather stays live for the backward (outside the layer loop).
-    add("all-gather", micro * ring_traffic("all-gather", 2 * slices["blocks"] * act, A),
-        f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype, forward and backward")
+    # an fp8 recipe's weights: XLA:GPU quantizes before the gather (1 byte), XLA:CPU after (the compute dtype)
+    fp8 = slices["fp8"] if gpu else 0.0
+    layers = (slices["blocks"] - fp8) * act + fp8
+    in_fp8 = ", their matrices in fp8 (XLA:GPU quantizes them before the gather)" if fp8 else ""
+    add("all-gather", micro * ring_traffic("all-gather", 2 * layers, A),
+        f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype{in_fp8}, forward and "
+        f"backward")
     if gpu and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop
         add("all-gather", micro * ring_traffic("all-gather", slices["vocab"] * act + (slices["outer"] - slices["vocab"])
                                                * 4, A),
@@ -436,6 +446,10 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "layers of several kinds (sliding windows): the HLO reader (meshtrain/planner/hlo.py) counts both "
             "branches of each layer's switch over its kinds' kernels as if taken, so every layer's ring as every "
             "kind's; the formula counts each layer's own", 1, (formula + extra) / formula))
+    if is_fp8(plan.precision) and D * F * C > 1:  # activations and weights sharded: their amaxes are reduced
+        gaps["all-reduce"].append(("the fp8 recipe's scales: each quantized tensor's amax over its batch or fsdp "
+                                   "shards is all-reduced (a scalar; fp8_rowwise: one per row where the contraction "
+                                   "is sharded: the weights' over fsdp, dw's tokens over the batch)", 1, math.inf))
     if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
         gaps["all-gather"].append((
             "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
