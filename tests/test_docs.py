@@ -52,6 +52,8 @@ TEXT_ONLY = {
     ("planner.md", "python -m meshtrain.plan"): "64- and 128-device pods",
     ("context.md", "python -m meshtrain.plan"): "about 6 minutes on 2 cores",
     ("sweeps.md", "python -m meshtrain.sweep"): "about 4 minutes on 2 cores",
+    ("fine-tuning.md", "python -m meshtrain.plan"): "it compiles Llama 3 8B twice",
+    ("fine-tuning.md", "python -m meshtrain.train"): "about 2 minutes on 2 cores",
     ("metrics.md", "tensorboard"): "starts a server",
     ("evaluation.md", "python -m meshtrain.eval"): "a run with a step 400 and a download",
     ("evaluation.md", "import"): "it needs a task folder",

@@ -281,7 +281,7 @@ def test_the_loss_and_its_gradients_are_the_direct_formulas(prompts_folder):
             rows, shared = objective.step_inputs({**state, "params": params}, batch, score)
             assert float(shared["logp_diff_max"]) <= 2e-6
             loss_fn = lambda p: objective.finish(objective.loss(p, rows, shared)[1], rows, shared)[0]["loss"]
-            got, grads = jax.value_and_grad(loss_fn)(moved)
+            got, grads = jax.jit(jax.value_and_grad(loss_fn))(moved)
 
         tokens = np.asarray(batch["tokens"])
         targets = np.where(tokens[:, 1:] >= 0, tokens[:, 1:], -1)
@@ -301,7 +301,7 @@ def test_the_loss_and_its_gradients_are_the_direct_formulas(prompts_folder):
             trained = targets >= 0
             return jnp.sum(jnp.where(trained, per_token, 0)) / trained.sum()
 
-        want, want_grads = jax.value_and_grad(direct)(moved)
+        want, want_grads = jax.jit(jax.value_and_grad(direct))(moved)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

@@ -358,9 +358,9 @@ def run(args) -> str:
 
 def _run(args, cfg, overrides: list[str], target, profile: dict, memory_budget: dict) -> str:
     compiled_for, devices = target.describe(), target.devices
-    if args.zero_table:
-        rows = [{**plan(with_plan(cfg, zero=z), profile, memory_budget, args.devices_per_node, devices),
-                 "compiled_for": compiled_for} for z in range(4)]
+    if args.zero_table:  # the train step's memory per stage: its programs only (not eval or generation)
+        steps = [train_step_plan(with_plan(cfg, zero=z), profile, args.devices_per_node, devices) for z in range(4)]
+        rows = [{**{k: v for k, v in r.items() if k != "_program"}, "compiled_for": compiled_for} for r in steps]
         return json.dumps(rows) if args.json else "\n".join([compilers.summary(compiled_for), format_zero_table(rows)])
     if args.compare:
         rows, skipped = [], []
