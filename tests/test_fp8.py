@@ -23,6 +23,7 @@ from meshtrain.ops.fp8 import (
     dequantize,
     fp8_einsum,
     fp8_max,
+    fp8_refusal,
     fp8_rowwise_einsum,
     quantize,
     transposed_specs,
@@ -280,6 +281,19 @@ def test_the_roofline_runs_the_blocks_matmuls_at_the_fp8_peak():
         assert "mfu_fp8_ceiling" not in base
     with pytest.raises(UserError, match="parallel.precision=fp8: the A100 SXM 80GB has no fp8 matmuls"):
         roofline.estimate(fp8, nothing, [], DEVICE_PROFILES["a100"])
+
+
+@pytest.mark.fast
+def test_an_fp8_recipe_is_refused_on_a_gpu_without_fp8_matmuls():
+    """Before compute capability 8.9 (A100: 8.0) XLA would run the recipe upcast, slower than bf16: one
+    line naming the GPU and the fix; Ada, Hopper and Blackwell run it, and CPUs compute its numbers."""
+    gpu = lambda cc, kind="NVIDIA A100-SXM4-80GB": SimpleNamespace(platform="gpu", compute_capability=cc,
+                                                                   device_kind=kind)
+    why = fp8_refusal("fp8_rowwise", gpu("8.0"))
+    assert why.startswith("parallel.precision=fp8_rowwise: the NVIDIA A100-SXM4-80GB (compute capability 8.0) has "
+                          "no fp8 matmuls") and why.endswith("set parallel.precision=bf16")
+    assert [fp8_refusal("fp8", gpu(cc)) for cc in ("8.9", "9.0", "10.0")] == [None] * 3
+    assert fp8_refusal("bf16", gpu("8.0")) is None and fp8_refusal("fp8", jax.devices()[0]) is None
 
 
 def test_the_fp8_roofline_leaves_the_router_and_dropless_experts_at_the_bf16_peak():

@@ -199,6 +199,14 @@ def test_fsdp_formula_holds_on_the_gpu_program(tied):
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.10), kind
 
 
+def test_a_program_of_an_fp8_recipe_for_an_a100_is_refused_before_it_compiles():
+    """The program itself refuses (a run on an A100 as much as its plan by the GPU compiler), from the
+    device's own compute capability."""
+    a100 = compilers.choose("gpu", "a100", 1, 8).devices
+    with pytest.raises(UserError, match=r"the NVIDIA A100-SXM4-80GB \(compute capability 8.0\) has no fp8 matmuls"):
+        TrainProgram.from_config(tiny_config("parallel.mesh=1", "parallel.precision=fp8"), devices=a100)
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
 def test_fp8_matrices_are_gathered_in_fp8_and_their_gradients_reduced_in_bf16(recipe):
     """An fp8 recipe on 8 H100s as fsdp=8 in 2 microbatches: XLA:GPU quantizes the layers' matrices before

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.config.spec import ModelSpec, OptimSpec, ParallelPlan, TrainConfig
 from meshtrain.config.validate import check_layout, resolve_attention
 from meshtrain.core.console import notice_once
+from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine import decode
 from meshtrain.engine.pipeline import layer_order
@@ -26,7 +27,7 @@ from meshtrain.models import FAMILIES
 from meshtrain.objectives import objective
 from meshtrain.ops import offload
 from meshtrain.ops.attention import BACKENDS
-from meshtrain.ops.fp8 import matmul_for
+from meshtrain.ops.fp8 import fp8_refusal, matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
 from meshtrain.ops.packing import Packing, packing_of
 from meshtrain.ops.precision import initial_loss_scale
@@ -59,7 +60,10 @@ class TrainProgram:
         t = train
         self.sizes = parse_mesh(plan.mesh, len(devices) if devices is not None else jax.device_count())
         self.rules = make_rules(plan.rules, plan.sequence_parallel)
-        backend = devices[0].platform if devices is not None else jax.default_backend()  # a plan's GPU target
+        first = devices[0] if devices is not None else jax.devices()[0]
+        backend = first.platform if devices is not None else jax.default_backend()  # a plan's GPU target
+        if why := fp8_refusal(plan.precision, first):
+            raise UserError(why)
         plan, self.attention_note = resolve_attention(model, plan, t.seq_len, self.sizes, backend, packing is not None)
         if self.attention_note:  # said once per process: a planner's search builds many programs alike
             notice_once(f"parallel.attention=auto: cuDNN's fused attention does not take this model here "

@@ -168,6 +168,24 @@ def is_fp8(precision: str) -> bool:
     return precision in RECIPES
 
 
+FP8_CAPABILITY = (8, 9)  # NVIDIA's fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0)
+
+
+def fp8_refusal(precision: str, device) -> str | None:
+    """Why an fp8 recipe cannot run its GEMMs in fp8 on `device` (a GPU before compute capability 8.9:
+    XLA would upcast them and run slower than bf16), or None (any other precision, device or platform:
+    a CPU computes the recipe's numbers exactly)."""
+    capability = getattr(device, "compute_capability", None)
+    if not is_fp8(precision) or device.platform != "gpu" or not capability:
+        return None
+    found = tuple(int(x) for x in str(capability).split("."))
+    if found >= FP8_CAPABILITY:
+        return None
+    return (f"parallel.precision={precision}: the {device.device_kind} (compute capability {capability}) has no fp8 "
+            f"matmuls, which need {'.'.join(map(str, FP8_CAPABILITY))} or newer (Ada, Hopper, Blackwell: L40S, H100, "
+            f"H200, B200); XLA would run the recipe upcast, slower than bf16: set parallel.precision=bf16")
+
+
 def matmul_for(precision: str):
     """The einsum the transformer's projections and MLP run under a precision: its fp8 recipe's, else
     jnp.einsum."""
