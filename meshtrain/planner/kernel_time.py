@@ -97,7 +97,7 @@ def gemm_efficiency(m: int, n: int, k: int, c: dict) -> float:
     return c["gemm_peak"] * math.prod(s / (s + half) for s in (m, n, k))
 
 
-def _dot(module: Module, comp: str, ins) -> tuple[str, int, int, int] | None:
+def gemm_shape(module: Module, comp: str, ins) -> tuple[str, int, int, int] | None:
     """(operand type, m, n, k) of a GEMM kernel, None when `ins` is not one (kernels.gemm_types)."""
     if kernels.gemm_types(module, comp, ins) is None:
         return None
@@ -216,7 +216,7 @@ class StepTime:
         if ins.op in _FREE:
             return None
         p, c = self.profile, self.c
-        if (gemm := _dot(self.module, comp, ins)) is not None:
+        if (gemm := gemm_shape(self.module, comp, ins)) is not None:
             dtype, m, n, k = gemm
             peak = _peak(p, dtype)
             shape = gemm_efficiency(m, n, k, c) / c["gemm_peak"]
