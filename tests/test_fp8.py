@@ -296,6 +296,22 @@ def test_an_fp8_recipe_is_refused_on_a_gpu_without_fp8_matmuls():
     assert fp8_refusal("bf16", gpu("8.0")) is None and fp8_refusal("fp8", jax.devices()[0]) is None
 
 
+def test_the_fp8_collectives_beyond_the_formulas_are_known_by_layout():
+    """Beside tensor, each column-parallel projection's dx is all-reduced on its own (its scaled GEMM
+    rounds alone; bf16 sums them first), up to 7/4 of the formula; elsewhere the scales' amaxes are the
+    all-reduce bytes the formula lacks (meshtrain/planner/known_gaps.py). A bf16 step has neither."""
+    from meshtrain.planner.known_gaps import known_gaps
+
+    def all_reduce_gaps(mesh, precision="fp8"):
+        program = TrainProgram.from_config(tiny_config(f"parallel.mesh={mesh}", f"parallel.precision={precision}"),
+                                           devices=jax.devices()[:8])
+        return [(why.split(":")[0], hi) for why, _, hi in known_gaps(program).get("all-reduce", [])]
+
+    assert all_reduce_gaps("fsdp=4,tensor=2") == [("fp8 beside tensor", 7 / 4)]
+    assert all_reduce_gaps("fsdp=8") == [("the fp8 recipe's scales", float("inf"))]
+    assert all_reduce_gaps("fsdp=8", "bf16") == []
+
+
 def test_the_fp8_roofline_leaves_the_router_and_dropless_experts_at_the_bf16_peak():
     """moe_tiny (4 layers, D 32, F 32, 4 experts, top 2, a shared expert): its router [D, E] runs
     bf16 either way, and its routed experts run fp8 under capacity routing only, on every slot: at

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from meshtrain.engine.program import TrainProgram
-from meshtrain.planner import hlo, traffic
+from meshtrain.planner import hlo, known_gaps, traffic
 
 # Tiny Llama-shaped dims: every layer's structure (GQA, SwiGLU, untied or tied head) kept.
 SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",
@@ -62,7 +62,7 @@ def case_config(name):
 def compared(name):
     program = TrainProgram.from_config(case_config(name))
     measured = hlo.collectives(program.lower().compile().as_text(), program.mesh.size)
-    return traffic.compare(measured, traffic.expected_traffic(program), gaps=traffic.known_gaps(program))
+    return traffic.compare(measured, traffic.expected_traffic(program), gaps=known_gaps.known_gaps(program))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -83,7 +83,7 @@ def test_ring_exchanges_per_kind_of_layer():
     program = TrainProgram.from_config(case_config(name))
     (_, local, *_), (_, full, *_) = sorted(traffic.ring_layer_traffic(program), reverse=True)
     assert 0 < local < full
-    bound = next(hi for why, _, hi in traffic.known_gaps(program)["collective-permute"] if "kinds" in why)
+    bound = next(hi for why, _, hi in known_gaps.known_gaps(program)["collective-permute"] if "kinds" in why)
     assert compared(name)["collective-permute"]["ratio"] == pytest.approx(bound, rel=1e-6)
 
 
@@ -108,7 +108,8 @@ def all_reduce_over_tensor(config):
     program = TrainProgram.from_config(tiny_config("parallel.mesh=fsdp=4,tensor=2",
                                                    config=str(ROOT / "configs" / f"{config}.yaml")))
     measured = hlo.collectives(program.lower().compile().as_text(), program.mesh.size)
-    return traffic.compare(measured, traffic.expected_traffic(program), gaps=traffic.known_gaps(program))["all-reduce"]
+    gaps = known_gaps.known_gaps(program)
+    return traffic.compare(measured, traffic.expected_traffic(program), gaps=gaps)["all-reduce"]
 
 
 def test_moe_experts_split_over_tensor_all_reduce_as_megatron():
@@ -123,6 +124,6 @@ def test_moe_experts_split_over_tensor_all_reduce_as_megatron():
 
 def test_latent_attention_beside_tensor_is_a_known_gap():
     """deepseek_v3_tiny (MLA and dropless experts) on fsdp x tensor: the experts as moe_tiny's, and
-    what the all-reduce reads beyond the formula is the latents' gradients (`traffic.known_gaps`)."""
+    what the all-reduce reads beyond the formula is the latents' gradients (meshtrain/planner/known_gaps.py)."""
     row = all_reduce_over_tensor("deepseek_v3_tiny")
     assert row["within"] or "latent" in row["flag"], row

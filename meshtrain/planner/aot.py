@@ -35,7 +35,7 @@ from meshtrain.ops.attention import MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
 from meshtrain.parallel.sharding import make_rules, shard_bytes
-from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, traffic
+from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, known_gaps, traffic
 from meshtrain.planner import roofline as roof
 from meshtrain.planner.budget import budget, host_budget, memory_fraction, verdict
 from meshtrain.planner.hlo import KINDS
@@ -238,7 +238,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
     records = hlo.read(text, n, correct=not gpu)  # the GPU's program needs no CPU corrections
     measured = hlo.by_kind(records)
     expected = traffic.expected_traffic(program)
-    compared = traffic.compare(measured, expected, gaps=traffic.known_gaps(program))
+    compared = traffic.compare(measured, expected, gaps=known_gaps.known_gaps(program))
     comms = {k: {**measured[k], "formula_traffic_bytes": expected[k]["traffic_bytes"], "formula": expected[k]["terms"],
                  "ratio": compared[k]["ratio"], "within": compared[k]["within"], "flag": compared[k]["flag"]}
              for k in KINDS}

@@ -48,13 +48,14 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   per kind of layer (a model's layers may differ in window: `ModelSpec.layer_windows`).
 
 `compare` sets measured (meshtrain/planner/hlo.py, corrected) beside these per kind: the ratio, and a
-flag where it is outside 10% or there are bytes and no formula, with the reason `known_gaps`
-knows for that layout and ratio (else UNEXPLAINED) and that the roofline (meshtrain/planner/roofline.py)
-times the measured bytes. Checked within 10% (tests/test_traffic.py, tests/test_traffic_configs.py,
-tests/test_shipped_configs.py) for data (zero 1 and 3), fsdp, tensor (with fsdp, under remat),
-pipeline, expert parallelism's all-to-all, the ring's permutes, int8 compression and each shipped
-pod's main kinds; flagged with their reasons: see `known_gaps`. docs/planner.md lists measured/formula
-per kind on the shipped pods (`python -m meshtrain.plan --config configs/C.yaml`, the config's `# pod:` flags).
+flag where it is outside 10% or there are bytes and no formula, with the reason
+meshtrain/planner/known_gaps.py knows for that layout and ratio (else UNEXPLAINED) and that the roofline
+(meshtrain/planner/roofline.py) times the measured bytes. Checked within 10% (tests/test_traffic.py,
+tests/test_traffic_configs.py, tests/test_shipped_configs.py) for data (zero 1 and 3), fsdp, tensor (with
+fsdp, under remat), pipeline, expert parallelism's all-to-all, the ring's permutes, int8 compression and
+each shipped pod's main kinds; flagged with their reasons (meshtrain/planner/known_gaps.py).
+docs/planner.md lists measured/formula per kind on the shipped pods (`python -m meshtrain.plan --config
+configs/C.yaml`, the config's `# pod:` flags).
 """
 from __future__ import annotations
 
@@ -400,88 +401,9 @@ ROOFLINE_USES = "measured"  # meshtrain/planner/roofline.py times the corrected 
 UNEXPLAINED = "no known cause (meshtrain/planner/hlo.py `read` lists the collectives to look at)"
 
 
-def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
-    """Per kind, what the compiled step moves that the formulas above do not model, where it is
-    known, as (why, lowest ratio, highest ratio): `compare` gives the reason to a flagged row whose
-    measured/formula ratio lies in that range, and UNEXPLAINED to any other. Each was read in
-    the compiled HLO (meshtrain/planner/hlo.py `read` lists the collectives with their groups)."""
-    sizes, plan = program.sizes, program.plan
-    D, F, T, E, C = (sizes[a] for a in ("data", "fsdp", "tensor", "expert", "context"))
-    micro = plan.num_microbatches(sizes["pipeline"])
-    manual = data_parallel.is_manual(D, microbatches=micro, pipelined=sizes["pipeline"] > 1, zero=plan.zero,
-                                     compressed=compression.applies(plan, sizes))
-    gaps: dict[str, list] = {k: [] for k in KINDS}
-    if plan.zero == 1 and D > 1 and F > 1:  # beside tensor alone, data is the minor factor: no reshard
-        gaps["collective-permute"].append((
-            "ZeRO-1's update reshards the fp32 parameter shards between the data-sharded optimizer layout and "
-            "the fsdp layout: permutes with no formula", 0, math.inf))
-    if manual and F * C > 1:
-        why = ("the manual data executor (a shard_map over data) beside fsdp: the parameters do not change within "
-               "the step, so XLA hoists loop-invariant FSDP gathers (and moves reduce-scatters) out of the "
-               "microbatch and layer loops: fewer, partly fp32, where the formula counts them per microbatch")
-        gaps["all-gather"].append((why, 0, 1))
-        gaps["reduce-scatter"].append((why, 0, 1))
-    if (C > 1 or manual) and F * C > 1:  # beside expert alone, meshtrain/ops/embedding.py reduce-scatters it
-        why = ("the embedding lookup's gradient (its scatter-add, summed over every batch and sequence shard; on "
-               "XLA:CPU the head's too) is all-reduced whole over the batch axes (fsdp with context or data) "
-               "and then sliced to this device's shard, where the formula reduce-scatters it over fsdp x context and "
-               "all-reduces the shard over the rest, as meshtrain/ops/loss.py sums the head's")
-        gaps["all-reduce"].append((why, 1, math.inf))
-        gaps["reduce-scatter"].append((why, 0, 1))
-        # under Ulysses (no ring) those permutes are all there is: no formula to be a ratio of
-        no_ring = C > 1 and context_degrees(plan.context_strategy, C, plan.ulysses_degree)[0] == 1
-        permutes_hi = math.inf if no_ring else 2
-        gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, permutes_hi))
-    if plan.remat == "full" and F * C > 1:
-        gaps["all-gather"].append((
-            "remat=full: XLA may gather a layer's MLP (or experts') weights again in the backward (the recomputed "
-            "forward's gather and the weight gradient's stay two collectives; llama2_70b's gate and up, "
-            "mixtral's experts), up to 3/2 of the layers' formula", 1, 1.5))
-    windows = program.model.cfg.layer_windows()
-    if C > 1 and len(set(windows)) > 1:  # the ring behind each layer's switch over its kinds
-        per_layer = {w: b for w, b, _, _ in ring_layer_traffic(program)}
-        formula = expected_traffic(program)["collective-permute"]["traffic_bytes"]
-        extra = sum(b * (len(windows) - windows.count(w)) for w, b in per_layer.items()) / sizes["pipeline"]
-        gaps["collective-permute"].append((
-            "layers of several kinds (sliding windows): the HLO reader (meshtrain/planner/hlo.py) counts both "
-            "branches of each layer's switch over its kinds' kernels as if taken, so every layer's ring as every "
-            "kind's; the formula counts each layer's own", 1, (formula + extra) / formula))
-    if is_fp8(plan.precision) and D * F * C > 1:  # activations and weights sharded: their amaxes are reduced
-        gaps["all-reduce"].append(("the fp8 recipe's scales: each quantized tensor's amax over its batch or fsdp "
-                                   "shards is all-reduced (a scalar; fp8_rowwise: one per row where the contraction "
-                                   "is sharded: the weights' over fsdp, dw's tokens over the batch)", 1, math.inf))
-    if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
-        gaps["all-gather"].append((
-            "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
-            "backward) where the formula counts one gather", 1, 4))
-    latent = program.model.cfg.latent_rank()
-    if T > 1 and latent:  # models/deepseek_v3.py: the latents are normalized, then split by heads
-        m = program.model.cfg
-        width = m.q_lora_rank + latent + m.qk_rope_head_dim
-        layers = m.num_layers / sizes["pipeline"]
-        extra = formulas.megatron_allreduce_bytes(tokens_per_device(program), width, T, layers, 1,
-                                                  compute_bytes(plan.precision))
-        formula = expected_traffic(program)["all-reduce"]["traffic_bytes"]
-        gaps["all-reduce"].append((
-            "multi-head latent attention beside tensor: the backward also all-reduces the q, kv and rope latents' "
-            f"gradients [b, s, {width}] over tensor (partial sums of the head-split up-projections, needed whole "
-            "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
-    if E > 1:
-        gaps["all-gather"].append((
-            "the MoE routing (models/experts.py) gathers token positions and router statistics over expert: not "
-            "modelled", 1, 1.5))
-    if plan.sequence_parallel:
-        why = ("sequence parallelism: besides the Megatron-SP reduce-scatter/all-gather pairs XLA reshards q, k, v "
-               "and the fp32 softmax/RMSNorm statistics between the sequence- and head-split layouts (all-to-alls, "
-               "all-gathers, small all-reduces and permutes over tensor): not modelled")
-        for kind in KINDS:
-            gaps[kind].append((why, 0, math.inf))
-    return {k: v for k, v in gaps.items() if v}
-
-
 def compare(measured: dict, formula: dict, tol: float = TOLERANCE, gaps: dict | None = None) -> dict[str, dict]:
     """Per kind: measured and formula link bytes, `ratio` measured/formula (None without a
-    formula), `within` tol, and `flag`: None, or why the two differ (a known gap, `known_gaps`, or
+    formula), `within` tol, and `flag`: None, or why the two differ (a known gap, meshtrain/planner/known_gaps.py, or
     UNEXPLAINED) and which figure the roofline uses. A kind with measured bytes but no formula is always
     flagged; one carrying scalars only (< SCALARS bytes) and no formula is not."""
     gaps = gaps or {}
