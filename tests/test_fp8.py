@@ -297,8 +297,9 @@ def test_an_fp8_recipe_is_refused_on_a_gpu_without_fp8_matmuls():
 
 
 def test_the_fp8_collectives_beyond_the_formulas_are_known_by_layout():
-    """Beside tensor, each column-parallel projection's dx is all-reduced on its own (its scaled GEMM
-    rounds alone; bf16 sums them first), up to 7/4 of the formula; elsewhere the scales' amaxes are the
+    """The reasons known_gaps gives by layout (their ratios are read on the GPU program: 1.60x on
+    tiny fsdp=4,tensor=2). Beside tensor, each column-parallel projection's dx is all-reduced on its own
+    (its scaled GEMM rounds alone; bf16 sums them first), bounded at 7/4; elsewhere the scales' amaxes are the
     all-reduce bytes the formula lacks (meshtrain/planner/known_gaps.py). A bf16 step has neither."""
     from meshtrain.planner.known_gaps import known_gaps
 

@@ -13,7 +13,8 @@ On a GPU, XLA's compiler keeps that form's fp8 operands (a Triton or cuBLASLt fp
 scaling fused: `python -m meshtrain.plan` counts its GEMMs by operand type), where a quantize-dequantize
 (QDQ) einsum of bf16 values loses them: the GPU pipeline, allowed excess precision by default, folds
 the bf16 -> fp8 -> bf16 round trip away and runs bf16 GEMMs. On a CPU the same graph computes the
-fp8 GEMM's numbers exactly (products of fp8 values are exact in fp32). `fp8_einsum` keeps the fp8
+numbers as written exactly (products of fp8 values are exact in fp32; a GPU GEMM that takes the
+scales as its alpha may round once where this rounds twice, tensorwise). `fp8_einsum` keeps the fp8
 operands and their scales as its residuals (1 byte per saved element) and differentiates with the
 cotangent quantized to e5m2, each gradient one more fp8 GEMM:
     dx = (sg x sw) . einsum^T(qg, qw),    dw = (sx x sg) . einsum^T(qx, qg).
@@ -63,7 +64,8 @@ def dequantize(q, s):
 
 
 def scaled_gemm(spec: str, qa, qb, scales, dtype):
-    """einsum(spec, qa, qb) x `scales` in `dtype`: fp8 operands straight into the dot, summed in fp32
+    """einsum(spec, qa, qb) x `scales` in `dtype` (bf16, or fp32; fp16's 65,504 would not hold an
+    unscaled sum of e4m3 products): fp8 operands straight into the dot, summed in fp32
     and written in `dtype` (the compute dtype), then scaled in fp32 and rounded to `dtype` again. The
     dot's output type is where XLA reduces a sharded contraction's partial sums (dw's over the batch
     under fsdp, a row-parallel projection's over tensor): in `dtype`, as a bf16 einsum's, not in fp32
@@ -75,7 +77,7 @@ def scaled_gemm(spec: str, qa, qb, scales, dtype):
 def scaled_einsum(spec: str, qa, sa, qb, sb):
     """(sa x sb) . einsum(spec, qa, qb) (`scaled_gemm`), the two per-tensor scales' product its fp32
     alpha, in the scales' dtype. The sum rounded to that dtype, then scaled: two roundings (sa x sb is
-    no power of 2), at most one more half unit in the last place than one."""
+    no power of 2), up to about one unit in the last place more than one rounding's half."""
     alpha = sa.astype(jnp.float32) * sb.astype(jnp.float32)
     return scaled_gemm(spec, qa, qb, alpha, jnp.result_type(sa, sb))
 

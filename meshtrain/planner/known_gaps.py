@@ -63,7 +63,7 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "kind's; the formula counts each layer's own", 1, (formula + extra) / formula))
     amaxes = ("the fp8 recipe's scales: each quantized tensor's amax over its shards is all-reduced (a scalar; "
               "fp8_rowwise: one a row where the contraction is sharded: weights over fsdp, dw's tokens over the batch)")
-    if is_fp8(plan.precision) and T > 1:  # each dx rounds on its own: summed after the all-reduces, not before
+    if is_fp8(plan.precision) and T > 1:  # each dx rounds on its own; 7/4 for Llama-shaped blocks (LoRA, MLA: more)
         gaps["all-reduce"].append(("fp8 beside tensor: q's, k's and v's (gate's, up's) dx are each a scaled fp8 GEMM "
                                    "rounded on its own, all-reduced apart where bf16 sums them first: 5 backward "
                                    "Megatron all-reduces a layer, not 2; and " + amaxes, 1, 7 / 4))
