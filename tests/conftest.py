@@ -17,11 +17,15 @@ import sys
 # The workers' and subprocesses' CPU clients get 8 threads per device (meshtrain/core/cli.py
 # `cpu_client_threads`: with fewer, Python threads dispatching at once, a loop and its prefetcher, can
 # starve a collective into XLA's "Termination timeout" abort, whichever emitters compiled it; a test
-# dispatches from one thread at a time or waits as the trainer does). The subprocesses inherit all this.
+# dispatches from one thread at a time or waits as the trainer does). A collective whose last device
+# thread is late waits 240 s before XLA aborts the worker, not 40 (--xla_cpu_collective_call_terminate_
+# timeout_seconds): a clean CI run on 2 busy cores aborted test_fp16's resume test so, seven of eight
+# participants arrived at an all-gather. The subprocesses inherit all this.
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-       "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"])
+       "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
+       "--xla_cpu_collective_call_terminate_timeout_seconds=240"])
 from meshtrain.core import compile_cache  # noqa: E402  (neither imports JAX)
 from meshtrain.core.cli import cpu_client_threads  # noqa: E402
 
