@@ -359,8 +359,11 @@ def run(args) -> str:
 def _run(args, cfg, overrides: list[str], target, profile: dict, memory_budget: dict) -> str:
     compiled_for, devices = target.describe(), target.devices
     if args.zero_table:  # the train step's memory per stage: its programs only (not eval or generation)
-        steps = [train_step_plan(with_plan(cfg, zero=z), profile, args.devices_per_node, devices) for z in range(4)]
-        rows = [{**{k: v for k, v in r.items() if k != "_program"}, "compiled_for": compiled_for} for r in steps]
+        rows = []
+        for z in range(4):  # each stage's program dropped once its row is read
+            report = train_step_plan(with_plan(cfg, zero=z), profile, args.devices_per_node, devices)
+            report.pop("_program")
+            rows.append({**report, "compiled_for": compiled_for})
         return json.dumps(rows) if args.json else "\n".join([compilers.summary(compiled_for), format_zero_table(rows)])
     if args.compare:
         rows, skipped = [], []
