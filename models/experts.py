@@ -40,7 +40,11 @@ caller's: y is the experts' contribution only, and a token whose assignments are
   b*L*min(K, E/ep) rows per destination (a token picks at most min(K, E/ep) of n's experts;
   all_to_all needs static shapes), and the counts per expert; device n runs its experts on what it
   received as it arrived, a run per sender each sorted by expert (the grouped matmul's `runs`: no
-  sort, no [ep*A, D] gather), and sends the results back. Per device [ep, b*L*min(K, E/ep), D],
+  sort, no [ep*A, D] gather), and sends the results back. On GPUs both exchanges move only the
+  rows routed (meshtrain/ops/block_exchange.py: ragged all-to-alls from and into the sender's b*L*K
+  assignments sorted by expert, no worst-case send buffer; elsewhere the whole blocks): K of a
+  token's ep*min(K, E/ep) rows when balanced, 1/8 at qwen3_30b_a3b's pod; the receive buffer stays
+  worst-case sized. Per device [ep, b*L*min(K, E/ep), D],
   against [b, E, L, D] for E slots of L: ep*min(K, E/ep)/E of it, so the same at E/ep = 1,
   K/(E/ep) of it at E/ep >= K (`dispatch_bytes`). The router, top-k and combine stay outside,
   under the compiler's sharding. Raises UserError when E or B is not divisible by the axis size.
@@ -72,6 +76,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.core.errors import UserError
 from meshtrain.models.lora import adapter_axes
+from meshtrain.ops.block_exchange import collect, dispatch
 from meshtrain.ops.grouped_matmul import grouped_matmul
 from meshtrain.parallel.sharding import constrain, manual_axes_rules, mesh_axis, rule_axes
 
@@ -96,14 +101,19 @@ def dispatch_bytes(rows: float, seq_len: int, num_experts: int, experts_per_toke
     """One MoE layer's dispatch buffer per device, `rows` sequence rows held: capacity routing's
     slots rows x E x C x D; dropless, the sorted assignments rows x L x K x D, or under expert
     parallelism (N = expert_axis) the per-destination worst case N x rows x L x min(K, E/N) x D.
-    `slot_buffer_bytes`: the dropless E-slot buffer rows x E x L x D (C = L) that sorting replaced."""
+    `slot_buffer_bytes`: the dropless E-slot buffer rows x E x L x D (C = L) that sorting replaced;
+    `routed_share`: the share of the buffer's rows a balanced routing fills, K of the N x min(K, E/N)
+    a token may send dropless (what a ragged all-to-all moves: meshtrain/ops/block_exchange.py), 1
+    for capacity routing (every slot travels, filled or not)."""
     L, E, K = seq_len, num_experts, experts_per_token
     slot_buffer = rows * E * L * width * act_bytes
     if capacity_factor:
         C = capacity(L, E, K, capacity_factor)
-        return {"bytes": rows * E * C * width * act_bytes, "capacity": C, "slot_buffer_bytes": slot_buffer}
+        return {"bytes": rows * E * C * width * act_bytes, "capacity": C, "slot_buffer_bytes": slot_buffer,
+                "routed_share": 1.0}
     sent = dropless_rows_per_token(E, K, expert_axis)
-    return {"bytes": rows * L * sent * width * act_bytes, "capacity": 0, "slot_buffer_bytes": slot_buffer}
+    return {"bytes": rows * L * sent * width * act_bytes, "capacity": 0, "slot_buffer_bytes": slot_buffer,
+            "routed_share": K / sent}
 
 
 def dropless_rows_per_token(num_experts: int, experts_per_token: int, expert_axis: int = 1) -> int:
@@ -284,16 +294,13 @@ def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, l
     e = experts["expert_gate"].shape[0]  # local experts
     A = b * L * min(KL // L, e)
     count_E = jnp.zeros((ep * e,), jnp.int32).at[expert_N].add(1)
-    # slot of an assignment: its destination's block of A, then its rank among those it sends there
+    # the assignments sorted by expert are a run per destination device, sent_ep rows each
     order_N = jnp.argsort(expert_N, stable=True)
-    dest_sorted_N = expert_N[order_N] // e
     sent_ep = count_E.reshape(ep, e).sum(1)
-    rank_sorted_N = jnp.arange(order_N.shape[0]) - (jnp.cumsum(sent_ep) - sent_ep)[dest_sorted_N]
-    slot_N = jnp.zeros_like(order_N).at[order_N].set(dest_sorted_N * A + rank_sorted_N)
-    token_of_slot = jnp.full((ep * A,), b * L).at[slot_N].set(token_N)
-    send_epxAxD = jnp.take(x_TxD, token_of_slot, axis=0, mode="fill", fill_value=0).reshape(ep, A, D)
-    swap = lambda t: jax.lax.all_to_all(t, axis, 0, 0, tiled=True)
-    recv_epxAxD, recv_count_epxe = swap(send_epxAxD), swap(count_E.reshape(ep, e))
+    recv_count_epxe = jax.lax.all_to_all(count_E.reshape(ep, e), axis, 0, 0, tiled=True)
+    recv_ep = recv_count_epxe.sum(1)
+    # only the rows routed travel (a ragged all-to-all on GPUs), into the worst-case blocks and back
+    recv_epxAxD = dispatch(x_TxD[token_N[order_N]], sent_ep, recv_ep, A, axis)
     # a received row's local expert: how many of its sender's groups end at or before it (e: padding);
     # each sender's block is sorted by expert, so the buffer is ep runs of grouped_matmul's group ids
     local_epxA = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(A), side="right", method="compare_all"))(
@@ -302,8 +309,9 @@ def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, l
     # balanced routing sends each device as many rows as it sends: the grouped matmuls expect b*K*L
     out_MxD = grouped_swiglu(recv_epxAxD.reshape(ep * A, D), id_epxA.reshape(-1), experts, lora_scale,
                              rows=b * KL, runs=ep)
-    back_MxD = swap(out_MxD.reshape(ep, A, D)).reshape(ep * A, D)
-    return back_MxD[slot_N].reshape(b, KL, D)
+    back_NxD = collect(out_MxD.reshape(ep, A, D), recv_ep, sent_ep, order_N.shape[0], axis)
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0]))
+    return back_NxD[inverse_N].reshape(b, KL, D)
 
 
 def row_axes(rows: int, axis: str, ep: int) -> list[str]:

@@ -396,14 +396,17 @@ def test_ulysses_runs_cudnns_kernel_per_layer_and_moves_its_formulas_all_to_all_
 
 def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_their_formulas_bytes():
     """moe_tiny's pod layout (data=2,expert=4, a tied table) in 2 microbatches on 8 H100s: the dispatch
-    runs as async all-to-alls, the experts as the grouped-matmul Triton kernels, and each kind moves its
+    runs as async ragged all-to-alls, the experts as the grouped-matmul Triton kernels, and each kind moves its
     formula's bytes (XLA:GPU all-reduces the tied lookup's gradient over expert per microbatch apart
     from the head's: uncounted before, qwen3_moe_tiny read 1.08x there)."""
     cfg = tiny_config("parallel.mesh=data=2,expert=4", "parallel.microbatches=2", config=MOE_TINY)
     program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
     text = program.lower().compile().as_text()
     k = kernels.read(text)
-    assert k["collectives"].get("all-to-all", 0) > 0 and sum(k["gemms"].values()) > 0
+    # the buffer's rows go out and back as ragged all-to-alls (forward and backward, 4 layers x 2
+    # microbatches), moving the rows routed; the counts per expert as all-to-alls
+    assert k["collectives"]["ragged-all-to-all"] == 4 * 4 * 2 and k["collectives"]["all-to-all"] > 0
+    assert sum(k["gemms"].values()) > 0
     # the routed experts' grouped matmuls are meshtrain's Triton kernels, one per projection a layer a
     # microbatch (gate, up, down; 4 layers x 2): forward, dx and dw; each expects its device's b*K*L = 32
     # rows and is priced as 2·rows·K·N FLOPs (one local expert: no group boundary)
@@ -419,9 +422,17 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     on_gpu, program.backend = hardware(), "cpu"
     slot = program.model.slot_matmul_params(program.abstract_state["params"], program.train.seq_len, 4)
     assert slot > 0 and hardware() - on_gpu == pytest.approx(6 * slot * 16 * 16 / 8, rel=1e-9)
-    measured, expected = collectives(text, 8, correct=False), traffic.expected_traffic(program)
+    # moe_tiny, E=4, K=2 on expert=4: the ragged all-to-alls move 2 of a token's 4 worst-case rows
+    assert traffic.ragged_fill(program) == 0.5
+    records = hlo.read(text, 8, correct=False)
+    measured, expected = hlo.by_kind(records), traffic.expected_traffic(program)
     for kind in ("all-reduce", "all-gather", "all-to-all"):
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.02), kind
+    # the step's walk puts every collective, the ragged ones among them, on its link once per execution
+    profile = DEVICE_PROFILES["h100"]
+    link_s = kernel_time.link_seconds(records, program.sizes, profile, 8)
+    walked = kernel_time.step_time(text, profile, link_s)
+    assert walked["by_kind_s"]["collectives"] == pytest.approx(sum(r.times * link_s[r.name] for r in records))
 
 
 @pytest.mark.parametrize("platforms", ["cpu", None])

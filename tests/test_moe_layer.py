@@ -2,6 +2,7 @@
 in numpy, expert-parallel parity (outputs, stats, gradients) on 8 simulated devices, the all-to-alls
 in the HLO, and the errors."""
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import meshtrain.ops.grouped_matmul as gmm_module
 from meshtrain.config.loader import UserError
 from meshtrain.models.experts import capacity, moe_mlp
+from meshtrain.ops import block_exchange
 from meshtrain.planner import hlo
 
 B, L, D, F, K = 8, 8, 16, 32, 2
@@ -209,6 +211,83 @@ def test_expert_parallel_hlo_has_all_to_all():
         assert rows == {B // 8}, rows
         if batch_axes[0] == "expert":
             assert not ops.get("all-gather") and not ops.get("collective-permute"), ops
+
+
+def ragged_all_to_all_as_documented(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                    axis_name):
+    """jax.lax.ragged_all_to_all as its docstring states it (XLA:CPU has no kernel for it): slice i of a
+    device's list goes to device i // (slices per device), which writes it at the offset the sender names
+    (output_offsets, all_to_all'd), recv_sizes rows of it; the rest of `output` is kept."""
+    n = jax.lax.axis_size(axis_name)
+    per = input_offsets.shape[0] // n
+    me = jax.lax.axis_index(axis_name)
+    operands, starts = jax.lax.all_gather(operand, axis_name), jax.lax.all_gather(input_offsets, axis_name)
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    rows = jnp.arange(output.shape[0])
+    result = output
+    for i in range(n * per):
+        src, k = i // per, me * per + i % per  # k: the slice of src's list addressed to this device
+        inside = (rows >= offsets[i]) & (rows < offsets[i] + recv_sizes[i])
+        taken = operands[src][jnp.clip(starts[src, k] + rows - offsets[i], 0, operand.shape[0] - 1)]
+        result = jnp.where(inside.reshape(-1, *(1,) * (output.ndim - 1)), taken, result)
+    return result
+
+
+def on_devices(n, fn, *args):
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:n])
+    split = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P("x")))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(*map(split, args))
+
+
+@pytest.mark.fast
+def test_the_documented_ragged_all_to_all_reproduces_its_docstrings_example():
+    """The reference the exchange is checked against gives jax.lax.ragged_all_to_all's own example."""
+    def call(operand, output, *args):
+        return ragged_all_to_all_as_documented(operand, output, *args, axis_name="x")
+
+    got = on_devices(2, call, np.array([1, 2, 2, 3, 4, 0]), np.zeros(8, np.int32), np.array([0, 1, 0, 1]),
+                     np.array([1, 2, 1, 1]), np.array([0, 0, 1, 2]), np.array([1, 1, 2, 1]))
+    np.testing.assert_array_equal(got, [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+@pytest.mark.fast
+def test_the_ragged_exchange_moves_what_the_whole_blocks_do():
+    """The dropless dispatch's exchange (meshtrain/ops/block_exchange.py) on 4 devices, each sending
+    0-5 rows to each device at random, its packed rows past the runs holding garbage: the GPU's ragged
+    all-to-alls (their offsets and sizes run through the documented semantics) give the CPU's whole-block
+    all-to-alls' numbers, forward and backward. Block i of a dispatch holds the rows device i sent, zeros
+    past them; collect brings each row back to its place, zeros past the runs."""
+    N, A, D = 4, 5, 3
+    rng = np.random.default_rng(0)
+    sent_NxN = rng.integers(0, A + 1, (N, N)).astype(np.int32)  # [sender, receiver]
+    rows = rng.normal(size=(N * N * A, D)).astype(np.float32)  # N*A packed rows a device
+    cotangent = rng.normal(size=(N * N * A, D)).astype(np.float32)
+
+    def run(ragged):
+        use = (lambda f: partial(f, op=ragged_all_to_all_as_documented)) if ragged else (lambda f: f)
+        go = use(block_exchange._ragged_dispatch if ragged else block_exchange._dense_dispatch)
+        back = use(block_exchange._ragged_collect if ragged else block_exchange._dense_collect)
+
+        def local(rows, sent, recv, ct):
+            there = go(rows, sent, recv, block=A, axis="x")
+            round_trip, vjp = jax.vjp(lambda r: back(go(r, sent, recv, block=A, axis="x") * 2, recv, sent,
+                                                     rows=N * A, axis="x"), rows)
+            return there.reshape(N * A, D), round_trip, vjp(ct)[0]
+        return jax.device_get(on_devices(N, local, rows, sent_NxN.reshape(-1), sent_NxN.T.reshape(-1), cotangent))
+
+    (there, round_trip, d_rows), reference = run(True), run(False)
+    for got, want in zip((there, round_trip, d_rows), reference):
+        np.testing.assert_array_equal(got, want)
+    for i in range(N):  # device i: what each sender s sent it, then its own rows back, doubled
+        mine = rows.reshape(N, N * A, D)
+        for s in range(N):
+            block = there.reshape(N, N, A, D)[i, s]
+            start = sent_NxN[s, :i].sum()
+            np.testing.assert_array_equal(block[:sent_NxN[s, i]], mine[s, start:start + sent_NxN[s, i]])
+            assert not block[sent_NxN[s, i]:].any()
+        total = sent_NxN[i].sum()
+        np.testing.assert_array_equal(round_trip.reshape(N, N * A, D)[i, :total], 2 * mine[i, :total])
+        assert not round_trip.reshape(N, N * A, D)[i, total:].any()
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])

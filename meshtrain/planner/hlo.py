@@ -30,6 +30,9 @@ import numpy as np
 from meshtrain.core.formulas import ring_traffic
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+# moves the rows its sizes name, known only when it runs (meshtrain/ops/block_exchange.py): read as an
+# all-to-all of the smaller of its operand and its output, the most it can send or receive
+RAGGED = "ragged-all-to-all"
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
@@ -413,14 +416,16 @@ def _operands(line: str, start: int) -> list[str]:
 
 
 def read(hlo_text: str, num_devices: int, correct: bool = True) -> list[Collective]:
-    """Every collective of the program, once per instruction and (corrected) kind."""
+    """Every collective of the program, once per instruction and (corrected) kind. A ragged
+    all-to-all is an all-to-all of the smaller of its operand and its output (`RAGGED`): for the
+    dropless dispatch, the packed side, the rows routed (meshtrain/ops/block_exchange.py)."""
     module = Module(hlo_text)
     found = []
     for comp, times in module.execution_counts().items():
         summed: dict[tuple, Collective] = {}  # all-reduced values added together, by their sum
         for ins in module.comps[comp].values():
             kind = ins.op.removesuffix("-start")
-            if kind not in KINDS:
+            if kind not in KINDS and kind != RAGGED:
                 continue
             groups = replica_groups(ins.line, num_devices)
             n = len(groups[0])
@@ -428,6 +433,9 @@ def read(hlo_text: str, num_devices: int, correct: bool = True) -> list[Collecti
             if ins.op.endswith("-start"):  # async: the payload is its -done's result (a combined one's every array)
                 done = next((u for u in module.users(comp, ins.name) if u.op == f"{kind}-done"), None)
                 arrays = done.arrays if done else [max(arrays, key=lambda a: a[1] * DTYPE_BYTES[a[0]])]
+            if kind == RAGGED:
+                sides = [typed_array_elements(module.comps[comp][name].shape)[0] for name in ins.operands[:2]]
+                kind, arrays = "all-to-all", [min(sides, key=lambda a: a[1])]
             operands = ins.operands if len(ins.operands) == len(arrays) else [None] * len(arrays)
             parts: dict[str, Collective] = {}
             for index, ((dtype, elements), operand) in enumerate(zip(arrays, operands)):

@@ -258,7 +258,7 @@ class StepTime:
                 clock = max(clock, ends.pop(ins.operands[0]))
                 continue
             kind = ins.op.removesuffix("-start").removesuffix("-done")
-            if kind in KINDS:
+            if kind in KINDS or kind == hlo.RAGGED:
                 seconds = self.link_s.get(ins.name, 0.0)
                 if ins.op.endswith("-done"):
                     clock = max(clock, ends.pop(ins.operands[0], clock))

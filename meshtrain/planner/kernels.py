@@ -9,7 +9,7 @@ loop bodies, branches, async wrappers), never one inside a fusion: a fusion is o
 - `attention`: cuDNN fused attention calls (`__cudnn$fmha...`), forward and backward;
 - `grouped_gemms`: meshtrain's grouped-matmul Triton kernels (meshtrain/ops/grouped_matmul_triton.py,
   `__gpu$xla.gpu.triton` calls named `meshtrain_<kernel>_rows<R>`) by kernel: gmm, gmm_t, tgmm;
-- `collectives`: async collective launches (`all-gather-start`, ...) by kind;
+- `collectives`: async collective launches (`all-gather-start`, ...) by kind (`ragged-all-to-all` its own);
 - `fusions`: every other fusion (elementwise, reductions, transposes), one kernel each;
 - `largest`: the largest arrays the program makes (instruction outputs), name, shape and bytes.
 """
@@ -19,7 +19,7 @@ import re
 from collections import Counter
 
 from meshtrain.ops import grouped_matmul_triton
-from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elements
+from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, RAGGED, Module, typed_array_elements
 
 GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas")
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([\w$]+)"')
@@ -108,7 +108,7 @@ def read(hlo_text: str, largest: int = 8) -> dict:
             attention["backward" if "Backward" in target.group(1) else "forward"] += times
         elif target and (kernel := GROUPED_GEMM.search(ins.line)):
             grouped[kernel.group(1)] += times
-        elif ins.op.endswith("-start") and ins.op.removesuffix("-start") in KINDS:
+        elif ins.op.endswith("-start") and ins.op.removesuffix("-start") in KINDS + (RAGGED,):
             collectives[ins.op.removesuffix("-start")] += times
         elif ins.op == "fusion":
             fusions += times

@@ -1,0 +1,106 @@
+"""Expert parallelism's exchange of rows that moves only the rows routed.
+
+A device's rows for the other devices of `axis` (size N) are packed by destination: `sent_N[n]` rows
+for device n, one run after another. `dispatch` delivers them into a block per sender, [N, A, ...]
+(block i: the rows device i sent here, recv_N[i] of them, the rest zeros); `collect` sends each
+block's rows back, packed again in the sender's order. The dropless experts (models/experts.py
+`dropless_local`) dispatch their assignments sorted by expert (a run per destination), run what
+arrived, and collect the results. A block is worst-case sized (A rows: static shapes); a balanced
+routing fills 1/N of the blocks or less.
+
+- On an NVIDIA GPU: `jax.lax.ragged_all_to_all`, which moves only the rows the sizes name (NCCL
+  send/recv of each run: the dispatch sized to the tokens, Megatron's all-to-all-v); the packed side
+  holds only the rows routed, no worst-case buffer. Its transpose (the backward) is again a ragged
+  all-to-all, of the sizes swapped.
+- Elsewhere: the runs copied into worst-case blocks and `jax.lax.all_to_all` of the whole blocks
+  (XLA:CPU has no ragged all-to-all: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU",
+  JAX 0.10).
+
+The same numbers on both (tests/test_moe_layer.py runs the GPU branch's offsets and sizes through
+the ragged all-to-all's documented semantics). The planner reads a ragged all-to-all at its
+smaller side, the packed rows (meshtrain/planner/hlo.py `RAGGED`), and its formula at the routing's
+balanced share of the blocks (meshtrain/planner/traffic.py `ragged_fill`).
+Names carry shapes: N devices on `axis`, A rows a block, M packed rows.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+def _starts(sizes_N):
+    return (jnp.cumsum(sizes_N) - sizes_N).astype(jnp.int32)
+
+
+def _ragged_dispatch(rows_MxD, sent_N, recv_N, block: int, axis: str, op=jax.lax.ragged_all_to_all):
+    N = sent_N.shape[0]
+    out = jnp.zeros((N * block,) + rows_MxD.shape[1:], rows_MxD.dtype)
+    mine_N = jnp.full((N,), jax.lax.axis_index(axis) * block, jnp.int32)  # this device's block on each
+    got = op(rows_MxD, out, _starts(sent_N), sent_N.astype(jnp.int32), mine_N, recv_N.astype(jnp.int32),
+             axis_name=axis)
+    return got.reshape((N, block) + rows_MxD.shape[1:])
+
+
+def _ragged_collect(y_NxAxD, recv_N, sent_N, rows: int, axis: str, op=jax.lax.ragged_all_to_all):
+    N, A = y_NxAxD.shape[:2]
+    flat = y_NxAxD.reshape((N * A,) + y_NxAxD.shape[2:])
+    theirs_N = jax.lax.all_to_all(_starts(sent_N), axis, 0, 0, tiled=True)  # where each sender's run for here began
+    return op(flat, jnp.zeros((rows,) + flat.shape[1:], flat.dtype), jnp.arange(N, dtype=jnp.int32) * A,
+              recv_N.astype(jnp.int32), theirs_N, sent_N.astype(jnp.int32), axis_name=axis)
+
+
+def _block_rows(sizes_N, block: int, rows: int):
+    """For each row of N blocks of `block`: the packed row it holds (runs of `sizes_N`), or `rows`
+    (none) past its run."""
+    j_NxA = jnp.arange(block)[None, :]
+    return jnp.where(j_NxA < sizes_N[:, None], _starts(sizes_N)[:, None] + j_NxA, rows).reshape(-1)
+
+
+def _dense_dispatch(rows_MxD, sent_N, recv_N, block: int, axis: str):
+    del recv_N  # whole blocks travel, zeros past each run
+    N = sent_N.shape[0]
+    blocks = jnp.take(rows_MxD, _block_rows(sent_N, block, rows_MxD.shape[0]), axis=0, mode="fill", fill_value=0)
+    return jax.lax.all_to_all(blocks.reshape((N, block) + rows_MxD.shape[1:]), axis, 0, 0, tiled=True)
+
+
+def _dense_collect(y_NxAxD, recv_N, sent_N, rows: int, axis: str):
+    del recv_N
+    N, A = y_NxAxD.shape[:2]
+    back = jax.lax.all_to_all(y_NxAxD, axis, 0, 0, tiled=True).reshape((N * A,) + y_NxAxD.shape[2:])
+    # packed row r sits in its destination's block at its rank in the run
+    slot_N = jnp.arange(N) * A
+    dest_M = jnp.searchsorted(jnp.cumsum(sent_N), jnp.arange(rows), side="right", method="compare_all")
+    dest_M = jnp.minimum(dest_M, N - 1)
+    slot_M = slot_N[dest_M] + jnp.arange(rows) - _starts(sent_N)[dest_M]
+    return jnp.take(back, jnp.where(jnp.arange(rows) < jnp.sum(sent_N), slot_M, N * A), axis=0, mode="fill",
+                    fill_value=0)
+
+
+def _on_gpu() -> bool | None:
+    """Whether the mesh's devices are GPUs, as the program is traced (None: no mesh names them). A
+    choice made by `jax.lax.platform_dependent` would put the collective in a conditional XLA keeps,
+    where no other work runs beside it."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return None if device is None else device.platform in ("gpu", "cuda")
+
+
+def _by_platform(ragged, dense, *args, **static):
+    on_gpu = _on_gpu()
+    if on_gpu is None:
+        return jax.lax.platform_dependent(*args, default=partial(dense, **static), cuda=partial(ragged, **static))
+    return (ragged if on_gpu else dense)(*args, **static)
+
+
+def dispatch(rows_MxD, sent_N, recv_N, block: int, axis: str):
+    """This device's rows packed by destination (sent_N[n] for device n, in device order) to their
+    devices: [N, block, ...], block i the rows device i sent here (recv_N[i] of them, what its sent_N
+    says for this device), the rest zeros. Inside a shard_map manual over `axis` (size N)."""
+    return _by_platform(_ragged_dispatch, _dense_dispatch, rows_MxD, sent_N, recv_N, block=block, axis=axis)
+
+
+def collect(y_NxAxD, recv_N, sent_N, rows: int, axis: str):
+    """`dispatch` backwards: block i's first recv_N[i] rows back to device i, which gets [rows, ...]:
+    what each device returns, packed in the order it was dispatched (sent_N), the rest zeros."""
+    return _by_platform(_ragged_collect, _dense_collect, y_NxAxD, recv_N, sent_N, rows=rows, axis=axis)
