@@ -5,13 +5,13 @@ for device n, one run after another. `dispatch` delivers them into a block per s
 (block i: the rows device i sent here, recv_N[i] of them, the rest zeros); `collect` sends each
 block's rows back, packed again in the sender's order. The dropless experts (models/experts.py
 `dropless_local`) dispatch their assignments sorted by expert (a run per destination), run what
-arrived, and collect the results. A block is worst-case sized (A rows: static shapes); a balanced
-routing fills 1/N of the blocks or less.
+arrived, and collect the results. A block is worst-case sized (A rows: static shapes); the rows
+routed fill k/(N x min(k, E/N)) of the blocks when the routing is balanced (1/N at E/N >= k).
 
-- On an NVIDIA GPU: `jax.lax.ragged_all_to_all`, which moves only the rows the sizes name (NCCL
-  send/recv of each run: the dispatch sized to the tokens, Megatron's all-to-all-v); the packed side
-  holds only the rows routed, no worst-case buffer. Its transpose (the backward) is again a ragged
-  all-to-all, of the sizes swapped.
+- On an NVIDIA GPU: `jax.lax.ragged_all_to_all`, which moves only the rows the sizes name (the
+  dispatch sized to the tokens, as Megatron's all-to-all-v); the packed side holds only the rows
+  routed, no worst-case buffer. Its transpose (the backward) is again a ragged all-to-all, of the
+  sizes swapped.
 - Elsewhere: the runs copied into worst-case blocks and `jax.lax.all_to_all` of the whole blocks
   (XLA:CPU has no ragged all-to-all: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU",
   JAX 0.10).
@@ -69,13 +69,11 @@ def _dense_collect(y_NxAxD, recv_N, sent_N, rows: int, axis: str):
     del recv_N
     N, A = y_NxAxD.shape[:2]
     back = jax.lax.all_to_all(y_NxAxD, axis, 0, 0, tiled=True).reshape((N * A,) + y_NxAxD.shape[2:])
-    # packed row r sits in its destination's block at its rank in the run
-    slot_N = jnp.arange(N) * A
-    dest_M = jnp.searchsorted(jnp.cumsum(sent_N), jnp.arange(rows), side="right", method="compare_all")
-    dest_M = jnp.minimum(dest_M, N - 1)
-    slot_M = slot_N[dest_M] + jnp.arange(rows) - _starts(sent_N)[dest_M]
-    return jnp.take(back, jnp.where(jnp.arange(rows) < jnp.sum(sent_N), slot_M, N * A), axis=0, mode="fill",
-                    fill_value=0)
+    # packed row r came back in its destination's block, at its rank in the run it was sent in
+    r_M = jnp.arange(rows)
+    dest_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sent_N), r_M, side="right", method="compare_all"), N - 1)
+    slot_M = dest_M * A + r_M - _starts(sent_N)[dest_M]
+    return jnp.take(back, jnp.where(r_M < jnp.sum(sent_N), slot_M, N * A), axis=0, mode="fill", fill_value=0)
 
 
 def _on_gpu() -> bool | None:
