@@ -30,9 +30,8 @@ import numpy as np
 from meshtrain.core.formulas import ring_traffic
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-# moves the rows its sizes name, known only when it runs (meshtrain/ops/block_exchange.py): read as an
-# all-to-all of the smaller of its operand and its output (the packed rows: what a device sends in the
-# dispatch, receives in the return; a busy device may receive or send more)
+# moves the rows its sizes name (meshtrain/ops/block_exchange.py): read as an all-to-all of the smaller of its
+# operand and output (the packed rows a device sends or gets back; a busy device may move more)
 RAGGED = "ragged-all-to-all"
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
