@@ -18,11 +18,11 @@ from meshtrain.testing import MOE_TINY, QWEN3_MOE_TINY, TINY, max_param_diff
 
 LORA = ("model.lora.rank=4", "parallel.precision=fp32")
 # The layout runs take dropout on the adapters (PEFT's lora_dropout): LoRA's parity and its masks' at once.
-# The XLA-partitioned step and manual data shards, each with accumulation, and a 1F1B pipeline.
+# The XLA-partitioned step and manual data shards, each with accumulation; a pipeline's in
+# `test_a_lora_step_on_fsdp_tensor_and_an_interleaved_pipeline_is_its_one_device_run`.
 DROPOUT = (*LORA, "model.lora.dropout=0.1")
 LAYOUTS = {("parallel.mesh=fsdp=2,tensor=2", "parallel.microbatches=2"): 4,
-           ("parallel.mesh=data=2", "parallel.microbatches=2"): 2,
-           ("parallel.mesh=pipeline=2", "parallel.schedule=1f1b"): 2}
+           ("parallel.mesh=data=2", "parallel.microbatches=2"): 2}
 
 
 def is_adapter(path) -> bool:
