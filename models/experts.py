@@ -271,9 +271,12 @@ def sorted_swiglu(x_MxD, group_M, experts: dict, lora_scale: float = 1.0):
     """Each row's expert SwiGLU, rows in any order: sorted by group (stable), `grouped_swiglu`,
     unsorted. Rows with group >= G get 0."""
     order_M = jnp.argsort(group_M, stable=True)
-    out_MxD = grouped_swiglu(x_MxD[order_M], group_M[order_M], experts, lora_scale)
-    inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))
-    return out_MxD[inverse_M]
+    return unsort(grouped_swiglu(x_MxD[order_M], group_M[order_M], experts, lora_scale), order_M)
+
+
+def unsort(sorted_MxD, order_M):
+    """Rows back in their order before `order_M` (an argsort) sorted them."""
+    return sorted_MxD[jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))]
 
 
 def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, lora_scale: float = 1.0):
@@ -310,8 +313,7 @@ def dropless_local(x_bxLxD, expert_bxKL, experts: dict, *, axis: str, ep: int, l
     out_MxD = grouped_swiglu(recv_epxAxD.reshape(ep * A, D), id_epxA.reshape(-1), experts, lora_scale,
                              rows=b * KL, runs=ep)
     back_NxD = collect(out_MxD.reshape(ep, A, D), recv_ep, sent_ep, order_N.shape[0], axis)
-    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0]))
-    return back_NxD[inverse_N].reshape(b, KL, D)
+    return unsort(back_NxD, order_N).reshape(b, KL, D)
 
 
 def row_axes(rows: int, axis: str, ep: int) -> list[str]:

@@ -423,7 +423,7 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     slot = program.model.slot_matmul_params(program.abstract_state["params"], program.train.seq_len, 4)
     assert slot > 0 and hardware() - on_gpu == pytest.approx(6 * slot * 16 * 16 / 8, rel=1e-9)
     # moe_tiny, E=4, K=2 on expert=4: the ragged all-to-alls move 2 of a token's 4 worst-case rows
-    assert traffic.ragged_fill(program) == 0.5
+    assert traffic.moe_dispatch(program)["routed_share"] == 0.5
     records = hlo.read(text, 8, correct=False)
     measured, expected = hlo.by_kind(records), traffic.expected_traffic(program)
     for kind in ("all-reduce", "all-gather", "all-to-all"):

@@ -8,10 +8,10 @@ block's rows back, packed again in the sender's order. The dropless experts (mod
 arrived, and collect the results. A block is worst-case sized (A rows: static shapes); the rows
 routed fill k/(N x min(k, E/N)) of the blocks when the routing is balanced (1/N at E/N >= k).
 
-- On an NVIDIA GPU: `jax.lax.ragged_all_to_all`, which moves only the rows the sizes name (the
-  dispatch sized to the tokens, as Megatron's all-to-all-v); the packed side holds only the rows
-  routed, no worst-case buffer. Its transpose (the backward) is again a ragged all-to-all, of the
-  sizes swapped.
+- On NVIDIA GPUs (meshtrain/ops/platform.py chooses): `jax.lax.ragged_all_to_all`, which moves
+  only the rows the sizes name (the dispatch sized to the tokens, as Megatron's all-to-all-v); the
+  packed side holds only the rows routed, no worst-case buffer. Its transpose (the backward) is
+  again a ragged all-to-all, of the sizes swapped.
 - Elsewhere: the runs copied into worst-case blocks and `jax.lax.all_to_all` of the whole blocks
   (XLA:CPU has no ragged all-to-all: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU",
   JAX 0.10).
@@ -19,7 +19,7 @@ routed fill k/(N x min(k, E/N)) of the blocks when the routing is balanced (1/N 
 The same numbers on both (tests/test_moe_layer.py runs the GPU branch's offsets and sizes through
 the ragged all-to-all's documented semantics). The planner reads a ragged all-to-all at its
 smaller side, the packed rows (meshtrain/planner/hlo.py `RAGGED`), and its formula at the routing's
-balanced share of the blocks (meshtrain/planner/traffic.py `ragged_fill`).
+balanced share of the blocks (models/experts.py `dispatch_bytes`' `routed_share`).
 Names carry shapes: N devices on `axis`, A rows a block, M packed rows.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from meshtrain.ops.platform import by_platform
 
 
 def _starts(sizes_N):
@@ -69,36 +71,21 @@ def _dense_collect(y_NxAxD, recv_N, sent_N, rows: int, axis: str):
     del recv_N
     N, A = y_NxAxD.shape[:2]
     back = jax.lax.all_to_all(y_NxAxD, axis, 0, 0, tiled=True).reshape((N * A,) + y_NxAxD.shape[2:])
-    # packed row r came back in its destination's block, at its rank in the run it was sent in
-    r_M = jnp.arange(rows)
-    dest_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sent_N), r_M, side="right", method="compare_all"), N - 1)
-    slot_M = dest_M * A + r_M - _starts(sent_N)[dest_M]
-    return jnp.take(back, jnp.where(r_M < jnp.sum(sent_N), slot_M, N * A), axis=0, mode="fill", fill_value=0)
-
-
-def _on_gpu() -> bool | None:
-    """Whether the mesh's devices are GPUs, as the program is traced (None: no mesh names them). A
-    choice made by `jax.lax.platform_dependent` would put the collective in a conditional XLA keeps,
-    where no other work runs beside it."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return None if device is None else device.platform in ("gpu", "cuda")
-
-
-def _by_platform(ragged, dense, *args, **static):
-    on_gpu = _on_gpu()
-    if on_gpu is None:
-        return jax.lax.platform_dependent(*args, default=partial(dense, **static), cuda=partial(ragged, **static))
-    return (ragged if on_gpu else dense)(*args, **static)
+    # packed row r came back where dispatch put it: the slot of the blocks holding r (none: N * A)
+    slot_M = jnp.full((rows,), N * A).at[_block_rows(sent_N, A, rows)].set(jnp.arange(N * A), mode="drop")
+    return jnp.take(back, slot_M, axis=0, mode="fill", fill_value=0)
 
 
 def dispatch(rows_MxD, sent_N, recv_N, block: int, axis: str):
     """This device's rows packed by destination (sent_N[n] for device n, in device order) to their
     devices: [N, block, ...], block i the rows device i sent here (recv_N[i] of them, what its sent_N
     says for this device), the rest zeros. Inside a shard_map manual over `axis` (size N)."""
-    return _by_platform(_ragged_dispatch, _dense_dispatch, rows_MxD, sent_N, recv_N, block=block, axis=axis)
+    return by_platform(partial(_ragged_dispatch, block=block, axis=axis),
+                       partial(_dense_dispatch, block=block, axis=axis), rows_MxD, sent_N, recv_N)
 
 
 def collect(y_NxAxD, recv_N, sent_N, rows: int, axis: str):
     """`dispatch` backwards: block i's first recv_N[i] rows back to device i, which gets [rows, ...]:
     what each device returns, packed in the order it was dispatched (sent_N), the rest zeros."""
-    return _by_platform(_ragged_collect, _dense_collect, y_NxAxD, recv_N, sent_N, rows=rows, axis=axis)
+    return by_platform(partial(_ragged_collect, rows=rows, axis=axis), partial(_dense_collect, rows=rows, axis=axis),
+                       y_NxAxD, recv_N, sent_N)

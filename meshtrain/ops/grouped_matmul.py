@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from meshtrain.ops import grouped_matmul_triton as triton
 from meshtrain.ops.grouped_matmul_triton import group_ids, weight_of
+from meshtrain.ops.platform import GPU_PLATFORMS, by_platform
 
 # Rows of the sorted buffer per grouped-matmul step. On an H100 (JAX 0.11.2, bf16, 16384 x 4096 @
 # [G, 4096, 14336]) the loop ran 102/178/243 TFLOP/s at 128/256/512 rows with G = 8 (ragged_dot:
@@ -117,7 +118,7 @@ def _triton_backward(x_MxK, w_GxKxN, group_M, dy_MxN, runs: int, rows: int, inte
 def runs_rows_routed(platform: str, k: int, n: int) -> bool:
     """Whether a grouped matmul of widths [k, n] on `platform` runs only the rows routed (the Triton
     kernels, an NVIDIA GPU's), not its whole buffer (the loop: every tile, filled or not)."""
-    return platform in ("cuda", "gpu") and triton.fits(k, n)
+    return platform in GPU_PLATFORMS and triton.fits(k, n)
 
 
 def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, runs: int, rows: int):
@@ -126,7 +127,7 @@ def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, runs: int, rows: int
     if kernels == "interpret":
         return use(*args, interpret=True)
     if kernels == "auto" and triton.fits(*w_GxKxN.shape[1:]):
-        return jax.lax.platform_dependent(*args, default=loop, cuda=use)
+        return by_platform(use, loop, *args)
     return loop(*args)
 
 
@@ -136,9 +137,9 @@ def grouped_matmul(x_MxK, w_GxKxN, group_M, rows: int | None = None, kernels: st
     O(M x N) memory. `runs` > 1: the rows are that many runs each sorted by group with its padding
     last (expert parallelism's receive buffer, a block per sender), run r's group j carrying id
     r (G + 1) + j and its padding r (G + 1) + G (`group_ids`): no sort needed. `kernels`: "auto"
-    runs the Triton kernels where the program is lowered for an NVIDIA GPU and the widths fit them
-    (meshtrain/ops/grouped_matmul_triton.py; their work follows the rows routed), the loop over
-    (tile, group) steps elsewhere (`_schedule`; XLA expands jax.lax.ragged_dot densely into
+    runs the Triton kernels where the program is traced for NVIDIA GPUs (meshtrain/ops/platform.py)
+    and the widths fit them (meshtrain/ops/grouped_matmul_triton.py; their work follows the rows
+    routed), the loop over (tile, group) steps elsewhere (`_schedule`; XLA expands jax.lax.ragged_dot densely into
     [G, M, N] on both); "loop" or "interpret" (the Triton kernels in Pallas' interpreter, for
     tests) force one. `rows`: the rows expected routed (the planner prices the
     Triton kernels by them; None: all M)."""

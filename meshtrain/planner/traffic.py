@@ -34,8 +34,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
 - Expert parallelism: 4 all-to-alls of the dispatch buffer (`moe_dispatch`) per MoE layer (6 under
   remat=full), and dropless one of the int32 counts per expert per forward run. On XLA:GPU the
   dropless buffer's all-to-alls are ragged (meshtrain/ops/block_exchange.py): the rows routed move,
-  a balanced routing's share of the worst-case buffer (`ragged_fill`; hlo.py reads a ragged one at
-  its packed side, the rows routed). Outside the experts
+  a balanced routing's share of the worst-case buffer (the model's `routed_share`; hlo.py reads a
+  ragged one at its packed side, the rows routed). Outside the experts
   the expert axis is data parallel: those gradients (attention, router, norms, embedding, head)
   are all-reduced over E per microbatch, the layers' in the compute dtype (XLA:GPU all-reduces an
   untied lookup's fp32 shard once a step, out of the microbatch loop).
@@ -154,15 +154,6 @@ def moe_dispatch(program, microbatches: int | None = None) -> dict | None:
     micro = microbatches or program.plan.num_microbatches(sizes["pipeline"])
     rows = t.batch_size * sequences_per_row(program) / (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro)
     return program.model.dispatch_bytes(rows, t.seq_len, compute_bytes(program.plan.precision), sizes["expert"])
-
-
-def ragged_fill(program) -> float:
-    """The share of its buffer a ragged all-to-all moves: on XLA:GPU the dropless dispatch's blocks
-    travel as ragged all-to-alls of the rows routed (meshtrain/ops/block_exchange.py), a balanced
-    routing's `routed_share` of the worst case (1/8 at qwen3_30b_a3b's pod); 1 on XLA:CPU's program,
-    which moves the whole blocks, and without routed experts."""
-    buffer = moe_dispatch(program) if on_gpu(program) else None
-    return buffer["routed_share"] if buffer else 1.0
 
 
 def sequences_per_row(program) -> int:
@@ -361,7 +352,7 @@ def expected_traffic(program) -> dict[str, dict]:
         passes += 2 * forward_passes(program)  # each forward-only pass (DPO's reference model's)
         buffer = moe_dispatch(program, microbatches=1)  # the step's rows: the microbatches' buffers summed
         counts = 0 if m.capacity_factor else 4 * m.num_experts
-        fill = ragged_fill(program)
+        fill = buffer["routed_share"] if gpu else 1.0  # XLA:GPU's ragged all-to-alls move the rows routed
         dropless = "" if m.capacity_factor else " (sorted dropless: N x rows x L x min(K, E/N) x h" + (
             f"; ragged on XLA:GPU: the rows routed, {fill:.3g} of it when balanced)" if fill < 1 else ")")
         add("all-to-all", formulas.moe_all_to_all_bytes(buffer["bytes"] * fill, E, program.model.routed_layers / P,

@@ -1,0 +1,29 @@
+"""One choice of implementation by the devices a program is traced for: NVIDIA GPUs (Pallas Triton
+kernels, ragged all-to-alls) or anything else (XLA:CPU's portable forms).
+
+`by_platform(gpu, default, *args)` chooses while the program is traced, from the mesh's devices (JAX's
+abstract mesh names their platform). `jax.lax.platform_dependent` chooses at lowering by putting the
+choices in a one-branch conditional, which XLA keeps: no other kernel runs beside a collective inside
+one (XLA's GPU schedule of the dropless dispatch, compiled here without a GPU). Without a mesh that
+names its devices (none set, or a JAX whose AbstractMesh has no `abstract_device`), the lowering
+still chooses so.
+"""
+from __future__ import annotations
+
+import jax
+
+GPU_PLATFORMS = ("cuda", "gpu")  # the lowering's name, the device's
+
+
+def traced_for_gpu() -> bool | None:
+    """Whether the active mesh's devices are NVIDIA GPUs; None where no mesh names them."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return None if device is None else device.platform in GPU_PLATFORMS
+
+
+def by_platform(gpu, default, *args):
+    """`gpu(*args)` in a program traced for NVIDIA GPUs, else `default(*args)` (module doc)."""
+    on_gpu = traced_for_gpu()
+    if on_gpu is None:
+        return jax.lax.platform_dependent(*args, default=default, cuda=gpu)
+    return (gpu if on_gpu else default)(*args)
