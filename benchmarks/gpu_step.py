@@ -1,14 +1,15 @@
 """Where a pod's predicted step goes, and what an XLA:GPU compiler option changes in it: the config's
 train step compiled by XLA's GPU compiler for its pod (compile-only devices, no GPU) and walked as the
 planner prices it (meshtrain/planner/kernel_time.py, the calibrated KERNEL_CONSTANTS; the same step
-`python -m meshtrain.plan --compiler gpu` prints), once per `--option` set: the step, its GEMMs /
+`python -m meshtrain.plan --compiler gpu` prints), first with the options every GPU step takes
+(meshtrain/engine/compiler_options.py), then with each `--option` set on top of them: the step, its GEMMs /
 memory-bound kernels / collectives (and how much of them no kernel hides), then the memory-bound
 kernels' largest sources by the JAX operation that made them (copies by shape and what they copy).
 
     python benchmarks/gpu_step.py --config configs/moe_tiny.yaml --devices 8 --set parallel.mesh=data=2,expert=4 \\
-        --option xla_gpu_enable_latency_hiding_scheduler=true                 # about a minute
+        --option xla_gpu_enable_latency_hiding_scheduler=false                # about a minute
     python benchmarks/gpu_step.py --config configs/qwen3_30b_a3b.yaml --devices 64 \\
-        --option xla_gpu_enable_latency_hiding_scheduler=true                 # about 5 minutes
+        --option xla_gpu_enable_pipelined_all_gather=true --option xla_gpu_enable_pipelined_reduce_scatter=true
     python benchmarks/gpu_step.py --config configs/qwen3_30b_a3b.yaml --devices 64 --set parallel.mesh=fsdp=32,expert=2
 """
 import argparse
@@ -23,7 +24,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def walk(cfg, devices: int, device: str, options: dict) -> dict:
-    """The walked step of `cfg` on `devices` compile-only `device`s, compiled with `options`."""
+    """The walked step of `cfg` on `devices` compile-only `device`s, compiled with `options` on top of the
+    program's own."""
     from meshtrain.core.metrics import DEVICE_PROFILES
     from meshtrain.engine.program import TrainProgram
     from meshtrain.planner import compilers, hlo, kernel_time
@@ -65,7 +67,7 @@ def main():
     p.add_argument("--device", default="h100", choices=("h100", "h200", "b200"))
     p.add_argument("--set", action="append", default=[], help="config overrides, key=value")
     p.add_argument("--option", action="append", default=[],
-                   help="an XLA:GPU compiler option, name=true|false|number, compared with none")
+                   help="an XLA:GPU compiler option, name=true|false|number, compared with the program's own")
     p.add_argument("--top", type=int, default=8)
     args = p.parse_args()
     import jax
@@ -76,7 +78,7 @@ def main():
     value = lambda v: {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
     options = dict((k, value(v)) for k, v in (o.split("=", 1) for o in args.option))
     cfg = load_config(args.config, args.set)
-    runs = [("default options", {})] + ([(", ".join(args.option), options)] if options else [])
+    runs = [("the program's options", {})] + ([(", ".join(args.option), options)] if options else [])
     for label, opts in runs:
         r = walk(cfg, args.devices, args.device, opts)
         parts = r["parts"]

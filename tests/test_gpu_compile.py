@@ -22,6 +22,7 @@ from test_roofline import _no_memory
 from meshtrain.core import cli, compile_cache
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.engine.compiler_options import GPU_OPTIONS
 from meshtrain.engine.program import TrainProgram
 from meshtrain.ops.embedding import lookup
 from meshtrain.ops.fp8 import transposed_specs
@@ -394,6 +395,19 @@ def test_ulysses_runs_cudnns_kernel_per_layer_and_moves_its_formulas_all_to_all_
     assert expected > 0 and collectives(text, 8)["all-to-all"]["traffic_bytes"] == expected
 
 
+NOT_KERNELS = ("parameter", "constant", "get-tuple-element", "bitcast", "tuple")
+
+
+def waited_on_at_once(module) -> list[str]:
+    """The async collectives the schedule waits on with no kernel between their start and done."""
+    waited = []
+    for instrs in module.comps.values():
+        order = [ins for ins in instrs.values() if ins.op not in NOT_KERNELS]
+        waited += [ins.op for ins, then in zip(order, order[1:])
+                   if ins.op.endswith("-start") and then.op.endswith("-done") and then.operands[:1] == [ins.name]]
+    return waited
+
+
 def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_their_formulas_bytes():
     """moe_tiny's pod layout (data=2,expert=4, a tied table) in 2 microbatches on 8 H100s: the dispatch
     runs as async ragged all-to-alls, the experts as the grouped-matmul Triton kernels, and each kind moves its
@@ -412,6 +426,9 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     # rows and is priced as 2·rows·K·N FLOPs (one local expert: no group boundary)
     assert k["grouped_gemms"] == {"gmm": 24, "gmm_t": 24, "tgmm": 24}
     module = Module(text)
+    # compiled with XLA's latency-hiding scheduler (meshtrain/engine/compiler_options.py): kernels run between
+    # every async collective's start and its done (XLA's default schedule waits at once on 16 of the 18)
+    assert program.compiler_options == GPU_OPTIONS and waited_on_at_once(module) == []
     priced = {kernel_time._grouped_gemm(module, comp, ins)[1] for ins, comp, _ in kernels.launches(module)
               if kernels.GROUPED_GEMM.search(ins.line)}
     assert priced == {2.0 * 32 * 32 * 32} and "meshtrain_gmm_rows32" in text

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain import plan as plan_command
 from meshtrain.config.loader import load_config
 from meshtrain.core.metrics import peak_flops
+from meshtrain.engine.compiler_options import GPU_OPTIONS, compiler_options, named_xla_flags
 from meshtrain.plan import main
 from meshtrain.planner import fit
 from meshtrain.planner.aot import compile_for_analysis_only
@@ -368,6 +369,18 @@ def test_the_plan_command_compiles_for_analysis_with_the_same_figures(capsys, mo
     default, analysis = json.loads(done.stdout), plan_json(capsys, *argv[4:])  # this process: -O0 (conftest)
     assert analysis["steps"] == default["steps"] and analysis["memory"] == default["memory"]
     assert analysis["collectives"] == default["collectives"]
+
+
+@pytest.mark.fast
+def test_a_gpu_step_takes_meshtrains_xla_options_unless_xla_flags_names_them():
+    """The options every GPU step is compiled with (the run's and the plan's alike: TrainProgram's jit),
+    none on CPU; a flag the user names in XLA_FLAGS is left to XLA, whatever its value."""
+    assert compiler_options("cpu", {}) is None
+    assert compiler_options("cuda", {}) == compiler_options("gpu", {}) == GPU_OPTIONS
+    assert GPU_OPTIONS == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    user = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false --xla_force_host_platform_device_count=8"}
+    assert named_xla_flags(user) == {"xla_gpu_enable_latency_hiding_scheduler", "xla_force_host_platform_device_count"}
+    assert compiler_options("cuda", user) is None
 
 
 @pytest.mark.fast

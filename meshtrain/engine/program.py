@@ -21,6 +21,7 @@ from meshtrain.core.console import notice_once
 from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine import decode
+from meshtrain.engine.compiler_options import compiler_options
 from meshtrain.engine.pipeline import layer_order
 from meshtrain.engine.step import in_place_update, lr_schedule, make_scores, make_train_step, optimizer_parts
 from meshtrain.models import FAMILIES
@@ -70,6 +71,7 @@ class TrainProgram:
                         f"({self.attention_note}); running {plan.attention}")
         self.plan = plan  # the kernels the program runs (parallel.attention=auto resolved)
         self.backend = backend  # the platform it is lowered for: "cpu", or a plan's "cuda"
+        self.compiler_options = compiler_options(backend)  # its steps' XLA options (engine/compiler_options.py)
         check_layout(model, plan, t, self.sizes, self.rules, backend)
         self.mesh = build_mesh(self.sizes, devices)
         attention, order = context_layout(plan.context_strategy, BACKENDS[plan.attention], self.sizes["context"],
@@ -233,7 +235,7 @@ class TrainProgram:
         evaluate = lambda params, *rest: scored(self.typed_params(params), *rest)
         extra = tuple(self.state_shardings[name] for name in self.objective.initial_state(self.param_specs))
         return jax.jit(evaluate, in_shardings=(self.state_shardings["params"], self.batch_sharding, *extra),
-                       out_shardings=NamedSharding(self.mesh, P()))
+                       out_shardings=NamedSharding(self.mesh, P()), compiler_options=self.compiler_options)
 
     def eval_inputs(self, state) -> tuple:
         """What the eval step takes after (params, batch) from the train `state` (or its abstract
@@ -247,9 +249,10 @@ class TrainProgram:
                              self.step_batch_shardings)
         with self.context():
             fn = self.reuse_step_fn if reuse else self.step_fn
-            lowered = jax.jit(fn, in_shardings=(self.state_shardings, self.step_batch_shardings),
-                              out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
-                              donate_argnums=0).lower(self.abstract_state, batch)
+            step = jax.jit(fn, in_shardings=(self.state_shardings, self.step_batch_shardings),
+                           out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
+                           donate_argnums=0, compiler_options=self.compiler_options)
+            lowered = step.lower(self.abstract_state, batch)
         if self.plan.offload != "none" and self.backend != "cpu":  # compile-only GPU devices drop memory kinds
             offload.mark_host_arguments(lowered, jax.tree.leaves(self.host_arguments()) + [False])
         return lowered
