@@ -1,4 +1,4 @@
-"""The XLA options a step is compiled with, by the platform it runs on: one dict for NVIDIA GPUs, none
+"""The XLA options a step is compiled with, by the platform it runs on: one dict for GPUs, none
 elsewhere. `TrainProgram` jits its train, reuse and eval steps with them, so `python -m meshtrain.train`
 runs and `python -m meshtrain.plan` prices the same program (the planner compiles TrainProgram's
 lowering for its compile-only GPUs).
