@@ -26,9 +26,14 @@ from meshtrain.ops.platform import GPU_PLATFORMS
 GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
+def flag_name(flag: str) -> str:
+    """`--xla_name=value` -> `xla_name`."""
+    return flag.lstrip("-").split("=")[0]
+
+
 def named_xla_flags(environ=os.environ) -> set[str]:
     """The flags `XLA_FLAGS` names, without their leading dashes or values."""
-    return {flag.lstrip("-").split("=")[0] for flag in environ.get("XLA_FLAGS", "").split()}
+    return {flag_name(flag) for flag in environ.get("XLA_FLAGS", "").split()}
 
 
 def compiler_options(platform: str, environ=os.environ) -> dict | None:

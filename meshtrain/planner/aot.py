@@ -28,7 +28,7 @@ from meshtrain.config.validate import check_train_size, resolve_attention
 from meshtrain.core import formulas
 from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
-from meshtrain.engine.compiler_options import named_xla_flags
+from meshtrain.engine.compiler_options import flag_name, named_xla_flags
 from meshtrain.engine.program import TrainProgram
 from meshtrain.objectives.grpo import longest_prompt, prompts_per_batch
 from meshtrain.ops import offload
@@ -62,7 +62,7 @@ def compile_for_analysis_only(environ) -> None:
     process that only compiles, before JAX starts its CPU backend (which reads XLA_FLAGS once)."""
     named = named_xla_flags(environ)
     environ["XLA_FLAGS"] = " ".join(environ.get("XLA_FLAGS", "").split()
-                                    + [f for f in ANALYSIS_ONLY_XLA_FLAGS if f.lstrip("-").split("=")[0] not in named])
+                                    + [f for f in ANALYSIS_ONLY_XLA_FLAGS if flag_name(f) not in named])
 
 
 def cpu_widened(program) -> bool:
