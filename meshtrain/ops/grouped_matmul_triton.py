@@ -25,13 +25,27 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-# Blocks for an H100 (bf16 in, fp32 accumulated): Triton's usual 128 x 128 x 64 tile on 4 warps with a
-# 3-stage pipeline. Not tuned on a GPU yet (none measured); a width the block does not divide takes the
-# largest power of two that does, down to MIN_BLOCK (the tensor cores' 16).
+# Blocks for Hopper (bf16 in, fp32 accumulated; a width a block does not divide takes the largest power of
+# two that does, down to MIN_BLOCK, the tensor cores' 16). gmm and gmm_t: Triton's usual 128 x 128 x 64
+# tile on 4 warps in 3 stages (on an H200 within the noise of the other tiles tried, 2026-12-04). tgmm: its
+# own, the fastest of 11 tried on an H200 (benchmarks/grouped_matmul.py --tiles tgmm; RESULTS.md): 64 rows
+# a step into a 128 x 256 block of dw on 8 warps, 1.65x (Qwen3-30B-A3B's 128 experts) and 1.85x (16
+# experts) faster than gmm's tile.
 BM, BK, BN = 128, 64, 128
 WARPS, STAGES = 4, 3
+# tgmm's own: its rows are the reduction, stepped TGMM_BM at a time (a divisor of BM, the buffer's tile)
+TGMM_BM, TGMM_BK, TGMM_BN = 64, 128, 256
+TGMM_WARPS, TGMM_STAGES = 8, 3
 MIN_BLOCK = 16
 NAME = "meshtrain_{kernel}_rows{rows}"  # the planner reads the kernel and its rows back (kernel_time.py)
+
+
+def most_blocks(dtype, bk: int, bn: int) -> tuple[int, int]:
+    """(bk, bn), bf16's blocks, for operands of `dtype`: halved for 4-byte operands, so that STAGES copies of a
+    step's operand tiles fit a Hopper's 227 KiB of shared memory (fp32 at bf16's blocks asked 257 KiB of
+    XLA's GPU compiler for an H200)."""
+    shrink = max(1, jnp.dtype(dtype).itemsize // 2)
+    return bk // shrink, bn // shrink
 
 
 def group_ids(groups: int, runs: int) -> int:
@@ -90,7 +104,8 @@ def gmm(x_RxK, w_GxKxN, steps, group_R, runs: int, rows: int, transpose: bool = 
     `group_ids`)."""
     (R, K), G = x_RxK.shape, w_GxKxN.shape[0]
     N = w_GxKxN.shape[1] if transpose else w_GxKxN.shape[2]
-    bk, bn = block(K, BK), block(N, BN)
+    most_k, most_n = most_blocks(x_RxK.dtype, BK, BN)
+    bk, bn = block(K, most_k), block(N, most_n)
     tile_S, group_S = steps
     kernel = functools.partial(_gmm_kernel, groups=G, ids=group_ids(G, runs), bk=bk, bn=bn, transpose=transpose)
     return pl.pallas_call(
@@ -100,7 +115,7 @@ def gmm(x_RxK, w_GxKxN, steps, group_R, runs: int, rows: int, transpose: bool = 
     )(tile_S, group_S, group_R, x_RxK, w_GxKxN)
 
 
-def _tgmm_kernel(offset_ref, row_group_ref, x_ref, dy_ref, dw_ref, *, groups, runs, bk, bn):
+def _tgmm_kernel(offset_ref, row_group_ref, x_ref, dy_ref, dw_ref, *, groups, runs, bt, bk, bn):
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ks, ns = pl.ds(pl.multiple_of(i * bk, bk), bk), pl.ds(pl.multiple_of(j * bn, bn), bn)
 
@@ -109,12 +124,12 @@ def _tgmm_kernel(offset_ref, row_group_ref, x_ref, dy_ref, dw_ref, *, groups, ru
         start, end = offset_ref[gid], offset_ref[gid + 1]
 
         def step(t, acc_KxN):
-            rows = pl.ds(pl.multiple_of(t * BM, BM), BM)
+            rows = pl.ds(pl.multiple_of(t * bt, bt), bt)
             mine_T = row_group_ref[rows] == gid
             x_TxK = jnp.where(mine_T[:, None], x_ref[rows, ks], 0)
             return acc_KxN + jnp.dot(x_TxK.T, dy_ref[rows, ns], preferred_element_type=jnp.float32)
 
-        return jax.lax.fori_loop(start // BM, (end + BM - 1) // BM, step, acc_KxN)
+        return jax.lax.fori_loop(start // bt, (end + bt - 1) // bt, step, acc_KxN)
 
     dw_ref[g, ks, ns] = jax.lax.fori_loop(0, runs, group_rows, jnp.zeros((bk, bn), jnp.float32))
 
@@ -123,12 +138,13 @@ def tgmm(x_RxK, dy_RxN, group_R, groups: int, runs: int, rows: int, interpret: b
     """dw[g] = sum over the rows r of expert g of x[r]^T dy[r], in fp32 ([G, K, N]; an expert without
     rows: 0). Rows in `runs` runs sorted by group id (grouped_matmul.py `group_ids`)."""
     K, N = x_RxK.shape[1], dy_RxN.shape[1]
-    bk, bn = block(K, BK), block(N, BN)
+    most_k, most_n = most_blocks(x_RxK.dtype, TGMM_BK, TGMM_BN)
+    bk, bn, bt = block(K, most_k), block(N, most_n), min(TGMM_BM, BM)
     ids = jnp.arange(group_ids(groups, runs) + 1, dtype=group_R.dtype)
     offset_I1 = jnp.searchsorted(group_R, ids, method="compare_all").astype(jnp.int32)  # one kernel, not a loop
     return pl.pallas_call(
-        functools.partial(_tgmm_kernel, groups=groups, runs=runs, bk=bk, bn=bn),
+        functools.partial(_tgmm_kernel, groups=groups, runs=runs, bt=bt, bk=bk, bn=bn),
         out_shape=jax.ShapeDtypeStruct((groups, K, N), jnp.float32), grid=(groups, K // bk, N // bn),
-        compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=TGMM_WARPS, num_stages=TGMM_STAGES), interpret=interpret,
         name=NAME.format(kernel="tgmm", rows=rows),
     )(offset_I1, group_R, x_RxK, dy_RxN)
