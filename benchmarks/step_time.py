@@ -17,7 +17,7 @@ from pathlib import Path
 
 # (row, device, config, overrides, measured ms, calibrates): benchmarks/RESULTS.md, "One GPU: llama_1b in bf16"
 # (H200, batch 8 unless noted, save_matmuls) and "The planner's claims against one H100" (llama3-8b's shape
-# with 4 layers, seq 8,192, blockwise attention).
+# with 4 layers, seq 8,192, blockwise attention); the rows marked (12-04) "Measured on one H200 (2026-12-04)".
 ROWS = [
     ("H200 llama_1b b8 cudnn", "h200", "configs/llama_1b.yaml", ["train.batch_size=8", "parallel.attention=cudnn"],
      272.3, True),
@@ -32,6 +32,17 @@ ROWS = [
     ("H100 llama3-8b L4 b4 mb2 save_matmuls", "h100", "configs/llama3_8b.yaml",
      ["model.num_layers=4", "parallel.attention=blockwise", "train.batch_size=4", "parallel.microbatches=2",
       "parallel.remat=save_matmuls"], 1991.1, False),
+    # measured 2026-12-04 on an H200 (RESULTS.md, "Measured on one H200"), on the programs of that day (2,048-token
+    # loss chunks, XLA's latency-hiding scheduler): cuDNN with the shipped remat, and the fp8 recipes
+    ("H200 llama_1b b8 cudnn (12-04)", "h200", "configs/llama_1b.yaml",
+     ["train.batch_size=8", "parallel.attention=cudnn"], 264.1, False),
+    ("H200 llama_1b b8 cudnn fp8 (12-04)", "h200", "configs/llama_1b.yaml",
+     ["train.batch_size=8", "parallel.attention=cudnn", "parallel.precision=fp8"], 232.1, False),
+    ("H200 llama_1b b8 cudnn fp8_rowwise (12-04)", "h200", "configs/llama_1b.yaml",
+     ["train.batch_size=8", "parallel.attention=cudnn", "parallel.precision=fp8_rowwise"], 241.9, False),
+    ("H200 llama3-8b L4 b4 mb2 save_matmuls cudnn (12-04)", "h200", "configs/llama3_8b.yaml",
+     ["model.num_layers=4", "parallel.attention=cudnn", "train.batch_size=4", "parallel.microbatches=2",
+      "parallel.remat=save_matmuls"], 571.1, False),
 ]
 
 

@@ -240,7 +240,10 @@ def test_a_b200_plan_is_its_gpu_program_with_fp8_gemms_and_says_its_constants_ar
     assert {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"} <= set(report["kernels"]["gemms"])
     roof = report["roofline"]
     assert roof["priced_by"] == "kernels" and roof["kernel_time"]["calibrated"] is False
-    assert "GPU kernels (NOT calibrated on this GPU: the H100/H200's shares" in format_plan(report)
+    text = format_plan(report)
+    assert "GPU kernels (NOT calibrated on this GPU: the H100/H200's shares" in text
+    # the recipe's step measured on an H200 against its prediction (metrics.py FP8_MEASURED_OVER_PREDICTED)
+    assert f"{recipe}: a step measured on an H200 ran 1.1" in text
     assert roof["mfu_fp8_ceiling"] == pytest.approx(roof["mfu_ceiling"] * 2250 / 4500)
 
 
@@ -429,9 +432,16 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     # compiled with XLA's latency-hiding scheduler (meshtrain/engine/compiler_options.py): kernels run between
     # every async collective's start and its done (XLA's default schedule waits at once on 16 of the 18)
     assert program.compiler_options == GPU_OPTIONS and waited_on_at_once(module) == []
-    priced = {kernel_time._grouped_gemm(module, comp, ins)[1] for ins, comp, _ in kernels.launches(module)
-              if kernels.GROUPED_GEMM.search(ins.line)}
-    assert priced == {2.0 * 32 * 32 * 32} and "meshtrain_gmm_rows32" in text
+    grouped = [(ins, kernel_time._grouped_gemm(module, comp, ins)) for ins, comp, _ in kernels.launches(module)
+               if kernels.GROUPED_GEMM.search(ins.line)]
+    assert {found[1] for _, found in grouped} == {2.0 * 32 * 32 * 32} and "meshtrain_gmm_rows32" in text
+    # bytes (fp32): gmm and gmm_t read their 32 rows of x and the weights and write every row of the buffer,
+    # padding rows too (128: one whole tile); tgmm reads 32 rows of x and of dy and writes dw
+    priced_bytes = {(kernels.GROUPED_GEMM.search(ins.line).group(1), ins.shape.split("{")[0], found[3])
+                    for ins, found in grouped}
+    assert priced_bytes == {("gmm", "f32[128,32]", (32 * 32 + 32 * 32 + 128 * 32) * 4),
+                            ("gmm_t", "f32[128,32]", (32 * 32 + 32 * 32 + 128 * 32) * 4),
+                            ("tgmm", "f32[1,32,32]", (32 * 64 + 32 * 32) * 4)}
     # the roofline's executed FLOPs count the rows routed on this program, the loop's whole buffer
     # (ep x min(k, E/ep) = 4 rows a token, not 2) on the CPU's
     hardware = lambda: roofline.estimate(program, _no_memory(), [], DEVICE_PROFILES["h100"])["flops"][
@@ -523,3 +533,20 @@ def test_the_calibrated_step_time_of_a_held_out_measured_step_is_within_25_perce
     text = TrainProgram.from_config(cfg, devices=devices).lower().compile().as_text()
     predicted = kernel_time.step_time(text, DEVICE_PROFILES["h200"], {})["step_s"]
     assert predicted == pytest.approx(0.5309, rel=0.25)
+
+
+def test_the_grouped_matmul_compiles_for_a_hopper_in_fp32_as_in_bf16():
+    """fp32 operands take half bf16's K and N blocks (grouped_matmul_triton.py `most_blocks`): at bf16's
+    blocks three pipeline stages of fp32 tiles asked XLA's GPU compiler for 257 KiB of an H100's 227 KiB
+    of shared memory, and an fp32 MoE step on a GPU did not compile. Forward and both backward products,
+    each one Triton kernel, in both dtypes."""
+    from meshtrain.ops.grouped_matmul import grouped_matmul
+
+    mesh = jax.sharding.Mesh(gpu_devices(1), ("one",))
+    loss = lambda x, w, g: jnp.sum(grouped_matmul(x, w, g).astype(jnp.float32) ** 2)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        shapes = [jax.ShapeDtypeStruct(s, t, sharding=NamedSharding(mesh, P()))
+                  for s, t in (((1024, 256), dtype), ((4, 256, 512), dtype), ((1024,), jnp.int32))]
+        with jax.set_mesh(mesh):
+            text = jax.jit(jax.grad(loss, (0, 1))).lower(*shapes).compile().as_text()
+        assert kernels.read(text)["grouped_gemms"] == {"gmm": 1, "gmm_t": 1, "tgmm": 1}

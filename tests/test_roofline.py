@@ -413,7 +413,7 @@ backend_config={{"known_trip_count":{{"n":"4"}}}}
 # round numbers: 1 PFLOP/s bf16, 1 TB/s HBM, 1 us launches, every efficiency 1/2, no GEMM shape penalty
 PROFILE = {"peak_flops": 1e15, "peak_fp8_flops": 2e15, "peak_tf32_flops": 5e14, "hbm_bw": 1e12,
            "kernels": {"gemm_peak": 0.5, "gemm_half_size": 0, "attention_efficiency": 0.5, "hbm_efficiency": 0.5,
-                       "launch_s": 1e-6}}
+                       "launch_s": 1e-6, "grouped_gemm_peak": 0.25}}
 
 
 @pytest.mark.fast

@@ -10,8 +10,10 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   `__gpu$xla.gpu.triton` call named `meshtrain_<kernel>_rows<R>`): G GEMMs of the R rows expected
   routed plus a tile of BM rows per group boundary (R + (G - 1)·BM rows: a tile holding two groups
   runs once for each), FLOPs 2·rows·K·N at the operand type's peak x `gemm_efficiency(rows / G, N, K)`
-  (`tgmm`, dw: `gemm_efficiency(K, N, rows / G)`), bytes its rows of x and of the result and the
-  weights once; the grid's programs of empty tiles exit before their K loop (not priced);
+  (`tgmm`, dw: `gemm_efficiency(K, N, rows / G)`) with `grouped_gemm_peak` for `gemm_peak` (measured on
+  an H200: the Triton kernels reach less of the peak than XLA's GEMMs), bytes its rows of x, the weights
+  once and every row of the buffer it writes (`tgmm`: its rows of x and dy, dw in fp32); the grid's
+  programs of empty tiles exit before their K loop (not priced);
 - cuDNN fused attention: forward 4·B·H·Lq·Lk·D FLOPs (QK^T and PV), the backward 2.5x that (it reruns
   QK^T, then dV, dP, dQ, dK: 5 matmuls for 2), a causal mask half of it, a sliding window Lk <= window;
   at the bf16 peak x `attention_efficiency`;
@@ -137,9 +139,12 @@ def _grouped_gemm(module: Module, comp: str, ins) -> tuple[str, float, tuple[flo
     (_, K), dtype = _dims(x.shape), x.arrays[0][0]
     G, N = (out[0], out[2]) if dw else (_dims(operands[4].shape)[0], out[1])
     rows = int(found.group(2)) + (G - 1) * grouped.BM
-    weights = G * K * N * (4 if dw else DTYPE_BYTES[dtype])  # dw is written in fp32
-    shape = (K, N, rows / G) if dw else (rows / G, N, K)
-    return dtype, 2.0 * rows * K * N, shape, rows * (K + N) * DTYPE_BYTES[dtype] + weights
+    b = DTYPE_BYTES[dtype]
+    if dw:  # reads the rows of x and dy, writes dw in fp32
+        shape, nbytes = (K, N, rows / G), rows * (K + N) * b + G * K * N * 4
+    else:  # reads the rows of x and the weights, writes every row of the buffer (padding rows: 0)
+        shape, nbytes = (rows / G, N, K), rows * K * b + G * K * N * b + out[0] * N * b
+    return dtype, 2.0 * rows * K * N, shape, nbytes
 
 
 def _attention_flops(ins) -> float:
@@ -221,9 +226,10 @@ class StepTime:
             peak = _peak(p, dtype)
             shape = gemm_efficiency(m, n, k, c) / c["gemm_peak"]
             return "gemm", 2.0 * m * n * k / (peak * shape), _fusion_bytes(self.module, comp, ins)
-        if (found := _grouped_gemm(self.module, comp, ins)) is not None:
+        if (found := _grouped_gemm(self.module, comp, ins)) is not None:  # at `grouped_gemm_peak`, not `gemm_peak`
             dtype, flops, shape, nbytes = found
-            return "gemm", flops / (_peak(p, dtype) * gemm_efficiency(*shape, c) / c["gemm_peak"]), nbytes
+            share = gemm_efficiency(*shape, c) / c["gemm_peak"] * c["grouped_gemm_peak"] / c["gemm_peak"]
+            return "gemm", flops / (_peak(p, dtype) * share), nbytes
         target = kernels.CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
         if target and target.group(1).startswith("__cudnn$fmha"):
             return "attention", _attention_flops(ins) / p["peak_flops"], 0

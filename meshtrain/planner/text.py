@@ -4,6 +4,7 @@ comparison of meshes, from the plan's dict (the --json output).
 """
 from __future__ import annotations
 
+from meshtrain.core.metrics import FP8_MEASURED_OVER_PREDICTED
 from meshtrain.planner import compilers
 
 GB = 1e9
@@ -97,7 +98,7 @@ def format_plan(r: dict) -> str:
         if link["traffic_bytes"]:
             lines.append(f"  over {axes:<22} {gb(link['traffic_bytes']):>12} at {link['bandwidth'] / 1e9:,.0f} GB/s "
                          f"({'cross-node' if link['cross_node'] else 'in-node'}): {link['seconds'] * 1e3:,.1f} ms")
-    lines += format_kernel_time(roof)
+    lines += format_kernel_time(roof, r["config"]["precision"])
     lines.append(f"  compute {roof['compute_s'] * 1e3:,.1f} ms"
                  + (f" (bubble {roof['pipeline_bubble']:.1%})" if roof["pipeline_bubble"] else "")
                  + (f" (x {roof['stage_factor']:.3f}: the slowest stage over the mean; the first also runs the "
@@ -116,10 +117,14 @@ def format_plan(r: dict) -> str:
     return "\n".join(lines)
 
 
-def format_kernel_time(roof: dict) -> list[str]:
-    """The GPU program's step, kernel by kernel (meshtrain/planner/kernel_time.py), when it priced the step."""
+def format_kernel_time(roof: dict, precision: str) -> list[str]:
+    """The GPU program's step, kernel by kernel (meshtrain/planner/kernel_time.py), when it priced the step,
+    and how far a measured step of `precision`'s fp8 recipe ran from its prediction."""
     if roof["priced_by"] != "kernels":
         return []
+    ratio = FP8_MEASURED_OVER_PREDICTED.get(precision)
+    fp8 = [f"  {precision}: a step measured on an H200 ran {ratio:.2f}x the walk's prediction (llama_1b; bf16's "
+           f"1.00x; benchmarks/RESULTS.md): the recipe's gain over bf16 is overstated here"] if ratio else []
     k, c = roof["kernel_time"], roof["kernel_time"]["by_kind_s"]
     n = k["launches"]
     how = "calibrated" if k.get("calibrated", True) else "NOT calibrated on this GPU: the H100/H200's shares"
@@ -128,7 +133,7 @@ def format_kernel_time(roof: dict) -> list[str]:
             f"memory-bound {c['memory'] * 1e3:,.1f} ms ({n['memory']:,.0f}); "
             f"collectives {c['collectives'] * 1e3:,.1f} ms on their links"
             + (f", host copies {c['host'] * 1e3:,.1f} ms on the host link ({n['host']:,.0f})" if c.get("host") else "")
-            + f", {k['exposed_comm_s'] * 1e3:,.1f} ms of it not hidden -> step {k['step_s'] * 1e3:,.1f} ms"]
+            + f", {k['exposed_comm_s'] * 1e3:,.1f} ms of it not hidden -> step {k['step_s'] * 1e3:,.1f} ms", *fp8]
 
 
 def format_kernels(k: dict | None) -> list[str]:
