@@ -83,7 +83,8 @@ PEAK_FP8_FLOPS = {
 #   (fitted, `python benchmarks/grouped_matmul.py --fit`, on two full buffers measured on an H200,
 #   2026-12-04: 131,072 rows into 128 experts 4.794 ms, 262,144 into 16 7.122 ms, forward and both
 #   backward products of D 2048 x F 768; each within 1%. Held out, a buffer 1/8 filled, 2.126 ms, is
-#   predicted at 0.61x: the grid's programs over empty tiles are not priced).
+#   predicted at 0.61x: the grid's programs over empty tiles are not priced. Measured with gmm's tile of
+#   before that day's last sweep; the kernels on the shipped tiles summed 0.90x as long).
 KERNEL_CONSTANTS = {"gemm_peak": 0.75, "gemm_half_size": 128, "attention_efficiency": 0.75, "hbm_efficiency": 0.681,
                     "launch_s": 0.75e-6, "grouped_gemm_peak": 0.455}
 # The fp8 recipes' steps measured on an H200 over the walk's prediction with these constants (held out, not

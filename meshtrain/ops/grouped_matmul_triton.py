@@ -26,13 +26,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 # Blocks for Hopper (bf16 in, fp32 accumulated; a width a block does not divide takes the largest power of
-# two that does, down to MIN_BLOCK, the tensor cores' 16). gmm and gmm_t: Triton's usual 128 x 128 x 64
-# tile on 4 warps in 3 stages (on an H200 within the noise of the other tiles tried, 2026-12-04). tgmm: its
-# own, the fastest of 11 tried on an H200 (benchmarks/grouped_matmul.py --tiles tgmm; RESULTS.md): 64 rows
-# a step into a 128 x 256 block of dw on 8 warps, 1.65x (Qwen3-30B-A3B's 128 experts) and 1.85x (16
-# experts) faster than gmm's tile.
-BM, BK, BN = 128, 64, 128
-WARPS, STAGES = 4, 3
+# two that does, down to MIN_BLOCK, the tensor cores' 16), the fastest of those timed on an H200
+# (benchmarks/grouped_matmul.py --tiles and --tiles tgmm; RESULTS.md, 2026-12-04) at Qwen3-30B-A3B's
+# widths. gmm and gmm_t: 128 rows x 256 columns in 64-wide K steps on 8 warps, 3 stages (1.11 and 1.22 ms
+# against 1.58 and 1.41 at Triton's usual 128 x 128 x 64 on 4 warps, one run). tgmm: its own, 64 rows a
+# step into a 128 x 256 block of dw on 8 warps (1.65x and 1.85x faster than at gmm's old tile).
+BM, BK, BN = 128, 64, 256
+WARPS, STAGES = 8, 3
 # tgmm's own: its rows are the reduction, stepped TGMM_BM at a time (a divisor of BM, the buffer's tile)
 TGMM_BM, TGMM_BK, TGMM_BN = 64, 128, 256
 TGMM_WARPS, TGMM_STAGES = 8, 3
