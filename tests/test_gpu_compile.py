@@ -32,7 +32,7 @@ from meshtrain.parallel.sharding import activation_rules, make_rules
 from meshtrain.plan import main
 from meshtrain.planner import compilers, hlo, kernel_time, kernels, known_gaps, roofline, traffic
 from meshtrain.planner.hlo import Module, collectives
-from meshtrain.planner.text import format_plan
+from meshtrain.planner.text import format_kernels, format_plan
 
 pytestmark = pytest.mark.skipif(compilers.gpu_compiler_missing() is not None,
                                 reason="the compile-only GPU backend (the plan-gpu extra) is not installed")
@@ -428,6 +428,9 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     # microbatch (gate, up, down; 4 layers x 2): forward, dx and dw; each expects its device's b*K*L = 32
     # rows and is priced as 2·rows·K·N FLOPs (one local expert: no group boundary)
     assert k["grouped_gemms"] == {"gmm": 24, "gmm_t": 24, "tgmm": 24}
+    # each expects 32 rows of its 128-row buffer: the plan says such buffers run slower than priced
+    assert k["grouped_filled"] == 0.25
+    assert "their buffers 25% filled" in "\n".join(format_kernels(k))
     module = Module(text)
     # compiled with XLA's latency-hiding scheduler (meshtrain/engine/compiler_options.py): kernels run between
     # every async collective's start and its done (XLA's default schedule waits at once on 16 of the 18)

@@ -9,6 +9,7 @@ loop bodies, branches, async wrappers), never one inside a fusion: a fusion is o
 - `attention`: cuDNN fused attention calls (`__cudnn$fmha...`), forward and backward;
 - `grouped_gemms`: meshtrain's grouped-matmul Triton kernels (meshtrain/ops/grouped_matmul_triton.py,
   `__gpu$xla.gpu.triton` calls named `meshtrain_<kernel>_rows<R>`) by kernel: gmm, gmm_t, tgmm;
+  `grouped_filled` the least share of its buffer's rows a gmm expects routed (R / the buffer's rows);
 - `collectives`: async collective launches (`all-gather-start`, ...) by kind (`ragged-all-to-all` its own);
 - `fusions`: every other fusion (elementwise, reductions, transposes), one kernel each;
 - `largest`: the largest arrays the program makes (instruction outputs), name, shape and bytes.
@@ -99,6 +100,7 @@ def read(hlo_text: str, largest: int = 8) -> dict:
     """Kernels per step of a compiled GPU program by kind (module doc)."""
     module = Module(hlo_text)
     gemms, attention, grouped, collectives, fusions = Counter(), Counter(), Counter(), Counter(), 0.0
+    filled = []  # rows expected / rows of the buffer, per gmm and gmm_t
     for ins, comp, times in launches(module):
         types = gemm_types(module, comp, ins)
         target = CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
@@ -108,12 +110,15 @@ def read(hlo_text: str, largest: int = 8) -> dict:
             attention["backward" if "Backward" in target.group(1) else "forward"] += times
         elif target and (kernel := GROUPED_GEMM.search(ins.line)):
             grouped[kernel.group(1)] += times
+            if kernel.group(1) != "tgmm":
+                filled.append(int(kernel.group(2)) / int(re.search(r"\[(\d+)", ins.shape).group(1)))
         elif ins.op.endswith("-start") and ins.op.removesuffix("-start") in KINDS + (RAGGED,):
             collectives[ins.op.removesuffix("-start")] += times
         elif ins.op == "fusion":
             fusions += times
     return {"gemms": dict(gemms), "attention": {"forward": attention["forward"], "backward": attention["backward"]},
-            "grouped_gemms": dict(grouped), "collectives": dict(collectives), "fusions": fusions,
+            "grouped_gemms": dict(grouped), "grouped_filled": min(filled, default=None),
+            "collectives": dict(collectives), "fusions": fusions,
             "largest": sorted(arrays_made(module), key=lambda a: -a["bytes"])[:largest]}
 
 

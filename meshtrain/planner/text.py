@@ -4,7 +4,7 @@ comparison of meshes, from the plan's dict (the --json output).
 """
 from __future__ import annotations
 
-from meshtrain.core.metrics import FP8_MEASURED_OVER_PREDICTED
+from meshtrain.core.metrics import FP8_MEASURED_OVER_PREDICTED, GROUPED_PARTLY_FILLED
 from meshtrain.planner import compilers
 
 GB = 1e9
@@ -136,6 +136,17 @@ def format_kernel_time(roof: dict, precision: str) -> list[str]:
             + f", {k['exposed_comm_s'] * 1e3:,.1f} ms of it not hidden -> step {k['step_s'] * 1e3:,.1f} ms", *fp8]
 
 
+def partly_filled(filled: float | None) -> list[str]:
+    """The line a plan's grouped GEMMs get when their buffers are partly filled (expert parallelism's worst
+    case): such a buffer ran slower on a GPU than the walk prices it (metrics.py GROUPED_PARTLY_FILLED)."""
+    if filled is None or filled > 0.9:
+        return []
+    measured = GROUPED_PARTLY_FILLED
+    return [f"    their buffers {filled:.0%} filled (the rows expected of the rows held): one 1/"
+            f"{1 / measured['filled']:.0f} filled ran {measured['measured_over_predicted']:.2f}x its price on an "
+            f"H200 (the programs over empty tiles are not priced), so the step runs slower than priced"]
+
+
 def format_kernels(k: dict | None) -> list[str]:
     """The GPU program's kernels per step (meshtrain/planner/kernels.py)."""
     if not k:
@@ -147,6 +158,7 @@ def format_kernels(k: dict | None) -> list[str]:
              f"  fused attention (cuDNN): {att['forward']:,.0f} forward, {att['backward']:,.0f} backward",
              *([f"  grouped GEMMs (meshtrain's Triton kernels) {sum(grouped.values()):,.0f}: {by(grouped)}"]
                if (grouped := k.get("grouped_gemms")) else []),
+             *partly_filled(k.get("grouped_filled")),
              f"  async collectives {sum(k['collectives'].values()):,.0f}: {by(k['collectives']) or 'none'}",
              f"  other fusions {k['fusions']:,.0f}", "  largest arrays made:"]
     return lines + [f"    {a['shape']:<28} {human_bytes(a['bytes']):>10}  {a['op']}" for a in k["largest"][:5]]
