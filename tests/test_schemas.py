@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from meshtrain.core import schema
@@ -77,14 +77,18 @@ def test_a_sidecar_of_the_wrong_shape_names_its_key(prepared):
 
 @FUZZ
 @given(manifest=MANIFESTS)
+@example(manifest={"dtype": "uint32", "tokens": 0, "shards": [{"file": "s.bin", "tokens": 4}]})
 def test_any_manifest_reads_or_is_one_user_error(prepared, manifest):
+    """A manifest that reads describes the shard's bytes exactly: its 16 bytes are 8 uint16 tokens or 4
+    uint32 ones (a fuzzed run once found the second, which the test had counted as 8)."""
     (prepared / MANIFEST).write_text(json.dumps(manifest))
     try:
         tokens, _ = read_prepared(prepared)
     except UserError as e:
         assert "\n" not in str(e) and len(str(e)) < 400
     else:
-        assert len(tokens) == 8 * len(manifest["shards"])
+        assert len(tokens) == sum(shard["tokens"] for shard in manifest["shards"])
+        assert len(tokens) == 16 // np.dtype(manifest["dtype"]).itemsize * len(manifest["shards"])
 
 
 @FUZZ
