@@ -10,7 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import ROOT, TINY
+from conftest import MOE_TINY, ROOT, TINY
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -303,6 +303,21 @@ def test_the_search_reaches_hybrid_sharding_in_one_speed_move():
     assert lower == {"parallel.zero=0", "parallel.zero=1", "parallel.zero=2"}
     assert [w for w in dict(fit.moves(hybrid.change(zero=1), cfg.model, 16, 8)) if w.startswith("parallel.zero")] \
         == ["parallel.zero=2"]
+
+
+@pytest.mark.fast
+def test_a_moe_models_speed_moves_open_expert_parallelism_too():
+    """fit.moves, speed, for a model with routed experts: a factor moves to `expert` as well as from it
+    (expert parallelism gathers no expert weights but dispatches the tokens: either can be faster; a plan
+    from fsdp=64 never priced expert=2 before); a dense model's never does."""
+    moe = load_config(MOE_TINY, [])
+    start = fit.Layout.of(moe, {"data": 2, "fsdp": 2, "tensor": 1, "pipeline": 1, "expert": 2, "context": 1})
+    faster = dict(fit.moves(start, moe.model, 16, 8, memory=False))
+    assert faster["fsdp -> expert x2"].mesh == {**start.mesh, "fsdp": 1, "expert": 4}
+    assert faster["data -> expert x2"].mesh == {**start.mesh, "data": 1, "expert": 4}
+    assert faster["expert -> fsdp x2"].mesh == {**start.mesh, "fsdp": 4, "expert": 1}
+    dense = load_config(TINY, [])
+    assert not [what for what in dict(fit.moves(start, dense.model, 16, 8, memory=False)) if "-> expert" in what]
 
 
 @pytest.mark.fast

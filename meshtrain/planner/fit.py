@@ -13,7 +13,9 @@ other way round. The knobs, one move at a time (`moves`):
   kernel, one that grows keeps its strategy); MoE: to `expert`;
 - speed moves: the same in reverse, with every lower ZeRO stage at once (one stage lower may gain
   nothing where two do), and a move that opens the `data` axis also with ZeRO 0 on it: hybrid
-  sharding (HSDP: fsdp's gathers within the nodes, one gradient all-reduce across them).
+  sharding (HSDP: fsdp's gathers within the nodes, one gradient all-reduce across them); MoE: to
+  `expert` as well as from it (expert parallelism gathers no expert weights but dispatches the tokens:
+  either may be faster);
 - parallel.offload none -> optimizer -> optimizer+params (a memory move; back as a speed move): the
   state in host memory, slower by its copies (meshtrain/ops/offload.py), so the search takes it
   where no faster move fits, and a candidate fits only if its host memory fits too.
@@ -125,6 +127,12 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
         if not memory and taker == "data" and mesh["data"] == 1 and layout.zero:  # hybrid sharding (HSDP)
             out += [(f"{donor} -> {taker} x{f}{how}, parallel.zero=0", moved.change(zero=0))
                     for how, moved in resized(layout, new)]
+    if not memory and model.routed_experts():  # to `expert` both ways: it trades weight gathers for the dispatch
+        for donor in ("data", "fsdp"):
+            if mesh[donor] > 1:
+                f = _smallest_factor(mesh[donor])
+                new = {**mesh, donor: mesh[donor] // f, "expert": mesh["expert"] * f}
+                out += [(f"{donor} -> expert x{f}{how}", moved) for how, moved in resized(layout, new)]
     micro = layout.microbatches * 2 if memory else layout.microbatches // 2
     if micro >= 1 and micro >= mesh["pipeline"] and micro != layout.microbatches:
         out.append((f"parallel.microbatches={micro}", layout.change(microbatches=micro)))
