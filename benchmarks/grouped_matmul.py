@@ -97,27 +97,37 @@ def seconds(step, args, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def predicted_s(step, args, device: str | None) -> float:
-    """The planner's seconds for `step`'s program: the one compiled for this GPU, or, with `device`, the one
-    XLA's GPU compiler builds for that GPU without one (compile-only devices, as `plan --compiler gpu`)."""
+def gpu_program(step, args, device: str) -> str:
+    """`step`'s program as XLA's GPU compiler builds it for `device` (h100, h200, b200) without a GPU
+    (compile-only devices, as `plan --compiler gpu`), for shapes and dtypes of `args`."""
     import jax
 
-    from meshtrain.core.metrics import DEVICE_PROFILES
-    from meshtrain.planner import compilers, kernel_time
+    from meshtrain.planner import compilers
 
-    if device is None:
-        here = jax.devices()[0].device_kind.lower()
-        device = next((k for k in DEVICE_PROFILES if k in here), None)
-        if device is None:
-            return float("nan")
-        return kernel_time.step_time(step.lower(*args).compile().as_text(), DEVICE_PROFILES[device], {})["step_s"]
     target = compilers.choose("gpu", device, 1, 8)
     mesh = jax.sharding.Mesh(np.array(target.devices[:1]), ("one",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args]
     with target.compiling(), jax.set_mesh(mesh):
-        text = step.lower(*shapes).compile().as_text()
+        return step.lower(*shapes).compile().as_text()
+
+
+def predicted_s(text: str, device: str) -> float:
+    """The planner's seconds for a program's HLO `text` on `device`, with the shipped KERNEL_CONSTANTS."""
+    from meshtrain.core.metrics import DEVICE_PROFILES
+    from meshtrain.planner import kernel_time
+
     return kernel_time.step_time(text, DEVICE_PROFILES[device], {})["step_s"]
+
+
+def profile_here() -> str | None:
+    """This machine's GPU's DEVICE_PROFILES name (h100, h200...), None off one the planner knows."""
+    import jax
+
+    from meshtrain.core.metrics import DEVICE_PROFILES
+
+    here = jax.devices()[0].device_kind.lower()
+    return next((k for k in DEVICE_PROFILES if k in here), None) if jax.devices()[0].platform == "gpu" else None
 
 
 def error(step, reference, args) -> float:
@@ -189,17 +199,13 @@ def fit():
     import jax.numpy as jnp
 
     from meshtrain.core.metrics import DEVICE_PROFILES
-    from meshtrain.planner import compilers, kernel_time
+    from meshtrain.planner import kernel_time
 
-    target = compilers.choose("gpu", "h200", 1, 8)
-    mesh = jax.sharding.Mesh(np.array(target.devices[:1]), ("one",))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     texts = []
     for rows, d, f, groups, fill, _, _ in MEASURED_H200:
-        shapes = [jax.ShapeDtypeStruct(s, t, sharding=replicated)
-                  for s, t in (((rows, d), jnp.bfloat16), ((groups, d, f), jnp.bfloat16), ((rows,), jnp.int32))]
-        with target.compiling(), jax.set_mesh(mesh):
-            texts.append(grouped_step(rows // fill).lower(*shapes).compile().as_text())
+        args = [jax.ShapeDtypeStruct(s, t) for s, t in (((rows, d), jnp.bfloat16), ((groups, d, f), jnp.bfloat16),
+                                                        ((rows,), jnp.int32))]
+        texts.append(gpu_program(grouped_step(rows // fill), args, "h200"))
     profile = DEVICE_PROFILES["h200"]
     ms = lambda text, peak: 1e3 * kernel_time.step_time(
         text, {**profile, "kernels": {**profile["kernels"], "grouped_gemm_peak": peak}}, {})["step_s"]
@@ -252,8 +258,11 @@ def main():
         x, w, group = inputs(a.rows, a.d, a.f, a.groups, fill, dtype)
         routed = a.rows // fill
         step, args = grouped_step(routed), (x, w, group)
-        measured = seconds(step, args, a.repeats)
-        predicted = predicted_s(step, args, a.predict) if a.predict or on.platform == "gpu" else float("nan")
+        compiled = step.lower(*args).compile()  # timed, and on a GPU priced: the program that ran
+        measured = seconds(compiled, args, a.repeats)
+        device = a.predict or profile_here()
+        predicted = (float("nan") if device is None else
+                     predicted_s(gpu_program(step, args, device) if a.predict else compiled.as_text(), device))
         m = routed // a.groups
         dense = seconds(dense_step(), (x[:a.groups * m].reshape(a.groups, m, a.d), w), a.repeats)
         err = error(step, grouped_step(routed, "loop"), args)

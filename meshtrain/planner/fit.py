@@ -116,7 +116,10 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
     out = []
     mesh = layout.mesh
     step = (lambda a, b: (a, b)) if memory else (lambda a, b: (b, a))
-    for donor, taker in (step(a, b) for a, b in MESH_MOVES):
+    pairs = [step(a, b) for a, b in MESH_MOVES]
+    if not memory:  # MoE: to `expert` both ways, it trades the expert weights' gathers for the dispatch
+        pairs += [(a, b) for a, b in MESH_MOVES if b == "expert"]
+    for donor, taker in pairs:
         if mesh[donor] == 1 or (taker == "expert" and not model.routed_experts()):
             continue
         f = _smallest_factor(mesh[donor])
@@ -127,12 +130,6 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
         if not memory and taker == "data" and mesh["data"] == 1 and layout.zero:  # hybrid sharding (HSDP)
             out += [(f"{donor} -> {taker} x{f}{how}, parallel.zero=0", moved.change(zero=0))
                     for how, moved in resized(layout, new)]
-    if not memory and model.routed_experts():  # to `expert` both ways: it trades weight gathers for the dispatch
-        for donor in ("data", "fsdp"):
-            if mesh[donor] > 1:
-                f = _smallest_factor(mesh[donor])
-                new = {**mesh, donor: mesh[donor] // f, "expert": mesh["expert"] * f}
-                out += [(f"{donor} -> expert x{f}{how}", moved) for how, moved in resized(layout, new)]
     micro = layout.microbatches * 2 if memory else layout.microbatches // 2
     if micro >= 1 and micro >= mesh["pipeline"] and micro != layout.microbatches:
         out.append((f"parallel.microbatches={micro}", layout.change(microbatches=micro)))

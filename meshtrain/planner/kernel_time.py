@@ -226,10 +226,12 @@ class StepTime:
             peak = _peak(p, dtype)
             shape = gemm_efficiency(m, n, k, c) / c["gemm_peak"]
             return "gemm", 2.0 * m * n * k / (peak * shape), _fusion_bytes(self.module, comp, ins)
-        if (found := _grouped_gemm(self.module, comp, ins)) is not None:  # at `grouped_gemm_peak`, not `gemm_peak`
+        if (found := _grouped_gemm(self.module, comp, ins)) is not None:
             dtype, flops, shape, nbytes = found
-            share = gemm_efficiency(*shape, c) / c["gemm_peak"] * c["grouped_gemm_peak"] / c["gemm_peak"]
-            return "gemm", flops / (_peak(p, dtype) * share), nbytes
+            shape_share = gemm_efficiency(*shape, c) / c["gemm_peak"]
+            at_peak = flops / (_peak(p, dtype) * shape_share)
+            # kernel_seconds divides a GEMM's arithmetic by gemm_peak: these run at grouped_gemm_peak instead
+            return "gemm", at_peak * c["gemm_peak"] / c["grouped_gemm_peak"], nbytes
         target = kernels.CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
         if target and target.group(1).startswith("__cudnn$fmha"):
             return "attention", _attention_flops(ins) / p["peak_flops"], 0
