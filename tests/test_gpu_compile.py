@@ -553,3 +553,9 @@ def test_the_grouped_matmul_compiles_for_a_hopper_in_fp32_as_in_bf16():
         with jax.set_mesh(mesh):
             text = jax.jit(jax.grad(loss, (0, 1))).lower(*shapes).compile().as_text()
         assert kernels.read(text)["grouped_gemms"] == {"gmm": 1, "gmm_t": 1, "tgmm": 1}
+    # the walk prices them at grouped_gemm_peak (metrics.py), not gemm_peak: with launches and bytes free,
+    # the bf16 program's GEMM seconds are the grouped kernels' arithmetic alone, inverse to that share
+    h100 = DEVICE_PROFILES["h100"]
+    gemm_s = lambda share: kernel_time.step_time(text, {**h100, "hbm_bw": float("inf"), "kernels": {
+        **h100["kernels"], "launch_s": 0.0, "grouped_gemm_peak": share}}, {})["by_kind_s"]["gemm"]
+    assert gemm_s(0.2) == pytest.approx(2 * gemm_s(0.4)) and gemm_s(0.4) > 0
