@@ -80,16 +80,15 @@ PEAK_FP8_FLOPS = {
 # - hbm_efficiency: a memory-bound kernel's share of the HBM bandwidth (fitted);
 # - launch_s: the shortest a kernel takes, launch and issue (fitted);
 # - grouped_gemm_peak: meshtrain's Triton grouped-matmul kernels' share of the peak, in gemm_peak's place
-#   (fitted, `python benchmarks/grouped_matmul.py --fit`, on two full buffers measured on an H200,
-#   2026-12-04: 131,072 rows into 128 experts 4.794 ms, 262,144 into 16 7.122 ms, forward and both
-#   backward products of D 2048 x F 768; each within 1%. Held out, a buffer 1/8 filled, 2.126 ms, is
-#   predicted at 0.61x: the grid's programs over empty tiles are not priced. Measured with gmm's tile of
-#   before that day's last sweep; the kernels on the shipped tiles summed 0.90x as long).
+#   (fitted, `python benchmarks/grouped_matmul.py --fit`, on two full buffers measured on an H200 with the
+#   shipped tiles, 2026-12-04: 131,072 rows into 128 experts 4.156 ms, 262,144 into 16 6.257 ms, forward
+#   and both backward products of D 2048 x F 768; each within 1%. Held out, a buffer 1/8 filled, 2.009 ms,
+#   is predicted at 0.60x: the grid's programs over empty tiles are not priced).
 KERNEL_CONSTANTS = {"gemm_peak": 0.75, "gemm_half_size": 128, "attention_efficiency": 0.75, "hbm_efficiency": 0.681,
-                    "launch_s": 0.75e-6, "grouped_gemm_peak": 0.455}
+                    "launch_s": 0.75e-6, "grouped_gemm_peak": 0.530}
 # A grouped matmul on a partly filled buffer measured on an H200 over its prediction (held out from
-# grouped_gemm_peak's fit, above: a buffer `filled` 1/8, 2.126 ms predicted 1.296): the plan says so.
-GROUPED_PARTLY_FILLED = {"filled": 1 / 8, "measured_over_predicted": 1.64}
+# grouped_gemm_peak's fit, above: a buffer `filled` 1/8, 2.009 ms predicted 1.206): the plan says so.
+GROUPED_PARTLY_FILLED = {"filled": 1 / 8, "measured_over_predicted": 1.67}
 # The fp8 recipes' steps measured on an H200 over the walk's prediction with these constants (held out, not
 # fitted: llama_1b batch 8, cuDNN, 232.1 ms predicted 211.2 for fp8, 241.9 predicted 216.0 for fp8_rowwise,
 # against bf16's 264.1 predicted 263.3; benchmarks/step_time.py's (12-04) rows): the plan says so.
