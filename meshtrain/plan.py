@@ -33,7 +33,8 @@ from meshtrain.core.cli import Parser, arguments, check_platforms, command, comp
 from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.folders import writing_file
 from meshtrain.core.metrics import DEVICE_PROFILES
-from meshtrain.parallel.schedules import SCHEDULES, executor_tables, lookup, timetable
+from meshtrain.parallel.schedules import SCHEDULES, lookup, timetable
+from meshtrain.parallel.tick_tables import executor_tables
 from meshtrain.planner.budget import HEADROOM
 from meshtrain.planner.compilers import COMPILERS
 from meshtrain.planner.drawing import figure_suffixes, save_timeline

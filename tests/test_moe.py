@@ -1,7 +1,7 @@
 """The moe family: with no token dropped, expert parallelism (alone, with data and fsdp, with a
-pipeline, with tensor) computes the single-device run per step (fp32): losses, router statistics
-and final parameters; drops are counted, layout-independently; the experts' all-to-alls are in the
-compiled program; layout errors name the fix."""
+pipeline under 1F1B and DualPipeV, with tensor) computes the single-device run per step (fp32):
+losses, router statistics and final parameters; drops are counted, layout-independently; the
+experts' all-to-alls are in the compiled program; layout errors name the fix."""
 import jax
 import numpy as np
 import pytest
@@ -13,19 +13,22 @@ from meshtrain.planner import hlo, traffic
 
 STATS = ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max")
 LAYOUTS = ["data=2,expert=4", "expert=2,data=2,fsdp=2", "data=2,pipeline=2,expert=2", "expert=2,tensor=2,data=2"]
+DUALPIPEV = ("parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=4")
 
 
 def run(mesh, *overrides):
     devices = jax.devices()[:1] if mesh == "1" else None
-    trainer, losses, params = run_tiny(f"parallel.mesh={mesh}", *overrides, devices=devices, config=MOE_TINY)
+    trainer, losses, _ = run_tiny(f"parallel.mesh={mesh}", *overrides, devices=devices, config=MOE_TINY)
     stats = {k: np.array([r[k] for r in trainer.history if "loss" in r]) for k in STATS}
-    return losses, stats, params
+    return losses, stats, trainer.unpermuted_params()  # in model order (a V placement stores them permuted)
 
 
-@pytest.mark.parametrize("mesh", LAYOUTS)
-def test_expert_layouts_match_single_device(mesh):
+@pytest.mark.parametrize("mesh,more", [(mesh, ()) for mesh in LAYOUTS] + [("data=2,pipeline=2,expert=2", DUALPIPEV)])
+def test_expert_layouts_match_single_device(mesh, more):
+    """... and DualPipeV's V over the pipeline, its steady ticks one microbatch's forward beside another's
+    backward, each with its expert all-to-alls."""
     ref_losses, ref_stats, ref_params = run("1")
-    losses, stats, params = run(mesh)
+    losses, stats, params = run(mesh, *more)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     for k in STATS:
         np.testing.assert_allclose(stats[k], ref_stats[k], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -10,12 +10,22 @@ import pytest
 from conftest import ROOT, TINY, run_tiny
 
 from meshtrain.config.loader import UserError
-from meshtrain.parallel.schedules import SCHEDULES, Action, executor_tables, timetable
+from meshtrain.parallel.schedules import SCHEDULES, Action, device_of, timetable
+from meshtrain.parallel.tick_tables import executor_tables
 
 # ---- tables ----
 TABLES = [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
           ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 12, 3),
-          ("zb", 2, 4, 1), ("zb", 4, 8, 1), ("zb", 4, 32, 1)]
+          ("zb", 2, 4, 1), ("zb", 4, 8, 1), ("zb", 4, 32, 1), ("dualpipev", 2, 4, 2), ("dualpipev", 4, 8, 2),
+          ("dualpipev", 3, 9, 2)]
+
+
+def flows(schedule, stages, virtual):
+    """[(stage, chunk) of model stage k, (stage, chunk) of model stage k + 1] for every k: the
+    schedule's placement (circular, or DualPipeV's V)."""
+    placement = SCHEDULES[schedule].placement
+    at = [device_of(placement, k, stages) for k in range(stages * virtual)]
+    return list(zip(at, at[1:]))
 
 
 @pytest.mark.parametrize("schedule,stages,micro,virtual", TABLES)
@@ -32,10 +42,12 @@ def test_timetable_runs_each_action_once_in_dependency_order(schedule, stages, m
             for v in range(virtual):
                 f, b = when[(s, Action("F", m, v))], when[(s, Action("B", m, v))]
                 assert f <= b  # the same tick only as (F, B) of the last model stage, in that order
-                if split:
-                    assert b < when[(s, Action("W", m, v))]
-                if s + 1 < stages:  # data flows one stage per tick
-                    assert when[(s + 1, Action("B", m, v))] < b and f < when[(s + 1, Action("F", m, v))]
+                if split:  # after its B, or in the same slot (dualpipev's full backward)
+                    assert b <= when[(s, Action("W", m, v))]
+    for m in range(micro):  # data flows one model stage per tick, whichever device holds the next
+        for (s, v), (s_next, v_next) in flows(schedule, stages, virtual):
+            assert when[(s, Action("F", m, v))] < when[(s_next, Action("F", m, v_next))]
+            assert when[(s_next, Action("B", m, v_next))] < when[(s, Action("B", m, v))]
     # lockstep idle (a tick costs its slowest slot) equals the formula: the ticks are balanced
     assert tt.bubble == pytest.approx(tt.bubble_formula, abs=1e-12)
     if schedule in ("1f1b", "zb"):
@@ -67,25 +79,30 @@ def test_1f1b_buffers_do_not_grow_with_microbatches():
 
 @pytest.mark.parametrize("schedule,stages,micro,virtual", TABLES)
 def test_a_schedules_forwards_alone_run_each_forward_once_as_data_flows(schedule, stages, micro, virtual):
-    """`forwards_of` (DPO's reference pass): every forward once, each chunk a tick after its input,
-    in V x M + S - 1 ticks with no idle beyond the fill and drain; one phase of forwards and sends."""
-    from meshtrain.parallel.schedules import forwards_of, tick_phases
+    """`forwards_of` (DPO's reference pass): every forward once, each chunk a tick after its input (on
+    DualPipeV's V at least a tick), in V x M + S - 1 ticks with no idle beyond the fill and drain; one
+    phase of forwards and sends."""
+    from meshtrain.parallel.schedules import forwards_of
+    from meshtrain.parallel.tick_tables import tick_phases
 
     tt = timetable(forwards_of(schedule), stages, micro, virtual)
     when = tt.when()
     assert set(when) == {(s, Action("F", m, v)) for s in range(stages) for m in range(micro) for v in range(virtual)}
-    for (s, a), t in when.items():
-        if s + 1 < stages:
-            assert when[(s + 1, a)] == t + 1
-    if not SCHEDULES[schedule].interleaved:
+    v_shaped = SCHEDULES[schedule].placement == "v"  # its stages alternate the arms' forwards: some wait
+    for m in range(micro):
+        for (s, v), (s_next, v_next) in flows(schedule, stages, virtual):
+            after = when[(s_next, Action("F", m, v_next))] - when[(s, Action("F", m, v))]
+            assert after >= 1 if v_shaped else after == 1
+    if virtual == 1:
         assert len(tt.ticks) == micro + stages - 1
     tables = executor_tables(tt)
-    assert [uses for _, _, uses in tick_phases(tables)] == [{"F", "recv_f"}]
+    sends = {"F", "recv_f", "recv_f_here"} | ({"recv_f_back"} if stages > 2 else set()) if v_shaped else {"F", "recv_f"}
+    assert [uses for _, _, uses in tick_phases(tables)] == [sends]
     assert tables["residual_slots"] == tables["cotangent_slots"] == 1 and tables["input_slots"] >= 1
 
 
 def test_phases_leave_out_what_their_ticks_do_not_use():
-    from meshtrain.parallel.schedules import tick_phases
+    from meshtrain.parallel.tick_tables import tick_phases
 
     phases = tick_phases(executor_tables(timetable("1f1b", 4, 8)))
     assert [uses for _, _, uses in phases] == [{"F", "recv_f"}, {"F", "B", "recv_f", "recv_b"}, {"B", "recv_b"}]
@@ -97,6 +114,8 @@ def test_phases_leave_out_what_their_ticks_do_not_use():
     ("interleaved", 2, 4, 1, "needs parallel.virtual_stages >= 2"),
     ("interleaved", 4, 6, 2, "to be a multiple of the pipeline size"),
     ("1f1b", 2, 4, 2, "needs parallel.schedule=interleaved"),
+    ("dualpipev", 4, 6, 2, "twice the pipeline size"),
+    ("dualpipev", 2, 4, 1, "set parallel.virtual_stages=2"),
 ])
 def test_bad_schedules_fail_clearly(schedule, stages, micro, virtual, message):
     with pytest.raises(UserError, match=message):
@@ -130,7 +149,7 @@ def test_pipeline_matches_single_device(schedule, mesh, virtual, zero, more, ref
 def test_compiled_sends_are_the_timetables(schedule):
     """The compiled program's collective-permutes, counted per execution, are exactly the sends its
     phases need: no cotangent goes back in the warm-up, no activation forward in the cool-down."""
-    from meshtrain.parallel.schedules import sends_per_step
+    from meshtrain.parallel.tick_tables import sends_per_step
     from meshtrain.planner import hlo
 
     # the parity run's compiled program (PARITY's first entry for the schedule: same overrides, one compile)
@@ -142,6 +161,30 @@ def test_compiled_sends_are_the_timetables(schedule):
     sends = sends_per_step(tables)
     permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]
     assert permutes == sends < 2 * len(tables["F"])
+
+
+def test_dualpipev_on_four_stages_with_fsdp_matches_single_device_and_sends_its_timetables():
+    """DualPipeV's V on 4 stages (8 chunks of one layer each, ZeRO-3 over fsdp=2 inside each stage):
+    activations down the stages and back up, the turn kept on the last device, the head on the first;
+    every step's loss, gradient norm and the final parameters are the single device's, and the
+    compiled program's collective-permutes are exactly its phases' sends (both directions)."""
+    from meshtrain.parallel.tick_tables import sends_per_step
+    from meshtrain.planner import hlo
+
+    layers = ("model.num_layers=8",)
+    reference, ref_losses, ref_params = run_tiny("parallel.mesh=1", *layers, devices=jax.devices()[:1])
+    trainer, losses, _ = run_tiny("parallel.mesh=1x2x1x4", "parallel.zero=3", "parallel.schedule=dualpipev",
+                                  "parallel.virtual_stages=2", "parallel.microbatches=8", *layers)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(trainer.grad_norms, reference.grad_norms, rtol=1e-5, atol=0)
+    for a, b in zip(jax.tree.leaves(trainer.unpermuted_params()), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert trainer.program.layer_order.tolist() == [0, 7, 1, 6, 2, 5, 3, 4]  # stage s: model stages s, 7 - s
+    tables = executor_tables(timetable("dualpipev", 4, 8, 2))
+    assert all(tables[name].any() for name in ("recv_f", "recv_f_back", "recv_f_here", "recv_b", "recv_b_back",
+                                               "recv_b_here"))
+    permutes = hlo.collectives(trainer.compiled_step.as_text(), 8)["collective-permute"]["count"]
+    assert permutes == sends_per_step(tables)
 
 
 def test_bf16_pipeline_tracks_fp32(reference_run):
@@ -242,5 +285,14 @@ def test_plan_prints_bubble_and_draws_the_timeline(tmp_path, capsys):
                  "--json"]) == 0
     report = __import__("json").loads(capsys.readouterr().out)
     assert report["ticks"] == 26 and abs(report["bubble"] - 3 / 19) < 1e-12
+    v_png = tmp_path / "dualpipev.png"
+    assert main(["--schedule", "dualpipev", "--stages", "4", "--microbatches", "8", "--virtual-stages", "2",
+                 "--draw", str(v_png)]) == 0
+    out = capsys.readouterr().out
+    assert "bubble: 20.0% of stage-time idle in lockstep; formula (5S-8)/(6M+5S-8) = 12/60 = 20.0%" in out
+    assert "in flight per stage (microbatch chunks): 9 9 9 9" in out
+    assert "F7+B3.1+W3.1   F4.1+B0+W0" in out  # stage 0's steady ticks: a forward beside the other arm's backward
+    data = v_png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24])[0] > 3 * height
     assert main(["--schedule", "1f1b", "--stages", "4", "--microbatches", "2"]) == 2
     assert "error: parallel.microbatches=2 is fewer than the 4 pipeline stages" in capsys.readouterr().err

@@ -1,12 +1,24 @@
 """The pipeline schedules' registry (meshtrain/parallel/schedules.py SCHEDULES): each entry's bubble
-formula in words against its terms, which entries split the weight gradient or interleave, and the
-one-line error for a name it does not hold. (The timetables themselves: tests/test_pipeline.py.)"""
+formula in words against its terms, which entries split the weight gradient or interleave, the one-line
+error for a name it does not hold, and DualPipeV's V placement and lockstep idle. (The timetables
+themselves: tests/test_pipeline.py.)"""
 import re
 
 import pytest
 
 from meshtrain.core.errors import UserError
-from meshtrain.parallel.schedules import SCHEDULES, Schedule, check, check_residuals, gpipe_order, lookup, timetable
+from meshtrain.parallel.schedules import (
+    SCHEDULES,
+    Schedule,
+    check,
+    check_residuals,
+    device_of,
+    dualpipev_order,
+    gpipe_order,
+    lookup,
+    model_stage,
+    timetable,
+)
 
 pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
 
@@ -20,8 +32,8 @@ def evaluate(expression: str, S: int, M: int, V: int) -> float:
     return eval(python, {}, {"S": S, "M": M, "V": V})
 
 
-def test_registry_holds_the_four_schedules_by_name():
-    assert list(SCHEDULES) == ["gpipe", "1f1b", "interleaved", "zb"]
+def test_registry_holds_the_five_schedules_by_name():
+    assert list(SCHEDULES) == ["gpipe", "1f1b", "interleaved", "zb", "dualpipev"]
     assert all(name == s.name and lookup(name) is s for name, s in SCHEDULES.items())
 
 
@@ -30,7 +42,7 @@ def test_registry_holds_the_four_schedules_by_name():
 def test_bubble_formula_in_words_is_the_bubble_terms(name, S, M, V):
     schedule = SCHEDULES[name]
     idle, total = schedule.bubble_terms(S, M, V)
-    assert idle == S - 1 and schedule.bubble(S, M, V) == idle / total
+    assert idle == (5 * S - 8 if name == "dualpipev" else S - 1) and schedule.bubble(S, M, V) == idle / total
     assert evaluate(schedule.bubble_expression, S, M, V) == pytest.approx(idle / total, abs=1e-15)
 
 
@@ -40,10 +52,11 @@ def test_the_formulas_as_published():
     assert SCHEDULES["interleaved"].bubble_terms(4, 8, 2) == (3, 19)
 
 
-def test_only_zb_splits_the_weight_gradient_and_only_interleaved_interleaves():
-    assert [n for n, s in SCHEDULES.items() if s.splits_weight_grad] == ["zb"]
+def test_zb_and_dualpipev_split_the_weight_gradient_and_only_interleaved_interleaves():
+    assert [n for n, s in SCHEDULES.items() if s.splits_weight_grad] == ["zb", "dualpipev"]
     assert [n for n, s in SCHEDULES.items() if s.interleaved] == ["interleaved"]
-    assert SCHEDULES["zb"].action_costs() == {"F": 1, "B": 1, "W": 1}
+    assert [(n, s.placement, s.chunks) for n, s in SCHEDULES.items() if s.chunks] == [("dualpipev", "v", 2)]
+    assert SCHEDULES["zb"].action_costs() == SCHEDULES["dualpipev"].action_costs() == {"F": 1, "B": 1, "W": 1}
     for name in ("gpipe", "1f1b", "interleaved"):
         assert SCHEDULES[name].action_costs() == {"F": 1, "B": 2, "W": 0}
         assert SCHEDULES[name].action_costs("recompute") == {"F": 1, "B": 3, "W": 0}  # the forward again
@@ -51,15 +64,19 @@ def test_only_zb_splits_the_weight_gradient_and_only_interleaved_interleaves():
         check_residuals("zb", "recompute", "none")
     with pytest.raises(UserError, match="parallel.schedule=interleaved needs parallel.virtual_stages >= 2"):
         check("interleaved", 4, 8, 1)
-    with pytest.raises(UserError, match="parallel.virtual_stages=2 needs parallel.schedule=interleaved"):
+    with pytest.raises(UserError, match="parallel.virtual_stages=2 needs parallel.schedule=interleaved, dualpipev"):
         check("1f1b", 4, 8, 2)
+    with pytest.raises(UserError, match="places 2 chunks of layers on each stage: set parallel.virtual_stages=2"):
+        check("dualpipev", 4, 8, 3)
+    with pytest.raises(UserError, match=r"parallel.microbatches \(6\) >= twice the pipeline size \(8\)"):
+        check("dualpipev", 4, 6, 2)
 
 
 def test_an_unknown_name_is_one_line_naming_the_schedules():
     with pytest.raises(UserError) as e:
         lookup("pipedream")
-    assert str(e.value) == "parallel.schedule='pipedream' is not one of gpipe, 1f1b, interleaved, zb"
-    with pytest.raises(UserError, match="is not one of gpipe, 1f1b, interleaved, zb"):
+    assert str(e.value) == "parallel.schedule='pipedream' is not one of gpipe, 1f1b, interleaved, zb, dualpipev"
+    with pytest.raises(UserError, match="is not one of gpipe, 1f1b, interleaved, zb, dualpipev"):
         timetable("pipedream", 4, 8)
 
 
@@ -70,3 +87,32 @@ def test_an_entry_is_all_a_schedule_needs():
     assert lookup(twin) is twin
     mine, theirs = timetable(twin, 4, 8), timetable("gpipe", 4, 8)
     assert mine.ticks == theirs.ticks and mine.bubble == theirs.bubble == mine.bubble_formula
+
+
+def test_the_v_placement_holds_model_stages_s_and_2s_minus_1_minus_s():
+    """DualPipeV's V: stage s holds model stages s (chunk 0) and 2S-1-s (chunk 1), so the first stage
+    both embeds and applies the head, and the turn (model stages S-1 and S) is on the last device;
+    `device_of` inverts `model_stage` for both placements."""
+    for S in (2, 4, 8):
+        assert [[model_stage("v", s, v, S) for v in (0, 1)] for s in range(S)] == [[s, 2 * S - 1 - s] for s in range(S)]
+        for placement, V in (("v", 2), ("circular", 3)):
+            assert all(device_of(placement, model_stage(placement, s, v, S), S) == (s, v)
+                       for s in range(S) for v in range(V))
+    assert device_of("v", 7, 4) == (0, 1) and device_of("circular", 7, 4) == (3, 1)
+
+
+@pytest.mark.parametrize("S", [2, 3, 4, 6])
+def test_dualpipev_idles_its_formula_for_every_microbatch_count(S):
+    """The lockstep timetable of `dualpipev_order`: 6M units of work per stage and 5S-8 idle, for
+    M from 2S up; its steady ticks pair a forward of one chunk with the full backward of the other
+    (different microbatches); every W is the order's own; the residuals in flight (2S+1 chunks, each
+    half a device's layers) stay under 1F1B's 2S-1 whole ones."""
+    for M in range(2 * S, 2 * S + 6):
+        tt = timetable("dualpipev", S, M, 2)
+        assert tt.time == 6 * M + 5 * S - 8 and tt.bubble == pytest.approx(tt.bubble_formula, abs=1e-12)
+        assert max(tt.in_flight()) == 2 * S + 1 < 2 * (2 * S - 1)
+        paired = [slot for row in tt.ticks for slot in row if {a.kind for a in slot} == {"F", "B", "W"}]
+        assert len(paired) >= S * 2 * (M - 2 * S + 1)  # the main step's pairs, on every stage
+        assert all(f.chunk != b.chunk and b.micro == w.micro for f, b, w in paired)
+    orders = [dualpipev_order(S, 2 * S, s) for s in range(S)]
+    assert all(sum(a.kind == "W" for slot in order for a in slot) == 2 * 2 * S for order in orders)

@@ -86,8 +86,10 @@ class ParallelPlan:
                                              "the sequence over the tensor axis (all-gather and reduce-scatter "
                                              "in place of all-reduce)")
     schedule: str = setting("1f1b", "pipeline schedule when the mesh's pipeline axis is > 1 (zb: zero-bubble "
-                                    "ZB-H1, weight gradients deferred into the bubbles)", choices=tuple(SCHEDULES))
-    virtual_stages: int = setting(1, "chunks of layers per device (interleaved only)", min=1)
+                                    "ZB-H1, weight gradients deferred into the bubbles; dualpipev: DeepSeek's "
+                                    "DualPipeV, 2 chunks per device in a V, a forward beside another "
+                                    "microbatch's backward in each steady tick)", choices=tuple(SCHEDULES))
+    virtual_stages: int = setting(1, "chunks of layers per device (interleaved: 2 or more; dualpipev: 2)", min=1)
     residuals: str = setting("save", "pipeline stages keep each chunk's backward residuals from its forward "
                                      "(save: what parallel.remat lets them keep) or only its input, rerunning "
                                      "the forward in the backward (recompute)", choices=("save", "recompute"))

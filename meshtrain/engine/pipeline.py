@@ -3,9 +3,11 @@
 
 In a tick a stage runs the actions of its slot, each behind a `lax.cond` on its own table entry
 (so an idle stage computes nothing): the forward of one chunk of one microbatch, its backward,
-and under zero-bubble a deferred weight gradient. Then stages exchange what the timetable sends:
-activations to the next model stage, cotangents to the previous one (`ppermute`, circular so that
-interleaved chunks wrap from the last device to the first). The ticks run as up to three scans
+and where the schedule splits it off (zb, dualpipev) a weight gradient. The stages exchange what
+the timetable sends: activations to the next model stage, cotangents to the previous one
+(`ppermute`, circular so that interleaved chunks wrap from the last device to the first; under
+DualPipeV's V both ways, and nothing at the turn, where the next model stage is on the same
+device). The ticks run as up to three scans
 (warm-up, steady, cool-down), each holding only the actions and sends its ticks use: the warm-up
 sends no cotangents, the cool-down no activations.
 
@@ -41,7 +43,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.engine.stage_state import LayerResiduals, kind_kwarg, put, read, take, write, zeros
@@ -52,25 +53,18 @@ from meshtrain.ops import remat as remat_lib
 from meshtrain.ops.precision import cast_for_compute
 from meshtrain.ops.trainable import freeze, merge, select
 from meshtrain.parallel import data_parallel
-from meshtrain.parallel.batching import Gradients, StepInputs, model_inputs, split_microbatches
-from meshtrain.parallel.schedules import Schedule, executor_tables, forwards_of, lookup, tick_phases, timetable
+from meshtrain.parallel.batching import Gradients, StepInputs, stage_rows
+from meshtrain.parallel.schedules import Schedule, device_of, forwards_of, layer_order, lookup, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
+from meshtrain.parallel.tick_tables import CHANNELS, executor_tables, tick_phases
 
 
-def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
-    """Storage row r of the stacked layers holds model layer order[r]. Device s stores its chunks
-    v = 0..V-1 in consecutive rows (so the `layers` axis shards over `pipeline` in plain blocks);
-    chunk v of stage s is model stage v * stages + s. The identity unless virtual > 1."""
-    per_chunk = num_layers // (stages * virtual)
-    return np.array([(v * stages + s) * per_chunk + j
-                     for s in range(stages) for v in range(virtual) for j in range(per_chunk)])
-
-
-def stage_kinds(model, stages: int, virtual: int):
+def stage_kinds(model, stages: int, virtual: int, placement: str = "circular"):
     """The layers' kinds [stages, virtual, layers per chunk] as the stages store them (`layer_order`),
     or None when the model's layers are alike."""
     kinds = model.layer_kinds
-    return None if kinds is None else kinds[layer_order(len(kinds), stages, virtual)].reshape(stages, virtual, -1)
+    return None if kinds is None else kinds[layer_order(len(kinds), stages, virtual, placement)].reshape(
+        stages, virtual, -1)
 
 
 def whole(tree):
@@ -86,12 +80,12 @@ def has_frozen(blocks, keep) -> bool:
 class StageProgram:
     """What one stage runs, traced inside the shard_map: a carry of buffers and gradient sums, one
     method per action, and the ticks that call them. `tables`, `slots` and `phases` come from the
-    timetable (meshtrain/parallel/schedules.py). `micro`: the microbatches' rows [M, b, ...]
+    timetable (meshtrain/parallel/tick_tables.py). `micro`: the microbatches' rows [M, b, ...]
     ('inputs', 'targets', 'docs' or None, the objective's 'extras' or None, the rows' random 'noise' or
-    None: `_microbatches`). `head`: (outer parameters, the last chunk's output, a `Microbatch`) ->
-    (its loss, its outputs, a pytree kept per microbatch); `trains=False`: a forward-only pass
-    (`forwards_of` a schedule's tables) that keeps no residuals and no gradients, only the heads'
-    outputs."""
+    None: meshtrain/parallel/batching.py `stage_rows`). `head`: (outer parameters, the last chunk's
+    output, a `Microbatch`) -> (its loss, its outputs, a pytree kept per microbatch); `trains=False`:
+    a forward-only pass (`forwards_of` a schedule's tables) that keeps no residuals and no gradients,
+    only the heads' outputs."""
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, micro_rows: dict, head, scale=None,
@@ -117,8 +111,9 @@ class StageProgram:
         self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
         # the microbatches' row keys (models/lora.py) and this stage's layers' indices in model order [V, per chunk]
         self.noise = micro_rows["noise"]
-        self.layer_ids = jnp.asarray(layer_order(model.stacked_layers, stages, virtual).reshape(stages, virtual, -1))[
-            self.s]
+        self.layer_ids = jnp.asarray(layer_order(model.stacked_layers, stages, virtual, schedule.placement).reshape(
+            stages, virtual, -1))[self.s]
+        self.last_stage, self.last_chunk = device_of(schedule.placement, stages * virtual - 1, stages)
         self.outer, self.docs = outer, micro_rows["docs"]
         self.inputs, self.targets = micro_rows["inputs"], micro_rows["targets"]
         x_like = jax.eval_shape(self.embed, outer, 0)
@@ -161,7 +156,7 @@ class StageProgram:
         return (self.s == 0) & (v == 0)
 
     def is_last(self, v):  # the one that applies the head and the loss
-        return (self.s == self.stages - 1) & (v == self.virtual - 1)
+        return (self.s == self.last_stage) & (v == self.last_chunk)
 
     def documents(self, m) -> tuple:
         """(microbatch m's packing.Documents,), or () when the model packs none: the layers' extra
@@ -307,27 +302,36 @@ class StageProgram:
 
     # ---- ticks ----
     def tick(self, uses: frozenset):
-        """One tick of a phase: the actions and sends in `uses`, each action behind its own cond."""
+        """One tick of a phase: the actions and sends in `uses`, each action behind its own cond: F,
+        B, the sends on the CHANNELS of the phase (a ppermute each, or none for a stage's own next
+        chunk), then W."""
         idle_send = lambda c, m, v: (c, self.zeros_x)
         actions = (("F", self.forward, idle_send), ("B", self.backward, idle_send),
                    ("W", lambda c, m, v: (self.weight_grad(c, m, v), None), lambda c, m, v: (c, None)))
-        sends = (("recv_f", "inputs", "input_slots", 1, "F"), ("recv_b", "cotangents", "cotangent_slots", -1, "B"))
+        buffers = {"F": ("inputs", "input_slots"), "B": ("cotangents", "cotangent_slots")}
 
         def tick(c, t):
             at = lambda name: self.tables[name][t, self.s]
             sent = {}
-            for kind, run, idle in actions:
+            for kind, run, idle in actions[:2]:  # F, then B
                 if kind in uses:
                     c, sent[kind] = jax.lax.cond(at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
-            for name, buffer, slots, shift, kind in sends:
+            for name, kind, shift in CHANNELS:
                 if name in uses:
-                    ring = [(i, (i + shift) % self.stages) for i in range(self.stages)]
-                    got = jax.lax.ppermute(sent.get(kind, self.zeros_x), "pipeline", ring)
+                    buffer, slots = buffers[kind]
+                    got = sent.get(kind, self.zeros_x)  # shift 0: kept on this stage (a V's turn)
+                    if shift:
+                        got = jax.lax.ppermute(got, "pipeline", [(i, (i + shift) % self.stages)
+                                                                 for i in range(self.stages)])
 
                     def store(b, got=got, name=name, n=self.slots[slots]):  # traced by the cond just below
                         return write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n)
 
                     c = {**c, buffer: jax.lax.cond(at(name) > 0, store, lambda b: b, c[buffer])}
+            if "W" in uses:  # after the sends, which need only F's and B's outputs: a W beside them (dualpipev's
+                # full backward, B then W) computes while they travel
+                kind, run, idle = actions[2]
+                c, _ = jax.lax.cond(at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
             return c, None
 
         return tick
@@ -370,18 +374,6 @@ def _tables(schedule: Schedule, stages: int, micro: int, virtual: int, residuals
     return tables, slots, tick_phases(tables)
 
 
-def _microbatches(model, objective, rows, micro: int) -> dict:
-    """The rows the stages read, each [M, b, ...]: the model's 'inputs', 'targets', packed 'docs'
-    (or None) and the rows' random 'noise' (or None) of the objective's `sequences`, and its 'extras'
-    (or None), all made outside the stages' conds (inside them a resharding collective would wait
-    for the stages that skip the branch), in the plan's sequence order."""
-    seqs = objective.sequences(rows, micro)
-    x, targets, docs = model_inputs(model, seqs["tokens"], objective.masked)  # the targets keep a loss mask
-    split = lambda tree: jax.tree.map(lambda a: split_microbatches(a, micro), tree)
-    return {"inputs": split(x), "targets": split(targets), "docs": split(docs), "noise": split(seqs.get("noise")),
-            "extras": split(objective.extras(rows))}
-
-
 class _Staging:
     """What the training and the forward-only passes share: the manual axes (`data` too when data >
     1: each data shard pipelines its own rows), the parameters' layouts in and out of the shard_map,
@@ -400,7 +392,8 @@ class _Staging:
         keep = model.cfg.trainable  # the frozen weights' gradients are never computed (meshtrain/ops/trainable.py)
         self.layer = remat_lib.apply(lambda p, *args, **kw: model.block(freeze(p, keep, ("blocks",)), *args, **kw),
                                      plan.remat, model.saveable)
-        self.kinds = stage_kinds(model, self.stages, self.virtual)
+        self.placement = lookup(plan.schedule).placement
+        self.kinds = stage_kinds(model, self.stages, self.virtual, self.placement)
 
     def rows_specs(self, micro_rows):
         """The shard_map specs of the microbatches' rows [M, b, ...]: b split over `data` when manual."""
@@ -465,7 +458,7 @@ def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, objective, c
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
         outer, blocks = st.unfolded(params)  # the gradients folded on the way out (local reshapes)
-        micro_rows = _microbatches(model, objective, inputs.rows, micro)
+        micro_rows = stage_rows(model, objective, inputs.rows, micro)
         out = staged(blocks, outer, micro_rows, inputs.with_rows(None))
         return dataclasses.replace(out, grads=data_parallel.folded(out.grads, grad_specs, mesh))
 
@@ -490,7 +483,7 @@ def make_pipeline_scores(model, plan, mesh, param_specs, objective):
 
     def scores(params, rows):
         outer, blocks = st.unfolded(jax.lax.stop_gradient(params))
-        micro_rows = _microbatches(model, objective, rows, micro)
+        micro_rows = stage_rows(model, objective, rows, micro)
         staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(st.blocks_in, st.outer_in, st.rows_specs(micro_rows)),
                                out_specs=st.tokens_spec, axis_names=st.manual, check_vma=False)
         out_M = staged(blocks, outer, micro_rows)

@@ -22,7 +22,6 @@ from meshtrain.core.errors import UserError
 from meshtrain.data.mixture import trains_on_mask
 from meshtrain.engine import decode
 from meshtrain.engine.compiler_options import compiler_options
-from meshtrain.engine.pipeline import layer_order
 from meshtrain.engine.step import in_place_update, lr_schedule, make_scores, make_train_step, optimizer_parts
 from meshtrain.models import FAMILIES
 from meshtrain.objectives import objective
@@ -36,6 +35,7 @@ from meshtrain.ops.trainable import select
 from meshtrain.ops.ulysses import context_layout
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.mesh import build_mesh, parse_mesh, simulate_cpu_devices
+from meshtrain.parallel.schedules import layer_order, lookup
 from meshtrain.parallel.sharding import (
     activation_rules,
     check_replication,
@@ -110,7 +110,9 @@ class TrainProgram:
 
         self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
         stages = self.sizes["pipeline"]
-        self.layer_order = layer_order(model.stacked_layers(), stages, plan.virtual_stages if stages > 1 else 1)
+        self.layer_order = (layer_order(model.stacked_layers(), stages, plan.virtual_stages,
+                                        lookup(plan.schedule).placement)
+                            if stages > 1 else layer_order(model.stacked_layers(), 1, 1))
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
         other = {}  # state entries laid out beside params and opt_state
         if "grad_error" in self.abstract_state:

@@ -109,3 +109,15 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs):
         return Gradients(mean(metrics), mean(grads))
 
     return metrics_and_grads
+
+
+def stage_rows(model, objective, rows, micro: int) -> dict:
+    """The rows the stages read, each [M, b, ...]: the model's 'inputs', 'targets', packed 'docs'
+    (or None) and the rows' random 'noise' (or None) of the objective's `sequences`, and its 'extras'
+    (or None), all made outside the stages' conds (inside them a resharding collective would wait
+    for the stages that skip the branch), in the plan's sequence order (meshtrain/engine/pipeline.py)."""
+    seqs = objective.sequences(rows, micro)
+    x, targets, docs = model_inputs(model, seqs["tokens"], objective.masked)  # the targets keep a loss mask
+    split = lambda tree: jax.tree.map(lambda a: split_microbatches(a, micro), tree)
+    return {"inputs": split(x), "targets": split(targets), "docs": split(docs), "noise": split(seqs.get("noise")),
+            "extras": split(objective.extras(rows))}

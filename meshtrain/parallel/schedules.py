@@ -2,10 +2,11 @@
 
 A schedule is, for each stage, the order of its slots. A slot is what one stage does in one tick:
 one action or a few (`F(m, v)`: forward of chunk v of microbatch m; `B(m, v)`: its backward;
-`W(m, v)`: its weight gradient, under zero-bubble only). A device (stage s) holds `virtual` chunks of
-layers; chunk v of stage s is model stage v * stages + s (circular placement, as in Megatron's
-interleaved schedule). `timetable` places every slot at the earliest tick its inputs allow (an
-output sent at tick t is there at tick t + 1; within a slot, actions run in order).
+`W(m, v)`: its weight gradient, where the schedule splits it off). A device (stage s) holds `virtual`
+chunks of layers; chunk v of stage s is model stage v * stages + s (circular placement, as in
+Megatron's interleaved schedule), or under DualPipeV's V s and 2S-1-s (`model_stage`). `timetable`
+places every slot at the earliest tick its inputs allow (an output sent at tick t is there at tick
+t + 1, on the stage itself too; within a slot, actions run in order).
 
 Time is lockstep: in one SPMD program every stage advances one tick together, so a tick lasts as
 long as its most expensive slot, and idle is what the other stages wait. Action costs, a forward
@@ -21,10 +22,16 @@ So the schedules are written to balance ticks, not only to leave few idle slots:
 - Zero-bubble (ZB-H1, Qi et al. 2023): the classic 1F1B order of F and B, one action per tick (all
   cost 1 now); each W waits in a queue and runs in a tick where the stage's next F or B cannot, or
   when more than S-1 are queued (which bounds memory at 1F1B's plus S-1 deferred weight gradients).
+- DualPipeV (DeepSeek 2025, DualPipe cut in half): 2 chunks per device in a V (stage s holds model
+  stages s and 2S-1-s, so activations go down the stages and back up), and in its steady ticks the
+  forward of one chunk beside the full backward (B then W) of the other, of different microbatches:
+  independent work in one tick, so one's sends and expert all-to-alls can run under the other's
+  matmuls. Its order places every W itself (`dualpipev_order`).
 
 Idle fractions these give, lockstep (printed by `python -m meshtrain.plan --schedule ...`):
-(S-1)/(V*M+S-1) for GPipe, 1F1B and interleaved (Narayanan et al. 2021, eq. 1 and 2), and
-(S-1)/(3M+S-1) for zb (ZB-H1's (S-1)(T_F+T_B-T_W) bubble with unit costs).
+(S-1)/(V*M+S-1) for GPipe, 1F1B and interleaved (Narayanan et al. 2021, eq. 1 and 2),
+(S-1)/(3M+S-1) for zb (ZB-H1's (S-1)(T_F+T_B-T_W) bubble with unit costs), and (5S-8)/(6M+5S-8)
+for dualpipev, its units half a device's layers (the timetable's, for every S >= 2 and M >= 2S).
 
 Each schedule is one `Schedule` entry in `SCHEDULES` (at the end of the orders): its order, its
 action costs, its bubble formula and what sets it apart (a split weight gradient, virtual stages).
@@ -64,7 +71,10 @@ class Schedule:
     bubble_terms: Callable[[int, int, int], tuple[int, int]]  # (S, M, V) -> lockstep idle as (numerator, denominator)
     bubble_expression: str  # the same in words, printed by the planner
     splits_weight_grad: bool = False  # B is the input gradient alone; a W action computes the weight gradient later
-    interleaved: bool = False  # V >= 2 chunks of layers per device (parallel.virtual_stages)
+    interleaved: bool = False  # V >= 2 chunks of layers per device (parallel.virtual_stages), circular
+    placement: str = "circular"  # which model stage chunk v of stage s holds (`model_stage`)
+    chunks: int = 0  # the chunks per device the schedule is written for (0: parallel.virtual_stages)
+    weight_grad_in_order: bool = False  # its order places each W itself (else `timetable` queues them, as zb)
 
     def action_costs(self, residuals: str = "save") -> dict[str, int]:
         """`costs`; under parallel.residuals=recompute a backward also reruns the forward (+1). (A
@@ -77,6 +87,22 @@ class Schedule:
         """The idle fraction its bubble formula gives."""
         idle, total = self.bubble_terms(stages, micro, virtual)
         return idle / total
+
+
+def model_stage(placement: str, stage: int, chunk: int, stages: int) -> int:
+    """The model stage that chunk `chunk` of pipeline stage `stage` holds: `circular` v * S + s
+    (Megatron's interleaved placement); `v`, chunks alternating direction, v * S + s for even v and
+    (v + 1) * S - 1 - s for odd (DualPipeV's V: stage s holds model stages s and 2S - 1 - s, so the
+    turn at the last device and the loss at the first cost no send)."""
+    if placement == "v" and chunk % 2:
+        return (chunk + 1) * stages - 1 - stage
+    return chunk * stages + stage
+
+
+def device_of(placement: str, k: int, stages: int) -> tuple[int, int]:
+    """(stage, chunk) that holds model stage k: `model_stage`'s inverse."""
+    chunk, rest = divmod(k, stages)
+    return (stages - 1 - rest if placement == "v" and chunk % 2 else rest), chunk
 
 
 def _singles(actions) -> list[Slot]:
@@ -125,6 +151,54 @@ def zero_bubble_order(stages: int, micro: int, stage: int, virtual: int = 1) -> 
     return _singles(order + [Action("B", m) for m in range(micro - warmup, micro)])
 
 
+def dualpipev_order(stages: int, micro: int, stage: int, virtual: int = 2) -> list[Slot]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, deepseek-ai/DualPipe): two chunks per device in a
+    V (`model_stage`), eight steps per stage r: 2(S-1-r) forwards of chunk 0; r+1 of chunks 0 and 1;
+    S-1-r of (chunk 1's input gradient, a deferred weight gradient, chunk 1's forward); the main step,
+    M-2S+r+1 pairs of a forward of one chunk beside the full backward of the other, in both
+    orders, so one microbatch's sends and expert exchanges have another's compute beside them; S-1-r
+    of (backward of chunk 1, then chunk 1's forward beside chunk 0's backward); r+1 backwards of
+    each chunk, the second half's weight gradients deferred; S-1-r of (a deferred W, chunk 0's input
+    gradient); then the last deferred Ws. Every W is placed here (`weight_grad_in_order`)."""
+    S, M, r = stages, micro, stage
+    count = {(kind, v): 0 for kind in "FB" for v in (0, 1)}
+    deferred: list[Action] = []
+
+    def next_action(kind: str, chunk: int) -> Action:
+        m = count[(kind, chunk)]
+        count[(kind, chunk)] += 1
+        return Action(kind, m, chunk)
+
+    F = lambda v: next_action("F", v)
+
+    def B(v, defer=False) -> Slot:
+        """A backward: with its weight gradient at once, or (`defer`) its input gradient alone."""
+        b = next_action("B", v)
+        if defer:
+            deferred.append(Action("W", b.micro, v))
+            return (b,)
+        return b, Action("W", b.micro, v)
+
+    W = lambda: (deferred.pop(0),)
+    slots: list[Slot] = [(F(0),) for _ in range(2 * (S - 1 - r))]
+    for _ in range(r + 1):
+        slots += [(F(0),), (F(1),)]
+    for _ in range(S - 1 - r):
+        slots += [B(1, defer=True), W(), (F(1),)]
+    for i in range(M - 2 * S + r + 1):
+        slots += [(F(0),), B(1)] if i == 0 and r == S - 1 else [(F(0), *B(1))]  # the turn: not overlapped
+        slots += [(F(1), *B(0))]
+    for _ in range(S - 1 - r):
+        slots += [B(1), (F(1), *B(0))]
+    half = (r + 1) // 2  # from here the weight gradients wait (the rank's parity picks which chunk first)
+    for i in range(r + 1):
+        slots += [B(1, defer=i > half or (i == half and r % 2 == 1)), B(0, defer=i >= half)]
+    for _ in range(S - 1 - r):
+        slots += [W(), B(0, defer=True)]
+    slots += [W() for _ in range(len(deferred))]
+    return slots
+
+
 # ---- the registry: one entry per schedule ----
 FUSED_BACKWARD = {"F": 1, "B": 2, "W": 0}  # a backward computes dX and dW: two matmuls per forward matmul
 SPLIT_BACKWARD = {"F": 1, "B": 1, "W": 1}  # B computes dX alone, W computes dW later
@@ -146,6 +220,12 @@ SCHEDULES = {s.name: s for s in (
     Schedule(name="zb", order=zero_bubble_order, costs=SPLIT_BACKWARD,
              bubble_terms=lambda S, M, V: (S - 1, 3 * M + S - 1), bubble_expression="(S-1)/(3M+S-1)",
              splits_weight_grad=True),
+    # DualPipeV in lockstep: a stage's 2 chunks x M x (F + B + W) = 6M units (a unit: one chunk, half
+    # a device's layers) and 5S-8 idle, which `dualpipev_order`'s timetable gives for every S >= 2, M >= 2S
+    # (DeepSeek's (S-1)(F&B+B-3W) counts no tick waiting on a longer slot, as SPMD's lockstep does)
+    Schedule(name="dualpipev", order=dualpipev_order, costs=SPLIT_BACKWARD,
+             bubble_terms=lambda S, M, V: (5 * S - 8, 6 * M + 5 * S - 8), bubble_expression="(5S-8)/(6M+5S-8)",
+             splits_weight_grad=True, placement="v", chunks=2, weight_grad_in_order=True),
 )}
 
 
@@ -160,7 +240,8 @@ def forwards_of(schedule: str | Schedule) -> Schedule:
         return [slot for slot in slots if slot]
 
     return Schedule(name=f"{sched.name} forwards", order=order, costs={"F": 1}, bubble_terms=narayanan_terms,
-                    bubble_expression="(S-1)/(V*M+S-1)", interleaved=sched.interleaved)
+                    bubble_expression="(S-1)/(V*M+S-1)", interleaved=sched.interleaved, placement=sched.placement,
+                    chunks=sched.chunks)
 
 
 def lookup(schedule: str | Schedule) -> Schedule:
@@ -182,14 +263,21 @@ def check(schedule: str | Schedule, stages: int, micro: int, virtual: int) -> No
     if micro < stages:
         raise UserError(f"parallel.microbatches={micro} is fewer than the {stages} pipeline stages: stages "
                         f"would wait forever; use at least {stages}")
-    if sched.interleaved:
+    if sched.chunks:
+        if virtual != sched.chunks:
+            raise UserError(f"parallel.schedule={sched.name} places {sched.chunks} chunks of layers on each stage: "
+                            f"set parallel.virtual_stages={sched.chunks}")
+        if micro < 2 * stages:
+            raise UserError(f"parallel.schedule={sched.name} needs parallel.microbatches ({micro}) >= twice the "
+                            f"pipeline size ({2 * stages}): its warm-up fills both arms of the V")
+    elif sched.interleaved:
         if virtual < 2:
             raise UserError(f"parallel.schedule={sched.name} needs parallel.virtual_stages >= 2")
         if micro % stages:
             raise UserError(f"parallel.schedule={sched.name} needs parallel.microbatches ({micro}) to be a "
                             f"multiple of the pipeline size ({stages})")
     elif virtual != 1:
-        interleaved = ", ".join(name for name, s in SCHEDULES.items() if s.interleaved)
+        interleaved = ", ".join(name for name, s in SCHEDULES.items() if s.interleaved or s.chunks)
         raise UserError(f"parallel.virtual_stages={virtual} needs parallel.schedule={interleaved}")
 
 
@@ -204,20 +292,30 @@ def check_residuals(schedule: str | Schedule, residuals: str, remat: str) -> Non
                         f"parallel.remat=none")
 
 
-def _input_of(action: Action, stage: int, stages: int, virtual: int):
+def _input_of(action: Action, stage: int, stages: int, virtual: int, placement: str = "circular"):
     """(stage, action) whose output this action consumes, or None for the very first chunk."""
     m, v = action.micro, action.chunk
     if action.kind == "W":  # the weight gradient needs the backward's output cotangents
         return stage, Action("B", m, v)
+    k = model_stage(placement, stage, v, stages)
     if action.kind == "F":
-        if stage > 0:
-            return stage - 1, Action("F", m, v)
-        return (stages - 1, Action("F", m, v - 1)) if v > 0 else None
-    if stage == stages - 1 and v == virtual - 1:  # the last chunk starts from its own loss
+        if k == 0:
+            return None
+        source, chunk = device_of(placement, k - 1, stages)
+        return source, Action("F", m, chunk)
+    if k == stages * virtual - 1:  # the last chunk starts from its own loss
         return stage, Action("F", m, v)
-    if stage < stages - 1:
-        return stage + 1, Action("B", m, v)
-    return 0, Action("B", m, v + 1)
+    source, chunk = device_of(placement, k + 1, stages)
+    return source, Action("B", m, chunk)
+
+
+def destination(placement: str, stage: int, chunk: int, stages: int, step: int) -> tuple[int, int, int]:
+    """(stage, chunk, ring shift) of the model stage `step` (+1: a forward's output, -1: a backward's
+    input gradient) away from chunk `chunk` of `stage`; the shift is the ppermute's (+1 the next
+    stage, -1 the previous, 0 this stage itself)."""
+    to, to_chunk = device_of(placement, model_stage(placement, stage, chunk, stages) + step, stages)
+    shift = (to - stage) % stages  # on 2 stages either neighbour is both: the direction the data flows
+    return to, to_chunk, 0 if shift == 0 else step if stages == 2 else 1 if shift == 1 else -1
 
 
 @dataclass
@@ -282,34 +380,36 @@ def timetable(schedule: str | Schedule, stages: int, micro: int, virtual: int = 
     classic 1F1B that way)."""
     schedule = lookup(schedule)
     orders = orders or stage_orders(schedule, stages, micro, virtual)
+    queues = schedule.splits_weight_grad and not schedule.weight_grad_in_order
     done: dict[tuple[int, Action], int] = {}
     position = [0] * stages
     queued: list[list[Action]] = [[] for _ in range(stages)]
     ticks = []
     while any(p < len(o) for p, o in zip(position, orders)) or any(queued):
         t = len(ticks)
-        row = [_next_slot(orders[s], position[s], queued[s], s, stages, virtual, done, t) for s in range(stages)]
+        row = [_next_slot(orders[s], position[s], queued[s], s, stages, virtual, schedule.placement, done, t)
+               for s in range(stages)]
         if not any(row):
             raise AssertionError(f"{schedule.name} schedule deadlocks at tick {t}")  # a bug in an order function
         for s, slot in enumerate(row):
-            if slot and slot[0].kind == "W":
+            if slot and slot[0] is (queued[s] or [None])[0]:
                 queued[s].pop(0)
             elif slot:
                 position[s] += 1
                 queued[s] += [Action("W", a.micro, a.chunk) for a in slot
-                              if a.kind == "B" and schedule.splits_weight_grad]
+                              if a.kind == "B" and queues]
             for a in slot:
                 done[(s, a)] = t
         ticks.append(row)
     return Timetable(schedule, stages, micro, virtual, ticks, residuals)
 
 
-def _next_slot(order, position, queued, s, stages, virtual, done, t) -> Slot:
+def _next_slot(order, position, queued, s, stages, virtual, placement, done, t) -> Slot:
     slot = order[position] if position < len(order) else ()
     inside: set[Action] = set()
     ready = bool(slot)
     for a in slot:
-        source = _input_of(a, s, stages, virtual)
+        source = _input_of(a, s, stages, virtual, placement)
         ready &= source is None or done.get(source, t) < t or (source[0] == s and source[1] in inside)
         inside.add(a)
     if queued and (not ready or len(queued) > stages - 1):
@@ -317,94 +417,11 @@ def _next_slot(order, position, queued, s, stages, virtual, done, t) -> Slot:
     return slot if ready else ()
 
 
-# ---- the arrays the executor indexes by (tick, stage) ----
-KINDS = ("F", "B", "W")
-
-
-def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
-    """int32 [ticks, stages] arrays: for each action kind K in F, B, W whether the stage runs one
-    (`K`) and which (`K_micro`, `K_chunk`); what it receives at the end of the tick from its
-    neighbours (`recv_f*`: an activation; `recv_b*`: a cotangent); and buffer sizes, in slots per
-    chunk, that hold them without overwriting one still needed: received inputs (`input_slots`,
-    until the forward, or the backward when it recomputes), saved residuals (`residual_slots`, until
-    the backward, or W under zb), received cotangents (`cotangent_slots`, until the backward) and,
-    under zb, each layer's output cotangent (`deferred_slots`, from the backward until W)."""
-    S, V = tt.stages, tt.virtual
-    T = len(tt.ticks)
-    names = [f"{k}{suffix}" for k in KINDS for suffix in ("", "_micro", "_chunk")]
-    names += [f"recv_{d}{suffix}" for d in "fb" for suffix in ("", "_micro", "_chunk")]
-    arrays = {k: np.zeros((T, S), np.int32) for k in names}
-    when = tt.when()
-    split = tt.schedule.splits_weight_grad
-    last_use = "W" if split else "B"
-    backward = any(a.kind == "B" for row in tt.ticks for slot in row for a in slot)  # not `forwards_of`'s
-    # (stage, chunk, micro) -> (first tick held, last tick needed)
-    input_live, residual_live, cotangent_live, deferred_live = {}, {}, {}, {}
-    for t, row in enumerate(tt.ticks):
-        for s, slot in enumerate(row):
-            for a in slot:
-                first, last = (s == 0 and a.chunk == 0), (s == S - 1 and a.chunk == V - 1)
-                arrays[a.kind][t, s] = 1
-                arrays[f"{a.kind}_micro"][t, s], arrays[f"{a.kind}_chunk"][t, s] = a.micro, a.chunk
-                if a.kind == "F" and backward:
-                    residual_live[(s, a.chunk, a.micro)] = (t, when[(s, Action(last_use, a.micro, a.chunk))])
-                if a.kind == "F" and not last:  # the output goes to the next model stage
-                    to, chunk = (s + 1) % S, a.chunk + (s == S - 1)
-                    arrays["recv_f"][t, to] = 1
-                    arrays["recv_f_micro"][t, to], arrays["recv_f_chunk"][t, to] = a.micro, chunk
-                    input_live[(to, chunk, a.micro)] = (t + 1, when[(to, Action("F", a.micro, chunk))])
-                if a.kind == "B" and not first:  # the input's cotangent goes to the previous model stage
-                    to, chunk = (s - 1) % S, a.chunk - (s == 0)
-                    arrays["recv_b"][t, to] = 1
-                    arrays["recv_b_micro"][t, to], arrays["recv_b_chunk"][t, to] = a.micro, chunk
-                    cotangent_live[(to, chunk, a.micro)] = (t + 1, when[(to, Action("B", a.micro, chunk))])
-                if a.kind == "F" and last and backward:  # the loss's cotangent, from this stage's own forward
-                    cotangent_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("B", a.micro, a.chunk))])
-                if a.kind == "B" and split:  # each layer's output cotangent, until W
-                    deferred_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("W", a.micro, a.chunk))])
-    if tt.residuals == "recompute":  # a chunk's input is read again by its backward
-        input_live = {key: (span[0], when[(key[0], Action("B", key[2], key[1]))]) for key, span in input_live.items()}
-    arrays["input_slots"] = np.int32(_slots(input_live))
-    arrays["residual_slots"] = np.int32(_slots(residual_live))
-    arrays["cotangent_slots"] = np.int32(_slots(cotangent_live))
-    arrays["deferred_slots"] = np.int32(_slots(deferred_live))
-    return arrays
-
-
-def tick_phases(tables: dict) -> list[tuple[int, int, frozenset]]:
-    """[(first tick, end tick, what the phase uses)]: warm-up (before any backward), steady,
-    cool-down (after the last forward). `uses` holds the action kinds and the send directions
-    ("recv_f", "recv_b") that occur in the phase."""
-    T = len(tables["F"])
-    ticks_with = lambda name: np.flatnonzero(tables[name].any(axis=1))
-    backward = ticks_with("B")
-    steady_from, steady_to = (backward[0] if len(backward) else T), ticks_with("F")[-1] + 1
-    bounds = sorted({0, min(steady_from, steady_to), max(steady_from, steady_to), T})
-    phases = []
-    for start, end in zip(bounds, bounds[1:]):
-        uses = frozenset(n for n in ("F", "B", "W", "recv_f", "recv_b") if tables[n][start:end].any())
-        phases.append((start, end, uses))
-    return phases
-
-
-
-def sends_per_step(tables: dict) -> int:
-    """ppermutes the executor runs in one step: each phase sends in the directions it uses, every tick."""
-    return sum((end - start) * len(uses & {"recv_f", "recv_b"}) for start, end, uses in tick_phases(tables))
-
-def _slots(live: dict) -> int:
-    """The fewest buffer slots such that microbatch m of a (stage, chunk) can use slot m % slots
-    without overwriting one still needed."""
-    slots = 1
-    while True:
-        busy = {}
-        if all(_claim(busy, (s, v, m % slots), span) for (s, v, m), span in sorted(live.items(), key=lambda kv: kv[1])):
-            return slots
-        slots += 1
-
-
-def _claim(busy: dict, slot, span) -> bool:
-    if slot in busy and busy[slot] >= span[0]:
-        return False
-    busy[slot] = span[1]
-    return True
+def layer_order(num_layers: int, stages: int, virtual: int, placement: str = "circular") -> np.ndarray:
+    """Storage row r of the stacked layers holds model layer order[r]. Device s stores its chunks
+    v = 0..V-1 in consecutive rows (so the `layers` axis shards over `pipeline` in plain blocks);
+    chunk v of stage s is model stage `model_stage` (the schedule's placement). The identity unless
+    virtual > 1."""
+    per_chunk = num_layers // (stages * virtual)
+    return np.array([model_stage(placement, s, v, stages) * per_chunk + j
+                     for s in range(stages) for v in range(virtual) for j in range(per_chunk)])

@@ -73,8 +73,9 @@ from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.ring_schedule import ring_sends
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
-from meshtrain.parallel.schedules import executor_tables, forwards_of, sends_per_step, timetable
+from meshtrain.parallel.schedules import forwards_of, timetable
 from meshtrain.parallel.sharding import entry_axes, stage_replicated
+from meshtrain.parallel.tick_tables import executor_tables, sends_per_step
 from meshtrain.planner.hlo import KINDS
 
 
