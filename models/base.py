@@ -323,10 +323,11 @@ class LanguageModel:
     training_only = ()  # top-level parameters only the training objective uses (inference and export skip them)
     embed_stacks = ()  # stacks of the first layers, run by `embed` before `blocks` (on a pipeline: the first stage)
 
-    def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum):
+    def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum,
+                 expert_chunks: int = 1):
         self.cfg = cfg.resolved()
         self.attention, self.sequence_order, self.packing = attention, sequence_order, packing
-        self.matmul = matmul
+        self.matmul, self.expert_chunks = matmul, expert_chunks  # parallel.expert_chunks (models/experts.py)
         abstract = nnx.eval_shape(lambda: self.module(self.cfg, nnx.Rngs(0)))
         self._block_graphdef = nnx.graphdef(abstract.blocks)
         self._norm_graphdef = nnx.graphdef(abstract.final_norm)
@@ -355,7 +356,7 @@ class LanguageModel:
     def block(self, params_i, x_BxLxD, docs=None, kind=None, noise=None):
         """`noise`: the layer's LoRA dropout keys [B, 2] (`layer_keys`), in training only."""
         block = nnx.merge(self._block_graphdef, params_i)
-        block.einsum = self.matmul
+        block.einsum, block.expert_chunks = self.matmul, self.expert_chunks
         if noise is not None:
             block.dropout_keys, block.dropout_positions = noise, self.sequence_order
         return block(x_BxLxD, self.attention, self.sequence_order, docs, kind)

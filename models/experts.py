@@ -387,6 +387,23 @@ def in_row_shards(local, x_BxLxD, expert_BxKL, experts: dict, axis: str, ep: int
                          axis_names=manual, check_vma=False)(x_in, expert_BxKL, experts_R)
 
 
+def by_chunks(local, chunks: int):
+    """`local(x_bxLxD, routed, experts)` run on `chunks` slices of its rows one after another, its
+    outputs (each split on rows) concatenated: the slices are independent, so XLA's scheduler can run
+    one slice's dispatch and combine all-to-alls beside another slice's expert matmuls (the two-chunk
+    overlap of DeepSeek-V3's training). The same math: routing, capacity and counts are per row."""
+    if chunks == 1:
+        return local
+
+    def run(x_bxLxD, routed, experts):
+        b = x_bxLxD.shape[0]
+        part = lambda tree, i: jax.tree.map(lambda a: a[i * b // chunks:(i + 1) * b // chunks], tree)
+        outs = [local(part(x_bxLxD, i), part(routed, i), experts) for i in range(chunks)]
+        return jax.tree.map(lambda *o: jnp.concatenate(o, axis=0), *outs)
+
+    return run
+
+
 def combine(out_BxKLxD, gate_BxLxK):
     """Each assignment's output (0 when dropped) weighted by its gate, summed over the k, in fp32."""
     B, L, K = gate_BxLxK.shape
@@ -396,12 +413,14 @@ def combine(out_BxKLxD, gate_BxLxK):
 
 def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
             experts_per_token: int, capacity_factor: float, axis: str = "expert", einsum=jnp.einsum,
-            router: Router = Router(), bias_E=None, adapters: dict | None = None, lora_scale: float = 1.0):
+            router: Router = Router(), bias_E=None, adapters: dict | None = None, lora_scale: float = 1.0,
+            chunks: int = 1):
     """The experts' output [B, L, D] in x's dtype and the routing stats (see the module doc).
     `einsum`: the capacity routing's expert matmul (fp8 under precision=fp8); the dropless grouped
     matmuls run in x's dtype. `router`, `bias_E`: how tokens pick experts (`Router`). `adapters`:
     LoRA adapters, one per expert, by parameter name (`lora_expert_gate_a` [E, D, r], `_b` [E, r, F],
-    ...), run inside each expert's matmuls (`projection`) times `lora_scale`."""
+    ...), run inside each expert's matmuls (`projection`) times `lora_scale`. `chunks`: each device's
+    rows in that many slices, one's exchanges beside another's matmuls (`by_chunks`)."""
     B, L, D = x_BxLxD.shape
     E, K = router_DxE.shape[1], experts_per_token
     C = capacity(L, E, K, capacity_factor)
@@ -424,16 +443,20 @@ def moe_mlp(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
         # loops, the compiler all-reduced every step's tile
         width = width_axes(w_gate_ExDxF.shape[-1])
 
-        def local(x_bxLxD, routed, experts):  # routed: (expert ids, gates), both split on their rows
+        def routed_rows(x_bxLxD, routed, experts):  # routed: (expert ids, gates), both split on their rows
             expert_bxKL, gate_bxLxK = routed
             out_bxKLxD = dropless_local(x_bxLxD, expert_bxKL, experts, axis=axis, ep=ep, lora_scale=lora_scale)
-            y_bxLxD = combine(out_bxKLxD, gate_bxLxK)
+            return combine(out_bxKLxD, gate_bxLxK)
+
+        def local(x_bxLxD, routed, experts):
+            y_bxLxD = by_chunks(routed_rows, chunks)(x_bxLxD, routed, experts)
             return y_bxLxD.astype(x_bxLxD.dtype)[None] if width else y_bxLxD
 
         y_BxLxD = in_row_shards(local, x_BxLxD, (expert_BxKL, gate_BxLxK), experts, axis, ep, width)
         y_BxLxD = jnp.sum(y_BxLxD, axis=0) if width else y_BxLxD
     else:
-        local = functools.partial(capacity_local, C=C, axis=axis, ep=ep, einsum=einsum, lora_scale=lora_scale)
+        local = by_chunks(functools.partial(capacity_local, C=C, axis=axis, ep=ep, einsum=einsum,
+                                            lora_scale=lora_scale), chunks)
         out_BxKLxD, kept_BxKL, count_BxE = in_row_shards(local, x_BxLxD, expert_BxKL, experts, axis, ep)
         y_BxLxD = combine(out_BxKLxD, gate_BxLxK)
     y_BxLxD = constrain(y_BxLxD.astype(x_BxLxD.dtype), ("batch", "seq", "embed"))

@@ -23,10 +23,12 @@ def run(mesh, *overrides):
     return losses, stats, trainer.unpermuted_params()  # in model order (a V placement stores them permuted)
 
 
-@pytest.mark.parametrize("mesh,more", [(mesh, ()) for mesh in LAYOUTS] + [("data=2,pipeline=2,expert=2", DUALPIPEV)])
+@pytest.mark.parametrize("mesh,more", [(mesh, ()) for mesh in LAYOUTS] + [
+    ("data=2,pipeline=2,expert=2", DUALPIPEV), ("data=2,expert=4", ("parallel.expert_chunks=2",))])
 def test_expert_layouts_match_single_device(mesh, more):
     """... and DualPipeV's V over the pipeline, its steady ticks one microbatch's forward beside another's
-    backward, each with its expert all-to-alls."""
+    backward, each with its expert all-to-alls; and each device's rows in two slices whose exchanges
+    can overlap each other's expert matmuls (parallel.expert_chunks)."""
     ref_losses, ref_stats, ref_params = run("1")
     losses, stats, params = run(mesh, *more)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
@@ -79,6 +81,9 @@ def test_active_parameters_count_k_of_e_experts():
     (("parallel.mesh=expert=2,data=4", "model.family=llama", "model.num_experts=0", "model.num_shared_experts=0"),
      "mesh expert=2 splits experts, and this model has none"),
     (("model.experts_per_token=5",), "model.experts_per_token=5 exceeds model.num_experts=4"),
+    (("parallel.mesh=data=8", "parallel.expert_chunks=2"), "parallel.expert_chunks=2 overlaps expert parallelism's"),
+    (("parallel.mesh=data=2,expert=4", "parallel.expert_chunks=4"),
+     "parallel.expert_chunks=4 does not divide the 2 rows each device routes per microbatch"),
 ])
 def test_expert_layout_errors(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -90,6 +90,10 @@ class ParallelPlan:
                                     "DualPipeV, 2 chunks per device in a V, a forward beside another "
                                     "microbatch's backward in each steady tick)", choices=tuple(SCHEDULES))
     virtual_stages: int = setting(1, "chunks of layers per device (interleaved: 2 or more; dualpipev: 2)", min=1)
+    expert_chunks: int = setting(1, "each device's rows of a MoE layer in this many slices under expert "
+                                    "parallelism: one slice's dispatch and combine all-to-alls beside another's "
+                                    "expert matmuls, for XLA's scheduler to overlap (DeepSeek-V3's two-chunk "
+                                    "overlap); the same math", min=1)
     residuals: str = setting("save", "pipeline stages keep each chunk's backward residuals from its forward "
                                      "(save: what parallel.remat lets them keep) or only its input, rerunning "
                                      "the forward in the backward (recompute)", choices=("save", "recompute"))

@@ -268,6 +268,13 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
         raise LayoutError(f"train.batch_size={t.batch_size} is not divisible by the batch axes "
                           f"{' x '.join(f'{a} ({sizes[a]})' for a in batch_axes)} x parallel.microbatches ({micro}); "
                           f"use a multiple of {dp * micro}")
+    chunks = par.expert_chunks
+    if chunks > 1 and experts == 1:
+        raise UserError(f"parallel.expert_chunks={chunks} overlaps expert parallelism's all-to-alls, and the mesh has "
+                        f"no expert axis; set parallel.expert_chunks=1 or add an expert axis")
+    if chunks > 1 and t.batch_size // (dp * micro) % chunks:
+        raise LayoutError(f"parallel.expert_chunks={chunks} does not divide the {t.batch_size // (dp * micro)} rows "
+                          f"each device routes per microbatch; use a divisor of it, or a larger train.batch_size")
 
 
 def _check_context(m, par, seq_len: int, context: int, tensor: int) -> None:

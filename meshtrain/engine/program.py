@@ -77,7 +77,8 @@ class TrainProgram:
         attention, order = context_layout(plan.context_strategy, BACKENDS[plan.attention], self.sizes["context"],
                                           t.seq_len, plan.ulysses_degree)
         self.model = FAMILIES[model.family](model, attention=attention, sequence_order=order,
-                                            packing=packing, matmul=matmul_for(plan.precision))
+                                            packing=packing, matmul=matmul_for(plan.precision),
+                                            expert_chunks=plan.expert_chunks)
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))
