@@ -97,6 +97,7 @@ class Block(nnx.Module):
     dropout_keys, dropout_positions = None, None
     activation = staticmethod(jax.nn.silu)  # the gated MLP's: SwiGLU
     einsum = staticmethod(jnp.einsum)  # the projections' and MLP's matmul (the model's `matmul` in training)
+    expert_chunks = 1  # parallel.expert_chunks: a MoE block's rows in slices (models/experts.py `by_chunks`)
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

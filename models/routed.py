@@ -138,7 +138,7 @@ class MoEBlock(Block):
                              self.expert_down[...], experts_per_token=cfg.experts_per_token,
                              capacity_factor=cfg.capacity_factor, einsum=self.einsum, adapters=adapters,
                              lora_scale=cfg.lora.scale if cfg.lora.rank else 1.0,
-                             chunks=getattr(self, "expert_chunks", 1), **routing)
+                             chunks=self.expert_chunks, **routing)
         if cfg.shared_experts():
             out = out + super().mlp(h_BxLxD)[0]
         out_stats = {"router_aux_loss": stats["aux_loss"], "router_z_loss": stats["z_loss"],

@@ -42,10 +42,11 @@ def test_expert_layouts_match_single_device(mesh, more):
 def test_dropped_tokens_are_counted_and_layout_independent():
     """Capacity is per sequence row, so a layout drops exactly what one device drops."""
     ref_losses, ref_stats, _ = run("1", "model.capacity_factor=0.5")
-    losses, stats, _ = run("data=2,expert=4", "model.capacity_factor=0.5")
     assert (ref_stats["dropped"] > 0).all()
-    np.testing.assert_allclose(stats["dropped"], ref_stats["dropped"], rtol=1e-6)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for chunks in (1, 2):  # a device's rows in two slices drop what one device drops (capacity is per row)
+        losses, stats, _ = run("data=2,expert=4", "model.capacity_factor=0.5", f"parallel.expert_chunks={chunks}")
+        np.testing.assert_allclose(stats["dropped"], ref_stats["dropped"], rtol=1e-6)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
 def test_all_to_alls_carry_the_tokens():
@@ -56,6 +57,12 @@ def test_all_to_alls_carry_the_tokens():
     text = program.lower().compile().as_text()
     found = hlo.collectives(text, 8)
     assert found["all-to-all"]["count"] == 5 * program.spec.num_layers
+    chunked = TrainProgram.from_config(tiny_config("parallel.mesh=data=2,expert=4", "parallel.expert_chunks=2",
+                                                   config=MOE_TINY))  # each slice its own exchanges
+    found_chunked = hlo.collectives(chunked.lower().compile().as_text(), 8)
+    assert found_chunked["all-to-all"]["count"] == 2 * found["all-to-all"]["count"]
+    # the rows' bytes unchanged; only the int32 counts per expert go once per slice (48 bytes here)
+    assert found_chunked["all-to-all"]["traffic_bytes"] == pytest.approx(found["all-to-all"]["traffic_bytes"], rel=1e-3)
     measured = hlo.by_kind(hlo.read(text, 8))["all-to-all"]["traffic_bytes"]
     assert measured == pytest.approx(traffic.expected_traffic(program)["all-to-all"]["traffic_bytes"], rel=0.1)
 

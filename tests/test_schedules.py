@@ -19,6 +19,7 @@ from meshtrain.parallel.schedules import (
     model_stage,
     timetable,
 )
+from meshtrain.parallel.tick_tables import executor_tables
 
 pytestmark = pytest.mark.fast  # the quick tier (python -m pytest -m fast)
 
@@ -101,18 +102,21 @@ def test_the_v_placement_holds_model_stages_s_and_2s_minus_1_minus_s():
     assert device_of("v", 7, 4) == (0, 1) and device_of("circular", 7, 4) == (3, 1)
 
 
-@pytest.mark.parametrize("S", [2, 3, 4, 6])
+@pytest.mark.parametrize("S", [2, 3, 4, 5, 6])
 def test_dualpipev_idles_its_formula_for_every_microbatch_count(S):
     """The lockstep timetable of `dualpipev_order`: 6M units of work per stage and 5S-8 idle, for
     M from 2S up; its steady ticks pair a forward of one chunk with the full backward of the other
-    (different microbatches); every W is the order's own; the residuals in flight (2S+1 chunks, each
-    half a device's layers) stay under 1F1B's 2S-1 whole ones."""
+    (different microbatches) on every stage; every W is the order's own; the residuals in flight
+    (2S+1 chunks, each half a device's layers) stay under 1F1B's 2S-1 whole ones, while the
+    executor's buffers hold 2S slots for each of the two chunks (docs/pipeline.md says so)."""
     for M in range(2 * S, 2 * S + 6):
         tt = timetable("dualpipev", S, M, 2)
         assert tt.time == 6 * M + 5 * S - 8 and tt.bubble == pytest.approx(tt.bubble_formula, abs=1e-12)
         assert max(tt.in_flight()) == 2 * S + 1 < 2 * (2 * S - 1)
-        paired = [slot for row in tt.ticks for slot in row if {a.kind for a in slot} == {"F", "B", "W"}]
-        assert len(paired) >= S * 2 * (M - 2 * S + 1)  # the main step's pairs, on every stage
-        assert all(f.chunk != b.chunk and b.micro == w.micro for f, b, w in paired)
+        for s in range(S):
+            paired = [row[s] for row in tt.ticks if {a.kind for a in row[s]} == {"F", "B", "W"}]
+            assert len(paired) >= 2 * (M - 2 * S + s + 1) - (s == S - 1)  # the main step's, but the turn's first
+            assert all(f.chunk != b.chunk and f.micro != b.micro and b.micro == w.micro for f, b, w in paired)
+        assert int(executor_tables(tt)["residual_slots"]) == 2 * S
     orders = [dualpipev_order(S, 2 * S, s) for s in range(S)]
     assert all(sum(a.kind == "W" for slot in order for a in slot) == 2 * 2 * S for order in orders)

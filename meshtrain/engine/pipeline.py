@@ -17,13 +17,15 @@ Residuals (`parallel.residuals`):
   again, never copied); the backward applies them, so no forward is run twice.
 - `recompute`: a stage keeps only each chunk's input and reruns the chunk's forward in its
   backward (less memory, a third more compute).
-Under zero-bubble (`zb`) the backward computes only the input gradient, layer by layer, and keeps
-each layer's output cotangent; the weight gradient (W) runs later from those and the residuals.
+Where the schedule splits the weight gradient (`zb`, `dualpipev`) the backward computes only the
+input gradient, layer by layer, and keeps each layer's output cotangent; the weight gradient (W)
+runs later from those and the residuals.
 
 The embedding and the head are not split into stages: the first stage embeds each microbatch as
-it enters (and adds the embedding gradient in its backward), the last stage applies the head and
-the loss in the forward and pulls the loss back to the chunk's output at once (so its backward
-reads that cotangent like any other stage). Layers that `embed` runs (deepseek_v3's dense first
+it enters (and adds the embedding gradient in its backward), the stage holding the last model
+stage (the last stage; under DualPipeV's V the first) applies the head and the loss in the forward
+and pulls the loss back to the chunk's output at once (so its backward reads that cotangent like
+any other stage). Layers that `embed` runs (deepseek_v3's dense first
 layers, outer parameters) run there too, their forward again in the embedding gradient. The loss
 is the objective's `head` (meshtrain/objectives/base.py) on the microbatch, whose rows the objective
 ordered so that a microbatch is whole for it (`Objective.sequences`), and its outputs (the metrics)
@@ -289,7 +291,8 @@ class StageProgram:
         return jax.lax.cond(self.is_first(v), embedding_grad, lambda c: c, c), g_x
 
     def weight_grad(self, c, m, v):
-        """zb's deferred W: each layer's parameter gradient from its residuals and output cotangent."""
+        """A split-off W (zb, dualpipev): each layer's parameter gradient from its residuals and output
+        cotangent."""
         docs = self.documents(m)
 
         def layer_w(_, xs):
@@ -344,7 +347,8 @@ class StageProgram:
         return carry
 
     def outputs(self, carry):
-        """The heads' outputs [M, ...], from the last stage to every stage (the others hold zeros)."""
+        """The heads' outputs [M, ...], from the stage of the last model stage to every stage (the
+        others hold zeros)."""
         return jax.lax.psum(carry["outputs"], "pipeline")
 
     def run(self, phases):

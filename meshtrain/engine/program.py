@@ -111,9 +111,8 @@ class TrainProgram:
 
         self.owned_specs = owned_specs(abstract_params, self.logical_axes, self.rules, self.mesh, plan.zero)
         stages = self.sizes["pipeline"]
-        self.layer_order = (layer_order(model.stacked_layers(), stages, plan.virtual_stages,
-                                        lookup(plan.schedule).placement)
-                            if stages > 1 else layer_order(model.stacked_layers(), 1, 1))
+        self.layer_order = layer_order(model.stacked_layers(), stages, plan.virtual_stages if stages > 1 else 1,
+                                       lookup(plan.schedule).placement)
         self.abstract_state = jax.eval_shape(self.init_state, jax.random.key(t.seed))
         other = {}  # state entries laid out beside params and opt_state
         if "grad_error" in self.abstract_state:

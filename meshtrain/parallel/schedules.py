@@ -25,8 +25,8 @@ So the schedules are written to balance ticks, not only to leave few idle slots:
 - DualPipeV (DeepSeek 2025, DualPipe cut in half): 2 chunks per device in a V (stage s holds model
   stages s and 2S-1-s, so activations go down the stages and back up), and in its steady ticks the
   forward of one chunk beside the full backward (B then W) of the other, of different microbatches:
-  independent work in one tick, so one's sends and expert all-to-alls can run under the other's
-  matmuls. Its order places every W itself (`dualpipev_order`).
+  independent work in one tick (the executor still runs F and B one after the other, so only the
+  sends overlap W). Its order places every W itself (`dualpipev_order`).
 
 Idle fractions these give, lockstep (printed by `python -m meshtrain.plan --schedule ...`):
 (S-1)/(V*M+S-1) for GPipe, 1F1B and interleaved (Narayanan et al. 2021, eq. 1 and 2),
@@ -156,7 +156,7 @@ def dualpipev_order(stages: int, micro: int, stage: int, virtual: int = 2) -> li
     V (`model_stage`), eight steps per stage r: 2(S-1-r) forwards of chunk 0; r+1 of chunks 0 and 1;
     S-1-r of (chunk 1's input gradient, a deferred weight gradient, chunk 1's forward); the main step,
     M-2S+r+1 pairs of a forward of one chunk beside the full backward of the other, in both
-    orders, so one microbatch's sends and expert exchanges have another's compute beside them; S-1-r
+    orders (independent work: another microbatch's); S-1-r
     of (backward of chunk 1, then chunk 1's forward beside chunk 0's backward); r+1 backwards of
     each chunk, the second half's weight gradients deferred; S-1-r of (a deferred W, chunk 0's input
     gradient); then the last deferred Ws. Every W is placed here (`weight_grad_in_order`)."""

@@ -420,7 +420,7 @@ def newest_params(run: str | Path, model, shardings=None, step: int | None = Non
     lora = model.cfg.lora.rank  # its checkpoints hold the adapters; the base is rebuilt from their record
     params, meta, step = read_params(Path(run) / "checkpoints", select(abstract, model.cfg.trainable) if lora
                                      else abstract, step, part)
-    order = np.asarray(meta.get("layer_order", range(model.cfg.stacked_layers())))  # interleaved: permuted
+    order = np.asarray(meta.get("layer_order", range(model.cfg.stacked_layers())))  # interleaved, dualpipev: permuted
     params = {**params, "blocks": TrainProgram.reorder_blocks(params["blocks"], np.argsort(order))}
     return (merge(lora_base(meta, model, shardings), params) if lora else params), step
 
