@@ -21,7 +21,8 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   are its operands read and its result written, except that a fusion reads of an operand only what its
   dynamic-slices/slices take, a buffer it updates in place (a dynamic-update-slice's operand 0) is not read,
   also where the fusion reads a slice of it first (the grouped matmul's step: read a tile, write it back),
-  and a dynamic-update-slice root writes only its update;
+  and a dynamic-update-slice root writes only its update; an async fusion (`fusion-start`/`fusion-done`,
+  which XLA in JAX 0.11 makes of a scan's residual writes) is its fusion, priced once at its start;
 - each kernel takes the longest of its arithmetic at its efficiency, its bytes at HBM bandwidth x
   `hbm_efficiency` (a GEMM's too), and `launch_s` (`kernel_seconds`); a `while` runs its body
   trip-count times (XLA's known_trip_count, or the loop's bounds where a pass dropped it:
@@ -56,7 +57,8 @@ _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\["?([\d",]*)"?\
 _BACKEND = re.compile(r"backend_config=(\{.*\})\s*$")
 _DIMS = re.compile(r"\[([\d,]*)\]")
 _FREE = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all", "partition-id",
-         "replica-id", "opt-barrier", "copy-done", "send-done", "recv-done", "async-done")  # no kernel of their own
+         "replica-id", "opt-barrier", "copy-done", "send-done", "recv-done", "async-done",
+         "fusion-done")  # no kernel of their own (an async fusion is priced at its fusion-start)
 _SLICES = ("dynamic-slice", "slice", "gather")
 
 
@@ -169,7 +171,7 @@ def _uses(module: Module, comp: str, name: str) -> list[tuple[str, object]]:
 
 def _fusion_bytes(module: Module, comp: str, ins) -> int:
     """Bytes a fusion (or a bare instruction) moves: operands as read, its result as written (module doc)."""
-    body = module.callee(ins) if ins.op == "fusion" else None
+    body = module.callee(ins) if ins.op in ("fusion", "fusion-start") else None  # an async fusion: its callee
     inner = module.comps.get(body, {})
     read = 0
     for index, name in enumerate(ins.operands):
