@@ -34,9 +34,27 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def measure(config: str, overrides: list[str], steps: int) -> dict:
+def timed_steps(program, compiled, vocab_size: int, steps: int):
+    """Inside `program.context()`: its state and a fixed random batch on its devices, two warm-up steps
+    (first-touch allocations, autotuning), then `steps` timed. (seconds a step, state, batch, metrics)."""
     import jax
     import jax.numpy as jnp
+
+    state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), program.batch_shape, 0, vocab_size, jnp.int32)
+    tokens = jax.device_put(tokens, program.batch_sharding)
+    for _ in range(2):
+        state, metrics = compiled(state, tokens)
+    jax.block_until_ready(state)
+    started = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, tokens)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - started) / steps, state, tokens, metrics
+
+
+def measure(config: str, overrides: list[str], steps: int) -> dict:
+    import jax
 
     from meshtrain.config.loader import load_config
     from meshtrain.core.metrics import mfu, run_peaks
@@ -50,17 +68,7 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     compile_s = time.perf_counter() - started
     memory = compiled.memory_analysis()
     with program.context():
-        state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(0))
-        tokens = jax.random.randint(jax.random.key(1), program.batch_shape, 0, cfg.model.vocab_size, jnp.int32)
-        tokens = jax.device_put(tokens, program.batch_sharding)
-        for _ in range(2):  # warm-up: first-touch allocations, autotuning
-            state, metrics = compiled(state, tokens)
-        jax.block_until_ready(state)
-        started = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = compiled(state, tokens)
-        jax.block_until_ready(state)
-        step_s = (time.perf_counter() - started) / steps
+        step_s, state, tokens, metrics = timed_steps(program, compiled, cfg.model.vocab_size, steps)
     tokens_per_s = cfg.train.batch_size * cfg.train.seq_len / step_s
     peak, fp8_peak = run_peaks(device.device_kind, cfg.parallel.precision)
     stats = device.memory_stats() or {}

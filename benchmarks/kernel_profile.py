@@ -19,11 +19,10 @@ import os
 import re
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo's modules before any namesakes
+sys.path[0:1] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # the repo, then here
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 KINDS = ("gemm", "attention", "memory")
@@ -59,7 +58,7 @@ def run(config: str, overrides: list[str], steps: int, trace_dir: Path) -> tuple
     """(the compiled step's text, the device, ms per step untraced): two warm-up steps, `steps`
     timed, then `steps` traced."""
     import jax
-    import jax.numpy as jnp
+    from gpu import timed_steps  # beside this file
 
     from meshtrain.config.loader import load_config
     from meshtrain.engine.program import TrainProgram
@@ -69,23 +68,13 @@ def run(config: str, overrides: list[str], steps: int, trace_dir: Path) -> tuple
     program = TrainProgram.from_config(cfg, devices=[device])
     compiled = program.lower().compile()
     with program.context():
-        state = jax.jit(program.init_state, out_shardings=program.state_shardings)(jax.random.key(0))
-        tokens = jax.device_put(jax.random.randint(jax.random.key(1), program.batch_shape, 0, cfg.model.vocab_size,
-                                                   jnp.int32), program.batch_sharding)
-        for _ in range(2):
-            state, _ = compiled(state, tokens)
-        jax.block_until_ready(state)
-        started = time.perf_counter()
-        for _ in range(steps):
-            state, _ = compiled(state, tokens)
-        jax.block_until_ready(state)
-        step_ms = (time.perf_counter() - started) / steps * 1e3
+        step_s, state, tokens, _ = timed_steps(program, compiled, cfg.model.vocab_size, steps)
         jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
         for _ in range(steps):
             state, _ = compiled(state, tokens)
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
-    return compiled.as_text(), device, step_ms
+    return compiled.as_text(), device, step_s * 1e3
 
 
 def predicted_ms(text: str, device) -> dict | None:
