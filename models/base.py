@@ -97,7 +97,6 @@ class Block(nnx.Module):
     dropout_keys, dropout_positions = None, None
     activation = staticmethod(jax.nn.silu)  # the gated MLP's: SwiGLU
     einsum = staticmethod(jnp.einsum)  # the projections' and MLP's matmul (the model's `matmul` in training)
-    expert_chunks = 1  # parallel.expert_chunks: a MoE block's rows in slices (models/experts.py `by_chunks`)
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -337,8 +336,7 @@ class LanguageModel:
         return nnx.to_pure_dict(nnx.state(self.module(self.cfg, nnx.Rngs(key)), nnx.Param))
 
     def embed(self, params, tokens_BxL):
-        """The embedding's rows [B, L, D] (meshtrain/ops/embedding.py: vocab-parallel, its gradient
-        reduce-scattered onto the table's shards)."""
+        """The embedding's rows [B, L, D] (meshtrain/ops/embedding.py: vocab-parallel, gradient reduce-scattered)."""
         return constrain(lookup(params["embedding"], tokens_BxL), RESIDUAL)
 
     def documents(self, tokens_BxL1):

@@ -91,6 +91,7 @@ class MoEBlock(Block):
     """The llama block with a mixture-of-experts MLP (Mixtral; DeepSeek's shared experts): routed
     SwiGLU experts, plus `num_shared_experts` experts every token passes through (one dense SwiGLU
     of that many times the expert width). With num_experts = 0 it is the dense llama block."""
+    expert_chunks = 1  # parallel.expert_chunks (`LanguageModel.block` sets it): the rows in slices (`by_chunks`)
 
     def init_mlp(self, cfg, rngs: nnx.Rngs):
         D, F, E, shared = cfg.d_model, cfg.mlp_dim, cfg.num_experts, cfg.shared_experts()
