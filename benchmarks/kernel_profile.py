@@ -77,13 +77,15 @@ def run(config: str, overrides: list[str], steps: int, trace_dir: Path) -> tuple
     return compiled.as_text(), device, step_s * 1e3
 
 
-def predicted_ms(text: str, device) -> dict | None:
+def predicted_ms(text: str) -> dict | None:
     """The walk's ms per step by kind for this GPU, or None off a GPU the planner knows."""
+    from grouped_matmul import profile_here  # beside this file
+
     from meshtrain.core.metrics import DEVICE_PROFILES
     from meshtrain.planner.kernel_time import step_time
 
-    name = next((k for k in DEVICE_PROFILES if k in device.device_kind.lower()), None)
-    if device.platform != "gpu" or name is None:
+    name = profile_here()
+    if name is None:
         return None
     walked = step_time(text, DEVICE_PROFILES[name], {})
     return {**{k: walked["by_kind_s"][k] * 1e3 for k in KINDS}, "step": walked["step_s"] * 1e3}
@@ -129,7 +131,7 @@ def main():
         print(f"no GPU kernels in the trace ({device.platform}; its processes: {', '.join(processes)}): step "
               f"{step_ms:.1f} ms untraced, nothing to compare")
         return
-    print(report(spent, launches, args.steps, predicted_ms(text, device), step_ms, args.top))
+    print(report(spent, launches, args.steps, predicted_ms(text), step_ms, args.top))
 
 
 if __name__ == "__main__":

@@ -298,15 +298,12 @@ def _input_of(action: Action, stage: int, stages: int, virtual: int, placement: 
     if action.kind == "W":  # the weight gradient needs the backward's output cotangents
         return stage, Action("B", m, v)
     k = model_stage(placement, stage, v, stages)
-    if action.kind == "F":
-        if k == 0:
-            return None
-        source, chunk = device_of(placement, k - 1, stages)
-        return source, Action("F", m, chunk)
-    if k == stages * virtual - 1:  # the last chunk starts from its own loss
+    if action.kind == "F" and k == 0:
+        return None
+    if action.kind == "B" and k == stages * virtual - 1:  # the last chunk starts from its own loss
         return stage, Action("F", m, v)
-    source, chunk = device_of(placement, k + 1, stages)
-    return source, Action("B", m, chunk)
+    source, chunk, _ = destination(placement, stage, v, stages, -1 if action.kind == "F" else +1)
+    return source, Action(action.kind, m, chunk)
 
 
 def destination(placement: str, stage: int, chunk: int, stages: int, step: int) -> tuple[int, int, int]:
