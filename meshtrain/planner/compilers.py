@@ -45,10 +45,25 @@ GPU_TARGETS = {
     "a100": dict(name="NVIDIA A100-SXM4-80GB", cc=(8, 0), sms=108, fpus=64, shared_per_sm=167936,
                  shared_optin=166912, l2=41943040, clock_ghz=1.41, memory=85051572224, bandwidth=2039000000000),
 }
-# The CUDA and cuDNN versions the compiler targets (jax-cuda12-plugin 0.10 is built with CUDA 12.8; the
-# plan-gpu extra's cuDNN is 9.x): cuDNN's fused attention is planned only when the installed
-# cuDNN library can build its graphs.
-RUNTIME = {"cuda": (12, 8, 0), "cudnn": (9, 8)}
+# The CUDA and cuDNN versions the compiler targets (jax-cuda12-plugin 0.10 is built with CUDA 12.8). cuDNN's:
+# the library installed beside the plugin (nvidia-cudnn-cu12, which a GPU run of the same install loads:
+# jax[cuda12] and the plan-gpu extra both take the newest 9.x), else 9.8, the least JAX accepts. It
+# decides kernels: XLA's GPU compiler makes a block-scaled GEMM (mxfp8, nvfp4: `__cudnn$blockScaledDot`)
+# on Blackwell only from cuDNN 9.10 (a dequantization and a bf16 GEMM before; checked on the B200 target,
+# jaxlib 0.10.2), and cuDNN's fused attention is planned only when the installed library can build its graphs.
+LEAST_CUDNN = (9, 8)
+RUNTIME = {"cuda": (12, 8, 0)}
+
+
+def cudnn_version() -> tuple[int, int]:
+    """(major, minor) of the cuDNN installed beside the plugin, else `LEAST_CUDNN` (above)."""
+    from importlib import metadata
+
+    try:
+        major, minor = metadata.version("nvidia-cudnn-cu12").split(".")[:2]
+        return int(major), int(minor)
+    except (metadata.PackageNotFoundError, ValueError):
+        return LEAST_CUDNN
 COMPILERS = ("auto", "gpu", "cpu")
 INSTALL_HINT = 'pip install -e ".[plan-gpu]"'
 
@@ -57,7 +72,7 @@ def target_config(device: str) -> str:
     """The GpuTargetConfigProto of `device` (a GPU_TARGETS key) as text."""
     t = GPU_TARGETS[device]
     major, minor = t["cc"]
-    cuda, cudnn = RUNTIME["cuda"], RUNTIME["cudnn"]
+    cuda, cudnn = RUNTIME["cuda"], cudnn_version()
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: {t['shared_per_sm']} threads_per_core_limit: 2048 core_count: {t['sms']}
