@@ -59,6 +59,7 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     from meshtrain.config.loader import load_config
     from meshtrain.core.metrics import mfu, run_peaks
     from meshtrain.engine.program import TrainProgram
+    from meshtrain.ops.recipes import low_peak
 
     cfg = load_config(config, ["parallel.mesh=1", "devices=0", *overrides])
     device = jax.devices()[0]
@@ -70,7 +71,7 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     with program.context():
         step_s, state, tokens, metrics = timed_steps(program, compiled, cfg.model.vocab_size, steps)
     tokens_per_s = cfg.train.batch_size * cfg.train.seq_len / step_s
-    peak, fp8_peak = run_peaks(device.device_kind, cfg.parallel.precision)
+    peak, fp8_peak = run_peaks(device.device_kind, low_peak(cfg.parallel.precision))
     stats = device.memory_stats() or {}
     return {"device": device.device_kind, "step_ms": step_s * 1e3, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * program.flops_per_token / 1e12,

@@ -1,10 +1,10 @@
-"""fp32 vs bf16 vs fp16 (dynamic loss scaling) vs the fp8 recipes (meshtrain/ops/fp8.py: fp8 tensorwise,
-fp8_rowwise) on the Shakespeare model:
+"""fp32 vs bf16 vs fp16 (dynamic loss scaling) vs the low-precision recipes (meshtrain/ops/recipes.py: fp8
+tensorwise, fp8_rowwise, mxfp8, nvfp4) on the Shakespeare model:
 the eval-loss curves of one run each, same seed, data and batches, and the fp16 run's loss scale and
-overflows; fp16 and bf16 are compared with fp32, each fp8 recipe with bf16 (the precision it replaces).
+overflows; fp16 and bf16 are compared with fp32, each recipe with bf16 (the precision it replaces).
 
     python benchmarks/precision.py [--data ../shared/data/tinyshakespeare.txt] [--steps 1000] [--eval-every 100]
-        [--precisions fp32,bf16,fp16,fp8,fp8_rowwise]
+        [--precisions fp32,bf16,fp16,fp8,fp8_rowwise,mxfp8,nvfp4]
 
 On a CPU the three run one after the other (bf16/fp16 are emulated there: the point is the
 numerics, not the speed); on a GPU pass --devices 0 to use it.
@@ -19,8 +19,9 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo's modules bef
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_rowwise")
-AGAINST = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16"}  # each compared with
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
+AGAINST = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16", "mxfp8": "bf16",
+           "nvfp4": "bf16"}  # each compared with
 
 
 def run(precision: str, args):

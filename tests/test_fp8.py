@@ -23,12 +23,12 @@ from meshtrain.ops.fp8 import (
     dequantize,
     fp8_einsum,
     fp8_max,
-    fp8_refusal,
     fp8_rowwise_einsum,
     quantize,
     transposed_specs,
 )
 from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
+from meshtrain.ops.recipes import recipe_refusal
 from meshtrain.planner import roofline
 from meshtrain.run import dashboards, loggers
 from meshtrain.run.loggers import MetricsLog
@@ -165,7 +165,8 @@ def test_the_tiny_fp8_run_tracks_bf16(runs, recipe):
 def test_an_fp8_run_logs_its_mfu_against_both_peaks(monkeypatch):
     """MFU keeps the bf16 peak (the convention); an fp8 run logs `mfu_fp8` against the fp8 peak beside
     it, a bf16 run does not. The steps load from the suite's compilation cache (the `runs` fixture's)."""
-    monkeypatch.setattr("meshtrain.core.metrics.peak_flops", lambda kind, fp8=False: 1979e12 if fp8 else 989e12)
+    monkeypatch.setattr("meshtrain.core.metrics.peak_flops",
+                        lambda kind, peak="peak_flops": {"peak_flops": 989e12, "peak_fp8_flops": 1979e12}[peak])
     metrics = {"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped_steps": 0}
     records = {}
     for precision in ("bf16", "fp8"):
@@ -279,21 +280,29 @@ def test_the_roofline_runs_the_blocks_matmuls_at_the_fp8_peak():
         assert est["mfu_ceiling"] * est["step_s"] * 989e12 == pytest.approx(est["flops"]["model_per_device"])
         assert est["mfu_fp8_ceiling"] == pytest.approx(est["mfu_ceiling"] * 989 / 1979)
         assert "mfu_fp8_ceiling" not in base
-    with pytest.raises(UserError, match="parallel.precision=fp8: the A100 SXM 80GB has no fp8 matmuls"):
+    with pytest.raises(UserError, match="parallel.precision=fp8: the A100 SXM 80GB has no fp8 GEMMs"):
         roofline.estimate(fp8, nothing, [], DEVICE_PROFILES["a100"])
 
 
 @pytest.mark.fast
-def test_an_fp8_recipe_is_refused_on_a_gpu_without_fp8_matmuls():
-    """Before compute capability 8.9 (A100: 8.0) XLA would run the recipe upcast, slower than bf16: one
-    line naming the GPU and the fix; Ada, Hopper and Blackwell run it, and CPUs compute its numbers."""
+def test_a_recipe_is_refused_on_a_gpu_without_its_gemms():
+    """Before the recipe's compute capability (fp8: 8.9, so not an A100's 8.0; mxfp8 and nvfp4: Blackwell's
+    10.0, so not a Hopper's 9.0) XLA would run the recipe upcast, slower than bf16: one line naming the GPU,
+    who has the GEMMs and the recipes this GPU runs; CPUs compute every recipe's numbers."""
     gpu = lambda cc, kind="NVIDIA A100-SXM4-80GB": SimpleNamespace(platform="gpu", compute_capability=cc,
                                                                    device_kind=kind)
-    why = fp8_refusal("fp8_rowwise", gpu("8.0"))
+    why = recipe_refusal("fp8_rowwise", gpu("8.0"))
     assert why.startswith("parallel.precision=fp8_rowwise: the NVIDIA A100-SXM4-80GB (compute capability 8.0) has "
-                          "no fp8 matmuls") and why.endswith("set parallel.precision=bf16")
-    assert [fp8_refusal("fp8", gpu(cc)) for cc in ("8.9", "9.0", "10.0")] == [None] * 3
-    assert fp8_refusal("bf16", gpu("8.0")) is None and fp8_refusal("fp8", jax.devices()[0]) is None
+                          "no fp8_rowwise GEMMs") and why.endswith("set parallel.precision=bf16")
+    assert [recipe_refusal("fp8", gpu(cc)) for cc in ("8.9", "9.0", "10.0")] == [None] * 3
+    for recipe in ("mxfp8", "nvfp4"):
+        why = recipe_refusal(recipe, gpu("9.0", "NVIDIA H100 80GB HBM3"))
+        assert why == (f"parallel.precision={recipe}: the NVIDIA H100 80GB HBM3 (compute capability 9.0) has no "
+                       f"{recipe} GEMMs, which need 10.0 or newer (Blackwell: B200, GB200); XLA would run the recipe "
+                       f"upcast, slower than bf16: set parallel.precision=fp8 or fp8_rowwise or bf16")
+        assert recipe_refusal(recipe, gpu("10.0", "NVIDIA B200")) is None
+        assert recipe_refusal(recipe, jax.devices()[0]) is None
+    assert recipe_refusal("bf16", gpu("8.0")) is None
 
 
 def test_the_fp8_collectives_beyond_the_formulas_are_known_by_layout():

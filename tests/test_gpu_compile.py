@@ -20,7 +20,7 @@ from test_plan import one_of_each_collective
 from test_roofline import _no_memory
 
 from meshtrain.core import cli, compile_cache
-from meshtrain.core.errors import UserError
+from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.compiler_options import GPU_OPTIONS
 from meshtrain.engine.program import TrainProgram
@@ -204,20 +204,22 @@ def test_a_program_of_an_fp8_recipe_for_an_a100_is_refused_before_it_compiles():
     """The program itself refuses (a run on an A100 as much as its plan by the GPU compiler), from the
     device's own compute capability."""
     a100 = compilers.choose("gpu", "a100", 1, 8).devices
-    with pytest.raises(UserError, match=r"the NVIDIA A100-SXM4-80GB \(compute capability 8.0\) has no fp8 matmuls"):
+    with pytest.raises(UserError, match=r"the NVIDIA A100-SXM4-80GB \(compute capability 8.0\) has no fp8 GEMMs"):
         TrainProgram.from_config(tiny_config("parallel.mesh=1", "parallel.precision=fp8"), devices=a100)
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
-def test_fp8_matrices_are_gathered_in_fp8_and_their_gradients_reduced_in_bf16(recipe):
-    """An fp8 recipe on 8 H100s as fsdp=8 in 2 microbatches: XLA:GPU quantizes the layers' matrices before
-    the FSDP gather, so the all-gather moves them in fp8, as meshtrain/planner/traffic.py counts (the bf16
-    count would be twice); the fp8 GEMMs write their sums in bf16, so the gradient reduce-scatter moves
-    bf16, as a bf16 step's (it moved the fp32 sums: 1.77x its formula on llama3_8b's pod); the scales'
+@pytest.mark.parametrize("recipe, device", [("fp8", "h100"), ("fp8_rowwise", "h100"), ("mxfp8", "b200"),
+                                            ("nvfp4", "b200")])
+def test_quantized_matrices_are_gathered_quantized_and_their_gradients_reduced_in_bf16(recipe, device):
+    """A recipe on 8 GPUs as fsdp=8 in 2 microbatches: XLA:GPU quantizes the layers' matrices before
+    the FSDP gather, so the all-gather moves them quantized (fp8: 1 byte; mxfp8 with its E8M0 scales,
+    nvfp4 packed with its e4m3 scales), as meshtrain/planner/traffic.py counts (bf16's count would be 2x,
+    or 3.6x nvfp4's); the GEMMs write their sums in bf16, so the gradient reduce-scatter moves bf16, as a
+    bf16 step's (fp32 sums moved 1.77x the formula on llama3_8b's pod, nvfp4's 1.94x here); the scales'
     amaxes are the all-reduce's known gap, not an unexplained one."""
     cfg = tiny_config("parallel.mesh=fsdp=8", "parallel.microbatches=2", f"parallel.precision={recipe}",
                       "model.d_model=256", "model.mlp_dim=1024", "model.head_dim=32", "train.seq_len=64")
-    program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
+    program = TrainProgram.from_config(cfg, devices=compilers.choose("gpu", device, 8, 8).devices)
     text = program.lower().compile().as_text()
     measured, expected = collectives(text, 8, correct=False), traffic.expected_traffic(program)
     assert traffic.param_slices(program)["fp8"] > 0.9 * traffic.param_slices(program)["blocks"]
@@ -248,6 +250,33 @@ def test_a_b200_plan_is_its_gpu_program_with_fp8_gemms_and_says_its_constants_ar
 
 
 PROJECTIONS = ("bld,dhk->blhk", "bld,dgk->blgk", "blhk,hkd->bld", "bld,df->blf", "blf,fd->bld")  # the 7
+
+
+@pytest.mark.parametrize("recipe, gemm, peak", [("mxfp8", "f8e4m3fn x f8e4m3fn scaled f8e8m0fnu", 4500),
+                                                ("nvfp4", "f4e2m1fn x f4e2m1fn scaled f8e4m3fn", 9000)])
+def test_block_scaled_recipes_run_cudnns_block_scaled_gemms_on_a_b200(capsys, recipe, gemm, peak):
+    """On Blackwell every projection's GEMM, forward and both gradients (the 7 projections' einsums and
+    their transposes: 21 a layer), is cuDNN's block-scaled GEMM on the recipe's values and scales
+    (mxfp8: e4m3 with E8M0 scales; nvfp4: e2m1 with e4m3 scales), none a bf16 GEMM; the plan counts them
+    by type and prices them at the recipe's peak (fp8's 4.5, fp4's 9 PFLOP/s). A Hopper refuses both, and so
+    does a B200 mesh with a data axis (block_scaled.gpu_layout_refusal).
+    (XLA makes them from cuDNN 9.10: meshtrain/planner/compilers.py targets the installed cuDNN.)"""
+    assert main(["--config", TINY, "--devices", "1", "--mesh", "1", "--device", "b200", "--compiler", "gpu",
+                 "--set", f"parallel.precision={recipe}", "--json", "--search-budget", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    gemms, layers = report["kernels"]["gemms"], tiny_config().model.num_layers
+    assert gemms.pop(gemm) == 21 * layers
+    # the rest bf16: the head's 3 (the recipes keep it bf16) and nvfp4's Hadamard rotation of dw's operands
+    # (16 x 16, one GEMM a layer as XLA merges them)
+    assert gemms == {"bf16 x bf16": 3 + (layers if recipe == "nvfp4" else 0)}
+    roof = report["roofline"]
+    assert roof["mfu_fp8_ceiling"] == pytest.approx(roof["mfu_ceiling"] * 2250 / peak)
+    with pytest.raises(LayoutError, match=f"parallel.precision={recipe} on NVIDIA GPUs with data > 1"):
+        TrainProgram.from_config(tiny_config("parallel.mesh=data=2", f"parallel.precision={recipe}"),
+                                 devices=compilers.choose("gpu", "b200", 2, 8).devices)
+    hopper = r"the NVIDIA H100 80GB HBM3 \(compute capability 9.0\) has no "
+    with pytest.raises(UserError, match=hopper + f"{recipe} GEMMs"):
+        TrainProgram.from_config(tiny_config("parallel.mesh=1", f"parallel.precision={recipe}"), devices=gpu_devices())
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])

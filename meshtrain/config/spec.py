@@ -41,7 +41,11 @@ class ParallelPlan:
                                      "loss scaling: the loss_scale_* keys), or fp8: bf16 with the attention "
                                      "projections' and MLP's matmuls in fp8 (e4m3 forward, e5m2 gradients, "
                                      "per-tensor current scaling), or fp8_rowwise: fp8 with a scale per row "
-                                     "of each GEMM's operands", choices=("fp32", "bf16", "fp16", "fp8", "fp8_rowwise"))
+                                     "of each GEMM's operands, or on Blackwell mxfp8 (e4m3, a power-of-2 scale "
+                                     "per 32 elements) or nvfp4 (e2m1, an e4m3 scale per 16 and one per tensor; "
+                                     "16x16 weight blocks, stochastic gradient rounding, Hadamard-rotated dw "
+                                     "operands): docs/precision.md",
+                             choices=("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4"))
     loss_scale_initial: float = setting(65536.0, "fp16: the loss scale at step 0 (2^16, DeepSpeed's default); an "
                                                  "overflowing step is skipped and halves it", min=1.0,
                                         applies=Applies("parallel.precision", ("fp16",)))

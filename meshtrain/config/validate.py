@@ -32,6 +32,7 @@ from meshtrain.objectives import objective
 from meshtrain.objectives.grpo import longest_prompt
 from meshtrain.ops import offload
 from meshtrain.ops.attention import ATTENTION_BLOCK, MIN_ATTENTION_BLOCK, attention_block, cudnn_refusal
+from meshtrain.ops.block_scaled import gpu_layout_refusal
 from meshtrain.ops.precision import COMPUTE_DTYPES, compute_bytes, saved_matmul_bytes
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel.schedules import check as check_schedule
@@ -226,6 +227,8 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     """Checks that need the mesh's axis sizes, the resolved logical rules and the device backend:
     `m` the ModelSpec, `par` the ParallelPlan, `t` the TrainConfig."""
     _check_kernels(par, t.seq_len, backend)
+    if backend == "gpu" and (why := gpu_layout_refusal(par.precision, sizes)):
+        raise LayoutError(why)
     stages = sizes["pipeline"]
     micro = par.num_microbatches(stages)
     dense = m.dense_first_layers()

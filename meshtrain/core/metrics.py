@@ -35,12 +35,20 @@ PEAK_FP8_FLOPS = {
     "H100 PCIe": 1513e12,
     "H100": 1979e12,
 }
+# Dense fp4 (NVFP4, block-scaled e2m1) tensor-core peak FLOP/s: Blackwell's (HGX B200 datasheet: 144 PFLOP/s
+# sparse for 8 GPUs -> 9 dense per GPU).
+PEAK_FP4_FLOPS = {
+    "B200": 9000e12,
+}
+LOW_PRECISION_PEAKS = {"peak_fp8_flops": PEAK_FP8_FLOPS, "peak_fp4_flops": PEAK_FP4_FLOPS}
+LOW_PEAK_NAMES = {"peak_fp8_flops": "fp8", "peak_fp4_flops": "fp4"}
 
 # The planner's device profiles (meshtrain/planner/roofline.py): dense bf16 (and fp8, where the device
 # has fp8 matmuls: `peak_fp8_flops`) peak FLOP/s, HBM bytes and
 # bytes/s, and the two links a device's collectives run on, in bytes/s per device and direction:
 # `in_node_bw` among the `devices_per_node` devices of one node (NVLink through NVSwitch; a TPU
 # slice's ICI), `cross_node_bw` between nodes (the node's NICs / the data-center network, DCN).
+# `capability`: an NVIDIA GPU's compute capability (CUDA's table), which kernels it has.
 # `preallocates`: JAX's GPU allocator takes a fraction of the memory (meshtrain/planner/budget.py); TPUs use it all.
 # Sources (vendor datasheets and user guides):
 # - H100 SXM5 80GB: HBM3 3.35 TB/s; NVLink 4 900 GB/s per GPU, both directions together (18 links
@@ -48,8 +56,8 @@ PEAK_FP8_FLOPS = {
 #   (InfiniBand NDR) per GPU for the compute fabric -> 50 GB/s each way.
 # - H200 SXM 141GB: HBM3e 4.8 TB/s; NVLink 4 and the DGX/HGX H200 network as the H100's.
 # - B200 (NVIDIA HGX B200 and DGX B200 datasheets, per GPU of 8, dense = half the sparse figures): bf16
-#   2.25 PFLOP/s, fp8 4.5, tf32 1.125; 180 GB HBM3e at 8 TB/s; NVLink 5 1.8 TB/s per GPU both directions
-#   -> 900 GB/s each way; DGX B200: one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s.
+#   2.25 PFLOP/s, fp8 (and MXFP8) 4.5, fp4 (NVFP4) 9, tf32 1.125; 180 GB HBM3e at 8 TB/s; NVLink 5 1.8
+#   TB/s per GPU both directions -> 900 GB/s each way; DGX B200: one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s.
 # - A100 SXM4 80GB: HBM2e 2,039 GB/s; NVLink 3 600 GB/s per GPU both ways (12 x 50) -> 300 GB/s.
 #   DGX A100: 8 GPUs, one 200 Gb/s ConnectX-6 (InfiniBand HDR) per GPU -> 25 GB/s.
 # Host memory (parallel.offload, meshtrain/ops/offload.py): `host_bw`, the GPU's host link in bytes/s
@@ -97,20 +105,21 @@ DEVICE_PROFILES = {
     "h100": {"name": "H100 SXM", "peak_flops": PEAK_BF16_FLOPS["H100"], "peak_fp8_flops": PEAK_FP8_FLOPS["H100"],
              "peak_tf32_flops": 494.7e12, "hbm_bw": 3.35e12, "memory": 80e9,
              "in_node_bw": 450e9, "cross_node_bw": 50e9, "host_bw": 64e9, "host_memory": 2e12,
-             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS, "capability": (9, 0)},
     "h200": {"name": "H200 SXM", "peak_flops": PEAK_BF16_FLOPS["H200"], "peak_fp8_flops": PEAK_FP8_FLOPS["H200"],
              "peak_tf32_flops": 494.7e12, "hbm_bw": 4.8e12, "memory": 141e9,
              "in_node_bw": 450e9, "cross_node_bw": 50e9, "host_bw": 64e9, "host_memory": 2e12,
-             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS},
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS, "capability": (9, 0)},
     "b200": {"name": "B200", "peak_flops": PEAK_BF16_FLOPS["B200"], "peak_fp8_flops": PEAK_FP8_FLOPS["B200"],
+             "peak_fp4_flops": PEAK_FP4_FLOPS["B200"],
              "peak_tf32_flops": 1125e12, "hbm_bw": 8e12, "memory": 180e9,
              "in_node_bw": 900e9, "cross_node_bw": 50e9, "host_bw": 64e9, "host_memory": 2e12,
-             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS, "capability": (10, 0),
              "kernels_calibrated": False},
     "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "peak_tf32_flops": 156e12,
              "hbm_bw": 2.039e12, "memory": 80e9,
              "in_node_bw": 300e9, "cross_node_bw": 25e9, "host_bw": 32e9, "host_memory": 2e12,
-             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS,
+             "devices_per_node": 8, "kernels": KERNEL_CONSTANTS, "capability": (8, 0),
              "kernels_calibrated": False},
     "tpu-v5p": {"name": "TPU v5p", "peak_flops": PEAK_BF16_FLOPS["TPU v5p"], "hbm_bw": 2.765e12,
                 "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144,
@@ -118,18 +127,20 @@ DEVICE_PROFILES = {
 }
 
 
-def peak_flops(device_kind: str, fp8: bool = False) -> float | None:
-    """The device's dense bf16 peak FLOP/s (fp8: its fp8 peak), None when unknown or absent."""
-    for name, flops in (PEAK_FP8_FLOPS if fp8 else PEAK_BF16_FLOPS).items():
+def peak_flops(device_kind: str, peak: str = "peak_flops") -> float | None:
+    """The device's dense bf16 peak FLOP/s (`peak` "peak_fp8_flops" or "peak_fp4_flops": that one), None
+    when unknown or absent."""
+    for name, flops in LOW_PRECISION_PEAKS.get(peak, PEAK_BF16_FLOPS).items():
         if name in device_kind:
             return flops
     return None
 
 
-def run_peaks(device_kind: str, precision: str) -> tuple[float | None, float | None]:
-    """A run's MFU denominators: the bf16 peak (MFU's convention, under fp8 too) and, under
-    precision=fp8, the fp8 peak beside it (None where unknown or absent)."""
-    return peak_flops(device_kind), peak_flops(device_kind, fp8=True) if precision.startswith("fp8") else None
+def run_peaks(device_kind: str, low_peak: str | None) -> tuple[float | None, float | None]:
+    """A run's MFU denominators: the bf16 peak (MFU's convention, under the low-precision recipes too) and,
+    under a recipe (`low_peak`: its GEMMs' peak, meshtrain/ops/recipes.py), that peak beside it (None where
+    unknown or absent)."""
+    return peak_flops(device_kind), peak_flops(device_kind, low_peak) if low_peak else None
 
 
 def flops_per_token(matmul_params: int, num_layers: int, attention_width: int, seq_len: int,
@@ -147,12 +158,14 @@ def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float
     return tokens_per_sec * flops_token / (num_devices * peak)
 
 
-def throughput_fields(tokens_per_sec: float, flops_per_token: float, devices: int, peak, peak_fp8) -> dict:
-    """MFU and TFLOP/s per device where the device's peak is known (the table above)."""
+def throughput_fields(tokens_per_sec: float, flops_per_token: float, devices: int, peak, peak_fp8,
+                      low: str = "fp8") -> dict:
+    """MFU and TFLOP/s per device where the device's peak is known (the table above); under a recipe
+    (`peak_fp8`: its GEMMs' peak, `low` its name, "fp8" or "fp4"), `mfu_<low>` against it beside."""
     util = mfu(tokens_per_sec, flops_per_token, devices, peak)
     if util is None:
         return {}
     fields = {"mfu": util, "tflops_per_device": tokens_per_sec * flops_per_token / devices / 1e12}
     if peak_fp8:
-        fields["mfu_fp8"] = mfu(tokens_per_sec, flops_per_token, devices, peak_fp8)
+        fields[f"mfu_{low}"] = mfu(tokens_per_sec, flops_per_token, devices, peak_fp8)
     return fields

@@ -27,10 +27,10 @@ from meshtrain.models import FAMILIES
 from meshtrain.objectives import objective
 from meshtrain.ops import offload
 from meshtrain.ops.attention import BACKENDS
-from meshtrain.ops.fp8 import fp8_refusal, matmul_for
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
 from meshtrain.ops.packing import Packing, packing_of
 from meshtrain.ops.precision import initial_loss_scale
+from meshtrain.ops.recipes import matmul_for, recipe_refusal
 from meshtrain.ops.trainable import select
 from meshtrain.ops.ulysses import context_layout
 from meshtrain.parallel import compression, data_parallel
@@ -63,7 +63,7 @@ class TrainProgram:
         self.rules = make_rules(plan.rules, plan.sequence_parallel)
         first = devices[0] if devices is not None else jax.devices()[0]
         backend = first.platform if devices is not None else jax.default_backend()  # a plan's GPU target
-        if why := fp8_refusal(plan.precision, first):
+        if why := recipe_refusal(plan.precision, first):
             raise UserError(why)
         plan, self.attention_note = resolve_attention(model, plan, t.seq_len, self.sizes, backend, packing is not None)
         if self.attention_note:  # said once per process: a planner's search builds many programs alike

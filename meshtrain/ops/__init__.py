@@ -14,4 +14,7 @@
   through the device a layer at a time (parallel.offload).
 - fp8.py: the fp8 matmuls of precision=fp8 (per-tensor current scaling) and fp8_rowwise (a scale per row),
   fp8 operands into the GEMM.
+- block_scaled.py: Blackwell's block-scaled matmuls of precision=mxfp8 and nvfp4 (cuDNN's GEMM on GPUs, its
+  definition elsewhere).
+- recipes.py: the low-precision recipes by name (einsum, saved bytes, peak, the GPUs that have them).
 """

@@ -129,10 +129,15 @@ def quantize_rows(t, dtype, axes: tuple[int, ...]):
     needed, kept against rounding)."""
     fmax = fp8_max(dtype)
     amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
-    mantissa, exponent = jnp.frexp(amax / fmax)  # exact, where exp2(ceil(log2())) is approximated
-    power = jnp.ldexp(jnp.ones_like(amax), jnp.where(mantissa == 0.5, exponent - 1, exponent))
-    s = jnp.where(amax > 0, power, 1.0)
+    s = jnp.where(amax > 0, power_of_two_above(amax / fmax), 1.0)
     return jnp.clip(t.astype(jnp.float32) / s, -fmax, fmax).astype(dtype), s
+
+
+def power_of_two_above(ratio):
+    """2^ceil(log2(ratio)) of positive fp32 values, exactly (frexp, where exp2(ceil(log2())) is approximated);
+    1 where the ratio is 0 (a zero slice, or an amax / fmax flushed to 0: a scale that divides nothing)."""
+    mantissa, exponent = jnp.frexp(ratio)
+    return jnp.ldexp(jnp.ones_like(ratio), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
 
 def rowwise_gemm(spec: str, a, b, a_dtype, b_dtype):
@@ -160,35 +165,3 @@ def _rowwise_bwd(spec, residuals, g):
 
 
 fp8_rowwise_einsum.defvjp(_rowwise_fwd, _rowwise_bwd)
-
-# parallel.precision's fp8 recipes: the einsum the transformer's projections and MLP run, and the bytes
-# per element a matmul saves for its backward (the fp8 copy, or the bf16 operand requantized there).
-RECIPES = {"fp8": (fp8_einsum, 1), "fp8_rowwise": (fp8_rowwise_einsum, 2)}
-
-
-def is_fp8(precision: str) -> bool:
-    return precision in RECIPES
-
-
-FP8_CAPABILITY = (8, 9)  # NVIDIA's fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0)
-
-
-def fp8_refusal(precision: str, device) -> str | None:
-    """Why an fp8 recipe cannot run its GEMMs in fp8 on `device` (a GPU before compute capability 8.9:
-    XLA would upcast them and run slower than bf16), or None (any other precision, device or platform:
-    a CPU computes the recipe's numbers exactly)."""
-    capability = getattr(device, "compute_capability", None)
-    if not is_fp8(precision) or device.platform != "gpu" or not capability:
-        return None
-    found = tuple(int(x) for x in str(capability).split("."))
-    if found >= FP8_CAPABILITY:
-        return None
-    return (f"parallel.precision={precision}: the {device.device_kind} (compute capability {capability}) has no fp8 "
-            f"matmuls, which need {'.'.join(map(str, FP8_CAPABILITY))} or newer (Ada, Hopper, Blackwell: L40S, H100, "
-            f"H200, B200); XLA would run the recipe upcast, slower than bf16: set parallel.precision=bf16")
-
-
-def matmul_for(precision: str):
-    """The einsum the transformer's projections and MLP run under a precision: its fp8 recipe's, else
-    jnp.einsum."""
-    return RECIPES[precision][0] if is_fp8(precision) else jnp.einsum

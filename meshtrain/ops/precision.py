@@ -1,11 +1,11 @@
 """Dtype policies and dynamic loss scaling. Master parameters and optimizer state are always fp32.
 
-fp32: compute in fp32.  bf16 / fp16 / the fp8 recipes: parameters are cast to the compute dtype at the
-start of the step, matmuls and activations run in it, while RMSNorm, softmax, logits and the loss stay
+fp32: compute in fp32.  bf16 / fp16 / the low-precision recipes: parameters are cast to the compute dtype at
+the start of the step, matmuls and activations run in it, while RMSNorm, softmax, logits and the loss stay
 in fp32 (the model does those upcasts). bf16 has fp32's exponent range and needs no loss scaling. The
-fp8 recipes (meshtrain/ops/fp8.py: fp8 per-tensor, fp8_rowwise per row) are bf16 whose transformer
-projections and MLP run as fp8 matmuls: no loss scaling either, each scale maps its own amax onto
-fp8's range.
+recipes (meshtrain/ops/recipes.py: fp8 per tensor, fp8_rowwise per row, mxfp8 and nvfp4 per block) are
+bf16 whose transformer projections and MLP run as low-precision matmuls: no loss scaling either, each
+scale maps its own amax onto its format's range.
 
 fp16 (largest finite 65504, smallest normal 6.1e-5) needs it: small gradients underflow to zero
 in the backward unless the loss is multiplied by a scale S first. The step differentiates S x
@@ -24,24 +24,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshtrain.ops.fp8 import RECIPES, is_fp8
 from meshtrain.ops.offload import on_host
+from meshtrain.ops.recipes import RECIPES, is_low_precision
 
-# fp8 computes as bf16 but for the transformer's projection and MLP matmuls (meshtrain/ops/fp8.py).
+# a recipe computes as bf16 but for the transformer's projection and MLP matmuls (meshtrain/ops/recipes.py).
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16,
                   **{recipe: jnp.bfloat16 for recipe in RECIPES}}
 
 
 def compute_bytes(precision: str) -> int:
-    """Bytes per activation (and compute-dtype parameter copy): 2 under bf16, fp16 and fp8 (whose
-    matmul inputs are saved at 1: `saved_matmul_bytes`), 4 under fp32."""
+    """Bytes per activation (and compute-dtype parameter copy): 2 under bf16, fp16 and the recipes (whose
+    matmul inputs may be saved at 1: `saved_matmul_bytes`), 4 under fp32."""
     return jnp.dtype(COMPUTE_DTYPES[precision]).itemsize
 
 
 def saved_matmul_bytes(precision: str) -> int:
     """Bytes per element of what only a matmul's backward reads (its saved input): its fp8 recipe's
-    (meshtrain/ops/fp8.py: 1 for fp8's fp8 copy, 2 for fp8_rowwise's bf16), else `compute_bytes`."""
-    return RECIPES[precision][1] if is_fp8(precision) else compute_bytes(precision)
+    (meshtrain/ops/recipes.py: 1 for fp8's fp8 copy, 2 for the others' bf16), else `compute_bytes`."""
+    return RECIPES[precision].saved_bytes if is_low_precision(precision) else compute_bytes(precision)
 
 
 def cast_for_compute(params, precision: str):

@@ -21,10 +21,12 @@ import dataclasses
 
 from meshtrain.core import compile_cache
 from meshtrain.core.errors import UserError, first_line
+from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.parallel.mesh import simulate_cpu_devices
 
 # Per device: SMs (`core_count`), shared memory per SM and the largest opt-in block share, L2, boost
-# clock, compute capability, HBM bytes and bandwidth as the CUDA driver reports them.
+# clock, compute capability (the device profile's, meshtrain/core/metrics.py), HBM bytes and bandwidth as
+# the CUDA driver reports them.
 # - H100 SXM5 80GB: the GpuTargetConfigProto XLA's and JAX's own deviceless-compile tests use (a
 #   dump of an H100 80GB HBM3: 132 SMs, 228 KiB shared per SM, 50 MiB L2, 1.98 GHz, cc 9.0,
 #   84,929,347,584 bytes, 3.35 TB/s).
@@ -35,14 +37,15 @@ from meshtrain.parallel.mesh import simulate_cpu_devices
 # - A100 SXM4 80GB: NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs, 164 KiB shared per SM
 #   (163 KiB to one block), 40 MiB L2, 1.41 GHz boost, cc 8.0, 64 FP32 units per SM; HBM2e 2,039 GB/s;
 #   85,051,572,224 bytes (80 GiB less the driver's reservation, as an A100-SXM4-80GB reports it).
+_cc = lambda device: DEVICE_PROFILES[device]["capability"]
 GPU_TARGETS = {
-    "h100": dict(name="NVIDIA H100 80GB HBM3", cc=(9, 0), sms=132, fpus=128, shared_per_sm=233472,
+    "h100": dict(name="NVIDIA H100 80GB HBM3", cc=_cc("h100"), sms=132, fpus=128, shared_per_sm=233472,
                  shared_optin=232448, l2=52428800, clock_ghz=1.98, memory=84929347584, bandwidth=3352320000000),
-    "h200": dict(name="NVIDIA H200", cc=(9, 0), sms=132, fpus=128, shared_per_sm=233472,
+    "h200": dict(name="NVIDIA H200", cc=_cc("h200"), sms=132, fpus=128, shared_per_sm=233472,
                  shared_optin=232448, l2=52428800, clock_ghz=1.98, memory=150754820096, bandwidth=4800000000000),
-    "b200": dict(name="NVIDIA B200", cc=(10, 0), sms=148, fpus=128, shared_per_sm=233472,
+    "b200": dict(name="NVIDIA B200", cc=_cc("b200"), sms=148, fpus=128, shared_per_sm=233472,
                  shared_optin=232448, l2=132644864, clock_ghz=1.965, memory=191514673152, bandwidth=7672320000000),
-    "a100": dict(name="NVIDIA A100-SXM4-80GB", cc=(8, 0), sms=108, fpus=64, shared_per_sm=167936,
+    "a100": dict(name="NVIDIA A100-SXM4-80GB", cc=_cc("a100"), sms=108, fpus=64, shared_per_sm=167936,
                  shared_optin=166912, l2=41943040, clock_ghz=1.41, memory=85051572224, bandwidth=2039000000000),
 }
 # The CUDA and cuDNN versions the compiler targets (jax-cuda12-plugin 0.10 is built with CUDA 12.8). cuDNN's:

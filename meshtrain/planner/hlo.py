@@ -30,11 +30,11 @@ import numpy as np
 from meshtrain.core.formulas import ring_traffic
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-# moves the rows its sizes name (meshtrain/ops/block_exchange.py): read as an all-to-all of the smaller of its
-# operand and output (the packed rows a device sends or gets back; a busy device may move more)
-RAGGED = "ragged-all-to-all"
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# read as an all-to-all of the smaller of its operand and output: the packed rows a device sends or gets back
+RAGGED = "ragged-all-to-all"  # (meshtrain/ops/block_exchange.py: the rows its sizes name; a busy device may move more)
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "s16": 2,
+               "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+               "c128": 16}
 _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")

@@ -124,8 +124,10 @@ def gemm_shape(module: Module, comp: str, ins) -> tuple[str, int, int, int] | No
 
 
 def _peak(profile: dict, dtype: str) -> float:
-    """The peak FLOP/s of a GEMM on `dtype` operands: fp8's, TF32's for f32, else bf16's."""
-    return profile["peak_fp8_flops"] if dtype.startswith("f8") else profile["peak_tf32_flops"] if dtype == "f32" \
+    """The peak FLOP/s of a GEMM on `dtype` operands: fp8's, fp4's (Blackwell's block-scaled e2m1), TF32's
+    for f32, else bf16's."""
+    peaks = {"f8": "peak_fp8_flops", "f4": "peak_fp4_flops"}
+    return profile[peaks[dtype[:2]]] if dtype[:2] in peaks else profile["peak_tf32_flops"] if dtype == "f32" \
         else profile["peak_flops"]
 
 
@@ -353,5 +355,5 @@ def price(hlo_text: str, collectives, sizes: dict[str, int], profile: dict, devi
            "mfu_ceiling": flops["model_per_device"] / profile["peak_flops"] / step if step else 0.0,
            "hfu_ceiling": flops["hardware_per_device"] / profile["peak_flops"] / step if step else 0.0}
     if "mfu_fp8_ceiling" in formula:
-        out["mfu_fp8_ceiling"] = flops["model_per_device"] / profile["peak_fp8_flops"] / step if step else 0.0
+        out["mfu_fp8_ceiling"] = flops["model_per_device"] / profile[formula["low_peak"]] / step if step else 0.0
     return out

@@ -5,7 +5,9 @@ What XLA's GPU compiler launches is a top-level instruction of a computation tha
 loop bodies, branches, async wrappers), never one inside a fusion: a fusion is one kernel. Kinds:
 - `gemms`: matmuls, by operand types (`bf16 x bf16`, `f8e4m3fn x f8e4m3fn`, `f8e5m2 x f8e4m3fn`...):
   Triton GEMM fusions (`__triton_gemm`, `__triton_nested_gemm_fusion`; the operands of the `dot`
-  inside) and cuBLAS/cuBLASLt custom calls (`__cublas$...`; the call's first two operands);
+  inside), cuBLAS/cuBLASLt custom calls (`__cublas$...`; the call's first two operands) and cuDNN's
+  block-scaled GEMMs on Blackwell (`__cudnn$blockScaledDot`, mxfp8 and nvfp4: `f8e4m3fn x f8e4m3fn scaled
+  f8e8m0fnu`, the values' types and their block scales');
 - `attention`: cuDNN fused attention calls (`__cudnn$fmha...`), forward and backward;
 - `grouped_gemms`: meshtrain's grouped-matmul Triton kernels (meshtrain/ops/grouped_matmul_triton.py,
   `__gpu$xla.gpu.triton` calls named `meshtrain_<kernel>_rows<R>`) by kernel: gmm, gmm_t, tgmm;
@@ -23,6 +25,7 @@ from meshtrain.ops import grouped_matmul_triton
 from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, RAGGED, Module, typed_array_elements
 
 GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas")
+BLOCK_SCALED = "__cudnn$blockScaledDot"  # operands: values, values, their block scales (XLA's block-scaling rewriter)
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([\w$]+)"')
 CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # meshtrain's grouped-matmul kernels by the name they are given: (kernel, rows expected)
@@ -42,6 +45,9 @@ def gemm_types(module: Module, comp: str, ins) -> str | None:
     """The operand types of a GEMM kernel, None when `ins` is not one."""
     if ins.op == "custom-call":
         target = CALL_TARGET.search(ins.line)
+        if target and target.group(1) == BLOCK_SCALED:
+            values, scales = _operand_types(module, comp, ins.operands), _operand_types(module, comp, ins.operands[2:3])
+            return f"{values} scaled {scales}"
         return _operand_types(module, comp, ins.operands) if target and target.group(1).startswith("__cublas") \
             else None
     if ins.op != "fusion":
@@ -55,11 +61,12 @@ def gemm_types(module: Module, comp: str, ins) -> str | None:
 
 
 def fused_computations(module: Module) -> set[str]:
-    """Computations that run inside a kernel (fusion bodies, reducers, custom calls' computations)."""
+    """Computations that run inside a kernel (fusion bodies, reducers, custom calls' computations); not a
+    `call`'s, which launches its own (a block-scaled GEMM's scale swizzles and cuDNN call)."""
     inside = set()
     for comp in module.comps.values():
         for ins in comp.values():
-            if ins.op in ("fusion", "custom-call") or "to_apply=" in ins.line:
+            if ins.op in ("fusion", "custom-call") or ("to_apply=" in ins.line and ins.op != "call"):
                 inside.update(_FUSED.findall(ins.line))
     return inside
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from meshtrain.core import formulas
-from meshtrain.ops.fp8 import is_fp8
 from meshtrain.ops.precision import compute_bytes
+from meshtrain.ops.recipes import is_low_precision
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.planner import traffic
@@ -63,11 +63,12 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "kind's; the formula counts each layer's own", 1, (formula + extra) / formula))
     amaxes = ("the fp8 recipe's scales: each quantized tensor's amax over its shards is all-reduced (a scalar; "
               "fp8_rowwise: one a row where the contraction is sharded: weights over fsdp, dw's tokens over the batch)")
-    if is_fp8(plan.precision) and T > 1:  # each dx rounds on its own; 7/4 for Llama-shaped blocks (LoRA, MLA: more)
+    low = is_low_precision(plan.precision)
+    if low and T > 1:  # each dx rounds on its own; 7/4 for Llama-shaped blocks (LoRA, MLA: more)
         gaps["all-reduce"].append(("fp8 beside tensor: q's, k's and v's (gate's, up's) dx are each a scaled fp8 GEMM "
                                    "rounded on its own, all-reduced apart where bf16 sums them first: 5 backward "
                                    "Megatron all-reduces a layer, not 2; and " + amaxes, 1, 7 / 4))
-    elif is_fp8(plan.precision) and D * F * C > 1:  # no Megatron all-reduce to compare with: bytes the formula lacks
+    elif low and D * F * C > 1:  # no Megatron all-reduce to compare with: bytes the formula lacks
         gaps["all-reduce"].append((amaxes, 1, math.inf))
     if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
         gaps["all-gather"].append((

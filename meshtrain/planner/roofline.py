@@ -69,8 +69,8 @@ import numpy as np
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
 from meshtrain.ops.attention import executed_attention
-from meshtrain.ops.fp8 import is_fp8
 from meshtrain.ops.grouped_matmul import runs_rows_routed
+from meshtrain.ops.recipes import RECIPES, is_low_precision
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
@@ -231,13 +231,14 @@ def embedded_flops_per_token(stacks, attention_width: int, seq_len: int, windows
 
 
 def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes: float, profile: dict,
-          bubble: float = 0.0, fp8_flops: float = 0.0, slowest_stage: float = 1.0, host_s: float = 0.0) -> dict:
+          bubble: float = 0.0, fp8_flops: float = 0.0, slowest_stage: float = 1.0, host_s: float = 0.0,
+          low_peak: str = "peak_fp8_flops") -> dict:
     """The three roofs for one device's step, the step with perfect overlap (their max) and with
     none (their sum), and the MFU and HFU ceilings at the overlapped step. `fp8_flops`: the part of
-    the hardware FLOPs that runs at the profile's `peak_fp8_flops` (precision=fp8); `slowest_stage`:
+    the hardware FLOPs that runs at the profile's `low_peak` (a recipe's GEMMs: fp8's, nvfp4's fp4); `slowest_stage`:
     a pipeline's `stage_factor`; `host_s`: host-link seconds (`offload_seconds`), a fourth roof where
     there are any (the GPU program overlaps the fetches with compute, the update's copies with none)."""
-    fp8_s = fp8_flops / profile["peak_fp8_flops"] if fp8_flops else 0.0
+    fp8_s = fp8_flops / profile[low_peak] if fp8_flops else 0.0
     compute_s = ((hardware_flops - fp8_flops) / profile["peak_flops"] + fp8_s) / (1.0 - bubble) * slowest_stage
     memory_s = memory_bytes / profile["hbm_bw"]
     roofs = {"compute": compute_s, "communication": comm_s, "memory": memory_s, **({"host": host_s} if host_s else {})}
@@ -248,8 +249,20 @@ def times(model_flops: float, hardware_flops: float, comm_s: float, memory_bytes
            "mfu_ceiling": model_flops / profile["peak_flops"] / step_s if step_s else 0.0,
            "hfu_ceiling": hardware_flops / profile["peak_flops"] / step_s if step_s else 0.0}
     if fp8_flops:
-        out["mfu_fp8_ceiling"] = model_flops / profile["peak_fp8_flops"] / step_s if step_s else 0.0
+        out["mfu_fp8_ceiling"] = model_flops / profile[low_peak] / step_s if step_s else 0.0
+        out["low_peak"] = low_peak
     return out
+
+
+def refuse_on(profile: dict, precision: str) -> None:
+    """A recipe planned on a device without its GEMMs (no peak for them, or a GPU before the recipe's
+    compute capability: meshtrain/ops/recipes.py): one line naming the devices that have them."""
+    recipe = RECIPES[precision]
+    has = lambda p: recipe.peak in p and p.get("capability", recipe.capability) >= recipe.capability
+    if not has(profile):
+        runs = sorted(name for name, p in DEVICE_PROFILES.items() if has(p))
+        raise UserError(f"parallel.precision={precision}: the {profile['name']} has no {precision} GEMMs "
+                        f"({recipe.gpus}); plan it on --device {' or '.join(runs)}, or set parallel.precision=bf16")
 
 
 def offload_seconds(program, profile: dict) -> float:
@@ -316,16 +329,14 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
     ma = memory_analysis
     memory_bytes = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
     fp8_flops = 0.0
-    if is_fp8(plan.precision):  # the blocks' fp8 matmuls (meshtrain/ops/fp8.py), rerun ones included
-        if "peak_fp8_flops" not in profile:
-            has = sorted(name for name, p in DEVICE_PROFILES.items() if "peak_fp8_flops" in p)
-            raise UserError(f"parallel.precision={plan.precision}: the {profile['name']} has no fp8 matmuls; plan "
-                            f"it on --device {' or '.join(has)}, or set parallel.precision=bf16")
+    low_peak = RECIPES[plan.precision].peak if is_low_precision(plan.precision) else "peak_fp8_flops"
+    if is_low_precision(plan.precision):  # the blocks' recipe matmuls (meshtrain/ops/recipes.py), rerun ones included
+        refuse_on(profile, plan.precision)
         fp8_slot = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), in_fp8=True,
                                                     rows_routed=rows_routed)
         fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
-                  bubble, fp8_flops, slowest_stage, offload_seconds(program, profile))
+                  bubble, fp8_flops, slowest_stage, offload_seconds(program, profile), low_peak)
     return {"device": profile["name"], "priced_by": "formulas", "devices_per_node": per_node,
             "nodes": math.ceil(n / per_node),
             "placement": placement(sizes, per_node),

@@ -4,7 +4,7 @@ comparison of meshes, from the plan's dict (the --json output).
 """
 from __future__ import annotations
 
-from meshtrain.core.metrics import FP8_MEASURED_OVER_PREDICTED, GROUPED_PARTLY_FILLED
+from meshtrain.core.metrics import FP8_MEASURED_OVER_PREDICTED, GROUPED_PARTLY_FILLED, LOW_PEAK_NAMES
 from meshtrain.planner import compilers
 
 GB = 1e9
@@ -111,7 +111,8 @@ def format_plan(r: dict) -> str:
                  + (f"; priced by the GPU program's kernels: step {roof['step_s'] * 1e3:,.1f} ms"
                     if roof["priced_by"] == "kernels" else "; priced by these formulas")
                  + f", {'MFU' if roof['priced_by'] == 'kernels' else 'MFU ceiling'} {roof['mfu_ceiling']:.1%}"
-                 + (f" ({roof['mfu_fp8_ceiling']:.1%} of the fp8 peak)" if "mfu_fp8_ceiling" in roof else "")
+                 + (f" ({roof['mfu_fp8_ceiling']:.1%} of the {LOW_PEAK_NAMES[roof['low_peak']]} peak)"
+                    if "mfu_fp8_ceiling" in roof else "")
                  + f", {roof['tokens_per_s']:,.0f} tokens/s")
     lines += ["", format_verdict(r), *format_search(r)]
     return "\n".join(lines)

@@ -17,8 +17,9 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   once per step.
 - FSDP (over F x C, and D at zero 3 without microbatches or a pipeline), per microbatch: the
   layers' weights all-gathered in the compute dtype in the forward and again in the backward
-  (remat=full recomputes with the backward's gather; under an fp8 recipe XLA:GPU gathers the matrices
-  the recipe quantizes, the model's `fp8_weight`, in fp8: 1 byte), their gradients reduce-scattered in the
+  (remat=full recomputes with the backward's gather; under a low-precision recipe XLA:GPU gathers the
+  matrices the recipe quantizes, the model's `fp8_weight`, quantized: fp8's 1 byte, nvfp4's 0.5625 with its
+  block scales: meshtrain/ops/recipes.py `gathered_bytes`), their gradients reduce-scattered in the
   compute dtype; the embedding, head and final norm gathered once per step (XLA:CPU hoists the gather
   out of the microbatch loop: an untied table in the compute dtype, the head twice in it; XLA:GPU
   does not: per microbatch, the table and head in the compute dtype) and reduced per microbatch,
@@ -68,8 +69,8 @@ import jax
 
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
-from meshtrain.ops.fp8 import is_fp8
 from meshtrain.ops.precision import compute_bytes
+from meshtrain.ops.recipes import RECIPES, is_low_precision
 from meshtrain.ops.ring_schedule import ring_sends
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
@@ -131,7 +132,7 @@ def param_slices(program, experts: bool = True, trained: bool = False) -> dict[s
     those an fp8 recipe quantizes before its matmul (the model's `fp8_weight`: FSDP gathers their fp8
     copies). `trained`: the trained parameters only, whose gradients are reduced (LoRA: the adapters)."""
     out = {"blocks": 0.0, "outer": 0.0, "table": 0.0, "lookup": 0.0, "vocab": 0.0, "fp8": 0.0}
-    model, fp8 = program.model, is_fp8(program.plan.precision)
+    model, fp8 = program.model, is_low_precision(program.plan.precision)
     tied = model.cfg.tie_embeddings
     for leaf, sharding, axes, name in _params_with_axes(program, trained):
         if not experts and "experts" in axes:
@@ -269,10 +270,12 @@ def expected_traffic(program) -> dict[str, dict]:
     # The layers' weights in the compute dtype, forward and backward (under remat=full the
     # recomputed forward uses the backward's gather); the embedding and head in fp32, once: the
     # forward's gather stays live for the backward (outside the layer loop).
-    # an fp8 recipe's weights: XLA:GPU quantizes before the gather (1 byte), XLA:CPU after (the compute dtype)
+    # a recipe's weights: XLA:GPU quantizes before the gather (`gathered_bytes`), XLA:CPU after (the compute dtype)
     fp8 = slices["fp8"] if gpu else 0.0
-    layers = (slices["blocks"] - fp8) * act + fp8
-    in_fp8 = ", their matrices in fp8 (XLA:GPU quantizes them before the gather)" if fp8 else ""
+    recipe = RECIPES.get(program.plan.precision)
+    layers = (slices["blocks"] - fp8) * act + (fp8 * recipe.gathered_bytes if fp8 else 0.0)
+    in_fp8 = (f", their matrices as {program.plan.precision} quantizes them ({recipe.gathered_bytes:g} bytes an "
+              f"element: XLA:GPU quantizes them before the gather)") if fp8 else ""
     add("all-gather", micro * ring_traffic("all-gather", 2 * layers, A),
         f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype{in_fp8}, forward and "
         f"backward")

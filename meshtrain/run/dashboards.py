@@ -19,7 +19,7 @@ from meshtrain.core.folders import full_disk_is_user_error
 # model's new metric) go under train/; those starting with a PREFIXES key under its group.
 TAG_GROUPS = {
     "perf": ("tokens_per_sec", "trained_tokens_per_sec", "trained_tokens", "step_time_s", "data_wait_s", "mfu",
-             "mfu_fp8", "tflops_per_device",
+             "mfu_fp8", "mfu_fp4", "tflops_per_device",
              "checkpoint_blocking_s", "local_checkpoint_blocking_s"),
     "guard": ("skipped_steps",),
     "precision": ("loss_scale", "overflows"),

@@ -128,7 +128,8 @@ def format_record(r: dict) -> str:
     if "batch_load_max" in r:  # the router bias update (model.router_bias_update_rate)
         parts.append(f"batch load max/mean {r['batch_load_max']:.2f}")
     if r.get("mfu") is not None:
-        fp8 = f"; {r['mfu_fp8']:.1%} of the fp8 peak" if r.get("mfu_fp8") is not None else ""
+        low = next((name for name in ("fp8", "fp4") if r.get(f"mfu_{name}") is not None), None)
+        fp8 = f"; {r[f'mfu_{low}']:.1%} of the {low} peak" if low else ""
         parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device{fp8})")
     if "memory_bytes_in_use" in r:
         parts.append(f"memory {r['memory_bytes_in_use'] / 1e9:.2f} GB (peak {r['memory_peak_bytes_in_use'] / 1e9:.2f})")

@@ -19,13 +19,14 @@ from meshtrain.config.validate import check_train_size
 from meshtrain.core import compile_cache
 from meshtrain.core.console import NOTICE, default_console
 from meshtrain.core.console import log as console
-from meshtrain.core.metrics import run_peaks, throughput_fields
+from meshtrain.core.metrics import LOW_PEAK_NAMES, run_peaks, throughput_fields
 from meshtrain.data import mixture, tasks
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.data.prefetch import Prefetcher
 from meshtrain.engine import scoring
 from meshtrain.engine.program import TrainProgram
 from meshtrain.engine.rollout import Rollouts
+from meshtrain.ops.recipes import low_peak
 from meshtrain.parallel.mesh import describe
 from meshtrain.run import dashboards, goodput, loggers, run_dir
 from meshtrain.run.actions import (
@@ -137,7 +138,8 @@ class Trainer:
             self._compile_s, self.step_from_cache = time.perf_counter() - compiling, bool(cached.loaded)
             self.eval_step = None if rolls_out else program.eval_step()  # rollouts score their held-out prompts
             self.scorer = scoring.for_program(program, self.tasks) if self.tasks else None
-        self.peak, self.peak_fp8 = run_peaks(program.mesh.devices.flat[0].device_kind, program.plan.precision)
+        self.peak, self.peak_fp8 = run_peaks(program.mesh.devices.flat[0].device_kind, low_peak(program.plan.precision))
+        self.low_peak_name = LOW_PEAK_NAMES.get(low_peak(program.plan.precision), "fp8")
         self.local_devices = program.mesh.local_devices
 
     def _own_folder(self) -> None:
@@ -357,6 +359,6 @@ class Trainer:
             record["trained_tokens_per_sec"] = record["trained_tokens"] / step_time
         record.update(self.shares(self.batch_index(step - 1)))  # a mixture's sources' shares
         record.update(throughput_fields(tokens_per_sec, self.program.flops_per_token, self.program.mesh.size,
-                                        self.peak, self.peak_fp8))
+                                        self.peak, self.peak_fp8, self.low_peak_name))
         record.update(loggers.device_memory(self.local_devices))  # where the backend reports it
         return record

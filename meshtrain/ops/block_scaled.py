@@ -1,0 +1,335 @@
+"""Block-scaled matmuls for Blackwell: `parallel.precision=mxfp8` and `nvfp4`.
+
+Each operand is scaled per block of consecutive elements along the axes its GEMM contracts, so an
+outlier costs only its own block's precision, and the GEMM takes the low-precision values and their
+block scales together (Blackwell's block-scaled tensor cores; XLA's GPU compiler makes one cuDNN call,
+`__cudnn$blockScaledDot`, of `jax.nn.scaled_matmul`).
+
+- **mxfp8** (OCP Microscaling v1.0; torchao's and Transformer Engine's MXFP8 recipe): blocks of 32,
+  e4m3 values (forward and gradients alike, Transformer Engine's default), one E8M0 scale (a power of 2)
+  per block, rounded up so nothing saturates (NVIDIA's "RCEIL"):
+      s = 2^ceil(log2(amax_block / 448)),    q = t / s in e4m3    (exact: |t / s| <= 448).
+- **nvfp4** (NVIDIA's NVFP4 training recipe, "Pretraining LLMs with NVFP4", 2025): blocks of 16, e2m1
+  values (+-6 at most: 0, 0.5, 1, 1.5, 2, 3, 4, 6), one e4m3 scale per block, rounded up so nothing
+  saturates, and one fp32 scale per tensor that maps the tensor's amax onto the range of both:
+      g = amax / (6 x 448),    s_b = e4m3_up(amax_block / 6 / g),    q = e2m1(t / (s_b g)),    t ~ q s_b g.
+  As the recipe has it: the weights in 16 x 16 blocks (one scale for 16 rows and 16 columns, so the
+  forward and the data gradient read the same quantized weight, its transpose); the gradient rounded
+  stochastically (unbiased: E[q] = t / (s_b g)); and the weight gradient's two operands multiplied
+  along their contraction (the tokens) by a random Hadamard transform Q = D H16 / 4 (D random signs,
+  H16 Sylvester's Hadamard matrix; Q Q^T = I, so x^T g = (Qx)^T (Qg)), which spreads outliers over 16
+  tokens before they are quantized.
+
+The backward quantizes again along each gradient GEMM's own contraction (dx over the weight's outputs,
+dw over the tokens), as fp8_rowwise does (meshtrain/ops/fp8.py): the step saves x and w in bf16.
+
+Computed by backend (meshtrain/ops/platform.py): on NVIDIA GPUs `jax.nn.scaled_matmul` (cuDNN's
+block-scaled GEMM on Blackwell; elsewhere XLA expands it to a dequantization and a bf16 GEMM, so the
+config refuses these recipes before Blackwell); on other backends the same numbers: each value times its
+scale is exact in bf16 (e4m3 x 2^e; e2m1 x e4m3 has at most 6 significant bits), so a bf16 GEMM of the
+dequantized operands accumulated in fp32 is the block-scaled GEMM up to the order of its sum.
+The stochastic rounding's uniforms come from a key seeded by the gradient's own bits (no key threads
+through the model, and a resumed run stays bitwise).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshtrain.ops.fp8 import E4M3, fp8_max, power_of_two_above, transposed_specs
+from meshtrain.ops.platform import by_platform
+
+E8M0, E2M1 = jnp.float8_e8m0fnu, jnp.float4_e2m1fn
+FP4_MAX = 6.0
+SMALLEST_SCALE = 2.0 ** -126  # fp32's least normal: E8M0 has 2^-127, but XLA flushes fp32 subnormals to 0 (E8M0 NaN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A block-scaled format: values in `dtype`, one `scale_dtype` scale per `block` elements along the
+    contraction, and (nvfp4) an fp32 scale per tensor."""
+    name: str
+    dtype: object
+    block: int
+    scale_dtype: object
+    tensor_scale: bool
+
+
+MXFP8 = Format("mxfp8", E4M3, 32, E8M0, tensor_scale=False)
+NVFP4 = Format("nvfp4", E2M1, 16, E4M3, tensor_scale=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """An einsum "a,b->y" in the GEMM's form: a's axes ordered [batch, a's free, contracted] (`a_order`),
+    b's [batch, b's free, contracted] (`b_order`), the result's [batch, a's free, b's free] (`out_order`)."""
+    a: str
+    b: str
+    y: str
+    batch: int
+    a_free: int
+    b_free: int
+
+    @classmethod
+    def of(cls, spec: str) -> Gemm:
+        a, rest = spec.replace(" ", "").split(",")
+        b, y = rest.split("->")
+        transposed_specs(spec)  # refuses an index summed within one operand
+        return cls(a, b, y, sum(c in b and c in y for c in a), sum(c not in b for c in a), sum(c not in a for c in b))
+
+    @property
+    def a_order(self) -> str:
+        return "".join(sorted(self.a, key=self._rank))
+
+    @property
+    def b_order(self) -> str:
+        return "".join(sorted(self.b, key=self._rank))
+
+    @property
+    def out_order(self) -> str:
+        return "".join(sorted(self.y, key=self._rank))
+
+    def _rank(self, c: str) -> tuple[int, int]:
+        """Batch axes first (in a's order), then a's free, b's free, then the contracted axes in b's order
+        (the weight's, whose 16 x 16 nvfp4 blocks then tile the same way in the forward and in dx)."""
+        if c in self.a and c in self.b:
+            return (0, self.a.index(c)) if c in self.y else (3, self.b.index(c))
+        return (1, self.a.index(c)) if c in self.a else (2, self.b.index(c))
+
+    def operands(self, a, b):
+        """a as [batch, M, K] and b as [batch, N, K], and the shapes of batch, a's free and b's free axes."""
+        a = jnp.transpose(a, [self.a.index(c) for c in self.a_order])
+        b = jnp.transpose(b, [self.b.index(c) for c in self.b_order])
+        batch, free_a = a.shape[:self.batch], a.shape[self.batch:self.batch + self.a_free]
+        free_b = b.shape[self.batch:self.batch + self.b_free]
+        rows = int(np.prod(batch))
+        return (a.reshape(rows, int(np.prod(free_a)), -1), b.reshape(rows, int(np.prod(free_b)), -1),
+                (batch, free_a, free_b))
+
+    def result(self, y, shapes):
+        """[batch, M, N] back to y's axes."""
+        batch, free_a, free_b = shapes
+        y = y.reshape(*batch, *free_a, *free_b)
+        return jnp.transpose(y, [self.out_order.index(c) for c in self.y])
+
+
+def padded(t, axis: int, multiple: int):
+    """`t` with zeros appended along `axis` to a multiple of `multiple` (zeros add nothing to a sum)."""
+    extra = -t.shape[axis] % multiple
+    if not extra:
+        return t
+    widths = [(0, 0)] * t.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(t, widths)
+
+
+def blocks(t, block: int):
+    """[..., K] as [..., K / block, block]."""
+    return t.reshape(*t.shape[:-1], t.shape[-1] // block, block)
+
+
+def mx_quantize(t, fmt: Format = MXFP8):
+    """(q, s): [..., K] in e4m3 with one E8M0 power-of-2 scale per `fmt.block` elements, s = 2^ceil(log2(
+    amax / 448)) (1 where the block is 0 or amax / 448 flushes to 0, 2^-126 at the least): [..., K / block]."""
+    x = blocks(t.astype(jnp.float32), fmt.block)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    s = jnp.maximum(power_of_two_above(amax / fp8_max(fmt.dtype)), SMALLEST_SCALE)
+    q = (x / s).astype(fmt.dtype).reshape(t.shape)
+    return q, s[..., 0].astype(fmt.scale_dtype)
+
+
+def round_to_fp4(x, uniform=None):
+    """`x` (fp32, |x| <= 6) in e2m1, between its two neighbouring values lo <= |x| <= hi (0.5 apart below 2,
+    1 below 4, then 4 and 6): the nearest (a tie to the even code, as IEEE), or stochastically when `uniform`
+    (values in [0, 1), x's shape) is given: hi with probability (|x| - lo) / (hi - lo), so E[result] = x.
+    Elementwise arithmetic, exact in fp32, then a cast of e2m1 values (exact): XLA:CPU's own convert to
+    e2m1 rounds twice, through a 16-bit type."""
+    mag = jnp.abs(x)
+    step = jnp.where(mag < 2, 0.5, jnp.where(mag < 4, 1.0, 2.0))
+    lo = jnp.floor(mag / step) * step
+    hi = jnp.minimum(lo + step, FP4_MAX)
+    if uniform is None:
+        code = lambda v: jnp.where(v < 2, v * 2, jnp.where(v < 4, v + 2, v / 2 + 4))  # e2m1's bits as a number
+        up = (mag - lo > hi - mag) | ((mag - lo == hi - mag) & (code(hi) % 2 == 0))
+    else:
+        up = uniform < (mag - lo) / jnp.where(hi > lo, hi - lo, 1.0)
+    return (jnp.sign(x) * jnp.where(up, hi, lo)).astype(E2M1)
+
+
+def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4):
+    """(q, s, g): [..., N, K] in e2m1 with one e4m3 scale per 16 elements along K ([..., N, K / 16]) and the
+    tensor's fp32 scale g = amax / (6 x 448) (1 for a zero tensor). `two_d`: one scale per 16 x 16 block of
+    (N, K), repeated along N (N a multiple of 16). `uniform`: stochastic rounding (`round_to_fp4`)."""
+    x = t.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    g = jnp.where(amax > 0, amax / (FP4_MAX * fp8_max(E4M3)), 1.0)
+    xb = blocks(x, fmt.block)  # [..., N, K / 16, 16]
+    block_amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., N, K / 16]
+    if two_d:
+        n = block_amax.shape[-2]
+        tiles = block_amax.reshape(*block_amax.shape[:-2], n // fmt.block, fmt.block, block_amax.shape[-1])
+        block_amax = jnp.broadcast_to(jnp.max(tiles, axis=-2, keepdims=True), tiles.shape).reshape(block_amax.shape)
+    s = e4m3_above(block_amax / FP4_MAX / g)
+    divisor = s.astype(jnp.float32)[..., None] * g
+    scaled = xb * jnp.where(divisor > 0, 1.0 / jnp.where(divisor > 0, divisor, 1.0), 0.0)  # x (1 / (s_b g)), as TE
+    q = round_to_fp4(jnp.clip(scaled, -FP4_MAX, FP4_MAX), None if uniform is None else blocks(uniform, fmt.block))
+    return q.reshape(t.shape), s, g
+
+
+def e4m3_above(target):
+    """The least e4m3 value >= `target` (fp32, 0 <= target <= 448 up to its rounding): the cast to nearest,
+    or the next code up where that fell below, so no element of the block exceeds 6 (Transformer Engine
+    rounds to nearest and saturates the block's largest instead, which biases stochastic rounding)."""
+    s = target.astype(E4M3)
+    below = (s.astype(jnp.float32) < target) & (s.astype(jnp.float32) < fp8_max(E4M3))
+    bits = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    return jax.lax.bitcast_convert_type(jnp.where(below, bits + 1, bits), E4M3)  # positive codes increase with value
+
+
+def hadamard_16(seed: int = 0) -> np.ndarray:
+    """Q = D H16 / 4: Sylvester's 16 x 16 Hadamard matrix, its rows times fixed random signs (D), scaled so
+    Q Q^T = I."""
+    h = np.array([[1.0]])
+    for _ in range(4):
+        h = np.block([[h, h], [h, -h]])
+    signs = np.where(np.random.default_rng(seed).random(16) < 0.5, -1.0, 1.0)
+    return (signs[:, None] * h / 4.0).astype(np.float32)
+
+
+def rotated(t):
+    """[..., K] with each 16 consecutive elements along K times Q (`hadamard_16`), in fp32: x^T y of two
+    rotated operands is theirs (K a multiple of 16). Q's entries (+-1/4) are exact in t's dtype, so the
+    GEMM reads t as it is (bf16: half fp32's bytes) and sums in fp32."""
+    q = jnp.asarray(hadamard_16()).astype(t.dtype)
+    return jnp.matmul(blocks(t, 16), q, preferred_element_type=jnp.float32).reshape(t.shape)
+
+
+def uniforms_for(t):
+    """Uniforms in [0, 1) of t's shape from a key seeded by t's own bits (its fp32 sum and amax)."""
+    x = t.astype(jnp.float32)
+    seed = jax.lax.bitcast_convert_type(jnp.stack([jnp.sum(x), jnp.max(jnp.abs(x))]), jnp.uint32)
+    key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+    return jax.random.uniform(key, t.shape, jnp.float32)
+
+
+def _gpu_gemm(qa, qb, sa, sb, out_dtype):
+    return jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=out_dtype)
+
+
+def _emulated_gemm(qa, qb, sa, sb, out_dtype):
+    """The block-scaled GEMM by its definition: each value times its block's scale (exact in bf16, module
+    doc), a bf16 GEMM accumulated in fp32, rounded once to `out_dtype`."""
+    def dequantized(q, s):
+        scale = jnp.repeat(s.astype(jnp.bfloat16), q.shape[-1] // s.shape[-1], axis=-1)
+        return q.astype(jnp.bfloat16) * scale
+    y = jnp.einsum("bmk,bnk->bmn", dequantized(qa, sa), dequantized(qb, sb), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+def scaled_matmul(qa, qb, sa, sb, out_dtype):
+    """[B, M, K] x [B, N, K] -> [B, M, N]: the block-scaled GEMM, cuDNN's on NVIDIA GPUs, its definition
+    elsewhere (module doc)."""
+    return by_platform(functools.partial(_gpu_gemm, out_dtype=out_dtype),
+                       functools.partial(_emulated_gemm, out_dtype=out_dtype), qa, qb, sa, sb)
+
+
+def block_scaled_gemm(spec: str, a, b, fmt: Format, *, weight_b: bool = False, stochastic_a: bool = False,
+                      rotate: bool = False):
+    """einsum(spec, a, b) as a block-scaled GEMM of `fmt`, in a's dtype: both operands quantized in blocks
+    along the axes `spec` contracts (zeros appended to a multiple of the block). nvfp4 only: `weight_b`
+    quantizes b in 16 x 16 blocks, `stochastic_a` rounds a stochastically, `rotate` multiplies both along
+    the contraction by Q first (module doc). Its kernels carry `spec` in their op names (profiles, the plan)."""
+    with jax.named_scope(spec):
+        return _block_scaled_gemm(spec, a, b, fmt, weight_b, stochastic_a, rotate)
+
+
+def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_a: bool, rotate: bool):
+    gemm = Gemm.of(spec)
+    a3, b3, shapes = gemm.operands(a, b)
+    n = b3.shape[1]
+    a3, b3 = padded(a3, 2, fmt.block), padded(b3, 2, fmt.block)
+    if not fmt.tensor_scale:
+        (qa, sa), (qb, sb) = mx_quantize(a3, fmt), mx_quantize(b3, fmt)
+        return gemm.result(scaled_matmul(qa, qb, sa, sb, a.dtype), shapes)
+    if weight_b:
+        b3 = padded(b3, 1, fmt.block)
+    if rotate:
+        a3, b3 = rotated(a3), rotated(b3)
+    qa, sa, ga = nv_quantize(a3, uniform=uniforms_for(a3) if stochastic_a else None, fmt=fmt)
+    qb, sb, gb = nv_quantize(b3, two_d=weight_b, fmt=fmt)
+    y = scaled_matmul(qa, qb, sa, sb, a.dtype)[:, :, :n]  # the sum written in bf16, as fp8's (meshtrain/ops/fp8.py)
+    return gemm.result((y.astype(jnp.float32) * (ga * gb)).astype(a.dtype), shapes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def mxfp8_einsum(spec: str, x, w):
+    """jnp.einsum(spec, x, w) as MXFP8 GEMMs: forward and both gradients block-scaled along their own
+    contractions, every operand in e4m3; output in x's dtype."""
+    return block_scaled_gemm(spec, x, w, MXFP8)
+
+
+def _mx_fwd(spec, x, w):
+    return block_scaled_gemm(spec, x, w, MXFP8), (x, w)
+
+
+def _mx_bwd(spec, residuals, g):
+    x, w = residuals
+    dx_spec, dw_spec = transposed_specs(spec)
+    return block_scaled_gemm(dx_spec, g, w, MXFP8), block_scaled_gemm(dw_spec, x, g, MXFP8).astype(w.dtype)
+
+
+mxfp8_einsum.defvjp(_mx_fwd, _mx_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def nvfp4_einsum(spec: str, x, w):
+    """jnp.einsum(spec, x, w) as NVFP4 GEMMs (module doc): the weight in 16 x 16 blocks, the gradient
+    rounded stochastically, the weight gradient's operands rotated along the tokens."""
+    return block_scaled_gemm(spec, x, w, NVFP4, weight_b=True)
+
+
+def _nv_fwd(spec, x, w):
+    return block_scaled_gemm(spec, x, w, NVFP4, weight_b=True), (x, w)
+
+
+def _nv_bwd(spec, residuals, g):
+    x, w = residuals
+    dx_spec, dw_spec = transposed_specs(spec)
+    dx = block_scaled_gemm(dx_spec, g, w, NVFP4, weight_b=True, stochastic_a=True)
+    # dw = x^T g over the tokens: g is b here, rounded stochastically as the recipe rounds every gradient
+    dw = block_scaled_gemm(swapped(dw_spec), g, x, NVFP4, stochastic_a=True, rotate=True)
+    return dx, dw.astype(w.dtype)
+
+
+nvfp4_einsum.defvjp(_nv_fwd, _nv_bwd)
+
+
+def gpu_layout_refusal(precision: str, sizes: dict[str, int]) -> str | None:
+    """Why a block-scaled recipe's program cannot be compiled for NVIDIA GPUs on this mesh, or None. Found on
+    XLA's GPU compiler (B200 target, jax 0.10.2): `jax.nn.scaled_matmul`'s partitioner fails inside the
+    manual regions the `data` axis and the pipeline run (shard_map: "'GSPMDSharding' object has no attribute
+    'spec'"), and under mxfp8 with fsdp and tensor both > 1 XLA moves E8M0 scales through an all-reduce
+    NCCL refuses ("element type f8e8m0fnu not supported by NCCL"). fsdp, tensor and expert compile."""
+    if precision not in ("mxfp8", "nvfp4"):
+        return None
+    manual = [axis for axis in ("data", "pipeline") if sizes.get(axis, 1) > 1]
+    if manual:
+        why = (f"{' and '.join(manual)} > 1 (JAX's jax.nn.scaled_matmul cannot be partitioned inside the manual "
+               f"regions they run)")
+    elif precision == "mxfp8" and sizes.get("fsdp", 1) > 1 and sizes.get("tensor", 1) > 1:
+        why = "fsdp and tensor both > 1 (XLA moves its E8M0 scales through an all-reduce NCCL does not take)"
+    else:
+        return None
+    return (f"parallel.precision={precision} on NVIDIA GPUs with {why}; shard over fsdp, tensor or expert instead "
+            f"(fsdp=N in place of data=N), or set parallel.precision=fp8")
+
+
+def swapped(spec: str) -> str:
+    """"a,b->y" as "b,a->y"."""
+    operands, y = spec.replace(" ", "").split("->")
+    a, b = operands.split(",")
+    return f"{b},{a}->{y}"

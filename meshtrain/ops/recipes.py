@@ -1,0 +1,78 @@
+"""`parallel.precision`'s low-precision recipes: bf16 whose transformer projections and MLP run as
+low-precision GEMMs, one entry each (the einsum, what its backward saves, the peak its GEMMs run at, the
+GPUs that have them).
+
+- fp8, fp8_rowwise (meshtrain/ops/fp8.py): per-tensor and per-row scaled fp8; Ada, Hopper, Blackwell.
+- mxfp8, nvfp4 (meshtrain/ops/block_scaled.py): block-scaled fp8 and fp4; Blackwell's block-scaled tensor
+  cores only (XLA's GPU compiler expands them to a dequantization and a bf16 GEMM before compute
+  capability 10.0: slower than bf16).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from meshtrain.ops.block_scaled import mxfp8_einsum, nvfp4_einsum
+from meshtrain.ops.fp8 import fp8_einsum, fp8_rowwise_einsum
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """`einsum`: what the projections run; `saved_bytes`: per element a matmul saves for its backward (an
+    fp8 copy, or the bf16 operand requantized there); `peak`: the device profile's key for its GEMMs'
+    dense peak (meshtrain/core/metrics.py); `capability`: the least NVIDIA compute capability with
+    those GEMMs; `gpus`: who has them, for the error; `gathered_bytes`: per element of a weight the recipe
+    quantizes, what FSDP's all-gather moves on XLA's GPU compiler, which quantizes before the gather (the
+    values and their block scales: e4m3 + an E8M0 per 32, e2m1 + an e4m3 per 16; meshtrain/planner/traffic.py;
+    checked by tests/test_gpu_compile.py)."""
+    einsum: object
+    saved_bytes: int
+    peak: str
+    capability: tuple[int, int]
+    gpus: str
+    gathered_bytes: float
+
+
+_FP8_GPUS = "Ada, Hopper, Blackwell: L40S, H100, H200, B200"
+RECIPES = {
+    "fp8": Recipe(fp8_einsum, 1, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
+    "fp8_rowwise": Recipe(fp8_rowwise_einsum, 2, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
+    "mxfp8": Recipe(mxfp8_einsum, 2, "peak_fp8_flops", (10, 0), "Blackwell: B200, GB200", 1 + 1 / 32),
+    "nvfp4": Recipe(nvfp4_einsum, 2, "peak_fp4_flops", (10, 0), "Blackwell: B200, GB200", 0.5 + 1 / 16),
+}
+
+
+def is_low_precision(precision: str) -> bool:
+    """Whether `precision` is one of the recipes (its projections' GEMMs below bf16)."""
+    return precision in RECIPES
+
+
+def recipe_refusal(precision: str, device) -> str | None:
+    """Why a recipe cannot run its GEMMs on `device` (a GPU before the recipe's compute capability: XLA
+    would run them upcast, slower than bf16), or None (any other precision, device or platform: a CPU
+    computes the recipe's numbers exactly)."""
+    capability = getattr(device, "compute_capability", None)
+    if not is_low_precision(precision) or device.platform != "gpu" or not capability:
+        return None
+    recipe = RECIPES[precision]
+    found = tuple(int(x) for x in str(capability).split("."))
+    if found >= recipe.capability:
+        return None
+    runs_here = [name for name, r in RECIPES.items() if found >= r.capability]
+    least = ".".join(map(str, recipe.capability))
+    return (f"parallel.precision={precision}: the {device.device_kind} (compute capability {capability}) has no "
+            f"{precision} GEMMs, which need {least} or newer ({recipe.gpus}); XLA would run the recipe upcast, slower "
+            f"than bf16: set parallel.precision={' or '.join(runs_here + ['bf16'])}")
+
+
+def low_peak(precision: str) -> str | None:
+    """The device profile's key for a recipe's GEMM peak ("peak_fp8_flops", "peak_fp4_flops"), None for
+    bf16, fp16 and fp32."""
+    return RECIPES[precision].peak if is_low_precision(precision) else None
+
+
+def matmul_for(precision: str):
+    """The einsum the transformer's projections and MLP run under a precision: its recipe's, else
+    jnp.einsum."""
+    return RECIPES[precision].einsum if is_low_precision(precision) else jnp.einsum
