@@ -5,6 +5,8 @@ overflows; fp16 and bf16 are compared with fp32, each recipe with bf16 (the prec
 
     python benchmarks/precision.py [--data ../shared/data/tinyshakespeare.txt] [--steps 1000] [--eval-every 100]
         [--precisions fp32,bf16,fp16,fp8,fp8_rowwise,mxfp8,nvfp4]
+    python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-no_sr,nvfp4-no_rht,nvfp4-1d_weights --steps 600
+        # nvfp4 without one part of its recipe each: stochastic rounding, the rotation, 16 x 16 weight blocks
 
 On a CPU the three run one after the other (bf16/fp16 are emulated there: the point is the
 numerics, not the speed); on a GPU pass --devices 0 to use it.
@@ -20,21 +22,33 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
+# nvfp4 less one part of its recipe (meshtrain/ops/block_scaled.py nvfp4_recipe's arguments)
+ABLATIONS = {"nvfp4-no_sr": {"stochastic": False}, "nvfp4-no_rht": {"rotate": False},
+             "nvfp4-1d_weights": {"weight_2d": False}}
 AGAINST = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16", "mxfp8": "bf16",
-           "nvfp4": "bf16"}  # each compared with
+           "nvfp4": "bf16", **{name: "bf16" for name in ABLATIONS}}  # each compared with
 
 
-def run(precision: str, args):
+def run(name: str, args):
+    import dataclasses
+
     from meshtrain.config.loader import load_config
+    from meshtrain.ops import block_scaled, recipes
     from meshtrain.run.loggers import MetricsLog
     from meshtrain.run.trainer import Trainer
 
+    precision, shipped = name.split("-")[0], recipes.RECIPES["nvfp4"]
+    if name in ABLATIONS:  # the nvfp4 recipe less one part, for this run
+        recipes.RECIPES["nvfp4"] = dataclasses.replace(shipped, einsum=block_scaled.nvfp4_recipe(**ABLATIONS[name]))
     overrides = [f"parallel.precision={precision}", "parallel.mesh=1", f"train.steps={args.steps}",
                  f"train.eval_every={args.eval_every}", f"train.log_every={args.eval_every}",
                  f"data.path={args.data}", f"out={tempfile.mkdtemp(prefix=f'precision-{precision}-')}",
                  "checkpoint.every_minutes=0", f"devices={args.devices}"]
-    trainer = Trainer(load_config(str(ROOT / "configs" / "shakespeare_char.yaml"), overrides))
-    history = trainer.fit(log=MetricsLog(trainer.out, primary=False))
+    try:
+        trainer = Trainer(load_config(str(ROOT / "configs" / "shakespeare_char.yaml"), overrides))
+        history = trainer.fit(log=MetricsLog(trainer.out, primary=False))
+    finally:
+        recipes.RECIPES["nvfp4"] = shipped
     evals = {r["step"]: r["eval_loss"] for r in history if "eval_loss" in r}
     train = {r["step"]: r for r in history if "loss" in r}
     return evals, train

@@ -285,27 +285,33 @@ def _mx_bwd(spec, residuals, g):
 mxfp8_einsum.defvjp(_mx_fwd, _mx_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def nvfp4_einsum(spec: str, x, w):
-    """jnp.einsum(spec, x, w) as NVFP4 GEMMs (module doc): the weight in 16 x 16 blocks, the gradient
-    rounded stochastically, the weight gradient's operands rotated along the tokens."""
-    return block_scaled_gemm(spec, x, w, NVFP4, weight_b=True)
+def nvfp4_recipe(weight_2d: bool = True, stochastic: bool = True, rotate: bool = True):
+    """The NVFP4 einsum (`nvfp4_einsum`), or one without a part of the recipe (16 x 16 weight blocks, the
+    gradient's stochastic rounding, the rotation of dw's operands), for ablations
+    (benchmarks/precision.py)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def einsum(spec: str, x, w):
+        return block_scaled_gemm(spec, x, w, NVFP4, weight_b=weight_2d)
+
+    def forward(spec, x, w):
+        return einsum(spec, x, w), (x, w)
+
+    def backward(spec, residuals, g):
+        x, w = residuals
+        dx_spec, dw_spec = transposed_specs(spec)
+        dx = block_scaled_gemm(dx_spec, g, w, NVFP4, weight_b=weight_2d, stochastic_a=stochastic)
+        # dw = x^T g over the tokens: g is a here, rounded stochastically as the recipe rounds every gradient
+        dw = block_scaled_gemm(swapped(dw_spec), g, x, NVFP4, stochastic_a=stochastic, rotate=rotate)
+        return dx, dw.astype(w.dtype)
+
+    einsum.defvjp(forward, backward)
+    return einsum
 
 
-def _nv_fwd(spec, x, w):
-    return block_scaled_gemm(spec, x, w, NVFP4, weight_b=True), (x, w)
-
-
-def _nv_bwd(spec, residuals, g):
-    x, w = residuals
-    dx_spec, dw_spec = transposed_specs(spec)
-    dx = block_scaled_gemm(dx_spec, g, w, NVFP4, weight_b=True, stochastic_a=True)
-    # dw = x^T g over the tokens: g is b here, rounded stochastically as the recipe rounds every gradient
-    dw = block_scaled_gemm(swapped(dw_spec), g, x, NVFP4, stochastic_a=True, rotate=True)
-    return dx, dw.astype(w.dtype)
-
-
-nvfp4_einsum.defvjp(_nv_fwd, _nv_bwd)
+# jnp.einsum(spec, x, w) as NVFP4 GEMMs (module doc): the weight in 16 x 16 blocks, the gradient rounded
+# stochastically, the weight gradient's operands rotated along the tokens.
+nvfp4_einsum = nvfp4_recipe()
 
 
 def gpu_layout_refusal(precision: str, sizes: dict[str, int]) -> str | None:
