@@ -313,7 +313,7 @@ class LanguageModel:
     `attention`: the kernel (meshtrain/ops/attention.py); `sequence_order`: the true position of each
     stored sequence position when the sequence is stored permuted (None: in order); `packing`:
     how a window splits into documents (meshtrain/ops/packing.py; None: it does not); `matmul`: the einsum
-    of `block`'s projections and MLP (meshtrain/ops/fp8.py's under fp8; the cached `decode` keeps jnp.einsum)."""
+    of `block`'s projections and MLP (a recipe's, meshtrain/ops/recipes.py; the cached `decode` keeps jnp.einsum)."""
 
     module = Transformer
     saveable = MATMUL_OUTPUTS

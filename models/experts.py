@@ -212,8 +212,8 @@ def swiglu_experts(buf_BxNxExCxD, experts: dict, einsum=jnp.einsum, lora_scale: 
     """Each expert's SwiGLU on its slots, in the buffer's dtype. N: the devices the slots came
     from (1 without expert parallelism); `experts`: expert_gate, expert_up [E, D, F], expert_down
     [E, F, D] and their adapters (`projection`); `einsum`: the block's matmul
-    (meshtrain/ops/fp8.py's under fp8, whose per-tensor scales are then this device's: it runs
-    inside the row shard_map)."""
+    (a recipe's, meshtrain/ops/recipes.py, whose scales are then this device's: it runs inside the row
+    shard_map)."""
     dtype = buf_BxNxExCxD.dtype
     matmul = lambda x, w_ExIxO: einsum("bneci,eio->bneco", x, w_ExIxO.astype(dtype))
     gate = projection(matmul, buf_BxNxExCxD, experts, "expert_gate", lora_scale)

@@ -91,7 +91,7 @@ def llama_activation_terms(s: int, b: int, h: int, heads: int, kv_heads: int, he
     sequence parallelism. remat=save_matmuls keeps the block input, the attention projection, q, k,
     v, the context, gate and up (the paper's selective recomputation drops the softmax alike); full
     keeps the block input, as the paper's full recomputation. `matmul_input_bytes` (default c; 1
-    under fp8, whose matmuls keep their inputs' fp8 copies, meshtrain/ops/fp8.py): the bytes of
+    under fp8, whose matmuls keep their inputs' fp8 copies, meshtrain/ops/recipes.py): the bytes of
     what only a matmul's backward reads: the norms' outputs, the attention context and gate x up."""
     if remat not in ("none", "save_matmuls", "full"):
         raise ValueError(f"no activation accounting for remat={remat!r} (offload keeps them on the host)")
