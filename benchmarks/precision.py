@@ -22,9 +22,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
-# nvfp4 less one part of its recipe (meshtrain/ops/block_scaled.py nvfp4_recipe's arguments)
-ABLATIONS = {"nvfp4-no_sr": {"stochastic": False}, "nvfp4-no_rht": {"rotate": False},
-             "nvfp4-1d_weights": {"weight_2d": False}}
+# nvfp4 less one part of its recipe (meshtrain/ops/block_scaled.py block_scaled_einsum's arguments)
+RECIPE = {"weight_2d": True, "stochastic": True, "rotate": True}
+ABLATIONS = {"nvfp4-no_sr": {**RECIPE, "stochastic": False}, "nvfp4-no_rht": {**RECIPE, "rotate": False},
+             "nvfp4-1d_weights": {**RECIPE, "weight_2d": False}}
 AGAINST = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16", "mxfp8": "bf16",
            "nvfp4": "bf16", **{name: "bf16" for name in ABLATIONS}}  # each compared with
 
@@ -39,7 +40,8 @@ def run(name: str, args):
 
     precision, shipped = name.split("-")[0], recipes.RECIPES["nvfp4"]
     if name in ABLATIONS:  # the nvfp4 recipe less one part, for this run
-        recipes.RECIPES["nvfp4"] = dataclasses.replace(shipped, einsum=block_scaled.nvfp4_recipe(**ABLATIONS[name]))
+        ablated = block_scaled.block_scaled_einsum(block_scaled.NVFP4, **ABLATIONS[name])
+        recipes.RECIPES["nvfp4"] = dataclasses.replace(shipped, einsum=ablated)
     overrides = [f"parallel.precision={precision}", "parallel.mesh=1", f"train.steps={args.steps}",
                  f"train.eval_every={args.eval_every}", f"train.log_every={args.eval_every}",
                  f"data.path={args.data}", f"out={tempfile.mkdtemp(prefix=f'precision-{precision}-')}",

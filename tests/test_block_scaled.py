@@ -14,7 +14,7 @@ import pytest
 from conftest import run_tiny
 
 from meshtrain.core.errors import UserError
-from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.core.metrics import DEVICE_PROFILES, LOW_PEAK_NAMES, throughput_fields
 from meshtrain.ops.block_scaled import (
     MXFP8,
     NVFP4,
@@ -30,7 +30,9 @@ from meshtrain.ops.block_scaled import (
     swapped,
 )
 from meshtrain.ops.fp8 import transposed_specs
-from meshtrain.planner import roofline
+from meshtrain.ops.recipes import low_peak
+from meshtrain.planner import kernel_time, roofline
+from meshtrain.run import dashboards, loggers
 
 pytestmark = pytest.mark.fast
 
@@ -232,6 +234,8 @@ def test_the_planner_runs_each_recipes_gemms_at_its_peak_and_refuses_a_gpu_witho
     assert fp8["compute_s"] == pytest.approx(1e12 / 2250e12 + 1e12 / 4500e12)
     assert fp4["compute_s"] == pytest.approx(1e12 / 2250e12 + 1e12 / 9000e12)
     assert fp4["mfu_fp8_ceiling"] == pytest.approx(fp4["mfu_ceiling"] * 2250 / 9000)
+    # the GPU program's walk: a block-scaled GEMM at its values' peak (fp8's, fp4's), as XLA's GEMMs
+    assert [kernel_time._peak(b200, t) for t in ("f8e4m3fn", "f4e2m1fn", "bf16")] == [4500e12, 9000e12, 2250e12]
     for recipe in ("mxfp8", "nvfp4"):
         roofline.refuse_on(b200, recipe)
         with pytest.raises(UserError, match=f"parallel.precision={recipe}: the H100 SXM has no {recipe} GEMMs "
@@ -284,3 +288,15 @@ def test_a_sharded_run_tracks_one_device(runs, recipe):
                              "train.log_every=1", devices=jax.devices()[:4])
     print(f"sharded {recipe} vs one device: at most {np.max(np.abs(sharded - one) / one):.3%} apart")
     np.testing.assert_allclose(sharded, one, rtol=5e-3 if recipe == "mxfp8" else 1e-2)  # fp4's neighbours: 2x the room
+
+
+def test_an_nvfp4_run_logs_its_mfu_against_the_fp4_peak():
+    """The trainer's record keeps MFU against the bf16 peak and adds `mfu_fp4` (the recipe's GEMM peak,
+    meshtrain/ops/recipes.py low_peak) beside it: in the log line and under perf/ on the dashboards."""
+    assert LOW_PEAK_NAMES[low_peak("nvfp4")] == "fp4" and LOW_PEAK_NAMES[low_peak("mxfp8")] == "fp8"
+    fields = throughput_fields(1e9, 1e6, 1, 2250e12, 9000e12, "fp4")
+    assert fields["mfu_fp4"] == pytest.approx(fields["mfu"] / 4) and "mfu_fp8" not in fields
+    line = loggers.format_record({"step": 1, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 1e9,
+                                  "step_time_s": 1.0, "data_wait_s": 0.0, "skipped_steps": 0, **fields})
+    assert f"; {fields['mfu_fp4']:.1%} of the fp4 peak)" in line and dashboards.tag("mfu_fp4") == "perf/mfu_fp4"
+

@@ -265,34 +265,15 @@ def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_
     return gemm.result((y.astype(jnp.float32) * (ga * gb)).astype(a.dtype), shapes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def mxfp8_einsum(spec: str, x, w):
-    """jnp.einsum(spec, x, w) as MXFP8 GEMMs: forward and both gradients block-scaled along their own
-    contractions, every operand in e4m3; output in x's dtype."""
-    return block_scaled_gemm(spec, x, w, MXFP8)
-
-
-def _mx_fwd(spec, x, w):
-    return block_scaled_gemm(spec, x, w, MXFP8), (x, w)
-
-
-def _mx_bwd(spec, residuals, g):
-    x, w = residuals
-    dx_spec, dw_spec = transposed_specs(spec)
-    return block_scaled_gemm(dx_spec, g, w, MXFP8), block_scaled_gemm(dw_spec, x, g, MXFP8).astype(w.dtype)
-
-
-mxfp8_einsum.defvjp(_mx_fwd, _mx_bwd)
-
-
-def nvfp4_recipe(weight_2d: bool = True, stochastic: bool = True, rotate: bool = True):
-    """The NVFP4 einsum (`nvfp4_einsum`), or one without a part of the recipe (16 x 16 weight blocks, the
-    gradient's stochastic rounding, the rotation of dw's operands), for ablations
-    (benchmarks/precision.py)."""
+def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool = False, rotate: bool = False):
+    """jnp.einsum(spec, x, w) as block-scaled GEMMs of `fmt`, forward and both gradients each quantized along
+    its own contraction; output in x's dtype. nvfp4's recipe parts (module doc): `weight_2d` w in 16 x 16
+    blocks, `stochastic` the gradient rounded stochastically, `rotate` dw's operands rotated along the
+    tokens (all on for `nvfp4_einsum`; one off each for the ablations of benchmarks/precision.py)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def einsum(spec: str, x, w):
-        return block_scaled_gemm(spec, x, w, NVFP4, weight_b=weight_2d)
+        return block_scaled_gemm(spec, x, w, fmt, weight_b=weight_2d)
 
     def forward(spec, x, w):
         return einsum(spec, x, w), (x, w)
@@ -300,18 +281,18 @@ def nvfp4_recipe(weight_2d: bool = True, stochastic: bool = True, rotate: bool =
     def backward(spec, residuals, g):
         x, w = residuals
         dx_spec, dw_spec = transposed_specs(spec)
-        dx = block_scaled_gemm(dx_spec, g, w, NVFP4, weight_b=weight_2d, stochastic_a=stochastic)
-        # dw = x^T g over the tokens: g is a here, rounded stochastically as the recipe rounds every gradient
-        dw = block_scaled_gemm(swapped(dw_spec), g, x, NVFP4, stochastic_a=stochastic, rotate=rotate)
+        dx = block_scaled_gemm(dx_spec, g, w, fmt, weight_b=weight_2d, stochastic_a=stochastic)
+        # dw = x^T g over the tokens, g as the GEMM's first operand (the one rounded stochastically)
+        dw = block_scaled_gemm(swapped(dw_spec), g, x, fmt, stochastic_a=stochastic, rotate=rotate)
         return dx, dw.astype(w.dtype)
 
     einsum.defvjp(forward, backward)
     return einsum
 
 
-# jnp.einsum(spec, x, w) as NVFP4 GEMMs (module doc): the weight in 16 x 16 blocks, the gradient rounded
-# stochastically, the weight gradient's operands rotated along the tokens.
-nvfp4_einsum = nvfp4_recipe()
+mxfp8_einsum = block_scaled_einsum(MXFP8)  # every operand in e4m3, E8M0 scales per 32
+nvfp4_einsum = block_scaled_einsum(NVFP4, weight_2d=True, stochastic=True, rotate=True)  # the whole recipe
+FORMATS = {"mxfp8": MXFP8, "nvfp4": NVFP4}  # parallel.precision's block-scaled recipes
 
 
 def gpu_layout_refusal(precision: str, sizes: dict[str, int]) -> str | None:
@@ -320,13 +301,13 @@ def gpu_layout_refusal(precision: str, sizes: dict[str, int]) -> str | None:
     manual regions the `data` axis and the pipeline run (shard_map: "'GSPMDSharding' object has no attribute
     'spec'"), and under mxfp8 with fsdp and tensor both > 1 XLA moves E8M0 scales through an all-reduce
     NCCL refuses ("element type f8e8m0fnu not supported by NCCL"). fsdp, tensor and expert compile."""
-    if precision not in ("mxfp8", "nvfp4"):
+    if precision not in FORMATS:
         return None
     manual = [axis for axis in ("data", "pipeline") if sizes.get(axis, 1) > 1]
     if manual:
         why = (f"{' and '.join(manual)} > 1 (JAX's jax.nn.scaled_matmul cannot be partitioned inside the manual "
                f"regions they run)")
-    elif precision == "mxfp8" and sizes.get("fsdp", 1) > 1 and sizes.get("tensor", 1) > 1:
+    elif FORMATS[precision].scale_dtype == E8M0 and sizes.get("fsdp", 1) > 1 and sizes.get("tensor", 1) > 1:
         why = "fsdp and tensor both > 1 (XLA moves its E8M0 scales through an all-reduce NCCL does not take)"
     else:
         return None

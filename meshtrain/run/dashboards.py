@@ -14,12 +14,13 @@ from pathlib import Path
 
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error
+from meshtrain.core.metrics import LOW_PEAK_NAMES
 
 # TensorBoard / W&B tag of each record key: <group>/<name>. Keys not listed (loss, grad_norm, lr, a
 # model's new metric) go under train/; those starting with a PREFIXES key under its group.
 TAG_GROUPS = {
     "perf": ("tokens_per_sec", "trained_tokens_per_sec", "trained_tokens", "step_time_s", "data_wait_s", "mfu",
-             "mfu_fp8", "mfu_fp4", "tflops_per_device",
+             *(f"mfu_{name}" for name in LOW_PEAK_NAMES.values()), "tflops_per_device",
              "checkpoint_blocking_s", "local_checkpoint_blocking_s"),
     "guard": ("skipped_steps",),
     "precision": ("loss_scale", "overflows"),

@@ -33,6 +33,7 @@ from meshtrain.core import jsonl
 from meshtrain.core.console import duration, live_display, log
 from meshtrain.core.errors import UserError
 from meshtrain.core.folders import full_disk_is_user_error, replace_file
+from meshtrain.core.metrics import LOW_PEAK_NAMES
 from meshtrain.run.dashboards import TensorBoard, WandB, import_wandb
 
 
@@ -128,7 +129,7 @@ def format_record(r: dict) -> str:
     if "batch_load_max" in r:  # the router bias update (model.router_bias_update_rate)
         parts.append(f"batch load max/mean {r['batch_load_max']:.2f}")
     if r.get("mfu") is not None:
-        low = next((name for name in ("fp8", "fp4") if r.get(f"mfu_{name}") is not None), None)
+        low = next((name for name in LOW_PEAK_NAMES.values() if r.get(f"mfu_{name}") is not None), None)
         fp8 = f"; {r[f'mfu_{low}']:.1%} of the {low} peak" if low else ""
         parts.append(f"MFU {r['mfu']:.1%} ({r['tflops_per_device']:.0f} TFLOP/s/device{fp8})")
     if "memory_bytes_in_use" in r:
