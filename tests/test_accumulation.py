@@ -23,3 +23,21 @@ def test_microbatch_split_spans_every_data_shard():
     assert micro.shape == (4, 2, 3)
     # microbatch m takes rows m, m+4: one from each half of the batch (each data shard)
     assert [list(m[:, 0]) for m in micro] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_weights_gathered_once_train_as_per_microbatch():
+    """parallel.gather_once: the microbatches share one gather of the weights over fsdp (XLA's partitioning)
+    and, beside a manual `data` axis, over the fsdp it leaves to XLA: the same run as the per-microbatch
+    gathers' on the same mesh, and one device's losses (its parameters within the accumulation's rounding
+    above)."""
+    from conftest import max_param_diff
+
+    common = ("optim.warmup_steps=0", "train.steps=3", "parallel.microbatches=2", "parallel.zero=3")
+    _, ref_losses, _ = run_tiny(*common, "parallel.mesh=1", devices=jax.devices()[:1])
+    for mesh in ("fsdp=4", "data=2,fsdp=2"):
+        runs = [run_tiny(*common, f"parallel.mesh={mesh}", f"parallel.gather_once={once}", devices=jax.devices()[:4])
+                for once in ("false", "true")]
+        (_, per_micro, per_micro_params), (_, once, once_params) = runs
+        np.testing.assert_allclose(once, ref_losses, rtol=1e-5, atol=0)
+        np.testing.assert_allclose(once, per_micro, rtol=1e-6, atol=0)
+        assert max_param_diff(once_params, per_micro_params) < 1e-6

@@ -186,18 +186,24 @@ def test_the_lookups_gradient_is_reduce_scattered_onto_the_tables_shards():
     assert sorted(reductions) == [("all-reduce", 4, half), ("reduce-scatter", 2, half)]
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_fsdp_formula_holds_on_the_gpu_program(tied):
+@pytest.mark.parametrize("tied,once", [(False, False), (True, False), (False, True)])
+def test_fsdp_formula_holds_on_the_gpu_program(tied, once):
     """fsdp x tensor in 2 microbatches on 8 H100s (the pods' layout, tiny): every kind within 10% of
     meshtrain/planner/traffic.py's formula on the GPU's program, where the embedding and head are
-    gathered per microbatch and the lookup's gradient reduced in the compute dtype (XLA:CPU's differ)."""
+    gathered per microbatch and the lookup's gradient reduced in the compute dtype (XLA:CPU's differ).
+    With parallel.gather_once no weight is gathered again per microbatch: each all-gather runs once a
+    step, before the loop (per microbatch the layers' run in it, times 2 x the layers)."""
     cfg = tiny_config("parallel.mesh=fsdp=4,tensor=2", "parallel.microbatches=2", "parallel.zero=3",
-                      "parallel.precision=bf16", f"model.tie_embeddings={str(tied).lower()}")
+                      "parallel.precision=bf16", f"model.tie_embeddings={str(tied).lower()}",
+                      f"parallel.gather_once={str(once).lower()}")
     program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
-    measured = collectives(program.lower().compile().as_text(), 8, correct=False)
+    text = program.lower().compile().as_text()
+    measured = collectives(text, 8, correct=False)
     expected = traffic.expected_traffic(program)
     for kind in ("all-reduce", "all-gather", "reduce-scatter"):
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.10), kind
+    most = max(r.times for r in hlo.read(text, 8, correct=False) if r.kind == "all-gather")
+    assert most == (1 if once else 2 * cfg.model.num_layers)
 
 
 def test_a_program_of_an_fp8_recipe_for_an_a100_is_refused_before_it_compiles():

@@ -165,6 +165,13 @@ def test_the_layout_search_offloads_as_a_memory_move_and_counts_the_hosts_share(
     assert dict(fit.moves(offloaded, cfg.model, 16, 8, memory=False))["parallel.offload=none"] == start
     assert "parallel.offload=none" not in dict(fit.moves(start, cfg.model, 16, 8, memory=False))
     assert fit.describe_layout(offloaded).endswith(", offload=optimizer")
+    # one gather of the weights for every microbatch, with fsdp and microbatches: a speed move, back a memory move
+    sharded = fit.Layout.of(tiny_config("parallel.microbatches=2"), {**start.mesh, "data": 1, "fsdp": 8})
+    once = dict(fit.moves(sharded, cfg.model, 16, 8, memory=False))["parallel.gather_once=true"]
+    assert once == sharded.change(gather_once=True) and "gather_once=true" not in str(fit.moves(start, cfg.model, 16, 8,
+                                                                                                memory=False))
+    assert dict(fit.moves(once, cfg.model, 16, 8))["parallel.gather_once=false"] == sharded
+    assert fit.command("c.yaml", [], cfg, once).endswith("--set parallel.gather_once=true")
     assert fit.command("c.yaml", [], cfg, offloaded).endswith("--set parallel.offload=optimizer")
     limits = {"budget": 100.0, "host": {"budget": 50.0}}
     plan = lambda host: lambda *_: {"memory": {"total": 10.0, "host_total": host},

@@ -86,6 +86,11 @@ class ParallelPlan:
     microbatches: int = setting(0, "microbatches per step: gradient accumulation, or the pipeline's "
                                    "microbatches (>= stages); 0 = 1 without a pipeline, 2 x stages with one",
                                 min=0)
+    gather_once: bool = setting(False, "with microbatches: gather the compute-dtype weights over fsdp and "
+                                       "context once per step, before the microbatch loop, and keep them for every "
+                                       "microbatch (FSDP2's reshard_after_backward=False) instead of again per layer "
+                                       "and microbatch; costs a whole compute-dtype copy of the parameters those axes "
+                                       "split, in memory. No effect with one microbatch or a pipeline")
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism: norms and residuals split along "
                                              "the sequence over the tensor axis (all-gather and reduce-scatter "
                                              "in place of all-reduce)")
@@ -105,6 +110,13 @@ class ParallelPlan:
     def num_microbatches(self, stages: int) -> int:
         """`microbatches`, where 0 means 1 without a pipeline and twice the stages with one."""
         return self.microbatches or (2 * stages if stages > 1 else 1)
+
+    def gathers_once(self, sizes: dict[str, int]) -> bool:
+        """Whether the step on mesh `sizes` gathers its weights once, before the microbatch loop
+        (`gather_once` with microbatches and no pipeline, fsdp or context splitting the weights; `data`
+        under ZeRO 3 with microbatches is gathered once anyway: meshtrain/parallel/data_parallel.py)."""
+        return (self.gather_once and sizes.get("pipeline", 1) == 1 and self.num_microbatches(1) > 1
+                and sizes.get("fsdp", 1) * sizes.get("context", 1) > 1)
 
 
 @dataclass

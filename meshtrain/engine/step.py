@@ -20,6 +20,7 @@ from meshtrain.ops.precision import cast_for_compute, scales_loss, update_loss_s
 from meshtrain.ops.trainable import merge, select
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, accumulate
+from meshtrain.parallel.sharding import gathered
 
 
 def lr_schedule(ocfg, total_steps: int):
@@ -135,7 +136,9 @@ def make_train_step(model, update, schedule, plan, mesh, specs: dict, objective,
     manual (data_parallel.is_manual), each data shard computes on the compute-dtype parameters and
     its own rows, accumulates locally and the gradients are reduced over `data` once per step (in
     int8 with error feedback under compression, which keeps the residuals of a skipped step).
-    Otherwise XLA partitions the step from the shardings. Under fp16 the gradients are of the scaled
+    Otherwise XLA partitions the step from the shardings. With `plan.gathers_once` the microbatches
+    share one gather of the compute-dtype weights (over the storage axes, sharding.py `gathered`), made
+    before their loop, and the gradients are of that copy. Under fp16 the gradients are of the scaled
     objective and unscaled here (meshtrain/ops/precision.py), and by the objective's divisor
     (`Objective.finish`). An objective's forward-only pass before the gradients (`scores_first`)
     runs a microbatch at a time, through the pipeline's stages on a pipeline (`make_scores`).
@@ -153,19 +156,22 @@ def make_train_step(model, update, schedule, plan, mesh, specs: dict, objective,
     compressed = {"compressor": compressor, "error_specs": specs.get("grad_error")}
     scores = objective.scores_first and not reuse
     score = make_scores(model, plan, mesh, specs["params"], objective) if scores else None
+    gather = None
+    if plan.gathers_once(mesh.shape):  # the compute-dtype weights gathered before the microbatch loop
+        gather = lambda params: gathered(cast_for_compute(params, plan.precision), specs["params"])
     if stages > 1:
         grad_fn = make_pipeline_grads(model, plan, mesh, specs["params"], grad_specs, objective, **compressed)
     elif data_parallel.is_manual(mesh.shape[data_parallel.AXIS], microbatches=micro, zero=plan.zero,
                                  compressed=compressor is not None):
         others = set(mesh.axis_names) - {data_parallel.AXIS}
         local = accumulate(metrics_and_grads(objective.loss, keep), micro,
-                           data_parallel.local_specs(grad_specs, others))
+                           data_parallel.local_specs(grad_specs, others), gather)
         per_shard = data_parallel.data_parallel(local, mesh, specs["params"], grad_specs, specs["batch"],
                                                 **compressed)
         # the gathers move compute-dtype parameters
         grad_fn = lambda params, inputs: per_shard(cast_for_compute(params, plan.precision), inputs)
     else:
-        grad_fn = accumulate(metrics_and_grads(objective.loss, keep), micro, grad_specs)
+        grad_fn = accumulate(metrics_and_grads(objective.loss, keep), micro, grad_specs, gather)
 
     def train_step(state, batch):
         params, loss_scale = state["params"], state["loss_scale"]

@@ -82,16 +82,18 @@ def split_microbatches(rows_Bx_, num_micro: int):
     return rows_Bx_.reshape(B // num_micro, num_micro, *rows_Bx_.shape[1:]).swapaxes(0, 1)
 
 
-def accumulate(grad_fn, microbatches: int, accumulator_specs):
+def accumulate(grad_fn, microbatches: int, accumulator_specs, prepare=None):
     """A gradient function over `microbatches` slices of the batch: its metrics and gradients are the
     means of `grad_fn`'s over the slices, summed in a scan. The accumulator is pinned to
     `accumulator_specs` (PartitionSpecs over the axes that are not manual here), so the sum is kept
-    sharded and never reduced inside the loop."""
+    sharded and never reduced inside the loop. `prepare` (parameters -> parameters, e.g. gathered once:
+    meshtrain/engine/step.py) runs once, before the loop; the gradients are of what it returns."""
     if microbatches == 1:
         return grad_fn
     pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:
+        params = params if prepare is None else prepare(params)
         micro_inputs = lambda rows: inputs.with_rows(jax.tree.map(batch_rows, rows))
 
         def add(carry, micro_rows):

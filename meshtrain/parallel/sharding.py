@@ -131,6 +131,23 @@ def axes_entry(axes):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
+# The axes that split a weight only to store it (ZeRO's `data` at stage 3, FSDP's fsdp and context):
+# the program gathers it over them before each use. The model-parallel axes (tensor, expert, pipeline)
+# split the computation itself.
+STORAGE_AXES = ("data", "fsdp", "context")
+
+
+def gathered(tree, specs):
+    """`tree` (laid out as `specs`) pinned whole over the storage axes, the model-parallel ones kept:
+    one gather of every leaf (parallel.gather_once keeps the compute-dtype weights so for the step).
+    Traced under `jax.set_mesh`; inside a `jax.shard_map` its manual axes are already local."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kept = lambda spec: P(*[axes_entry(a for a in entry_axes(e) if a not in STORAGE_AXES and a not in
+                                       mesh.manual_axes) for e in spec])
+    return jax.tree.map(lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, kept(spec))),
+                        specs, tree, is_leaf=lambda x: isinstance(x, P))
+
+
 def shard_factor(spec: P, mesh) -> int:
     """Number of distinct shards a spec cuts a tensor into."""
     return math.prod(mesh.shape[a] for d in spec for a in entry_axes(d))

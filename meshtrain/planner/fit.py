@@ -16,6 +16,8 @@ other way round. The knobs, one move at a time (`moves`):
   sharding (HSDP: fsdp's gathers within the nodes, one gradient all-reduce across them); MoE: to
   `expert` as well as from it (expert parallelism gathers no expert weights but dispatches the tokens:
   either may be faster);
+- parallel.gather_once true -> false (a memory move; the other way a speed move), with microbatches,
+  no pipeline and fsdp or context > 1: one gather of the compute-dtype weights for all the microbatches;
 - parallel.offload none -> optimizer -> optimizer+params (a memory move; back as a speed move): the
   state in host memory, slower by its copies (meshtrain/ops/offload.py), so the search takes it
   where no faster move fits, and a candidate fits only if its host memory fits too.
@@ -56,12 +58,13 @@ class Layout:
     context_strategy: str = "ring"
     ulysses_degree: int = 0
     offload: str = "none"
+    gather_once: bool = False
 
     @classmethod
     def of(cls, cfg, sizes: dict) -> Layout:
         par = cfg.parallel
         return cls(tuple((a, sizes[a]) for a in AXES), par.zero, par.remat, par.num_microbatches(sizes["pipeline"]),
-                   par.attention, par.context_strategy, par.ulysses_degree, par.offload)
+                   par.attention, par.context_strategy, par.ulysses_degree, par.offload, par.gather_once)
 
     @property
     def mesh(self) -> dict:
@@ -73,13 +76,13 @@ class Layout:
                 "parallel.zero": self.zero, "parallel.remat": self.remat,
                 "parallel.microbatches": self.microbatches, "parallel.attention": self.attention,
                 "parallel.context_strategy": self.context_strategy, "parallel.ulysses_degree": self.ulysses_degree,
-                "parallel.offload": self.offload}
+                "parallel.offload": self.offload, "parallel.gather_once": self.gather_once}
 
     def apply(self, cfg):
         par = dataclasses.replace(cfg.parallel, mesh=self.settings()["parallel.mesh"], zero=self.zero,
                                   remat=self.remat, microbatches=self.microbatches, attention=self.attention,
                                   context_strategy=self.context_strategy, ulysses_degree=self.ulysses_degree,
-                                  offload=self.offload)
+                                  offload=self.offload, gather_once=self.gather_once)
         return dataclasses.replace(cfg, parallel=par)
 
     def change(self, **values) -> Layout:
@@ -141,6 +144,9 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
         for zero in [layout.zero + 1] if memory else range(layout.zero):
             if zero <= 3:
                 out.append((f"parallel.zero={zero}", layout.change(zero=zero)))
+    if layout.gather_once == memory and layout.microbatches > 1 and mesh["pipeline"] == 1 \
+            and mesh["fsdp"] * mesh["context"] > 1:  # one gather of the weights for every microbatch, or one each
+        out.append((f"parallel.gather_once={str(not memory).lower()}", layout.change(gather_once=not memory)))
     o = OFFLOAD_ORDER.index(layout.offload) + (1 if memory else -1)
     if 0 <= o < len(OFFLOAD_ORDER):
         out.append((f"parallel.offload={OFFLOAD_ORDER[o]}", layout.change(offload=OFFLOAD_ORDER[o])))
@@ -186,7 +192,7 @@ def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> lis
         rows = t.batch_size // math.prod(sizes[a] for a in rules["batch"])
         for micro in (m for m in range(1, rows + 1) if rows % m == 0):
             layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention, strategy, degree,
-                            par.offload)
+                            par.offload, par.gather_once)
             try:
                 par_here = resolve_attention(cfg.model, layout.apply(cfg).parallel, t.seq_len, sizes, backend,
                                              cfg.data.document_mask)[0]
@@ -268,7 +274,8 @@ def command(config_path: str, overrides: list[str], cfg, layout: Layout) -> str:
     theirs, own = layout.settings(), Layout.of(cfg, layout.mesh).settings()  # own: the config's, on this mesh
     typed = {o.split("=", 1)[0].strip() for o in overrides}
     sets = [o for o in overrides if o.split("=", 1)[0].strip() not in theirs]
-    sets += [f"{k}={v}" for k, v in theirs.items() if k != "parallel.mesh" and (own[k] != v or k in typed)]
+    yaml = lambda v: str(v).lower() if isinstance(v, bool) else v
+    sets += [f"{k}={yaml(v)}" for k, v in theirs.items() if k != "parallel.mesh" and (own[k] != v or k in typed)]
     return " ".join([f"python -m meshtrain.train --config {config_path} --mesh {theirs['parallel.mesh']}"]
                     + [f"--set {s}" for s in sets])
 
@@ -277,5 +284,6 @@ def describe_layout(layout: Layout) -> str:
     strategy = "" if layout.mesh["context"] == 1 else f", context_strategy={layout.context_strategy}" + (
         f", ulysses_degree={layout.ulysses_degree}" if layout.context_strategy == "hybrid" else "")
     offloaded = f", offload={layout.offload}" if layout.offload != "none" else ""
+    once = ", gather_once" if layout.gather_once else ""
     return (f"{describe(layout.mesh)}, zero={layout.zero}, remat={layout.remat}, "
-            f"{layout.microbatches} microbatch(es), attention={layout.attention}{strategy}{offloaded}")
+            f"{layout.microbatches} microbatch(es){once}, attention={layout.attention}{strategy}{offloaded}")

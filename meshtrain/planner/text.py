@@ -44,7 +44,8 @@ def format_plan(r: dict) -> str:
     gb = human_bytes
     lines = [f"plan: {r['params'] / 1e6:,.1f}M params{trainable_note(r)} on {r['devices']} devices, mesh {r['mesh']}, "
              f"zero={r['config']['zero']}, {r['config']['precision']}, remat={r['config']['remat']}, "
-             f"{r['config']['microbatches']} microbatch(es)",
+             f"{r['config']['microbatches']} microbatch(es)"
+             + (" sharing one gather of the weights (parallel.gather_once)" if r["config"].get("gathers_once") else ""),
              *([compilers.summary(r["compiled_for"])] if "compiled_for" in r else []),
              "", "train step memory per device    measured      "
                  f"formula (ZeRO, {r['config'].get('optimizer', 'adamw')})"]

@@ -276,20 +276,26 @@ def expected_traffic(program) -> dict[str, dict]:
     layers = (slices["blocks"] - fp8) * act + (fp8 * recipe.gathered_bytes if fp8 else 0.0)
     in_fp8 = (f", their matrices as {program.plan.precision} quantizes them ({recipe.gathered_bytes:g} bytes an "
               f"element: XLA:GPU quantizes them before the gather)") if fp8 else ""
-    add("all-gather", micro * ring_traffic("all-gather", 2 * layers, A),
-        f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype{in_fp8}, forward and "
-        f"backward")
-    if gpu and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop
-        add("all-gather", micro * ring_traffic("all-gather", slices["vocab"] * act + (slices["outer"] - slices["vocab"])
-                                               * 4, A),
-            f"FSDP all-gather of the embedding, head and final norm per microbatch x {micro} (XLA:GPU keeps it in "
-            f"the microbatch loop): the table and head in the compute dtype (a tied table once), the norm in fp32")
+    if plan.gathers_once(sizes):  # the compute-dtype copy, kept for the step (engine/step.py)
+        add("all-gather", ring_traffic("all-gather", (slices["blocks"] + slices["outer"]) * act, A),
+            "FSDP all-gather of every parameter in the compute dtype once per step, before the microbatch loop "
+            "(parallel.gather_once)")
     else:
-        add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4 + slices["table"] * act,
-                                       A),
-            "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
-            "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
-            "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
+        add("all-gather", micro * ring_traffic("all-gather", 2 * layers, A),
+            f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype{in_fp8}, forward "
+            f"and backward")
+        if gpu and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop
+            add("all-gather", micro * ring_traffic("all-gather", slices["vocab"] * act
+                                                   + (slices["outer"] - slices["vocab"]) * 4, A),
+                f"FSDP all-gather of the embedding, head and final norm per microbatch x {micro} (XLA:GPU keeps it "
+                f"in the microbatch loop): the table and head in the compute dtype (a tied table once), the norm in "
+                f"fp32")
+        else:
+            add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4
+                                           + slices["table"] * act, A),
+                "FSDP all-gather of the embedding, head and final norm once per step (the microbatch loop does not "
+                "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
+                "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
     if forward_passes(program) and P > 1:  # the forward-only pass through the stages (engine/pipeline.py)
         add("all-gather", micro * ring_traffic("all-gather", slices["blocks"] * act, A)
             + ring_traffic("all-gather", slices["outer"] * act, A),
