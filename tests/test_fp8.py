@@ -27,9 +27,10 @@ from meshtrain.ops.fp8 import (
     quantize,
     transposed_specs,
 )
+from meshtrain.ops.platform import loaded_cudnn
 from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
 from meshtrain.ops.recipes import recipe_refusal
-from meshtrain.planner import roofline
+from meshtrain.planner import compilers, roofline
 from meshtrain.run import dashboards, loggers
 from meshtrain.run.loggers import MetricsLog
 from meshtrain.run.trainer import Trainer
@@ -302,7 +303,15 @@ def test_a_recipe_is_refused_on_a_gpu_without_its_gemms():
                        f"upcast, slower than bf16: set parallel.precision=fp8 or fp8_rowwise or bf16")
         assert recipe_refusal(recipe, gpu("10.0", "NVIDIA B200")) is None
         assert recipe_refusal(recipe, jax.devices()[0]) is None
+        # a B200 whose loaded cuDNN is before 9.10: XLA dequantizes the block-scaled GEMM (test_gpu_compile.py)
+        assert recipe_refusal(recipe, gpu("10.0", "NVIDIA B200"), (9, 9)) == (
+            f"parallel.precision={recipe}: its block-scaled GEMMs need cuDNN 9.10 or newer and this process loads "
+            f"cuDNN 9.9, with which XLA would dequantize them to bf16 GEMMs, slower than bf16: pip install -U "
+            f"nvidia-cudnn-cu12, or set parallel.precision=fp8 or bf16")
+        assert recipe_refusal(recipe, gpu("10.0", "NVIDIA B200"), (9, 10)) is None
+    assert recipe_refusal("fp8", gpu("9.0"), (9, 9)) is None  # cuBLASLt's fp8 GEMMs
     assert recipe_refusal("bf16", gpu("8.0")) is None
+    assert loaded_cudnn() in (None, compilers.cudnn_version())  # the plugin's library, where it is installed
 
 
 def test_the_fp8_collectives_beyond_the_formulas_are_known_by_layout():

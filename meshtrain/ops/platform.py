@@ -27,3 +27,14 @@ def by_platform(gpu, default, *args):
     if on_gpu is None:
         return jax.lax.platform_dependent(*args, default=default, cuda=gpu)
     return (gpu if on_gpu else default)(*args)
+
+
+def loaded_cudnn() -> tuple[int, int] | None:
+    """(major, minor) of the cuDNN this process's CUDA plugin loads (jaxlib's `cuda_versions`: cuDNN 9's
+    version number is major x 10,000 + minor x 100 + patch); None without the plugin, or where it cannot say."""
+    try:
+        from jax._src.lib import cuda_versions
+        version = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+    except Exception:  # noqa: BLE001 (a plugin without its libraries: unknown)
+        return None
+    return None if not version else (version // 10000, version // 100 % 100)

@@ -25,21 +25,23 @@ class Recipe:
     those GEMMs; `gpus`: who has them, for the error; `gathered_bytes`: per element of a weight the recipe
     quantizes, what FSDP's all-gather moves on XLA's GPU compiler, which quantizes before the gather (the
     values and their block scales: e4m3 + an E8M0 per 32, e2m1 + an e4m3 per 16; meshtrain/planner/traffic.py;
-    checked by tests/test_gpu_compile.py)."""
+    checked by tests/test_gpu_compile.py); `cudnn`: the least cuDNN XLA makes the GEMMs with (its block-scaled
+    GEMM is cuDNN's from 9.10: before, a dequantization and a bf16 GEMM; tests/test_gpu_compile.py), or None."""
     einsum: object
     saved_bytes: int
     peak: str
     capability: tuple[int, int]
     gpus: str
     gathered_bytes: float
+    cudnn: tuple[int, int] | None = None
 
 
 _FP8_GPUS = "Ada, Hopper, Blackwell: L40S, H100, H200, B200"
 RECIPES = {
     "fp8": Recipe(fp8_einsum, 1, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
     "fp8_rowwise": Recipe(fp8_rowwise_einsum, 2, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
-    "mxfp8": Recipe(mxfp8_einsum, 2, "peak_fp8_flops", (10, 0), "Blackwell: B200, GB200", 1 + 1 / 32),
-    "nvfp4": Recipe(nvfp4_einsum, 2, "peak_fp4_flops", (10, 0), "Blackwell: B200, GB200", 0.5 + 1 / 16),
+    "mxfp8": Recipe(mxfp8_einsum, 2, "peak_fp8_flops", (10, 0), "Blackwell: B200, GB200", 1 + 1 / 32, (9, 10)),
+    "nvfp4": Recipe(nvfp4_einsum, 2, "peak_fp4_flops", (10, 0), "Blackwell: B200, GB200", 0.5 + 1 / 16, (9, 10)),
 }
 
 
@@ -48,16 +50,22 @@ def is_low_precision(precision: str) -> bool:
     return precision in RECIPES
 
 
-def recipe_refusal(precision: str, device) -> str | None:
-    """Why a recipe cannot run its GEMMs on `device` (a GPU before the recipe's compute capability: XLA
-    would run them upcast, slower than bf16), or None (any other precision, device or platform: a CPU
-    computes the recipe's numbers exactly)."""
+def recipe_refusal(precision: str, device, cudnn: tuple[int, int] | None = None) -> str | None:
+    """Why a recipe cannot run its GEMMs on `device` (a GPU before the recipe's compute capability, or with
+    a cuDNN (`cudnn`: the loaded one's (major, minor), None unknown) before the recipe's: XLA would run them
+    upcast, slower than bf16), or None (any other precision, device or platform: a CPU computes the
+    recipe's numbers exactly)."""
     capability = getattr(device, "compute_capability", None)
     if not is_low_precision(precision) or device.platform != "gpu" or not capability:
         return None
     recipe = RECIPES[precision]
     found = tuple(int(x) for x in str(capability).split("."))
     if found >= recipe.capability:
+        if recipe.cudnn and cudnn and cudnn < recipe.cudnn:
+            least, loaded = ".".join(map(str, recipe.cudnn)), ".".join(map(str, cudnn))
+            return (f"parallel.precision={precision}: its block-scaled GEMMs need cuDNN {least} or newer and this "
+                    f"process loads cuDNN {loaded}, with which XLA would dequantize them to bf16 GEMMs, slower than "
+                    f"bf16: pip install -U nvidia-cudnn-cu12, or set parallel.precision=fp8 or bf16")
         return None
     runs_here = [name for name, r in RECIPES.items() if found >= r.capability]
     least = ".".join(map(str, recipe.capability))
