@@ -246,7 +246,7 @@ def test_quantized_matrices_are_gathered_quantized_and_their_gradients_reduced_i
         assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.10), kind
     assert any("f8e4m3fn[" in line for line in text.splitlines() if " all-gather-start(" in line)
     flag = traffic.compare(measured, expected, gaps=known_gaps.known_gaps(program))["all-reduce"]["flag"]
-    assert flag is None or "the fp8 recipe's scales" in flag
+    assert flag is None or f"the {recipe} recipe's scales" in flag
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])

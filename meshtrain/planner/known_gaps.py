@@ -61,13 +61,14 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "layers of several kinds (sliding windows): the HLO reader (meshtrain/planner/hlo.py) counts both "
             "branches of each layer's switch over its kinds' kernels as if taken, so every layer's ring as every "
             "kind's; the formula counts each layer's own", 1, (formula + extra) / formula))
-    amaxes = ("the fp8 recipe's scales: each quantized tensor's amax over its shards is all-reduced (a scalar; "
-              "fp8_rowwise: one a row where the contraction is sharded: weights over fsdp, dw's tokens over the batch)")
-    low = is_low_precision(plan.precision)
+    recipe = plan.precision
+    amaxes = (f"the {recipe} recipe's scales: each quantized tensor's amax over its shards is all-reduced (a scalar; "
+              "a row's or a block's where the contraction is sharded: weights over fsdp, dw's tokens over the batch)")
+    low = is_low_precision(recipe)
     if low and T > 1:  # each dx rounds on its own; 7/4 for Llama-shaped blocks (LoRA, MLA: more)
-        gaps["all-reduce"].append(("fp8 beside tensor: q's, k's and v's (gate's, up's) dx are each a scaled fp8 GEMM "
-                                   "rounded on its own, all-reduced apart where bf16 sums them first: 5 backward "
-                                   "Megatron all-reduces a layer, not 2; and " + amaxes, 1, 7 / 4))
+        gaps["all-reduce"].append((f"{recipe} beside tensor: q's, k's and v's (gate's, up's) dx are each a scaled "
+                                   f"{recipe} GEMM rounded on its own, all-reduced apart where bf16 sums them first: 5 "
+                                   "backward Megatron all-reduces a layer, not 2; and " + amaxes, 1, 7 / 4))
     elif low and D * F * C > 1:  # no Megatron all-reduce to compare with: bytes the formula lacks
         gaps["all-reduce"].append((amaxes, 1, math.inf))
     if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
