@@ -1,6 +1,7 @@
 """k microbatches accumulated inside the step give the update of one batch k times larger."""
 import jax
 import numpy as np
+import pytest
 from conftest import run_tiny
 
 
@@ -41,3 +42,22 @@ def test_weights_gathered_once_train_as_per_microbatch():
         np.testing.assert_allclose(once, ref_losses, rtol=1e-5, atol=0)
         np.testing.assert_allclose(once, per_micro, rtol=1e-6, atol=0)
         assert max_param_diff(once_params, per_micro_params) < 1e-6
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_gather_once_is_refused_beside_a_forward_only_pass(objective):
+    """DPO's reference and GRPO's policy score the batch forward-only outside the microbatch loop's copy."""
+    import dataclasses
+
+    from conftest import tiny_config
+
+    from meshtrain.config.validate import check_config
+    from meshtrain.core.errors import UserError
+
+    cfg = tiny_config("parallel.gather_once=true")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, objective=objective))
+    with pytest.raises(UserError, match=rf"^parallel.gather_once shares one gather of the weights among the train "
+                                        rf"step's microbatches, and train.objective={objective}'s forward-only pass "
+                                        rf"would still gather them per layer; set parallel.gather_once=false$"):
+        check_config(cfg, effective=False)

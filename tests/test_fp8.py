@@ -27,7 +27,7 @@ from meshtrain.ops.fp8 import (
     quantize,
     transposed_specs,
 )
-from meshtrain.ops.platform import loaded_cudnn
+from meshtrain.ops.platform import installed_cudnn, loaded_cudnn
 from meshtrain.ops.precision import compute_bytes, saved_matmul_bytes
 from meshtrain.ops.recipes import recipe_refusal
 from meshtrain.planner import compilers, roofline
@@ -305,13 +305,14 @@ def test_a_recipe_is_refused_on_a_gpu_without_its_gemms():
         assert recipe_refusal(recipe, jax.devices()[0]) is None
         # a B200 whose loaded cuDNN is before 9.10: XLA dequantizes the block-scaled GEMM (test_gpu_compile.py)
         assert recipe_refusal(recipe, gpu("10.0", "NVIDIA B200"), (9, 9)) == (
-            f"parallel.precision={recipe}: its block-scaled GEMMs need cuDNN 9.10 or newer and this process loads "
-            f"cuDNN 9.9, with which XLA would dequantize them to bf16 GEMMs, slower than bf16: pip install -U "
-            f"nvidia-cudnn-cu12, or set parallel.precision=fp8 or bf16")
+            f"parallel.precision={recipe}: its block-scaled GEMMs need cuDNN 9.10 or newer and this install has "
+            f"cuDNN 9.9, with which XLA would dequantize them to bf16 GEMMs, slower than bf16: upgrade cuDNN (pip "
+            f"install -U nvidia-cudnn-cu12), or set parallel.precision=fp8 or bf16")
         assert recipe_refusal(recipe, gpu("10.0", "NVIDIA B200"), (9, 10)) is None
     assert recipe_refusal("fp8", gpu("9.0"), (9, 9)) is None  # cuBLASLt's fp8 GEMMs
     assert recipe_refusal("bf16", gpu("8.0")) is None
-    assert loaded_cudnn() in (None, compilers.cudnn_version())  # the plugin's library, where it is installed
+    # the planner's target and the refusal read one cuDNN: the plugin's library, else the package's, else 9.8
+    assert compilers.cudnn_version() == installed_cudnn() == (loaded_cudnn() or installed_cudnn())
 
 
 def test_the_fp8_collectives_beyond_the_formulas_are_known_by_layout():

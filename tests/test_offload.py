@@ -172,6 +172,9 @@ def test_the_layout_search_offloads_as_a_memory_move_and_counts_the_hosts_share(
                                                                                                 memory=False))
     assert dict(fit.moves(once, cfg.model, 16, 8))["parallel.gather_once=false"] == sharded
     assert fit.command("c.yaml", [], cfg, once).endswith("--set parallel.gather_once=true")
+    # where it would do nothing (one microbatch) a layout has it off: one program, one candidate
+    assert not once.change(microbatches=1).gather_once and not fit.Layout.of(
+        tiny_config("parallel.gather_once=true"), sharded.mesh).gather_once
     assert fit.command("c.yaml", [], cfg, offloaded).endswith("--set parallel.offload=optimizer")
     limits = {"budget": 100.0, "host": {"budget": 50.0}}
     plan = lambda host: lambda *_: {"memory": {"total": 10.0, "host_total": host},

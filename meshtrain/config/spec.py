@@ -90,7 +90,8 @@ class ParallelPlan:
                                        "context once per step, before the microbatch loop, and keep them for every "
                                        "microbatch (FSDP2's reshard_after_backward=False) instead of again per layer "
                                        "and microbatch; costs a whole compute-dtype copy of the parameters those axes "
-                                       "split, in memory. No effect with one microbatch or a pipeline")
+                                       "split, in memory. No effect with one microbatch or a pipeline; not with DPO "
+                                       "or GRPO")
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism: norms and residuals split along "
                                              "the sequence over the tensor axis (all-gather and reduce-scatter "
                                              "in place of all-reduce)")

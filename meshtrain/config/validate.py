@@ -79,7 +79,11 @@ def _default(f: dataclasses.Field):
 def check_config(cfg, effective: bool = True) -> None:
     """`effective`: also refuse a setting changed where it has no effect (`check_effective`)."""
     family(cfg.model.family)  # registered (meshtrain.models.FAMILIES)
-    objective(cfg.train.objective)  # registered (meshtrain.objectives.OBJECTIVES)
+    trains = objective(cfg.train.objective)  # registered (meshtrain.objectives.OBJECTIVES)
+    if cfg.parallel.gather_once and trains.scores_first:
+        raise UserError(f"parallel.gather_once shares one gather of the weights among the train step's microbatches, "
+                        f"and train.objective={cfg.train.objective}'s forward-only pass would still gather them per "
+                        f"layer; set parallel.gather_once=false")
     for key, f, value in settings(cfg):
         choices = f.metadata["choices"]
         if choices and value not in choices:

@@ -29,7 +29,6 @@ from meshtrain.ops import offload
 from meshtrain.ops.attention import BACKENDS
 from meshtrain.ops.optimizers import OPTIMIZERS, map_param_states
 from meshtrain.ops.packing import Packing, packing_of
-from meshtrain.ops.platform import loaded_cudnn
 from meshtrain.ops.precision import initial_loss_scale
 from meshtrain.ops.recipes import matmul_for, recipe_refusal
 from meshtrain.ops.trainable import select
@@ -64,7 +63,7 @@ class TrainProgram:
         self.rules = make_rules(plan.rules, plan.sequence_parallel)
         first = devices[0] if devices is not None else jax.devices()[0]
         backend = first.platform if devices is not None else jax.default_backend()  # a plan's GPU target
-        if why := recipe_refusal(plan.precision, first, loaded_cudnn()):
+        if why := recipe_refusal(plan.precision, first):
             raise UserError(why)
         plan, self.attention_note = resolve_attention(model, plan, t.seq_len, self.sizes, backend, packing is not None)
         if self.attention_note:  # said once per process: a planner's search builds many programs alike

@@ -29,6 +29,10 @@ def by_platform(gpu, default, *args):
     return (gpu if on_gpu else default)(*args)
 
 
+# The least cuDNN JAX accepts: what the planner's GPU target names where it finds none installed.
+LEAST_CUDNN = (9, 8)
+
+
 def loaded_cudnn() -> tuple[int, int] | None:
     """(major, minor) of the cuDNN this process's CUDA plugin loads (jaxlib's `cuda_versions`: cuDNN 9's
     version number is major x 10,000 + minor x 100 + patch); None without the plugin, or where it cannot say."""
@@ -38,3 +42,19 @@ def loaded_cudnn() -> tuple[int, int] | None:
     except Exception:  # noqa: BLE001 (a plugin without its libraries: unknown)
         return None
     return None if not version else (version // 10000, version // 100 % 100)
+
+
+def installed_cudnn() -> tuple[int, int]:
+    """(major, minor) of the cuDNN a GPU run of this install uses: the one the CUDA plugin loads, else the
+    `nvidia-cudnn-cu12` package's (jax[cuda12] and the plan-gpu extra take the newest 9.x), else
+    `LEAST_CUDNN`. The planner's GPU target names it (meshtrain/planner/compilers.py) and a block-scaled
+    recipe checks it (meshtrain/ops/recipes.py), so the two cannot disagree."""
+    if found := loaded_cudnn():
+        return found
+    from importlib import metadata
+
+    try:
+        major, minor = metadata.version("nvidia-cudnn-cu12").split(".")[:2]
+        return int(major), int(minor)
+    except (metadata.PackageNotFoundError, ValueError):
+        return LEAST_CUDNN

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from meshtrain.ops.block_scaled import mxfp8_einsum, nvfp4_einsum
 from meshtrain.ops.fp8 import fp8_einsum, fp8_rowwise_einsum
+from meshtrain.ops.platform import installed_cudnn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,20 +53,21 @@ def is_low_precision(precision: str) -> bool:
 
 def recipe_refusal(precision: str, device, cudnn: tuple[int, int] | None = None) -> str | None:
     """Why a recipe cannot run its GEMMs on `device` (a GPU before the recipe's compute capability, or with
-    a cuDNN (`cudnn`: the loaded one's (major, minor), None unknown) before the recipe's: XLA would run them
-    upcast, slower than bf16), or None (any other precision, device or platform: a CPU computes the
-    recipe's numbers exactly)."""
+    a cuDNN before the recipe's: `cudnn`, else the one a run of this install uses, platform.py
+    `installed_cudnn`, which the planner's GPU target names too; XLA would run them upcast, slower than
+    bf16), or None (any other precision, device or platform: a CPU computes the recipe's numbers exactly)."""
     capability = getattr(device, "compute_capability", None)
     if not is_low_precision(precision) or device.platform != "gpu" or not capability:
         return None
     recipe = RECIPES[precision]
     found = tuple(int(x) for x in str(capability).split("."))
     if found >= recipe.capability:
-        if recipe.cudnn and cudnn and cudnn < recipe.cudnn:
-            least, loaded = ".".join(map(str, recipe.cudnn)), ".".join(map(str, cudnn))
+        cudnn = (cudnn or installed_cudnn()) if recipe.cudnn else None
+        if cudnn and cudnn < recipe.cudnn:
+            least, found = ".".join(map(str, recipe.cudnn)), ".".join(map(str, cudnn))
             return (f"parallel.precision={precision}: its block-scaled GEMMs need cuDNN {least} or newer and this "
-                    f"process loads cuDNN {loaded}, with which XLA would dequantize them to bf16 GEMMs, slower than "
-                    f"bf16: pip install -U nvidia-cudnn-cu12, or set parallel.precision=fp8 or bf16")
+                    f"install has cuDNN {found}, with which XLA would dequantize them to bf16 GEMMs, slower than "
+                    f"bf16: upgrade cuDNN (pip install -U nvidia-cudnn-cu12), or set parallel.precision=fp8 or bf16")
         return None
     runs_here = [name for name, r in RECIPES.items() if found >= r.capability]
     least = ".".join(map(str, recipe.capability))

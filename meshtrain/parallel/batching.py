@@ -89,7 +89,7 @@ def accumulate(grad_fn, microbatches: int, accumulator_specs, prepare=None):
     sharded and never reduced inside the loop. `prepare` (parameters -> parameters, e.g. gathered once:
     meshtrain/engine/step.py) runs once, before the loop; the gradients are of what it returns."""
     if microbatches == 1:
-        return grad_fn
+        return grad_fn if prepare is None else lambda params, inputs: grad_fn(prepare(params), inputs)
     pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, accumulator_specs)
 
     def metrics_and_grads(params, inputs: StepInputs) -> Gradients:

@@ -22,6 +22,7 @@ import dataclasses
 from meshtrain.core import compile_cache
 from meshtrain.core.errors import UserError, first_line
 from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.ops.platform import installed_cudnn
 from meshtrain.parallel.mesh import simulate_cpu_devices
 
 # Per device: SMs (`core_count`), shared memory per SM and the largest opt-in block share, L2, boost
@@ -49,24 +50,19 @@ GPU_TARGETS = {
                  shared_optin=166912, l2=41943040, clock_ghz=1.41, memory=85051572224, bandwidth=2039000000000),
 }
 # The CUDA and cuDNN versions the compiler targets (jax-cuda12-plugin 0.10 is built with CUDA 12.8). cuDNN's:
-# the library installed beside the plugin (nvidia-cudnn-cu12, which a GPU run of the same install loads:
-# jax[cuda12] and the plan-gpu extra both take the newest 9.x), else 9.8, the least JAX accepts. It
-# decides kernels: XLA's GPU compiler makes a block-scaled GEMM (mxfp8, nvfp4: `__cudnn$blockScaledDot`)
-# on Blackwell only from cuDNN 9.10 (a dequantization and a bf16 GEMM before; checked on the B200 target,
-# jaxlib 0.10.2), and cuDNN's fused attention is planned only when the installed library can build its graphs.
-LEAST_CUDNN = (9, 8)
+# the one a GPU run of this install uses (meshtrain/ops/platform.py `installed_cudnn`: the plugin's library,
+# else the nvidia-cudnn-cu12 package's, else 9.8, the least JAX accepts). It decides kernels: XLA's GPU
+# compiler makes a block-scaled GEMM (mxfp8, nvfp4: `__cudnn$blockScaledDot`) on Blackwell only from cuDNN
+# 9.10 (a dequantization and a bf16 GEMM before; checked on the B200 target, jaxlib 0.10.2), and cuDNN's
+# fused attention is planned only when the installed library can build its graphs.
 RUNTIME = {"cuda": (12, 8, 0)}
 
 
 def cudnn_version() -> tuple[int, int]:
-    """(major, minor) of the cuDNN installed beside the plugin, else `LEAST_CUDNN` (above)."""
-    from importlib import metadata
+    """(major, minor) of the cuDNN the target names: `installed_cudnn` (above)."""
+    return installed_cudnn()
 
-    try:
-        major, minor = metadata.version("nvidia-cudnn-cu12").split(".")[:2]
-        return int(major), int(minor)
-    except (metadata.PackageNotFoundError, ValueError):
-        return LEAST_CUDNN
+
 COMPILERS = ("auto", "gpu", "cpu")
 INSTALL_HINT = 'pip install -e ".[plan-gpu]"'
 

@@ -36,6 +36,7 @@ import math
 
 from jax.errors import JaxRuntimeError
 
+from meshtrain.config.spec import ParallelPlan
 from meshtrain.config.validate import check_layout, resolve_attention
 from meshtrain.core.errors import UserError, first_line
 from meshtrain.parallel.mesh import AXES, axis_sizes, describe
@@ -64,7 +65,17 @@ class Layout:
     def of(cls, cfg, sizes: dict) -> Layout:
         par = cfg.parallel
         return cls(tuple((a, sizes[a]) for a in AXES), par.zero, par.remat, par.num_microbatches(sizes["pipeline"]),
-                   par.attention, par.context_strategy, par.ulysses_degree, par.offload, par.gather_once)
+                   par.attention, par.context_strategy, par.ulysses_degree, par.offload,
+                   par.gather_once).effective()
+
+    def gathers_once_here(self) -> bool:
+        """Whether gather_once would apply on this layout (ParallelPlan.gathers_once)."""
+        return ParallelPlan(microbatches=self.microbatches, gather_once=True).gathers_once(self.mesh)
+
+    def effective(self) -> Layout:
+        """This layout with gather_once off where it would do nothing: one program, one layout."""
+        return self if not self.gather_once or self.gathers_once_here() else \
+            dataclasses.replace(self, gather_once=False)
 
     @property
     def mesh(self) -> dict:
@@ -86,7 +97,7 @@ class Layout:
         return dataclasses.replace(cfg, parallel=par)
 
     def change(self, **values) -> Layout:
-        return dataclasses.replace(self, **values)
+        return dataclasses.replace(self, **values).effective()
 
 
 def _smallest_factor(n: int) -> int:
@@ -144,8 +155,7 @@ def moves(layout: Layout, model, seq_len: int, devices_per_node: int, memory: bo
         for zero in [layout.zero + 1] if memory else range(layout.zero):
             if zero <= 3:
                 out.append((f"parallel.zero={zero}", layout.change(zero=zero)))
-    if layout.gather_once == memory and layout.microbatches > 1 and mesh["pipeline"] == 1 \
-            and mesh["fsdp"] * mesh["context"] > 1:  # one gather of the weights for every microbatch, or one each
+    if layout.gather_once == memory and layout.gathers_once_here():  # one gather for all the microbatches, or each
         out.append((f"parallel.gather_once={str(not memory).lower()}", layout.change(gather_once=not memory)))
     o = OFFLOAD_ORDER.index(layout.offload) + (1 if memory else -1)
     if 0 <= o < len(OFFLOAD_ORDER):
@@ -192,7 +202,7 @@ def valid_layouts(cfg, devices: int, devices_per_node: int, backend: str) -> lis
         rows = t.batch_size // math.prod(sizes[a] for a in rules["batch"])
         for micro in (m for m in range(1, rows + 1) if rows % m == 0):
             layout = Layout(tuple(sizes.items()), par.zero, par.remat, micro, attention, strategy, degree,
-                            par.offload, par.gather_once)
+                            par.offload, par.gather_once).effective()
             try:
                 par_here = resolve_attention(cfg.model, layout.apply(cfg).parallel, t.seq_len, sizes, backend,
                                              cfg.data.document_mask)[0]

@@ -47,7 +47,8 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
         no_ring = C > 1 and context_degrees(plan.context_strategy, C, plan.ulysses_degree)[0] == 1
         permutes_hi = math.inf if no_ring else 2
         gaps["collective-permute"].append((why + "; two shards' sums are added through a permute", 1, permutes_hi))
-    if plan.remat == "full" and F * C > 1:
+    per_use = not plan.gathers_once(sizes)  # the gaps of gathers made per layer and use (not one copy a step)
+    if plan.remat == "full" and F * C > 1 and per_use:
         gaps["all-gather"].append((
             "remat=full: XLA may gather a layer's MLP (or experts') weights again in the backward (the recomputed "
             "forward's gather and the weight gradient's stay two collectives; llama2_70b's gate and up, "
@@ -71,7 +72,7 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
                                    "backward Megatron all-reduces a layer, not 2; and " + amaxes, 1, 7 / 4))
     elif low and D * F * C > 1:  # no Megatron all-reduce to compare with: bytes the formula lacks
         gaps["all-reduce"].append((amaxes, 1, math.inf))
-    if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1:
+    if program.model.cfg.tie_embeddings and plan.precision == "fp32" and F * C > 1 and per_use:
         gaps["all-gather"].append((
             "a tied table in fp32: XLA gathers it over fsdp for each use (the lookup, the head's forward and "
             "backward) where the formula counts one gather", 1, 4))

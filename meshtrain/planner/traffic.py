@@ -75,7 +75,11 @@ from meshtrain.ops.ring_schedule import ring_sends
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
 from meshtrain.parallel.schedules import forwards_of, timetable
-from meshtrain.parallel.sharding import entry_axes, stage_replicated
+from meshtrain.parallel.sharding import (  # STORAGE_AXES: gathered, reduced over
+    STORAGE_AXES,
+    entry_axes,
+    stage_replicated,
+)
 from meshtrain.parallel.tick_tables import executor_tables, sends_per_step
 from meshtrain.planner.hlo import KINDS
 
@@ -106,9 +110,6 @@ def expert_params(program, trained: bool = False) -> int:
     return sum(leaf.size for leaf, _, axes, _ in _params_with_axes(program, trained) if "experts" in axes)
 
 
-GATHERED_AXES = ("data", "fsdp", "context")  # the axes a parameter slice is gathered and reduced over
-
-
 def unsharded_slice(program) -> float:
     """Trained parameters in this device's slice that no gathered axis shards (qwen3's and gemma3's
     per-head q/k norm weights, [head_dim]): each device holds them whole, and their gradients are
@@ -116,7 +117,7 @@ def unsharded_slice(program) -> float:
     total = 0.0
     for leaf, sharding, _, _ in _params_with_axes(program, trained=True):
         used = [a for entry in sharding.spec for a in entry_axes(entry)]
-        if not any(program.sizes[a] > 1 for a in used if a in GATHERED_AXES):
+        if not any(program.sizes[a] > 1 for a in used if a in STORAGE_AXES):
             total += leaf.size / math.prod(program.sizes[a] for a in used)
     return total
 
@@ -138,7 +139,7 @@ def param_slices(program, experts: bool = True, trained: bool = False) -> dict[s
         if not experts and "experts" in axes:
             continue
         split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
-                          if a not in GATHERED_AXES)
+                          if a not in STORAGE_AXES)
         out["outer" if stage_replicated(axes) else "blocks"] += leaf.size / split
         out["fp8"] += leaf.size / split if fp8 and not stage_replicated(axes) and model.fp8_weight(name, leaf) else 0
         if axes[:1] == ("vocab",):
