@@ -7,6 +7,8 @@ overflows; fp16 and bf16 are compared with fp32, each recipe with bf16 (the prec
         [--precisions fp32,bf16,fp16,fp8,fp8_rowwise,mxfp8,nvfp4]
     python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-no_sr,nvfp4-no_rht,nvfp4-1d_weights --steps 600
         # nvfp4 without one part of its recipe each: stochastic rounding, the rotation, 16 x 16 weight blocks
+    python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-bf16_last --steps 600
+        # <recipe>-bf16_last: the recipe with the model's last layer kept in bf16 (parallel.bf16_layers=[-1])
 
 On a CPU the three run one after the other (bf16/fp16 are emulated there: the point is the
 numerics, not the speed); on a GPU pass --devices 0 to use it.
@@ -26,8 +28,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
 RECIPE = {"weight_2d": True, "stochastic": True, "rotate": True}
 ABLATIONS = {"nvfp4-no_sr": {**RECIPE, "stochastic": False}, "nvfp4-no_rht": {**RECIPE, "rotate": False},
              "nvfp4-1d_weights": {**RECIPE, "weight_2d": False}}
+# a recipe with its last layer kept in bf16 (parallel.bf16_layers), as the published recipes keep the last ones
+KEPT = {f"{recipe}-bf16_last": ("parallel.bf16_layers=[-1]",) for recipe in ("fp8", "fp8_rowwise", "mxfp8", "nvfp4")}
 AGAINST = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16", "mxfp8": "bf16",
-           "nvfp4": "bf16", **{name: "bf16" for name in ABLATIONS}}  # each compared with
+           "nvfp4": "bf16", **{name: "bf16" for name in (*ABLATIONS, *KEPT)}}  # each compared with
 
 
 def run(name: str, args):
@@ -45,7 +49,7 @@ def run(name: str, args):
     overrides = [f"parallel.precision={precision}", "parallel.mesh=1", f"train.steps={args.steps}",
                  f"train.eval_every={args.eval_every}", f"train.log_every={args.eval_every}",
                  f"data.path={args.data}", f"out={tempfile.mkdtemp(prefix=f'precision-{precision}-')}",
-                 "checkpoint.every_minutes=0", f"devices={args.devices}"]
+                 "checkpoint.every_minutes=0", f"devices={args.devices}", *KEPT.get(name, ())]
     try:
         trainer = Trainer(load_config(str(ROOT / "configs" / "shakespeare_char.yaml"), overrides))
         history = trainer.fit(log=MetricsLog(trainer.out, primary=False))

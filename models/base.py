@@ -12,9 +12,8 @@ blocks. A family (models/llama.py, moe.py, qwen3.py, ...) is one module that cha
   models/lora.py), which sharding, INT8 channels and Hugging Face layouts follow.
 
 Beside it: models/lora.py (adapters, LoRA dropout), rope.py, kv_cache.py (cached attention), hf_llama.py
-(the LlamaForCausalLM form the families' Hugging Face forms start from), experts.py (routing, dispatch)
-and routed.py (the blocks of the routed-expert families).
-
+(the LlamaForCausalLM form the families' Hugging Face forms start from), experts.py (routing, dispatch),
+routed.py (the blocks of the routed-expert families) and layer_runs.py (layers a recipe leaves in bf16).
 `Block` is three pieces: `project` (norm, q/k/v, rotary), the attention kernel, and `finish` (output
 projection, MLP, residuals); training runs them as `__call__`, generation as `decode` (a KV cache).
 
@@ -41,12 +40,14 @@ from jax.ad_checkpoint import checkpoint_name
 from meshtrain.core.metrics import flops_per_token
 from meshtrain.models.axes import WEIGHT_AXES
 from meshtrain.models.kv_cache import cached_attention, write_rows
+from meshtrain.models.layer_runs import PER_LAYER_STATS, bf16_blocks, scan_runs
 from meshtrain.models.lora import LORA, adapter_axes, init_adapter, layer_keys, lora_dropout
 from meshtrain.models.rope import rope_attention_factor, rope_frequencies, rotary
 from meshtrain.ops.attention import xla_attention
 from meshtrain.ops.embedding import lookup
 from meshtrain.ops.loss import cross_entropy
 from meshtrain.ops.packing import visible
+from meshtrain.ops.recipes import projection_einsum
 from meshtrain.parallel.sharding import constrain
 
 # Logical axes of every parameter, by its name or its module's (a norm's `scale` is `embed` unless its
@@ -54,7 +55,6 @@ from meshtrain.parallel.sharding import constrain
 # parameters get a leading "layers" (`blocks`, which pipeline stages split) or "outer_layers" (another
 # stack: whole on every stage).
 PARAM_AXES = WEIGHT_AXES | adapter_axes({t: WEIGHT_AXES[w] for t, (w, *_) in LORA.items()})
-
 
 # Activations that the save_matmuls / offload remat policies keep for the backward pass.
 # `attn_ctx` (attention's output, before wo) too, so the recompute never reruns the L^2 attention.
@@ -269,11 +269,6 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Param(_init(0, 1)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
 
 
-# Block statistics kept per layer ([layers, ...], storage order) rather than summed over layers:
-# each expert's share of a routed layer's assignments, which the router bias update reads.
-PER_LAYER_STATS = ("expert_load",)
-
-
 def layer_means(stats: dict, num_layers: int) -> dict:
     """`scan_blocks`' statistics as means over the `num_layers` layers, the per-layer ones as they are."""
     return {k: v if k in PER_LAYER_STATS else v / num_layers for k, v in stats.items()}
@@ -287,11 +282,14 @@ def per_layer(kinds=None, noise=None) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None, noise=None):
+def scan_blocks(layer, blocks, x_BxLxD, *docs, kinds=None, noise=None, bf16=None):
     """All stacked layers with one scan (compile time does not grow with depth): the output and the
     layers' statistics summed (PER_LAYER_STATS stacked). `layer(params_i, x[, docs]) -> (x, stats)`
     is `block`, perhaps under remat; `docs` (the window's documents, if any) go to every layer;
-    `kinds` and `noise` (`per_layer`) go to each layer its own as `kind=` and `noise=`."""
+    `kinds` and `noise` (`per_layer`) go to each layer its own as `kind=` and `noise=`; `bf16` (per
+    layer, `LanguageModel.bf16_blocks`): one scan per run of layers alike (models/layer_runs.py)."""
+    if bf16 is not None:
+        return scan_runs(scan_blocks, layer, blocks, x_BxLxD, *docs, kinds=kinds, noise=noise, kept=bf16)
     x_BxLxD, stats = jax.lax.scan(lambda x, pk: layer(pk[0], x, *docs, **pk[1]), x_BxLxD,
                                   (blocks, per_layer(kinds, noise)))
     return x_BxLxD, layer_sums(stats)
@@ -324,8 +322,9 @@ class LanguageModel:
     embed_stacks = ()  # stacks of the first layers, run by `embed` before `blocks` (on a pipeline: the first stage)
 
     def __init__(self, cfg, attention=xla_attention, sequence_order=None, packing=None, matmul=jnp.einsum,
-                 expert_chunks: int = 1):
+                 expert_chunks: int = 1, bf16_layers=()):
         self.cfg = cfg.resolved()
+        self.bf16_blocks = bf16_blocks(self.cfg, bf16_layers)  # parallel.bf16_layers: the blocks kept in bf16
         self.attention, self.sequence_order, self.packing = attention, sequence_order, packing
         self.matmul, self.expert_chunks = matmul, expert_chunks  # parallel.expert_chunks (models/experts.py)
         abstract = nnx.eval_shape(lambda: self.module(self.cfg, nnx.Rngs(0)))
@@ -355,7 +354,7 @@ class LanguageModel:
     def block(self, params_i, x_BxLxD, docs=None, kind=None, noise=None):
         """`noise`: the layer's LoRA dropout keys [B, 2] (`layer_keys`), in training only."""
         block = nnx.merge(self._block_graphdef, params_i)
-        block.einsum, block.expert_chunks = self.matmul, self.expert_chunks
+        block.einsum, block.expert_chunks = projection_einsum(self.matmul), self.expert_chunks
         if noise is not None:
             block.dropout_keys, block.dropout_positions = noise, self.sequence_order
         return block(x_BxLxD, self.attention, self.sequence_order, docs, kind)
@@ -389,7 +388,8 @@ class LanguageModel:
         training), `blocks` in model order."""
         noise = None if dropout_keys is None else layer_keys(dropout_keys, np.arange(self.stacked_layers))
         x, stats = scan_blocks(layer or self.block, params["blocks"], self.embed(params, tokens_BxL),
-                               *([] if docs is None else [docs]), kinds=self.layer_kinds, noise=noise)
+                               *([] if docs is None else [docs]), kinds=self.layer_kinds, noise=noise,
+                               bf16=self.bf16_blocks)
         return x, layer_means(stats, self.stacked_layers)
 
     def apply(self, params, tokens_BxL, docs=None):

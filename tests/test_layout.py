@@ -75,7 +75,7 @@ def test_every_folder_is_a_declared_layer_and_an_installed_package():
 # is a family's (it declares a FAMILY), reached only through meshtrain.models.FAMILIES and the protocol in
 # models/base.py, so a family that only changes blocks stays one module.
 MODELS_SHARED = {"__init__", "spec", "base", "axes", "lora", "rope", "kv_cache", "hf_llama", "experts", "routed",
-                 "qk_norm", "latent_attention"}
+                 "qk_norm", "latent_attention", "layer_runs"}
 
 
 def family_modules() -> set[str]:

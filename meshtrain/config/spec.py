@@ -26,6 +26,7 @@ from meshtrain.models import ModelSpec  # noqa: F401 (the model section: its fam
 from meshtrain.ops.attention import BACKENDS as ATTENTION_BACKENDS
 from meshtrain.ops.offload import MODES as OFFLOAD_MODES
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS, describe
+from meshtrain.ops.recipes import RECIPES
 from meshtrain.ops.remat import POLICIES as REMAT_POLICIES
 from meshtrain.parallel.schedules import SCHEDULES
 
@@ -46,6 +47,10 @@ class ParallelPlan:
                                      "16x16 weight blocks, stochastic gradient rounding, Hadamard-rotated dw "
                                      "operands): docs/precision.md",
                              choices=("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4"))
+    bf16_layers: list = setting([], "under a low-precision recipe, the layers whose projections and MLP stay bf16, "
+                                    "by index (0 the first, -1 the last), e.g. [-2, -1]: the published NVFP4 and "
+                                    "MXFP8 recipes keep the last layers in bf16; the rest run the recipe",
+                                applies=Applies("parallel.precision", tuple(RECIPES)))
     loss_scale_initial: float = setting(65536.0, "fp16: the loss scale at step 0 (2^16, DeepSpeed's default); an "
                                                  "overflowing step is skipped and halves it", min=1.0,
                                         applies=Applies("parallel.precision", ("fp16",)))

@@ -27,7 +27,7 @@ from meshtrain.data.mixture import sources as data_sources
 from meshtrain.data.tasks import entries as task_entries
 from meshtrain.data.tokenizer import check_vocab
 from meshtrain.data.tokenizer import load as load_tokenizer
-from meshtrain.models import declaring, family
+from meshtrain.models import declaring, family, layer_runs
 from meshtrain.objectives import objective
 from meshtrain.objectives.grpo import longest_prompt
 from meshtrain.ops import offload
@@ -101,6 +101,8 @@ def check_config(cfg, effective: bool = True) -> None:
     if not m.head_dim and m.d_model % m.num_heads:
         raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
                         f"set model.head_dim")
+    if why := layer_runs.check(m, par.bf16_layers):
+        raise UserError(why)
     rope_key, rope_width = m.rope_width()  # the family's own key: head_dim, or deepseek_v3's qk_rope_head_dim
     if rope_width % 2:
         derived = "" if getattr(m, rope_key) else f" (d_model / num_heads = {rope_width})"
@@ -235,6 +237,10 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
         raise LayoutError(why)
     stages = sizes["pipeline"]
     micro = par.num_microbatches(stages)
+    if par.bf16_layers and stages > 1:  # the stages scan their chunks whole (engine/pipeline.py)
+        raise LayoutError(f"parallel.bf16_layers={list(par.bf16_layers)} on a pipeline (pipeline={stages}) is not "
+                          f"built: its stages run each chunk of layers as one scan; drop the pipeline axis, or "
+                          f"parallel.bf16_layers")
     dense = m.dense_first_layers()
     if dense and stages > 1 and sizes["fsdp"] > 1 and sizes["tensor"] > 1:  # XLA:CPU hung in a collective-permute
         raise LayoutError(f"model.first_k_dense_replace={dense} on a pipeline with fsdp and tensor both > 1 is not "

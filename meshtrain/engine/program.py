@@ -78,7 +78,7 @@ class TrainProgram:
                                           t.seq_len, plan.ulysses_degree)
         self.model = FAMILIES[model.family](model, attention=attention, sequence_order=order,
                                             packing=packing, matmul=matmul_for(plan.precision),
-                                            expert_chunks=plan.expert_chunks)
+                                            expert_chunks=plan.expert_chunks, bf16_layers=plan.bf16_layers)
         # Input tokens [B, L+1] split on the batch only (L+1 divides by nothing); the model's
         # activations take the `seq` rule.
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None), self.rules, self.mesh))

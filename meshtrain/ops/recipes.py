@@ -9,6 +9,8 @@ GPUs that have them).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax.numpy as jnp
@@ -86,3 +88,29 @@ def matmul_for(precision: str):
     """The einsum the transformer's projections and MLP run under a precision: its recipe's, else
     jnp.einsum."""
     return RECIPES[precision].einsum if is_low_precision(precision) else jnp.einsum
+
+
+# parallel.bf16_layers: while a layer kept in bf16 is traced (models/base.py `scan_blocks`), its projections
+# run jnp.einsum whatever the model's recipe
+_IN_BF16: contextvars.ContextVar = contextvars.ContextVar("meshtrain_bf16_layers", default=False)
+
+
+@contextlib.contextmanager
+def bf16_projections():
+    """Trace the blocks inside with their projections and MLP in bf16 (the layers a recipe leaves out)."""
+    token = _IN_BF16.set(True)
+    try:
+        yield
+    finally:
+        _IN_BF16.reset(token)
+
+
+def in_bf16() -> bool:
+    """Whether the blocks traced now are ones a recipe leaves in bf16 (inside `bf16_projections`)."""
+    return _IN_BF16.get()
+
+
+def projection_einsum(matmul):
+    """The einsum a block's projections run: the model's `matmul` (its recipe's), jnp.einsum inside
+    `bf16_projections`."""
+    return jnp.einsum if in_bf16() else matmul

@@ -9,7 +9,11 @@ the policy decides what the backward finds saved and what it recomputes:
 """
 from __future__ import annotations
 
+import functools
+
 import jax
+
+from meshtrain.ops.recipes import in_bf16
 
 POLICIES = ("none", "full", "save_matmuls", "offload")
 
@@ -29,6 +33,12 @@ def policy(name: str, saveable: tuple[str, ...]):
 
 
 def apply(block, name: str, saveable: tuple[str, ...]):
-    """`block` wrapped in jax.checkpoint under the policy, or `block` itself for `none`."""
+    """`block` wrapped in jax.checkpoint under the policy, or `block` itself for `none`. One checkpoint for
+    the layers a recipe runs and one for those it leaves in bf16 (parallel.bf16_layers, traced inside
+    `recipes.bf16_projections`): jax.checkpoint reuses a trace by function and shapes, which would give a
+    kept layer the recipe's einsums."""
     chosen = policy(name, saveable)
-    return block if chosen is None else jax.checkpoint(block, policy=chosen, prevent_cse=False)
+    if chosen is None:
+        return block
+    each = {kept: jax.checkpoint(functools.partial(block), policy=chosen, prevent_cse=False) for kept in (False, True)}
+    return lambda *args, **kwargs: each[in_bf16()](*args, **kwargs)

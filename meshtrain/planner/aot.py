@@ -262,7 +262,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
                        "ulysses_degree": par.ulysses_degree, "sequence_parallel": par.sequence_parallel,
                        "grad_compression": par.grad_compression, "optimizer": cfg.optim.optimizer,
                        "microbatches": par.num_microbatches(sizes["pipeline"]),
-                       "gathers_once": par.gathers_once(sizes)},
+                       "gathers_once": par.gathers_once(sizes), "bf16_layers": list(par.bf16_layers)},
             "mesh": describe(sizes), "devices": n, "params": program.num_params,
             "trainable_params": program.trainable_params, "memory": memory,
             "zero_formula": zero_formula(program),

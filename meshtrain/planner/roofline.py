@@ -68,6 +68,7 @@ import numpy as np
 
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
+from meshtrain.models.layer_runs import recipe_share
 from meshtrain.ops.attention import executed_attention
 from meshtrain.ops.grouped_matmul import runs_rows_routed
 from meshtrain.ops.recipes import RECIPES, is_low_precision
@@ -334,7 +335,9 @@ def estimate(program, memory_analysis, collectives: Iterable, profile: dict,
         refuse_on(profile, plan.precision)
         fp8_slot = program.model.slot_matmul_params(params, t.seq_len, sizes.get("expert", 1), in_fp8=True,
                                                     rows_routed=rows_routed)
-        fp8_flops = (6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
+        # less the layers parallel.bf16_layers keeps in bf16 (their share of the stacked blocks)
+        fp8_flops = ((6.0 + 2.0 * recompute) * (program.model.fp8_matmul_params(params) + fp8_slot) * tokens
+                     * recipe_share(program.model.bf16_blocks))
     roofs = times(model_flops, hardware_flops, sum(v["seconds"] for v in links.values()), memory_bytes, profile,
                   bubble, fp8_flops, slowest_stage, offload_seconds(program, profile), low_peak)
     return {"device": profile["name"], "priced_by": "formulas", "devices_per_node": per_node,

@@ -43,7 +43,9 @@ def format_plan(r: dict) -> str:
     mem, zf, roof = r["memory"], r["zero_formula"], r["roofline"]
     gb = human_bytes
     lines = [f"plan: {r['params'] / 1e6:,.1f}M params{trainable_note(r)} on {r['devices']} devices, mesh {r['mesh']}, "
-             f"zero={r['config']['zero']}, {r['config']['precision']}, remat={r['config']['remat']}, "
+             f"zero={r['config']['zero']}, {r['config']['precision']}"
+             + (f" (layers {r['config']['bf16_layers']} in bf16)" if r["config"].get("bf16_layers") else "")
+             + f", remat={r['config']['remat']}, "
              f"{r['config']['microbatches']} microbatch(es)"
              + (" sharing one gather of the weights (parallel.gather_once)" if r["config"].get("gathers_once") else ""),
              *([compilers.summary(r["compiled_for"])] if "compiled_for" in r else []),

@@ -69,6 +69,7 @@ import jax
 
 from meshtrain.core import formulas
 from meshtrain.core.formulas import ring_traffic
+from meshtrain.models.layer_runs import recipe_share
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.recipes import RECIPES, is_low_precision
 from meshtrain.ops.ring_schedule import ring_sends
@@ -131,9 +132,11 @@ def param_slices(program, experts: bool = True, trained: bool = False) -> dict[s
     dtype; a tied table is the head too); `lookup`: the table the lookup reads, tied or not;
     `vocab`: the parameters with a vocabulary axis (the table and an untied head); `fp8`: of `blocks`,
     those an fp8 recipe quantizes before its matmul (the model's `fp8_weight`: FSDP gathers their fp8
-    copies). `trained`: the trained parameters only, whose gradients are reduced (LoRA: the adapters)."""
+    copies; the layers parallel.bf16_layers keeps in bf16 less). `trained`: the trained parameters only, whose
+    gradients are reduced (LoRA: the adapters)."""
     out = {"blocks": 0.0, "outer": 0.0, "table": 0.0, "lookup": 0.0, "vocab": 0.0, "fp8": 0.0}
     model, fp8 = program.model, is_low_precision(program.plan.precision)
+    quantized = recipe_share(model.bf16_blocks)  # of the stacked blocks, those the recipe runs (bf16_layers)
     tied = model.cfg.tie_embeddings
     for leaf, sharding, axes, name in _params_with_axes(program, trained):
         if not experts and "experts" in axes:
@@ -141,7 +144,8 @@ def param_slices(program, experts: bool = True, trained: bool = False) -> dict[s
         split = math.prod(program.sizes[a] for entry in sharding.spec for a in entry_axes(entry)
                           if a not in STORAGE_AXES)
         out["outer" if stage_replicated(axes) else "blocks"] += leaf.size / split
-        out["fp8"] += leaf.size / split if fp8 and not stage_replicated(axes) and model.fp8_weight(name, leaf) else 0
+        if fp8 and not stage_replicated(axes) and model.fp8_weight(name, leaf):
+            out["fp8"] += leaf.size / split * quantized
         if axes[:1] == ("vocab",):
             out["lookup"] += leaf.size / split
             out["table"] += 0 if tied else leaf.size / split
