@@ -206,6 +206,21 @@ def test_fsdp_formula_holds_on_the_gpu_program(tied, once):
     assert most == (1 if once else 2 * cfg.model.num_layers)
 
 
+def test_gathered_once_an_fp8_recipes_weights_cross_in_bf16_once_a_step():
+    """parallel.gather_once under fp8 on 8 H100s as fsdp=8 in 2 microbatches: the compute-dtype copy is
+    gathered once, before the loop, in bf16 (the recipe quantizes inside the loop), as traffic.py counts it;
+    the reduce-scatters are the per-microbatch ones."""
+    cfg = tiny_config("parallel.mesh=fsdp=8", "parallel.microbatches=2", "parallel.zero=3", "parallel.precision=fp8",
+                      "parallel.gather_once=true")
+    program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
+    text = program.lower().compile().as_text()
+    measured, expected = collectives(text, 8, correct=False), traffic.expected_traffic(program)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.10), kind
+    assert {r.times for r in hlo.read(text, 8, correct=False) if r.kind == "all-gather"} == {1}
+    assert not any("f8e4m3fn[" in line for line in text.splitlines() if " all-gather-start(" in line)
+
+
 def test_a_program_of_an_fp8_recipe_for_an_a100_is_refused_before_it_compiles():
     """The program itself refuses (a run on an A100 as much as its plan by the GPU compiler), from the
     device's own compute capability."""
