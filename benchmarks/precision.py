@@ -1,10 +1,10 @@
 """fp32 vs bf16 vs fp16 (dynamic loss scaling) vs the low-precision recipes (meshtrain/ops/recipes.py: fp8
-tensorwise, fp8_rowwise, mxfp8, nvfp4) on the Shakespeare model:
+tensorwise, fp8_rowwise, fp8_blockwise, mxfp8, nvfp4) on the Shakespeare model:
 the eval-loss curves of one run each, same seed, data and batches, and the fp16 run's loss scale and
 overflows; fp16 and bf16 are compared with fp32, each recipe with bf16 (the precision it replaces).
 
     python benchmarks/precision.py [--data ../shared/data/tinyshakespeare.txt] [--steps 1000] [--eval-every 100]
-        [--precisions fp32,bf16,fp16,fp8,fp8_rowwise,mxfp8,nvfp4]
+        [--precisions fp32,bf16,fp16,fp8,fp8_rowwise,fp8_blockwise,mxfp8,nvfp4]
     python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-no_sr,nvfp4-no_rht,nvfp4-1d_weights --steps 600
         # nvfp4 without one part of its recipe each: stochastic rounding, the rotation, 16 x 16 weight blocks
     python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-bf16_last --steps 600
@@ -23,15 +23,16 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo's modules bef
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
+from meshtrain.ops.recipes import RECIPES  # noqa: E402 (after the path above)
+
+PRECISIONS = ("fp32", "bf16", "fp16", *RECIPES)
 # nvfp4 less one part of its recipe (meshtrain/ops/block_scaled.py block_scaled_einsum's arguments)
 RECIPE = {"weight_2d": True, "stochastic": True, "rotate": True}
 ABLATIONS = {"nvfp4-no_sr": {**RECIPE, "stochastic": False}, "nvfp4-no_rht": {**RECIPE, "rotate": False},
              "nvfp4-1d_weights": {**RECIPE, "weight_2d": False}}
 # a recipe with its last layer kept in bf16 (parallel.bf16_layers), as the published recipes keep the last ones
-KEPT = {f"{recipe}-bf16_last": ("parallel.bf16_layers=[-1]",) for recipe in ("fp8", "fp8_rowwise", "mxfp8", "nvfp4")}
-AGAINST = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16", "mxfp8": "bf16",
-           "nvfp4": "bf16", **{name: "bf16" for name in (*ABLATIONS, *KEPT)}}  # each compared with
+KEPT = {f"{recipe}-bf16_last": ("parallel.bf16_layers=[-1]",) for recipe in RECIPES}
+AGAINST = {"fp16": "fp32", "bf16": "fp32", **{name: "bf16" for name in (*RECIPES, *ABLATIONS, *KEPT)}}  # each against
 
 
 def run(name: str, args):

@@ -263,14 +263,16 @@ def test_a_gpu_mesh_the_block_scaled_gemm_cannot_be_partitioned_on_is_refused_in
 @pytest.fixture(scope="module")
 def runs():
     steps = ("parallel.precision={}", "parallel.mesh=1", "train.steps=24", "train.log_every=1")
-    return {p: run_tiny(*(o.format(p) for o in steps), devices=jax.devices()[:1]) for p in ("bf16", "mxfp8", "nvfp4")}
+    return {p: run_tiny(*(o.format(p) for o in steps), devices=jax.devices()[:1])
+            for p in ("bf16", "mxfp8", "nvfp4", "fp8_blockwise")}
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_blockwise"])
 def test_the_tiny_run_tracks_bf16(runs, recipe):
     (_, bf16, _), (_, low, _) = runs["bf16"], runs[recipe]
     assert len(low) == 24 and bf16[-1] < bf16[0] - 0.05  # it learned
-    print(f"{recipe} vs bf16: at most {np.max(np.abs(low - bf16) / bf16):.3%} apart over 24 steps")  # 0.18%, 0.45%
+    # measured: mxfp8 0.18%, nvfp4 0.45%, fp8_blockwise 0.19%
+    print(f"{recipe} vs bf16: at most {np.max(np.abs(low - bf16) / bf16):.3%} apart over 24 steps")
     np.testing.assert_allclose(low, bf16, rtol=0.02)
     assert not np.array_equal(low, bf16)
 

@@ -300,7 +300,7 @@ def test_a_recipe_is_refused_on_a_gpu_without_its_gemms():
         why = recipe_refusal(recipe, gpu("9.0", "NVIDIA H100 80GB HBM3"))
         assert why == (f"parallel.precision={recipe}: the NVIDIA H100 80GB HBM3 (compute capability 9.0) has no "
                        f"{recipe} GEMMs, which need 10.0 or newer (Blackwell: B200, GB200); XLA would run the recipe "
-                       f"upcast, slower than bf16: set parallel.precision=fp8 or fp8_rowwise or bf16")
+                       f"upcast, slower than bf16: set parallel.precision=fp8 or fp8_rowwise or fp8_blockwise or bf16")
         assert recipe_refusal(recipe, gpu("10.0", "NVIDIA B200")) is None
         assert recipe_refusal(recipe, jax.devices()[0]) is None
         # a B200 whose loaded cuDNN is before 9.10: XLA dequantizes the block-scaled GEMM (test_gpu_compile.py)

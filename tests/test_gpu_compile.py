@@ -323,6 +323,54 @@ def test_a_block_scaled_recipe_is_refused_on_a_hopper_and_on_a_b200_mesh_with_a_
         TrainProgram.from_config(tiny_config("parallel.mesh=1", f"parallel.precision={recipe}"), devices=gpu_devices())
 
 
+def test_fp8_blockwise_runs_every_projection_gemm_as_its_triton_fp8_kernel_priced_as_one():
+    """One H100: each projection's forward, dx and dw (21 GEMMs a layer) is meshtrain's Pallas Triton kernel
+    (meshtrain/ops/fp8_blockwise_triton.py) on e4m3 values with their fp32 block scales, named by its einsum;
+    the only bf16 GEMMs are the head's 3. The planner counts them by operand type and prices each as a GEMM
+    of its shape at the fp8 peak and the Triton kernels' share (`grouped_gemm_peak`)."""
+    text = compiled_step("parallel.mesh=1", "parallel.precision=fp8_blockwise")
+    layers = tiny_config().model.num_layers
+    assert kernels.read(text)["gemms"] == {"f8e4m3fn x f8e4m3fn scaled f32": 21 * layers, "bf16 x bf16": 3}
+    specs = set(PROJECTIONS) | {t for spec in PROJECTIONS for t in transposed_specs(spec)}
+    sites = [s for s in kernels.gemm_sites(text) if s["types"].endswith("scaled f32")]
+    assert all(any(f"/{spec}/" in s["op"] or f"/{_swapped(spec)}/" in s["op"] for spec in specs) for s in sites)
+    profile = DEVICE_PROFILES["h100"]
+    walk, c = kernel_time.StepTime(text, profile, {}), profile["kernels"]
+    priced = [(kernel_time.gemm_shape(walk.module, comp, ins), walk.work(comp, ins))
+              for ins, comp, _ in kernels.launches(walk.module) if kernels.BLOCKWISE_GEMM.search(ins.line)]
+    assert priced
+    for (dtype, m, n, k), (kind, seconds, _) in priced:
+        shape = kernel_time.gemm_efficiency(m, n, k, c) / c["gemm_peak"]
+        at_peak = 2.0 * m * n * k / (profile["peak_fp8_flops"] * shape)
+        assert dtype == "f8e4m3fn" and kind == "gemm"
+        assert seconds == pytest.approx(at_peak * c["gemm_peak"] / c["grouped_gemm_peak"])
+
+
+def _swapped(spec):
+    operands, y = spec.split("->")
+    return ",".join(reversed(operands.split(","))) + "->" + y
+
+
+def test_fp8_blockwise_is_partitioned_as_an_einsum_at_the_formulas_bytes_and_refused_where_it_cannot_be():
+    """8 H100s as fsdp=4 x tensor=2 in 2 microbatches (widths whose every shard is whole 128-blocks): the
+    kernel computes on each device's shards, its sharded contractions summed after it (tensor's row-parallel
+    layers all-reduced, dw's tokens reduce-scattered onto the weight's shards), and the weights gathered in
+    e4m3 with their scales: every collective at the formula's bytes (traffic.py, the recipe's
+    `gathered_bytes`). A data axis beside fsdp stops before anything compiles (block_scaled.gpu_layout_refusal)."""
+    cfg = tiny_config("parallel.mesh=fsdp=4,tensor=2", "parallel.microbatches=2", "parallel.precision=fp8_blockwise",
+                      "model.d_model=256", "model.mlp_dim=1024", "model.head_dim=64", "train.seq_len=256")
+    program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
+    text = program.lower().compile().as_text()
+    measured, expected = collectives(text, 8, correct=False), traffic.expected_traffic(program)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert measured[kind]["traffic_bytes"] == pytest.approx(expected[kind]["traffic_bytes"], rel=0.02), kind
+    assert measured["all-to-all"]["traffic_bytes"] == 0
+    assert any("f8e4m3fn[" in line for line in text.splitlines() if " all-gather-start(" in line)
+    with pytest.raises(LayoutError, match="parallel.precision=fp8_blockwise on NVIDIA GPUs with data > 1 beside fsdp"):
+        TrainProgram.from_config(tiny_config("parallel.mesh=data=2,fsdp=2", "parallel.precision=fp8_blockwise"),
+                                 devices=gpu_devices(4))
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
 def test_fp8_projections_run_fp8_gemms_forward_and_backward_and_bf16_none(steps, recipe):
     """Every GEMM a projection's einsum makes (forward, and both gradients' transposed einsums) takes

@@ -42,11 +42,13 @@ class ParallelPlan:
                                      "loss scaling: the loss_scale_* keys), or fp8: bf16 with the attention "
                                      "projections' and MLP's matmuls in fp8 (e4m3 forward, e5m2 gradients, "
                                      "per-tensor current scaling), or fp8_rowwise: fp8 with a scale per row "
-                                     "of each GEMM's operands, or on Blackwell mxfp8 (e4m3, a power-of-2 scale "
+                                     "of each GEMM's operands, or fp8_blockwise (DeepSeek-V3's: e4m3, a scale "
+                                     "per 1x128 activation tile and 128x128 weight block; Hopper, Blackwell), "
+                                     "or on Blackwell mxfp8 (e4m3, a power-of-2 scale "
                                      "per 32 elements) or nvfp4 (e2m1, an e4m3 scale per 16 and one per tensor; "
                                      "16x16 weight blocks, stochastic gradient rounding, Hadamard-rotated dw "
                                      "operands): docs/precision.md",
-                             choices=("fp32", "bf16", "fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4"))
+                             choices=("fp32", "bf16", "fp16", *RECIPES))
     bf16_layers: list = setting([], "under a low-precision recipe, the layers whose projections and MLP stay bf16, "
                                     "by index (0 the first, -1 the last), e.g. [-2, -1]: the published NVFP4 and "
                                     "MXFP8 recipes keep the last layers in bf16; the rest run the recipe",

@@ -20,14 +20,22 @@ block scales together (Blackwell's block-scaled tensor cores; XLA's GPU compiler
   H16 Sylvester's Hadamard matrix; Q Q^T = I, so x^T g = (Qx)^T (Qg)), which spreads outliers over 16
   tokens before they are quantized.
 
+- **fp8_blockwise** (DeepSeek-V3's fine-grained FP8, its section 3.3.2, for Hopper): blocks of 128, e4m3
+  values everywhere, one fp32 scale per block, a power of 2 rounded up as mxfp8's (DeepSeek's UE8M0 scales
+  of V3.1: exact scaling), the weights in 128 x 128 blocks (so dx reads the forward's quantized weight,
+  transposed) and the activations and gradients in 1 x 128 tiles along each GEMM's contraction. Its GEMM is
+  meshtrain's Pallas Triton kernel on NVIDIA GPUs (meshtrain/ops/fp8_blockwise_triton.py), which adds each
+  128-wide block's fp32 partial sum times its scales to an fp32 accumulator.
+
 The backward quantizes again along each gradient GEMM's own contraction (dx over the weight's outputs,
 dw over the tokens), as fp8_rowwise does (meshtrain/ops/fp8.py): the step saves x and w in bf16.
 
 Computed by backend (meshtrain/ops/platform.py): on NVIDIA GPUs `jax.nn.scaled_matmul` (cuDNN's
 block-scaled GEMM on Blackwell; elsewhere XLA expands it to a dequantization and a bf16 GEMM, so the
-config refuses these recipes before Blackwell); on other backends the same numbers: each value times its
-scale is exact in bf16 (e4m3 x 2^e; e2m1 x e4m3 has at most 6 significant bits), so a bf16 GEMM of the
-dequantized operands accumulated in fp32 is the block-scaled GEMM up to the order of its sum.
+config refuses these recipes before Blackwell), fp8_blockwise's Triton kernel; on other backends the same
+numbers: each value times its scale is exact in bf16 (e4m3 x 2^e; e2m1 x e4m3 has at most 6 significant
+bits), so a bf16 GEMM of the dequantized operands accumulated in fp32 is the block-scaled GEMM up to the
+order of its sum.
 The stochastic rounding's uniforms come from a key seeded by the gradient's own bits (no key threads
 through the model, and a resumed run stays bitwise).
 """
@@ -41,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.ops.fp8 import E4M3, fp8_max, power_of_two_above, transposed_specs
+from meshtrain.ops.fp8_blockwise_triton import blockwise_gemm
 from meshtrain.ops.platform import by_platform
 
 E8M0, E2M1 = jnp.float8_e8m0fnu, jnp.float4_e2m1fn
@@ -61,6 +70,7 @@ class Format:
 
 MXFP8 = Format("mxfp8", E4M3, 32, E8M0, tensor_scale=False)
 NVFP4 = Format("nvfp4", E2M1, 16, E4M3, tensor_scale=True)
+FP8_BLOCKWISE = Format("fp8_blockwise", E4M3, 128, jnp.float32, tensor_scale=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +142,26 @@ def blocks(t, block: int):
     return t.reshape(*t.shape[:-1], t.shape[-1] // block, block)
 
 
-def mx_quantize(t, fmt: Format = MXFP8):
-    """(q, s): [..., K] in e4m3 with one E8M0 power-of-2 scale per `fmt.block` elements, s = 2^ceil(log2(
-    amax / 448)) (1 where the block is 0 or amax / 448 flushes to 0, 2^-126 at the least): [..., K / block]."""
+def mx_quantize(t, fmt: Format = MXFP8, *, two_d: bool = False):
+    """(q, s): [..., N, K] in e4m3 with one power-of-2 scale (`fmt.scale_dtype`) per `fmt.block` elements
+    along K, s = 2^ceil(log2(amax / 448)) (1 where the block is 0 or amax / 448 flushes to 0, 2^-126 at the
+    least): [..., N, K / block]. `two_d`: one scale per block x block tile of (N, K), repeated along N (N a
+    multiple of the block)."""
     x = blocks(t.astype(jnp.float32), fmt.block)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    if two_d:
+        amax = tiled_amax(amax, fmt.block)
     s = jnp.maximum(power_of_two_above(amax / fp8_max(fmt.dtype)), SMALLEST_SCALE)
-    q = (x / s).astype(fmt.dtype).reshape(t.shape)
-    return q, s[..., 0].astype(fmt.scale_dtype)
+    q = (x / s[..., None]).astype(fmt.dtype).reshape(t.shape)
+    return q, s.astype(fmt.scale_dtype)
+
+
+def tiled_amax(block_amax, block: int):
+    """[..., N, J] blocks' amaxes with each `block` consecutive rows' largest (a block x block tile's), repeated
+    along N."""
+    n = block_amax.shape[-2]
+    tiles = block_amax.reshape(*block_amax.shape[:-2], n // block, block, block_amax.shape[-1])
+    return jnp.broadcast_to(jnp.max(tiles, axis=-2, keepdims=True), tiles.shape).reshape(block_amax.shape)
 
 
 def round_to_fp4(x, uniform=None):
@@ -170,9 +192,7 @@ def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4):
     xb = blocks(x, fmt.block)  # [..., N, K / 16, 16]
     block_amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., N, K / 16]
     if two_d:
-        n = block_amax.shape[-2]
-        tiles = block_amax.reshape(*block_amax.shape[:-2], n // fmt.block, fmt.block, block_amax.shape[-1])
-        block_amax = jnp.broadcast_to(jnp.max(tiles, axis=-2, keepdims=True), tiles.shape).reshape(block_amax.shape)
+        block_amax = tiled_amax(block_amax, fmt.block)
     s = e4m3_above(block_amax / FP4_MAX / g)
     divisor = s.astype(jnp.float32)[..., None] * g
     scaled = xb * jnp.where(divisor > 0, 1.0 / jnp.where(divisor > 0, divisor, 1.0), 0.0)  # x (1 / (s_b g)), as TE
@@ -217,6 +237,8 @@ def uniforms_for(t):
 
 
 def _gpu_gemm(qa, qb, sa, sb, out_dtype):
+    if sa.dtype == FP8_BLOCKWISE.scale_dtype:  # fp32 scales: fp8_blockwise's, meshtrain's Triton kernel
+        return blockwise_gemm(qa, qb, sa, sb, out_dtype)
     return jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=out_dtype)
 
 
@@ -231,8 +253,8 @@ def _emulated_gemm(qa, qb, sa, sb, out_dtype):
 
 
 def scaled_matmul(qa, qb, sa, sb, out_dtype):
-    """[B, M, K] x [B, N, K] -> [B, M, N]: the block-scaled GEMM, cuDNN's on NVIDIA GPUs, its definition
-    elsewhere (module doc)."""
+    """[B, M, K] x [B, N, K] -> [B, M, N]: the block-scaled GEMM, cuDNN's (fp32 scales: meshtrain's Triton
+    kernel) on NVIDIA GPUs, its definition elsewhere (module doc)."""
     return by_platform(functools.partial(_gpu_gemm, out_dtype=out_dtype),
                        functools.partial(_emulated_gemm, out_dtype=out_dtype), qa, qb, sa, sb)
 
@@ -242,7 +264,8 @@ def block_scaled_gemm(spec: str, a, b, fmt: Format, *, weight_b: bool = False, s
     """einsum(spec, a, b) as a block-scaled GEMM of `fmt`, in a's dtype: both operands quantized in blocks
     along the axes `spec` contracts (zeros appended to a multiple of the block). nvfp4 only: `weight_b`
     quantizes b in 16 x 16 blocks, `stochastic_a` rounds a stochastically, `rotate` multiplies both along
-    the contraction by Q first (module doc). Its kernels carry `spec` in their op names (profiles, the plan)."""
+    the contraction by Q first (module doc); `weight_b` also quantizes fp8_blockwise's b in 128 x 128 blocks.
+    Its kernels carry `spec` in their op names (profiles, the plan)."""
     with jax.named_scope(spec):
         return _block_scaled_gemm(spec, a, b, fmt, weight_b, stochastic_a, rotate)
 
@@ -252,11 +275,11 @@ def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_
     a3, b3, shapes = gemm.operands(a, b)
     n = b3.shape[1]
     a3, b3 = padded(a3, 2, fmt.block), padded(b3, 2, fmt.block)
-    if not fmt.tensor_scale:
-        (qa, sa), (qb, sb) = mx_quantize(a3, fmt), mx_quantize(b3, fmt)
-        return gemm.result(scaled_matmul(qa, qb, sa, sb, a.dtype), shapes)
     if weight_b:
         b3 = padded(b3, 1, fmt.block)
+    if not fmt.tensor_scale:
+        (qa, sa), (qb, sb) = mx_quantize(a3, fmt), mx_quantize(b3, fmt, two_d=weight_b)
+        return gemm.result(scaled_matmul(qa, qb, sa, sb, a.dtype)[:, :, :n], shapes)
     if rotate:
         a3, b3 = rotated(a3), rotated(b3)
     qa, sa, ga = nv_quantize(a3, uniform=uniforms_for(a3) if stochastic_a else None, fmt=fmt)
@@ -292,7 +315,8 @@ def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool =
 
 mxfp8_einsum = block_scaled_einsum(MXFP8)  # every operand in e4m3, E8M0 scales per 32
 nvfp4_einsum = block_scaled_einsum(NVFP4, weight_2d=True, stochastic=True, rotate=True)  # the whole recipe
-FORMATS = {"mxfp8": MXFP8, "nvfp4": NVFP4}  # parallel.precision's block-scaled recipes
+fp8_blockwise_einsum = block_scaled_einsum(FP8_BLOCKWISE, weight_2d=True)  # DeepSeek-V3's, e4m3 throughout
+FORMATS = {"mxfp8": MXFP8, "nvfp4": NVFP4, "fp8_blockwise": FP8_BLOCKWISE}  # parallel.precision's block-scaled
 
 
 def gpu_layout_refusal(precision: str, sizes: dict[str, int]) -> str | None:
@@ -300,11 +324,19 @@ def gpu_layout_refusal(precision: str, sizes: dict[str, int]) -> str | None:
     XLA's GPU compiler (B200 target, jax 0.10.2): `jax.nn.scaled_matmul`'s partitioner fails inside the
     manual regions the `data` axis and the pipeline run (shard_map: "'GSPMDSharding' object has no attribute
     'spec'"), and under mxfp8 with fsdp and tensor both > 1 XLA moves E8M0 scales through an all-reduce
-    NCCL refuses ("element type f8e8m0fnu not supported by NCCL"). fsdp, tensor and expert compile."""
+    NCCL refuses ("element type f8e8m0fnu not supported by NCCL"). fsdp, tensor and expert compile.
+    fp8_blockwise's kernel is partitioned inside a manual region too, but gathers a sharded contraction
+    there (meshtrain/ops/fp8_blockwise_triton.py): a manual axis beside any other is refused."""
     if precision not in FORMATS:
         return None
     manual = [axis for axis in ("data", "pipeline") if sizes.get(axis, 1) > 1]
-    if manual:
+    others = [axis for axis, n in sizes.items() if n > 1 and axis not in ("data", "pipeline")]
+    if manual and precision == "fp8_blockwise":
+        if not others:
+            return None
+        why = (f"{' and '.join(manual)} > 1 beside {' and '.join(others)} > 1 (its GEMM would gather the "
+               f"{'/'.join(others)}-sharded sums inside the manual regions {' and '.join(manual)} run)")
+    elif manual:
         why = (f"{' and '.join(manual)} > 1 (JAX's jax.nn.scaled_matmul cannot be partitioned inside the manual "
                f"regions they run)")
     elif FORMATS[precision].scale_dtype == E8M0 and sizes.get("fsdp", 1) > 1 and sizes.get("tensor", 1) > 1:

@@ -6,6 +6,8 @@ GPUs that have them).
 - mxfp8, nvfp4 (meshtrain/ops/block_scaled.py): block-scaled fp8 and fp4; Blackwell's block-scaled tensor
   cores only (XLA's GPU compiler expands them to a dequantization and a bf16 GEMM before compute
   capability 10.0: slower than bf16).
+- fp8_blockwise (meshtrain/ops/block_scaled.py): DeepSeek-V3's 1 x 128 and 128 x 128 blocks with fp32
+  scales, on meshtrain's Pallas Triton fp8 GEMM; Hopper and Blackwell.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from meshtrain.ops.block_scaled import mxfp8_einsum, nvfp4_einsum
+from meshtrain.ops.block_scaled import fp8_blockwise_einsum, mxfp8_einsum, nvfp4_einsum
 from meshtrain.ops.fp8 import fp8_einsum, fp8_rowwise_einsum
 from meshtrain.ops.platform import installed_cudnn
 
@@ -27,7 +29,8 @@ class Recipe:
     dense peak (meshtrain/core/metrics.py); `capability`: the least NVIDIA compute capability with
     those GEMMs; `gpus`: who has them, for the error; `gathered_bytes`: per element of a weight the recipe
     quantizes, what FSDP's all-gather moves on XLA's GPU compiler, which quantizes before the gather (the
-    values and their block scales: e4m3 + an E8M0 per 32, e2m1 + an e4m3 per 16; meshtrain/planner/traffic.py;
+    values and their block scales: e4m3 + an E8M0 per 32, e2m1 + an e4m3 per 16, e4m3 + an fp32 per 128 of a
+    128 x 128 block's row; meshtrain/planner/traffic.py;
     checked by tests/test_gpu_compile.py); `cudnn`: the least cuDNN XLA makes the GEMMs with (its block-scaled
     GEMM is cuDNN's from 9.10: before, a dequantization and a bf16 GEMM; tests/test_gpu_compile.py), or None."""
     einsum: object
@@ -43,6 +46,9 @@ _FP8_GPUS = "Ada, Hopper, Blackwell: L40S, H100, H200, B200"
 RECIPES = {
     "fp8": Recipe(fp8_einsum, 1, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
     "fp8_rowwise": Recipe(fp8_rowwise_einsum, 2, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
+    # Triton's fp8 tensor-core GEMMs: Hopper's wgmma and Blackwell's
+    "fp8_blockwise": Recipe(fp8_blockwise_einsum, 2, "peak_fp8_flops", (9, 0), "Hopper, Blackwell: H100, H200, B200",
+                            1 + 4 / 128),
     "mxfp8": Recipe(mxfp8_einsum, 2, "peak_fp8_flops", (10, 0), "Blackwell: B200, GB200", 1 + 1 / 32, (9, 10)),
     "nvfp4": Recipe(nvfp4_einsum, 2, "peak_fp4_flops", (10, 0), "Blackwell: B200, GB200", 0.5 + 1 / 16, (9, 10)),
 }

@@ -6,6 +6,9 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
 - GEMM (Triton GEMM fusion, cuBLAS call): FLOPs = 2·m·n·k from the dot's shapes (m the lhs's rows, batch
   dims included; k the contracted size; n the rest of the result); at the operand type's peak (bf16/f16,
   fp8; f32 as TF32) x `gemm_efficiency(m, n, k)`;
+- fp8_blockwise's Triton GEMM (meshtrain/ops/fp8_blockwise_triton.py, named `meshtrain_fp8_blockwise`):
+  a GEMM of its operands' shapes at the fp8 peak, as XLA's are, but at `grouped_gemm_peak` (the share
+  measured of meshtrain's other Triton kernels; this one is not measured);
 - meshtrain's grouped-matmul Triton kernels (meshtrain/ops/grouped_matmul_triton.py, a
   `__gpu$xla.gpu.triton` call named `meshtrain_<kernel>_rows<R>`): G GEMMs of the R rows expected
   routed plus a tile of BM rows per group boundary (R + (G - 1)·BM rows: a tile holding two groups
@@ -229,12 +232,13 @@ class StepTime:
             dtype, m, n, k = gemm
             peak = _peak(p, dtype)
             shape = gemm_efficiency(m, n, k, c) / c["gemm_peak"]
-            return "gemm", 2.0 * m * n * k / (peak * shape), _fusion_bytes(self.module, comp, ins)
+            # kernel_seconds divides a GEMM's arithmetic by gemm_peak: meshtrain's Triton GEMMs run at grouped_gemm_peak
+            triton = c["gemm_peak"] / c["grouped_gemm_peak"] if kernels.BLOCKWISE_GEMM.search(ins.line) else 1.0
+            return "gemm", 2.0 * m * n * k / (peak * shape) * triton, _fusion_bytes(self.module, comp, ins)
         if (found := _grouped_gemm(self.module, comp, ins)) is not None:
             dtype, flops, shape, nbytes = found
             shape_share = gemm_efficiency(*shape, c) / c["gemm_peak"]
             at_peak = flops / (_peak(p, dtype) * shape_share)
-            # kernel_seconds divides a GEMM's arithmetic by gemm_peak: these run at grouped_gemm_peak instead
             return "gemm", at_peak * c["gemm_peak"] / c["grouped_gemm_peak"], nbytes
         target = kernels.CALL_TARGET.search(ins.line) if ins.op == "custom-call" else None
         if target and target.group(1).startswith("__cudnn$fmha"):

@@ -7,7 +7,9 @@ loop bodies, branches, async wrappers), never one inside a fusion: a fusion is o
   Triton GEMM fusions (`__triton_gemm`, `__triton_nested_gemm_fusion`; the operands of the `dot`
   inside), cuBLAS/cuBLASLt custom calls (`__cublas$...`; the call's first two operands) and cuDNN's
   block-scaled GEMMs on Blackwell (`__cudnn$blockScaledDot`, mxfp8 and nvfp4: `f8e4m3fn x f8e4m3fn scaled
-  f8e8m0fnu`, the values' types and their block scales');
+  f8e8m0fnu`, the values' types and their block scales'), and fp8_blockwise's Triton GEMM
+  (meshtrain/ops/fp8_blockwise_triton.py, `__gpu$xla.gpu.triton` calls named `meshtrain_fp8_blockwise`:
+  `f8e4m3fn x f8e4m3fn scaled f32`);
 - `attention`: cuDNN fused attention calls (`__cudnn$fmha...`), forward and backward;
 - `grouped_gemms`: meshtrain's grouped-matmul Triton kernels (meshtrain/ops/grouped_matmul_triton.py,
   `__gpu$xla.gpu.triton` calls named `meshtrain_<kernel>_rows<R>`) by kernel: gmm, gmm_t, tgmm;
@@ -21,7 +23,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from meshtrain.ops import grouped_matmul_triton
+from meshtrain.ops import fp8_blockwise_triton, grouped_matmul_triton
 from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, RAGGED, Module, typed_array_elements
 
 GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas")
@@ -31,6 +33,7 @@ CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # meshtrain's grouped-matmul kernels by the name they are given: (kernel, rows expected)
 _GROUPED_NAME = grouped_matmul_triton.NAME.format(kernel="(gmm|gmm_t|tgmm)", rows=r"(\d+)")
 GROUPED_GEMM = re.compile(f'name = "{_GROUPED_NAME}"')
+BLOCKWISE_GEMM = re.compile(f'name = "{fp8_blockwise_triton.NAME}"')  # operands: values, values, their scales
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _NOT_NEW = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")  # no buffer of their own
 _FUSED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
@@ -45,7 +48,7 @@ def gemm_types(module: Module, comp: str, ins) -> str | None:
     """The operand types of a GEMM kernel, None when `ins` is not one."""
     if ins.op == "custom-call":
         target = CALL_TARGET.search(ins.line)
-        if target and target.group(1) == BLOCK_SCALED:
+        if target and (target.group(1) == BLOCK_SCALED or BLOCKWISE_GEMM.search(ins.line)):
             values, scales = _operand_types(module, comp, ins.operands), _operand_types(module, comp, ins.operands[2:3])
             return f"{values} scaled {scales}"
         return _operand_types(module, comp, ins.operands) if target and target.group(1).startswith("__cublas") \
