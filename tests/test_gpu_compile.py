@@ -248,8 +248,8 @@ def test_quantized_matrices_are_gathered_quantized_and_their_gradients_reduced_i
     XLA merges them). XLA makes them from cuDNN 9.10: meshtrain/planner/compilers.py targets the installed
     cuDNN. nvfp4's last layer is kept in bf16 (parallel.bf16_layers): its 21 GEMMs bf16, its matrices gathered
     in bf16, as the formula counts them."""
-    # nvfp4: the last layer left in bf16, under a remat policy (jax.checkpoint's own trace each: ops/remat.py)
-    kept = ("parallel.bf16_layers=[-1]", "parallel.remat=save_matmuls") if recipe == "nvfp4" else ()
+    # nvfp4: the last layer left in bf16 (under every remat policy: tests/test_layer_runs.py)
+    kept = ("parallel.bf16_layers=[-1]",) if recipe == "nvfp4" else ()
     cfg = tiny_config("parallel.mesh=fsdp=8", "parallel.microbatches=2", f"parallel.precision={recipe}",
                       "model.d_model=256", "model.mlp_dim=1024", "model.head_dim=32", "train.seq_len=64", *kept)
     program = TrainProgram.from_config(cfg, devices=compilers.choose("gpu", device, 8, 8).devices)
@@ -358,7 +358,8 @@ def test_fp8_blockwise_is_partitioned_as_an_einsum_at_the_formulas_bytes_and_ref
     e4m3 with their scales: every collective at the formula's bytes (traffic.py, the recipe's
     `gathered_bytes`). A data axis beside fsdp stops before anything compiles (block_scaled.gpu_layout_refusal)."""
     cfg = tiny_config("parallel.mesh=fsdp=4,tensor=2", "parallel.microbatches=2", "parallel.precision=fp8_blockwise",
-                      "model.d_model=256", "model.mlp_dim=1024", "model.head_dim=64", "train.seq_len=256")
+                      "model.num_layers=2", "model.d_model=256", "model.mlp_dim=1024", "model.head_dim=64",
+                      "train.seq_len=256")
     program = TrainProgram.from_config(cfg, devices=gpu_devices(8))
     text = program.lower().compile().as_text()
     measured, expected = collectives(text, 8, correct=False), traffic.expected_traffic(program)
