@@ -16,9 +16,11 @@ from conftest import run_tiny
 from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES, LOW_PEAK_NAMES, throughput_fields
 from meshtrain.ops.block_scaled import (
+    FP8_BLOCKWISE,
     MXFP8,
     NVFP4,
     Gemm,
+    fp8_blockwise_einsum,
     gpu_layout_refusal,
     hadamard_16,
     mx_quantize,
@@ -39,15 +41,19 @@ pytestmark = pytest.mark.fast
 F32 = np.float32
 
 
-def numpy_mx(t):
+def numpy_mx(t, block=32, two_d=False):
     """MXFP8 by the spec: per 32 elements along the last axis, s = the least power of 2 >= amax / 448
-    (1 for a zero block; 2^-126, fp32's least normal, at the least), q = t / s in e4m3; (q as fp32, s)."""
-    b = t.reshape(*t.shape[:-1], -1, 32).astype(np.float64)
-    amax = np.abs(b).max(-1, keepdims=True)
+    (1 for a zero block; 2^-126, fp32's least normal, at the least), q = t / s in e4m3; (q as fp32, s).
+    fp8_blockwise's the same per 128 (`block`), and per 128 x 128 tile of the last two axes (`two_d`)."""
+    b = t.reshape(*t.shape[:-1], -1, block).astype(np.float64)
+    amax = np.abs(b).max(-1)
+    if two_d:
+        tiles = amax.reshape(*amax.shape[:-2], -1, block, amax.shape[-1])
+        amax = np.broadcast_to(tiles.max(-2, keepdims=True), tiles.shape).reshape(amax.shape)
     s = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.where(amax > 0, amax / 448, 1.0))), 1.0)
     s = np.maximum(s, 2.0 ** -126)
-    q = (b / s).astype(F32).astype(ml_dtypes.float8_e4m3fn).astype(F32)
-    return q.reshape(t.shape), s[..., 0]
+    q = (b / s[..., None]).astype(F32).astype(ml_dtypes.float8_e4m3fn).astype(F32)
+    return q.reshape(t.shape), s
 
 
 def numpy_nv(t, two_d=False):
@@ -149,18 +155,18 @@ def test_the_hadamard_rotation_is_orthogonal_and_leaves_the_contraction_unchange
 
 
 def numpy_gemm(spec, a, b, fmt, weight_b=False):
-    """einsum(spec, a, b) of the operands quantized along its contraction (NumPy's quantizers above; zeros
-    appended to whole blocks), the products summed in float64 and rounded to bf16 (nvfp4: times the two tensor
-    scales, rounded again)."""
+    """einsum(spec, a, b) of the operands quantized along its contraction (NumPy's quantizers above, b in
+    block x block tiles with `weight_b`; zeros appended to whole blocks), the products summed in float64 and
+    rounded to bf16 (nvfp4: times the two tensor scales, rounded again)."""
     gemm = Gemm.of(spec)
     a3, b3, shapes = gemm.operands(jnp.asarray(a, F32), jnp.asarray(b, F32))
     n, pad = b3.shape[1], lambda t, axis: np.pad(t, [(0, -t.shape[axis] % fmt.block if i == axis else 0)
                                                     for i in range(3)])  # zeros: documented
     a3, b3 = pad(np.asarray(a3), 2), pad(np.asarray(b3), 2)
     b3 = pad(b3, 1) if weight_b else b3
-    if fmt is MXFP8:
-        (qa, sa), (qb, sb) = numpy_mx(a3), numpy_mx(b3)
-        da, db = qa * np.repeat(sa, 32, -1), qb * np.repeat(sb, 32, -1)
+    if not fmt.tensor_scale:  # mxfp8, fp8_blockwise
+        (qa, sa), (qb, sb) = numpy_mx(a3, fmt.block), numpy_mx(b3, fmt.block, weight_b)
+        da, db = qa * np.repeat(sa, fmt.block, -1), qb * np.repeat(sb, fmt.block, -1)
         y = np.einsum("bmk,bnk->bmn", da.astype(np.float64), db)
         y = y.astype(F32).astype(ml_dtypes.bfloat16)
     else:
@@ -173,22 +179,27 @@ def numpy_gemm(spec, a, b, fmt, weight_b=False):
 
 SPECS = {"bld,dhk->blhk": ((2, 16, 64), (64, 4, 16)), "blhk,hkd->bld": ((2, 16, 4, 16), (4, 16, 32)),
          "bneci,eio->bneco": ((2, 1, 3, 16, 32), (3, 32, 48))}  # q/k/v, the output projection, MoE experts
+# fp8_blockwise's: contractions of several 128-blocks, and an output width (200) of no whole block
+BLOCKWISE_SPECS = {"bld,df->blf": ((2, 64, 256), (256, 384)), "blhk,hkd->bld": ((2, 64, 4, 32), (4, 32, 200))}
+EINSUMS = [(mxfp8_einsum, MXFP8, False, spec, SPECS[spec]) for spec in SPECS] + [
+    (fp8_blockwise_einsum, FP8_BLOCKWISE, True, spec, shapes) for spec, shapes in BLOCKWISE_SPECS.items()]
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_the_mxfp8_einsum_is_the_block_scaled_gemm_forward_and_backward(spec):
-    """y, dx and dw each the MXFP8 GEMM of its own einsum by definition (up to the order of the fp32 sum:
-    within a bf16 unit), and near fp32's: every element within bf16's rounding of the reference."""
-    xs, ws = SPECS[spec]
+@pytest.mark.parametrize("einsum, fmt, weight_2d, spec, shapes", EINSUMS, ids=lambda v: getattr(v, "name", None))
+def test_the_einsum_is_the_block_scaled_gemm_forward_and_backward(einsum, fmt, weight_2d, spec, shapes):
+    """y, dx and dw each the GEMM of its own einsum by definition (up to the order of the fp32 sum: within a
+    bf16 unit), and near fp32's: mxfp8's blocks of 32; fp8_blockwise's x in 1 x 128 tiles along d, w in 128 x
+    128 blocks (forward and dx alike, transposed), dw's x and g in tiles along the tokens."""
+    xs, ws = shapes
     rng = np.random.default_rng(4)
     x, w = (jnp.asarray(rng.standard_normal(s) * c, jnp.bfloat16) for s, c in ((xs, 1.0), (ws, 0.1)))
-    y, vjp = jax.vjp(functools.partial(mxfp8_einsum, spec), x, w)
+    y, vjp = jax.vjp(functools.partial(einsum, spec), x, w)
     g = jnp.asarray(rng.standard_normal(y.shape), jnp.bfloat16)
     dx, dw = vjp(g)
     dx_spec, dw_spec = transposed_specs(spec)
     f32 = lambda t: np.asarray(t, F32)
-    wants = (numpy_gemm(spec, f32(x), f32(w), MXFP8), numpy_gemm(dx_spec, f32(g), f32(w), MXFP8),
-             numpy_gemm(dw_spec, f32(x), f32(g), MXFP8))
+    wants = (numpy_gemm(spec, f32(x), f32(w), fmt, weight_2d), numpy_gemm(dx_spec, f32(g), f32(w), fmt, weight_2d),
+             numpy_gemm(dw_spec, f32(x), f32(g), fmt))
     for got, want in zip((y, dx, dw), wants):
         assert got.dtype == jnp.bfloat16 and got.shape == want.shape
         np.testing.assert_allclose(f32(got), want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())

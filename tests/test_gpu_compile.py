@@ -24,6 +24,7 @@ from meshtrain.core.errors import LayoutError, UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.compiler_options import GPU_OPTIONS
 from meshtrain.engine.program import TrainProgram
+from meshtrain.ops.block_scaled import swapped
 from meshtrain.ops.embedding import lookup
 from meshtrain.ops.fp8 import transposed_specs
 from meshtrain.ops.loss import cross_entropy
@@ -324,16 +325,17 @@ def test_a_block_scaled_recipe_is_refused_on_a_hopper_and_on_a_b200_mesh_with_a_
 
 
 def test_fp8_blockwise_runs_every_projection_gemm_as_its_triton_fp8_kernel_priced_as_one():
-    """One H100: each projection's forward, dx and dw (21 GEMMs a layer) is meshtrain's Pallas Triton kernel
+    """2 H100s as data=2 (a region manual over data, each GPU its own rows: the kernel unpartitioned): each
+    projection's forward, dx and dw (21 GEMMs a layer) is meshtrain's Pallas Triton kernel
     (meshtrain/ops/fp8_blockwise_triton.py) on e4m3 values with their fp32 block scales, named by its einsum;
     the only bf16 GEMMs are the head's 3. The planner counts them by operand type and prices each as a GEMM
     of its shape at the fp8 peak and the Triton kernels' share (`grouped_gemm_peak`)."""
-    text = compiled_step("parallel.mesh=1", "parallel.precision=fp8_blockwise")
+    text = compiled_step("parallel.mesh=data=2", "parallel.precision=fp8_blockwise", count=2)
     layers = tiny_config().model.num_layers
     assert kernels.read(text)["gemms"] == {"f8e4m3fn x f8e4m3fn scaled f32": 21 * layers, "bf16 x bf16": 3}
     specs = set(PROJECTIONS) | {t for spec in PROJECTIONS for t in transposed_specs(spec)}
     sites = [s for s in kernels.gemm_sites(text) if s["types"].endswith("scaled f32")]
-    assert all(any(f"/{spec}/" in s["op"] or f"/{_swapped(spec)}/" in s["op"] for spec in specs) for s in sites)
+    assert all(any(f"/{spec}/" in s["op"] or f"/{swapped(spec)}/" in s["op"] for spec in specs) for s in sites)
     profile = DEVICE_PROFILES["h100"]
     walk, c = kernel_time.StepTime(text, profile, {}), profile["kernels"]
     priced = [(kernel_time.gemm_shape(walk.module, comp, ins), walk.work(comp, ins))
@@ -346,17 +348,13 @@ def test_fp8_blockwise_runs_every_projection_gemm_as_its_triton_fp8_kernel_price
         assert seconds == pytest.approx(at_peak * c["gemm_peak"] / c["grouped_gemm_peak"])
 
 
-def _swapped(spec):
-    operands, y = spec.split("->")
-    return ",".join(reversed(operands.split(","))) + "->" + y
-
-
 def test_fp8_blockwise_is_partitioned_as_an_einsum_at_the_formulas_bytes_and_refused_where_it_cannot_be():
     """8 H100s as fsdp=4 x tensor=2 in 2 microbatches (widths whose every shard is whole 128-blocks): the
     kernel computes on each device's shards, its sharded contractions summed after it (tensor's row-parallel
     layers all-reduced, dw's tokens reduce-scattered onto the weight's shards), and the weights gathered in
     e4m3 with their scales: every collective at the formula's bytes (traffic.py, the recipe's
-    `gathered_bytes`). A data axis beside fsdp stops before anything compiles (block_scaled.gpu_layout_refusal)."""
+    `gathered_bytes`). A data axis beside fsdp, and tensor beside capacity-routed experts, stop before anything
+    compiles (block_scaled.gpu_layout_refusal)."""
     cfg = tiny_config("parallel.mesh=fsdp=4,tensor=2", "parallel.microbatches=2", "parallel.precision=fp8_blockwise",
                       "model.num_layers=2", "model.d_model=256", "model.mlp_dim=1024", "model.head_dim=64",
                       "train.seq_len=256")
@@ -370,6 +368,9 @@ def test_fp8_blockwise_is_partitioned_as_an_einsum_at_the_formulas_bytes_and_ref
     with pytest.raises(LayoutError, match="parallel.precision=fp8_blockwise on NVIDIA GPUs with data > 1 beside fsdp"):
         TrainProgram.from_config(tiny_config("parallel.mesh=data=2,fsdp=2", "parallel.precision=fp8_blockwise"),
                                  devices=gpu_devices(4))
+    with pytest.raises(LayoutError, match="with tensor > 1 and capacity-routed experts"):
+        TrainProgram.from_config(tiny_config("parallel.mesh=tensor=2", "parallel.precision=fp8_blockwise",
+                                             "model.capacity_factor=1.25", config=MOE_TINY), devices=gpu_devices(2))
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])

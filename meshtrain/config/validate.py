@@ -233,7 +233,8 @@ def check_layout(m, par, t, sizes: dict[str, int], rules: dict, backend: str) ->
     """Checks that need the mesh's axis sizes, the resolved logical rules and the device backend:
     `m` the ModelSpec, `par` the ParallelPlan, `t` the TrainConfig."""
     _check_kernels(par, t.seq_len, backend)
-    if backend == "gpu" and (why := gpu_layout_refusal(par.precision, sizes)):
+    capacity_experts = bool(getattr(m, "num_experts", 0)) and getattr(m, "capacity_factor", 0.0) > 0
+    if backend == "gpu" and (why := gpu_layout_refusal(par.precision, sizes, capacity_experts)):
         raise LayoutError(why)
     stages = sizes["pipeline"]
     micro = par.num_microbatches(stages)

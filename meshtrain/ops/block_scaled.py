@@ -22,10 +22,11 @@ block scales together (Blackwell's block-scaled tensor cores; XLA's GPU compiler
 
 - **fp8_blockwise** (DeepSeek-V3's fine-grained FP8, its section 3.3.2, for Hopper): blocks of 128, e4m3
   values everywhere, one fp32 scale per block, a power of 2 rounded up as mxfp8's (DeepSeek's UE8M0 scales
-  of V3.1: exact scaling), the weights in 128 x 128 blocks (so dx reads the forward's quantized weight,
-  transposed) and the activations and gradients in 1 x 128 tiles along each GEMM's contraction. Its GEMM is
-  meshtrain's Pallas Triton kernel on NVIDIA GPUs (meshtrain/ops/fp8_blockwise_triton.py), which adds each
-  128-wide block's fp32 partial sum times its scales to an fp32 accumulator.
+  of V3.1: exact scaling), the weights in 128 x 128 blocks (so dx quantizes the weight into the forward's
+  blocks and values, transposed) and the activations and gradients in 1 x 128 tiles along each GEMM's
+  contraction. Its GEMM is meshtrain's Pallas Triton kernel on NVIDIA GPUs
+  (meshtrain/ops/fp8_blockwise_triton.py), which adds each 128-wide block's fp32 partial sum times its
+  scales to an fp32 accumulator.
 
 The backward quantizes again along each gradient GEMM's own contraction (dx over the weight's outputs,
 dw over the tokens), as fp8_rowwise does (meshtrain/ops/fp8.py): the step saves x and w in bf16.
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.ops.fp8 import E4M3, fp8_max, power_of_two_above, transposed_specs
-from meshtrain.ops.fp8_blockwise_triton import blockwise_gemm
+from meshtrain.ops.fp8_blockwise_triton import BLOCK, blockwise_gemm
 from meshtrain.ops.platform import by_platform
 
 E8M0, E2M1 = jnp.float8_e8m0fnu, jnp.float4_e2m1fn
@@ -70,7 +71,7 @@ class Format:
 
 MXFP8 = Format("mxfp8", E4M3, 32, E8M0, tensor_scale=False)
 NVFP4 = Format("nvfp4", E2M1, 16, E4M3, tensor_scale=True)
-FP8_BLOCKWISE = Format("fp8_blockwise", E4M3, 128, jnp.float32, tensor_scale=False)
+FP8_BLOCKWISE = Format("fp8_blockwise", E4M3, BLOCK, jnp.float32, tensor_scale=False)  # its kernel's K step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +237,8 @@ def uniforms_for(t):
     return jax.random.uniform(key, t.shape, jnp.float32)
 
 
-def _gpu_gemm(qa, qb, sa, sb, out_dtype):
-    if sa.dtype == FP8_BLOCKWISE.scale_dtype:  # fp32 scales: fp8_blockwise's, meshtrain's Triton kernel
+def _gpu_gemm(qa, qb, sa, sb, out_dtype, fmt):
+    if fmt is FP8_BLOCKWISE:  # meshtrain's Triton kernel (no block-scaled GEMM of XLA's before Blackwell)
         return blockwise_gemm(qa, qb, sa, sb, out_dtype)
     return jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=out_dtype)
 
@@ -252,10 +253,10 @@ def _emulated_gemm(qa, qb, sa, sb, out_dtype):
     return y.astype(out_dtype)
 
 
-def scaled_matmul(qa, qb, sa, sb, out_dtype):
+def scaled_matmul(qa, qb, sa, sb, out_dtype, fmt: Format):
     """[B, M, K] x [B, N, K] -> [B, M, N]: the block-scaled GEMM, cuDNN's (fp32 scales: meshtrain's Triton
     kernel) on NVIDIA GPUs, its definition elsewhere (module doc)."""
-    return by_platform(functools.partial(_gpu_gemm, out_dtype=out_dtype),
+    return by_platform(functools.partial(_gpu_gemm, out_dtype=out_dtype, fmt=fmt),
                        functools.partial(_emulated_gemm, out_dtype=out_dtype), qa, qb, sa, sb)
 
 
@@ -264,7 +265,7 @@ def block_scaled_gemm(spec: str, a, b, fmt: Format, *, weight_b: bool = False, s
     """einsum(spec, a, b) as a block-scaled GEMM of `fmt`, in a's dtype: both operands quantized in blocks
     along the axes `spec` contracts (zeros appended to a multiple of the block). nvfp4 only: `weight_b`
     quantizes b in 16 x 16 blocks, `stochastic_a` rounds a stochastically, `rotate` multiplies both along
-    the contraction by Q first (module doc); `weight_b` also quantizes fp8_blockwise's b in 128 x 128 blocks.
+    the contraction by Q first (module doc). `weight_b` (nvfp4, fp8_blockwise): b in block x block tiles.
     Its kernels carry `spec` in their op names (profiles, the plan)."""
     with jax.named_scope(spec):
         return _block_scaled_gemm(spec, a, b, fmt, weight_b, stochastic_a, rotate)
@@ -279,12 +280,12 @@ def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_
         b3 = padded(b3, 1, fmt.block)
     if not fmt.tensor_scale:
         (qa, sa), (qb, sb) = mx_quantize(a3, fmt), mx_quantize(b3, fmt, two_d=weight_b)
-        return gemm.result(scaled_matmul(qa, qb, sa, sb, a.dtype)[:, :, :n], shapes)
+        return gemm.result(scaled_matmul(qa, qb, sa, sb, a.dtype, fmt)[:, :, :n], shapes)
     if rotate:
         a3, b3 = rotated(a3), rotated(b3)
     qa, sa, ga = nv_quantize(a3, uniform=uniforms_for(a3) if stochastic_a else None, fmt=fmt)
     qb, sb, gb = nv_quantize(b3, two_d=weight_b, fmt=fmt)
-    y = scaled_matmul(qa, qb, sa, sb, a.dtype)[:, :, :n]  # the sum written in bf16, as fp8's (meshtrain/ops/fp8.py)
+    y = scaled_matmul(qa, qb, sa, sb, a.dtype, fmt)[:, :, :n]  # the sum in bf16, as fp8's (meshtrain/ops/fp8.py)
     return gemm.result((y.astype(jnp.float32) * (ga * gb)).astype(a.dtype), shapes)
 
 
@@ -305,8 +306,12 @@ def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool =
         x, w = residuals
         dx_spec, dw_spec = transposed_specs(spec)
         dx = block_scaled_gemm(dx_spec, g, w, fmt, weight_b=weight_2d, stochastic_a=stochastic)
-        # dw = x^T g over the tokens, g as the GEMM's first operand (the one rounded stochastically)
-        dw = block_scaled_gemm(swapped(dw_spec), g, x, fmt, stochastic_a=stochastic, rotate=rotate)
+        # dw = x^T g over the tokens: x first, so the GEMM writes dw in w's layout; g first where it is rounded
+        # stochastically (the GEMM's first operand)
+        if stochastic:
+            dw = block_scaled_gemm(swapped(dw_spec), g, x, fmt, stochastic_a=True, rotate=rotate)
+        else:
+            dw = block_scaled_gemm(dw_spec, x, g, fmt, rotate=rotate)
         return dx, dw.astype(w.dtype)
 
     einsum.defvjp(forward, backward)
@@ -319,24 +324,33 @@ fp8_blockwise_einsum = block_scaled_einsum(FP8_BLOCKWISE, weight_2d=True)  # Dee
 FORMATS = {"mxfp8": MXFP8, "nvfp4": NVFP4, "fp8_blockwise": FP8_BLOCKWISE}  # parallel.precision's block-scaled
 
 
-def gpu_layout_refusal(precision: str, sizes: dict[str, int]) -> str | None:
+def gpu_layout_refusal(precision: str, sizes: dict[str, int], capacity_experts: bool = False) -> str | None:
     """Why a block-scaled recipe's program cannot be compiled for NVIDIA GPUs on this mesh, or None. Found on
     XLA's GPU compiler (B200 target, jax 0.10.2): `jax.nn.scaled_matmul`'s partitioner fails inside the
     manual regions the `data` axis and the pipeline run (shard_map: "'GSPMDSharding' object has no attribute
     'spec'"), and under mxfp8 with fsdp and tensor both > 1 XLA moves E8M0 scales through an all-reduce
     NCCL refuses ("element type f8e8m0fnu not supported by NCCL"). fsdp, tensor and expert compile.
-    fp8_blockwise's kernel is partitioned inside a manual region too, but gathers a sharded contraction
-    there (meshtrain/ops/fp8_blockwise_triton.py): a manual axis beside any other is refused."""
+    fp8_blockwise's kernel is partitioned inside a manual region too, but would gather a contraction sharded
+    over another axis there (meshtrain/ops/fp8_blockwise_triton.py): a manual axis beside any other is
+    refused, and so is tensor beside capacity-routed experts (`capacity_experts`: their matmuls run in a
+    region manual over the batch's axes, tensor left to the compiler, models/experts.py `in_row_shards`)."""
     if precision not in FORMATS:
         return None
     manual = [axis for axis in ("data", "pipeline") if sizes.get(axis, 1) > 1]
-    others = [axis for axis, n in sizes.items() if n > 1 and axis not in ("data", "pipeline")]
-    if manual and precision == "fp8_blockwise":
-        if not others:
+    if precision == "fp8_blockwise":
+        others = [axis for axis, n in sizes.items() if n > 1 and axis not in ("data", "pipeline")]
+        if manual and others:
+            why = (f"{' and '.join(manual)} > 1 beside {' and '.join(others)} > 1 (its GEMM would gather the "
+                   f"contractions sharded over {' and '.join(others)} inside the manual regions of "
+                   f"{' and '.join(manual)})")
+        elif capacity_experts and sizes.get("tensor", 1) > 1:
+            why = ("tensor > 1 and capacity-routed experts (their GEMMs run in a manual region, where the kernel "
+                   "would gather the tensor-sharded contractions)")
+        else:
             return None
-        why = (f"{' and '.join(manual)} > 1 beside {' and '.join(others)} > 1 (its GEMM would gather the "
-               f"{'/'.join(others)}-sharded sums inside the manual regions {' and '.join(manual)} run)")
-    elif manual:
+        return (f"parallel.precision=fp8_blockwise on NVIDIA GPUs with {why}; shard over one of data and pipeline "
+                f"alone or over the others alone (fsdp=N in place of data=N), or set parallel.precision=fp8")
+    if manual:
         why = (f"{' and '.join(manual)} > 1 (JAX's jax.nn.scaled_matmul cannot be partitioned inside the manual "
                f"regions they run)")
     elif FORMATS[precision].scale_dtype == E8M0 and sizes.get("fsdp", 1) > 1 and sizes.get("tensor", 1) > 1:

@@ -15,8 +15,10 @@ Partitioned with `custom_partitioning` over the mesh's axes that are not manual:
 batch, M and N slices, and a K sharded alike in both operands (tensor parallelism's row-parallel layers,
 a weight gradient's tokens) is summed after the local GEMM: reduce-scattered onto M or N where one
 divides, else all-reduced. Inside a manual region (shard_map) the sum's replica groups would be the
-region's, which XLA refuses, so there K is gathered instead (config/validate.py refuses the layouts
-that would need it). It is one `__gpu$xla.gpu.triton` call in the GPU program, named NAME, which the
+region's, which XLA refuses, so there K is gathered instead (block_scaled.gpu_layout_refusal refuses the
+layouts that would need it on a GPU: data or pipeline beside another axis, tensor beside capacity-routed
+experts; a contraction whose shards are not whole blocks is gathered too, which a real model's widths
+never need). It is one `__gpu$xla.gpu.triton` call in the GPU program, named NAME, which the
 planner counts and prices as an fp8 GEMM (meshtrain/planner/kernel_time.py). Tests run it in Pallas'
 interpreter on the CPU.
 """
@@ -37,7 +39,9 @@ from meshtrain.ops.grouped_matmul_triton import block
 
 BLOCK = 128  # elements of K per scale (the recipe's) and the kernel's K step
 BM, BN = 128, 128  # a program's tile of y (the largest power of two <= these dividing M and N, >= 16)
-WARPS, STAGES = 4, 3  # untuned: no GPU has run this kernel yet (benchmarks/RESULTS.md)
+# untuned (no GPU has run this kernel yet: benchmarks/blockwise_gemm.py --tiles on one): 8 warps, as Triton's fp8
+# GEMMs on Hopper take, so the fp32 accumulator and a step's partial product (two 128 x 128 tiles) fit the registers
+WARPS, STAGES = 8, 3
 NAME = "meshtrain_fp8_blockwise"  # the planner finds the kernel by it (kernels.py)
 
 
@@ -88,8 +92,11 @@ def _partitioned(qa, qb, sa, sb, out_dtype, auto, in_manual):
 
 
 def _mesh(auto, sharding):
-    """The mesh the partitioner's shardings are on: the device assignment over the axes that are not manual
-    (inside a manual region, one of the region's groups: XLA's shardings there number its devices)."""
+    """The mesh the partitioner's shardings are read and written on: the first devices of the assignment over
+    the axes that are not manual. JAX's callback passes the physical mesh only outside shard_map (inside, an
+    empty one, and shardings numbering the region's devices), so both cases build it here. Inside a manual
+    region these devices need not form one of its groups; the partition issues no collective there, so only
+    the axes' names and sizes matter."""
     names, sizes = zip(*auto)
     return jax.sharding.Mesh(np.array(sharding._device_assignment[:int(np.prod(sizes))]).reshape(sizes), names)
 
@@ -101,8 +108,9 @@ def _spec(sharding, mesh, ndim: int) -> tuple:
     from jax._src.sharding_impls import parse_flatten_op_sharding
     try:
         spec = tuple(parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
-    except ValueError:
+    except (ValueError, NotImplementedError, AssertionError):  # sub-axes, several subgroup kinds
         spec = ()
+    spec = tuple(entry if entry not in ((), []) else None for entry in spec)  # unsharded: None, whatever the JAX
     return spec + (None,) * (ndim - len(spec))
 
 
@@ -137,12 +145,12 @@ def _out_spec(batch, m, n, k, scatter):
 
 
 def _infer(out_dtype, auto, in_manual, mesh, shapes, result_shape):
-    mesh = _mesh(auto, shapes[0].sharding)
+    mesh = _mesh(auto, shapes[0].sharding)  # not the callback's (`_mesh`)
     return NamedSharding(mesh, _out_spec(*_layout(mesh, in_manual, shapes)))
 
 
 def _partition(out_dtype, auto, in_manual, mesh, shapes, result_shape):
-    mesh = _mesh(auto, shapes[0].sharding)
+    mesh = _mesh(auto, shapes[0].sharding)  # not the callback's (`_mesh`)
     batch, m, n, k, scatter = _layout(mesh, in_manual, shapes, result_shape)
 
     def lower(qa, qb, sa, sb):

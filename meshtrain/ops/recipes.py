@@ -17,7 +17,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from meshtrain.ops.block_scaled import fp8_blockwise_einsum, mxfp8_einsum, nvfp4_einsum
+from meshtrain.ops.block_scaled import FP8_BLOCKWISE, fp8_blockwise_einsum, mxfp8_einsum, nvfp4_einsum
 from meshtrain.ops.fp8 import fp8_einsum, fp8_rowwise_einsum
 from meshtrain.ops.platform import installed_cudnn
 
@@ -48,7 +48,7 @@ RECIPES = {
     "fp8_rowwise": Recipe(fp8_rowwise_einsum, 2, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
     # Triton's fp8 tensor-core GEMMs: Hopper's wgmma and Blackwell's
     "fp8_blockwise": Recipe(fp8_blockwise_einsum, 2, "peak_fp8_flops", (9, 0), "Hopper, Blackwell: H100, H200, B200",
-                            1 + 4 / 128),
+                            1 + 4 / FP8_BLOCKWISE.block),
     "mxfp8": Recipe(mxfp8_einsum, 2, "peak_fp8_flops", (10, 0), "Blackwell: B200, GB200", 1 + 1 / 32, (9, 10)),
     "nvfp4": Recipe(nvfp4_einsum, 2, "peak_fp4_flops", (10, 0), "Blackwell: B200, GB200", 0.5 + 1 / 16, (9, 10)),
 }
