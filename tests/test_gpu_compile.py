@@ -330,8 +330,8 @@ def test_fp8_blockwise_runs_every_projection_gemm_as_its_triton_fp8_kernel_price
     (meshtrain/ops/fp8_blockwise_triton.py) on e4m3 values with their fp32 block scales, named by its einsum;
     the only bf16 GEMMs are the head's 3. The planner counts them by operand type and prices each as a GEMM
     of its shape at the fp8 peak and the Triton kernels' share (`grouped_gemm_peak`)."""
-    text = compiled_step("parallel.mesh=data=2", "parallel.precision=fp8_blockwise", count=2)
-    layers = tiny_config().model.num_layers
+    text = compiled_step("parallel.mesh=data=2", "parallel.precision=fp8_blockwise", "model.num_layers=2", count=2)
+    layers = 2
     assert kernels.read(text)["gemms"] == {"f8e4m3fn x f8e4m3fn scaled f32": 21 * layers, "bf16 x bf16": 3}
     specs = set(PROJECTIONS) | {t for spec in PROJECTIONS for t in transposed_specs(spec)}
     sites = [s for s in kernels.gemm_sites(text) if s["types"].endswith("scaled f32")]
