@@ -254,8 +254,8 @@ def _emulated_gemm(qa, qb, sa, sb, out_dtype):
 
 
 def scaled_matmul(qa, qb, sa, sb, out_dtype, fmt: Format):
-    """[B, M, K] x [B, N, K] -> [B, M, N]: the block-scaled GEMM, cuDNN's (fp32 scales: meshtrain's Triton
-    kernel) on NVIDIA GPUs, its definition elsewhere (module doc)."""
+    """[B, M, K] x [B, N, K] -> [B, M, N]: the block-scaled GEMM of `fmt`, cuDNN's (fp8_blockwise: meshtrain's
+    Triton kernel) on NVIDIA GPUs, its definition elsewhere (module doc)."""
     return by_platform(functools.partial(_gpu_gemm, out_dtype=out_dtype, fmt=fmt),
                        functools.partial(_emulated_gemm, out_dtype=out_dtype), qa, qb, sa, sb)
 
