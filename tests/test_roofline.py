@@ -11,7 +11,7 @@ from meshtrain.core.metrics import DEVICE_PROFILES, flops_per_token
 from meshtrain.ops.grouped_matmul import GMM_TILE
 from meshtrain.parallel.mesh import AXES
 from meshtrain.parallel.schedules import timetable
-from meshtrain.planner import hlo, roofline
+from meshtrain.planner import loops, roofline
 
 H100 = DEVICE_PROFILES["h100"]
 
@@ -238,7 +238,7 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
     assert est["flops"]["hardware_per_device"] == pytest.approx(est["flops"]["model_per_device"]
                                                                 + 6 * routed / 2 * tokens, rel=1e-12)
     buffer_rows = ep * (p.train.batch_size // ep) * L * min(K, E // ep)
-    trips = [int(n) for n in hlo.TRIP_COUNT.findall(p.lower().compile().as_text())]
+    trips = [int(n) for n in loops.TRIP_COUNT.findall(p.lower().compile().as_text())]
     assert trips.count(-(-buffer_rows // GMM_TILE) + ep * (E // ep + 1) - 1) >= 9, trips
 
 

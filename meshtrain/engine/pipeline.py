@@ -58,7 +58,7 @@ from meshtrain.parallel import data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, stage_rows
 from meshtrain.parallel.schedules import Schedule, device_of, forwards_of, layer_order, lookup, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
-from meshtrain.parallel.tick_tables import CHANNELS, executor_tables, tick_phases
+from meshtrain.parallel.tick_tables import CHANNELS, executor_tables, phase_scope, tick_cond, tick_phases
 
 
 def stage_kinds(model, stages: int, virtual: int, placement: str = "circular"):
@@ -234,7 +234,7 @@ class StageProgram:
         sharding" on fsdp=2,pipeline=2)."""
         pin = lambda x: constrain(x, ("batch", "seq", "embed"))
         received = lambda: pin(read(c["inputs"], m, v, self.slots["input_slots"]))
-        return jax.lax.cond(self.is_first(v), lambda: pin(self.embed(self.outer, m)), received)
+        return tick_cond("first", self.is_first(v), lambda: pin(self.embed(self.outer, m)), received)
 
     # ---- actions ----
     def forward(self, c, m, v):
@@ -259,7 +259,7 @@ class StageProgram:
                                                    self.slots["cotangent_slots"])}, outputs)
 
         head = head_and_loss if self.trains else lambda c: keep(c, self.microbatch_head(self.outer, y, m)[1])
-        return jax.lax.cond(self.is_last(v), head, lambda c: c, c), y
+        return tick_cond("last", self.is_last(v), head, lambda c: c, c), y
 
     def backward(self, c, m, v):
         """The input gradient (sent back) and, unless the schedule splits it off (zb), the chunk's weight
@@ -288,7 +288,7 @@ class StageProgram:
         def embedding_grad(c):
             return self.add_outer(c, jax.vjp(lambda o: self.embed(o, m), self.outer)[1](g_x)[0])
 
-        return jax.lax.cond(self.is_first(v), embedding_grad, lambda c: c, c), g_x
+        return tick_cond("first", self.is_first(v), embedding_grad, lambda c: c, c), g_x
 
     def weight_grad(self, c, m, v):
         """A split-off W (zb, dualpipev): each layer's parameter gradient from its residuals and output
@@ -318,7 +318,8 @@ class StageProgram:
             sent = {}
             for kind, run, idle in actions[:2]:  # F, then B
                 if kind in uses:
-                    c, sent[kind] = jax.lax.cond(at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
+                    c, sent[kind] = tick_cond(kind, at(kind) > 0, run, idle, c, at(f"{kind}_micro"),
+                                              at(f"{kind}_chunk"))
             for name, kind, shift in CHANNELS:
                 if name in uses:
                     buffer, slots = buffers[kind]
@@ -330,11 +331,11 @@ class StageProgram:
                     def store(b, got=got, name=name, n=self.slots[slots]):  # traced by the cond just below
                         return write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n)
 
-                    c = {**c, buffer: jax.lax.cond(at(name) > 0, store, lambda b: b, c[buffer])}
+                    c = {**c, buffer: tick_cond(name, at(name) > 0, store, lambda b: b, c[buffer])}
             if "W" in uses:  # after the sends, which need only F's and B's outputs: a W beside them (dualpipev's
                 # full backward, B then W) computes while they travel
                 kind, run, idle = actions[2]
-                c, _ = jax.lax.cond(at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
+                c, _ = tick_cond(kind, at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
             return c, None
 
         return tick
@@ -342,8 +343,9 @@ class StageProgram:
     def ticks(self, phases) -> dict:
         """The carry after all ticks, phase by phase."""
         carry = self.initial_carry()
-        for start, end, uses in phases:
-            carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
+        for i, (start, end, uses) in enumerate(phases):
+            with jax.named_scope(phase_scope(self.trains, i)):  # the planner's walk finds the phase by it
+                carry, _ = jax.lax.scan(self.tick(uses), carry, jnp.arange(start, end))
         return carry
 
     def outputs(self, carry):

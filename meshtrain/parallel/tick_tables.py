@@ -1,9 +1,12 @@
 """The arrays the pipeline executor (meshtrain/engine/pipeline.py) indexes by (tick, stage), made from a
 schedule's timetable (meshtrain/parallel/schedules.py): which action each stage runs, what it receives on
 each channel at the end of the tick, how many buffer slots hold what waits, and the phases the ticks
-run in (the planner counts the sends from them)."""
+run in (the planner counts the sends from them), and the names the executor gives its conditionals and
+phases in the program (`tick_cond`, `phase_scope`), by which the planner's walk reads which table entry
+decides each (meshtrain/planner/ticks.py)."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from meshtrain.parallel.schedules import Action, Timetable, destination, model_stage
@@ -15,6 +18,20 @@ KINDS = ("F", "B", "W")
 # stage (its turn, shift 0: no send).
 CHANNELS = (("recv_f", "F", 1), ("recv_f_back", "F", -1), ("recv_f_here", "F", 0),
             ("recv_b", "B", -1), ("recv_b_back", "B", 1), ("recv_b_here", "B", 0))
+
+
+def tick_cond(tag: str, pred, true_fun, false_fun, *operands):
+    """`jax.lax.cond` named `tick_<tag>` in the program's op_name metadata: `tag` an action kind (F, B, W),
+    a channel's store (CHANNELS) or, inside an action, the stage's part (`first`: the embedding, `last`: the
+    head), each taken where its table entry (or the stage) says so."""
+    with jax.named_scope(f"tick_{tag}"):
+        return jax.lax.cond(pred, true_fun, false_fun, *operands)
+
+
+def phase_scope(trains: bool, phase: int) -> str:
+    """The name of a phase's scan over its ticks: `ticks_train<i>`, or `ticks_forward<i>` for a
+    forward-only pass (a reference model's, in the same step)."""
+    return f"ticks_{'train' if trains else 'forward'}{phase}"
 
 
 def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:

@@ -36,7 +36,7 @@ from meshtrain.ops.attention import MIN_ATTENTION_BLOCK, attention_block
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.parallel.mesh import build_mesh, describe, parse_mesh
 from meshtrain.parallel.sharding import make_rules, shard_bytes
-from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, known_gaps, traffic
+from meshtrain.planner import compilers, fit, hlo, kernel_time, kernels, known_gaps, ticks, traffic
 from meshtrain.planner import roofline as roof
 from meshtrain.planner.budget import budget, host_budget, memory_fraction, verdict
 from meshtrain.planner.hlo import KINDS
@@ -236,7 +236,8 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
                  "activations and temporaries (gradients included)": memory["temporaries"]}
     memory["largest"] = max(consumers, key=consumers.get)
 
-    records = hlo.read(text, n, correct=not gpu)  # the GPU's program needs no CPU corrections
+    tick_plan = ticks.tick_plan(program)  # a pipeline's: which branches each stage takes at each tick
+    records = hlo.read(text, n, correct=not gpu, tick_plan=tick_plan)  # the GPU's program needs no CPU corrections
     measured = hlo.by_kind(records)
     expected = traffic.expected_traffic(program)
     compared = traffic.compare(measured, expected, gaps=known_gaps.known_gaps(program))
@@ -252,7 +253,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
     roofline = roof.estimate(program, read_once, records, profile, devices_per_node)
     if gpu:  # the GPU program's kernels price the step; the CPU's program has none (the formulas do)
         roofline = kernel_time.price(text, records, sizes, profile, devices_per_node or profile["devices_per_node"],
-                                     roofline)
+                                     roofline, tick_plan)
     flops = {"compiled_per_device": float(cost["flops"]) if "flops" in cost else None,
              "model_per_device": roofline["flops"]["model_per_device"],
              "hardware_per_device": roofline["flops"]["hardware_per_device"]}
@@ -269,7 +270,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
             "collectives": comms,
             "data_parallel": traffic.data_parallel_traffic(program), "corrections": hlo.corrections(records),
             "flops": flops, "roofline": roofline, "_program": program,
-            **({"kernels": kernels.read(text)} if gpu else {}),
+            **({"kernels": kernels.read(text, tick_plan=tick_plan)} if gpu else {}),
             **({"moe": moe} if (moe := traffic.moe_dispatch(program)) else {})}
 
 

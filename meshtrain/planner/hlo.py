@@ -2,9 +2,10 @@
 
 Each collective's payload is its output size per device (`dtypes`: the same, by element type, e.g.
 int8 gradients and their fp32 scales under compression); instructions inside a `while` body run
-`known_trip_count` times (the layer scan, the pipeline ticks), so they are counted that often.
-Branches of a conditional are counted as if taken, an upper bound. Link traffic per device uses
-the ring algorithms' volumes for the group's size (meshtrain/core/formulas.py).
+`known_trip_count` times (the layer scan), so they are counted that often (meshtrain/planner/loops.py).
+A pipeline's ticks count each stage's branches (its table entries, meshtrain/planner/ticks.py): a
+device's mean over the stages. Other conditionals' branches are counted as if taken, an upper bound.
+Link traffic per device uses the ring algorithms' volumes for the group's size (meshtrain/core/formulas.py).
 
 The planner compiles for GPUs on the CPU backend, which rewrites two things a GPU keeps
 (`correct=True` undoes both and reports what it undid under `corrections`):
@@ -28,6 +29,7 @@ from collections import defaultdict
 import numpy as np
 
 from meshtrain.core.formulas import ring_traffic
+from meshtrain.planner.loops import PARAMETER, Loops
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 # read as an all-to-all of the smaller of its operand and output: the packed rows a device sends or gets back
@@ -37,12 +39,6 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0f
                "c128": 16}
 _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
-_CALLS = re.compile(r"(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-LOOP_BODY = re.compile(r"body=%?([\w.\-]+)")
-_PARAMETER = re.compile(r"parameter\((\d+)\)")
-_TUPLE_INDEX = re.compile(r"get-tuple-element\([^)]*\), index=(\d+)")
 _INDEX = re.compile(r"index=(\d+)")
 _LAYOUT = ("bitcast", "copy", "reshape", "transpose")  # the same values, laid out anew
 _SAME_VALUES = ("convert",) + _LAYOUT  # the elements pass through (converted at most)
@@ -144,8 +140,11 @@ def _mesh_groups(axes: str, device_ids: str | None, chosen: str) -> list[list[in
 
 
 # ---- the module's computations and the value flow between instructions ----
-class Module:
-    def __init__(self, text: str):
+class Module(Loops):
+    """A compiled program's computations and instructions, parsed from its HLO text."""
+
+    def __init__(self, text: str, tick_plan: dict | None = None):
+        self.ticks = tick_plan or {}  # a pipeline's phases (meshtrain/planner/ticks.py `tick_plan`)
         self.comps: dict[str, dict[str, Instr]] = {}
         self.roots: dict[str, str] = {}
         self.params: dict[str, dict[int, str]] = defaultdict(dict)  # computation -> parameter index -> name
@@ -168,7 +167,7 @@ class Module:
                     if root:
                         self.roots[comp] = name
                     if op == "parameter":
-                        self.params[comp][int(_PARAMETER.search(line).group(1))] = name
+                        self.params[comp][int(PARAMETER.search(line).group(1))] = name
         self._users: dict[str, dict[str, list[Instr]]] = {}
 
     def users(self, comp: str, name: str) -> list[Instr]:
@@ -290,30 +289,6 @@ class Module:
         return ins.op == "add" or (ins.op == "fusion" and any(
             i.op == "add" for i in self.comps.get(self.callee(ins), {}).values()))
 
-    def trip_count(self, comp: str, ins: Instr) -> int:
-        """Iterations of a `while` in `comp`: XLA's `known_trip_count`, or where a pass left none (XLA:GPU's
-        collective pipelining peels an iteration off a loop and drops it), from the loop itself as XLA's
-        while-loop analysis reads it: the induction variable's initial constant, the constant its body
-        adds, and the constant its condition compares it with (i < n, i <= n, i > n, i >= n). 1 where the
-        loop is not of that form."""
-        if (known := TRIP_COUNT.search(ins.line)) is not None:
-            return int(known.group(1))
-        cond, body = re.search(r"condition=%?([\w.\-]+)", ins.line), LOOP_BODY.search(ins.line)
-        index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', ins.line)
-        if not (cond and body and index and ins.operands):
-            return 1
-        k = int(index.group(1))
-        start = self._constant(comp, self._tuple_element(comp, ins.operands[0], k))
-        step = self._increment(body.group(1), k)
-        compare = self._compare(cond.group(1), k)
-        if start is None or not step or compare is None:
-            return 1
-        direction, limit = compare
-        span = {"LT": limit - start, "LE": limit - start + step, "GT": start - limit, "GE": start - limit - step}
-        if direction not in span:
-            return 1
-        return max(0, -(-span[direction] // abs(step)))
-
     def through(self, comp: str, name: str | None) -> Instr | None:
         """The instruction a value comes from, past copies, bitcasts and converts."""
         for _ in range(20):
@@ -323,90 +298,6 @@ class Module:
             name = ins.operands[0]
         return None
 
-    def _tuple_element(self, comp: str, name: str, k: int) -> str | None:
-        ins = self.through(comp, name)
-        return ins.operands[k] if ins is not None and ins.op == "tuple" and k < len(ins.operands) else None
-
-    def _constant(self, comp: str, name: str | None) -> int | None:
-        ins = self.through(comp, name)
-        m = re.search(r"\bconstant\((-?\d+)\)", ins.line) if ins is not None and ins.op == "constant" else None
-        return int(m.group(1)) if m else None
-
-    def _induction(self, comp: str, name: str | None, k: int) -> bool:
-        """Whether `name` is element k of `comp`'s parameter tuple."""
-        ins = self.through(comp, name)
-        element = _TUPLE_INDEX.search(ins.line) if ins is not None and ins.op == "get-tuple-element" else None
-        if element is None or element.group(1) != str(k):
-            return False
-        source = self.through(comp, ins.operands[0])
-        return source is not None and source.op == "parameter"
-
-    def _scalar_op(self, comp: str, name: str | None, op: str):
-        """(computation, instruction, the fusion it is in or None) of the `op` that computes `name`,
-        looking into a fusion's root (`_side` maps the fusion's parameters back to its operands)."""
-        ins = self.through(comp, name)
-        if ins is not None and ins.op == "fusion" and (callee := self.callee(ins)) in self.comps:
-            inner = self.through(callee, self.roots.get(callee))
-            if inner is not None and inner.op == op:
-                return callee, inner, ins
-        return (comp, ins, None) if ins is not None and ins.op == op else None
-
-    def _side(self, comp: str, fusion: Instr | None, outer: str, name: str) -> tuple[str, str | None]:
-        """An operand inside a fusion's computation as (computation, name) outside it, where it is a
-        parameter of the fusion; else as it is."""
-        ins = self.through(comp, name)
-        if fusion is not None and ins is not None and ins.op == "parameter":
-            return outer, fusion.operands[int(_PARAMETER.search(ins.line).group(1))]
-        return comp, name
-
-    def _increment(self, body: str, k: int) -> int | None:
-        """The constant the body adds to tuple element k (i = i + c)."""
-        found = self._scalar_op(body, self._tuple_element(body, self.roots.get(body), k), "add")
-        if found is None:
-            return None
-        comp, add, fusion = found
-        sides = [self._side(comp, fusion, body, operand) for operand in add.operands[:2]]
-        for (c1, a), (c2, b) in (sides, sides[::-1]):
-            if self._induction(c1, a, k) and (value := self._constant(c2, b)) is not None:
-                return value
-        return None
-
-    def _compare(self, cond: str, k: int) -> tuple[str, int] | None:
-        """(direction, the constant) of the condition's i <direction> constant, i = tuple element k."""
-        found = self._scalar_op(cond, self.roots.get(cond), "compare")
-        if found is None:
-            return None
-        comp, compare, fusion = found
-        direction = re.search(r"direction=(\w+)", compare.line)
-        (c1, a), (c2, b) = (self._side(comp, fusion, cond, operand) for operand in compare.operands[:2])
-        flip = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}
-        if direction and self._induction(c1, a, k) and (value := self._constant(c2, b)) is not None:
-            return direction.group(1), value
-        if direction and self._induction(c2, b, k) and (value := self._constant(c1, a)) is not None:
-            return flip.get(direction.group(1), direction.group(1)), value
-        return None
-
-    def execution_counts(self) -> dict[str, float]:
-        """How often each computation runs per call of the entry: while bodies by their trip count."""
-        times: dict[str, float] = defaultdict(float)
-
-        def visit(name: str, factor: float, depth: int = 0) -> None:
-            if name not in self.comps or depth > 50:
-                return
-            times[name] += factor
-            for ins in self.comps[name].values():
-                body = LOOP_BODY.search(ins.line) if ins.op == "while" else None
-                for callee in _CALLS.findall(ins.line):
-                    repeat = self.trip_count(name, ins) if body and callee == body.group(1) else 1
-                    visit(callee, factor * repeat, depth + 1)
-                for group in BRANCHES.findall(ins.line):
-                    for callee in group.split(","):
-                        visit(callee.strip().lstrip("%"), factor, depth + 1)
-
-        visit(self.entry, 1.0)
-        return times
-
-
 def _operands(line: str, start: int) -> list[str]:
     depth, end = 1, start
     while end < len(line) and depth:
@@ -415,11 +306,11 @@ def _operands(line: str, start: int) -> list[str]:
     return re.findall(r"%([\w.\-]+)", line[start:end - 1])
 
 
-def read(hlo_text: str, num_devices: int, correct: bool = True) -> list[Collective]:
+def read(hlo_text: str, num_devices: int, correct: bool = True, tick_plan: dict | None = None) -> list[Collective]:
     """Every collective of the program, once per instruction and (corrected) kind. A ragged
     all-to-all is an all-to-all of the smaller of its operand and its output (`RAGGED`): for the
     dropless dispatch, the packed side, the rows routed (meshtrain/ops/block_exchange.py)."""
-    module = Module(hlo_text)
+    module = Module(hlo_text, tick_plan)
     found = []
     for comp, times in module.execution_counts().items():
         summed: dict[tuple, Collective] = {}  # all-reduced values added together, by their sum

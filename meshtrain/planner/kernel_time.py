@@ -29,10 +29,13 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
 - each kernel takes the longest of its arithmetic at its efficiency, its bytes at HBM bandwidth x
   `hbm_efficiency` (a GEMM's too), and `launch_s` (`kernel_seconds`); a `while` runs its body
   trip-count times (XLA's known_trip_count, or the loop's bounds where a pass dropped it:
-  hlo.Module.trip_count) and its condition once more, a `conditional` costs its branches weighted by
+  loops.py) and its condition once more, a `conditional` costs its branches weighted by
   the share each takes where its index is a constant array's element (a layer scan's switch over the
   layers' kinds, `branch_shares`), else the mean of its branches
   (blockwise attention's skipped and computed blocks: about half and half);
+- a pipeline's phase of ticks (meshtrain/planner/ticks.py): each stage's cell of a tick walks the
+  branches its table entries take; the stages run a tick in lockstep, so it costs its slowest cell, and
+  the rest of it, a device's mean, is `pipeline_wait` (the bubble and the stages' imbalance);
 - collectives (meshtrain/planner/hlo.py's records) on the link their replica groups cross (roofline.py),
   on their own stream: an async `-start` begins when the link is free and its `-done` waits for it, so
   the kernels scheduled between them hide it; a synchronous one stops the compute stream.
@@ -52,8 +55,9 @@ import re
 from collections import defaultdict
 
 from meshtrain.ops import grouped_matmul_triton as grouped
-from meshtrain.planner import hlo, kernels, roofline
+from meshtrain.planner import hlo, kernels, roofline, ticks
 from meshtrain.planner.hlo import DTYPE_BYTES, KINDS, Module, typed_array_elements
+from meshtrain.planner.loops import LOOP_BODY
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\["?([\d",]*)"?\]')
@@ -215,8 +219,9 @@ class StepTime:
     """The walk of one compiled GPU program on `profile` (meshtrain/core/metrics.py's DEVICE_PROFILES,
     its `kernels` constants); `link_s`: {collective instruction name: seconds per execution on its link}."""
 
-    def __init__(self, hlo_text: str, profile: dict, link_s: dict[str, float]):
-        self.module, self.profile, self.c, self.link_s = Module(hlo_text), profile, profile["kernels"], link_s
+    def __init__(self, hlo_text: str, profile: dict, link_s: dict[str, float], tick_plan: dict | None = None):
+        self.module, self.profile, self.c, self.link_s = Module(hlo_text, tick_plan), profile, profile["kernels"], \
+            link_s
         self.parts: dict[str, float] = defaultdict(float)  # seconds per step by kind of work
         self.counts: dict[str, float] = defaultdict(float)
         self.launched: list[tuple[str, float, int, float]] = []  # (kind, arithmetic s, bytes, times per step)
@@ -257,8 +262,9 @@ class StepTime:
         self.counts[kind] += times
         return seconds
 
-    def run(self, comp: str, times: float = 1.0) -> float:
-        """Seconds of one execution of `comp`: compute stream and collective stream, in schedule order."""
+    def run(self, comp: str, times: float = 1.0, cell: frozenset | None = None) -> float:
+        """Seconds of one execution of `comp`: compute stream and collective stream, in schedule order;
+        `cell`: within a pipeline tick, the branches its stage takes (meshtrain/planner/ticks.py)."""
         clock = link_free = 0.0
         host_free = {"to_host": 0.0, "to_device": 0.0}
         ends: dict[str, float] = {}
@@ -287,19 +293,42 @@ class StepTime:
                 continue
             if ins.op == "while":
                 n = self.module.trip_count(comp, ins)
-                body, cond = hlo.LOOP_BODY.search(ins.line).group(1), re.search(r"condition=%?([\w.\-]+)", ins.line)
-                clock += n * self.run(body, times * n) + (n + 1) * (self.run(cond.group(1), times * (n + 1))
-                                                                   if cond else 0.0)
+                body, cond = LOOP_BODY.search(ins.line).group(1), re.search(r"condition=%?([\w.\-]+)", ins.line)
+                clock += (n + 1) * (self.run(cond.group(1), times * (n + 1), cell) if cond else 0.0)
+                if (cells := ticks.phase(self.module.ticks, ins.line, n)) is not None:  # each tick its slowest stage
+                    clock += self.lockstep(cells, lambda c, share, body=body: self.run(body, times * share, c), times)
+                else:
+                    clock += n * self.run(body, times * n, cell)
+            elif ins.op == "conditional" and cell is None and (tick := ticks.loose(self.module.ticks, ins.line)):
+                clock += self.mean_tick(tick, ins.line, times)
             elif ins.op == "conditional":
-                branches = [b.strip().lstrip("%") for g in hlo.BRANCHES.findall(ins.line) for b in g.split(",")] \
-                    or re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.line)
-                shares = branch_shares(self.module, comp, ins, len(branches)) or [1 / len(branches)] * len(branches)
-                clock += sum(share * self.run(b, times * share) for b, share in zip(branches, shares) if share)
+                branches = ticks.branches(ins.line)
+                shares = (ticks.taken(ins.line, cell) or branch_shares(self.module, comp, ins, len(branches))
+                          or [1 / len(branches)] * len(branches))
+                clock += sum(share * self.run(b, times * share, cell) for b, share in zip(branches, shares) if share)
             elif ins.op == "call" and (callee := re.search(r"to_apply=%?([\w.\-]+)", ins.line)):
-                clock += self.run(callee.group(1), times)
+                clock += self.run(callee.group(1), times, cell)
             else:
                 clock += self.kernel(comp, ins, times)
         return max(clock, link_free)
+
+
+    def mean_tick(self, cells, line: str, times: float) -> float:
+        """A named conditional XLA took out of its phase's loop (ticks.loose): a mean tick of the phase, the
+        branch each cell takes, its ticks' lockstep sum over their number."""
+        n = len(cells)
+        cell_seconds = lambda c, share: self.run(ticks.chosen(line, c), times * share / n, c)  # noqa: E731
+        return self.lockstep(cells, cell_seconds, times / n) / n
+
+    def lockstep(self, cells, walk, times: float) -> float:
+        """Seconds of a phase's ticks, each as long as its slowest stage's cell (`walk(cell, share)`: one's
+        seconds, its work counted as `share` of a device's, its cells over the stages); a device waits the
+        rest (`pipeline_wait`)."""
+        counts, stages = ticks.counts(cells), len(cells[0])
+        seconds = {c: walk(c, k / stages) for c, k in counts.items()}
+        lockstep = ticks.lockstep(cells, seconds)
+        self.parts["pipeline_wait"] += times * (lockstep - sum(k * seconds[c] for c, k in counts.items()) / stages)
+        return lockstep
 
 
 def branch_shares(module: Module, comp: str, ins, branches: int) -> list[float] | None:
@@ -320,15 +349,16 @@ def branch_shares(module: Module, comp: str, ins, branches: int) -> list[float] 
     return None
 
 
-def step_time(hlo_text: str, profile: dict, link_s: dict[str, float]) -> dict:
+def step_time(hlo_text: str, profile: dict, link_s: dict[str, float], tick_plan: dict | None = None) -> dict:
     """The step's seconds by the walk (`StepTime`), with the seconds per step of each kind of work
     (GEMMs, fused attention, memory-bound kernels, collectives on their links) and the
     kernels launched of each kind; `calibrated`: whether the constants were fitted on this device's
     steps (else they are the H100/H200's, and the plan says so)."""
-    walk = StepTime(hlo_text, profile, link_s)
+    walk = StepTime(hlo_text, profile, link_s, tick_plan)
     step = walk.run(walk.module.entry)
     busy = sum(walk.parts[k] for k in ("gemm", "attention", "memory"))
-    return {"step_s": step, "kernels_s": busy, "exposed_comm_s": max(0.0, step - busy),
+    wait = walk.parts["pipeline_wait"]  # a pipeline's stages waiting for each tick's slowest one
+    return {"step_s": step, "kernels_s": busy, "exposed_comm_s": max(0.0, step - busy - wait), "pipeline_wait_s": wait,
             "by_kind_s": {k: walk.parts[k] for k in ("gemm", "attention", "memory", "collectives", "host")},
             "launches": {k: walk.counts[k] for k in ("gemm", "attention", "memory", "host")},
             "constants": dict(walk.c), "calibrated": profile.get("kernels_calibrated", True)}
@@ -347,11 +377,11 @@ def link_seconds(collectives, sizes: dict[str, int], profile: dict, devices_per_
 
 
 def price(hlo_text: str, collectives, sizes: dict[str, int], profile: dict, devices_per_node: int,
-          formula: dict) -> dict:
+          formula: dict, tick_plan: dict | None = None) -> dict:
     """The roofline of a GPU plan: `formula` (roofline.estimate's) with the step, the MFU and HFU
     ceilings and tokens/s from the GPU program's kernels (`step_time`), the formula's step kept as
     `formula_step_s`, and `priced_by` saying which priced the step."""
-    walked = step_time(hlo_text, profile, link_seconds(collectives, sizes, profile, devices_per_node))
+    walked = step_time(hlo_text, profile, link_seconds(collectives, sizes, profile, devices_per_node), tick_plan)
     step, flops = walked["step_s"], formula["flops"]
     scale = formula["step_s"] / step if step else 0.0
     out = {**formula, "priced_by": "kernels", "formula_step_s": formula["step_s"], "step_s": step,

@@ -106,9 +106,10 @@ def arrays_made(module: Module):
                    "bytes": elements * DTYPE_BYTES[dtype]}
 
 
-def read(hlo_text: str, largest: int = 8) -> dict:
-    """Kernels per step of a compiled GPU program by kind (module doc)."""
-    module = Module(hlo_text)
+def read(hlo_text: str, largest: int = 8, tick_plan: dict | None = None) -> dict:
+    """Kernels per step of a compiled GPU program by kind (module doc); `tick_plan`: a pipeline's
+    (meshtrain/planner/ticks.py)."""
+    module = Module(hlo_text, tick_plan)
     gemms, attention, grouped, collectives, fusions = Counter(), Counter(), Counter(), Counter(), 0.0
     filled = []  # rows expected / rows of the buffer, per gmm and gmm_t
     for ins, comp, times in launches(module):

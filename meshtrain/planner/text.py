@@ -137,7 +137,10 @@ def format_kernel_time(roof: dict, precision: str) -> list[str]:
             f"memory-bound {c['memory'] * 1e3:,.1f} ms ({n['memory']:,.0f}); "
             f"collectives {c['collectives'] * 1e3:,.1f} ms on their links"
             + (f", host copies {c['host'] * 1e3:,.1f} ms on the host link ({n['host']:,.0f})" if c.get("host") else "")
-            + f", {k['exposed_comm_s'] * 1e3:,.1f} ms of it not hidden -> step {k['step_s'] * 1e3:,.1f} ms", *fp8]
+            + f", {k['exposed_comm_s'] * 1e3:,.1f} ms of it not hidden"
+            + (f"; the pipeline's ticks wait {k['pipeline_wait_s'] * 1e3:,.1f} ms for their slowest stage (each tick "
+               f"as long as it: the bubble and the stages' imbalance)" if k.get("pipeline_wait_s") else "")
+            + f" -> step {k['step_s'] * 1e3:,.1f} ms", *fp8]
 
 
 def partly_filled(filled: float | None) -> list[str]:

@@ -272,6 +272,12 @@ def expected_traffic(program) -> dict[str, dict]:
             add("reduce-scatter", over_data("all-gather", 4 * grads),
                 "ZeRO-3 gradient reduce-scatter over data, once per step")
     A = F * C * (D if zero >= 3 and not data_once else 1)  # FSDP's group: the `embed` rule shards over fsdp, context
+    # a pipeline's stage that embeds (the first model stage's) gathers and reduces the table, the one that
+    # applies the head the head and norm (engine/pipeline.py): a device's mean is 1/P of them; a tied table twice
+    tied_twice = slices["lookup"] if P > 1 and program.model.cfg.tie_embeddings else 0
+    on_stages = (", on the stages that embed or apply the head: 1/P of them a device" + (", a tied table on both"
+                                                                                       if tied_twice else "")
+                 if P > 1 else "")
     # The layers' weights in the compute dtype, forward and backward (under remat=full the
     # recomputed forward uses the backward's gather); the embedding and head in fp32, once: the
     # forward's gather stays live for the backward (outside the layer loop).
@@ -290,11 +296,12 @@ def expected_traffic(program) -> dict[str, dict]:
             f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype{in_fp8}, forward "
             f"and backward")
         if gpu and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop
-            add("all-gather", micro * ring_traffic("all-gather", slices["vocab"] * act
-                                                   + (slices["outer"] - slices["vocab"]) * 4, A),
+            once = " (a tied table once)"
+            outer = slices["vocab"] * act + (slices["outer"] - slices["vocab"]) * 4 + tied_twice * act
+            add("all-gather", micro * ring_traffic("all-gather", outer, A) / P,
                 f"FSDP all-gather of the embedding, head and final norm per microbatch x {micro} (XLA:GPU keeps it "
-                f"in the microbatch loop): the table and head in the compute dtype (a tied table once), the norm in "
-                f"fp32")
+                f"in the microbatch loop): the table and head in the compute dtype{'' if P > 1 else once}, the norm "
+                f"in fp32{on_stages}")
         else:
             add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4
                                            + slices["table"] * act, A),
@@ -313,12 +320,13 @@ def expected_traffic(program) -> dict[str, dict]:
             f"under rl.kl_coef) gathered in the compute dtype, once per step (XLA:GPU: per microbatch)")
     # the lookup's gradient is summed over the shards in fp32 (meshtrain/ops/embedding.py); XLA:GPU
     # reduces a tied table's apart from the head's (meshtrain/ops/loss.py), XLA:CPU adds the two first
-    lookup = trained["lookup"] * 4 if gpu and program.model.cfg.tie_embeddings else 0
-    table_grad = "fp32 (a tied table's twice on XLA:GPU, the lookup's and the head's)" if gpu else "fp32"
-    add("reduce-scatter", micro * ring_traffic("all-gather", trained["blocks"] * act + trained["outer"] * 4 + lookup,
-                                               A),
+    lookup = trained["lookup"] * 4 if (gpu or P > 1) and program.model.cfg.tie_embeddings else 0
+    table_grad = ("fp32 (a tied table's twice, the lookup's and the head's)" if lookup and P > 1 else
+                  "fp32 (a tied table's twice on XLA:GPU, the lookup's and the head's)" if gpu else "fp32")
+    add("reduce-scatter", micro * (ring_traffic("all-gather", trained["blocks"] * act, A)
+                                   + ring_traffic("all-gather", trained["outer"] * 4 + lookup, A) / P),
         f"FSDP gradient reduce-scatter per microbatch x {micro}: the layers' in the compute dtype, the head's and "
-        f"norm's in fp32, the embedding's in {table_grad}")
+        f"norm's in fp32, the embedding's in {table_grad}{on_stages}")
     if A > 1 and not data_once:
         add("all-reduce", micro * ring_traffic("all-reduce", 4 * unsharded_slice(program), A),
             f"fp32 gradient all-reduce of the parameters the fsdp axes leave whole (per-head q/k norms) per "
