@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.engine.program import TrainProgram
-from meshtrain.planner import hlo, traffic
+from meshtrain.planner import hlo, ticks, traffic
 from meshtrain.planner.hlo import KINDS, replica_groups
 
 
@@ -113,7 +113,7 @@ CASES = [(name, "bf16") for name in LAYOUTS] + [("fsdp", "fp32")]
 def test_formula_within_10_percent_of_the_compiled_step(layout, precision):
     program = TrainProgram.from_config(tiny_config(*LAYOUTS[layout], f"parallel.precision={precision}",
                                                    "model.tie_embeddings=false"))
-    found = hlo.collectives(program.lower().compile().as_text(), 8)
+    found = hlo.collectives(program.lower().compile().as_text(), 8, tick_plan=ticks.tick_plan(program))
     formula = traffic.expected_traffic(program)
     compared = 0
     for kind in KINDS:

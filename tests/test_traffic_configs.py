@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from meshtrain.engine.program import TrainProgram
-from meshtrain.planner import hlo, known_gaps, traffic
+from meshtrain.planner import hlo, known_gaps, ticks, traffic
 
 # Tiny Llama-shaped dims: every layer's structure (GQA, SwiGLU, untied or tied head) kept.
 SHRINK = ("model.num_layers=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=32",
@@ -23,6 +23,11 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
                       {"all-reduce", "all-gather", "reduce-scatter"}),
     "pipeline x data x tensor": ("llama3_8b", ("parallel.mesh=data=2,pipeline=2,tensor=2", "train.batch_size=32"),
                                  {"all-reduce", "all-gather", "reduce-scatter"}),  # ZeRO-3: the pipeline's executor
+    "pipeline x fsdp": ("llama3_8b", ("parallel.mesh=fsdp=4,pipeline=2", "train.batch_size=64"),  # each stage's
+                        {"all-reduce", "all-gather", "reduce-scatter"}),  # branches, the embedding's on its stage
+    "pipeline x expert, zb": ("moe_tiny", ("parallel.mesh=data=2,pipeline=2,expert=2", "parallel.schedule=zb",
+                                           "parallel.microbatches=4"),
+                              {"all-reduce", "collective-permute"}),  # all-to-all flagged: W reruns the pullback
     "data x fsdp": ("llama3_8b", ("parallel.mesh=data=2,fsdp=4", "train.batch_size=128"), set()),
     "sequence parallel": ("llama3_8b", ("parallel.mesh=fsdp=2,tensor=4", "parallel.sequence_parallel=true",
                                         "train.batch_size=32"), {"reduce-scatter"}),
@@ -62,7 +67,8 @@ def case_config(name):
 @functools.cache
 def compared(name):
     program = TrainProgram.from_config(case_config(name))
-    measured = hlo.collectives(program.lower().compile().as_text(), program.mesh.size)
+    measured = hlo.collectives(program.lower().compile().as_text(), program.mesh.size,
+                               tick_plan=ticks.tick_plan(program))  # a pipeline's: each stage's branches
     return traffic.compare(measured, traffic.expected_traffic(program), gaps=known_gaps.known_gaps(program))
 
 

@@ -379,9 +379,9 @@ def corrections(records: list[Collective]) -> dict[str, float]:
             "all_reduce_reassociated_bytes": sum(c.reassociated for c in records)}
 
 
-def collectives(hlo_text: str, num_devices: int, correct: bool = True) -> dict[str, dict]:
+def collectives(hlo_text: str, num_devices: int, correct: bool = True, tick_plan: dict | None = None) -> dict:
     """`by_kind` of the program's collectives (`read`)."""
-    return by_kind(read(hlo_text, num_devices, correct))
+    return by_kind(read(hlo_text, num_devices, correct, tick_plan))
 
 
 def reduction_totals(found: dict) -> tuple[float, float]:

@@ -11,6 +11,7 @@ from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.recipes import is_low_precision
 from meshtrain.ops.ulysses import context_degrees
 from meshtrain.parallel import compression, data_parallel
+from meshtrain.parallel.schedules import lookup
 from meshtrain.planner import traffic
 from meshtrain.planner.hlo import KINDS
 
@@ -88,6 +89,12 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "multi-head latent attention beside tensor: the backward also all-reduces the q, kv and rope latents' "
             f"gradients [b, s, {width}] over tensor (partial sums of the head-split up-projections, needed whole "
             "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
+    if E > 1 and sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad:
+        moved = 6 if plan.remat == "full" else 4  # the formula's all-to-alls a MoE layer; W reruns the backward's 2
+        gaps["all-to-all"].append((
+            f"{plan.schedule} splits each layer's weight gradient (W) off its backward: W reruns the layer's pullback "
+            f"from its saved residuals (engine/pipeline.py weight_grad), so the MoE backward's two all-to-alls move "
+            f"again: {moved + 2} a layer where the formula counts {moved}", 1, (moved + 2) / moved * 1.05))
     if E > 1:
         gaps["all-gather"].append((
             "the MoE routing (models/experts.py) gathers token positions and router statistics over expert: not "

@@ -25,7 +25,10 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   does not: per microbatch, the table and head in the compute dtype) and reduced per microbatch,
   the head's in fp32 (the loss sums its gradient over its chunks per batch shard, meshtrain/ops/loss.py,
   so once), the lookup's in fp32 (meshtrain/ops/embedding.py; on XLA:GPU a tied table's apart from
-  the head's).
+  the head's). In a pipeline the stage that embeds gathers and reduces the table per microbatch (on
+  XLA:CPU too: no gather leaves the stage's conditional), the one that applies the head the head and
+  norm: a device's mean is 1/P of them (meshtrain/planner/ticks.py reads the program so), a tied table's
+  twice.
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
   when remat=full recomputes the forward (the attention output's; the MLP output's only use is the
   saved next-layer input); under sequence parallelism each becomes a reduce-scatter and an
@@ -295,13 +298,14 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-gather", micro * ring_traffic("all-gather", 2 * layers, A),
             f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype{in_fp8}, forward "
             f"and backward")
-        if gpu and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop
-            once = " (a tied table once)"
+        if (gpu or P > 1) and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop, nor
+            # XLA:CPU out of the pipeline stage's conditional that embeds or applies the head
+            where = ("in the stage's conditional" if P > 1 else "XLA:GPU keeps it in the microbatch loop")
+            once = "" if P > 1 else " (a tied table once)"
             outer = slices["vocab"] * act + (slices["outer"] - slices["vocab"]) * 4 + tied_twice * act
             add("all-gather", micro * ring_traffic("all-gather", outer, A) / P,
-                f"FSDP all-gather of the embedding, head and final norm per microbatch x {micro} (XLA:GPU keeps it "
-                f"in the microbatch loop): the table and head in the compute dtype{'' if P > 1 else once}, the norm "
-                f"in fp32{on_stages}")
+                f"FSDP all-gather of the embedding, head and final norm per microbatch x {micro} ({where}): the "
+                f"table and head in the compute dtype{once}, the norm in fp32{on_stages}")
         else:
             add("all-gather", ring_traffic("all-gather", (slices["outer"] - slices["table"]) * 4
                                            + slices["table"] * act, A),
@@ -339,8 +343,8 @@ def expected_traffic(program) -> dict[str, dict]:
         # to, a tied one's added to the head's and reduced with it
         tied = program.model.cfg.tie_embeddings
         table = 0 if tied else shared["lookup"]
-        per_micro = (shared["blocks"] * act + (shared["outer"] - table) * 4
-                     + (shared["lookup"] * 4 * tied if gpu else table * act))
+        outer = (shared["outer"] - table) * 4 + (shared["lookup"] * 4 * tied if gpu or P > 1 else table * act)
+        per_micro = shared["blocks"] * act + outer / P  # a pipeline's: on the stages that embed or apply the head
         add("all-reduce", micro * ring_traffic("all-reduce", per_micro / A, E)
             + (ring_traffic("all-reduce", table * 4 / A, E) if gpu else 0),
             f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
