@@ -28,15 +28,16 @@ def walk(cfg, devices: int, device: str, options: dict) -> dict:
     program's own."""
     from meshtrain.core.metrics import DEVICE_PROFILES
     from meshtrain.engine.program import TrainProgram
-    from meshtrain.planner import compilers, hlo, kernel_time
+    from meshtrain.planner import compilers, hlo, kernel_time, ticks
 
     target = compilers.choose("gpu", device, devices, 8)
     profile = DEVICE_PROFILES[device]
     with target.compiling():
         program = TrainProgram.from_config(cfg, devices=target.devices)
         text = program.lower().compile(compiler_options=options or None).as_text()
-    link_s = kernel_time.link_seconds(hlo.read(text, devices, correct=False), program.sizes, profile,
-                                      profile["devices_per_node"])
+    tick_plan = ticks.tick_plan(program)  # a pipeline's: each stage's branches, each tick its slowest stage
+    records = hlo.read(text, devices, correct=False, tick_plan=tick_plan)
+    link_s = kernel_time.link_seconds(records, program.sizes, profile, profile["devices_per_node"])
 
     class BySource(kernel_time.StepTime):
         sources = Counter()
@@ -54,9 +55,9 @@ def walk(cfg, devices: int, device: str, options: dict) -> dict:
                 self.sources[name] += times * seconds
             return seconds
 
-    w = BySource(text, profile, link_s)
+    w = BySource(text, profile, link_s, tick_plan)
     step = w.run(w.module.entry)
-    busy = sum(w.parts[k] for k in ("gemm", "attention", "memory"))
+    busy = sum(w.parts[k] for k in ("gemm", "attention", "memory", "pipeline_wait"))
     return {"step": step, "parts": dict(w.parts), "exposed": max(0.0, step - busy), "sources": w.sources}
 
 
@@ -84,7 +85,9 @@ def main():
         parts = r["parts"]
         print(f"{label}: step {r['step'] * 1e3:,.2f} ms; GEMMs {parts.get('gemm', 0) * 1e3:,.2f}, attention "
               f"{parts.get('attention', 0) * 1e3:,.2f}, memory-bound {parts.get('memory', 0) * 1e3:,.2f}, collectives "
-              f"{parts.get('collectives', 0) * 1e3:,.2f} ms on their links, {r['exposed'] * 1e3:,.2f} ms not hidden")
+              f"{parts.get('collectives', 0) * 1e3:,.2f} ms on their links, {r['exposed'] * 1e3:,.2f} ms not hidden"
+              + (f"; pipeline ticks waiting for their slowest stage {parts['pipeline_wait'] * 1e3:,.2f} ms"
+                 if parts.get("pipeline_wait") else ""))
         for name, seconds in r["sources"].most_common(args.top):
             print(f"  {seconds * 1e3:10.2f} ms  {name}")
 
