@@ -90,11 +90,13 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             f"gradients [b, s, {width}] over tensor (partial sums of the head-split up-projections, needed whole "
             "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
     if E > 1 and sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad:
-        moved = 6 if plan.remat == "full" else 4  # the formula's all-to-alls a MoE layer; W reruns the backward's 2
+        full = plan.remat == "full"  # the formula's 6 all-to-alls a MoE layer, else 4; W's pullback reruns the
+        moved, again = (6, 4) if full else (4, 2)  # backward's 2 (and under remat=full the forward's 2 it recomputes)
         gaps["all-to-all"].append((
             f"{plan.schedule} splits each layer's weight gradient (W) off its backward: W reruns the layer's pullback "
             f"from its saved residuals (engine/pipeline.py weight_grad), so the MoE backward's two all-to-alls move "
-            f"again: {moved + 2} a layer where the formula counts {moved}", 1, (moved + 2) / moved * 1.05))
+            f"again{' and, under remat=full, the two of the forward it recomputes' if full else ''}: {moved + again} "
+            f"a layer where the formula counts {moved}", 1, (moved + again) / moved * 1.05))
     if E > 1:
         gaps["all-gather"].append((
             "the MoE routing (models/experts.py) gathers token positions and router statistics over expert: not "

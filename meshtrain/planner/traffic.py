@@ -343,13 +343,17 @@ def expected_traffic(program) -> dict[str, dict]:
         # to, a tied one's added to the head's and reduced with it
         tied = program.model.cfg.tie_embeddings
         table = 0 if tied else shared["lookup"]
-        outer = (shared["outer"] - table) * 4 + (shared["lookup"] * 4 * tied if gpu or P > 1 else table * act)
-        per_micro = shared["blocks"] * act + outer / P  # a pipeline's: on the stages that embed or apply the head
+        if P > 1:  # in the stages' conditionals, per microbatch: the table's and head's on the stages that use them
+            per_micro, once = shared["blocks"] * act + (shared["outer"] + shared["lookup"] * tied) * 4 / P, 0
+        else:
+            per_micro = (shared["blocks"] * act + (shared["outer"] - table) * 4
+                         + (shared["lookup"] * 4 * tied if gpu else table * act))
+            once = table * 4 if gpu else 0
         add("all-reduce", micro * ring_traffic("all-reduce", per_micro / A, E)
-            + (ring_traffic("all-reduce", table * 4 / A, E) if gpu else 0),
+            + ring_traffic("all-reduce", once / A, E),
             f"expert axis: the gradients outside the experts (attention, router, norms, embedding, head; the "
             f"layers' in the compute dtype) all-reduced over expert per microbatch x {micro} (XLA:GPU: an untied "
-            f"lookup's in fp32 once a step, a tied one's per microbatch apart from the head's)")
+            f"lookup's in fp32 once a step, a tied one's per microbatch apart from the head's){on_stages}")
     if P > 1:  # each stage's share of the stage-replicated parameters' gradient, summed over stages
         add("all-reduce", ring_traffic("all-reduce", 4 * trained["outer"] / (F * C), P),
             "pipeline: gradients of the embedding/head/final norm (held by every stage) all-reduced over stages")
