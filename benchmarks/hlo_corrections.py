@@ -13,7 +13,7 @@ import jax
 from meshtrain.config.loader import load_config
 from meshtrain.engine.program import TrainProgram
 from meshtrain.parallel.mesh import simulate_cpu_devices
-from meshtrain.planner import hlo, traffic
+from meshtrain.planner import hlo, ticks, traffic
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
     cfg.devices = 0
     program = TrainProgram.from_config(cfg)
     text = program.lower().compile().as_text()
-    records = hlo.read(text, args.devices)
+    records = hlo.read(text, args.devices, tick_plan=ticks.tick_plan(program))  # a pipeline's: its stages' mean
     raw, fixed = hlo.collectives(text, args.devices, correct=False), hlo.by_kind(records)
     formula = traffic.expected_traffic(program)
     print(f"{args.config} on {args.mesh}: GB per device per step")

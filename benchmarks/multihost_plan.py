@@ -50,7 +50,7 @@ def train_step_facts(config: str, mesh: str, overrides: list[str], per_node: int
     from meshtrain.config.loader import load_config
     from meshtrain.core.metrics import DEVICE_PROFILES
     from meshtrain.engine.program import TrainProgram
-    from meshtrain.planner import hlo, roofline
+    from meshtrain.planner import hlo, roofline, ticks
 
     cfg = load_config(config, [f"parallel.mesh={mesh}", *overrides])
     cfg.devices = 0
@@ -58,7 +58,7 @@ def train_step_facts(config: str, mesh: str, overrides: list[str], per_node: int
     program = TrainProgram.from_config(cfg)
     compiled = program.lower().compile()
     seconds = time.perf_counter() - start
-    records = hlo.read(compiled.as_text(), program.mesh.size)
+    records = hlo.read(compiled.as_text(), program.mesh.size, tick_plan=ticks.tick_plan(program))
     links = roofline.estimate(program, compiled.memory_analysis(), records, DEVICE_PROFILES["h100"],
                               per_node)["links"]
     return {**facts(compiled, program.mesh, program.sizes), "compile_s": seconds, "links": links}

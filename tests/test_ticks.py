@@ -6,6 +6,7 @@ import pytest
 from conftest import TINY, tiny_config
 
 from meshtrain.core import compile_cache
+from meshtrain.core.errors import UserError
 from meshtrain.core.metrics import DEVICE_PROFILES
 from meshtrain.engine.program import TrainProgram
 from meshtrain.parallel.schedules import SCHEDULES, device_of, lookup
@@ -72,6 +73,8 @@ def test_the_gpu_program_of_a_pipeline_is_read_as_its_stages_mean_and_priced_at_
         alone = {name: tuple(tuple(row[stage] for _ in row) for row in cells) for name, cells in plan.items()}
         assert walked["step_s"] >= kernel_time.step_time(text, h100, link_s, alone)["step_s"]
     assert kernel_time.step_time(text, h100, link_s)["step_s"] < walked["step_s"]
+    with pytest.raises(UserError, match="no tick names"):  # an executable cached before the executor named them
+        ticks.check_named(plan, text.replace("ticks_train", "scan"))
     other = ticks.tick_plan(program_of("1f1b", devices, MICRO // 2, *sets))  # another program's ticks
     with pytest.raises(ValueError, match="ticks_train"):
         kernel_time.step_time(text, h100, link_s, other)

@@ -237,6 +237,7 @@ def train_step_plan(cfg, profile: dict, devices_per_node: int | None = None, dev
     memory["largest"] = max(consumers, key=consumers.get)
 
     tick_plan = ticks.tick_plan(program)  # a pipeline's: which branches each stage takes at each tick
+    ticks.check_named(tick_plan, text)
     records = hlo.read(text, n, correct=not gpu, tick_plan=tick_plan)  # the GPU's program needs no CPU corrections
     measured = hlo.by_kind(records)
     expected = traffic.expected_traffic(program)

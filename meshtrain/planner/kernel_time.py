@@ -296,11 +296,11 @@ class StepTime:
                 body, cond = LOOP_BODY.search(ins.line).group(1), re.search(r"condition=%?([\w.\-]+)", ins.line)
                 clock += (n + 1) * (self.run(cond.group(1), times * (n + 1), cell) if cond else 0.0)
                 if (cells := ticks.phase(self.module.ticks, ins.line, n)) is not None:  # each tick its slowest stage
-                    clock += self.lockstep(cells, lambda c, share, body=body: self.run(body, times * share, c), times)
+                    clock += self.ticks_of(cells, lambda c, body=body: body, times, n / len(cells))
                 else:
                     clock += n * self.run(body, times * n, cell)
             elif ins.op == "conditional" and cell is None and (tick := ticks.loose(self.module.ticks, ins.line)):
-                clock += self.mean_tick(tick, ins.line, times)
+                clock += self.ticks_of(tick, lambda c, line=ins.line: ticks.chosen(line, c), times, 1 / len(tick))
             elif ins.op == "conditional":
                 branches = ticks.branches(ins.line)
                 shares = (ticks.taken(ins.line, cell) or branch_shares(self.module, comp, ins, len(branches))
@@ -313,22 +313,16 @@ class StepTime:
         return max(clock, link_free)
 
 
-    def mean_tick(self, cells, line: str, times: float) -> float:
-        """A named conditional XLA took out of its phase's loop (ticks.loose): a mean tick of the phase, the
-        branch each cell takes, its ticks' lockstep sum over their number."""
-        n = len(cells)
-        cell_seconds = lambda c, share: self.run(ticks.chosen(line, c), times * share / n, c)  # noqa: E731
-        return self.lockstep(cells, cell_seconds, times / n) / n
-
-    def lockstep(self, cells, walk, times: float) -> float:
-        """Seconds of a phase's ticks, each as long as its slowest stage's cell (`walk(cell, share)`: one's
-        seconds, its work counted as `share` of a device's, its cells over the stages); a device waits the
-        rest (`pipeline_wait`)."""
+    def ticks_of(self, cells, computation, times: float, scale: float = 1.0) -> float:
+        """Seconds of a phase's ticks (x `scale`: 1, or the share of them an iteration or an inlined
+        conditional stands for), each as long as its slowest stage's cell, which runs `computation(cell)`;
+        a device's work counts its cells over the stages, and it waits the rest (`pipeline_wait`)."""
         counts, stages = ticks.counts(cells), len(cells[0])
-        seconds = {c: walk(c, k / stages) for c, k in counts.items()}
+        seconds = {c: self.run(computation(c), times * scale * k / stages, c) for c, k in counts.items()}
         lockstep = ticks.lockstep(cells, seconds)
-        self.parts["pipeline_wait"] += times * (lockstep - sum(k * seconds[c] for c, k in counts.items()) / stages)
-        return lockstep
+        self.parts["pipeline_wait"] += times * scale * (lockstep - sum(k * seconds[c] for c, k in counts.items())
+                                                        / stages)
+        return lockstep * scale
 
 
 def branch_shares(module: Module, comp: str, ins, branches: int) -> list[float] | None:

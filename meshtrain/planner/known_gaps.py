@@ -89,14 +89,19 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "multi-head latent attention beside tensor: the backward also all-reduces the q, kv and rope latents' "
             f"gradients [b, s, {width}] over tensor (partial sums of the head-split up-projections, needed whole "
             "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
-    if E > 1 and sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad:
+    w = (f"{plan.schedule} splits each layer's weight gradient (W) off its backward: W reruns the layer's pullback "
+         f"from its saved residuals (engine/pipeline.py weight_grad)")
+    splits = sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad
+    if splits and F * C > 1 and not plan.gathers_once(sizes):
+        gaps["all-gather"].append((w + ", so it gathers the layer's weights a third time per microbatch (the formula: "
+                                   "forward and backward)", 1, 1.5 * 1.05))
+    if splits and E > 1:
         full = plan.remat == "full"  # the formula's 6 all-to-alls a MoE layer, else 4; W's pullback reruns the
         moved, again = (6, 4) if full else (4, 2)  # backward's 2 (and under remat=full the forward's 2 it recomputes)
-        gaps["all-to-all"].append((
-            f"{plan.schedule} splits each layer's weight gradient (W) off its backward: W reruns the layer's pullback "
-            f"from its saved residuals (engine/pipeline.py weight_grad), so the MoE backward's two all-to-alls move "
-            f"again{' and, under remat=full, the two of the forward it recomputes' if full else ''}: {moved + again} "
-            f"a layer where the formula counts {moved}", 1, (moved + again) / moved * 1.05))
+        recomputed = " and, under remat=full, the two of the forward it recomputes" if full else ""
+        gaps["all-to-all"].append((w + f", so the MoE backward's two all-to-alls move again{recomputed}: "
+                                       f"{moved + again} a layer where the formula counts {moved}",
+                                   1, (moved + again) / moved * 1.05))
     if E > 1:
         gaps["all-gather"].append((
             "the MoE routing (models/experts.py) gathers token positions and router statistics over expert: not "

@@ -120,8 +120,9 @@ class Loops:
                 cells = ticks.phase(self.ticks, ins.line, self.trip_count(name, ins)) if body else None
                 for callee in _CALLS.findall(ins.line):
                     if cells is not None and callee == body.group(1):  # each (tick, stage) 1/S of a device's
+                        share = self.trip_count(name, ins) / len(cells)  # 1, unless a pass peeled a tick off
                         for c, k in ticks.counts(cells).items():
-                            visit(callee, factor * k / len(cells[0]), depth + 1, c)
+                            visit(callee, factor * share * k / len(cells[0]), depth + 1, c)
                         continue
                     repeat = self.trip_count(name, ins) if body and callee == body.group(1) else 1
                     visit(callee, factor * repeat, depth + 1, cell)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from meshtrain.core.errors import UserError
 from meshtrain.parallel.schedules import forwards_of, lookup, model_stage, timetable
 from meshtrain.parallel.tick_tables import CHANNELS, KINDS, executor_tables, phase_scope, tick_phases
 
@@ -26,6 +27,7 @@ Cells = tuple  # [tick][stage] -> frozenset of the tags that stage takes at that
 _PHASE = re.compile(r'op_name="[^"]*?/(ticks_(?:train|forward)\d+)/while"')
 _PHASE_NAMED = re.compile(r'op_name="[^"]*?/(ticks_(?:train|forward)\d+)/')
 _TAGGED = re.compile(r'op_name="([^"]*/tick_[\w]+/cond)"')
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"\d+"\}')
 _BRANCH_LIST = re.compile(r"branch_computations=\{([^}]*)\}")
 _PRED_BRANCH = re.compile(r"(true|false)_computation=%?([\w.\-]+)")
 
@@ -40,7 +42,7 @@ def tick_plan(program) -> dict[str, Cells]:
         return {}
     micro, V = plan.num_microbatches(S), plan.virtual_stages
     passes = [(True, timetable(plan.schedule, S, micro, V, plan.residuals))]
-    if program.objective.forward_passes():  # a forward-only pass first (DPO's reference; GRPO's policy), same tables
+    if program.objective.forward_passes():  # DPO's reference's forward-only pass first, through the same stages
         passes.append((False, timetable(forwards_of(plan.schedule), S, micro, V)))
     placement, out = lookup(plan.schedule).placement, {}
     for trains, tt in passes:
@@ -60,12 +62,24 @@ def _cell(tables: dict, uses: frozenset, placement: str, S: int, V: int, t: int,
     return frozenset(tags)
 
 
+def check_named(plan: dict[str, Cells], text: str) -> None:
+    """A pipeline's program names its phases (`ticks_train0` ...) in its metadata; an executable loaded
+    from the compilation cache keeps the names of the program it was compiled from (JAX leaves metadata
+    out of the cache key): one from before the executor named them cannot be read by its ticks."""
+    if plan and next(iter(plan)) not in text:
+        raise UserError("the compiled pipeline step carries no tick names: its executable came from the compilation "
+                        "cache, compiled by an older meshtrain; plan with --compile-cache off, or remove the cache "
+                        "folder (compile_cache in the config)")
+
+
 def phase(plan: dict[str, Cells], line: str, trips: int) -> Cells | None:
     """The cells of the phase whose scan is this `while` instruction (its line; `trips` its iterations), or
-    None. A scan of another length than its phase's ticks means the plan is not this program's."""
+    None. Where XLA states the loop's trip count, it is the phase's ticks, or the plan is not this
+    program's; where a pass dropped it (XLA:GPU's collective pipelining peels an iteration off), the
+    callers take each iteration as a mean tick of the phase (`trips / len(cells)` of it)."""
     m = _PHASE.search(line) if plan else None
     cells = plan.get(m.group(1)) if m else None
-    if cells is not None and trips != len(cells):
+    if cells is not None and trips != len(cells) and _KNOWN_TRIPS.search(line):
         raise ValueError(f"the pipeline phase {m.group(1)} runs {trips} ticks in the program and {len(cells)} in "
                          "its tick plan: the plan was made for another program")
     return cells

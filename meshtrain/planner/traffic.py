@@ -313,10 +313,10 @@ def expected_traffic(program) -> dict[str, dict]:
                 "change them: XLA hoists it): an untied table in the compute dtype (the vocab-parallel lookup), the "
                 "head in the compute dtype twice, 4 bytes/param (a tied table, the norm in fp32)")
     if forward_passes(program) and P > 1:  # the forward-only pass through the stages (engine/pipeline.py)
-        add("all-gather", micro * ring_traffic("all-gather", slices["blocks"] * act, A)
-            + ring_traffic("all-gather", slices["outer"] * act, A),
+        add("all-gather", micro * (ring_traffic("all-gather", slices["blocks"] * act, A)
+                                   + ring_traffic("all-gather", (slices["outer"] + tied_twice) * act, A) / P),
             f"DPO: the reference's layers gathered in the compute dtype per microbatch x {micro} in its forward-only "
-            f"pass through the stages, the embedding, head and norm once")
+            f"pass through the stages, the embedding, head and norm too{on_stages}")
     elif gathers := forward_gathers(program):  # DPO's own copy of the weights; GRPO's policy (and reference)
         add("all-gather", gathers * (micro if gpu and micro > 1 else 1)
             * ring_traffic("all-gather", (slices["blocks"] + slices["outer"]) * act, A),
@@ -371,8 +371,9 @@ def expected_traffic(program) -> dict[str, dict]:
         add("all-reduce", megatron, f"Megatron: {per_layer} activation all-reduces per layer")
     if T > 1:  # the lookup's partial rows (forward) and the head's input gradient (backward), fp32
         # (and each forward-only pass's lookup)
-        vocab = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, 1, 2 + forward_passes(program), 4)
-        kind = "vocab-parallel embedding and head: an fp32 all-reduce of [b, s, h] each"
+        vocab = formulas.megatron_allreduce_bytes(tokens, m.d_model, T, 1, 2 + forward_passes(program), 4) / P
+        kind = "vocab-parallel embedding and head: an fp32 all-reduce of [b, s, h] each" + (
+            " (on the stages that embed or apply the head: 1/P of them a device)" if P > 1 else "")
         if plan.sequence_parallel:
             add("reduce-scatter", vocab / 2, kind + " (a reduce-scatter and an all-gather under SP)")
             add("all-gather", vocab / 2, kind + " (a reduce-scatter and an all-gather under SP)")
