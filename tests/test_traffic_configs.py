@@ -25,6 +25,9 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
                                  {"all-reduce", "all-gather", "reduce-scatter"}),  # ZeRO-3: the pipeline's executor
     "pipeline x fsdp": ("llama3_8b", ("parallel.mesh=fsdp=4,pipeline=2", "train.batch_size=64"),  # each stage's
                         {"all-reduce", "all-gather", "reduce-scatter"}),  # branches, the embedding's on its stage
+    "pipeline x fsdp, residuals recomputed": ("tiny", ("parallel.mesh=fsdp=4,pipeline=2", "parallel.microbatches=4",
+                                                      "parallel.residuals=recompute"),
+                                              {"all-reduce", "all-gather", "reduce-scatter"}),  # a third gather
     "pipeline x expert, zb": ("moe_tiny", ("parallel.mesh=data=2,pipeline=2,expert=2", "parallel.schedule=zb",
                                            "parallel.microbatches=4"),
                               {"all-reduce", "collective-permute"}),  # all-to-all flagged: W reruns the pullback

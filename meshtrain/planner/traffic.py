@@ -28,7 +28,8 @@ P, the embedding, head and final norm held whole by every pipeline stage; data, 
   the head's). In a pipeline the stage that embeds gathers and reduces the table per microbatch (on
   XLA:CPU too: no gather leaves the stage's conditional), the one that applies the head the head and
   norm: a device's mean is 1/P of them (meshtrain/planner/ticks.py reads the program so), a tied table's
-  twice.
+  twice; under `parallel.residuals=recompute` the backward reruns the chunk's forward, which gathers
+  the layers' weights a third time (and the first stage's table again).
 - Megatron tensor parallelism: 2 activation all-reduces per layer forward and 2 backward, 1 more
   when remat=full recomputes the forward (the attention output's; the MLP output's only use is the
   saved next-layer input); under sequence parallelism each becomes a reduce-scatter and an
@@ -295,14 +296,16 @@ def expected_traffic(program) -> dict[str, dict]:
             "FSDP all-gather of every parameter in the compute dtype once per step, before the microbatch loop "
             "(parallel.gather_once)")
     else:
-        add("all-gather", micro * ring_traffic("all-gather", 2 * layers, A),
+        rerun = P > 1 and plan.residuals == "recompute"  # the pipeline's backward reruns the chunk's forward
+        add("all-gather", micro * ring_traffic("all-gather", (3 if rerun else 2) * layers, A),
             f"FSDP weight all-gather per microbatch x {micro}: the layers' in the compute dtype{in_fp8}, forward "
-            f"and backward")
+            f"and backward" + (" and the forward the backward reruns (parallel.residuals=recompute)" if rerun else ""))
         if (gpu or P > 1) and micro > 1:  # XLA:GPU does not hoist a gather out of the microbatch loop, nor
             # XLA:CPU out of the pipeline stage's conditional that embeds or applies the head
             where = ("in the stage's conditional" if P > 1 else "XLA:GPU keeps it in the microbatch loop")
             once = "" if P > 1 else " (a tied table once)"
-            outer = slices["vocab"] * act + (slices["outer"] - slices["vocab"]) * 4 + tied_twice * act
+            rerun_lookup = slices["lookup"] * act if rerun else 0  # the rerun forward's lookup, on the first stage
+            outer = slices["vocab"] * act + (slices["outer"] - slices["vocab"]) * 4 + (tied_twice * act + rerun_lookup)
             add("all-gather", micro * ring_traffic("all-gather", outer, A) / P,
                 f"FSDP all-gather of the embedding, head and final norm per microbatch x {micro} ({where}): the "
                 f"table and head in the compute dtype{once}, the norm in fp32{on_stages}")
