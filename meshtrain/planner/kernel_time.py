@@ -317,12 +317,11 @@ class StepTime:
         """Seconds of a phase's ticks (x `scale`: 1, or the share of them an iteration or an inlined
         conditional stands for), each as long as its slowest stage's cell, which runs `computation(cell)`;
         a device's work counts its cells over the stages, and it waits the rest (`pipeline_wait`)."""
-        counts, stages = ticks.counts(cells), len(cells[0])
-        seconds = {c: self.run(computation(c), times * scale * k / stages, c) for c, k in counts.items()}
-        lockstep = ticks.lockstep(cells, seconds)
-        self.parts["pipeline_wait"] += times * scale * (lockstep - sum(k * seconds[c] for c, k in counts.items())
-                                                        / stages)
-        return lockstep * scale
+        shares = ticks.weighted(cells, scale)
+        seconds = {c: self.run(computation(c), times * share, c) for c, share in shares}
+        lockstep = ticks.lockstep(cells, seconds) * scale
+        self.parts["pipeline_wait"] += times * (lockstep - sum(share * seconds[c] for c, share in shares))
+        return lockstep
 
 
 def branch_shares(module: Module, comp: str, ins, branches: int) -> list[float] | None:

@@ -117,18 +117,17 @@ class Loops:
             times[name] += factor
             for ins in self.comps[name].values():
                 body = LOOP_BODY.search(ins.line) if ins.op == "while" else None
-                cells = ticks.phase(self.ticks, ins.line, self.trip_count(name, ins)) if body else None
+                trips = self.trip_count(name, ins) if body else 1
+                cells = ticks.phase(self.ticks, ins.line, trips) if body else None
                 for callee in _CALLS.findall(ins.line):
                     if cells is not None and callee == body.group(1):  # each (tick, stage) 1/S of a device's
-                        share = self.trip_count(name, ins) / len(cells)  # 1, unless a pass peeled a tick off
-                        for c, k in ticks.counts(cells).items():
-                            visit(callee, factor * share * k / len(cells[0]), depth + 1, c)
+                        for c, share in ticks.weighted(cells, trips / len(cells)):  # 1, unless a tick was peeled
+                            visit(callee, factor * share, depth + 1, c)
                         continue
-                    repeat = self.trip_count(name, ins) if body and callee == body.group(1) else 1
-                    visit(callee, factor * repeat, depth + 1, cell)
+                    visit(callee, factor * (trips if body and callee == body.group(1) else 1), depth + 1, cell)
                 if ins.op == "conditional" and cell is None and (tick := ticks.loose(self.ticks, ins.line)):
-                    for c, k in ticks.counts(tick).items():  # a mean tick of its phase, each cell 1/S of it
-                        visit(ticks.chosen(ins.line, c), factor * k / (len(tick) * len(tick[0])), depth + 1, c)
+                    for c, share in ticks.weighted(tick, 1 / len(tick)):  # a mean tick of its phase
+                        visit(ticks.chosen(ins.line, c), factor * share, depth + 1, c)
                 elif ins.op == "conditional":
                     weights = ticks.taken(ins.line, cell) or [1.0] * len(ticks.branches(ins.line))
                     for callee, weight in zip(ticks.branches(ins.line), weights):

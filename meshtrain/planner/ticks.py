@@ -96,6 +96,14 @@ def counts(cells: Cells) -> Counter:
     return Counter(cell for row in cells for cell in row)
 
 
+def weighted(cells: Cells, scale: float = 1.0):
+    """(cell, its share of a device's work) for each set of tags a phase's cells take: its cells over the
+    stages, x `scale` (1 for the phase's loop; the share of its ticks an iteration or a conditional XLA took
+    out of the loop stands for)."""
+    stages = len(cells[0])
+    return [(cell, scale * k / stages) for cell, k in counts(cells).items()]
+
+
 def lockstep(cells: Cells, seconds: dict) -> float:
     """A phase's seconds: each tick as long as its slowest stage's cell (`seconds`: per set of tags)."""
     return sum(max(seconds[cell] for cell in row) for row in cells)
