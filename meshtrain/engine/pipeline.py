@@ -7,9 +7,11 @@ and where the schedule splits it off (zb, dualpipev) a weight gradient. The stag
 the timetable sends: activations to the next model stage, cotangents to the previous one
 (`ppermute`, circular so that interleaved chunks wrap from the last device to the first; under
 DualPipeV's V both ways, and nothing at the turn, where the next model stage is on the same
-device). The ticks run as up to three scans
-(warm-up, steady, cool-down), each holding only the actions and sends its ticks use: the warm-up
-sends no cotangents, the cool-down no activations.
+device). The ticks run as up to three scans (warm-up, steady, cool-down), each holding only the
+actions and sends its ticks use: the warm-up sends no cotangents, the cool-down no activations.
+What waits between ticks sits in ring buffers (received inputs and cotangents, residuals, W's
+stash) sized from the timetable, which the actions read inside their conds and write after them
+(meshtrain/engine/stage_state.py `store`: no buffer is a cond's output, which XLA would copy).
 
 Residuals (`parallel.residuals`):
 - `save` (default): the forward runs each layer under `jax.vjp` and keeps the residuals its
@@ -18,26 +20,25 @@ Residuals (`parallel.residuals`):
 - `recompute`: a stage keeps only each chunk's input and reruns the chunk's forward in its
   backward (less memory, a third more compute).
 Where the schedule splits the weight gradient (`zb`, `dualpipev`) the backward computes only the
-input gradient, layer by layer, and keeps each layer's output cotangent; the weight gradient (W)
-runs later from those and the residuals.
+input gradient, layer by layer, and stashes what the weight gradient (W) reads besides the
+residuals: each weight matmul's output cotangent (meshtrain/engine/split_backward.py).
 
-The embedding and the head are not split into stages: the first stage embeds each microbatch as
-it enters (and adds the embedding gradient in its backward), the stage holding the last model
-stage (the last stage; under DualPipeV's V the first) applies the head and the loss in the forward
-and pulls the loss back to the chunk's output at once (so its backward reads that cotangent like
-any other stage). Layers that `embed` runs (deepseek_v3's dense first
-layers, outer parameters) run there too, their forward again in the embedding gradient. The loss
-is the objective's `head` (meshtrain/objectives/base.py) on the microbatch, whose rows the objective
-ordered so that a microbatch is whole for it (`Objective.sequences`), and its outputs (the metrics)
-are kept per microbatch. A forward-only pass (`make_pipeline_scores`: an objective's forward
-scores, meshtrain/objectives/base.py `scores_first`) runs a schedule's forwards alone
-(`forwards_of`) and keeps the heads' outputs only: no residuals, no gradients. Received
-tensors wait in ring buffers sized from the timetable. The layers' statistics are summed over
-microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
-update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
-accumulate locally over microbatches; they are summed over the pipeline axis (embedding, final
-norm, head) and reduced over `data` (a manual axis too when data > 1, at every ZeRO stage:
-meshtrain/parallel/data_parallel.py) once per step.
+The embedding and the head are not split into stages: the first stage embeds each microbatch as it
+enters (and adds the embedding gradient in its backward), the stage holding the last model stage
+(the last stage; under DualPipeV's V the first) applies the head and the loss in the forward and
+pulls the loss back to the chunk's output at once (so its backward reads that cotangent like any
+other stage). Layers that `embed` runs (deepseek_v3's dense first layers, outer parameters) run
+there too, their forward again in the embedding gradient. The loss is the objective's `head`
+(meshtrain/objectives/base.py) on the microbatch, whose rows the objective ordered so that a
+microbatch is whole for it (`Objective.sequences`), and its outputs (the metrics) are kept per
+microbatch. A forward-only pass (`make_pipeline_scores`: an objective's forward scores,
+meshtrain/objectives/base.py `scores_first`) runs a schedule's forwards alone (`forwards_of`) and
+keeps the heads' outputs only: no residuals, no gradients. Received tensors wait in ring buffers
+sized from the timetable. The layers' statistics are summed over microbatches and stages, the per-
+layer ones (models/base.py PER_LAYER_STATS, the router-bias update's expert loads) kept per layer
+and gathered over the stages in storage order. Gradients accumulate locally over microbatches; they
+are summed over the pipeline axis (embedding, final norm, head) and reduced over `data` (a manual
+axis too when data > 1, at every ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.engine.stage_state import LayerResiduals, kind_kwarg, put, read, take, write, zeros
+from meshtrain.engine import stage_state
+from meshtrain.engine.stage_state import LayerResiduals, put, read, take, zeros
 from meshtrain.models.base import PER_LAYER_STATS, layer_means, layer_sums, per_layer, scan_blocks
 from meshtrain.models.lora import layer_keys
 from meshtrain.objectives.base import Microbatch
@@ -59,24 +61,6 @@ from meshtrain.parallel.batching import Gradients, StepInputs, stage_rows
 from meshtrain.parallel.schedules import Schedule, device_of, forwards_of, layer_order, lookup, timetable
 from meshtrain.parallel.sharding import constrain, manual_axes_rules
 from meshtrain.parallel.tick_tables import CHANNELS, executor_tables, phase_scope, tick_cond, tick_phases
-
-
-def stage_kinds(model, stages: int, virtual: int, placement: str = "circular"):
-    """The layers' kinds [stages, virtual, layers per chunk] as the stages store them (`layer_order`),
-    or None when the model's layers are alike."""
-    kinds = model.layer_kinds
-    return None if kinds is None else kinds[layer_order(len(kinds), stages, virtual, placement)].reshape(
-        stages, virtual, -1)
-
-
-def whole(tree):
-    """`tree` whole over the compiler-managed axes (inside the shard_map: all but the manual ones)."""
-    return jax.tree.map(lambda a: constrain(a, (None,) * a.ndim), tree)
-
-
-def has_frozen(blocks, keep) -> bool:
-    """Whether some of `blocks` is frozen (LoRA's base)."""
-    return len(jax.tree.leaves(select(blocks, keep, ("blocks",)))) < len(jax.tree.leaves(blocks))
 
 
 class StageProgram:
@@ -97,18 +81,14 @@ class StageProgram:
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
         self.head, self.extras, self.trains = head, micro_rows["extras"], trains
         self.save, self.splits_weight_grad = trains and residuals == "save", schedule.splits_weight_grad
+        self.writes = {"F": ("residuals",) * self.save + ("cotangents",) * trains,  # the RINGS each action writes
+                       "B": ("deferred",) * (self.save and self.splits_weight_grad), "W": ()}
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
         self.s = jax.lax.axis_index("pipeline")
-        # Under LoRA the adapters and their gradient sums are whole over fsdp x tensor inside the ticks:
-        # gathered once before them, each microbatch's gradient all-reduced within its stage, the sums
-        # cut back to the adapters' layout after them (the adapters are a small share). Left split, XLA
-        # reshards a factor with a free axis (A [embed: fsdp, rank] has no tensor), and its gradient,
-        # inside a stage's cond by a collective-permute swapping fsdp and tensor blocks, whose pairs
-        # name every pipeline stage's devices: the stages, entering their conds at different ticks,
-        # wait for each other for ever (XLA:CPU: "Expected 8 threads to join the rendezvous").
-        self.whole_adapters = has_frozen(blocks, self.keep)
+        # under LoRA the adapters and their gradient sums are whole inside the ticks (stage_state.whole: why)
+        self.whole_adapters = stage_state.has_frozen(blocks, self.keep)
         if self.whole_adapters:
-            blocks = merge(blocks, whole(self.trained_blocks(blocks)))
+            blocks = merge(blocks, stage_state.whole(self.trained_blocks(blocks)))
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
         self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
         # the microbatches' row keys (models/lora.py) and this stage's layers' indices in model order [V, per chunk]
@@ -123,7 +103,7 @@ class StageProgram:
         # d objective / d (a layer's statistics) = the auxiliary losses' weights / (layers x micro),
         # times a loss mask's trained share (StepInputs)
         first = None if self.kinds is None else self.kinds[0, 0]
-        stats_like = jax.eval_shape(lambda p, x, k, *docs: layer(p, x, *docs, **kind_kwarg(k)),
+        stats_like = jax.eval_shape(lambda p, x, k, *docs: layer(p, x, *docs, **stage_state.kind_kwarg(k)),
                                     jax.tree.map(lambda p: p[0], self.chunk(0)), self.zeros_x, first,
                                     *self.documents(0))[1]
         g_stats = jax.grad(model.auxiliary_loss)(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_like))
@@ -190,10 +170,10 @@ class StageProgram:
         f32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
         n, V = self.slots, self.virtual
         outputs_like = jax.eval_shape(self.microbatch_head, self.outer, self.zeros_x, 0)[1]
-        carry = {"inputs": zeros(self.zeros_x, n["input_slots"], V),
+        carry = {"inputs": zeros(self.zeros_x, n["input_slots"] + 1, V),  # + 1: the spare slot (`store`)
                  "outputs": jax.tree.map(lambda o: jnp.zeros((self.micro, *o.shape), jnp.float32), outputs_like)}
         if self.trains:
-            carry |= {"cotangents": zeros(self.zeros_x, n["cotangent_slots"], V),
+            carry |= {"cotangents": zeros(self.zeros_x, n["cotangent_slots"] + 1, V),
                       "g_chunks": f32_zeros(self.trained_blocks(self.chunks)),
                       "g_outer": f32_zeros(select(self.outer, self.keep))}
         saved_like, stats_like = jax.eval_shape(self.forward_saving, self.chunk(0), self.layer_args(0, 0), self.zeros_x,
@@ -201,10 +181,14 @@ class StageProgram:
         # the PER_LAYER_STATS summed per chunk and layer [V, layers per chunk, ...] (`add_stats`)
         carry["stats"] = {k: zeros(s, V) if k in PER_LAYER_STATS else zeros(s) for k, s in stats_like.items()}
         if self.save:
-            carry["residuals"] = zeros(saved_like, n["residual_slots"], V)
+            carry["residuals"] = zeros(saved_like, n["residual_slots"] + 1, V)
         if self.splits_weight_grad:
             per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
-            carry["deferred"] = zeros(self.zeros_x, n["deferred_slots"], V, per_chunk)
+            layer = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # [0]'s shape
+            args = jax.tree.map(lambda a: a[0], self.layer_args(0, 0))
+            stash_like = self.layers.stash_like(layer(self.chunk(0)), layer(saved_like), self.zeros_x,
+                                                *self.documents(0), **args)
+            carry["deferred"] = zeros(stash_like, n["deferred_slots"] + 1, V, per_chunk)
         return carry
 
     def trained_blocks(self, blocks):
@@ -223,7 +207,7 @@ class StageProgram:
 
     def add_chunk(self, c, g_chunk, v):
         g_chunk = self.trained_blocks(g_chunk)
-        pin = whole if self.whole_adapters else lambda tree: tree
+        pin = stage_state.whole if self.whole_adapters else lambda tree: tree
         return {**c, "g_chunks": pin(jax.tree.map(lambda a, g: put(a, take(a, v) + g.astype(jnp.float32), v),
                                                   pin(c["g_chunks"]), pin(g_chunk)))}
 
@@ -238,10 +222,11 @@ class StageProgram:
 
     # ---- actions ----
     def forward(self, c, m, v):
-        x, docs = self.chunk_input(c, m, v), self.documents(m)
+        """(the carry, y to send, the writes to RINGS: the residuals, the head's cotangent)."""
+        x, docs, writes = self.chunk_input(c, m, v), self.documents(m), {}
         if self.save:
             y, (saved, stats) = self.forward_saving(self.chunk(v), self.layer_args(v, m), x, *docs)
-            c = {**c, "residuals": write(c["residuals"], saved, m, v, self.slots["residual_slots"])}
+            writes["residuals"] = (saved, m, v, True)
         else:
             y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v),
                                    noise=self.chunk_noise(v, m))
@@ -254,28 +239,31 @@ class StageProgram:
             """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
             (_, outputs), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
                 self.outer, y, m)
-            c = self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer))
-            return keep({**c, "cotangents": write(c["cotangents"], g_y / self.micro, m, v,
-                                                   self.slots["cotangent_slots"])}, outputs)
+            return keep(self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer)), outputs), g_y / self.micro
 
-        head = head_and_loss if self.trains else lambda c: keep(c, self.microbatch_head(self.outer, y, m)[1])
-        return tick_cond("last", self.is_last(v), head, lambda c: c, c), y
+        head = head_and_loss if self.trains else lambda c: (keep(c, self.microbatch_head(self.outer, y, m)[1]), y)
+        c, g_y = stage_state.without_rings(c, lambda c: tick_cond("last", self.is_last(v), head, lambda c: (c, y), c))
+        if self.trains:
+            writes["cotangents"] = (g_y, m, v, self.is_last(v))
+        return c, y, writes
 
     def backward(self, c, m, v):
         """The input gradient (sent back) and, unless the schedule splits it off (zb), the chunk's weight
-        gradient."""
+        gradient; the writes: under zb, what W will read."""
         g_y = read(c["cotangents"], m, v, self.slots["cotangent_slots"])
         docs = self.documents(m)
         if self.save:
             def layer_back(g, xs):
                 p_layer, saved, args = xs
+                if self.splits_weight_grad:  # zb: d x alone, and what W will read (meshtrain/engine/split_backward.py)
+                    return self.layers.input_grad(p_layer, saved, g, *docs, **args)
                 g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **args)
-                return g_x, (g if self.splits_weight_grad else g_p)  # zb: keep each layer's output cotangent for W
+                return g_x, g_p
 
             saved = read(c["residuals"], m, v, self.slots["residual_slots"])
             g_x, layers = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.layer_args(v, m)), reverse=True)
             if self.splits_weight_grad:
-                c = {**c, "deferred": write(c["deferred"], layers, m, v, self.slots["deferred_slots"])}
+                writes = {"deferred": (layers, m, v, True)}
             else:
                 c = self.add_chunk(c, layers, v)
         else:
@@ -288,7 +276,8 @@ class StageProgram:
         def embedding_grad(c):
             return self.add_outer(c, jax.vjp(lambda o: self.embed(o, m), self.outer)[1](g_x)[0])
 
-        return tick_cond("first", self.is_first(v), embedding_grad, lambda c: c, c), g_x
+        c = stage_state.without_rings(c, lambda c: tick_cond("first", self.is_first(v), embedding_grad, lambda c: c, c))
+        return c, g_x, writes if self.save and self.splits_weight_grad else {}
 
     def weight_grad(self, c, m, v):
         """A split-off W (zb, dualpipev): each layer's parameter gradient from its residuals and output
@@ -296,46 +285,59 @@ class StageProgram:
         docs = self.documents(m)
 
         def layer_w(_, xs):
-            p_layer, saved, g, args = xs
-            return None, self.layers.pullback(p_layer, saved, g, *docs, **args)[0]
+            p_layer, saved, stash, args = xs
+            return None, self.layers.weight_grad(p_layer, saved, stash, self.zeros_x, *docs, **args)
 
         xs = (self.chunk(v), read(c["residuals"], m, v, self.slots["residual_slots"]),
               read(c["deferred"], m, v, self.slots["deferred_slots"]), self.layer_args(v, m))
-        return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v)
+        return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v), None, {}
 
     # ---- ticks ----
+    def act(self, kind, pred, m, v, c):
+        """Action `kind` behind its conditional (F, B, W: (carry, m, v) -> (carry, what it sends, its
+        writes to the RINGS)), then its writes (`store`, outside the conditional)."""
+        rings = {k: c[k] for k in stage_state.RINGS if k in c}
+
+        def run(rest, m, v):
+            action = {"F": self.forward, "B": self.backward, "W": self.weight_grad}[kind]
+            out, sent, writes = action({**rest, **rings}, m, v)
+            return {k: out[k] for k in rest}, sent, writes
+
+        def idle(rest, m, v):
+            zero = lambda k: (jax.tree.map(lambda b: jnp.zeros(b.shape[2:], b.dtype), rings[k]), m, v, False)
+            return rest, None if kind == "W" else self.zeros_x, {k: zero(k) for k in self.writes[kind]}
+
+        rest, sent, writes = stage_state.without_rings(c, lambda rest: tick_cond(kind, pred, run, idle, rest, m, v))
+        for name, (value, at_m, at_v, taken) in writes.items():
+            rest[name] = stage_state.store(rest[name], value, at_m, at_v, self.slots[stage_state.SLOTS[name]], taken)
+        return rest, sent
+
     def tick(self, uses: frozenset):
         """One tick of a phase: the actions and sends in `uses`, each action behind its own cond: F,
         B, the sends on the CHANNELS of the phase (a ppermute each, or none for a stage's own next
         chunk), then W."""
-        idle_send = lambda c, m, v: (c, self.zeros_x)
-        actions = (("F", self.forward, idle_send), ("B", self.backward, idle_send),
-                   ("W", lambda c, m, v: (self.weight_grad(c, m, v), None), lambda c, m, v: (c, None)))
-        buffers = {"F": ("inputs", "input_slots"), "B": ("cotangents", "cotangent_slots")}
+        buffers = {"F": "inputs", "B": "cotangents"}
 
         def tick(c, t):
             at = lambda name: self.tables[name][t, self.s]
+            run = lambda c, kind: self.act(kind, at(kind) > 0, at(f"{kind}_micro"), at(f"{kind}_chunk"), c)
             sent = {}
-            for kind, run, idle in actions[:2]:  # F, then B
+            for kind in ("F", "B"):
                 if kind in uses:
-                    c, sent[kind] = tick_cond(kind, at(kind) > 0, run, idle, c, at(f"{kind}_micro"),
-                                              at(f"{kind}_chunk"))
+                    c, sent[kind] = run(c, kind)
             for name, kind, shift in CHANNELS:
                 if name in uses:
-                    buffer, slots = buffers[kind]
                     got = sent.get(kind, self.zeros_x)  # shift 0: kept on this stage (a V's turn)
                     if shift:
                         got = jax.lax.ppermute(got, "pipeline", [(i, (i + shift) % self.stages)
                                                                  for i in range(self.stages)])
-
-                    def store(b, got=got, name=name, n=self.slots[slots]):  # traced by the cond just below
-                        return write(b, got, at(f"{name}_micro"), at(f"{name}_chunk"), n)
-
-                    c = {**c, buffer: tick_cond(name, at(name) > 0, store, lambda b: b, c[buffer])}
+                    buffer = buffers[kind]
+                    with jax.named_scope(f"tick_{name}"):
+                        c = {**c, buffer: stage_state.store(c[buffer], got, at(f"{name}_micro"), at(f"{name}_chunk"),
+                                                self.slots[stage_state.SLOTS[buffer]], at(name) > 0)}
             if "W" in uses:  # after the sends, which need only F's and B's outputs: a W beside them (dualpipev's
                 # full backward, B then W) computes while they travel
-                kind, run, idle = actions[2]
-                c, _ = tick_cond(kind, at(kind) > 0, run, idle, c, at(f"{kind}_micro"), at(f"{kind}_chunk"))
+                c, _ = run(c, "W")
             return c, None
 
         return tick
@@ -399,7 +401,7 @@ class _Staging:
         self.layer = remat_lib.apply(lambda p, *args, **kw: model.block(freeze(p, keep, ("blocks",)), *args, **kw),
                                      plan.remat, model.saveable)
         self.placement = lookup(plan.schedule).placement
-        self.kinds = stage_kinds(model, self.stages, self.virtual, self.placement)
+        self.kinds = stage_state.stage_kinds(model, self.stages, self.virtual, self.placement)
 
     def rows_specs(self, micro_rows):
         """The shard_map specs of the microbatches' rows [M, b, ...]: b split over `data` when manual."""

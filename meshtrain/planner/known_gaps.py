@@ -89,9 +89,12 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "multi-head latent attention beside tensor: the backward also all-reduces the q, kv and rope latents' "
             f"gradients [b, s, {width}] over tensor (partial sums of the head-split up-projections, needed whole "
             "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
-    w = (f"{plan.schedule} splits each layer's weight gradient (W) off its backward: W reruns the layer's pullback "
-         f"from its saved residuals (engine/pipeline.py weight_grad)")
-    splits = sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad
+    # W reads B's stash (engine/split_backward.py) and gathers no weight, but a MoE layer's experts run in a
+    # shard_map whose transpose makes dx and dw at once: there W reruns the layer's whole pullback
+    w = (f"{plan.schedule} splits each layer's weight gradient (W) off its backward: a MoE layer's experts make "
+         "their input and weight gradients in one shard_map, so W reruns the layer's pullback from its saved "
+         "residuals (engine/split_backward.py)")
+    splits = sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad and program.model.cfg.routed_experts()
     if splits and F * C > 1 and not plan.gathers_once(sizes):
         gaps["all-gather"].append((w + ", so it gathers the layer's weights a third time per microbatch (the formula: "
                                    "forward and backward)", 1, 1.5 * 1.05))

@@ -1,0 +1,82 @@
+"""A layer's backward cut into B and W (meshtrain/engine/split_backward.py): the same gradients as
+the whole pullback, W only the weight matmuls, and the whole pullback again where the cut would
+stash a weight's gradient."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtrain.engine.stage_state import LayerResiduals
+from meshtrain.models import FAMILIES
+from meshtrain.testing import MOE_TINY, TINY, tiny_config
+
+pytestmark = pytest.mark.fast
+
+
+def layer_and_inputs(config=TINY):
+    """The config's model's first layer, its parameters, an input and an output cotangent (fp32)."""
+    spec = tiny_config(config=config).model
+    model = FAMILIES[spec.family](spec)
+    params = model.init(jax.random.key(0))
+    p_layer = jax.tree.map(lambda p: p[0], params["blocks"])
+    x = jax.random.normal(jax.random.key(1), (2, 16, model.cfg.d_model), jnp.float32)
+    g = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+    stats = jax.eval_shape(model.block, p_layer, x)[1]
+    g_stats = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, jnp.float32), stats)
+    return LayerResiduals(model.block, g_stats), p_layer, x, g
+
+
+def whole_and_split(layers, p_layer, x, g):
+    """((d params, d x) of the whole pullback, the same from B then W), traced as the pipeline does."""
+    def both(p_layer, x, g):
+        _, (saved, _) = layers.forward(p_layer, x)
+        g_x, stash = layers.input_grad(p_layer, saved, g)
+        return layers.pullback(p_layer, saved, g), (layers.weight_grad(p_layer, saved, stash, jnp.zeros_like(g)), g_x)
+
+    return jax.jit(both)(p_layer, x, g)
+
+
+def assert_same(whole, split):
+    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_b_then_w_give_the_pullbacks_gradients_and_w_runs_only_the_weight_matmuls():
+    layers, p_layer, x, g = layer_and_inputs()
+    assert_same(*whole_and_split(layers, p_layer, x, g))
+
+    saved = layers.forward(p_layer, x)[1][0]
+    cut = layers._split(p_layer, saved, g, (), {})[0].cut
+    weights = [p for p in jax.tree.leaves(p_layer) if p.ndim >= 2]  # q, k, v, o, gate, up, down
+    w_ops = [e.primitive.name for e in cut.w_eqns]
+    assert w_ops.count("dot_general") == len(weights) == 7
+    assert set(w_ops) <= {"dot_general", "transpose", "reshape", "convert_element_type", "mul", "add", "add_any",
+                          "reduce_sum", "broadcast_in_dim", "sharding_constraint", "rsqrt", "div", "integer_pow",
+                          "logistic", "sub", "neg", "square", "sqrt"}
+    # the stash: activation-shaped cotangents and the norms' small gradients; never a weight's
+    assert all(v.aval.shape[:2] == x.shape[:2] or v.aval.ndim == 1 for v in cut.stash)
+    assert len(cut.stash) < len(w_ops)
+
+
+def test_a_weight_gradient_made_inside_an_equation_kept_whole_falls_back_to_the_whole_pullback():
+    """A scan over two matmuls: its transpose computes dx and dw in one equation B needs, so the cut
+    would stash dw per microbatch; W runs the whole pullback instead, with the same gradients."""
+    w = jax.random.normal(jax.random.key(0), (2, 8, 8), jnp.float32)
+
+    def layer(p, x):
+        return jax.lax.scan(lambda h, w_i: (jnp.tanh(h @ w_i), None), x, p)[0], {}
+
+    layers = LayerResiduals(layer, {})
+    x = jax.random.normal(jax.random.key(1), (4, 8), jnp.float32)
+    g = jnp.ones_like(x)
+    _, (saved, _) = layers.forward(w, x)
+    assert layers._split(w, saved, g, (), {})[0].cut is None
+    stash = layers.input_grad(w, saved, g)[1]
+    assert len(stash) == 1 and stash[0].shape == g.shape  # the output cotangent, for W's pullback
+    assert_same(*whole_and_split(layers, w, x, g))
+
+
+def test_an_moe_layer_splits_into_the_same_gradients():
+    """Experts in a shard_map: its transpose is one equation B keeps whole; the cut or the fallback,
+    B then W give the pullback's gradients."""
+    assert_same(*whole_and_split(*layer_and_inputs(MOE_TINY)))
