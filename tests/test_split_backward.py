@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.engine.stage_state import LayerResiduals
 from meshtrain.models import FAMILIES
@@ -80,3 +81,38 @@ def test_an_moe_layer_splits_into_the_same_gradients():
     """Experts in a shard_map: its transpose is one equation B keeps whole; the cut or the fallback,
     B then W give the pullback's gradients."""
     assert_same(*whole_and_split(*layer_and_inputs(MOE_TINY)))
+
+
+def test_a_shard_map_making_dx_and_dw_is_cut_into_a_b_part_and_a_w_part():
+    """Experts as a shard_map (two matmuls and an all_to_all between them): B's part keeps the
+    all_to_all and the input gradient's matmuls and returns each device's stash; W's part takes it
+    and runs the two weight matmuls; the gradients are the pullback's."""
+    mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+
+    def experts(x, w1, w2):
+        h = jax.lax.all_to_all(jnp.tanh(x @ w1[0]), "expert", 0, 0, tiled=True)
+        return h @ w2[0]
+
+    def layer(p, x):
+        shard = jax.shard_map(experts, mesh=mesh, in_specs=(P("expert"), P("expert"), P("expert")),
+                              out_specs=P("expert"), axis_names={"expert"}, check_vma=False)
+        return shard(x, *(jnp.broadcast_to(p[k], (2, *p[k].shape)) for k in ("w1", "w2"))), {}
+
+    p = {k: jax.random.normal(jax.random.key(i), (8, 8), jnp.float32) for i, k in enumerate(("w1", "w2"))}
+    x = jax.random.normal(jax.random.key(3), (4, 8), jnp.float32)
+    layers = LayerResiduals(layer, {})
+    with jax.set_mesh(mesh):
+        assert_same(*whole_and_split(layers, p, x, jnp.ones_like(x)))
+        found = {}
+
+        def cut(p, x):
+            found["cut"] = layers._split(p, layers.forward(p, x)[1][0], x, (), {})[0].cut
+            return x
+
+        jax.jit(cut)(p, x)
+    w_ops = [e.primitive.name for e in found["cut"].w_eqns]
+    b_ops = [e.primitive.name for e in found["cut"].b_eqns]
+    assert w_ops.count("shard_map") == 1 and b_ops.count("shard_map") == 1
+    w_body = next(e for e in found["cut"].w_eqns if e.primitive.name == "shard_map").params["jaxpr"]
+    assert [e.primitive.name for e in w_body.eqns].count("dot_general") == 2  # dw1, dw2
+    assert "all_to_all" not in [e.primitive.name for e in w_body.eqns]

@@ -3,7 +3,7 @@ takes at each tick, from the executor's tables; on the GPU program, a device's k
 its stages' mean (the formulas' figures) and each tick priced at its slowest stage."""
 import jax
 import pytest
-from conftest import TINY, tiny_config
+from conftest import MOE_TINY, TINY, tiny_config
 
 from meshtrain.core import compile_cache
 from meshtrain.core.errors import UserError
@@ -78,3 +78,19 @@ def test_the_gpu_program_of_a_pipeline_is_read_as_its_stages_mean_and_priced_at_
     other = ticks.tick_plan(program_of("1f1b", devices, MICRO // 2, *sets))  # another program's ticks
     with pytest.raises(ValueError, match="ticks_train"):
         kernel_time.step_time(text, h100, link_s, other)
+
+
+def test_on_the_gpu_program_zbs_weight_gradient_moves_no_all_to_all_again():
+    """moe_tiny on data=2,pipeline=2,expert=2 under zb, 4 microbatches, on 8 compile-only H100s: the
+    experts' grouped matmuls are the Triton kernels, so W takes the experts' stash from B's part of their
+    shard_map (meshtrain/engine/split_backward.py) and the all-to-alls are the formula's 4 a MoE layer
+    (rerunning the pullback moved 1.5x)."""
+    if (missing := compilers.gpu_compiler_missing()) is not None:
+        pytest.skip(missing)
+    cfg = tiny_config("parallel.mesh=data=2,pipeline=2,expert=2", "parallel.schedule=zb",
+                      f"parallel.microbatches={MICRO}", config=MOE_TINY)
+    program = TrainProgram.from_config(cfg, devices=compilers.choose("gpu", "h100", 8, 8).devices)
+    with compile_cache.suspended():
+        text, plan = program.lower().compile().as_text(), ticks.tick_plan(program)
+    measured = hlo.by_kind(hlo.read(text, 8, correct=False, tick_plan=plan))["all-to-all"]["traffic_bytes"]
+    assert measured == pytest.approx(traffic.expected_traffic(program)["all-to-all"]["traffic_bytes"], rel=0.05)

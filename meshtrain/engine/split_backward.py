@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun, jaxprs_in_params
+from jax.sharding import PartitionSpec as P
 
 # calls whose body is one more run of equations, inlined so that B and W can each take its part
 # (a jitted einsum's transpose computes dx and dw in one call)
@@ -70,6 +71,10 @@ def _needs(eqns: list, outs) -> set[int]:
     return needed
 
 
+def _vars(atoms) -> set:
+    return {a for a in atoms if isinstance(a, Var)}
+
+
 def _bytes(v: Var) -> int:
     return int(v.aval.size) * v.aval.dtype.itemsize
 
@@ -118,6 +123,84 @@ def _recomputed(eqns: list, in_b: set[int], stash: list, g_vars: set) -> set[int
     return moved
 
 
+def _run(name: str, constvars: list, consts, invars: list, outvars: list, eqns: list, *args) -> list:
+    """Evaluate `eqns` (a run of a jaxpr's equations) from `invars` to `outvars`."""
+    info = DebugInfo(name, None, tuple(f"in{i}" for i in range(len(invars))),
+                     tuple(f"out{i}" for i in range(len(outvars))))
+    program = Jaxpr(constvars, invars, outvars, eqns, debug_info=info)
+    return jaxpr_as_fun(ClosedJaxpr(program, consts))(*args)
+
+
+def _partition(eqns: list, b_outs, w_outs, g_vars: set) -> tuple[list, list, list]:
+    """(B's equations, W's, the stash) of `eqns` (inlined) for the input gradient `b_outs` and the
+    weight gradient `w_outs`: B what the input gradient needs; W the weight matmuls and what follows
+    them (`_core`), and what it remakes rather than stash (`_recomputed`); a shard_map in B with an
+    output only W needs cut in two (`_cut_shard_map`)."""
+    eqns, tried = list(eqns), set()
+    while True:
+        in_b = _needs(eqns, b_outs)
+        read_by_b = _vars(a for i in in_b for a in eqns[i].invars) | _vars(b_outs)
+        maps = [i for i in sorted(in_b) if eqns[i].primitive.name == "shard_map" and id(eqns[i]) not in tried
+                and any(o not in read_by_b for o in eqns[i].outvars)]
+        if not maps:
+            break
+        tried.add(id(eqns[maps[0]]))
+        if (pair := _cut_shard_map(eqns[maps[0]], read_by_b)) is not None:
+            tried.add(id(pair[0]))
+            eqns[maps[0]:maps[0] + 1] = pair
+    in_w = _core(eqns, _needs(eqns, w_outs) - in_b)
+    in_b = (in_b | _needs(eqns, w_outs)) - in_w
+    in_w |= _recomputed(eqns, in_b, _stash(eqns, in_b, in_w, w_outs, g_vars), g_vars)
+    stash = _stash(eqns, in_b, in_w, w_outs, g_vars)
+    in_b = _needs(eqns, [*b_outs, *stash])
+    return [e for i, e in enumerate(eqns) if i in in_b], [e for i, e in enumerate(eqns) if i in in_w], stash
+
+
+def _cut_shard_map(eqn, read_by_b: set):
+    """A shard_map B needs whose program also makes what only W reads (a MoE layer's experts: dx and
+    the experts' dw in one body) as two: its B part, which returns its body's stash too (each
+    device's, stacked on a new leading axis split over the manual axes), and its W part, which takes
+    it. None where the equation's parameters are not the ones this JAX version was read with."""
+    params = eqn.params
+    mesh, body, manual = params.get("mesh"), params.get("jaxpr"), params.get("newly_manual_axes")
+    in_specs, out_specs, check = params.get("in_specs"), params.get("out_specs"), params.get("check_vma")
+    if None in (mesh, manual, in_specs, out_specs, check) or not isinstance(body, Jaxpr) or body.constvars:
+        return None
+    body_eqns, subst = _inlined(body)
+    body_outs = [a if isinstance(a, Literal) else subst.get(a, a) for a in body.outvars]
+    b_idx = [k for k, o in enumerate(eqn.outvars) if o in read_by_b]
+    w_idx = [k for k, o in enumerate(eqn.outvars) if o not in read_by_b]
+    b_eqns, w_eqns, stash = _partition(body_eqns, [body_outs[k] for k in b_idx], [body_outs[k] for k in w_idx],
+                                       set())
+    if _vars(body_outs[k] for k in w_idx) & {v for e in b_eqns for v in e.outvars}:
+        return None  # B's part would make W's (the experts' grouped-matmul loop: dx and dw in one scan)
+    w_reads = [v for v in body.invars if v in _vars(a for e in w_eqns for a in e.invars) | _vars(body_outs)]
+    w_reads_at = [body.invars.index(v) for v in w_reads]
+    lead = P(tuple(a for a in mesh.axis_names if a in manual))  # the stash, one entry per device
+
+    def b_part(*xs):
+        out = _run("b_part", [], [], body.invars, [*(body_outs[k] for k in b_idx), *stash], b_eqns, *xs)
+        return [*out[:len(b_idx)], *(s[None] for s in out[len(b_idx):])]
+
+    def w_part(*xs):
+        reads, kept = xs[:len(w_reads)], [s[0] for s in xs[len(w_reads):]]
+        return _run("w_part", [], [], [*w_reads, *stash], [body_outs[k] for k in w_idx], w_eqns, *reads, *kept)
+
+    shape = lambda vs: [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vs]
+    b_map = jax.shard_map(b_part, mesh=mesh, in_specs=tuple(in_specs), axis_names=manual, check_vma=check,
+                          out_specs=[*(out_specs[k] for k in b_idx), *(lead,) * len(stash)])
+    b_eqn = jax.make_jaxpr(b_map)(*shape(eqn.invars)).jaxpr.eqns
+    stash_out = [Var(v.aval) for v in b_eqn[-1].outvars[len(b_idx):]]
+    w_map = jax.shard_map(w_part, mesh=mesh, in_specs=(*(in_specs[k] for k in w_reads_at), *(lead,) * len(stash)),
+                          out_specs=[out_specs[k] for k in w_idx], axis_names=manual, check_vma=check)
+    w_eqn = jax.make_jaxpr(w_map)(*shape([eqn.invars[k] for k in w_reads_at]), *shape(stash_out)).jaxpr.eqns
+    if len(b_eqn) != 1 or len(w_eqn) != 1:
+        return None
+    return (b_eqn[0].replace(invars=list(eqn.invars), outvars=[*(eqn.outvars[k] for k in b_idx), *stash_out]),
+            w_eqn[0].replace(invars=[*(eqn.invars[k] for k in w_reads_at), *stash_out],
+                             outvars=[eqn.outvars[k] for k in w_idx]))
+
+
 class Split:
     """A pullback's program cut in two. `closed`: the jaxpr of the flat inputs -> (d params leaves...,
     d input leaves...); `n_param_grads`: how many outputs are the parameters' gradients (first);
@@ -129,30 +212,21 @@ class Split:
         eqns, subst = _inlined(jaxpr)
         outs = [a if isinstance(a, Literal) else subst.get(a, a) for a in jaxpr.outvars]
         w_outs, b_outs = outs[:n_param_grads], outs[n_param_grads:]
-        in_b = _needs(eqns, b_outs)
-        in_w = _core(eqns, _needs(eqns, w_outs) - in_b)
-        in_b = (in_b | _needs(eqns, w_outs)) - in_w
         g_vars = {jaxpr.invars[i] for i in g_inputs}
-        in_w |= _recomputed(eqns, in_b, _stash(eqns, in_b, in_w, w_outs, g_vars), g_vars)
-        self.stash = _stash(eqns, in_b, in_w, w_outs, g_vars)
-        in_b = _needs(eqns, [*b_outs, *self.stash])
-        self.b_eqns = [e for i, e in enumerate(eqns) if i in in_b]
-        self.w_eqns = [e for i, e in enumerate(eqns) if i in in_w]
+        self.b_eqns, self.w_eqns, self.stash = _partition(eqns, b_outs, w_outs, g_vars)
         made_in_b = {v for e in self.b_eqns for v in e.outvars}
         # B computes the small parameters' gradients (a norm's scale: a reduction of dy x x_hat) and
         # stashes them; one that outweighs the output cotangent (a weight's, inside an equation kept
         # whole) would cost more memory per microbatch than running the pullback again in W
         stashed_grads = sum(_bytes(a) for a in dict.fromkeys(w_outs) if a in made_in_b)
-        self.usable = stashed_grads <= sum(_bytes(v) for v in g_vars) and not any(e.effects for e in eqns)
+        self.usable = stashed_grads <= sum(_bytes(v) for v in g_vars) and not any(
+            e.effects for e in self.b_eqns + self.w_eqns)
         # W's inputs: the pullback's, the output cotangent's unread (fresh variables), then the stash
         self.w_invars = [Var(v.aval) if v in g_vars else v for v in jaxpr.invars] + self.stash
         self.jaxpr, self.consts, self.b_outs, self.w_outs = jaxpr, closed.consts, b_outs, w_outs
 
     def run(self, name: str, invars: list, outvars: list, eqns: list, *args) -> list:
-        info = DebugInfo(name, None, tuple(f"in{i}" for i in range(len(invars))),
-                         tuple(f"out{i}" for i in range(len(outvars))))
-        program = Jaxpr(self.jaxpr.constvars, invars, outvars, eqns, debug_info=info)
-        return jaxpr_as_fun(ClosedJaxpr(program, self.consts))(*args)
+        return _run(name, self.jaxpr.constvars, self.consts, invars, outvars, eqns, *args)
 
     def input_grad(self, flat) -> tuple[list, list]:
         """(the input gradient's leaves, the stash) from the pullback's flat inputs."""
