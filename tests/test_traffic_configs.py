@@ -28,7 +28,8 @@ CASES = {  # name: (config, overrides, the kinds that must match within 10%; any
     "pipeline x fsdp, residuals recomputed": ("tiny", ("parallel.mesh=fsdp=4,pipeline=2", "parallel.microbatches=4",
                                                       "parallel.residuals=recompute"),
                                               {"all-reduce", "all-gather", "reduce-scatter"}),  # a third gather
-    "pipeline x fsdp, zb": ("tiny", ("parallel.mesh=fsdp=4,pipeline=2", "parallel.microbatches=4", "parallel.schedule=zb"),
+    "pipeline x fsdp, zb": ("tiny", ("parallel.mesh=fsdp=4,pipeline=2", "parallel.microbatches=4",
+                                     "parallel.schedule=zb"),
                             {"all-reduce", "all-gather", "reduce-scatter"}),  # W reads B's stash: no third gather
     "pipeline x expert, zb": ("moe_tiny", ("parallel.mesh=data=2,pipeline=2,expert=2", "parallel.schedule=zb",
                                            "parallel.microbatches=4"),
