@@ -241,10 +241,13 @@ class Split:
 
 class SplitPullback:
     """`pullback(*args)` -> (d params, d input) as B and W (`Split`), from `args` whose `g_arg`-th
-    is the output cotangent (a pytree W does not get). `cut` is None where B would compute a weight
-    gradient itself: the caller runs the whole pullback in W instead."""
+    is the output cotangent (a pytree W does not get) and `kept_arg`-th the residuals. `cut` is None
+    where B would compute a weight gradient itself, or where the stash would outweigh what the layer
+    keeps for its backward already (its residuals and output cotangent: under remat=full, which keeps
+    the layer's input alone, the stash would be every matmul's operands, the memory the policy
+    gave up): the caller runs the whole pullback in W instead."""
 
-    def __init__(self, pullback, args: tuple, g_arg: int):
+    def __init__(self, pullback, args: tuple, g_arg: int, kept_arg: int):
         self.structure = jax.tree.structure(args)
         outs = []
 
@@ -257,7 +260,8 @@ class SplitPullback:
         self.params_tree, self.input_tree = outs
         start = sum(len(jax.tree.leaves(a)) for a in args[:g_arg])
         cut = Split(closed, self.params_tree.num_leaves, range(start, start + len(jax.tree.leaves(args[g_arg]))))
-        self.cut = cut if cut.usable else None
+        kept = sum(a.size * a.dtype.itemsize for i in (g_arg, kept_arg) for a in jax.tree.leaves(args[i]))
+        self.cut = cut if cut.usable and sum(_bytes(v) for v in cut.stash) <= kept else None
 
     def input_grad(self, args):
         """(d input, the stash: a list of arrays)."""

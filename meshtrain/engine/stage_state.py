@@ -49,7 +49,7 @@ class LayerResiduals:
 
     def _split(self, p_layer, saved, g_y, docs, kind):
         args = (p_layer, saved, g_y, self.g_stats, docs, kind)
-        return SplitPullback(self._pullback, args, g_arg=2), args
+        return SplitPullback(self._pullback, args, g_arg=2, kept_arg=1), args
 
     def input_grad(self, p_layer, saved, g_y, *docs, **kind):
         """A deferred weight gradient's B (meshtrain/engine/split_backward.py): (d x, the stash W

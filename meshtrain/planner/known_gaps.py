@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 from meshtrain.core import formulas
-from meshtrain.ops.grouped_matmul import runs_rows_routed
 from meshtrain.ops.precision import compute_bytes
 from meshtrain.ops.recipes import is_low_precision
 from meshtrain.ops.ulysses import context_degrees
@@ -90,16 +89,13 @@ def known_gaps(program) -> dict[str, list[tuple[str, float, float]]]:
             "multi-head latent attention beside tensor: the backward also all-reduces the q, kv and rope latents' "
             f"gradients [b, s, {width}] over tensor (partial sums of the head-split up-projections, needed whole "
             "before the latents' norms): not in the Megatron formula", 1, (formula + extra) / formula))
-    # W reads B's stash (engine/split_backward.py) and gathers no weight, but where a dropless MoE layer's grouped
-    # matmul is the loop (XLA:CPU; widths the Triton kernels do not take) it makes dx and dw in one scan, and W
-    # reruns the layer's whole pullback
-    m = program.model.cfg
-    loop = m.routed_experts() and not m.capacity_factor and not runs_rows_routed(
-        program.backend, m.d_model, m.mlp_dim // math.prod(sizes[a] for a in program.rules.get("mlp", ())))
-    w = (f"{plan.schedule} splits each layer's weight gradient (W) off its backward: the experts' grouped-matmul "
-         "loop makes their input and weight gradients in one scan, so W reruns each MoE layer's pullback from its "
-         "saved residuals (engine/split_backward.py)")
-    splits = sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad and loop
+    # W reads B's stash (engine/split_backward.py) and moves nothing, unless the stash would outweigh the layer's
+    # residuals or B's part would make a weight gradient: then W reruns the layer's pullback
+    w = (f"{plan.schedule} splits each layer's weight gradient (W) off its backward; where B's stash would outweigh "
+         "the layer's residuals (remat=full keeps the layer's input alone; a MoE layer's receive buffers) or the "
+         "experts' grouped-matmul loop makes dx and dw in one scan, W reruns the layer's pullback from its saved "
+         "residuals (engine/split_backward.py)")
+    splits = sizes["pipeline"] > 1 and lookup(plan.schedule).splits_weight_grad
     if splits and F * C > 1 and not plan.gathers_once(sizes):
         gaps["all-gather"].append((w + ", so it gathers the layer's weights a third time per microbatch (the formula: "
                                    "forward and backward)", 1, 1.5 * 1.05))
