@@ -83,10 +83,12 @@ def test_an_moe_layer_splits_into_the_same_gradients():
     assert_same(*whole_and_split(*layer_and_inputs(MOE_TINY)))
 
 
-def test_a_shard_map_making_dx_and_dw_is_cut_into_a_b_part_and_a_w_part():
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_a_shard_map_making_dx_and_dw_is_cut_into_a_b_part_and_a_w_part(check_vma):
     """Experts as a shard_map (two matmuls and an all_to_all between them): B's part keeps the
     all_to_all and the input gradient's matmuls and returns each device's stash; W's part takes it
-    and runs the two weight matmuls; the gradients are the pullback's."""
+    and runs the two weight matmuls; the gradients are the pullback's. A shard_map that checks its
+    values' varying axes is kept whole (W reruns the pullback), with the same gradients."""
     mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
 
     def experts(x, w1, w2):
@@ -95,7 +97,7 @@ def test_a_shard_map_making_dx_and_dw_is_cut_into_a_b_part_and_a_w_part():
 
     def layer(p, x):
         shard = jax.shard_map(experts, mesh=mesh, in_specs=(P("expert"), P("expert"), P("expert")),
-                              out_specs=P("expert"), axis_names={"expert"}, check_vma=False)
+                              out_specs=P("expert"), axis_names={"expert"}, check_vma=check_vma)
         return shard(x, *(jnp.broadcast_to(p[k], (2, *p[k].shape)) for k in ("w1", "w2"))), {}
 
     p = {k: jax.random.normal(jax.random.key(i), (8, 8), jnp.float32) for i, k in enumerate(("w1", "w2"))}
@@ -110,6 +112,9 @@ def test_a_shard_map_making_dx_and_dw_is_cut_into_a_b_part_and_a_w_part():
             return x
 
         jax.jit(cut)(p, x)
+    if check_vma:
+        assert found["cut"] is None
+        return
     w_ops = [e.primitive.name for e in found["cut"].w_eqns]
     b_ops = [e.primitive.name for e in found["cut"].b_eqns]
     assert w_ops.count("shard_map") == 1 and b_ops.count("shard_map") == 1

@@ -280,8 +280,8 @@ class StageProgram:
         return c, g_x, writes if self.save and self.splits_weight_grad else {}
 
     def weight_grad(self, c, m, v):
-        """A split-off W (zb, dualpipev): each layer's parameter gradient from its residuals and output
-        cotangent."""
+        """A split-off W (zb, dualpipev): each layer's parameter gradient from its residuals and the stash
+        its B kept (meshtrain/engine/split_backward.py)."""
         docs = self.documents(m)
 
         def layer_w(_, xs):

@@ -1,7 +1,7 @@
 """A layer's backward in two parts, for the pipeline schedules that defer the weight gradient (zb,
 dualpipev; Qi et al., "Zero Bubble Pipeline Parallelism", 2023): B computes the input gradient and
 keeps what the weight gradient needs beyond the layer's residuals (the stash); W computes the weight
-gradient from the stash, and reruns nothing B ran. For a matmul y = x w the stash holds dy, and W
+gradient from the stash, and reruns no matmul B ran. For a matmul y = x w the stash holds dy, and W
 forms dw = x^T dy from it and the residual x; a chain of matmuls (attention's, the MLP's) keeps
 each one's output cotangent, so W never pulls back through the chain again, nor gathers weights
 it does not read.
@@ -9,10 +9,12 @@ it does not read.
 The split is read off the pullback's own program: its jaxpr, jitted calls and remat regions inlined,
 is one data-flow graph; B is every equation the input gradient depends on, W every other one the
 parameter gradient depends on, and the stash the values W reads that B computed (or the output
-cotangent itself). An equation that is not inlined (a scan, a cond, a shard_map) stays whole in B
-when the input gradient needs any of its outputs. Where B would then compute a weight gradient
-itself (its bytes stashed per microbatch), `split` answers None and the caller keeps the whole
-pullback for W (`LayerResiduals`, meshtrain/engine/stage_state.py): the same math, one more pass.
+cotangent itself). A shard_map whose body makes both is cut in two the same way; any other equation
+not inlined (a scan, a cond) stays whole in B when the input gradient needs any of its outputs.
+Where B would then compute a weight gradient itself (its bytes stashed per microbatch), or the
+stash would outweigh what the layer keeps already, `SplitPullback.cut` is None and the caller keeps
+the whole pullback for W (`LayerResiduals`, meshtrain/engine/stage_state.py): the same math, one
+more pass.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 # calls whose body is one more run of equations, inlined so that B and W can each take its part
 # (a jitted einsum's transpose computes dx and dw in one call)
-INLINED = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
+INLINED = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr", "checkpoint", "remat", "remat2")
 MATMULS = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 COLLECTIVES = ("psum", "psum_invariant", "all_gather", "all_to_all", "ragged_all_to_all", "ppermute",
                "reduce_scatter", "psum_scatter", "pmax", "pmin")
@@ -160,11 +162,15 @@ def _cut_shard_map(eqn, read_by_b: set):
     """A shard_map B needs whose program also makes what only W reads (a MoE layer's experts: dx and
     the experts' dw in one body) as two: its B part, which returns its body's stash too (each
     device's, stacked on a new leading axis split over the manual axes), and its W part, which takes
-    it. None where the equation's parameters are not the ones this JAX version was read with."""
+    it. None (kept whole) where the equation's parameters are not the ones this JAX version was read
+    with, or it checks its values' varying axes (every shard_map here is check_vma=False: a stash
+    value's spec would have to name the axes it varies over), or the re-traced parts are not one
+    equation each."""
     params = eqn.params
     mesh, body, manual = params.get("mesh"), params.get("jaxpr"), params.get("newly_manual_axes")
-    in_specs, out_specs, check = params.get("in_specs"), params.get("out_specs"), params.get("check_vma")
-    if None in (mesh, manual, in_specs, out_specs, check) or not isinstance(body, Jaxpr) or body.constvars:
+    in_specs, out_specs = params.get("in_specs"), params.get("out_specs")
+    if None in (mesh, manual, in_specs, out_specs) or params.get("check_vma") is not False \
+            or not isinstance(body, Jaxpr) or body.constvars:
         return None
     body_eqns, subst = _inlined(body)
     body_outs = [a if isinstance(a, Literal) else subst.get(a, a) for a in body.outvars]
@@ -174,31 +180,36 @@ def _cut_shard_map(eqn, read_by_b: set):
                                        set())
     if _vars(body_outs[k] for k in w_idx) & {v for e in b_eqns for v in e.outvars}:
         return None  # B's part would make W's (the experts' grouped-matmul loop: dx and dw in one scan)
-    w_reads = [v for v in body.invars if v in _vars(a for e in w_eqns for a in e.invars) | _vars(body_outs)]
-    w_reads_at = [body.invars.index(v) for v in w_reads]
+    reads = lambda eqns, idx: [v for v in body.invars if v in _vars(a for e in eqns for a in e.invars)
+                               | _vars(body_outs[k] for k in idx)]  # each part's inputs, in order
+    b_reads, w_reads = reads(b_eqns, b_idx), reads(w_eqns, w_idx)
+    b_reads_at, w_reads_at = ([body.invars.index(v) for v in vs] for vs in (b_reads, w_reads))
     lead = P(tuple(a for a in mesh.axis_names if a in manual))  # the stash, one entry per device
 
     def b_part(*xs):
-        out = _run("b_part", [], [], body.invars, [*(body_outs[k] for k in b_idx), *stash], b_eqns, *xs)
+        out = _run("b_part", [], [], b_reads, [*(body_outs[k] for k in b_idx), *stash], b_eqns, *xs)
         return [*out[:len(b_idx)], *(s[None] for s in out[len(b_idx):])]
 
     def w_part(*xs):
         reads, kept = xs[:len(w_reads)], [s[0] for s in xs[len(w_reads):]]
         return _run("w_part", [], [], [*w_reads, *stash], [body_outs[k] for k in w_idx], w_eqns, *reads, *kept)
 
-    shape = lambda vs: [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vs]
-    b_map = jax.shard_map(b_part, mesh=mesh, in_specs=tuple(in_specs), axis_names=manual, check_vma=check,
-                          out_specs=[*(out_specs[k] for k in b_idx), *(lead,) * len(stash)])
-    b_eqn = jax.make_jaxpr(b_map)(*shape(eqn.invars)).jaxpr.eqns
-    stash_out = [Var(v.aval) for v in b_eqn[-1].outvars[len(b_idx):]]
-    w_map = jax.shard_map(w_part, mesh=mesh, in_specs=(*(in_specs[k] for k in w_reads_at), *(lead,) * len(stash)),
-                          out_specs=[out_specs[k] for k in w_idx], axis_names=manual, check_vma=check)
-    w_eqn = jax.make_jaxpr(w_map)(*shape([eqn.invars[k] for k in w_reads_at]), *shape(stash_out)).jaxpr.eqns
-    if len(b_eqn) != 1 or len(w_eqn) != 1:
+    shape = lambda vs: [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in vs]
+    b_map = jax.shard_map(b_part, mesh=mesh, in_specs=tuple(in_specs[k] for k in b_reads_at), axis_names=manual,
+                          check_vma=False, out_specs=[*(out_specs[k] for k in b_idx), *(lead,) * len(stash)])
+    b_traced = jax.make_jaxpr(b_map)(*shape([eqn.invars[k] for k in b_reads_at])).jaxpr
+    if len(b_traced.eqns) != 1 or b_traced.constvars or b_traced.eqns[0].invars != b_traced.invars:
         return None
-    return (b_eqn[0].replace(invars=list(eqn.invars), outvars=[*(eqn.outvars[k] for k in b_idx), *stash_out]),
-            w_eqn[0].replace(invars=[*(eqn.invars[k] for k in w_reads_at), *stash_out],
-                             outvars=[eqn.outvars[k] for k in w_idx]))
+    stash_out = [Var(v.aval) for v in b_traced.eqns[0].outvars[len(b_idx):]]
+    w_map = jax.shard_map(w_part, mesh=mesh, in_specs=(*(in_specs[k] for k in w_reads_at), *(lead,) * len(stash)),
+                          out_specs=[out_specs[k] for k in w_idx], axis_names=manual, check_vma=False)
+    w_traced = jax.make_jaxpr(w_map)(*shape([eqn.invars[k] for k in w_reads_at]), *shape(stash_out)).jaxpr
+    if len(w_traced.eqns) != 1 or w_traced.constvars or w_traced.eqns[0].invars != w_traced.invars:
+        return None
+    return (b_traced.eqns[0].replace(invars=[eqn.invars[k] for k in b_reads_at],
+                                     outvars=[*(eqn.outvars[k] for k in b_idx), *stash_out]),
+            w_traced.eqns[0].replace(invars=[*(eqn.invars[k] for k in w_reads_at), *stash_out],
+                                     outvars=[eqn.outvars[k] for k in w_idx]))
 
 
 class Split:
@@ -214,13 +225,13 @@ class Split:
         w_outs, b_outs = outs[:n_param_grads], outs[n_param_grads:]
         g_vars = {jaxpr.invars[i] for i in g_inputs}
         self.b_eqns, self.w_eqns, self.stash = _partition(eqns, b_outs, w_outs, g_vars)
+        effects = any(e.effects for e in eqns)  # a callback that feeds no output would be dropped
         made_in_b = {v for e in self.b_eqns for v in e.outvars}
         # B computes the small parameters' gradients (a norm's scale: a reduction of dy x x_hat) and
         # stashes them; one that outweighs the output cotangent (a weight's, inside an equation kept
         # whole) would cost more memory per microbatch than running the pullback again in W
         stashed_grads = sum(_bytes(a) for a in dict.fromkeys(w_outs) if a in made_in_b)
-        self.usable = stashed_grads <= sum(_bytes(v) for v in g_vars) and not any(
-            e.effects for e in self.b_eqns + self.w_eqns)
+        self.usable = stashed_grads <= sum(_bytes(v) for v in g_vars) and not effects
         # W's inputs: the pullback's, the output cotangent's unread (fresh variables), then the stash
         self.w_invars = [Var(v.aval) if v in g_vars else v for v in jaxpr.invars] + self.stash
         self.jaxpr, self.consts, self.b_outs, self.w_outs = jaxpr, closed.consts, b_outs, w_outs
@@ -235,7 +246,9 @@ class Split:
 
     def weight_grad(self, flat, stash) -> list:
         """The parameters' gradients' leaves from the pullback's flat inputs (the output cotangent's
-        unread: any array of its shape) and the stash."""
+        unread: any array of its shape) and the stash, which B's trace made as this one's."""
+        made = [(tuple(a.shape), a.dtype) for a in stash]
+        assert made == [(tuple(v.aval.shape), v.aval.dtype) for v in self.stash], "B's and W's cuts differ"
         return self.run("weight_grad", self.w_invars, self.w_outs, self.w_eqns, *flat, *stash)
 
 

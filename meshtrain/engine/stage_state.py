@@ -1,6 +1,7 @@
 """What a pipeline stage (meshtrain/engine/pipeline.py) keeps between ticks: each layer's backward
 as data (`LayerResiduals`: the residuals `jax.vjp` holds, kept apart from the parameters) and ring
-buffers [slots, chunks, ...] indexed by (microbatch, chunk), read and written by dynamic slices."""
+buffers [slots + 1, chunks, ...] indexed by (microbatch, chunk), read and written by dynamic slices
+(the last slot a spare one, `store`)."""
 from __future__ import annotations
 
 import jax
@@ -66,7 +67,10 @@ class LayerResiduals:
         """Its W: d p_layer from the residuals and the stash `input_grad` kept; `g_like`: an array
         shaped as the output cotangent (read for its shape only)."""
         cut, args = self._split(p_layer, saved, g_like, docs, kind)
-        return cut.weight_grad(args, stash) if cut.cut else self.pullback(p_layer, saved, stash[0], *docs, **kind)[0]
+        if cut.cut:
+            return cut.weight_grad(args, stash)
+        assert len(stash) == 1 and stash[0].shape == g_like.shape, "B's and W's cuts differ"
+        return self.pullback(p_layer, saved, stash[0], *docs, **kind)[0]
 
 
 # Dynamic slices, not gathers: XLA partitions them inside the manual region.
@@ -79,7 +83,7 @@ def put(x, value, i):
 
 
 def read(buffer, m, v, slots: int):
-    """Microbatch m's entry for chunk v of a ring buffer [slots, V, ...] (a pytree of them)."""
+    """Microbatch m's entry for chunk v of a ring buffer [slots (+ 1), V, ...] (a pytree of them)."""
     return jax.tree.map(lambda b: take(take(b, m % slots), v), buffer)
 
 

@@ -21,9 +21,10 @@ CHANNELS = (("recv_f", "F", 1), ("recv_f_back", "F", -1), ("recv_f_here", "F", 0
 
 
 def tick_cond(tag: str, pred, true_fun, false_fun, *operands):
-    """`jax.lax.cond` named `tick_<tag>` in the program's op_name metadata: `tag` an action kind (F, B, W),
-    a channel's store (CHANNELS) or, inside an action, the stage's part (`first`: the embedding, `last`: the
-    head), each taken where its table entry (or the stage) says so."""
+    """`jax.lax.cond` named `tick_<tag>` in the program's op_name metadata: `tag` an action kind (F, B, W)
+    or, inside an action, the stage's part (`first`: the embedding, `last`: the head), each taken where its
+    table entry (or the stage) says so. (A channel's store is no conditional: it writes a spare slot where
+    the table says none, under the name `tick_<channel>`.)"""
     with jax.named_scope(f"tick_{tag}"):
         return jax.lax.cond(pred, true_fun, false_fun, *operands)
 
@@ -41,7 +42,7 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
     chunk, that hold them without overwriting one still needed: received inputs (`input_slots`,
     until the forward, or the backward when it recomputes), saved residuals (`residual_slots`, until
     the backward, or W under zb), received cotangents (`cotangent_slots`, until the backward) and,
-    under zb, each layer's output cotangent (`deferred_slots`, from the backward until W)."""
+    under zb, what each layer's W reads (`deferred_slots`, from the backward until W)."""
     S, V, placement = tt.stages, tt.virtual, tt.schedule.placement
     T = len(tt.ticks)
     names = [f"{k}{suffix}" for k in KINDS for suffix in ("", "_micro", "_chunk")]
@@ -82,7 +83,7 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
                     cotangent_live[key] = span
                 if a.kind == "F" and last and backward:  # the loss's cotangent, from this stage's own forward
                     cotangent_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("B", a.micro, a.chunk))])
-                if a.kind == "B" and split:  # each layer's output cotangent, until W
+                if a.kind == "B" and split:  # what W reads (the stash), until W
                     deferred_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("W", a.micro, a.chunk))])
     if tt.residuals == "recompute":  # a chunk's input is read again by its backward
         input_live = {key: (span[0], when[(key[0], Action("B", key[2], key[1]))]) for key, span in input_live.items()}

@@ -1,7 +1,7 @@
 """A pipeline step's ticks, as the planner reads its program. XLA runs one program on every stage: each
 phase of ticks is a `while` (the executor's scan, `ticks_train<i>`; `ticks_forward<i>` for a reference
-model's forward-only pass) and every action, buffer store and stage part in a tick is a `conditional`
-named `tick_<tag>` (meshtrain/parallel/tick_tables.py `tick_cond`), whose true branch a stage takes
+model's forward-only pass) and every action and stage part in a tick is a `conditional` named
+`tick_<tag>` (meshtrain/parallel/tick_tables.py `tick_cond`), whose true branch a stage takes
 where the executor's table entry for (tick, stage) says so. Read without the tables, the branches are
 alike; read with them (`tick_plan`: for each phase, the tags each stage takes at each tick):
 
