@@ -37,6 +37,18 @@ def whole_and_split(layers, p_layer, x, g):
     return jax.jit(both)(p_layer, x, g)
 
 
+def traced_cut(layers, p_layer, x):
+    """The layer's cut (`Split`, or None where W reruns the pullback), read while tracing it."""
+    found = {}
+
+    def trace(p, x):
+        found["cut"] = layers._split(p, layers.forward(p, x)[1][0], x, (), {})[0].cut
+        return x
+
+    jax.jit(trace)(p_layer, x)
+    return found["cut"]
+
+
 def assert_same(whole, split):
     for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
@@ -46,8 +58,7 @@ def test_b_then_w_give_the_pullbacks_gradients_and_w_runs_only_the_weight_matmul
     layers, p_layer, x, g = layer_and_inputs()
     assert_same(*whole_and_split(layers, p_layer, x, g))
 
-    saved = layers.forward(p_layer, x)[1][0]
-    cut = layers._split(p_layer, saved, g, (), {})[0].cut
+    cut = traced_cut(layers, p_layer, x)
     weights = [p for p in jax.tree.leaves(p_layer) if p.ndim >= 2]  # q, k, v, o, gate, up, down
     w_ops = [e.primitive.name for e in cut.w_eqns]
     assert w_ops.count("dot_general") == len(weights) == 7
@@ -70,17 +81,18 @@ def test_a_weight_gradient_made_inside_an_equation_kept_whole_falls_back_to_the_
     layers = LayerResiduals(layer, {})
     x = jax.random.normal(jax.random.key(1), (4, 8), jnp.float32)
     g = jnp.ones_like(x)
-    _, (saved, _) = layers.forward(w, x)
-    assert layers._split(w, saved, g, (), {})[0].cut is None
-    stash = layers.input_grad(w, saved, g)[1]
+    assert traced_cut(layers, w, x) is None
+    stash = layers.input_grad(w, layers.forward(w, x)[1][0], g)[1]
     assert len(stash) == 1 and stash[0].shape == g.shape  # the output cotangent, for W's pullback
     assert_same(*whole_and_split(layers, w, x, g))
 
 
-def test_an_moe_layer_splits_into_the_same_gradients():
-    """Experts in a shard_map: its transpose is one equation B keeps whole; the cut or the fallback,
-    B then W give the pullback's gradients."""
-    assert_same(*whole_and_split(*layer_and_inputs(MOE_TINY)))
+def test_an_moe_layer_gives_the_pullbacks_gradients_through_b_and_w():
+    """moe_tiny's layer on one device: no shard_map, and its grouped matmul is the loop, one scan
+    making dx and dw (the fallback: W reruns the pullback); B then W give the pullback's gradients."""
+    layers, p_layer, x, g = layer_and_inputs(MOE_TINY)
+    assert_same(*whole_and_split(layers, p_layer, x, g))
+    assert traced_cut(layers, p_layer, x) is None
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
@@ -105,19 +117,13 @@ def test_a_shard_map_making_dx_and_dw_is_cut_into_a_b_part_and_a_w_part(check_vm
     layers = LayerResiduals(layer, {})
     with jax.set_mesh(mesh):
         assert_same(*whole_and_split(layers, p, x, jnp.ones_like(x)))
-        found = {}
-
-        def cut(p, x):
-            found["cut"] = layers._split(p, layers.forward(p, x)[1][0], x, (), {})[0].cut
-            return x
-
-        jax.jit(cut)(p, x)
+        cut = traced_cut(layers, p, x)
     if check_vma:
-        assert found["cut"] is None
+        assert cut is None
         return
-    w_ops = [e.primitive.name for e in found["cut"].w_eqns]
-    b_ops = [e.primitive.name for e in found["cut"].b_eqns]
+    w_ops = [e.primitive.name for e in cut.w_eqns]
+    b_ops = [e.primitive.name for e in cut.b_eqns]
     assert w_ops.count("shard_map") == 1 and b_ops.count("shard_map") == 1
-    w_body = next(e for e in found["cut"].w_eqns if e.primitive.name == "shard_map").params["jaxpr"]
+    w_body = next(e for e in cut.w_eqns if e.primitive.name == "shard_map").params["jaxpr"]
     assert [e.primitive.name for e in w_body.eqns].count("dot_general") == 2  # dw1, dw2
     assert "all_to_all" not in [e.primitive.name for e in w_body.eqns]

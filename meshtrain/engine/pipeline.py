@@ -33,12 +33,12 @@ there too, their forward again in the embedding gradient. The loss is the object
 microbatch is whole for it (`Objective.sequences`), and its outputs (the metrics) are kept per
 microbatch. A forward-only pass (`make_pipeline_scores`: an objective's forward scores,
 meshtrain/objectives/base.py `scores_first`) runs a schedule's forwards alone (`forwards_of`) and
-keeps the heads' outputs only: no residuals, no gradients. Received tensors wait in ring buffers
-sized from the timetable. The layers' statistics are summed over microbatches and stages, the per-
-layer ones (models/base.py PER_LAYER_STATS, the router-bias update's expert loads) kept per layer
-and gathered over the stages in storage order. Gradients accumulate locally over microbatches; they
-are summed over the pipeline axis (embedding, final norm, head) and reduced over `data` (a manual
-axis too when data > 1, at every ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
+keeps the heads' outputs only: no residuals, no gradients. The layers' statistics are summed over
+microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
+update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
+accumulate locally over microbatches; they are summed over the pipeline axis (embedding, final norm,
+head) and reduced over `data` (a manual axis too when data > 1, at every ZeRO stage:
+meshtrain/parallel/data_parallel.py) once per step.
 """
 from __future__ import annotations
 

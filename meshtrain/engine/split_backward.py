@@ -77,8 +77,10 @@ def _vars(atoms) -> set:
     return {a for a in atoms if isinstance(a, Var)}
 
 
-def _bytes(v: Var) -> int:
-    return int(v.aval.size) * v.aval.dtype.itemsize
+def _bytes(v) -> int:
+    """An array's bytes, or a jaxpr variable's."""
+    a = v.aval if isinstance(v, Var) else v
+    return int(a.size) * a.dtype.itemsize
 
 
 def _core(eqns: list, candidates: set[int]) -> set[int]:
@@ -261,11 +263,11 @@ class SplitPullback:
     gave up): the caller runs the whole pullback in W instead."""
 
     def __init__(self, pullback, args: tuple, g_arg: int, kept_arg: int):
-        self.structure = jax.tree.structure(args)
+        structure = jax.tree.structure(args)
         outs = []
 
         def flat_fn(*flat):
-            g_params, g_input = pullback(*jax.tree.unflatten(self.structure, flat))
+            g_params, g_input = pullback(*jax.tree.unflatten(structure, flat))
             outs[:] = [jax.tree.structure(g_params), jax.tree.structure(g_input)]
             return [*jax.tree.leaves(g_params), *jax.tree.leaves(g_input)]
 
@@ -273,7 +275,7 @@ class SplitPullback:
         self.params_tree, self.input_tree = outs
         start = sum(len(jax.tree.leaves(a)) for a in args[:g_arg])
         cut = Split(closed, self.params_tree.num_leaves, range(start, start + len(jax.tree.leaves(args[g_arg]))))
-        kept = sum(a.size * a.dtype.itemsize for i in (g_arg, kept_arg) for a in jax.tree.leaves(args[i]))
+        kept = sum(_bytes(a) for i in (g_arg, kept_arg) for a in jax.tree.leaves(args[i]))
         self.cut = cut if cut.usable and sum(_bytes(v) for v in cut.stash) <= kept else None
 
     def input_grad(self, args):
