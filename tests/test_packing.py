@@ -333,7 +333,7 @@ def test_packed_batch_through_a_pipeline(packed, schedule, residuals):
     """Two pipeline stages (4 microbatches, segment ids travelling with each: to the saved
     forward and its pullback, zb's deferred weight gradient, the recomputed forward) compute the
     one-device packed loss and gradients. (1F1B's actions are zb's, less the deferral.)"""
-    from meshtrain.engine.pipeline import make_pipeline_grads
+    from meshtrain.engine.pipeline_step import make_pipeline_grads
     from meshtrain.engine.program import TrainProgram
     from meshtrain.parallel.batching import StepInputs
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.engine.pipeline import make_pipeline_grads, make_pipeline_scores
+from meshtrain.engine.pipeline_step import make_pipeline_grads, make_pipeline_scores
 from meshtrain.objectives.base import forward_scores
 from meshtrain.ops import offload
 from meshtrain.ops.optimizers import LR_SCHEDULES, OPTIMIZERS

@@ -231,7 +231,7 @@ SCHEDULES = {s.name: s for s in (
 
 def forwards_of(schedule: str | Schedule) -> Schedule:
     """The schedule's forwards alone, in its order: a forward-only pass through the stages (DPO's
-    reference log-probs, meshtrain/engine/pipeline.py `make_pipeline_scores`). Not a choice of
+    reference log-probs, meshtrain/engine/pipeline_step.py `make_pipeline_scores`). Not a choice of
     parallel.schedule, so not in `SCHEDULES`."""
     sched = lookup(schedule)
 
