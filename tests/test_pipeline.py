@@ -11,7 +11,7 @@ from conftest import ROOT, TINY, run_tiny
 
 from meshtrain.config.loader import UserError
 from meshtrain.parallel.schedules import SCHEDULES, Action, device_of, timetable
-from meshtrain.parallel.tick_tables import executor_tables
+from meshtrain.parallel.tick_tables import PAIRED, executor_tables
 
 # ---- tables ----
 TABLES = [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
@@ -55,6 +55,24 @@ def test_timetable_runs_each_action_once_in_dependency_order(schedule, stages, m
         assert max(tt.in_flight()) == min(2 * stages - 1, micro)  # 1F1B's S plus S-1, whatever M
     if schedule == "gpipe":
         assert max(tt.in_flight()) == micro
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (3, 9)])
+def test_dualpipev_pairs_forward_and_backward_that_read_nothing_the_other_writes(stages, micro):
+    """Where one branch runs a tick's F and B (`FB` PAIRED: the executor's `act_pair`, one scan over the
+    layers), they act on different chunks or microbatches and B reads its residuals (and on the last
+    model stage its cotangent, which F writes there) from other slots than F writes that tick: both are
+    stored after the branch."""
+    tables = executor_tables(timetable("dualpipev", stages, micro, 2))
+    paired = np.argwhere(tables["FB"] == PAIRED)
+    assert len(paired) >= 2 * (micro - stages)  # the steady ticks
+    at = lambda kind, t, s: (int(tables[f"{kind}_chunk"][t, s]), int(tables[f"{kind}_micro"][t, s]))
+    last = device_of("v", 2 * stages - 1, stages)
+    for t, s in paired:
+        (vf, mf), (vb, mb) = at("F", t, s), at("B", t, s)
+        assert (vf, mf) != (vb, mb)
+        for slots in ("residual_slots", "cotangent_slots")[:1 + ((s, vf) == last)]:
+            assert (vf, mf % tables[slots]) != (vb, mb % tables[slots]), (t, s, slots)
 
 
 @pytest.mark.parametrize("residuals", ["save", "recompute"])

@@ -1,6 +1,8 @@
 """The planner's reading of a pipeline's ticks (meshtrain/planner/ticks.py): which branches each stage
 takes at each tick, from the executor's tables; on the GPU program, a device's kernels and collectives as
 its stages' mean (the formulas' figures) and each tick priced at its slowest stage."""
+import re
+
 import jax
 import pytest
 from conftest import MOE_TINY, TINY, tiny_config
@@ -91,17 +93,33 @@ def test_the_gpu_program_of_a_pipeline_is_read_as_its_stages_mean_and_priced_at_
         kernel_time.step_time(text, h100, link_s, other)
 
 
-def test_on_the_gpu_program_zbs_weight_gradient_moves_no_all_to_all_again():
-    """moe_tiny cut to 2 layers on pipeline=2,expert=2 under zb, 4 microbatches, on 4 compile-only H100s:
-    the experts' grouped matmuls are the Triton kernels, so W takes the experts' stash from B's part of
-    their shard_map (meshtrain/engine/split_backward.py) and the all-to-alls are the formula's 4 a MoE
-    layer (rerunning the pullback moved 1.5x)."""
+def test_on_the_gpu_program_dualpipev_pairs_forward_and_backward_and_its_w_moves_no_all_to_all_again():
+    """moe_tiny cut to 4 layers on pipeline=2,expert=2 under dualpipev, 4 microbatches, on 4 compile-only
+    H100s: a steady tick's F and B are one branch (`act_pair`), which runs both actions' ragged
+    all-to-alls (F's alone and B's alone: the other branches'), so XLA's scheduler can hide one's under
+    the other's compute; the experts' grouped matmuls are the Triton kernels, so W takes the experts'
+    stash from B's part of their shard_map (meshtrain/engine/split_backward.py) and the all-to-alls are
+    the formula's 4 a MoE layer (W rerunning the pullback moved 1.5x)."""
     if (missing := compilers.gpu_compiler_missing()) is not None:
         pytest.skip(missing)
-    cfg = tiny_config("parallel.mesh=pipeline=2,expert=2", "model.num_layers=2", "parallel.schedule=zb",
-                      f"parallel.microbatches={MICRO}", config=MOE_TINY)
+    cfg = tiny_config("parallel.mesh=pipeline=2,expert=2", "model.num_layers=4", "parallel.schedule=dualpipev",
+                      "parallel.virtual_stages=2", f"parallel.microbatches={MICRO}", config=MOE_TINY)
     program = TrainProgram.from_config(cfg, devices=compilers.choose("gpu", "h100", 4, 8).devices)
     with compile_cache.suspended():
         text, plan = program.lower().compile().as_text(), ticks.tick_plan(program)
+    module = hlo.Module(text)
+
+    def ragged(comp: str) -> int:  # ragged all-to-alls started in a computation and what it calls
+        return sum(ins.op == "ragged-all-to-all-start" or sum(ragged(c) for c in callees(ins))
+                   for ins in module.comps[comp].values())
+
+    def callees(ins) -> list[str]:
+        found = re.findall(r"(?:to_apply|calls|body)=%?([\w.\-]+)", ins.line)
+        return found + (ticks.branches(ins.line) if ins.op == "conditional" else [])
+
+    switch = next(ins for comp in module.comps.values() for ins in comp.values()
+                  if ins.op == "conditional" and "/tick_FB/cond\"" in ins.line)
+    idle, f_only, b_only, paired = (ragged(b) for b in ticks.branches(switch.line))
+    assert idle == 0 and f_only > 0 and b_only > 0 and paired == f_only + b_only
     measured = hlo.by_kind(hlo.read(text, 4, correct=False, tick_plan=plan))["all-to-all"]["traffic_bytes"]
     assert measured == pytest.approx(traffic.expected_traffic(program)["all-to-all"]["traffic_bytes"], rel=0.05)

@@ -1,9 +1,13 @@
 """The SPMD pipeline executor: one program, run by every stage inside `jax.shard_map` over the
 `pipeline` axis, steps through a schedule's timetable (meshtrain/parallel/schedules.py) tick by tick.
 
-In a tick a stage runs the actions of its slot, each behind a `lax.cond` on its own table entry
-(so an idle stage computes nothing): the forward of one chunk of one microbatch, its backward,
-and where the schedule splits it off (zb, dualpipev) a weight gradient. The stages exchange what
+In a tick a stage runs the actions of its slot behind conditionals on its table entries (so an idle
+stage computes nothing): the forward of one chunk of one microbatch (F), the backward of one (B),
+and where the schedule splits it off (zb, dualpipev) a weight gradient (W). Where a phase runs both
+F and B, one conditional holds them (`act_pair`): a steady tick's F and B of different microbatches
+are one computation, and XLA's scheduler can run one's collectives (a MoE layer's all-to-alls,
+FSDP's gathers) under the other's compute, as DualPipeV's overlap and Megatron's 1F1B all-to-all
+overlap do. The stages exchange what
 the timetable sends: activations to the next model stage, cotangents to the previous one
 (`ppermute`, circular so that interleaved chunks wrap from the last device to the first; under
 DualPipeV's V both ways, and nothing at the turn, where the next model stage is on the same
@@ -31,14 +35,14 @@ other stage). Layers that `embed` runs (deepseek_v3's dense first layers, outer 
 there too, their forward again in the embedding gradient. The loss is the objective's `head`
 (meshtrain/objectives/base.py) on the microbatch, whose rows the objective ordered so that a
 microbatch is whole for it (`Objective.sequences`), and its outputs (the metrics) are kept per
-microbatch. A forward-only pass (meshtrain/engine/pipeline_step.py `make_pipeline_scores`: an objective's forward scores,
-meshtrain/objectives/base.py `scores_first`) runs a schedule's forwards alone (`forwards_of`) and
-keeps the heads' outputs only: no residuals, no gradients. The layers' statistics are summed over
-microbatches and stages, the per-layer ones (models/base.py PER_LAYER_STATS, the router-bias
-update's expert loads) kept per layer and gathered over the stages in storage order. Gradients
-accumulate locally over microbatches; they are summed over the pipeline axis (embedding, final norm,
-head) and reduced over `data` (a manual axis too when data > 1, at every ZeRO stage:
-meshtrain/parallel/data_parallel.py) once per step.
+microbatch. A forward-only pass (meshtrain/engine/pipeline_step.py `make_pipeline_scores`: an
+objective's forward scores, meshtrain/objectives/base.py `scores_first`) runs a schedule's forwards
+alone (`forwards_of`) and keeps the heads' outputs only: no residuals, no gradients. The layers'
+statistics are summed over microbatches and stages, the per-layer ones (models/base.py
+PER_LAYER_STATS, the router-bias update's expert loads) kept per layer and gathered over the stages
+in storage order. Gradients accumulate locally over microbatches; they are summed over the
+pipeline axis (embedding, final norm, head) and reduced over `data` (a manual axis too when data >
+1, at every ZeRO stage: meshtrain/parallel/data_parallel.py) once per step.
 """
 from __future__ import annotations
 
@@ -53,7 +57,16 @@ from meshtrain.objectives.base import Microbatch
 from meshtrain.ops.trainable import freeze, merge, select
 from meshtrain.parallel.schedules import Schedule, device_of, layer_order
 from meshtrain.parallel.sharding import constrain
-from meshtrain.parallel.tick_tables import CHANNELS, phase_scope, tick_cond
+from meshtrain.parallel.tick_tables import (
+    B_ONLY,
+    CHANNELS,
+    F_ONLY,
+    IDLE,
+    PAIRED,
+    phase_scope,
+    tick_cond,
+    tick_switch,
+)
 
 
 class StageProgram:
@@ -68,12 +81,13 @@ class StageProgram:
 
     def __init__(self, model, layer, schedule: Schedule, residuals: str, stages: int, micro: int,
                  virtual: int, tables: dict, slots: dict, blocks, outer, micro_rows: dict, head, scale=None,
-                 kinds=None, aux_weight=None, trains: bool = True):
+                 kinds=None, aux_weight=None, trains: bool = True, pairs: bool = False):
         self.model, self.stages, self.micro, self.virtual = model, stages, micro, virtual
         self.keep = model.cfg.trainable  # the gradient sums hold the trainable parameters' only
         self.scale = 1.0 if scale is None else scale  # fp16's loss scale: every cotangent's source is scaled
         self.head, self.extras, self.trains = head, micro_rows["extras"], trains
         self.save, self.splits_weight_grad = trains and residuals == "save", schedule.splits_weight_grad
+        self.pairs = trains and pairs  # F and B behind one conditional (`act_pair`; tick_tables.pairs_forward_backward)
         self.writes = {"F": ("residuals",) * self.save + ("cotangents",) * trains,  # the RINGS each action writes
                        "B": ("deferred",) * (self.save and self.splits_weight_grad), "W": ()}
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
@@ -83,6 +97,7 @@ class StageProgram:
         if self.whole_adapters:
             blocks = merge(blocks, stage_state.whole(self.trained_blocks(blocks)))
         self.chunks = jax.tree.map(lambda p: p.reshape(virtual, -1, *p.shape[1:]), blocks)
+        self.per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]  # layers a chunk
         self.kinds = None if kinds is None else jnp.asarray(kinds)[self.s]  # [V, layers per chunk] (`stage_kinds`)
         # the microbatches' row keys (models/lora.py) and this stage's layers' indices in model order [V, per chunk]
         self.noise = micro_rows["noise"]
@@ -123,8 +138,7 @@ class StageProgram:
 
     def chunk_g_stats(self):
         """`g_stats` for a chunk's `scan_blocks` statistics: the PER_LAYER_STATS' for each of its layers."""
-        per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
-        return {k: jnp.broadcast_to(g, (per_chunk, *g.shape)) if k in PER_LAYER_STATS else g
+        return {k: jnp.broadcast_to(g, (self.per_chunk, *g.shape)) if k in PER_LAYER_STATS else g
                 for k, g in self.layers.g_stats.items()}
 
     def is_first(self, v):  # the model stage that embeds
@@ -176,12 +190,11 @@ class StageProgram:
         if self.save:
             carry["residuals"] = zeros(saved_like, n["residual_slots"] + 1, V)
         if self.splits_weight_grad:
-            per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]
             layer = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # [0]'s shape
             args = jax.tree.map(lambda a: a[0], self.layer_args(0, 0))
             stash_like = self.layers.stash_like(layer(self.chunk(0)), layer(saved_like), self.zeros_x,
                                                 *self.documents(0), **args)
-            carry["deferred"] = zeros(stash_like, n["deferred_slots"] + 1, V, per_chunk)
+            carry["deferred"] = zeros(stash_like, n["deferred_slots"] + 1, V, self.per_chunk)
         return carry
 
     def trained_blocks(self, blocks):
@@ -214,109 +227,222 @@ class StageProgram:
         return tick_cond("first", self.is_first(v), lambda: pin(self.embed(self.outer, m)), received)
 
     # ---- actions ----
-    def forward(self, c, m, v):
+    def forward(self, c, m, v, heads=True):
         """(the carry, y to send, the writes to RINGS: the residuals, the head's cotangent)."""
-        x, docs, writes = self.chunk_input(c, m, v), self.documents(m), {}
+        x = self.chunk_input(c, m, v)
         if self.save:
-            y, (saved, stats) = self.forward_saving(self.chunk(v), self.layer_args(v, m), x, *docs)
-            writes["residuals"] = (saved, m, v, True)
+            y, (saved, stats) = self.forward_saving(self.chunk(v), self.layer_args(v, m), x, *self.documents(m))
         else:
-            y, stats = scan_blocks(self.layers.layer, self.chunk(v), x, *docs, kinds=self.chunk_kinds(v),
-                                   noise=self.chunk_noise(v, m))
-        c = self.add_stats(c, stats, v)
+            saved, (y, stats) = None, scan_blocks(self.layers.layer, self.chunk(v), x, *self.documents(m),
+                                                  kinds=self.chunk_kinds(v), noise=self.chunk_noise(v, m))
+        return self.forward_end(c, y, saved, stats, m, v, heads)
 
+    def forward_end(self, c, y, saved, stats, m, v, heads=True):
+        """F after its layers: its statistics added and, unless `heads=False` (left to the caller,
+        `act_pair`), the head (`head_of`); (the carry, y, the writes)."""
+        writes = {} if saved is None else {"residuals": (saved, m, v, True)}
+        c = self.add_stats(c, stats, v)
+        if heads:
+            c, head_writes = self.head_of(c, y, m, v, True)
+            writes |= head_writes
+        return c, y, writes
+
+    def head_of(self, c, y, m, v, taken):
+        """Where `taken` and chunk v is the last model stage, the head and the loss on its output y;
+        (the carry, the writes: the loss's cotangent)."""
+        pred = taken & self.is_last(v)
+        c, g_y = stage_state.without_rings(c, lambda c: tick_cond("last", pred, lambda c: self.head_and_loss(c, y, m),
+                                                                  lambda c: (c, y), c))
+        return c, ({"cotangents": (g_y, m, v, pred)} if self.trains else {})
+
+    def head_and_loss(self, c, y, m):
+        """The loss on microbatch m's last output y, and at once its pullback to y: the cotangent this
+        chunk's backward reads (a forward-only pass: the head's outputs, and y)."""
         def keep(c, outputs):
             return {**c, "outputs": jax.tree.map(lambda a, o: put(a, o.astype(a.dtype), m), c["outputs"], outputs)}
 
-        def head_and_loss(c):
-            """The loss, and at once its pullback to y: the cotangent this chunk's backward reads."""
-            (_, outputs), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
-                self.outer, y, m)
-            return keep(self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer)), outputs), g_y / self.micro
+        if not self.trains:
+            return keep(c, self.microbatch_head(self.outer, y, m)[1]), y
+        (_, outputs), (g_outer, g_y) = jax.value_and_grad(self.scaled_loss, argnums=(0, 1), has_aux=True)(
+            self.outer, y, m)
+        return keep(self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer)), outputs), g_y / self.micro
 
-        head = head_and_loss if self.trains else lambda c: (keep(c, self.microbatch_head(self.outer, y, m)[1]), y)
-        c, g_y = stage_state.without_rings(c, lambda c: tick_cond("last", self.is_last(v), head, lambda c: (c, y), c))
-        if self.trains:
-            writes["cotangents"] = (g_y, m, v, self.is_last(v))
-        return c, y, writes
+    def layer_back(self, p_layer, saved, g, docs, args):
+        """One layer's backward from its residuals: (d x, d p_layer), or where the schedule splits the
+        weight gradient off (zb), (d x, the stash W will read: meshtrain/engine/split_backward.py)."""
+        if self.splits_weight_grad:
+            return self.layers.input_grad(p_layer, saved, g, *docs, **args)
+        g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **args)
+        return g_x, g_p
 
-    def backward(self, c, m, v):
+    def backward(self, c, m, v, embeds=True):
         """The input gradient (sent back) and, unless the schedule splits it off (zb), the chunk's weight
-        gradient; the writes: under zb, what W will read."""
-        g_y = read(c["cotangents"], m, v, self.slots["cotangent_slots"])
-        docs = self.documents(m)
+        gradient; the writes: under zb, what W will read. `embeds=False`: the embedding's gradient is left
+        to the caller (`act_pair`)."""
+        ring = lambda name: read(c[name], m, v, self.slots[stage_state.SLOTS[name]])
+        g_y, docs = ring("cotangents"), self.documents(m)
+        if self.save and self.splits_weight_grad:  # the stash in B's order, the last layer's first (as `paired`)
+            p, saved, args = self.chunk(v), ring("residuals"), self.layer_args(v, m)
+            n = self.per_chunk
+            g_x, stash = jax.lax.scan(lambda g, i: self.layer_back(*_layer((p, saved), n - 1 - i), g, docs,
+                                                                   _layer(args, n - 1 - i)), g_y, jnp.arange(n))
+            return self.backward_end(c, g_x, stash, m, v, embeds)
         if self.save:
-            def layer_back(g, xs):
-                p_layer, saved, args = xs
-                if self.splits_weight_grad:  # zb: d x alone, and what W will read (meshtrain/engine/split_backward.py)
-                    return self.layers.input_grad(p_layer, saved, g, *docs, **args)
-                g_p, g_x = self.layers.pullback(p_layer, saved, g, *docs, **args)
-                return g_x, g_p
+            g_x, layers = jax.lax.scan(lambda g, xs: self.layer_back(*xs[:2], g, docs, xs[2]), g_y,
+                                       (self.chunk(v), ring("residuals"), self.layer_args(v, m)), reverse=True)
+            return self.backward_end(c, g_x, layers, m, v, embeds)
+        x = self.chunk_input(c, m, v)
+        chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v),
+                                                 noise=self.chunk_noise(v, m))
+        g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.chunk_g_stats()))
+        c = self.add_chunk(c, g_chunk, v)
+        return (self.embedding_grad(c, g_x, m, v, True) if embeds else c), g_x, {}
 
-            saved = read(c["residuals"], m, v, self.slots["residual_slots"])
-            g_x, layers = jax.lax.scan(layer_back, g_y, (self.chunk(v), saved, self.layer_args(v, m)), reverse=True)
-            if self.splits_weight_grad:
-                writes = {"deferred": (layers, m, v, True)}
-            else:
-                c = self.add_chunk(c, layers, v)
-        else:
-            x = self.chunk_input(c, m, v)
-            chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v),
-                                                     noise=self.chunk_noise(v, m))
-            g_chunk, g_x = jax.vjp(chunk_forward, self.chunk(v), x)[1]((g_y, self.chunk_g_stats()))
-            c = self.add_chunk(c, g_chunk, v)
+    def backward_end(self, c, g_x, layers, m, v, embeds=True):
+        """B after its layers (`layers`: each layer's `layer_back` output, in layer order; under zb, the
+        stash, in B's order): the weight gradient added, or under zb the stash written; the embedding's
+        gradient where chunk v is the first model stage."""
+        writes = {"deferred": (layers, m, v, True)} if self.splits_weight_grad else {}
+        if not self.splits_weight_grad:
+            c = self.add_chunk(c, layers, v)
+        return (self.embedding_grad(c, g_x, m, v, True) if embeds else c), g_x, writes
 
-        def embedding_grad(c):
-            return self.add_outer(c, jax.vjp(lambda o: self.embed(o, m), self.outer)[1](g_x)[0])
+    def embedding_grad(self, c, g_x, m, v, taken):
+        """Where `taken` and chunk v is the first model stage, the embedding's gradient from d x, added."""
+        pred = taken & self.is_first(v)
+        add = lambda c: self.embedding_grad_of(c, g_x, m)
+        return stage_state.without_rings(c, lambda c: tick_cond("first", pred, add, lambda c: c, c))
 
-        c = stage_state.without_rings(c, lambda c: tick_cond("first", self.is_first(v), embedding_grad, lambda c: c, c))
-        return c, g_x, writes if self.save and self.splits_weight_grad else {}
+    def embedding_grad_of(self, c, g_x, m):
+        return self.add_outer(c, jax.vjp(lambda o: self.embed(o, m), self.outer)[1](g_x)[0])
+
+    def paired(self, c, f, b):
+        """F of `f` and B of `b` ((microbatch, chunk) each, different) in one scan over the layers: layer
+        i's forward beside layer n - 1 - i's backward, which do not depend on each other, so XLA's
+        scheduler can run one's collectives (a MoE layer's all-to-alls, FSDP's gathers) under the other's
+        compute, DualPipeV's overlap (and Megatron's 1F1B all-to-all overlap). (carry, sent, writes)."""
+        (mf, vf), (mb, vb) = f, b
+        with jax.named_scope("tick_F"):
+            x = self.chunk_input(c, mf, vf)
+        docs_f, docs_b = self.documents(mf), self.documents(mb)
+        g = read(c["cotangents"], mb, vb, self.slots["cotangent_slots"])
+        p_f, args_f, p_b, args_b = self.chunk(vf), self.layer_args(vf, mf), self.chunk(vb), self.layer_args(vb, mb)
+        saved_b, n = read(c["residuals"], mb, vb, self.slots["residual_slots"]), self.per_chunk
+
+        def layer_pair(carry, i):
+            x, g = carry
+            y, (saved, stats) = self.layers.forward(_layer(p_f, i), x, *docs_f, **_layer(args_f, i))
+            g_x, out = self.layer_back(*_layer((p_b, saved_b), n - 1 - i), g, docs_b, _layer(args_b, n - 1 - i))
+            return (y, g_x), (saved, stats, out)
+
+        (y, g_x), (saved, stats, outs) = jax.lax.scan(layer_pair, (x, g), jnp.arange(n))
+        if not self.splits_weight_grad:  # the weight gradients in layer order; a stash stays in B's (`backward`)
+            outs = jax.tree.map(lambda a: a[::-1], outs)
+        with jax.named_scope("tick_F"):
+            c, y, writes_f = self.forward_end(c, y, saved, layer_sums(stats), mf, vf, heads=False)
+        with jax.named_scope("tick_B"):
+            c, g_x, writes_b = self.backward_end(c, g_x, outs, mb, vb, embeds=False)
+        return c, {"F": y, "B": g_x}, {"F": writes_f, "B": writes_b}
 
     def weight_grad(self, c, m, v):
         """A split-off W (zb, dualpipev): each layer's parameter gradient from its residuals and the stash
         its B kept (meshtrain/engine/split_backward.py)."""
-        docs = self.documents(m)
+        docs, n = self.documents(m), self.per_chunk
+        stash = read(c["deferred"], m, v, self.slots["deferred_slots"])  # in B's order (`backward`)
 
         def layer_w(_, xs):
-            p_layer, saved, stash, args = xs
-            return None, self.layers.weight_grad(p_layer, saved, stash, self.zeros_x, *docs, **args)
+            p_layer, saved, args, i = xs
+            return None, self.layers.weight_grad(p_layer, saved, _layer(stash, n - 1 - i), self.zeros_x, *docs, **args)
 
-        xs = (self.chunk(v), read(c["residuals"], m, v, self.slots["residual_slots"]),
-              read(c["deferred"], m, v, self.slots["deferred_slots"]), self.layer_args(v, m))
+        xs = (self.chunk(v), read(c["residuals"], m, v, self.slots["residual_slots"]), self.layer_args(v, m),
+              jnp.arange(n))
         return self.add_chunk(c, jax.lax.scan(layer_w, None, xs)[1], v), None, {}
 
     # ---- ticks ----
     def act(self, kind, pred, m, v, c):
-        """Action `kind` behind its conditional (F, B, W: (carry, m, v) -> (carry, what it sends, its
-        writes to the RINGS)), then its writes (`store`, outside the conditional)."""
-        rings = {k: c[k] for k in stage_state.RINGS if k in c}
+        """Action `kind` behind its conditional, then its writes (`store`, outside the conditional)."""
+        rings = stage_state.rings(c)
 
         def run(rest, m, v):
-            action = {"F": self.forward, "B": self.backward, "W": self.weight_grad}[kind]
-            out, sent, writes = action({**rest, **rings}, m, v)
-            return {k: out[k] for k in rest}, sent, writes
+            return self.run_action(kind, rest, rings, m, v)
 
         def idle(rest, m, v):
-            zero = lambda k: (jax.tree.map(lambda b: jnp.zeros(b.shape[2:], b.dtype), rings[k]), m, v, False)
-            return rest, None if kind == "W" else self.zeros_x, {k: zero(k) for k in self.writes[kind]}
+            return rest, *self.idle_action(kind, rings, m, v)
 
         rest, sent, writes = stage_state.without_rings(c, lambda rest: tick_cond(kind, pred, run, idle, rest, m, v))
+        return self.stored(rest, writes), sent
+
+    def act_pair(self, branch, f, b, c):
+        """A tick's F and B behind one conditional (`Schedule.pairs_forward_backward`), the branch its `FB`
+        table entry names (meshtrain/parallel/tick_tables.py): idle, F, B, or both in one scan over the
+        layers (`paired`); then their writes, and the head and the embedding's gradient, each behind its
+        own conditional, so that the switch carries neither gradient sum (a conditional copies what it
+        returns in each branch that leaves it unchanged: carried by the switch, the head's sum was
+        copied in its B-only and idle branches too, 16 ms more a step on Qwen3-30B-A3B's shape).
+        `f`, `b`: (microbatch, chunk) of each."""
+        rings = stage_state.rings(c)
+        written = {"F": tuple(n for n in self.writes["F"] if n != "cotangents"), "B": self.writes["B"]}  # head apart
+
+        def branch_fn(which):
+            def run(rest, f, b):
+                if which == PAIRED:
+                    out, sent, writes = self.paired({**rest, **rings}, f, b)
+                    return {k: out[k] for k in rest}, sent, writes
+                sent, writes = {}, {}
+                for kind, (m, v) in (("F", f), ("B", b)):
+                    if which != (F_ONLY if kind == "F" else B_ONLY):
+                        sent[kind], writes[kind] = self.idle_action(kind, rings, m, v, written[kind])
+                        continue
+                    with jax.named_scope(f"tick_{kind}"):  # the planner's tags inside: FB/F/first ...
+                        rest, sent[kind], writes[kind] = self.run_action(
+                            kind, rest, rings, m, v, **({"heads": False} if kind == "F" else {"embeds": False}))
+                return rest, sent, writes
+            return run
+
+        rest, sent, writes = stage_state.without_rings(
+            c, lambda rest: tick_switch("FB", branch, [branch_fn(i) for i in (IDLE, F_ONLY, B_ONLY, PAIRED)],
+                                        rest, f, b))
+        c = self.stored(self.stored(rest, writes["F"]), writes["B"])
+        with jax.named_scope("tick_F"):
+            c, head_writes = self.head_of(c, sent["F"], *f, (branch == F_ONLY) | (branch == PAIRED))
+        with jax.named_scope("tick_B"):
+            c = self.embedding_grad(self.stored(c, head_writes), sent["B"], *b, branch >= B_ONLY)
+        return c, sent
+
+    def run_action(self, kind, rest, rings, m, v, **kw):
+        """Action `kind` (F, B, W: (carry, m, v) -> (carry, what it sends, its writes to the RINGS)) on the
+        carry less its RINGS, which it reads."""
+        action = {"F": self.forward, "B": self.backward, "W": self.weight_grad}[kind]
+        out, sent, writes = action({**rest, **rings}, m, v, **kw)
+        return {k: out[k] for k in rest}, sent, writes
+
+    def idle_action(self, kind, rings, m, v, written=None):
+        """What an action not taken sends (zeros) and writes (zeros, into the spare slots: `store`) to the
+        RINGS it writes (`written`, or all of them)."""
+        zero = lambda k: (jax.tree.map(lambda b: jnp.zeros(b.shape[2:], b.dtype), rings[k]), m, v, False)
+        written = self.writes[kind] if written is None else written
+        return None if kind == "W" else self.zeros_x, {k: zero(k) for k in written}
+
+    def stored(self, rest, writes):
         for name, (value, at_m, at_v, taken) in writes.items():
             rest[name] = stage_state.store(rest[name], value, at_m, at_v, self.slots[stage_state.SLOTS[name]], taken)
-        return rest, sent
+        return rest
 
     def tick(self, uses: frozenset):
-        """One tick of a phase: the actions and sends in `uses`, each action behind its own cond: F,
-        B, the sends on the CHANNELS of the phase (a ppermute each, or none for a stage's own next
-        chunk), then W."""
+        """One tick of a phase: the actions and sends in `uses`: F and B (behind one conditional where the
+        phase runs both, `act_pair`), the sends on the CHANNELS of the phase (a ppermute each, or none for
+        a stage's own next chunk), then W."""
         buffers = {"F": "inputs", "B": "cotangents"}
 
         def tick(c, t):
             at = lambda name: self.tables[name][t, self.s]
             run = lambda c, kind: self.act(kind, at(kind) > 0, at(f"{kind}_micro"), at(f"{kind}_chunk"), c)
             sent = {}
+            if self.pairs and {"F", "B"} <= uses:
+                entry = lambda kind: (at(f"{kind}_micro"), at(f"{kind}_chunk"))
+                c, sent = self.act_pair(at("FB"), entry("F"), entry("B"), c)
             for kind in ("F", "B"):
-                if kind in uses:
+                if kind in uses and kind not in sent:
                     c, sent[kind] = run(c, kind)
             for name, kind, shift in CHANNELS:
                 if name in uses:
@@ -361,3 +487,8 @@ class StageProgram:
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), carry["g_chunks"])
         return metrics, g_blocks, g_outer
+
+
+def _layer(tree, i):
+    """Layer i (traced) of a chunk's stacked tree."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)

@@ -18,7 +18,7 @@ from meshtrain.parallel import data_parallel
 from meshtrain.parallel.batching import Gradients, StepInputs, stage_rows
 from meshtrain.parallel.schedules import Schedule, forwards_of, lookup, timetable
 from meshtrain.parallel.sharding import manual_axes_rules
-from meshtrain.parallel.tick_tables import executor_tables, tick_phases
+from meshtrain.parallel.tick_tables import executor_tables, pairs_forward_backward, tick_phases
 
 
 def _split(specs):
@@ -72,8 +72,9 @@ class _Staging:
         return _split(data_parallel.folded(params, self.param_specs))
 
     def program(self, schedule, residuals, tables, slots, blocks, outer, micro_rows, **kw):
+        pairs = pairs_forward_backward(schedule, self.mesh.shape.get("expert", 1))
         return StageProgram(self.model, self.layer, schedule, residuals, self.stages, self.micro, self.virtual,
-                            tables, slots, blocks, outer, micro_rows, kinds=self.kinds, **kw)
+                            tables, slots, blocks, outer, micro_rows, kinds=self.kinds, pairs=pairs, **kw)
 
 
 def make_pipeline_grads(model, plan, mesh, param_specs, grad_specs, objective, compressor=None, error_specs=None):

@@ -115,13 +115,18 @@ def stage_kinds(model, stages: int, virtual: int, placement: str = "circular"):
         stages, virtual, -1)
 
 
+def rings(c) -> dict:
+    """The carry's RINGS."""
+    return {k: c[k] for k in RINGS if k in c}
+
+
 def without_rings(c, update):
     """`update` (a conditional: carry -> carry, or (carry, ...)) of the carry less the RINGS, which
     it reads but does not return: XLA copies a buffer a conditional returns whole in the branch
     that leaves it as it is."""
-    rings = {k: c[k] for k in RINGS if k in c}
-    out = update({k: x for k, x in c.items() if k not in rings})
-    return ({**out[0], **rings}, *out[1:]) if isinstance(out, tuple) else {**out, **rings}
+    rings_of = rings(c)
+    out = update({k: x for k, x in c.items() if k not in rings_of})
+    return ({**out[0], **rings_of}, *out[1:]) if isinstance(out, tuple) else {**out, **rings_of}
 
 
 def whole(tree):

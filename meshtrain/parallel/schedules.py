@@ -75,6 +75,11 @@ class Schedule:
     placement: str = "circular"  # which model stage chunk v of stage s holds (`model_stage`)
     chunks: int = 0  # the chunks per device the schedule is written for (0: parallel.virtual_stages)
     weight_grad_in_order: bool = False  # its order places each W itself (else `timetable` queues them, as zb)
+    # a tick's F and B (of different microbatches) run as one scan over the layers, each layer's forward beside
+    # another's backward, so one's all-to-alls can hide under the other's compute (meshtrain/engine/pipeline.py
+    # `paired`; where: tick_tables.pairs_forward_backward): DualPipeV's overlap. (Not 1F1B: its last stage runs a
+    # microbatch's B right after its F, and the tick's other stages wait for it: lockstep gains nothing.)
+    pairs_forward_backward: bool = False
 
     def action_costs(self, residuals: str = "save") -> dict[str, int]:
         """`costs`; under parallel.residuals=recompute a backward also reruns the forward (+1). (A
@@ -225,7 +230,7 @@ SCHEDULES = {s.name: s for s in (
     # (DeepSeek's (S-1)(F&B+B-3W) counts no tick waiting on a longer slot, as SPMD's lockstep does)
     Schedule(name="dualpipev", order=dualpipev_order, costs=SPLIT_BACKWARD,
              bubble_terms=lambda S, M, V: (5 * S - 8, 6 * M + 5 * S - 8), bubble_expression="(5S-8)/(6M+5S-8)",
-             splits_weight_grad=True, placement="v", chunks=2, weight_grad_in_order=True),
+             splits_weight_grad=True, placement="v", chunks=2, weight_grad_in_order=True, pairs_forward_backward=True),
 )}
 
 

@@ -12,12 +12,25 @@ import numpy as np
 from meshtrain.parallel.schedules import Action, Timetable, destination, model_stage
 
 KINDS = ("F", "B", "W")
+# Under a schedule that pairs a tick's F and B (`Schedule.pairs_forward_backward`: DualPipeV), the branch of
+# the one conditional that runs them (the `FB` table: F + 2 B). A pair acts on different microbatches or
+# chunks, and neither reads what the other writes (the buffers' slots keep their spans apart, `_slots`).
+IDLE, F_ONLY, B_ONLY, PAIRED = range(4)
 # What a stage receives at the end of a tick: (table, the action kind whose output it is, the ring
 # shift it travels: from stage s - shift). Activations go to the next stage and cotangents to the
 # previous one; a V placement also sends each the other way (its second arm) and keeps some on the
 # stage (its turn, shift 0: no send).
 CHANNELS = (("recv_f", "F", 1), ("recv_f_back", "F", -1), ("recv_f_here", "F", 0),
             ("recv_b", "B", -1), ("recv_b_back", "B", 1), ("recv_b_here", "B", 0))
+
+
+def pairs_forward_backward(schedule, expert: int) -> bool:
+    """Whether the executor pairs a tick's F and B (meshtrain/engine/pipeline.py `act_pair`): under a
+    schedule written so (`Schedule.pairs_forward_backward`: DualPipeV) where MoE layers exchange rows
+    over an `expert` axis of `expert` > 1 devices, whose all-to-alls a pair hides under compute. A
+    dense model's exchanges (FSDP's gathers) are hidden already: there the pair gains nothing, and its
+    program copies more (llama_1b cut to 16 layers, pipeline=4,fsdp=2: 263.2 -> 267.8 ms predicted)."""
+    return schedule.pairs_forward_backward and expert > 1
 
 
 def tick_cond(tag: str, pred, true_fun, false_fun, *operands):
@@ -29,6 +42,12 @@ def tick_cond(tag: str, pred, true_fun, false_fun, *operands):
         return jax.lax.cond(pred, true_fun, false_fun, *operands)
 
 
+def tick_switch(tag: str, index, branches, *operands):
+    """`jax.lax.switch` named `tick_<tag>` (as `tick_cond`): a stage takes branch `index`, its table entry."""
+    with jax.named_scope(f"tick_{tag}"):
+        return jax.lax.switch(index, branches, *operands)
+
+
 def phase_scope(trains: bool, phase: int) -> str:
     """The name of a phase's scan over its ticks: `ticks_train<i>`, or `ticks_forward<i>` for a
     forward-only pass (a reference model's, in the same step)."""
@@ -37,12 +56,13 @@ def phase_scope(trains: bool, phase: int) -> str:
 
 def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
     """int32 [ticks, stages] arrays: for each action kind K in F, B, W whether the stage runs one
-    (`K`) and which (`K_micro`, `K_chunk`); what it receives at the end of the tick on each of the
-    CHANNELS (`recv_f*`: an activation; `recv_b*`: a cotangent); and buffer sizes, in slots per
-    chunk, that hold them without overwriting one still needed: received inputs (`input_slots`,
-    until the forward, or the backward when it recomputes), saved residuals (`residual_slots`, until
-    the backward, or W under zb), received cotangents (`cotangent_slots`, until the backward) and,
-    under zb, what each layer's W reads (`deferred_slots`, from the backward until W)."""
+    (`K`) and which (`K_micro`, `K_chunk`), and the branch its F and B take where a conditional pairs
+    them (`FB`); what it receives at the end of the tick on each of the CHANNELS (`recv_f*`: an
+    activation; `recv_b*`: a cotangent); and buffer sizes, in slots per chunk, that hold them without
+    overwriting one still needed: received inputs (`input_slots`, until the forward, or the backward
+    when it recomputes), saved residuals (`residual_slots`, until the backward, or W under zb),
+    received cotangents (`cotangent_slots`, until the backward) and, under zb, what each layer's W
+    reads (`deferred_slots`, from the backward until W)."""
     S, V, placement = tt.stages, tt.virtual, tt.schedule.placement
     T = len(tt.ticks)
     names = [f"{k}{suffix}" for k in KINDS for suffix in ("", "_micro", "_chunk")]
@@ -85,6 +105,10 @@ def executor_tables(tt: Timetable) -> dict[str, np.ndarray]:
                     cotangent_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("B", a.micro, a.chunk))])
                 if a.kind == "B" and split:  # what W reads (the stash), until W
                     deferred_live[(s, a.chunk, a.micro)] = (t, when[(s, Action("W", a.micro, a.chunk))])
+    arrays["FB"] = arrays["F"] + 2 * arrays["B"]
+    same = (arrays["FB"] == PAIRED) & (arrays["F_micro"] == arrays["B_micro"]) & (arrays["F_chunk"] ==
+                                                                                arrays["B_chunk"])
+    assert not (tt.schedule.pairs_forward_backward and same.any()), "a pair's B would read what its F writes"
     if tt.residuals == "recompute":  # a chunk's input is read again by its backward
         input_live = {key: (span[0], when[(key[0], Action("B", key[2], key[1]))]) for key, span in input_live.items()}
     arrays["input_slots"] = np.int32(_slots(input_live))

@@ -5,6 +5,10 @@ model's forward-only pass) and every action and stage part in a tick is a `condi
 where the executor's table entry for (tick, stage) says so. Read without the tables, the branches are
 alike; read with them (`tick_plan`: for each phase, the tags each stage takes at each tick):
 
+- where the executor pairs F and B (DualPipeV with an expert axis: `pairs_forward_backward`), a
+  phase that runs both holds them in one switch (`tick_FB`, meshtrain/engine/pipeline.py
+  `act_pair`), whose branch each cell names (`FB=<i>`), F's and B's parts inside it tagged
+  `FB/F/...` (the head and the embedding's gradient follow it, `F/last` and `B/first`);
 - a device's work and traffic in a phase is its stages' mean: each (tick, stage) cell counts 1/S of a
   run of the tick's body through the branches that cell takes (`counts`);
 - the stages run a tick in lockstep (it ends with their sends), so it lasts as long as its slowest
@@ -21,7 +25,14 @@ from collections import Counter
 
 from meshtrain.core.errors import UserError
 from meshtrain.parallel.schedules import forwards_of, lookup, model_stage, timetable
-from meshtrain.parallel.tick_tables import CHANNELS, KINDS, executor_tables, phase_scope, tick_phases
+from meshtrain.parallel.tick_tables import (
+    CHANNELS,
+    KINDS,
+    executor_tables,
+    pairs_forward_backward,
+    phase_scope,
+    tick_phases,
+)
 
 Cells = tuple  # [tick][stage] -> frozenset of the tags that stage takes at that tick
 _PHASE = re.compile(r'op_name="[^"]*?/(ticks_(?:train|forward)\d+)/while"')
@@ -47,18 +58,21 @@ def tick_plan(program) -> dict[str, Cells]:
     placement, out = lookup(plan.schedule).placement, {}
     for trains, tt in passes:
         tables = executor_tables(tt)
+        pairs = trains and pairs_forward_backward(tt.schedule, program.sizes.get("expert", 1))
         for i, (start, end, uses) in enumerate(tick_phases(tables)):
-            out[phase_scope(trains, i)] = tuple(tuple(_cell(tables, uses, placement, S, V, t, s) for s in range(S))
-                                                for t in range(start, end))
+            out[phase_scope(trains, i)] = tuple(tuple(_cell(tables, uses, placement, S, V, t, s, pairs)
+                                                      for s in range(S)) for t in range(start, end))
     return out
 
 
-def _cell(tables: dict, uses: frozenset, placement: str, S: int, V: int, t: int, s: int) -> frozenset:
+def _cell(tables: dict, uses: frozenset, placement: str, S: int, V: int, t: int, s: int, pairs: bool) -> frozenset:
     tags = {name for name, _, _ in CHANNELS if name in uses and tables[name][t, s]}
     for kind in KINDS:
         if kind in uses and tables[kind][t, s]:
             k = model_stage(placement, s, int(tables[f"{kind}_chunk"][t, s]), S)
             tags |= {kind, *([f"{kind}/first"] if k == 0 else []), *([f"{kind}/last"] if k == S * V - 1 else [])}
+    if pairs and {"F", "B"} <= uses:  # one switch holds F and B (`act_pair`): its branch, F's and B's parts inside
+        tags |= {f"FB={tables['FB'][t, s]}", *(f"FB/{tag}" for tag in tags if tag[0] in "FB")}
     return frozenset(tags)
 
 
@@ -126,11 +140,15 @@ def chosen(line: str, cell: frozenset) -> str:
 def taken(line: str, cell: frozenset | None) -> list[float] | None:
     """Per branch (`branches`' order), 1 for the one a stage in `cell` takes and 0 for the others, for a
     conditional the executor named (`tick_<tag>`, nested tags joined: `F/first`); None for any other, or
-    without a cell. lax.cond's branches are [false, true] as an index; as a predicate, named."""
+    without a cell. lax.cond's branches are [false, true] as an index; as a predicate, named; a
+    switch's (`tick_switch`) in its order, the cell naming the index (`FB=3`)."""
     m = _TAGGED.search(line) if cell is not None else None
     if m is None:
         return None
     tag = "/".join(part[len("tick_"):] for part in m.group(1).split("/") if part.startswith("tick_"))
+    index = next((int(t.rpartition("=")[2]) for t in cell if t.startswith(f"{tag}=")), None)
+    if index is not None:
+        return [float(i == index) for i in range(len(branches(line)))]
     found = _BRANCH_LIST.search(line)
     order = ["false", "true"] if found else [which for which, _ in _PRED_BRANCH.findall(line)]
     return [float(which == ("true" if tag in cell else "false")) for which in order]
