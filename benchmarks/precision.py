@@ -7,6 +7,8 @@ overflows; fp16 and bf16 are compared with fp32, each recipe with bf16 (the prec
         [--precisions fp32,bf16,fp16,fp8,fp8_rowwise,fp8_blockwise,mxfp8,nvfp4]
     python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-no_sr,nvfp4-no_rht,nvfp4-1d_weights --steps 600
         # nvfp4 without one part of its recipe each: stochastic rounding, the rotation, 16 x 16 weight blocks
+    python benchmarks/precision.py --precisions bf16,nvfp4-4over6 --steps 600
+        # nvfp4 with Four Over Six's block scales (meshtrain/ops/block_scaled.py nv_quantize's four_over_six)
     python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-bf16_last --steps 600
         # <recipe>-bf16_last: the recipe with the model's last layer kept in bf16 (parallel.bf16_layers=[-1])
 
@@ -26,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 from meshtrain.ops.recipes import RECIPES  # noqa: E402 (after the path above)
 
 PRECISIONS = ("fp32", "bf16", "fp16", *RECIPES)
-# nvfp4 less one part of its recipe (meshtrain/ops/block_scaled.py block_scaled_einsum's arguments)
+# nvfp4 less one part of its recipe, or with Four Over Six's scales (meshtrain/ops/block_scaled.py
+# block_scaled_einsum's arguments)
 RECIPE = {"weight_2d": True, "stochastic": True, "rotate": True}
 ABLATIONS = {"nvfp4-no_sr": {**RECIPE, "stochastic": False}, "nvfp4-no_rht": {**RECIPE, "rotate": False},
-             "nvfp4-1d_weights": {**RECIPE, "weight_2d": False}}
+             "nvfp4-1d_weights": {**RECIPE, "weight_2d": False}, "nvfp4-4over6": {**RECIPE, "four_over_six": True}}
 # a recipe with its last layer kept in bf16 (parallel.bf16_layers), as the published recipes keep the last ones
 KEPT = {f"{recipe}-bf16_last": ("parallel.bf16_layers=[-1]",) for recipe in RECIPES}
 AGAINST = {"fp16": "fp32", "bf16": "fp32", **{name: "bf16" for name in (*RECIPES, *ABLATIONS, *KEPT)}}  # each against

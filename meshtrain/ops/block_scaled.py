@@ -157,12 +157,12 @@ def mx_quantize(t, fmt: Format = MXFP8, *, two_d: bool = False):
     return q, s.astype(fmt.scale_dtype)
 
 
-def tiled_amax(block_amax, block: int):
+def tiled_amax(block_amax, block: int, reduce=jnp.max):
     """[..., N, J] blocks' amaxes with each `block` consecutive rows' largest (a block x block tile's), repeated
-    along N."""
+    along N (`reduce`: another reduction over the tile's rows)."""
     n = block_amax.shape[-2]
     tiles = block_amax.reshape(*block_amax.shape[:-2], n // block, block, block_amax.shape[-1])
-    return jnp.broadcast_to(jnp.max(tiles, axis=-2, keepdims=True), tiles.shape).reshape(block_amax.shape)
+    return jnp.broadcast_to(reduce(tiles, axis=-2, keepdims=True), tiles.shape).reshape(block_amax.shape)
 
 
 def round_to_fp4(x, uniform=None):
@@ -183,7 +183,7 @@ def round_to_fp4(x, uniform=None):
     return (jnp.sign(x) * jnp.where(up, hi, lo)).astype(E2M1)
 
 
-def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4):
+def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4, four_over_six: bool = False):
     """(q, s, g): [..., N, K] in e2m1 with one e4m3 scale per 16 elements along K ([..., N, K / 16]) and the
     tensor's fp32 scale g = amax / (6 x 448) (1 for a zero tensor). `two_d`: one scale per 16 x 16 block of
     (N, K), repeated along N (N a multiple of 16). `uniform`: stochastic rounding (`round_to_fp4`)."""
@@ -195,10 +195,29 @@ def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4):
     if two_d:
         block_amax = tiled_amax(block_amax, fmt.block)
     s = e4m3_above(block_amax / FP4_MAX / g)
+    if four_over_six:
+        s = _four_over_six(xb, block_amax, g, s, fmt.block if two_d else 0)
     divisor = s.astype(jnp.float32)[..., None] * g
     scaled = xb * jnp.where(divisor > 0, 1.0 / jnp.where(divisor > 0, divisor, 1.0), 0.0)  # x (1 / (s_b g)), as TE
     q = round_to_fp4(jnp.clip(scaled, -FP4_MAX, FP4_MAX), None if uniform is None else blocks(uniform, fmt.block))
     return q.reshape(t.shape), s, g
+
+
+def _four_over_six(xb, block_amax, g, s6, tile: int):
+    """Four Over Six (Cook et al., 2025): a block's scale maps its largest to 4 rather than 6 where that
+    quantizes the block (rounded to nearest) with less squared error: e2m1's 3 and 4 lie nearer a block's
+    large values than its 4 and 6. Not where the scale would pass e4m3's 448 (the blocks near the tensor's
+    largest); `tile`: the choice one per tile x tile block (its rows' errors summed), as its scale."""
+    target = block_amax / 4.0 / g
+    s4 = e4m3_above(jnp.minimum(target, fp8_max(E4M3)))
+
+    def error(s):
+        d = s.astype(jnp.float32)[..., None] * g
+        q = round_to_fp4(jnp.clip(xb / jnp.where(d > 0, d, 1.0), -FP4_MAX, FP4_MAX)).astype(jnp.float32) * d
+        e = jnp.sum(jnp.square(q - xb), axis=-1)
+        return tiled_amax(e, tile, jnp.sum) if tile else e
+
+    return jnp.where((target <= fp8_max(E4M3)) & (error(s4) < error(s6)), s4, s6)
 
 
 def e4m3_above(target):
@@ -261,17 +280,18 @@ def scaled_matmul(qa, qb, sa, sb, out_dtype, fmt: Format):
 
 
 def block_scaled_gemm(spec: str, a, b, fmt: Format, *, weight_b: bool = False, stochastic_a: bool = False,
-                      rotate: bool = False):
+                      rotate: bool = False, four_over_six: bool = False):
     """einsum(spec, a, b) as a block-scaled GEMM of `fmt`, in a's dtype: both operands quantized in blocks
     along the axes `spec` contracts (zeros appended to a multiple of the block). nvfp4 only: `weight_b`
     quantizes b in 16 x 16 blocks, `stochastic_a` rounds a stochastically, `rotate` multiplies both along
     the contraction by Q first (module doc). `weight_b` (nvfp4, fp8_blockwise): b in block x block tiles.
     Its kernels carry `spec` in their op names (profiles, the plan)."""
     with jax.named_scope(spec):
-        return _block_scaled_gemm(spec, a, b, fmt, weight_b, stochastic_a, rotate)
+        return _block_scaled_gemm(spec, a, b, fmt, weight_b, stochastic_a, rotate, four_over_six)
 
 
-def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_a: bool, rotate: bool):
+def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_a: bool, rotate: bool,
+                       four_over_six: bool):
     gemm = Gemm.of(spec)
     a3, b3, shapes = gemm.operands(a, b)
     n = b3.shape[1]
@@ -283,21 +303,25 @@ def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_
         return gemm.result(scaled_matmul(qa, qb, sa, sb, a.dtype, fmt)[:, :, :n], shapes)
     if rotate:
         a3, b3 = rotated(a3), rotated(b3)
-    qa, sa, ga = nv_quantize(a3, uniform=uniforms_for(a3) if stochastic_a else None, fmt=fmt)
-    qb, sb, gb = nv_quantize(b3, two_d=weight_b, fmt=fmt)
+    qa, sa, ga = nv_quantize(a3, uniform=uniforms_for(a3) if stochastic_a else None, fmt=fmt,
+                             four_over_six=four_over_six)
+    qb, sb, gb = nv_quantize(b3, two_d=weight_b, fmt=fmt, four_over_six=four_over_six)
     y = scaled_matmul(qa, qb, sa, sb, a.dtype, fmt)[:, :, :n]  # the sum in bf16, as fp8's (meshtrain/ops/fp8.py)
     return gemm.result((y.astype(jnp.float32) * (ga * gb)).astype(a.dtype), shapes)
 
 
-def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool = False, rotate: bool = False):
+def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool = False, rotate: bool = False,
+                        four_over_six: bool = False):
     """jnp.einsum(spec, x, w) as block-scaled GEMMs of `fmt`, forward and both gradients each quantized along
     its own contraction; output in x's dtype. nvfp4's recipe parts (module doc): `weight_2d` w in 16 x 16
     blocks, `stochastic` the gradient rounded stochastically, `rotate` dw's operands rotated along the
     tokens (all on for `nvfp4_einsum`; one off each for the ablations of benchmarks/precision.py)."""
 
+    gemm = functools.partial(block_scaled_gemm, fmt=fmt, four_over_six=four_over_six)
+
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def einsum(spec: str, x, w):
-        return block_scaled_gemm(spec, x, w, fmt, weight_b=weight_2d)
+        return gemm(spec, x, w, weight_b=weight_2d)
 
     def forward(spec, x, w):
         return einsum(spec, x, w), (x, w)
@@ -305,13 +329,13 @@ def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool =
     def backward(spec, residuals, g):
         x, w = residuals
         dx_spec, dw_spec = transposed_specs(spec)
-        dx = block_scaled_gemm(dx_spec, g, w, fmt, weight_b=weight_2d, stochastic_a=stochastic)
+        dx = gemm(dx_spec, g, w, weight_b=weight_2d, stochastic_a=stochastic)
         # dw = x^T g over the tokens: x first, so the GEMM writes dw in w's layout; g first where it is rounded
         # stochastically (the GEMM's first operand)
         if stochastic:
-            dw = block_scaled_gemm(swapped(dw_spec), g, x, fmt, stochastic_a=True, rotate=rotate)
+            dw = gemm(swapped(dw_spec), g, x, stochastic_a=True, rotate=rotate)
         else:
-            dw = block_scaled_gemm(dw_spec, x, g, fmt, rotate=rotate)
+            dw = gemm(dw_spec, x, g, rotate=rotate)
         return dx, dw.astype(w.dtype)
 
     einsum.defvjp(forward, backward)
