@@ -47,7 +47,7 @@ def run(name: str, args):
     from meshtrain.run.trainer import Trainer
 
     precision, shipped = name.split("-")[0], recipes.RECIPES["nvfp4"]
-    if name in ABLATIONS:  # the nvfp4 recipe less one part, for this run
+    if name in ABLATIONS:  # the nvfp4 recipe less one part (or with Four Over Six), for this run
         ablated = block_scaled.block_scaled_einsum(block_scaled.NVFP4, **ABLATIONS[name])
         recipes.RECIPES["nvfp4"] = dataclasses.replace(shipped, einsum=ablated)
     overrides = [f"parallel.precision={precision}", "parallel.mesh=1", f"train.steps={args.steps}",

@@ -228,8 +228,8 @@ def test_notices_go_through_the_notice_level():
 
 # The step and its executors call the Objective protocol (meshtrain/objectives/base.py) and no feature
 # by name, so an objective is one module; the words below belong to objectives and the adapters.
-EXECUTORS = ("meshtrain/engine/step.py", "meshtrain/engine/pipeline.py", "meshtrain/engine/stage_state.py",
-             "meshtrain/parallel/data_parallel.py", "meshtrain/parallel/batching.py")
+EXECUTORS = ("meshtrain/engine/step.py", "meshtrain/engine/pipeline.py", "meshtrain/engine/pipeline_step.py",
+             "meshtrain/engine/stage_state.py", "meshtrain/parallel/data_parallel.py", "meshtrain/parallel/batching.py")
 FEATURE_WORDS = re.compile(r"\b(dpo|mtp|reference|dropout|preference)\b", re.IGNORECASE)
 
 

@@ -13,7 +13,9 @@ from meshtrain.planner import hlo, traffic
 
 STATS = ("router_aux_loss", "router_z_loss", "dropped", "expert_load_max")
 LAYOUTS = ["data=2,expert=4", "expert=2,data=2,fsdp=2", "data=2,pipeline=2,expert=2", "expert=2,tensor=2,data=2"]
-DUALPIPEV = ("parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=4")
+# 2 layers a chunk: a paired tick's scan runs layer i's forward beside layer 1 - i's backward (engine/pipeline.py)
+DUALPIPEV = ("parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=4",
+             "model.num_layers=8")
 
 
 def run(mesh, *overrides):
@@ -29,7 +31,7 @@ def test_expert_layouts_match_single_device(mesh, more):
     """... and DualPipeV's V over the pipeline, its steady ticks one microbatch's forward beside another's
     backward, each with its expert all-to-alls; and each device's rows in two slices whose exchanges
     can overlap each other's expert matmuls (parallel.expert_chunks)."""
-    ref_losses, ref_stats, ref_params = run("1")
+    ref_losses, ref_stats, ref_params = run("1", *(o for o in more if o.startswith("model.")))
     losses, stats, params = run(mesh, *more)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     for k in STATS:

@@ -3,16 +3,16 @@
 
 In a tick a stage runs the actions of its slot behind conditionals on its table entries (so an idle
 stage computes nothing): the forward of one chunk of one microbatch (F), the backward of one (B),
-and where the schedule splits it off (zb, dualpipev) a weight gradient (W). Where a phase runs both
-F and B, one conditional holds them (`act_pair`): a steady tick's F and B of different microbatches
-are one computation, and XLA's scheduler can run one's collectives (a MoE layer's all-to-alls,
-FSDP's gathers) under the other's compute, as DualPipeV's overlap and Megatron's 1F1B all-to-all
-overlap do. The stages exchange what
-the timetable sends: activations to the next model stage, cotangents to the previous one
-(`ppermute`, circular so that interleaved chunks wrap from the last device to the first; under
-DualPipeV's V both ways, and nothing at the turn, where the next model stage is on the same
-device). The ticks run as up to three scans (warm-up, steady, cool-down), each holding only the
-actions and sends its ticks use: the warm-up sends no cotangents, the cool-down no activations.
+and where the schedule splits it off (zb, dualpipev) a weight gradient (W). Under DualPipeV with an
+`expert` axis (meshtrain/parallel/tick_tables.py `pairs_forward_backward`) one conditional holds a
+tick's F and B (`act_pair`), and a steady tick's pair, of different microbatches, runs as one scan
+over the layers (`paired`), so XLA's scheduler can run one's expert all-to-alls under the other's
+compute (DualPipeV's overlap). The stages exchange what the timetable sends: activations to the
+next model stage, cotangents to the previous one (`ppermute`, circular so that interleaved chunks
+wrap from the last device to the first; under DualPipeV's V both ways, and nothing at the turn,
+where the next model stage is on the same device). The ticks run as up to three scans (warm-up,
+steady, cool-down), each holding only the actions and sends its ticks use: the warm-up sends no
+cotangents, the cool-down no activations.
 What waits between ticks sits in ring buffers (received inputs and cotangents, residuals, W's
 stash) sized from the timetable, which the actions read inside their conds and write after them
 (meshtrain/engine/stage_state.py `store`: no buffer is a cond's output, which XLA would copy).
@@ -88,6 +88,7 @@ class StageProgram:
         self.head, self.extras, self.trains = head, micro_rows["extras"], trains
         self.save, self.splits_weight_grad = trains and residuals == "save", schedule.splits_weight_grad
         self.pairs = trains and pairs  # F and B behind one conditional (`act_pair`; tick_tables.pairs_forward_backward)
+        assert not self.pairs or (self.save and self.splits_weight_grad), "`paired` reads saved residuals, stashes"
         self.writes = {"F": ("residuals",) * self.save + ("cotangents",) * trains,  # the RINGS each action writes
                        "B": ("deferred",) * (self.save and self.splits_weight_grad), "W": ()}
         self.tables, self.slots = {k: jnp.asarray(v) for k, v in tables.items()}, slots
@@ -267,6 +268,12 @@ class StageProgram:
             self.outer, y, m)
         return keep(self.add_outer(c, jax.tree.map(lambda g: g / self.micro, g_outer)), outputs), g_y / self.micro
 
+    def back_step(self, v, m, saved):
+        """(g, i) -> the backward of chunk v's layer n - 1 - i for microbatch m (`layer_back`): B's scan
+        over its chunk, the last layer first; `saved`: the chunk's residuals."""
+        p, args, docs, n = self.chunk(v), self.layer_args(v, m), self.documents(m), self.per_chunk
+        return lambda g, i: self.layer_back(*_layer((p, saved), n - 1 - i), g, docs, _layer(args, n - 1 - i))
+
     def layer_back(self, p_layer, saved, g, docs, args):
         """One layer's backward from its residuals: (d x, d p_layer), or where the schedule splits the
         weight gradient off (zb), (d x, the stash W will read: meshtrain/engine/split_backward.py)."""
@@ -282,10 +289,8 @@ class StageProgram:
         ring = lambda name: read(c[name], m, v, self.slots[stage_state.SLOTS[name]])
         g_y, docs = ring("cotangents"), self.documents(m)
         if self.save and self.splits_weight_grad:  # the stash in B's order, the last layer's first (as `paired`)
-            p, saved, args = self.chunk(v), ring("residuals"), self.layer_args(v, m)
-            n = self.per_chunk
-            g_x, stash = jax.lax.scan(lambda g, i: self.layer_back(*_layer((p, saved), n - 1 - i), g, docs,
-                                                                   _layer(args, n - 1 - i)), g_y, jnp.arange(n))
+            back = self.back_step(v, m, ring("residuals"))
+            g_x, stash = jax.lax.scan(back, g_y, jnp.arange(self.per_chunk))
             return self.backward_end(c, g_x, stash, m, v, embeds)
         if self.save:
             g_x, layers = jax.lax.scan(lambda g, xs: self.layer_back(*xs[:2], g, docs, xs[2]), g_y,
@@ -319,29 +324,27 @@ class StageProgram:
     def paired(self, c, f, b):
         """F of `f` and B of `b` ((microbatch, chunk) each, different) in one scan over the layers: layer
         i's forward beside layer n - 1 - i's backward, which do not depend on each other, so XLA's
-        scheduler can run one's collectives (a MoE layer's all-to-alls, FSDP's gathers) under the other's
-        compute, DualPipeV's overlap (and Megatron's 1F1B all-to-all overlap). (carry, sent, writes)."""
+        scheduler can run one's all-to-alls under the other's compute. Residuals saved, the weight
+        gradient split off (dualpipev): B's stash in B's order, as `backward` keeps it. (carry, sent,
+        writes)."""
         (mf, vf), (mb, vb) = f, b
         with jax.named_scope("tick_F"):
             x = self.chunk_input(c, mf, vf)
-        docs_f, docs_b = self.documents(mf), self.documents(mb)
+        docs_f, p_f, args_f = self.documents(mf), self.chunk(vf), self.layer_args(vf, mf)
         g = read(c["cotangents"], mb, vb, self.slots["cotangent_slots"])
-        p_f, args_f, p_b, args_b = self.chunk(vf), self.layer_args(vf, mf), self.chunk(vb), self.layer_args(vb, mb)
-        saved_b, n = read(c["residuals"], mb, vb, self.slots["residual_slots"]), self.per_chunk
+        back = self.back_step(vb, mb, read(c["residuals"], mb, vb, self.slots["residual_slots"]))
 
         def layer_pair(carry, i):
             x, g = carry
             y, (saved, stats) = self.layers.forward(_layer(p_f, i), x, *docs_f, **_layer(args_f, i))
-            g_x, out = self.layer_back(*_layer((p_b, saved_b), n - 1 - i), g, docs_b, _layer(args_b, n - 1 - i))
-            return (y, g_x), (saved, stats, out)
+            g_x, stash = back(g, i)
+            return (y, g_x), (saved, stats, stash)
 
-        (y, g_x), (saved, stats, outs) = jax.lax.scan(layer_pair, (x, g), jnp.arange(n))
-        if not self.splits_weight_grad:  # the weight gradients in layer order; a stash stays in B's (`backward`)
-            outs = jax.tree.map(lambda a: a[::-1], outs)
+        (y, g_x), (saved, stats, stash) = jax.lax.scan(layer_pair, (x, g), jnp.arange(self.per_chunk))
         with jax.named_scope("tick_F"):
             c, y, writes_f = self.forward_end(c, y, saved, layer_sums(stats), mf, vf, heads=False)
         with jax.named_scope("tick_B"):
-            c, g_x, writes_b = self.backward_end(c, g_x, outs, mb, vb, embeds=False)
+            c, g_x, writes_b = self.backward_end(c, g_x, stash, mb, vb, embeds=False)
         return c, {"F": y, "B": g_x}, {"F": writes_f, "B": writes_b}
 
     def weight_grad(self, c, m, v):
@@ -430,8 +433,8 @@ class StageProgram:
 
     def tick(self, uses: frozenset):
         """One tick of a phase: the actions and sends in `uses`: F and B (behind one conditional where the
-        phase runs both, `act_pair`), the sends on the CHANNELS of the phase (a ppermute each, or none for
-        a stage's own next chunk), then W."""
+        executor pairs them and the phase runs both, `act_pair`), the sends on the CHANNELS of the phase (a
+        ppermute each, or none for a stage's own next chunk), then W."""
         buffers = {"F": "inputs", "B": "cotangents"}
 
         def tick(c, t):

@@ -55,6 +55,7 @@ from meshtrain.ops.platform import by_platform
 
 E8M0, E2M1 = jnp.float8_e8m0fnu, jnp.float4_e2m1fn
 FP4_MAX = 6.0
+FOUR_OVER_SIX_SCALE_MAX = 256.0  # the block scales' cap under Four Over Six (`_four_over_six`)
 SMALLEST_SCALE = 2.0 ** -126  # fp32's least normal: E8M0 has 2^-127, but XLA flushes fp32 subnormals to 0 (E8M0 NaN)
 
 
@@ -186,10 +187,12 @@ def round_to_fp4(x, uniform=None):
 def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4, four_over_six: bool = False):
     """(q, s, g): [..., N, K] in e2m1 with one e4m3 scale per 16 elements along K ([..., N, K / 16]) and the
     tensor's fp32 scale g = amax / (6 x 448) (1 for a zero tensor). `two_d`: one scale per 16 x 16 block of
-    (N, K), repeated along N (N a multiple of 16). `uniform`: stochastic rounding (`round_to_fp4`)."""
+    (N, K), repeated along N (N a multiple of 16). `uniform`: stochastic rounding (`round_to_fp4`).
+    `four_over_six`: each block's scale chosen by `_four_over_six`, g = amax / (6 x 256)."""
     x = t.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x))
-    g = jnp.where(amax > 0, amax / (FP4_MAX * fp8_max(E4M3)), 1.0)
+    scale_max = FOUR_OVER_SIX_SCALE_MAX if four_over_six else fp8_max(E4M3)
+    g = jnp.where(amax > 0, amax / (FP4_MAX * scale_max), 1.0)
     xb = blocks(x, fmt.block)  # [..., N, K / 16, 16]
     block_amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., N, K / 16]
     if two_d:
@@ -204,20 +207,20 @@ def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4, fo
 
 
 def _four_over_six(xb, block_amax, g, s6, tile: int):
-    """Four Over Six (Cook et al., 2025): a block's scale maps its largest to 4 rather than 6 where that
-    quantizes the block (rounded to nearest) with less squared error: e2m1's 3 and 4 lie nearer a block's
-    large values than its 4 and 6. Not where the scale would pass e4m3's 448 (the blocks near the tensor's
-    largest); `tile`: the choice one per tile x tile block (its rows' errors summed), as its scale."""
-    target = block_amax / 4.0 / g
-    s4 = e4m3_above(jnp.minimum(target, fp8_max(E4M3)))
+    """Four Over Six (Cook et al., 2025; mit-han-lab/fouroversix): a block's scale maps its largest to 4
+    rather than 6 where that quantizes the block (rounded to nearest) with less squared error: e2m1's 3 and
+    4 lie nearer a block's large values than its 4 and 6. The tensor scale g = amax / (6 x 256) leaves
+    every block's larger scale within e4m3 (amax / 4 / g = 384 at most). `tile`: the choice one per
+    tile x tile block (its rows' errors summed), as its scale."""
+    s4 = e4m3_above(block_amax / 4.0 / g)
 
     def error(s):
         d = s.astype(jnp.float32)[..., None] * g
-        q = round_to_fp4(jnp.clip(xb / jnp.where(d > 0, d, 1.0), -FP4_MAX, FP4_MAX)).astype(jnp.float32) * d
-        e = jnp.sum(jnp.square(q - xb), axis=-1)
+        scaled = xb * jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)  # as nv_quantize's q
+        e = jnp.sum(jnp.square(round_to_fp4(jnp.clip(scaled, -FP4_MAX, FP4_MAX)).astype(jnp.float32) * d - xb), -1)
         return tiled_amax(e, tile, jnp.sum) if tile else e
 
-    return jnp.where((target <= fp8_max(E4M3)) & (error(s4) < error(s6)), s4, s6)
+    return jnp.where(error(s4) < error(s6), s4, s6)
 
 
 def e4m3_above(target):
@@ -284,8 +287,9 @@ def block_scaled_gemm(spec: str, a, b, fmt: Format, *, weight_b: bool = False, s
     """einsum(spec, a, b) as a block-scaled GEMM of `fmt`, in a's dtype: both operands quantized in blocks
     along the axes `spec` contracts (zeros appended to a multiple of the block). nvfp4 only: `weight_b`
     quantizes b in 16 x 16 blocks, `stochastic_a` rounds a stochastically, `rotate` multiplies both along
-    the contraction by Q first (module doc). `weight_b` (nvfp4, fp8_blockwise): b in block x block tiles.
-    Its kernels carry `spec` in their op names (profiles, the plan)."""
+    the contraction by Q first (module doc), `four_over_six` picks each block's scale (`nv_quantize`).
+    `weight_b` (nvfp4, fp8_blockwise): b in block x block tiles. Its kernels carry `spec` in their op
+    names (profiles, the plan)."""
     with jax.named_scope(spec):
         return _block_scaled_gemm(spec, a, b, fmt, weight_b, stochastic_a, rotate, four_over_six)
 
@@ -315,7 +319,8 @@ def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool =
     """jnp.einsum(spec, x, w) as block-scaled GEMMs of `fmt`, forward and both gradients each quantized along
     its own contraction; output in x's dtype. nvfp4's recipe parts (module doc): `weight_2d` w in 16 x 16
     blocks, `stochastic` the gradient rounded stochastically, `rotate` dw's operands rotated along the
-    tokens (all on for `nvfp4_einsum`; one off each for the ablations of benchmarks/precision.py)."""
+    tokens (all on for `nvfp4_einsum`; one off each for the ablations of benchmarks/precision.py), and
+    `four_over_six` Four Over Six's block scales (`nv_quantize`; benchmarks/precision.py's nvfp4-4over6)."""
 
     gemm = functools.partial(block_scaled_gemm, fmt=fmt, four_over_six=four_over_six)
 

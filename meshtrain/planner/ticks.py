@@ -7,8 +7,8 @@ alike; read with them (`tick_plan`: for each phase, the tags each stage takes at
 
 - where the executor pairs F and B (DualPipeV with an expert axis: `pairs_forward_backward`), a
   phase that runs both holds them in one switch (`tick_FB`, meshtrain/engine/pipeline.py
-  `act_pair`), whose branch each cell names (`FB=<i>`), F's and B's parts inside it tagged
-  `FB/F/...` (the head and the embedding's gradient follow it, `F/last` and `B/first`);
+  `act_pair`), whose branch each cell names (`FB=<i>`), F's embedding inside it `FB/F/first` (the head
+  and the embedding's gradient follow it, `F/last` and `B/first`);
 - a device's work and traffic in a phase is its stages' mean: each (tick, stage) cell counts 1/S of a
   run of the tick's body through the branches that cell takes (`counts`);
 - the stages run a tick in lockstep (it ends with their sends), so it lasts as long as its slowest
@@ -46,8 +46,9 @@ _PRED_BRANCH = re.compile(r"(true|false)_computation=%?([\w.\-]+)")
 def tick_plan(program) -> dict[str, Cells]:
     """{phase scope: its cells} of the train step's pipeline executors; {} without a pipeline. A cell
     holds the action kinds its stage runs at that tick (F, B, W), `<kind>/first` and `<kind>/last` where
-    the action's chunk is the first model stage (it embeds) or the last (the head and the loss), and the
-    CHANNELS it stores what it received on."""
+    the action's chunk is the first model stage (it embeds) or the last (the head and the loss), the
+    CHANNELS it stores what it received on, and where the executor pairs F and B the branch of their
+    switch (`FB=<i>`) and `FB/F/first`."""
     plan, S = program.plan, program.sizes["pipeline"]
     if S == 1:
         return {}
@@ -72,7 +73,7 @@ def _cell(tables: dict, uses: frozenset, placement: str, S: int, V: int, t: int,
             k = model_stage(placement, s, int(tables[f"{kind}_chunk"][t, s]), S)
             tags |= {kind, *([f"{kind}/first"] if k == 0 else []), *([f"{kind}/last"] if k == S * V - 1 else [])}
     if pairs and {"F", "B"} <= uses:  # one switch holds F and B (`act_pair`): its branch, F's and B's parts inside
-        tags |= {f"FB={tables['FB'][t, s]}", *(f"FB/{tag}" for tag in tags if tag[0] in "FB")}
+        tags |= {f"FB={tables['FB'][t, s]}", *(["FB/F/first"] if "F/first" in tags else [])}  # F's embedding
     return frozenset(tags)
 
 
