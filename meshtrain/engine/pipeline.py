@@ -381,10 +381,10 @@ class StageProgram:
         layers (`paired`); then their writes, and the head and the embedding's gradient, each behind its
         own conditional, so that the switch carries neither gradient sum (a conditional copies what it
         returns in each branch that leaves it unchanged: carried by the switch, the head's sum was
-        copied in its B-only and idle branches too, 16 ms more a step on Qwen3-30B-A3B's shape).
+        copied in its B-only and idle branches too).
         `f`, `b`: (microbatch, chunk) of each."""
         rings = stage_state.rings(c)
-        written = {"F": tuple(n for n in self.writes["F"] if n != "cotangents"), "B": self.writes["B"]}  # head apart
+        written = {"F": self.writes["F"][:self.save], "B": self.writes["B"]}  # the head writes the cotangent
 
         def branch_fn(which):
             def run(rest, f, b):
