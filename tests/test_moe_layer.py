@@ -254,14 +254,27 @@ def test_the_documented_ragged_all_to_all_reproduces_its_docstrings_example():
     np.testing.assert_array_equal(got, [1, 3, 0, 0, 2, 2, 4, 0])
 
 
+def poisoned(shape, dtype, after):
+    """block_exchange's receive buffer as a GPU may hand it over (`unfilled`: not filled), here all NaN,
+    so that any use of a row no run wrote shows."""
+    del after
+    return jnp.full(shape, jnp.nan, dtype)
+
+
+def ragged_exchange(f):
+    """block_exchange's GPU exchange `f` with the documented ragged all-to-all and poisoned buffers."""
+    return partial(f, op=ragged_all_to_all_as_documented, empty=poisoned)
+
+
 @pytest.mark.fast
 def test_the_ragged_exchange_moves_what_the_whole_blocks_do():
     """The dropless dispatch's exchange (meshtrain/ops/block_exchange.py) on 4 devices, each sending
-    0-3 rows to each device at random from 12 packed rows (blocks of 5: 20 rows a device), the rows past
-    its runs holding garbage: the GPU's ragged all-to-alls (their offsets and sizes run through the
-    documented semantics) give the CPU's whole-block all-to-alls' numbers, forward and backward (the
-    reference's autodiff, not JAX's transpose rule of the real op). Block i of a dispatch holds the rows
-    device i sent, zeros past them; collect brings each row back to its place, zeros past the runs."""
+    0-3 rows to each device at random from 12 packed rows (blocks of 5: 20 rows a device): the GPU's
+    ragged all-to-alls (their offsets and sizes run through the documented semantics, into receive
+    blocks poisoned with NaN) give the CPU's whole-block all-to-alls' numbers, forward and backward
+    (the exchange's own VJP: each direction's transpose is the other). Block i of a dispatch holds the
+    rows device i sent (past them: zeros on the CPU, the buffer's old values on a GPU); collect brings
+    each row back to its place, zeros past the runs."""
     N, A, D, M = 4, 5, 3, 12
     rng = np.random.default_rng(0)
     sent_NxN = rng.integers(0, 4, (N, N)).astype(np.int32)  # [sender, receiver]: at most 12 a sender
@@ -269,9 +282,8 @@ def test_the_ragged_exchange_moves_what_the_whole_blocks_do():
     cotangent = rng.normal(size=(N * M, D)).astype(np.float32)
 
     def run(ragged):
-        use = (lambda f: partial(f, op=ragged_all_to_all_as_documented)) if ragged else (lambda f: f)
-        go = use(block_exchange._ragged_dispatch if ragged else block_exchange._dense_dispatch)
-        back = use(block_exchange._ragged_collect if ragged else block_exchange._dense_collect)
+        go = ragged_exchange(block_exchange._ragged_dispatch) if ragged else block_exchange._dense_dispatch
+        back = ragged_exchange(block_exchange._ragged_collect) if ragged else block_exchange._dense_collect
 
         def local(rows, sent, recv, ct):
             there = go(rows, sent, recv, block=A, axis="x")
@@ -280,20 +292,44 @@ def test_the_ragged_exchange_moves_what_the_whole_blocks_do():
             return there.reshape(N * A, D), round_trip, vjp(ct)[0]
         return jax.device_get(on_devices(N, local, rows, sent_NxN.reshape(-1), sent_NxN.T.reshape(-1), cotangent))
 
-    (there, round_trip, d_rows), reference = run(True), run(False)
-    for got, want in zip((there, round_trip, d_rows), reference):
+    (there, round_trip, d_rows), (dense_there, *reference) = run(True), run(False)
+    for got, want in zip((round_trip, d_rows), reference):
         np.testing.assert_array_equal(got, want)
-    assert not np.isnan(there).any() and sent_NxN.sum(1).max() <= M
+    filled = np.zeros((N, N, A), bool)  # [receiver, sender, row of the block]
     for i in range(N):  # device i: what each sender s sent it, then its own rows back, doubled
         mine = rows.reshape(N, M, D)
         for s in range(N):
             block = there.reshape(N, N, A, D)[i, s]
             start = sent_NxN[s, :i].sum()
+            filled[i, s, :sent_NxN[s, i]] = True
             np.testing.assert_array_equal(block[:sent_NxN[s, i]], mine[s, start:start + sent_NxN[s, i]])
-            assert not block[sent_NxN[s, i]:].any()
         total = sent_NxN[i].sum()
         np.testing.assert_array_equal(round_trip.reshape(N, M, D)[i, :total], 2 * mine[i, :total])
         assert not round_trip.reshape(N, M, D)[i, total:].any()
+    filled = filled.reshape(-1)
+    np.testing.assert_array_equal(there[filled], dense_there[filled])
+    assert np.isnan(there[~filled]).all() and not dense_there[~filled].any() and sent_NxN.sum(1).max() <= M
+
+
+@pytest.mark.fast
+def test_expert_parallel_through_the_gpus_exchange_matches_one_device(monkeypatch, small_tiles):
+    """Dropless experts on data=2 x expert=4 through the GPU's exchange (ragged all-to-alls run by their
+    documented semantics, receive blocks poisoned with NaN as `unfilled` may hand them over on a GPU):
+    outputs and gradients equal one device's, so no row past the runs reaches a result (the grouped
+    matmuls mask them, forward and backward)."""
+    import meshtrain.models.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "dispatch", ragged_exchange(block_exchange._ragged_dispatch))
+    monkeypatch.setattr(experts_module, "collect", ragged_exchange(block_exchange._ragged_collect))
+    args = make_inputs(E=8)
+    ct = np.random.default_rng(1).normal(size=(B, L, D)).astype(np.float32)
+    (_, (y, stats)), grads = jax.jit(objective(moe(0.0), ct))(*args)
+    fn = expert_parallel_objective(P(("data", "expert")), P("expert"), 0.0, ct)
+    with jax.set_mesh(mesh_of((2, 4), ("data", "expert"))):
+        (_, (ep_y, ep_stats)), ep_grads = fn(*args)
+    assert_close(ep_y, y)
+    assert_close(ep_stats, stats)
+    assert_close(ep_grads, grads)
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
@@ -384,6 +420,12 @@ def test_the_triton_kernels_match_per_row_products_in_pallas_interpreter():
         got = jax.value_and_grad(
             lambda x, w, k=kernels: jnp.sum(gmm_module.grouped_matmul(x, w, ids, None, k, 2) * ct), (0, 1))
         assert_close(got(x, w), want(expert))
+        # padding rows may hold anything on a GPU (the unfilled receive blocks): NaN there, in x and in
+        # the output cotangent, changes no result (y's padding rows are 0, dx's too)
+        pad = (expert == G)[:, None]
+        product = lambda x, k=kernels: jax.vjp(lambda x, w: gmm_module.grouped_matmul(x, w, ids, None, k, 2), x, w)
+        (y, pullback), (clean_y, clean_pullback) = product(np.where(pad, np.nan, x)), product(x)
+        assert_close((y, pullback(np.where(pad, np.nan, ct))), (clean_y, clean_pullback(np.where(pad, 0, ct))))
     assert triton.fits(Kd, N) and not triton.fits(6, 7) and triton.block(48, 128) == 16
 
 

@@ -85,9 +85,8 @@ def _loop_backward(x_MxK, w_GxKxN, group_M, dy_MxN, runs: int):
         t, g = tile_S[i] * tile, group_S[i]
         j, real = weight_of(g, G)
         mine_T = (jax.lax.dynamic_slice_in_dim(group_R, t, tile) == g) & real
-        x_TxK = jnp.where(mine_T[:, None], jax.lax.dynamic_slice_in_dim(x_RxK, t, tile), 0)
-        dw_KxN = jnp.einsum("tk,tn->kn", x_TxK, jax.lax.dynamic_slice_in_dim(dy_RxN, t, tile),
-                            preferred_element_type=jnp.float32)
+        mine = lambda a_RxX: jnp.where(mine_T[:, None], jax.lax.dynamic_slice_in_dim(a_RxX, t, tile), 0)
+        dw_KxN = jnp.einsum("tk,tn->kn", mine(x_RxK), mine(dy_RxN), preferred_element_type=jnp.float32)
         old = jax.lax.dynamic_index_in_dim(dw_GxKxN, j, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(dw_GxKxN, old + dw_KxN, j, 0)
 

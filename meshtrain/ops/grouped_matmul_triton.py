@@ -126,8 +126,10 @@ def _tgmm_kernel(offset_ref, row_group_ref, x_ref, dy_ref, dw_ref, *, groups, ru
         def step(t, acc_KxN):
             rows = pl.ds(pl.multiple_of(t * bt, bt), bt)
             mine_T = row_group_ref[rows] == gid
+            # both masked: a row of another group or of padding may hold anything (NaN x 0 is NaN)
             x_TxK = jnp.where(mine_T[:, None], x_ref[rows, ks], 0)
-            return acc_KxN + jnp.dot(x_TxK.T, dy_ref[rows, ns], preferred_element_type=jnp.float32)
+            dy_TxN = jnp.where(mine_T[:, None], dy_ref[rows, ns], 0)
+            return acc_KxN + jnp.dot(x_TxK.T, dy_TxN, preferred_element_type=jnp.float32)
 
         return jax.lax.fori_loop(start // bt, (end + bt - 1) // bt, step, acc_KxN)
 

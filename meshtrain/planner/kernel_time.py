@@ -230,7 +230,7 @@ class StepTime:
         """(kind, seconds of its arithmetic at the peak, bytes it moves) of a kernel-level instruction,
         None for one that launches nothing. A GEMM's seconds include its shape's efficiency
         (`gemm_efficiency` without `gemm_peak`)."""
-        if ins.op in _FREE:
+        if ins.op in _FREE or kernels.allocation(ins):
             return None
         p, c = self.profile, self.c
         if (gemm := gemm_shape(self.module, comp, ins)) is not None:

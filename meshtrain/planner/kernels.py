@@ -44,6 +44,12 @@ def _operand_types(module: Module, comp: str, names: list[str]) -> str:
     return " x ".join(types)
 
 
+def allocation(ins) -> bool:
+    """`jax.lax.empty`'s buffer (an `AllocateBuffer` custom call): XLA's GPU compiler allocates it and
+    launches nothing."""
+    return ins.op == "custom-call" and 'custom_call_target="AllocateBuffer"' in ins.line
+
+
 def gemm_types(module: Module, comp: str, ins) -> str | None:
     """The operand types of a GEMM kernel, None when `ins` is not one."""
     if ins.op == "custom-call":
