@@ -26,6 +26,7 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   also where the fusion reads a slice of it first (the grouped matmul's step: read a tile, write it back),
   and a dynamic-update-slice root writes only its update; an async fusion (`fusion-start`/`fusion-done`,
   which XLA in JAX 0.11 makes of a scan's residual writes) is its fusion, priced once at its start;
+- an allocation (`AllocateBuffer`, meshtrain/ops/unfilled.py): no kernel, nothing;
 - each kernel takes the longest of its arithmetic at its efficiency, its bytes at HBM bandwidth x
   `hbm_efficiency` (a GEMM's too), and `launch_s` (`kernel_seconds`); a `while` runs its body
   trip-count times (XLA's known_trip_count, or the loop's bounds where a pass dropped it:
