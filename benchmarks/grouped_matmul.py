@@ -61,19 +61,20 @@ def inputs(rows: int, d: int, f: int, groups: int, fill: int, dtype):
 
 
 def grouped_step(rows_routed: int, kernels: str = "auto"):
-    """jit of (x, w, group) -> (y, dx, dw) of sum(y^2): the forward and both backward products."""
+    """jit of (x, w, group) -> (y, dx, dw) of sum(y^2) over the rows of a group: the forward and both
+    backward products (padding rows of y and dx: 0 here; the Triton kernels leave them unwritten)."""
     import jax
     import jax.numpy as jnp
 
     from meshtrain.ops.grouped_matmul import grouped_matmul
 
     def loss(x, w, g):
-        y = grouped_matmul(x, w, g, rows_routed, kernels)
+        y = jnp.where((g < w.shape[0])[:, None], grouped_matmul(x, w, g, rows_routed, kernels), 0)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     def step(x, w, g):
         (_, y), (dx, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w, g)
-        return y, dx, dw
+        return y, jnp.where((g < w.shape[0])[:, None], dx, 0), dw
 
     return jax.jit(step)
 

@@ -255,7 +255,8 @@ def capacity_local(x_bxLxD, expert_bxKL, experts: dict, *, C: int, axis: str, ep
 def grouped_swiglu(xs_MxD, gs_M, experts: dict, lora_scale: float = 1.0, rows: int | None = None,
                    runs: int = 1):
     """The expert SwiGLU of rows sorted by group (or `runs` runs each sorted, grouped_matmul's group
-    ids): a grouped matmul per projection (and two per adapter: `projection`). Padding rows get 0.
+    ids): a grouped matmul per projection (and two per adapter: `projection`). Padding rows' results are
+    unspecified (`grouped_matmul`): no caller reads them.
     In x's dtype. `experts`: the G experts' weights, as `swiglu_experts`. `rows`: how many are
     expected to have a group (grouped_matmul's; None: all)."""
     dtype = xs_MxD.dtype
@@ -269,7 +270,7 @@ def grouped_swiglu(xs_MxD, gs_M, experts: dict, lora_scale: float = 1.0, rows: i
 
 def sorted_swiglu(x_MxD, group_M, experts: dict, lora_scale: float = 1.0):
     """Each row's expert SwiGLU, rows in any order: sorted by group (stable), `grouped_swiglu`,
-    unsorted. Rows with group >= G get 0."""
+    unsorted. Rows with group >= G: unspecified."""
     order_M = jnp.argsort(group_M, stable=True)
     return unsort(grouped_swiglu(x_MxD[order_M], group_M[order_M], experts, lora_scale), order_M)
 

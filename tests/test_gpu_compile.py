@@ -571,12 +571,12 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     grouped = [(ins, kernel_time._grouped_gemm(module, comp, ins)) for ins, comp, _ in kernels.launches(module)
                if kernels.GROUPED_GEMM.search(ins.line)]
     assert {found[1] for _, found in grouped} == {2.0 * 32 * 32 * 32} and "meshtrain_gmm_rows32" in text
-    # bytes (fp32): gmm and gmm_t read their 32 rows of x and the weights and write every row of the buffer,
-    # padding rows too (128: one whole tile); tgmm reads 32 rows of x and of dy and writes dw
+    # bytes (fp32): gmm and gmm_t read their 32 rows of x and the weights and write their 32 rows of the
+    # 128-row buffer (padding rows: not written); tgmm reads 32 rows of x and of dy and writes dw
     priced_bytes = {(kernels.GROUPED_GEMM.search(ins.line).group(1), ins.shape.split("{")[0], found[3])
                     for ins, found in grouped}
-    assert priced_bytes == {("gmm", "f32[128,32]", (32 * 32 + 32 * 32 + 128 * 32) * 4),
-                            ("gmm_t", "f32[128,32]", (32 * 32 + 32 * 32 + 128 * 32) * 4),
+    assert priced_bytes == {("gmm", "f32[128,32]", (32 * 32 + 32 * 32 + 32 * 32) * 4),
+                            ("gmm_t", "f32[128,32]", (32 * 32 + 32 * 32 + 32 * 32) * 4),
                             ("tgmm", "f32[1,32,32]", (32 * 64 + 32 * 32) * 4)}
     # the roofline's executed FLOPs count the rows routed on this program, the loop's whole buffer
     # (ep x min(k, E/ep) = 4 rows a token, not 2) on the CPU's

@@ -389,9 +389,10 @@ def test_grouped_matmul_matches_per_row_products(monkeypatch):
 @pytest.mark.fast
 def test_the_triton_kernels_match_per_row_products_in_pallas_interpreter():
     """The GPU's grouped matmul (meshtrain/ops/grouped_matmul_triton.py) run by Pallas' interpreter:
-    3 tiles of 128 rows straddling groups, an empty group, padding rows (0 out) and a ragged last tile;
-    y, dx and dw (fp32, summed per group) equal the per-row products. Widths the blocks do not divide
-    down to 16 stay on the loop (`fits`). The loop alike; and both on two sorted runs (`runs`)."""
+    3 tiles of 128 rows straddling groups, an empty group, padding rows and a ragged last tile; y, dx
+    and dw (fp32, summed per group) equal the per-row products on every row of a group (padding rows:
+    0 on the loop, not written by the kernels). Widths the blocks do not divide down to 16 stay on the
+    loop (`fits`). The loop alike; and both on two sorted runs (`runs`)."""
     from meshtrain.ops import grouped_matmul_triton as triton
 
     rng = np.random.default_rng(1)
@@ -400,32 +401,37 @@ def test_the_triton_kernels_match_per_row_products_in_pallas_interpreter():
     x, w = rng.normal(size=(M, Kd)).astype(np.float32), rng.normal(size=(G, Kd, N)).astype(np.float32)
     ct = rng.normal(size=(M, N)).astype(np.float32)
 
-    def want(expert):  # per-row products: value and gradients
-        def loss(x, w):
-            y = jnp.einsum("mk,mkn->mn", x, jnp.take(w, jnp.minimum(expert, G - 1), axis=0))
-            return jnp.sum(jnp.where((expert < G)[:, None], y, 0) * ct)
-        return jax.value_and_grad(loss, (0, 1))(x, w)
+    def loss(matmul, expert):  # sum(y ct) over the rows of a group: value, dx on those rows, dw
+        real = (expert < G)[:, None]
+        grad = jax.value_and_grad(lambda x, w: jnp.sum(jnp.where(real, matmul(x, w), 0) * ct), (0, 1))
 
+        def value_dx_dw(x, w):
+            value, (dx, dw) = grad(x, w)
+            return value, dx[real[:, 0]], dw
+        return value_dx_dw
+
+    per_row = lambda expert: lambda x, w: jnp.einsum("mk,mkn->mn", x, jnp.take(w, jnp.minimum(expert, G - 1), axis=0))
     for kernels in ("interpret", "loop"):
-        got = jax.value_and_grad(
-            lambda x, w, k=kernels: jnp.sum(gmm_module.grouped_matmul(x, w, group, None, k) * ct), (0, 1))
-        assert_close(got(x, w), want(group))
+        got = loss(lambda x, w, k=kernels: gmm_module.grouped_matmul(x, w, group, None, k), group)
+        assert_close(got(x, w), loss(per_row(group), group)(x, w))
     # two runs, each sorted with its padding last (an expert-parallel receive buffer of 2 senders):
     # ids r (G + 1) + j, no sort, the same products
     cut = 170
     ids = np.concatenate([group[:cut], (G + 1) + group[cut:]]).astype(np.int32)
     ids[cut - 20:cut] = G  # the first run's padding
     expert = ids % (G + 1)  # G: padding
+    pad = (expert == G)[:, None]
     for kernels in ("interpret", "loop"):
-        got = jax.value_and_grad(
-            lambda x, w, k=kernels: jnp.sum(gmm_module.grouped_matmul(x, w, ids, None, k, 2) * ct), (0, 1))
-        assert_close(got(x, w), want(expert))
+        matmul = lambda x, w, k=kernels: gmm_module.grouped_matmul(x, w, ids, None, k, 2)
+        assert_close(loss(matmul, expert)(x, w), loss(per_row(expert), expert)(x, w))
         # padding rows may hold anything on a GPU (the unfilled receive blocks): NaN there, in x and in
-        # the output cotangent, changes no result (y's padding rows are 0, dx's too)
-        pad = (expert == G)[:, None]
-        product = lambda x, k=kernels: jax.vjp(lambda x, w: gmm_module.grouped_matmul(x, w, ids, None, k, 2), x, w)
-        (y, pullback), (clean_y, clean_pullback) = product(np.where(pad, np.nan, x)), product(x)
-        assert_close((y, pullback(np.where(pad, np.nan, ct))), (clean_y, clean_pullback(np.where(pad, 0, ct))))
+        # the output cotangent, changes no row of a group, nor dw
+        (y, pullback), (clean_y, clean_pullback) = jax.vjp(matmul, np.where(pad, np.nan, x), w), jax.vjp(matmul, x, w)
+        (dx, dw), (clean_dx, clean_dw) = pullback(np.where(pad, np.nan, ct)), clean_pullback(np.where(pad, 0, ct))
+        real = ~pad[:, 0]
+        assert_close((y[real], dx[real], dw), (clean_y[real], clean_dx[real], clean_dw))
+        if kernels == "loop":
+            assert not np.asarray(clean_y)[~real].any()
     assert triton.fits(Kd, N) and not triton.fits(6, 7) and triton.block(48, 128) == 16
 
 

@@ -132,7 +132,8 @@ def _by_kernels(kernels: str, loop, kernel, w_GxKxN, *args, runs: int, rows: int
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def grouped_matmul(x_MxK, w_GxKxN, group_M, rows: int | None = None, kernels: str = "auto", runs: int = 1):
-    """y[m] = x[m] @ w[group[m]] for rows sorted by group (group >= G: padding, y = 0), in
+    """y[m] = x[m] @ w[group[m]] for rows sorted by group (group >= G: padding, whose rows of y and
+    of dx are 0 on the loop and not written by the Triton kernels: no reader may use them), in
     O(M x N) memory. `runs` > 1: the rows are that many runs each sorted by group with its padding
     last (expert parallelism's receive buffer, a block per sender), run r's group j carrying id
     r (G + 1) + j and its padding r (G + 1) + G (`group_ids`): no sort needed. `kernels`: "auto"

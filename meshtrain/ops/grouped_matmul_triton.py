@@ -4,7 +4,8 @@ not the buffer that holds them (meshtrain/ops/grouped_matmul.py chooses them on 
 - `gmm` y[r] = x[r] @ w[group[r]] (or w[group[r]].T): a program per (tile, group) step of the
   megablox schedule (grouped_matmul.py `_schedule`) and column block. A step whose group has no row
   in its tile exits before the K loop, so a tile costs the groups it holds and the worst-case
-  buffer's empty tiles cost a launch; rows of no group (padding, group >= G) are written 0.
+  buffer's empty tiles cost a launch; rows of no group (padding, group >= G) are not written (their
+  values are the buffer's, unspecified: their readers mask them, meshtrain/ops/block_exchange.py).
 - `tgmm` dw[g] = x[rows of g].T @ dy[rows of g], fp32: a program per (group, K block, N block)
   loops over its group's row tiles only (the group's offsets), so it too costs the rows it has.
 
@@ -73,7 +74,7 @@ def fits(k: int, n: int) -> bool:
     return k % MIN_BLOCK == 0 and n % MIN_BLOCK == 0
 
 
-def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, groups, ids, bk, bn, transpose):
+def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, groups, bk, bn, transpose):
     s, j = pl.program_id(0), pl.program_id(1)
     g = group_ref[s]
     expert, real = weight_of(g, groups)
@@ -81,7 +82,6 @@ def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, gr
     cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
     group_T = row_group_ref[rows]
     mine_T = (group_T == g) & real
-    padding_T = (group_T >= ids) | (jax.lax.rem(group_T, groups + 1) == groups)
 
     @pl.when(jnp.max(mine_T.astype(jnp.int32)) > 0)
     def _():
@@ -93,13 +93,9 @@ def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, gr
         acc_TxN = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, jnp.zeros((BM, bn), jnp.float32))
         plt.store(out_ref.at[rows, cols], acc_TxN.astype(out_ref.dtype), mask=mine_T[:, None])
 
-    @pl.when((g >= 0) & (jnp.max(padding_T.astype(jnp.int32)) > 0))
-    def _():
-        plt.store(out_ref.at[rows, cols], jnp.zeros((BM, bn), out_ref.dtype), mask=padding_T[:, None])
-
 
 def gmm(x_RxK, w_GxKxN, steps, group_R, runs: int, rows: int, transpose: bool = False, interpret: bool = False):
-    """out[r] = x[r] @ w[group[r]] (w[group[r]].T when `transpose`; padding rows: 0) over the
+    """out[r] = x[r] @ w[group[r]] (w[group[r]].T when `transpose`; padding rows: not written) over the
     schedule `steps` (tile_S, group_S) of BM-row tiles; group ids of `runs` runs (grouped_matmul.py
     `group_ids`)."""
     (R, K), G = x_RxK.shape, w_GxKxN.shape[0]
@@ -107,7 +103,7 @@ def gmm(x_RxK, w_GxKxN, steps, group_R, runs: int, rows: int, transpose: bool = 
     most_k, most_n = most_blocks(x_RxK.dtype, BK, BN)
     bk, bn = block(K, most_k), block(N, most_n)
     tile_S, group_S = steps
-    kernel = functools.partial(_gmm_kernel, groups=G, ids=group_ids(G, runs), bk=bk, bn=bn, transpose=transpose)
+    kernel = functools.partial(_gmm_kernel, groups=G, bk=bk, bn=bn, transpose=transpose)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((R, N), x_RxK.dtype), grid=(tile_S.shape[0], N // bn),
         compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES), interpret=interpret,

@@ -15,7 +15,8 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   runs once for each), FLOPs 2·rows·K·N at the operand type's peak x `gemm_efficiency(rows / G, N, K)`
   (`tgmm`, dw: `gemm_efficiency(K, N, rows / G)`) with `grouped_gemm_peak` for `gemm_peak` (measured on
   an H200: the Triton kernels reach less of the peak than XLA's GEMMs), bytes its rows of x, the weights
-  once and every row of the buffer it writes (`tgmm`: its rows of x and dy, dw in fp32); the grid's
+  once and its rows of the output (padding rows are not written; `tgmm`: its rows of x and dy, dw in
+  fp32); the grid's
   programs of empty tiles exit before their K loop (not priced);
 - cuDNN fused attention: forward 4·B·H·Lq·Lk·D FLOPs (QK^T and PV), the backward 2.5x that (it reruns
   QK^T, then dV, dP, dQ, dK: 5 matmuls for 2), a causal mask half of it, a sliding window Lk <= window;
@@ -154,8 +155,8 @@ def _grouped_gemm(module: Module, comp: str, ins) -> tuple[str, float, tuple[flo
     b = DTYPE_BYTES[dtype]
     if dw:  # reads the rows of x and dy, writes dw in fp32
         shape, nbytes = (K, N, rows / G), rows * (K + N) * b + G * K * N * 4
-    else:  # reads the rows of x and the weights, writes every row of the buffer (padding rows: 0)
-        shape, nbytes = (rows / G, N, K), rows * K * b + G * K * N * b + out[0] * N * b
+    else:  # reads the rows of x and the weights, writes its rows (padding rows: not written)
+        shape, nbytes = (rows / G, N, K), rows * K * b + G * K * N * b + rows * N * b
     return dtype, 2.0 * rows * K * N, shape, nbytes
 
 
