@@ -548,10 +548,10 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     # microbatches), moving the rows routed; the counts per expert as all-to-alls
     assert k["collectives"]["ragged-all-to-all"] == 4 * 4 * 2 and k["collectives"]["all-to-all"] > 0
     assert sum(k["gemms"].values()) > 0
-    # the routed experts' grouped matmuls are meshtrain's Triton kernels, one per projection a layer a
-    # microbatch (gate, up, down; 4 layers x 2): forward, dx and dw; each expects its device's b*K*L = 32
-    # rows and is priced as 2·rows·K·N FLOPs (one local expert: no group boundary)
-    assert k["grouped_gemms"] == {"gmm": 24, "gmm_t": 24, "tgmm": 24}
+    # the routed experts' grouped matmuls are meshtrain's Triton kernels, two a layer a microbatch (gate and
+    # up side by side, down; 4 layers x 2): forward, dx and dw; each expects its device's b*K*L = 32 rows and
+    # is priced as 2·rows·K·N FLOPs (one local expert: no group boundary)
+    assert k["grouped_gemms"] == {"gmm": 16, "gmm_t": 16, "tgmm": 16}
     # each expects 32 rows of its 128-row buffer: the plan says such buffers run slower than priced
     assert k["grouped_filled"] == 0.25
     assert "their buffers 25% filled" in "\n".join(format_kernels(k))
@@ -570,13 +570,17 @@ def test_experts_compile_for_the_gpu_with_their_all_to_alls_triton_kernels_and_t
     assert program.compiler_options == GPU_OPTIONS and waited_on_at_once(module) == []
     grouped = [(ins, kernel_time._grouped_gemm(module, comp, ins)) for ins, comp, _ in kernels.launches(module)
                if kernels.GROUPED_GEMM.search(ins.line)]
-    assert {found[1] for _, found in grouped} == {2.0 * 32 * 32 * 32} and "meshtrain_gmm_rows32" in text
+    # D = F = 32: gate and up [32 -> 64], down [32 -> 32]
+    assert {found[1] for _, found in grouped} == {2.0 * 32 * 32 * 64, 2.0 * 32 * 32 * 32}
+    assert "meshtrain_gmm_rows32" in text
     # bytes (fp32): gmm and gmm_t read their 32 rows of x and the weights and write their 32 rows of the
     # 128-row buffer (padding rows: not written); tgmm reads 32 rows of x and of dy and writes dw
     priced_bytes = {(kernels.GROUPED_GEMM.search(ins.line).group(1), ins.shape.split("{")[0], found[3])
                     for ins, found in grouped}
-    assert priced_bytes == {("gmm", "f32[128,32]", (32 * 32 + 32 * 32 + 32 * 32) * 4),
-                            ("gmm_t", "f32[128,32]", (32 * 32 + 32 * 32 + 32 * 32) * 4),
+    rows_x_w_y = lambda k, n: (32 * k + k * n + 32 * n) * 4
+    assert priced_bytes == {("gmm", "f32[128,64]", rows_x_w_y(32, 64)), ("gmm", "f32[128,32]", rows_x_w_y(32, 32)),
+                            ("gmm_t", "f32[128,32]", rows_x_w_y(64, 32)), ("gmm_t", "f32[128,32]", rows_x_w_y(32, 32)),
+                            ("tgmm", "f32[1,32,64]", (32 * 96 + 32 * 64) * 4),
                             ("tgmm", "f32[1,32,32]", (32 * 64 + 32 * 32) * 4)}
     # the roofline's executed FLOPs count the rows routed on this program, the loop's whole buffer
     # (ep x min(k, E/ep) = 4 rows a token, not 2) on the CPU's

@@ -222,8 +222,8 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
     """Dropless under expert=2 (E 4, k 2): a device's grouped matmuls run its whole receive buffer,
     ep x min(k, E/ep) = 4 rows per token, filled or not (k = 2 when balanced), so the executed FLOPs
     add 6 (4 - 2)/E of the routed parameters per token (bf16: none in fp8; one device: none). The
-    compiled loops say so: ceil(ep x A / tile) + ep (E/ep + 1) - 1 = 7 steps each (3 projections
-    forward, dx and dw; the buffer is ep runs, a sender's each, of E/ep experts and their padding),
+    compiled loops say so: ceil(ep x A / tile) + ep (E/ep + 1) - 1 = 7 steps each (2 grouped matmuls,
+    gate and up side by side and down, forward, dx and dw; the buffer is ep runs, a sender's each, of E/ep experts and their padding),
     A = b L min(k, E/ep) = 8 x 16 x 2 rows from each sender, where the filled rows alone would take 2."""
     E, K, ep = 4, 2, 2
     p = _program("parallel.mesh=expert=2", "model.num_layers=1", devices=ep, config=MOE_TINY)
@@ -239,7 +239,7 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
                                                                 + 6 * routed / 2 * tokens, rel=1e-12)
     buffer_rows = ep * (p.train.batch_size // ep) * L * min(K, E // ep)
     trips = [int(n) for n in loops.TRIP_COUNT.findall(p.lower().compile().as_text())]
-    assert trips.count(-(-buffer_rows // GMM_TILE) + ep * (E // ep + 1) - 1) >= 9, trips
+    assert trips.count(-(-buffer_rows // GMM_TILE) + ep * (E // ep + 1) - 1) >= 6, trips
 
 
 def _no_memory():
