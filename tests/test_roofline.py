@@ -223,7 +223,8 @@ def test_dropless_expert_parallelism_counts_its_whole_receive_buffer():
     ep x min(k, E/ep) = 4 rows per token, filled or not (k = 2 when balanced), so the executed FLOPs
     add 6 (4 - 2)/E of the routed parameters per token (bf16: none in fp8; one device: none). The
     compiled loops say so: ceil(ep x A / tile) + ep (E/ep + 1) - 1 = 7 steps each (2 grouped matmuls,
-    gate and up side by side and down, forward, dx and dw; the buffer is ep runs, a sender's each, of E/ep experts and their padding),
+    gate and up side by side and down, forward, dx and dw; the buffer is ep runs, a sender's each, of
+    E/ep experts and their padding),
     A = b L min(k, E/ep) = 8 x 16 x 2 rows from each sender, where the filled rows alone would take 2."""
     E, K, ep = 4, 2, 2
     p = _program("parallel.mesh=expert=2", "model.num_layers=1", devices=ep, config=MOE_TINY)
