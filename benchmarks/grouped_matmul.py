@@ -61,20 +61,20 @@ def inputs(rows: int, d: int, f: int, groups: int, fill: int, dtype):
 
 
 def grouped_step(rows_routed: int, kernels: str = "auto"):
-    """jit of (x, w, group) -> (y, dx, dw) of sum(y^2) over the rows of a group: the forward and both
-    backward products (padding rows of y and dx: 0 here; the Triton kernels leave them unwritten)."""
+    """jit of (x, w, group) -> (y, dx, dw) of sum(y^2): the forward and both backward products (padding
+    rows of y and dx: 0 on the loop, not written by the Triton kernels; `error` compares the others)."""
     import jax
     import jax.numpy as jnp
 
     from meshtrain.ops.grouped_matmul import grouped_matmul
 
     def loss(x, w, g):
-        y = jnp.where((g < w.shape[0])[:, None], grouped_matmul(x, w, g, rows_routed, kernels), 0)
+        y = grouped_matmul(x, w, g, rows_routed, kernels)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     def step(x, w, g):
         (_, y), (dx, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w, g)
-        return y, jnp.where((g < w.shape[0])[:, None], dx, 0), dw
+        return y, dx, dw
 
     return jax.jit(step)
 
@@ -132,15 +132,19 @@ def profile_here() -> str | None:
 
 
 def error(step, reference, args) -> float:
-    """max over y, dx, dw of max |step - reference| / max |reference|, the reference on fp32 operands at
-    full matmul precision."""
+    """max over y, dx (their rows of a group) and dw of max |step - reference| / max |reference|, the
+    reference on fp32 operands at full matmul precision."""
     import jax
     import jax.numpy as jnp
 
+    x, w, group = args
     got = step(*args)
     with jax.default_matmul_precision("highest"):
-        want = reference(args[0].astype(jnp.float32), args[1].astype(jnp.float32), args[2])
-    return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, want))
+        want = reference(x.astype(jnp.float32), w.astype(jnp.float32), group)
+    real = (group < w.shape[0])[:, None]
+    rows = lambda y, dx, dw: (jnp.where(real, y, 0), jnp.where(real, dx, 0), dw)
+    return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+               for a, b in zip(rows(*got), rows(*want)))
 
 
 def kernels_ms(x, w, group, routed: int, repeats: int) -> dict:
@@ -160,7 +164,7 @@ def kernels_ms(x, w, group, routed: int, repeats: int) -> dict:
             steps, group_R = gm._triton_steps(g, w.shape[0], 1)
             if kernel == "tgmm":
                 return triton.tgmm(tiled(x), tiled(dy), group_R, w.shape[0], 1, routed, interpret=interpret)
-            return triton.gmm(tiled(dy if kernel == "gmm_t" else x), w, steps, group_R, 1, routed,
+            return triton.gmm(tiled(dy if kernel == "gmm_t" else x), w, steps, group_R, routed,
                               transpose=kernel == "gmm_t", interpret=interpret)
         return seconds(jax.jit(f), (x, w, group, dy), repeats) * 1e3
 

@@ -197,11 +197,15 @@ def slots(expert_BxKL, num_experts: int, cap: int):
     return slot_BxKL, kept_BxKL, jnp.sum(onehot_BxKLxE, axis=1)
 
 
-def projection(matmul, x, experts: dict, name: str, lora_scale: float, y=None):
+def projection(matmul, x, experts: dict, name: str, lora_scale: float):
     """x through each row's expert of the projection `name` (expert_gate, expert_up, expert_down)
-    by `matmul(x, w_ExIxO)` (or `y`, that product made already), plus that expert's LoRA adapter
-    where `experts` holds one: x W_e + (alpha / rank) (x A_e) B_e (models/lora.py), through the same matmul."""
-    y = matmul(x, experts[name]) if y is None else y
+    by `matmul(x, w_ExIxO)`, plus that expert's LoRA adapter (`with_adapter`)."""
+    return with_adapter(matmul(x, experts[name]), matmul, x, experts, name, lora_scale)
+
+
+def with_adapter(y, matmul, x, experts: dict, name: str, lora_scale: float):
+    """y = x W_e (the projection `name`) plus expert e's LoRA adapter where `experts` holds one:
+    x W_e + (alpha / rank) (x A_e) B_e (models/lora.py), through the same matmul."""
     if f"lora_{name}_a" not in experts:
         return y
     x_a = matmul(x, experts[f"lora_{name}_a"])
@@ -216,8 +220,8 @@ def gate_and_up(matmul, x_MxD, experts: dict, lora_scale: float):
     w_GxDxFx2 = jnp.stack([experts["expert_gate"], experts["expert_up"]], axis=-1)
     G, D, F, _ = w_GxDxFx2.shape
     both_MxFx2 = matmul(x_MxD, w_GxDxFx2.reshape(G, D, 2 * F)).reshape(x_MxD.shape[0], F, 2)
-    return (projection(matmul, x_MxD, experts, "expert_gate", lora_scale, both_MxFx2[..., 0]),
-            projection(matmul, x_MxD, experts, "expert_up", lora_scale, both_MxFx2[..., 1]))
+    return (with_adapter(both_MxFx2[..., 0], matmul, x_MxD, experts, "expert_gate", lora_scale),
+            with_adapter(both_MxFx2[..., 1], matmul, x_MxD, experts, "expert_up", lora_scale))
 
 
 def swiglu_experts(buf_BxNxExCxD, experts: dict, einsum=jnp.einsum, lora_scale: float = 1.0):

@@ -3,17 +3,17 @@
 A device's rows for the other devices of `axis` (size N) are packed by destination: `sent_N[n]` rows
 for device n, one run after another. `dispatch` delivers them into a block per sender, [N, A, ...]
 (block i: the rows device i sent here, recv_N[i] of them; past them zeros, or on GPUs whatever the
-unfilled buffer held); `collect` sends each
-block's rows back, packed again in the sender's order. The dropless experts (models/experts.py
+unfilled buffer held); `collect` sends each block's rows back, packed again in the sender's order (the
+runs covering every packed row). The dropless experts (models/experts.py
 `dropless_local`) dispatch their assignments sorted by expert (a run per destination), run what
 arrived, and collect the results. A block is worst-case sized (A rows: static shapes); the rows
 routed fill k/(N x min(k, E/N)) of the blocks when the routing is balanced (1/N at E/N >= k).
 
 - On NVIDIA GPUs (meshtrain/ops/platform.py chooses): `jax.lax.ragged_all_to_all`, which moves
   only the rows the sizes name (the dispatch sized to the tokens, as Megatron's all-to-all-v); the
-  packed side holds only the rows routed, no worst-case buffer. The blocks are not filled
+  packed side holds only the rows routed, no worst-case buffer. No receive buffer is filled
   (meshtrain/ops/unfilled.py: a zero fill and its copies cost Qwen3-30B-A3B's layer shape on
-  expert=8 about a tenth of its step): the grouped matmuls that read them mask every row past the
+  expert=8 about a tenth of its step): the grouped matmuls that read the blocks mask every row past the
   runs, forward and backward. Each direction's transpose (the backward) is the other, a ragged
   all-to-all of the sizes swapped, whose blocks are not filled either.
 - Elsewhere: the runs copied into worst-case blocks and `jax.lax.all_to_all` of the whole blocks
@@ -69,8 +69,8 @@ def _collected(y_NxAxD, recv_N, sent_N, block, rows, axis, op, empty):
     N = y_NxAxD.shape[0]
     flat = y_NxAxD.reshape((N * block,) + y_NxAxD.shape[2:])
     theirs_N = jax.lax.all_to_all(_starts(sent_N), axis, 0, 0, tiled=True)  # where each sender's run for here began
-    # the packed side, k / (N min(k, E/N)) of the blocks' rows: zeros past the runs (the dropless experts' runs fill it)
-    return op(flat, jnp.zeros((rows,) + flat.shape[1:], flat.dtype), jnp.arange(N, dtype=jnp.int32) * block,
+    # the packed side, k / (N min(k, E/N)) of the blocks' rows: the runs cover it (`collect`), not filled either
+    return op(flat, empty((rows,) + flat.shape[1:], flat.dtype, flat), jnp.arange(N, dtype=jnp.int32) * block,
               recv_N.astype(jnp.int32), theirs_N, sent_N.astype(jnp.int32), axis_name=axis)
 
 
@@ -130,6 +130,8 @@ def dispatch(rows_MxD, sent_N, recv_N, block: int, axis: str):
 
 def collect(y_NxAxD, recv_N, sent_N, rows: int, axis: str):
     """`dispatch` backwards: block i's first recv_N[i] rows back to device i, which gets [rows, ...]:
-    what each device returns, packed in the order it was dispatched (sent_N), the rest zeros."""
+    what each device returns, packed in the order it was dispatched (sent_N). The runs must cover the
+    packed rows (sum(sent_N) == rows, as the dropless experts' do: every assignment goes to one device):
+    on GPUs a row past them would be unspecified, and so would its gradient through `dispatch`."""
     return by_platform(partial(_ragged_collect, rows=rows, axis=axis), partial(_dense_collect, rows=rows, axis=axis),
                        y_NxAxD, recv_N, sent_N)

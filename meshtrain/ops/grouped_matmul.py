@@ -102,14 +102,14 @@ def _triton_steps(group_M, groups: int, runs: int):
 def _triton_forward(x_MxK, w_GxKxN, group_M, runs: int, rows: int, interpret: bool = False):
     M, G = x_MxK.shape[0], w_GxKxN.shape[0]
     steps, group_R = _triton_steps(group_M, G, runs)
-    return triton.gmm(_tiles(x_MxK, triton.BM), w_GxKxN, steps, group_R, runs, rows, interpret=interpret)[:M]
+    return triton.gmm(_tiles(x_MxK, triton.BM), w_GxKxN, steps, group_R, rows, interpret=interpret)[:M]
 
 
 def _triton_backward(x_MxK, w_GxKxN, group_M, dy_MxN, runs: int, rows: int, interpret: bool = False):
     M, G = x_MxK.shape[0], w_GxKxN.shape[0]
     steps, group_R = _triton_steps(group_M, G, runs)
     dy_RxN = _tiles(dy_MxN, triton.BM)
-    dx_MxK = triton.gmm(dy_RxN, w_GxKxN, steps, group_R, runs, rows, transpose=True, interpret=interpret)[:M]
+    dx_MxK = triton.gmm(dy_RxN, w_GxKxN, steps, group_R, rows, transpose=True, interpret=interpret)[:M]
     dw_GxKxN = triton.tgmm(_tiles(x_MxK, triton.BM), dy_RxN, group_R, G, runs, rows, interpret=interpret)
     return dx_MxK, dw_GxKxN.astype(w_GxKxN.dtype)
 

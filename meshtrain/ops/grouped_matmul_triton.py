@@ -94,10 +94,10 @@ def _gmm_kernel(tile_ref, group_ref, row_group_ref, x_ref, w_ref, out_ref, *, gr
         plt.store(out_ref.at[rows, cols], acc_TxN.astype(out_ref.dtype), mask=mine_T[:, None])
 
 
-def gmm(x_RxK, w_GxKxN, steps, group_R, runs: int, rows: int, transpose: bool = False, interpret: bool = False):
+def gmm(x_RxK, w_GxKxN, steps, group_R, rows: int, transpose: bool = False, interpret: bool = False):
     """out[r] = x[r] @ w[group[r]] (w[group[r]].T when `transpose`; padding rows: not written) over the
-    schedule `steps` (tile_S, group_S) of BM-row tiles; group ids of `runs` runs (grouped_matmul.py
-    `group_ids`)."""
+    schedule `steps` (tile_S, group_S) of BM-row tiles, whose group ids (grouped_matmul.py `group_ids`)
+    name the weight (`weight_of`)."""
     (R, K), G = x_RxK.shape, w_GxKxN.shape[0]
     N = w_GxKxN.shape[1] if transpose else w_GxKxN.shape[2]
     most_k, most_n = most_blocks(x_RxK.dtype, BK, BN)

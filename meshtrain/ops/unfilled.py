@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import batching, mlir
 
 unfilled_p = Primitive("unfilled")
 
 
 def unfilled(shape, dtype, after):
     """An array of `shape` and `dtype` whose values are unspecified on NVIDIA GPUs (zeros elsewhere),
-    made where `after` is (its values are not read)."""
-    return unfilled_p.bind(after, shape=tuple(shape), dtype=jnp.dtype(dtype))
+    made where `after` is (its values are not read; no gradient flows to it)."""
+    return unfilled_p.bind(jax.lax.stop_gradient(after), shape=tuple(shape), dtype=jnp.dtype(dtype))
 
 
 def _allocate(ctx, after, *, shape, dtype):
@@ -41,11 +41,6 @@ def _zeros(after, *, shape, dtype):
     return jnp.zeros(shape, dtype)
 
 
-def _jvp(primals, tangents, *, shape, dtype):
-    del tangents  # the values do not depend on `after` (block_exchange's custom VJPs never ask)
-    return unfilled_p.bind(*primals, shape=shape, dtype=dtype), jnp.zeros(shape, dtype)
-
-
 def _batched(args, dims, *, shape, dtype):
     del dims  # one buffer serves every batch element: its values are unspecified either way
     return unfilled_p.bind(*args, shape=shape, dtype=dtype), None  # None: not mapped
@@ -55,5 +50,4 @@ unfilled_p.def_impl(_zeros)
 unfilled_p.def_abstract_eval(lambda after, *, shape, dtype: jax.core.ShapedArray(shape, dtype))
 mlir.register_lowering(unfilled_p, _allocate, platform="cuda")
 mlir.register_lowering(unfilled_p, mlir.lower_fun(_zeros, multiple_results=False))
-ad.primitive_jvps[unfilled_p] = _jvp
 batching.primitive_batchers[unfilled_p] = _batched

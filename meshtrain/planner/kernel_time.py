@@ -15,8 +15,8 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   runs once for each), FLOPs 2·rows·K·N at the operand type's peak x `gemm_efficiency(rows / G, N, K)`
   (`tgmm`, dw: `gemm_efficiency(K, N, rows / G)`) with `grouped_gemm_peak` for `gemm_peak` (measured on
   an H200: the Triton kernels reach less of the peak than XLA's GEMMs), bytes its rows of x, the weights
-  once and its rows of the output (padding rows are not written; `tgmm`: its rows of x and dy, dw in
-  fp32); the grid's
+  once and each routed row of the output once (padding rows are not written; `tgmm`: its rows of x and
+  dy, dw in fp32); the grid's
   programs of empty tiles exit before their K loop (not priced);
 - cuDNN fused attention: forward 4·B·H·Lq·Lk·D FLOPs (QK^T and PV), the backward 2.5x that (it reruns
   QK^T, then dV, dP, dQ, dK: 5 matmuls for 2), a causal mask half of it, a sliding window Lk <= window;
@@ -151,12 +151,13 @@ def _grouped_gemm(module: Module, comp: str, ins) -> tuple[str, float, tuple[flo
     x, out = operands[2 if dw else 3], _dims(ins.shape)
     (_, K), dtype = _dims(x.shape), x.arrays[0][0]
     G, N = (out[0], out[2]) if dw else (_dims(operands[4].shape)[0], out[1])
-    rows = int(found.group(2)) + (G - 1) * grouped.BM
+    routed = int(found.group(2))
+    rows = routed + (G - 1) * grouped.BM  # a tile holding two groups runs once for each
     b = DTYPE_BYTES[dtype]
     if dw:  # reads the rows of x and dy, writes dw in fp32
         shape, nbytes = (K, N, rows / G), rows * (K + N) * b + G * K * N * 4
-    else:  # reads the rows of x and the weights, writes its rows (padding rows: not written)
-        shape, nbytes = (rows / G, N, K), rows * K * b + G * K * N * b + rows * N * b
+    else:  # reads the rows of x and the weights, writes each routed row once (padding rows: not written)
+        shape, nbytes = (rows / G, N, K), rows * K * b + G * K * N * b + min(routed, out[0]) * N * b
     return dtype, 2.0 * rows * K * N, shape, nbytes
 
 

@@ -45,8 +45,8 @@ def _operand_types(module: Module, comp: str, names: list[str]) -> str:
 
 
 def allocation(ins) -> bool:
-    """`jax.lax.empty`'s buffer (an `AllocateBuffer` custom call): XLA's GPU compiler allocates it and
-    launches nothing."""
+    """An `AllocateBuffer` custom call (meshtrain/ops/unfilled.py, `jax.lax.empty`): XLA's GPU compiler
+    allocates its buffer and launches nothing."""
     return ins.op == "custom-call" and 'custom_call_target="AllocateBuffer"' in ins.line
 
 
