@@ -91,11 +91,13 @@ LOW_PEAK_NAMES = {"peak_fp8_flops": "fp8", "peak_fp4_flops": "fp4"}
 #   (fitted, `python benchmarks/grouped_matmul.py --fit`, on two full buffers measured on an H200 with the
 #   shipped tiles, 2026-12-04: 131,072 rows into 128 experts 4.156 ms, 262,144 into 16 6.257 ms, forward
 #   and both backward products of D 2048 x F 768; each within 1%. Held out, a buffer 1/8 filled, 2.009 ms,
-#   is predicted at 0.60x: the grid's programs over empty tiles are not priced).
+#   was predicted at 0.60x: the grid's programs over empty tiles are not priced).
 KERNEL_CONSTANTS = {"gemm_peak": 0.75, "gemm_half_size": 128, "attention_efficiency": 0.75, "hbm_efficiency": 0.681,
                     "launch_s": 0.75e-6, "grouped_gemm_peak": 0.530}
 # A grouped matmul on a partly filled buffer measured on an H200 over its prediction (held out from
 # grouped_gemm_peak's fit, above: a buffer `filled` 1/8, 2.009 ms predicted 1.206): the plan says so.
+# Measured on the kernels of 2026-12-04, which wrote zeros into the padding rows (priced); the kernels
+# since write none, and that buffer's program is priced at 1.119 ms, not measured.
 GROUPED_PARTLY_FILLED = {"filled": 1 / 8, "measured_over_predicted": 1.67}
 # The fp8 recipes' steps measured on an H200 over the walk's prediction with these constants (held out, not
 # fitted: llama_1b batch 8, cuDNN, 232.1 ms predicted 211.2 for fp8, 241.9 predicted 216.0 for fp8_rowwise,

@@ -151,7 +151,8 @@ def partly_filled(filled: float | None) -> list[str]:
     measured = GROUPED_PARTLY_FILLED
     return [f"    their buffers {filled:.0%} filled (the rows expected of the rows held): one 1/"
             f"{1 / measured['filled']:.0f} filled ran {measured['measured_over_predicted']:.2f}x its price on an "
-            f"H200 (the programs over empty tiles are not priced), so the step runs slower than priced"]
+            f"H200 (2026-12-04 kernels; the programs over empty tiles are not priced), so the step runs slower "
+            f"than priced"]
 
 
 def format_kernels(k: dict | None) -> list[str]:
