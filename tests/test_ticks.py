@@ -94,15 +94,17 @@ def test_the_gpu_program_of_a_pipeline_is_read_as_its_stages_mean_and_priced_at_
 
 
 def test_on_the_gpu_program_dualpipev_pairs_forward_and_backward_and_its_w_moves_no_all_to_all_again():
-    """moe_tiny cut to 4 layers on pipeline=2,expert=2 under dualpipev, 4 microbatches, on 4 compile-only
-    H100s: a steady tick's F and B are one branch (`act_pair`), which runs both actions' ragged
-    all-to-alls (F's alone and B's alone: the other branches'), so XLA's scheduler can hide one's under
-    the other's compute; the experts' grouped matmuls are the Triton kernels, so W takes the experts'
-    stash from B's part of their shard_map (meshtrain/engine/split_backward.py) and the all-to-alls are
-    the formula's 4 a MoE layer (W rerunning the pullback moved 1.5x)."""
+    """moe_tiny on pipeline=2,expert=2 under dualpipev (8 layers: 2 a chunk), 4 microbatches, on 4
+    compile-only H100s: a steady tick's F and B are one branch (`act_pair`), which runs both actions'
+    ragged all-to-alls (F's alone and B's alone: the other branches') in one loop over the layers (layer i's
+    forward beside layer 1 - i's backward: two loops one after the other would not overlap), so XLA's
+    scheduler can hide one's under the other's compute; the experts' grouped matmuls are the Triton
+    kernels, so W takes the experts' stash from B's part of their shard_map
+    (meshtrain/engine/split_backward.py) and the all-to-alls are the formula's 4 a MoE layer (W rerunning
+    the pullback moved 1.5x)."""
     if (missing := compilers.gpu_compiler_missing()) is not None:
         pytest.skip(missing)
-    cfg = tiny_config("parallel.mesh=pipeline=2,expert=2", "model.num_layers=4", "parallel.schedule=dualpipev",
+    cfg = tiny_config("parallel.mesh=pipeline=2,expert=2", "model.num_layers=8", "parallel.schedule=dualpipev",
                       "parallel.virtual_stages=2", f"parallel.microbatches={MICRO}", config=MOE_TINY)
     program = TrainProgram.from_config(cfg, devices=compilers.choose("gpu", "h100", 4, 8).devices)
     with compile_cache.suspended():
@@ -121,5 +123,15 @@ def test_on_the_gpu_program_dualpipev_pairs_forward_and_backward_and_its_w_moves
                   if ins.op == "conditional" and "/tick_FB/cond\"" in ins.line)
     idle, f_only, b_only, paired = (ragged(b) for b in ticks.branches(switch.line))
     assert idle == 0 and f_only > 0 and b_only > 0 and paired == f_only + b_only
+
+    def instructions(comp: str):  # a computation's instructions and those of what it calls
+        for ins in module.comps[comp].values():
+            yield ins
+            for callee in callees(ins):
+                yield from instructions(callee)
+
+    loops = [re.search(r"body=%?([\w.\-]+)", ins.line).group(1)
+             for ins in instructions(ticks.branches(switch.line)[3]) if ins.op == "while"]
+    assert max(ragged(body) for body in loops) == paired  # one loop holds F's and B's
     measured = hlo.by_kind(hlo.read(text, 4, correct=False, tick_plan=plan))["all-to-all"]["traffic_bytes"]
     assert measured == pytest.approx(traffic.expected_traffic(program)["all-to-all"]["traffic_bytes"], rel=0.05)

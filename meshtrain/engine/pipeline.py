@@ -287,14 +287,11 @@ class StageProgram:
         gradient; the writes: under zb, what W will read. `embeds=False`: the embedding's gradient is left
         to the caller (`act_pair`)."""
         ring = lambda name: read(c[name], m, v, self.slots[stage_state.SLOTS[name]])
-        g_y, docs = ring("cotangents"), self.documents(m)
-        if self.save and self.splits_weight_grad:  # the stash in B's order, the last layer's first (as `paired`)
+        g_y, docs, steps = ring("cotangents"), self.documents(m), jnp.arange(self.per_chunk)
+        if self.save:  # the last layer first: under zb the stash in that order (as `paired`), else in layer order
             back = self.back_step(v, m, ring("residuals"))
-            g_x, stash = jax.lax.scan(back, g_y, jnp.arange(self.per_chunk))
-            return self.backward_end(c, g_x, stash, m, v, embeds)
-        if self.save:
-            g_x, layers = jax.lax.scan(lambda g, xs: self.layer_back(*xs[:2], g, docs, xs[2]), g_y,
-                                       (self.chunk(v), ring("residuals"), self.layer_args(v, m)), reverse=True)
+            g_x, layers = (jax.lax.scan(back, g_y, steps) if self.splits_weight_grad else
+                           jax.lax.scan(back, g_y, steps[::-1], reverse=True))
             return self.backward_end(c, g_x, layers, m, v, embeds)
         x = self.chunk_input(c, m, v)
         chunk_forward = lambda p, x: scan_blocks(self.layers.layer, p, x, *docs, kinds=self.chunk_kinds(v),

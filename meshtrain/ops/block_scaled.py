@@ -200,10 +200,16 @@ def nv_quantize(t, *, two_d: bool = False, uniform=None, fmt: Format = NVFP4, fo
     s = e4m3_above(block_amax / FP4_MAX / g)
     if four_over_six:
         s = _four_over_six(xb, block_amax, g, s, fmt.block if two_d else 0)
-    divisor = s.astype(jnp.float32)[..., None] * g
-    scaled = xb * jnp.where(divisor > 0, 1.0 / jnp.where(divisor > 0, divisor, 1.0), 0.0)  # x (1 / (s_b g)), as TE
-    q = round_to_fp4(jnp.clip(scaled, -FP4_MAX, FP4_MAX), None if uniform is None else blocks(uniform, fmt.block))
+    q = _fp4_blocks(xb, s, g, None if uniform is None else blocks(uniform, fmt.block))
     return q.reshape(t.shape), s, g
+
+
+def _fp4_blocks(xb, s, g, uniform=None):
+    """Blocks [..., 16] in e2m1 at their scales s (e4m3, [...]) times the tensor's g: x (1 / (s_b g)), as
+    Transformer Engine (a zero scale: 0), clipped to e2m1's range and rounded (`round_to_fp4`)."""
+    divisor = s.astype(jnp.float32)[..., None] * g
+    scaled = xb * jnp.where(divisor > 0, 1.0 / jnp.where(divisor > 0, divisor, 1.0), 0.0)
+    return round_to_fp4(jnp.clip(scaled, -FP4_MAX, FP4_MAX), uniform)
 
 
 def _four_over_six(xb, block_amax, g, s6, tile: int):
@@ -215,9 +221,8 @@ def _four_over_six(xb, block_amax, g, s6, tile: int):
     s4 = e4m3_above(block_amax / 4.0 / g)
 
     def error(s):
-        d = s.astype(jnp.float32)[..., None] * g
-        scaled = xb * jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)  # as nv_quantize's q
-        e = jnp.sum(jnp.square(round_to_fp4(jnp.clip(scaled, -FP4_MAX, FP4_MAX)).astype(jnp.float32) * d - xb), -1)
+        dequantized = _fp4_blocks(xb, s, g).astype(jnp.float32) * s.astype(jnp.float32)[..., None] * g
+        e = jnp.sum(jnp.square(dequantized - xb), -1)
         return tiled_amax(e, tile, jnp.sum) if tile else e
 
     return jnp.where(error(s4) < error(s6), s4, s6)
