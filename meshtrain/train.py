@@ -14,6 +14,7 @@ from meshtrain.config.loader import (
     reference_markdown,
     split_override,
 )
+from meshtrain.core import exits
 from meshtrain.core.cli import (
     Parser,
     arguments,
@@ -122,6 +123,7 @@ def run(cfg, args, interrupted: threading.Event) -> None:
         if interrupted.is_set():  # a Ctrl-C or SIGTERM that a library callback swallowed while starting up
             raise_interrupt(interrupted.signum, None)
         trainer.fit()
+        exits.done(0)  # trained and saved: a signal while the processes leave together exits 0 at once
     except Exception as e:  # noqa: BLE001 - a peer that died is named in one line, not a traceback
         multihost.wait_if_a_peer_died(e, args.heartbeat_timeout)
         raise

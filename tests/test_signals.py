@@ -91,8 +91,8 @@ def left_behind(folder) -> list[str]:
 
 
 @pytest.mark.parametrize("sig,after", [(signal.SIGINT, 0.0), (signal.SIGTERM, 1.0), (signal.SIGINT, 3.0),
-                                       (signal.SIGTERM, 5.0), (signal.SIGTERM, "M params, mesh")],
-                         ids=["int-imports", "term-jax", "int-startup", "term-later", "term-compiled"])
+                                       (signal.SIGTERM, "M params, mesh"), (signal.SIGINT, "done: steps 1-3")],
+                         ids=["int-imports", "term-jax", "int-startup", "term-compiled", "int-finished"])
 def test_train_start_up(tmp_path, sig, after):
     out = tmp_path / "run"
     status, output = signalled(["meshtrain.train", "--config", TINY, "--out", str(out), "--steps", "3"], sig, after)
@@ -100,6 +100,8 @@ def test_train_start_up(tmp_path, sig, after):
     assert left_behind(out) == []
     if status != 0:  # stopped before training: nothing was written, the folder it made is gone
         assert not out.exists() or not [p for p in out.iterdir() if p.name != "run.lock"], list(out.iterdir())
+    if after == "done: steps 1-3":  # in the teardown of a finished run: its status stands, 0
+        assert status == 0 and list((out / "checkpoints").iterdir()), output[-3000:]
 
 
 def test_train_signal_once_training_saves_and_exits_0(tmp_path):

@@ -88,7 +88,9 @@ def command(main):
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
         try:
-            return main(argv)
+            status = main(argv)
+            exits.done(status)  # a signal in the teardown from here on keeps this status
+            return status
         except UserError as e:
             print(f"error: {one_line(str(e))}", file=sys.stderr)
             return EXIT_USER_ERROR

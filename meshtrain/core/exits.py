@@ -9,11 +9,13 @@ XLA's threads mid-start-up could crash, a segfault after the line), unless the c
 exception (KeyboardInterrupt, `Terminated`), so the `finally` blocks that release the lock and remove
 the temporary run, and the command's wrapper (core/cli.py) prints the same line. Raising only there
 also keeps the exception out of the C++ of an import or a compile that calls back into Python, where
-it would abort the process. Training replaces both handlers while its loop runs (a signal then
-checkpoints and exits 0: run/actions.py `preemption_signals`). Once the command has returned and its
-exit handlers have run, the interpreter's own shutdown ignores both: Python resets its handlers to the
-default there, and a SIGTERM landing then (JAX's teardown takes seconds on a loaded machine) would
-kill a command that had finished, status -15 instead of its own."""
+it would abort the process. Training replaces both handlers from its first write to its summary (a
+signal then finishes the step, checkpoints and exits 0: run/actions.py `preemption_signals`). Once the
+command's work is done (`done`: it returned, or training's fit did) a signal ends the process at once
+with the command's own status: its exit handlers and JAX's teardown take seconds on a loaded machine,
+and a finished command is not "interrupted". Once its exit handlers have run, the interpreter's own
+shutdown ignores both: Python resets its handlers to the default there, and a SIGTERM landing then
+would kill a command that had finished, status -15 instead of its own."""
 import atexit
 import contextlib
 import gc
@@ -32,6 +34,7 @@ class Terminated(KeyboardInterrupt):
 
 
 _as_process = False  # `python -m meshtrain.<command>` is this process (set by take_signals)
+_result = None  # the status of a command whose work is done (`done`)
 _unwinding = 0  # how many `unwinding()` blocks are open
 line_fd = 2  # where the line goes: stderr, or where stderr was while it is redirected (core/cli.py)
 
@@ -80,6 +83,14 @@ def end(signum: int) -> None:
     os._exit(status)
 
 
+def done(status: int) -> None:
+    """The command's work is done and its result stands (a training run: its last checkpoint durable):
+    as a process, a signal from now on (its exit handlers, JAX's teardown, a barrier with its peers)
+    ends it at once with `status`, not the signal's, since nothing is left to unwind or redo."""
+    global _result
+    _result = status
+
+
 def fail_now(line: str) -> None:
     """As a process: `line` (an `error:` line) then exit 2 at once, where the interpreter's shutdown
     would print a native library's teardown after it (JAX's half-joined multi-host runtime)."""
@@ -93,6 +104,9 @@ def on_signal(signum, frame):
     """The handler for SIGINT and SIGTERM (see the module doc). Where the signal is raised, not inside a
     garbage-collection callback (JAX registers one), where Python would print the exception as
     "Exception ignored" and go on: there it is sent again once the callback has returned."""
+    if _as_process and _result is not None:
+        sys.stdout.flush()
+        os._exit(_result)
     if _as_process and not _unwinding:
         end(signum)
     callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}

@@ -250,9 +250,10 @@ class Trainer:
         account = goodput.Goodput(self._begun if fresh else time.perf_counter(), self._compile_s if fresh else 0.0,
                                   first)
         self._begun = None
-        try:
-            # From before the first write on, a signal finishes the step, checkpoints and exits 0.
-            with preemption_signals() as signalled:
+        # From before the first write to the summary a signal finishes the step, checkpoints and exits 0:
+        # one that lands while the last save is made durable, or after, leaves the finished run as it is.
+        with preemption_signals() as signalled:
+            try:
                 if primary:  # only a run that trains writes into --out
                     run_dir.write_config(self.out, cfg, self.program.mesh)
                     earlier = run_dir.read_record(self.out)
@@ -271,35 +272,35 @@ class Trainer:
                 self.watchdog = StepWatchdog(t.step_timeout, self.out, jax.process_index(), jax.process_count(), first)
                 with self.watchdog:
                     self._loop(first, steps, log, signalled, account)
-            # Every save is durable (the last one waited for): Orbax's manager and its thread end here,
-            # on every process alike, before --out is given back (a second fit() makes a new one). Not
-            # on an error: a peer may be gone.
-            closing = time.perf_counter()
-            self.checkpointer.close()
-            account.spend("checkpoint", time.perf_counter() - closing)
-            if self.store.local_tier is not None:
-                self.store.local_tier.report_failures()
-        except UserError:  # a full disk, say: the saves already started still become durable
-            if jax.process_count() == 1:
-                with contextlib.suppress(Exception):
-                    self.checkpointer.wait()
-            raise
-        finally:
-            with contextlib.suppress(Exception):  # written at its last change; after an error, as far as it got
-                account.flush()
-            if log is not None:
-                # After an error (a full disk), closing the sinks may fail the same way: the first error is the one said
-                with contextlib.suppress(UserError) if sys.exc_info()[1] is not None else contextlib.nullcontext():
-                    log.close()
-            self.close()
-        if primary:
-            saved = self.checkpointer.steps()
-            newest = str(self.checkpointer.path(max(saved))) if saved else None
-            record = run_dir.read_record(self.out)  # the run's starts, this one's account last
-            accounts = [s["goodput"] for s in record["starts"] if "goodput" in s] if record else [account.account()]
-            console.info(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
-                                              time.perf_counter() - started, newest, log.locations())
-                         + "; " + goodput.line(goodput.total(accounts)))
+                # Every save is durable (the last one waited for): Orbax's manager and its thread end here,
+                # on every process alike, before --out is given back (a second fit() makes a new one). Not
+                # on an error: a peer may be gone.
+                closing = time.perf_counter()
+                self.checkpointer.close()
+                account.spend("checkpoint", time.perf_counter() - closing)
+                if self.store.local_tier is not None:
+                    self.store.local_tier.report_failures()
+            except UserError:  # a full disk, say: the saves already started still become durable
+                if jax.process_count() == 1:
+                    with contextlib.suppress(Exception):
+                        self.checkpointer.wait()
+                raise
+            finally:
+                with contextlib.suppress(Exception):  # written at its last change; after an error, as far as it got
+                    account.flush()
+                if log is not None:
+                    # After an error (a full disk) closing the sinks may fail alike: the first error is the one said
+                    with contextlib.suppress(UserError) if sys.exc_info()[1] is not None else contextlib.nullcontext():
+                        log.close()
+                self.close()
+            if primary:
+                saved = self.checkpointer.steps()
+                newest = str(self.checkpointer.path(max(saved))) if saved else None
+                record = run_dir.read_record(self.out)  # the run's starts, this one's account last
+                accounts = [s["goodput"] for s in record["starts"] if "goodput" in s] if record else [account.account()]
+                console.info(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
+                                                  time.perf_counter() - started, newest, log.locations())
+                             + "; " + goodput.line(goodput.total(accounts)))
         return log.history
 
     def _loop(self, first, steps, log, signalled, account):
