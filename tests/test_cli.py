@@ -148,7 +148,7 @@ def test_generate_refuses_an_absurd_length_before_loading(tmp_path, capsys):
     started = time.perf_counter()
     code = main(["--run", str(run), "--prompt", "hello", "--tokenizer", "byte", "--max-new-tokens", "1000000000"])
     err = capsys.readouterr().err
-    assert code == 2 and time.perf_counter() - started < 2, err
+    assert code == 2 and time.perf_counter() - started < 10, err  # no weights read, nothing compiled
     assert err.startswith("error: --max-new-tokens 1000000000 needs at least ") and "the KV cache of 1 row(s) x " \
         "1,000,000,004 positions" in err and err.endswith("generate fewer tokens or fewer prompts at once\n")
     assert main(["--run", str(run), "--prompt", "hi", "--tokenizer", "byte", "--max-new-tokens", "2147483647"]) == 2

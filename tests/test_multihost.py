@@ -30,6 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_text(path, text: str, seconds: float = 10) -> str:
+    """`path`'s text once it holds `text`, or after `seconds`: a process's stderr goes through its filter
+    process (meshtrain/run/multihost.py), which may write the last line after the process has ended."""
+    deadline = time.time() + seconds
+    while text not in path.read_text() and time.time() < deadline:
+        time.sleep(0.1)
+    return path.read_text()
+
+
 def test_two_processes_match_one_then_survivor_exits_when_peer_dies(tmp_path):
     out, port = tmp_path / "run", free_port()
     sets = [arg for o in OVERRIDES for arg in ("--set", o)]
@@ -54,7 +63,7 @@ def test_two_processes_match_one_then_survivor_exits_when_peer_dies(tmp_path):
             p.kill()
     print(f"survivor exited {survivor_exit_s:.1f}s after its peer was killed (heartbeat timeout {HEARTBEAT_S}s)")
     assert procs[0].returncode == 3 and survivor_exit_s < EXIT_BOUND_S
-    err0 = (tmp_path / "p0.err").read_text()
+    err0 = wait_for_text(tmp_path / "p0.err", "stopped responding")
     assert err0.strip().splitlines()[-1] == (
         f"error: process 1 of 2 stopped responding (no heartbeat for {HEARTBEAT_S} s); rerun the same command on "
         f"every host to resume from the latest checkpoint")
@@ -150,10 +159,7 @@ def test_losing_the_coordinator_is_one_line(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    deadline = time.time() + 10  # the filter process writes the line as the survivor ends
-    while "error: lost" not in (tmp_path / "p1.err").read_text() and time.time() < deadline:
-        time.sleep(0.1)
-    err1 = (tmp_path / "p1.err").read_text()
+    err1 = wait_for_text(tmp_path / "p1.err", "error: lost")
     assert err1.strip().splitlines()[-1] == (
         "error: lost the coordinator, process 0 (the JAX distributed service stopped answering); rerun the same "
         "command on every host to resume from the latest checkpoint")

@@ -72,9 +72,10 @@ def test_profile_traces_the_window_for_tensorboard_and_perfetto(run):
     assert list(traces[0].glob("*.xplane.pb"))[0].stat().st_size > 0  # TensorBoard's profile plugin
     assert (traces[0] / "perfetto_trace.json.gz").stat().st_size > 0  # ui.perfetto.dev
     assert f"profile of steps 2-4 written to {out / 'profile'}" in stdout
-    # tracing's own time is kept out of the steps' times: step 4 is no slower than the rest by far
+    # tracing's own time (its write: seconds) is kept out of the steps' times: step 4 is no slower than the rest
+    # by far (0.25 s: a busy worker's stall on a step of milliseconds)
     times = [r["step_time_s"] for r in records(out) if "loss" in r]
-    assert times[3] < 5 * np.median(times[1:]), times
+    assert times[3] < 5 * np.median(times[1:]) + 0.25, times
 
 
 @pytest.mark.fast

@@ -151,9 +151,9 @@ HOLDS_THE_GIL = """
 import re, sys, time
 from meshtrain.run import watchdog
 watchdog.BACKSTOP_S = 1.0
-with watchdog.StepWatchdog(1.0, sys.argv[1]) as dog:
-    for step in range(1, 5):  # a beat every 0.6 s: the backstop's deadline moves past 2.6 s
-        time.sleep(0.6)
+with watchdog.StepWatchdog(2.0, sys.argv[1]) as dog:
+    for step in range(1, 13):  # a beat every 0.3 s (1.7 s of slack a beat): past the first deadline, 3.3 s
+        time.sleep(0.3)
         dog.beat(step)
     re.match(r"(a+)+$", "a" * 64 + "b")  # never returns and never lets the watchdog's thread run
 """

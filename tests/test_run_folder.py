@@ -112,7 +112,7 @@ def test_trainer_refuses_a_locked_out_before_building_anything(tmp_path, holder_
     started = time.perf_counter()
     with pytest.raises(UserError, match="is in use by pid"):
         Trainer(tiny_config(out=str(out)))
-    assert time.perf_counter() - started < 2  # no data, no compile
+    assert time.perf_counter() - started < 10  # no data, no compile (each tens of seconds)
     assert (out / "metrics.jsonl").read_text().count("\n") == 300  # the running run's records intact
 
 
