@@ -119,7 +119,7 @@ def run(cfg, args, interrupted: threading.Event) -> None:
     from meshtrain.run.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, allow_change=args.allow_change)
+        interrupted.trainer = trainer = Trainer(cfg, allow_change=args.allow_change)
         if interrupted.is_set():  # a Ctrl-C or SIGTERM that a library callback swallowed while starting up
             raise_interrupt(interrupted.signum, None)
         trainer.fit()
@@ -145,6 +145,8 @@ def noting_interrupts():
     def on_signal(signum, frame):
         interrupted.signum = signum
         interrupted.set()
+        if getattr(getattr(interrupted, "trainer", None), "fitted", False):
+            exits.done(0)  # fit() returned (trained, saved): the signal ends a finished run, exit 0
         raise_interrupt(signum, frame)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -243,7 +243,7 @@ class Trainer:
             console.info(f"already at step {first} of {steps}: nothing to train (raise --steps, or use a new --out)")
             self.close()
             return []
-        self.preempted = False
+        self.preempted = self.fitted = False  # fitted: ran to its end, its saves durable (train.py's handler)
         self._own_folder()  # held since __init__, or again for a second fit()
         # This start's goodput account (meshtrain/run/goodput.py); a second fit() starts at its call.
         fresh = self._begun is not None
@@ -301,6 +301,7 @@ class Trainer:
                 console.info(loggers.summary_line(log.history, first, int(self.state["step"]), steps,
                                                   time.perf_counter() - started, newest, log.locations())
                              + "; " + goodput.line(goodput.total(accounts)))
+            self.fitted = True  # before the handlers go back: a signal from here on finds the run finished
         return log.history
 
     def _loop(self, first, steps, log, signalled, account):
