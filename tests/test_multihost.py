@@ -166,6 +166,17 @@ def test_losing_the_coordinator_is_one_line(tmp_path):
     assert "stack trace" not in err1
 
 
+def test_the_watcher_that_sees_the_coordinator_gone_first_says_the_same_line():
+    """Which of JAX's abort and meshtrain's peer watcher sees the service gone first is a race: the
+    watcher's line is the abort's line too (exit 3 there)."""
+    from meshtrain.run.multihost import EXIT_PEER_LOST, LOST_COORDINATOR
+
+    done = subprocess.run([sys.executable, "-c", "from meshtrain.core.console import use_console; use_console(); "
+                           "from meshtrain.run import multihost; multihost.exit_peer_lost([0], 10, True)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_PEER_LOST and done.stderr.strip().splitlines()[-1] == f"error: {LOST_COORDINATOR}"
+
+
 def test_gloos_interleaved_connection_lines_leave_stdout():
     """Gloo threads announcing their connections at once: every piece is dropped (a bare count left
     on its own line, or a middle piece on another thread's line, included), the run's own lines

@@ -34,6 +34,7 @@ from meshtrain.core.errors import UserError
 EXIT_PEER_LOST = 3
 JAX_ABORT_AFTER_S = 60  # JAX's join timeout is --init-timeout plus this: ours ends the wait first
 RESUME_HINT = "rerun the same command on every host to resume from the latest checkpoint"
+LOST_COORDINATOR = f"lost the coordinator, process 0 (the JAX distributed service stopped answering); {RESUME_HINT}"
 _run_over = threading.Event()  # set when this process is done: a peer that finished first is not lost
 
 
@@ -350,21 +351,23 @@ def _watch_peers(heartbeat_timeout_s: int) -> None:
     def watch():
         while not _run_over.wait(1.0):
             try:
-                lost = everyone - _live_processes()
+                lost, coordinator_gone = everyone - _live_processes(), False
             except Exception:  # noqa: BLE001 - the coordinator (process 0) itself is gone
-                lost = {0}
+                lost, coordinator_gone = {0}, True
             if lost and not _run_over.wait(2.0):  # a peer that just finished normally is not lost
-                exit_peer_lost(sorted(lost), heartbeat_timeout_s)
+                exit_peer_lost(sorted(lost), heartbeat_timeout_s, coordinator_gone)
 
     threading.Thread(target=watch, name="meshtrain-peer-watch", daemon=True).start()
 
 
-def exit_peer_lost(lost: list[int], heartbeat_timeout_s: int) -> None:
+def exit_peer_lost(lost: list[int], heartbeat_timeout_s: int, coordinator_gone: bool = False) -> None:
+    """The one line for a lost peer, then the exit. `coordinator_gone`: the service itself stopped
+    answering, said as JAX's own fatal abort is (`_filter_fd`), whichever of the two sees it first."""
     import jax
 
     which = ", ".join(map(str, lost))
-    log.error(f"process {which} of {jax.process_count()} stopped responding (no heartbeat for "
-              f"{heartbeat_timeout_s} s); {RESUME_HINT}")
+    log.error(LOST_COORDINATOR if coordinator_gone else f"process {which} of {jax.process_count()} stopped "
+              f"responding (no heartbeat for {heartbeat_timeout_s} s); {RESUME_HINT}")
     sys.stdout.flush()
     os._exit(EXIT_PEER_LOST)  # no clean shutdown: it would wait for the lost process
 
@@ -474,8 +477,7 @@ def _filter_output() -> None:
     _filter_fd(1, GLOO_PIECES)
     _filter_fd(2, ("Using experimental recoverable task feature",),
                fatal="Terminating process because the JAX distributed service detected fatal errors",
-               message=f"error: lost the coordinator, process 0 (the JAX distributed service stopped "
-                       f"answering); {RESUME_HINT}")
+               message=f"error: {LOST_COORDINATOR}")
 
 
 # ---- meshtrain processes started by a launcher (meshtrain/sweep/, meshtrain/ray_launch.py) ----
