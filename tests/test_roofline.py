@@ -437,6 +437,22 @@ def test_the_gpu_programs_kernels_are_costed_in_schedule_order(link_s):
 
 
 @pytest.mark.fast
+def test_the_memory_bound_time_is_listed_by_kernel_largest_first():
+    """`memory_top`: each memory-bound kernel's seconds a step (times its launches), by op, shape and
+    the JAX operation it came from (XLA's metadata), largest first, summing to the step's memory-bound time."""
+    from meshtrain.planner import kernel_time
+
+    named = WALKED.replace("copy(%mm)", 'copy(%mm), metadata={op_name="jit(step)/while/body/transpose"}')
+    r = kernel_time.step_time(named, PROFILE, {"ar": 1e-5})
+    mib = 2 ** 20
+    assert r["memory_top"] == [("fusion f32[1024,1024]", pytest.approx(4 * 12 * mib / 0.5e12)),  # the loop's add
+                               ("fusion f32[8,1024,1024]", pytest.approx(4 * 8 * mib / 0.5e12)),  # its update
+                               ("copy bf16[4096,1024] transpose", pytest.approx(2 * 8 * mib / 0.5e12)),
+                               ("compare pred[]", pytest.approx(5e-6))]  # the condition, 5 launches
+    assert sum(s for _, s in r["memory_top"]) == pytest.approx(r["by_kind_s"]["memory"])
+
+
+@pytest.mark.fast
 def test_a_conditional_costs_the_mean_of_its_branches():
     from meshtrain.planner import kernel_time
 

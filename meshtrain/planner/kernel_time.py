@@ -46,6 +46,9 @@ computation that runs, never one inside a fusion) in the compiled schedule's ord
   meshtrain/ops/offload.py) on the host link (`host_bw`, each direction its own stream: PCIe is
   full duplex), as collectives are: the device-side array's bytes, the `-done` waiting for them.
 
+The memory-bound kernels' seconds are also summed by what they are (`memory_top`: the op, its shape,
+the JAX operation it came from), the largest first: where a step's memory-bound time goes.
+
 The constants (`KERNEL_CONSTANTS` in meshtrain/core/metrics.py) are calibrated on measured steps and
 stated there with the rows they came from (benchmarks/RESULTS.md, "A step time to book a pod on").
 """
@@ -69,6 +72,8 @@ _FREE = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant", "afte
          "replica-id", "opt-barrier", "copy-done", "send-done", "recv-done", "async-done",
          "fusion-done")  # no kernel of their own (an async fusion is priced at its fusion-start)
 _SLICES = ("dynamic-slice", "slice", "gather")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+MEMORY_TOP = 12  # memory-bound kernels listed (`memory_top`)
 
 
 _LAID_OUT = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
@@ -228,6 +233,7 @@ class StepTime:
         self.parts: dict[str, float] = defaultdict(float)  # seconds per step by kind of work
         self.counts: dict[str, float] = defaultdict(float)
         self.launched: list[tuple[str, float, int, float]] = []  # (kind, arithmetic s, bytes, times per step)
+        self.memory_by_kernel: dict[str, float] = defaultdict(float)  # seconds per step (`memory_label`)
 
     def work(self, comp: str, ins) -> tuple[str, float, int] | None:
         """(kind, seconds of its arithmetic at the peak, bytes it moves) of a kernel-level instruction,
@@ -263,6 +269,8 @@ class StepTime:
         seconds = kernel_seconds(kind, arithmetic_s, nbytes, self.profile)
         self.parts[kind] += times * seconds
         self.counts[kind] += times
+        if kind == "memory":
+            self.memory_by_kernel[memory_label(ins)] += times * seconds
         return seconds
 
     def run(self, comp: str, times: float = 1.0, cell: frozenset | None = None) -> float:
@@ -345,11 +353,20 @@ def branch_shares(module: Module, comp: str, ins, branches: int) -> list[float] 
     return None
 
 
+def memory_label(ins) -> str:
+    """A memory-bound kernel as `memory_top` lists it: its op, its shape (a tuple's first array) and the
+    last part of the JAX operation's name it came from (XLA's metadata), e.g. `copy f32[151936,2048]`."""
+    name, array = _OP_NAME.search(ins.line), _LAID_OUT.search(ins.shape)
+    shape = f"{array.group(1)}[{array.group(2)}]" if array else ""
+    return " ".join(filter(None, (ins.op, shape, name.group(1).rsplit("/", 1)[-1] if name else "")))
+
+
 def step_time(hlo_text: str, profile: dict, link_s: dict[str, float], tick_plan: dict | None = None) -> dict:
     """The step's seconds by the walk (`StepTime`), with the seconds per step of each kind of work
     (GEMMs, fused attention, memory-bound kernels, collectives on their links) and the
-    kernels launched of each kind; `calibrated`: whether the constants were fitted on this device's
-    steps (else they are the H100/H200's, and the plan says so)."""
+    kernels launched of each kind, the largest memory-bound kernels (`memory_top`: [label, seconds per
+    step]); `calibrated`: whether the constants were fitted on this device's steps (else they are the
+    H100/H200's, and the plan says so)."""
     walk = StepTime(hlo_text, profile, link_s, tick_plan)
     step = walk.run(walk.module.entry)
     busy = sum(walk.parts[k] for k in ("gemm", "attention", "memory"))
@@ -357,6 +374,7 @@ def step_time(hlo_text: str, profile: dict, link_s: dict[str, float], tick_plan:
     return {"step_s": step, "kernels_s": busy, "exposed_comm_s": max(0.0, step - busy - wait), "pipeline_wait_s": wait,
             "by_kind_s": {k: walk.parts[k] for k in ("gemm", "attention", "memory", "collectives", "host")},
             "launches": {k: walk.counts[k] for k in ("gemm", "attention", "memory", "host")},
+            "memory_top": sorted(walk.memory_by_kernel.items(), key=lambda kv: -kv[1])[:MEMORY_TOP],
             "constants": dict(walk.c), "calibrated": profile.get("kernels_calibrated", True)}
 
 
