@@ -91,7 +91,7 @@ def main():
     p.add_argument("--n", type=int, default=512, help="the weight's outputs")
     p.add_argument("--k", type=int, default=1024, help="the contraction (a multiple of 128)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--predict", help="price the programs for this GPU (h100, h200, b200) by XLA's GPU compiler "
+    p.add_argument("--predict", help="price the programs for this GPU (h100, h200, b200, gb200) by XLA's GPU compiler "
                                      "without one, and run nothing (default: time them here, and on a GPU price "
                                      "the programs that ran)")
     p.add_argument("--tiles", action="store_true", help="time the kernel per tile choice (a GPU)")

@@ -61,7 +61,7 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--device", default="h100", choices=("h100", "h200", "b200"))
+    p.add_argument("--device", default="h100", choices=("h100", "h200", "b200", "gb200"))
     p.add_argument("--precisions", default="fp8,fp8_rowwise")
     args = p.parse_args()
     import jax

@@ -99,7 +99,7 @@ def seconds(step, args, repeats: int) -> float:
 
 
 def gpu_program(step, args, device: str) -> str:
-    """`step`'s program as XLA's GPU compiler builds it for `device` (h100, h200, b200) without a GPU
+    """`step`'s program as XLA's GPU compiler builds it for `device` (h100, h200, b200, gb200) without a GPU
     (compile-only devices, as `plan --compiler gpu`), for shapes and dtypes of `args`."""
     import jax
 
@@ -235,7 +235,7 @@ def main():
     p.add_argument("--fill", type=int, default=8, help="the partly filled buffer is 1/fill filled")
     p.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--predict", help="price the program for this GPU (h100, h200, b200) by XLA's GPU compiler "
+    p.add_argument("--predict", help="price the program for this GPU (h100, h200, b200, gb200) by XLA's GPU compiler "
                                      "without one (default: on a GPU, the program it ran)")
     p.add_argument("--fit", action="store_true", help="fit `grouped_gemm_peak` on MEASURED_H200 (no GPU needed)")
     p.add_argument("--tiles", nargs="?", const="all", choices=("all", "tgmm"),

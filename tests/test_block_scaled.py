@@ -296,7 +296,7 @@ def test_the_planner_runs_each_recipes_gemms_at_its_peak_and_refuses_a_gpu_witho
     for recipe in ("mxfp8", "nvfp4"):
         roofline.refuse_on(b200, recipe)
         with pytest.raises(UserError, match=f"parallel.precision={recipe}: the H100 SXM has no {recipe} GEMMs "
-                                            r"\(Blackwell: B200, GB200\); plan it on --device b200, or set"):
+                                            r"\(Blackwell: B200, GB200\); plan it on --device b200 or gb200, or set"):
             roofline.refuse_on(DEVICE_PROFILES["h100"], recipe)
 
 

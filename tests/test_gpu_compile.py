@@ -274,23 +274,33 @@ def test_quantized_matrices_are_gathered_quantized_and_their_gradients_reduced_i
     assert flag is None or f"the {recipe} recipe's scales" in flag
 
 
-@pytest.mark.parametrize("recipe", ["fp8"])  # fp8_rowwise's GEMMs take the same path (ops/fp8.py)
-def test_a_b200_plan_is_its_gpu_program_with_fp8_gemms_and_says_its_constants_are_not_calibrated(capsys, recipe):
-    """Blackwell as a target (XLA's own B200 spec, cc 10.0): the fp8 recipe compiles to fp8 GEMMs there
-    too, and the step priced from its kernels says the constants are the H100/H200's. (One device: the
-    claims are the target's, not a layout's.)"""
-    assert main(["--config", TINY, "--devices", "1", "--mesh", "1", "--device", "b200", "--compiler", "gpu",
+# fp8_rowwise's GEMMs take the same path (ops/fp8.py); bf16, fp8 and fp4 peaks of each datasheet (core/metrics.py)
+@pytest.mark.parametrize("recipe, device, peaks", [("fp8", "b200", (2250, 4500)), ("nvfp4", "gb200", (2500, 10000))])
+def test_a_blackwell_plan_is_its_gpu_program_with_low_precision_gemms_and_says_its_constants_are_not_calibrated(
+        capsys, recipe, device, peaks):
+    """Blackwell as a target (XLA's own B200 and GB200 specs, cc 10.0): the fp8 recipe compiles to fp8 GEMMs
+    there too, nvfp4 to block-scaled e2m1 ones, and the step priced from its kernels says the constants are
+    the H100/H200's. (One device: the claims are the target's, not a layout's.) A GB200 NVL72 rack is one
+    NVLink domain of 72 GPUs: a 64-GPU mesh is priced on NVLink, where B200s cross 8 nodes."""
+    assert main(["--config", TINY, "--devices", "1", "--mesh", "1", "--device", device, "--compiler", "gpu",
                  "--set", f"parallel.precision={recipe}", "--json", "--search-budget", "0"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["compiled_for"]["device_kind"] == "NVIDIA B200"
-    assert {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"} <= set(report["kernels"]["gemms"])
+    assert report["compiled_for"]["device_kind"] == f"NVIDIA {device.upper()}"
+    gemms = set(report["kernels"]["gemms"])
+    if recipe == "fp8":
+        assert {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"} <= gemms
+    else:
+        assert BLOCK_SCALED_GEMMS[recipe] in gemms
     roof = report["roofline"]
     assert roof["priced_by"] == "kernels" and roof["kernel_time"]["calibrated"] is False
     text = format_plan(report)
     assert "GPU kernels (NOT calibrated on this GPU: the H100/H200's shares" in text
     # the recipe's step measured on an H200 against its prediction (metrics.py FP8_MEASURED_OVER_PREDICTED)
-    assert f"{recipe}: a step measured on an H200 ran 1.1" in text
-    assert roof["mfu_fp8_ceiling"] == pytest.approx(roof["mfu_ceiling"] * 2250 / 4500)
+    if recipe == "fp8":  # the recipe's step measured on an H200 against its prediction (FP8_MEASURED_OVER_PREDICTED)
+        assert f"{recipe}: a step measured on an H200 ran 1.1" in text
+    assert roof["mfu_fp8_ceiling"] == pytest.approx(roof["mfu_ceiling"] * peaks[0] / peaks[1])
+    assert roofline.placement({"fsdp": 64}, DEVICE_PROFILES[device]["devices_per_node"]) == \
+        {"fsdp": "in-node" if device == "gb200" else "cross-node"}
 
 
 PROJECTIONS = ("bld,dhk->blhk", "bld,dgk->blgk", "blhk,hkd->bld", "bld,df->blf", "blf,fd->bld")  # the 7

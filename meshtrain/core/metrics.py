@@ -18,6 +18,7 @@ from __future__ import annotations
 
 # Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind (first match wins).
 PEAK_BF16_FLOPS = {
+    "GB200": 2500e12,  # before "B200", its substring
     "B200": 2250e12,
     "H200": 989e12,
     "H100 PCIe": 756e12,
@@ -30,14 +31,16 @@ PEAK_BF16_FLOPS = {
 }
 # Dense fp8 (e4m3/e5m2) tensor-core peak FLOP/s, 2x bf16 on Hopper; devices without fp8 matmuls absent.
 PEAK_FP8_FLOPS = {
+    "GB200": 5000e12,
     "B200": 4500e12,
     "H200": 1979e12,
     "H100 PCIe": 1513e12,
     "H100": 1979e12,
 }
 # Dense fp4 (NVFP4, block-scaled e2m1) tensor-core peak FLOP/s: Blackwell's (HGX B200 datasheet: 144 PFLOP/s
-# sparse for 8 GPUs -> 9 dense per GPU).
+# sparse for 8 GPUs -> 9 dense per GPU; GB200 NVL72's 1,440 for 72 -> 10).
 PEAK_FP4_FLOPS = {
+    "GB200": 10000e12,
     "B200": 9000e12,
 }
 LOW_PRECISION_PEAKS = {"peak_fp8_flops": PEAK_FP8_FLOPS, "peak_fp4_flops": PEAK_FP4_FLOPS}
@@ -58,12 +61,18 @@ LOW_PEAK_NAMES = {"peak_fp8_flops": "fp8", "peak_fp4_flops": "fp4"}
 # - B200 (NVIDIA HGX B200 and DGX B200 datasheets, per GPU of 8, dense = half the sparse figures): bf16
 #   2.25 PFLOP/s, fp8 (and MXFP8) 4.5, fp4 (NVFP4) 9, tf32 1.125; 180 GB HBM3e at 8 TB/s; NVLink 5 1.8
 #   TB/s per GPU both directions -> 900 GB/s each way; DGX B200: one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s.
+# - GB200 (NVIDIA GB200 NVL72 datasheet: 72 GPUs and 36 Grace CPUs, rack figures / 72, dense = half the
+#   sparse): bf16 2.5 PFLOP/s, fp8 5, fp4 10, tf32 1.25; 13.4 TB HBM3e at 576 TB/s -> 186 GB at 8 TB/s;
+#   NVLink 5 1.8 TB/s per GPU both directions -> 900 GB/s each way, among all 72 GPUs of the rack (one
+#   NVLink domain: a "node" of 72); one 400 Gb/s ConnectX-7 per GPU between racks -> 50 GB/s.
 # - A100 SXM4 80GB: HBM2e 2,039 GB/s; NVLink 3 600 GB/s per GPU both ways (12 x 50) -> 300 GB/s.
 #   DGX A100: 8 GPUs, one 200 Gb/s ConnectX-6 (InfiniBand HDR) per GPU -> 25 GB/s.
 # Host memory (parallel.offload, meshtrain/ops/offload.py): `host_bw`, the GPU's host link in bytes/s
 # each way, and `host_memory`, one node's system memory (DGX datasheets): H100 and H200 SXM, PCIe Gen5
 # x16 "128 GB/s" both ways -> 64 GB/s each way, DGX H100/H200 2 TB; B200 PCIe Gen5 x16 -> 64 GB/s, DGX
-# B200 2 TB (4 TB optional); A100 SXM4 PCIe Gen4 x16 "64 GB/s" -> 32 GB/s, DGX A100 2 TB.
+# B200 2 TB (4 TB optional); A100 SXM4 PCIe Gen4 x16 "64 GB/s" -> 32 GB/s, DGX A100 2 TB; GB200, the
+# Grace's NVLink-C2C, 900 GB/s both ways for the superchip's two GPUs -> 225 GB/s each way per GPU when
+# both move (as every GPU of a step does), the rack's LPDDR5X 17 TB (36 x 480 GB).
 # - TPU v5p (cloud.google.com/tpu/docs/v5p): 95 GiB HBM2e at 2,765 GB/s; ICI 1,200 GB/s per chip
 #   bidirectional -> 600 GB/s each way; DCN 50 Gb/s per chip -> 6.25 GB/s. A "node" is a slice (one
 #   ICI domain): 6,144 chips is the largest slice a job can have (16x16x24), so any mesh up to that
@@ -78,7 +87,7 @@ LOW_PEAK_NAMES = {"peak_fp8_flops": "fp8", "peak_fp4_flops": "fp4"}
 # ms) and with XLA's attention (674.2 ms), and H100 llama3-8b's shape with 4 layers, batch 2, remat
 # full, blockwise attention (1,131.6 ms). Held out, each within 3.2% of its prediction: H200 llama_1b
 # batch 16 cuDNN (530.9 ms), batch 8 blockwise (654.7 ms), H100 llama3-8b batch 4 in 2 microbatches
-# save_matmuls (1,991.1 ms). One set serves the H100 and H200 (one GH100 die); the A100 and B200 take the
+# save_matmuls (1,991.1 ms). One set serves the H100 and H200 (one GH100 die); the A100, B200 and GB200 take the
 # same shares, not calibrated on either (`kernels_calibrated` False: the plan says so).
 # - gemm_peak: a large GEMM's share of the dense peak of its operand type (fitted);
 # - gemm_half_size: a GEMM side of this many rows or columns runs at half that share (the 128-wide
@@ -118,6 +127,12 @@ DEVICE_PROFILES = {
              "in_node_bw": 900e9, "cross_node_bw": 50e9, "host_bw": 64e9, "host_memory": 2e12,
              "devices_per_node": 8, "kernels": KERNEL_CONSTANTS, "capability": (10, 0),
              "kernels_calibrated": False},
+    "gb200": {"name": "GB200", "peak_flops": PEAK_BF16_FLOPS["GB200"], "peak_fp8_flops": PEAK_FP8_FLOPS["GB200"],
+              "peak_fp4_flops": PEAK_FP4_FLOPS["GB200"],
+              "peak_tf32_flops": 1250e12, "hbm_bw": 8e12, "memory": 186e9,
+              "in_node_bw": 900e9, "cross_node_bw": 50e9, "host_bw": 225e9, "host_memory": 17e12,
+              "devices_per_node": 72, "kernels": KERNEL_CONSTANTS, "capability": (10, 0),
+              "kernels_calibrated": False},
     "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "peak_tf32_flops": 156e12,
              "hbm_bw": 2.039e12, "memory": 80e9,
              "in_node_bw": 300e9, "cross_node_bw": 25e9, "host_bw": 32e9, "host_memory": 2e12,

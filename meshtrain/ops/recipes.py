@@ -42,13 +42,13 @@ class Recipe:
     cudnn: tuple[int, int] | None = None
 
 
-_FP8_GPUS = "Ada, Hopper, Blackwell: L40S, H100, H200, B200"
+_FP8_GPUS = "Ada, Hopper, Blackwell: L40S, H100, H200, B200, GB200"
 RECIPES = {
     "fp8": Recipe(fp8_einsum, 1, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
     "fp8_rowwise": Recipe(fp8_rowwise_einsum, 2, "peak_fp8_flops", (8, 9), _FP8_GPUS, 1.0),
     # Triton's fp8 tensor-core GEMMs: Hopper's wgmma and Blackwell's
-    "fp8_blockwise": Recipe(fp8_blockwise_einsum, 2, "peak_fp8_flops", (9, 0), "Hopper, Blackwell: H100, H200, B200",
-                            1 + 4 / FP8_BLOCKWISE.block),
+    "fp8_blockwise": Recipe(fp8_blockwise_einsum, 2, "peak_fp8_flops", (9, 0),
+                            "Hopper, Blackwell: H100, H200, B200, GB200", 1 + 4 / FP8_BLOCKWISE.block),
     "mxfp8": Recipe(mxfp8_einsum, 2, "peak_fp8_flops", (10, 0), "Blackwell: B200, GB200", 1 + 1 / 32, (9, 10)),
     "nvfp4": Recipe(nvfp4_einsum, 2, "peak_fp4_flops", (10, 0), "Blackwell: B200, GB200", 0.5 + 1 / 16, (9, 10)),
 }

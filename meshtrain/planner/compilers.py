@@ -35,6 +35,8 @@ from meshtrain.parallel.mesh import simulate_cpu_devices
 #   150,754,820,096 bytes (141 GB as the driver reports it) at 4.8 TB/s.
 # - B200 (Blackwell, cc 10.0): XLA's own spec, a dump of a B200 (xla/tools/hlo_opt/gpu_specs/b200.txtpb):
 #   148 SMs, 228 KiB shared per SM, 126.5 MiB L2, 1.965 GHz, 191,514,673,152 bytes at 7.67 TB/s.
+# - GB200 (Blackwell, cc 10.0): XLA's own spec of one (xla/backends/gpu/target_config/specs/gb200.txtpb):
+#   152 SMs, 228 KiB shared per SM, 129.25 MiB L2, 2.062 GHz, 197,897,748,480 bytes at 7.93 TB/s.
 # - A100 SXM4 80GB: NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs, 164 KiB shared per SM
 #   (163 KiB to one block), 40 MiB L2, 1.41 GHz boost, cc 8.0, 64 FP32 units per SM; HBM2e 2,039 GB/s;
 #   85,051,572,224 bytes (80 GiB less the driver's reservation, as an A100-SXM4-80GB reports it).
@@ -46,6 +48,8 @@ GPU_TARGETS = {
                  shared_optin=232448, l2=52428800, clock_ghz=1.98, memory=150754820096, bandwidth=4800000000000),
     "b200": dict(name="NVIDIA B200", cc=_cc("b200"), sms=148, fpus=128, shared_per_sm=233472,
                  shared_optin=232448, l2=132644864, clock_ghz=1.965, memory=191514673152, bandwidth=7672320000000),
+    "gb200": dict(name="NVIDIA GB200", cc=_cc("gb200"), sms=152, fpus=128, shared_per_sm=233472,
+                  shared_optin=232448, l2=135528448, clock_ghz=2.062, memory=197897748480, bandwidth=7928064000000),
     "a100": dict(name="NVIDIA A100-SXM4-80GB", cc=_cc("a100"), sms=108, fpus=64, shared_per_sm=167936,
                  shared_optin=166912, l2=41943040, clock_ghz=1.41, memory=85051572224, bandwidth=2039000000000),
 }
