@@ -11,6 +11,10 @@ overflows; fp16 and bf16 are compared with fp32, each recipe with bf16 (the prec
         # nvfp4 with Four Over Six's block scales (meshtrain/ops/block_scaled.py nv_quantize's four_over_six)
     python benchmarks/precision.py --precisions bf16,nvfp4,nvfp4-bf16_last --steps 600
         # <recipe>-bf16_last: the recipe with the model's last layer kept in bf16 (parallel.bf16_layers=[-1])
+    python benchmarks/precision.py --precisions bf16,nvfp4-rht_all --steps 600
+        # nvfp4 with every GEMM's operands rotated along its contraction, not dw's alone (Quartet's forward)
+    python benchmarks/precision.py --precisions bf16,nvfp4 --steps 600 --set model.d_model=256 --set model.mlp_dim=768
+        # the same comparison on a wider model (--set: config overrides for every run)
 
 On a CPU the three run one after the other (bf16/fp16 are emulated there: the point is the
 numerics, not the speed); on a GPU pass --devices 0 to use it.
@@ -32,7 +36,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", *RECIPES)
 # block_scaled_einsum's arguments)
 RECIPE = {"weight_2d": True, "stochastic": True, "rotate": True}
 ABLATIONS = {"nvfp4-no_sr": {**RECIPE, "stochastic": False}, "nvfp4-no_rht": {**RECIPE, "rotate": False},
-             "nvfp4-1d_weights": {**RECIPE, "weight_2d": False}, "nvfp4-4over6": {**RECIPE, "four_over_six": True}}
+             "nvfp4-1d_weights": {**RECIPE, "weight_2d": False}, "nvfp4-4over6": {**RECIPE, "four_over_six": True},
+             "nvfp4-rht_all": {**RECIPE, "rotate_all": True},
+             "nvfp4-no_sr_rht": {**RECIPE, "stochastic": False, "rotate": False},
+             "nvfp4-no_sr_rht-4over6": {**RECIPE, "stochastic": False, "rotate": False, "four_over_six": True}}
 # a recipe with its last layer kept in bf16 (parallel.bf16_layers), as the published recipes keep the last ones
 KEPT = {f"{recipe}-bf16_last": ("parallel.bf16_layers=[-1]",) for recipe in RECIPES}
 AGAINST = {"fp16": "fp32", "bf16": "fp32", **{name: "bf16" for name in (*RECIPES, *ABLATIONS, *KEPT)}}  # each against
@@ -53,7 +60,7 @@ def run(name: str, args):
     overrides = [f"parallel.precision={precision}", "parallel.mesh=1", f"train.steps={args.steps}",
                  f"train.eval_every={args.eval_every}", f"train.log_every={args.eval_every}",
                  f"data.path={args.data}", f"out={tempfile.mkdtemp(prefix=f'precision-{precision}-')}",
-                 "checkpoint.every_minutes=0", f"devices={args.devices}", *KEPT.get(name, ())]
+                 "checkpoint.every_minutes=0", f"devices={args.devices}", *KEPT.get(name, ()), *args.set]
     try:
         trainer = Trainer(load_config(str(ROOT / "configs" / "shakespeare_char.yaml"), overrides))
         history = trainer.fit(log=MetricsLog(trainer.out, primary=False))
@@ -75,6 +82,8 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--devices", type=int, default=1, help="simulated CPU devices; 0 = the machine's own")
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="which to run, comma-separated")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run (configs/shakespeare_char.yaml's model, say), repeatable")
     args = p.parse_args(argv)
     chosen = args.precisions.split(",")
     print(f"data: {args.data or 'the Python standard library'}", flush=True)

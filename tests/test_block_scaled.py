@@ -20,6 +20,7 @@ from meshtrain.ops.block_scaled import (
     MXFP8,
     NVFP4,
     Gemm,
+    block_scaled_einsum,
     fp8_blockwise_einsum,
     gpu_layout_refusal,
     hadamard_16,
@@ -268,6 +269,23 @@ def test_the_nvfp4_einsum_is_the_block_scaled_gemm_and_its_gradients_track_fp32(
     exact = jax.vjp(functools.partial(jnp.einsum, spec), f32(x), f32(w))[1](f32(g))
     for got, want in zip(vjp(g), exact):
         assert got.dtype == jnp.bfloat16
+        assert np.linalg.norm(f32(got) - want) / np.linalg.norm(want) < 0.2
+
+
+def test_rotating_every_gemms_operands_leaves_each_product_within_fp4s_error():
+    """benchmarks/precision.py's nvfp4-rht_all: the forward's and dx's operands rotated along their own
+    contraction too (both by the same orthogonal Q), so y, dx and dw are still the products, within fp4's
+    error (a rotation of one operand alone, or along another axis, would leave them nowhere near)."""
+    spec = "bld,df->blf"
+    rng = np.random.default_rng(6)
+    x, w = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16), jnp.asarray(rng.standard_normal((64, 48)),
+                                                                                     jnp.bfloat16)
+    einsum = block_scaled_einsum(NVFP4, weight_2d=True, stochastic=True, rotate=True, rotate_all=True)
+    y, vjp = jax.vjp(functools.partial(einsum, spec), x, w)
+    g = jnp.asarray(rng.standard_normal(y.shape), jnp.bfloat16)
+    f32 = lambda t: np.asarray(t, F32)
+    want_y, pullback = jax.vjp(functools.partial(jnp.einsum, spec), f32(x), f32(w))
+    for got, want in zip((y, *vjp(g)), (want_y, *pullback(f32(g)))):
         assert np.linalg.norm(f32(got) - want) / np.linalg.norm(want) < 0.2
 
 

@@ -320,18 +320,19 @@ def _block_scaled_gemm(spec: str, a, b, fmt: Format, weight_b: bool, stochastic_
 
 
 def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool = False, rotate: bool = False,
-                        four_over_six: bool = False):
+                        four_over_six: bool = False, rotate_all: bool = False):
     """jnp.einsum(spec, x, w) as block-scaled GEMMs of `fmt`, forward and both gradients each quantized along
     its own contraction; output in x's dtype. nvfp4's recipe parts (module doc): `weight_2d` w in 16 x 16
     blocks, `stochastic` the gradient rounded stochastically, `rotate` dw's operands rotated along the
-    tokens (all on for `nvfp4_einsum`; one off each for the ablations of benchmarks/precision.py), and
-    `four_over_six` Four Over Six's block scales (`nv_quantize`; benchmarks/precision.py's nvfp4-4over6)."""
+    tokens (all on for `nvfp4_einsum`; one off each for the ablations of benchmarks/precision.py),
+    `four_over_six` Four Over Six's block scales (`nv_quantize`; benchmarks/precision.py's nvfp4-4over6), and
+    `rotate_all` the forward's and dx's operands rotated along their contractions too (nvfp4-rht_all)."""
 
     gemm = functools.partial(block_scaled_gemm, fmt=fmt, four_over_six=four_over_six)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def einsum(spec: str, x, w):
-        return gemm(spec, x, w, weight_b=weight_2d)
+        return gemm(spec, x, w, weight_b=weight_2d, rotate=rotate_all)
 
     def forward(spec, x, w):
         return einsum(spec, x, w), (x, w)
@@ -339,7 +340,7 @@ def block_scaled_einsum(fmt: Format, weight_2d: bool = False, stochastic: bool =
     def backward(spec, residuals, g):
         x, w = residuals
         dx_spec, dw_spec = transposed_specs(spec)
-        dx = gemm(dx_spec, g, w, weight_b=weight_2d, stochastic_a=stochastic)
+        dx = gemm(dx_spec, g, w, weight_b=weight_2d, stochastic_a=stochastic, rotate=rotate_all)
         # dw = x^T g over the tokens: x first, so the GEMM writes dw in w's layout; g first where it is rounded
         # stochastically (the GEMM's first operand)
         if stochastic:
