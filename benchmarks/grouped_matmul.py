@@ -128,7 +128,8 @@ def profile_here() -> str | None:
     from meshtrain.core.metrics import DEVICE_PROFILES
 
     here = jax.devices()[0].device_kind.lower()
-    return next((k for k in DEVICE_PROFILES if k in here), None) if jax.devices()[0].platform == "gpu" else None
+    longest_first = sorted(DEVICE_PROFILES, key=len, reverse=True)  # "gb200" before its substring "b200"
+    return next((k for k in longest_first if k in here), None) if jax.devices()[0].platform == "gpu" else None
 
 
 def error(step, reference, args) -> float:

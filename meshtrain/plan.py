@@ -88,9 +88,9 @@ def parser() -> Parser:
     run.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
                      help="memory per device, e.g. 80GB (default: the profile's)")
     run.add_argument("--host-memory", type=parse_bytes, default=None, metavar="BYTES",
-                     help="host (system) memory per node, shared by its devices' processes, which "
+                     help="host (system) memory per host, shared by its devices' processes, which "
                           "parallel.offload keeps the optimizer state in, e.g. 1TB (default: the profile's, 2 TB "
-                          "for DGX nodes)")
+                          "for a DGX node, 960 GB for a GB200 compute tray of 4 GPUs)")
     run.add_argument("--devices-per-node", type=number(int, min=1), default=None, metavar="N",
                      help="devices sharing the fast in-node links (NVLink; a TPU slice): collectives over axes that "
                           "span nodes run at the network's bandwidth (default: the profile's, 8 for GPUs)")

@@ -273,9 +273,10 @@ def test_the_nvfp4_einsum_is_the_block_scaled_gemm_and_its_gradients_track_fp32(
 
 
 def test_rotating_every_gemms_operands_leaves_each_product_within_fp4s_error():
-    """benchmarks/precision.py's nvfp4-rht_all: the forward's and dx's operands rotated along their own
-    contraction too (both by the same orthogonal Q), so y, dx and dw are still the products, within fp4's
-    error (a rotation of one operand alone, or along another axis, would leave them nowhere near)."""
+    """benchmarks/precision.py's nvfp4-rht_all: the forward's operands rotated along their contraction (x
+    along d, w along d: both by the same orthogonal Q) before they are quantized, so y is the NVFP4 GEMM of
+    the rotated operands by definition (not of the operands themselves), and y, dx and dw (whose operands
+    are rotated along their own contractions) are the products within fp4's error."""
     spec = "bld,df->blf"
     rng = np.random.default_rng(6)
     x, w = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16), jnp.asarray(rng.standard_normal((64, 48)),
@@ -284,6 +285,11 @@ def test_rotating_every_gemms_operands_leaves_each_product_within_fp4s_error():
     y, vjp = jax.vjp(functools.partial(einsum, spec), x, w)
     g = jnp.asarray(rng.standard_normal(y.shape), jnp.bfloat16)
     f32 = lambda t: np.asarray(t, F32)
+    x_rotated, w_rotated = f32(rotated(x)), f32(rotated(w.T)).T  # each along its 16-blocks of d
+    want = numpy_gemm(spec, x_rotated, w_rotated, NVFP4, weight_b=True)
+    np.testing.assert_allclose(f32(y), want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+    unrotated = numpy_gemm(spec, f32(x), f32(w), NVFP4, weight_b=True)
+    assert np.abs(f32(y) - unrotated).max() > 0.1 * np.abs(unrotated).max()
     want_y, pullback = jax.vjp(functools.partial(jnp.einsum, spec), f32(x), f32(w))
     for got, want in zip((y, *vjp(g)), (want_y, *pullback(f32(g)))):
         assert np.linalg.norm(f32(got) - want) / np.linalg.norm(want) < 0.2

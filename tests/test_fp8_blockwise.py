@@ -85,7 +85,7 @@ def test_a_gpu_refuses_a_manual_axis_beside_a_sharded_one_and_a_gpu_before_hoppe
     a100 = type("Device", (), {"platform": "gpu", "compute_capability": "8.0", "device_kind": "NVIDIA A100"})()
     assert recipe_refusal("fp8_blockwise", a100).startswith(
         "parallel.precision=fp8_blockwise: the NVIDIA A100 (compute capability 8.0) has no fp8_blockwise GEMMs, "
-        "which need 9.0 or newer (Hopper, Blackwell: H100, H200, B200)")
+        "which need 9.0 or newer (Hopper, Blackwell: H100, H200, B200, GB200)")
 
 
 def _emulated_local(qa, qb, sa_BxJxM, sb_BxJxN, out_dtype, interpret=False):

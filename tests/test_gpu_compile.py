@@ -22,7 +22,7 @@ from test_roofline import _no_memory
 
 from meshtrain.core import cli, compile_cache
 from meshtrain.core.errors import LayoutError, UserError
-from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.core.metrics import DEVICE_PROFILES, devices_per_host
 from meshtrain.engine.compiler_options import GPU_OPTIONS
 from meshtrain.engine.program import TrainProgram
 from meshtrain.ops.block_scaled import swapped
@@ -33,6 +33,7 @@ from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.sharding import activation_rules, make_rules
 from meshtrain.plan import main
 from meshtrain.planner import compilers, hlo, kernel_time, kernels, known_gaps, roofline, traffic
+from meshtrain.planner.budget import host_budget
 from meshtrain.planner.hlo import Module, collectives
 from meshtrain.planner.text import format_kernels, format_plan
 
@@ -94,6 +95,12 @@ def test_a_pod_of_several_hosts_is_a_topology_of_hosts():
     assert compilers.topology_shape(12, 8) == (1, 12)  # 8 does not divide 12: one host of them all
     for device, target in compilers.GPU_TARGETS.items():  # every shipped target makes its devices
         assert {d.device_kind for d in compilers.gpu_devices(device, 2, 8)[0]} == {target["name"]}
+    # a GB200 NVL72 rack: one NVLink domain of 72, hosts (compute trays) of 4 GPUs sharing 960 GB
+    gb200 = DEVICE_PROFILES["gb200"]
+    per_host = devices_per_host(gb200, gb200["devices_per_node"])
+    assert per_host == 4 and devices_per_host(DEVICE_PROFILES["h100"], 8) == 8
+    assert compilers.gpu_devices("gb200", 64, per_host)[1] == 16
+    assert host_budget(gb200["host_memory"], 64, per_host, "profile")["share"] == 240e9
 
 
 def test_without_the_gpu_compiler_the_plan_says_why_and_how(monkeypatch):
@@ -274,14 +281,15 @@ def test_quantized_matrices_are_gathered_quantized_and_their_gradients_reduced_i
     assert flag is None or f"the {recipe} recipe's scales" in flag
 
 
-# fp8_rowwise's GEMMs take the same path (ops/fp8.py); bf16, fp8 and fp4 peaks of each datasheet (core/metrics.py)
+# fp8_rowwise's GEMMs take the same path (ops/fp8.py); `peaks`: (bf16, the recipe's) peak of each datasheet, TFLOP/s
 @pytest.mark.parametrize("recipe, device, peaks", [("fp8", "b200", (2250, 4500)), ("nvfp4", "gb200", (2500, 10000))])
 def test_a_blackwell_plan_is_its_gpu_program_with_low_precision_gemms_and_says_its_constants_are_not_calibrated(
         capsys, recipe, device, peaks):
-    """Blackwell as a target (XLA's own B200 and GB200 specs, cc 10.0): the fp8 recipe compiles to fp8 GEMMs
-    there too, nvfp4 to block-scaled e2m1 ones, and the step priced from its kernels says the constants are
-    the H100/H200's. (One device: the claims are the target's, not a layout's.) A GB200 NVL72 rack is one
-    NVLink domain of 72 GPUs: a 64-GPU mesh is priced on NVLink, where B200s cross 8 nodes."""
+    """Blackwell as a target (XLA's own B200 and GB200 specs, cc 10.0): fp8 compiles to fp8 GEMMs on the B200
+    as on an H100, nvfp4 to block-scaled e2m1 ones on the GB200, and the step priced from its kernels says
+    the constants are the H100/H200's. (One device: the claims are the target's, not a layout's.) A GB200
+    NVL72 rack is one NVLink domain of 72 GPUs: a 64-GPU fsdp group runs at NVLink's 900 GB/s, where B200s
+    cross 8 nodes (8 NICs of 50 GB/s a group)."""
     assert main(["--config", TINY, "--devices", "1", "--mesh", "1", "--device", device, "--compiler", "gpu",
                  "--set", f"parallel.precision={recipe}", "--json", "--search-budget", "0"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -295,12 +303,14 @@ def test_a_blackwell_plan_is_its_gpu_program_with_low_precision_gemms_and_says_i
     assert roof["priced_by"] == "kernels" and roof["kernel_time"]["calibrated"] is False
     text = format_plan(report)
     assert "GPU kernels (NOT calibrated on this GPU: the H100/H200's shares" in text
-    # the recipe's step measured on an H200 against its prediction (metrics.py FP8_MEASURED_OVER_PREDICTED)
     if recipe == "fp8":  # the recipe's step measured on an H200 against its prediction (FP8_MEASURED_OVER_PREDICTED)
         assert f"{recipe}: a step measured on an H200 ran 1.1" in text
     assert roof["mfu_fp8_ceiling"] == pytest.approx(roof["mfu_ceiling"] * peaks[0] / peaks[1])
-    assert roofline.placement({"fsdp": 64}, DEVICE_PROFILES[device]["devices_per_node"]) == \
+    profile = DEVICE_PROFILES[device]
+    assert roofline.placement({"fsdp": 64}, profile["devices_per_node"]) == \
         {"fsdp": "in-node" if device == "gb200" else "cross-node"}
+    assert roofline.link_bandwidth(profile, ("fsdp",), {"fsdp": 64}, profile["devices_per_node"]) == \
+        (900e9 if device == "gb200" else 8 * 50e9)
 
 
 PROJECTIONS = ("bld,dhk->blhk", "bld,dgk->blgk", "blhk,hkd->bld", "bld,df->blf", "blf,fd->bld")  # the 7

@@ -72,7 +72,9 @@ LOW_PEAK_NAMES = {"peak_fp8_flops": "fp8", "peak_fp4_flops": "fp4"}
 # x16 "128 GB/s" both ways -> 64 GB/s each way, DGX H100/H200 2 TB; B200 PCIe Gen5 x16 -> 64 GB/s, DGX
 # B200 2 TB (4 TB optional); A100 SXM4 PCIe Gen4 x16 "64 GB/s" -> 32 GB/s, DGX A100 2 TB; GB200, the
 # Grace's NVLink-C2C, 900 GB/s both ways for the superchip's two GPUs -> 225 GB/s each way per GPU when
-# both move (as every GPU of a step does), the rack's LPDDR5X 17 TB (36 x 480 GB).
+# both move (as every GPU of a step does). `host_memory` is a host's: a DGX/HGX node is one host; a GB200
+# NVL72 rack is 18 compute trays, each a host of 4 GPUs (`devices_per_host`) and two Graces' 480 GB of
+# LPDDR5X (the rack's 17 TB / 18 -> 960 GB).
 # - TPU v5p (cloud.google.com/tpu/docs/v5p): 95 GiB HBM2e at 2,765 GB/s; ICI 1,200 GB/s per chip
 #   bidirectional -> 600 GB/s each way; DCN 50 Gb/s per chip -> 6.25 GB/s. A "node" is a slice (one
 #   ICI domain): 6,144 chips is the largest slice a job can have (16x16x24), so any mesh up to that
@@ -88,7 +90,7 @@ LOW_PEAK_NAMES = {"peak_fp8_flops": "fp8", "peak_fp4_flops": "fp4"}
 # full, blockwise attention (1,131.6 ms). Held out, each within 3.2% of its prediction: H200 llama_1b
 # batch 16 cuDNN (530.9 ms), batch 8 blockwise (654.7 ms), H100 llama3-8b batch 4 in 2 microbatches
 # save_matmuls (1,991.1 ms). One set serves the H100 and H200 (one GH100 die); the A100, B200 and GB200 take the
-# same shares, not calibrated on either (`kernels_calibrated` False: the plan says so).
+# same shares, not calibrated on any of them (`kernels_calibrated` False: the plan says so).
 # - gemm_peak: a large GEMM's share of the dense peak of its operand type (fitted);
 # - gemm_half_size: a GEMM side of this many rows or columns runs at half that share (the 128-wide
 #   tensor-core tile edge: not fitted);
@@ -130,8 +132,8 @@ DEVICE_PROFILES = {
     "gb200": {"name": "GB200", "peak_flops": PEAK_BF16_FLOPS["GB200"], "peak_fp8_flops": PEAK_FP8_FLOPS["GB200"],
               "peak_fp4_flops": PEAK_FP4_FLOPS["GB200"],
               "peak_tf32_flops": 1250e12, "hbm_bw": 8e12, "memory": 186e9,
-              "in_node_bw": 900e9, "cross_node_bw": 50e9, "host_bw": 225e9, "host_memory": 17e12,
-              "devices_per_node": 72, "kernels": KERNEL_CONSTANTS, "capability": (10, 0),
+              "in_node_bw": 900e9, "cross_node_bw": 50e9, "host_bw": 225e9, "host_memory": 960e9,
+              "devices_per_node": 72, "devices_per_host": 4, "kernels": KERNEL_CONSTANTS, "capability": (10, 0),
               "kernels_calibrated": False},
     "a100": {"name": "A100 SXM 80GB", "peak_flops": PEAK_BF16_FLOPS["A100"], "peak_tf32_flops": 156e12,
              "hbm_bw": 2.039e12, "memory": 80e9,
@@ -142,6 +144,12 @@ DEVICE_PROFILES = {
                 "memory": 95 * 2**30, "in_node_bw": 600e9, "cross_node_bw": 6.25e9, "devices_per_node": 6144,
                 "preallocates": False},
 }
+
+
+def devices_per_host(profile: dict, devices_per_node: int) -> int:
+    """GPUs a host holds (its processes, its system memory): the profile's `devices_per_host` (a GB200 NVL72
+    rack's compute tray: 4 of the NVLink domain's 72), else a node's (a DGX/HGX node is one host)."""
+    return min(profile.get("devices_per_host", devices_per_node), devices_per_node)
 
 
 def peak_flops(device_kind: str, peak: str = "peak_flops") -> float | None:

@@ -27,7 +27,7 @@ from meshtrain.config.loader import load_config
 from meshtrain.config.validate import check_train_size, resolve_attention
 from meshtrain.core import formulas
 from meshtrain.core.errors import LayoutError, UserError
-from meshtrain.core.metrics import DEVICE_PROFILES
+from meshtrain.core.metrics import DEVICE_PROFILES, devices_per_host
 from meshtrain.engine.compiler_options import flag_name, named_xla_flags
 from meshtrain.engine.program import TrainProgram
 from meshtrain.objectives.grpo import longest_prompt, prompts_per_batch
@@ -343,16 +343,15 @@ def plan(cfg, profile: dict, memory_budget: dict, devices_per_node: int | None =
 
 def run(args) -> str:
     profile = DEVICE_PROFILES[args.device]
-    target = compilers.choose(args.compiler, args.device, args.devices,
-                              args.devices_per_node or profile["devices_per_node"])
+    per_host = devices_per_host(profile, args.devices_per_node or profile["devices_per_node"])
+    target = compilers.choose(args.compiler, args.device, args.devices, per_host)
     fraction, source = memory_fraction(profile, args.mem_fraction)
     memory_budget = budget(args.device_memory or profile["memory"], fraction, args.headroom, source)
-    per_node = args.devices_per_node or profile["devices_per_node"]
     if args.host_memory:
-        memory_budget["host"] = host_budget(args.host_memory, args.devices, per_node, "--host-memory")
+        memory_budget["host"] = host_budget(args.host_memory, args.devices, per_host, "--host-memory")
     elif "host_memory" in profile:
-        memory_budget["host"] = host_budget(profile["host_memory"], args.devices, per_node,
-                                            f"a {profile['name']} node's, meshtrain/core/metrics.py")
+        memory_budget["host"] = host_budget(profile["host_memory"], args.devices, per_host,
+                                            f"a {profile['name']} host's, meshtrain/core/metrics.py")
     overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
     cfg = load_config(args.config, overrides)
     cfg.devices = 0

@@ -12,10 +12,11 @@ and staging), which no compiled program reports. So, per device:
 A peak within the budget FITS, with its margin (budget - peak); one within the usable memory but not
 the budget fits with less margin than the headroom (TIGHT); one above the usable memory DOES NOT FIT.
 
-Host memory (parallel.offload keeps the optimizer state there): a node's system memory (--host-memory,
-default the device profile's) is shared by the processes of its devices, one per GPU, so a device's
-share is host_memory / (devices on the node), of which HOST_RESERVE is kept for the operating system,
-the data pipeline and the runtime's own pinned staging buffers.
+Host memory (parallel.offload keeps the optimizer state there): a host's system memory (--host-memory,
+default the device profile's; a host is a DGX/HGX node, a GB200 NVL72 rack's compute tray of 4 GPUs:
+meshtrain/core/metrics.py `devices_per_host`) is shared by the processes of its devices, one per GPU, so
+a device's share is host_memory / (devices on the host), of which HOST_RESERVE is kept for the operating
+system, the data pipeline and the runtime's own pinned staging buffers.
 """
 from __future__ import annotations
 
@@ -66,9 +67,9 @@ def verdict(peak: float, b: dict) -> dict:
     return {"status": status, "peak": peak, "margin": b["budget"] - peak}
 
 
-def host_budget(host_memory: float, devices: int, devices_per_node: int, source: str) -> dict:
-    """One device's share of its node's host memory (module doc) and the budget within it."""
-    sharing = min(devices, devices_per_node)
+def host_budget(host_memory: float, devices: int, devices_per_host: int, source: str) -> dict:
+    """One device's share of its host's memory (module doc) and the budget within it."""
+    sharing = min(devices, devices_per_host)
     share = host_memory / sharing
     return {"host_memory": host_memory, "source": source, "sharing": sharing, "share": share,
             "reserve": HOST_RESERVE, "budget": share * (1 - HOST_RESERVE)}

@@ -241,13 +241,13 @@ def format_run_memory(r: dict) -> list[str]:
 
 
 def format_host_memory(r: dict) -> list[str]:
-    """parallel.offload's host memory per device against the device's share of its node's (budget.py)."""
+    """parallel.offload's host memory per device against the device's share of its host's (budget.py)."""
     mem, host = r["memory"], r["budget"].get("host")
     if mem.get("offload", "none") == "none" or host is None:
         return []
     gb = human_bytes
     return [f"host memory per device: {gb(mem['host_total'])} ({mem['host_source']}) against "
-            f"{gb(host['host_memory'])} a node ({host['source']}) / {host['sharing']} device(s) x "
+            f"{gb(host['host_memory'])} a host ({host['source']}) / {host['sharing']} device(s) x "
             f"{1 - host['reserve']:.2f} (kept for the OS and the data pipeline) = {gb(host['budget'])}: "
             + ("fits" if mem["host_total"] <= host["budget"] else "DOES NOT FIT")]
 
