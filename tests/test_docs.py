@@ -47,6 +47,7 @@ TEXT_ONLY = {
     ("speed.md", "python benchmarks/gpu.py"): "needs an NVIDIA GPU",
     ("precision.md", "python benchmarks/gpu.py"): "needs an NVIDIA GPU",
     ("precision.md", "python -m meshtrain.train"): "about 5 minutes on one CPU",
+    ("precision.md", "python -m meshtrain.plan"): "plans a 64-device pod",
     ("zero-fsdp.md", "python -m meshtrain.plan"): ("plans a 64-device pod", "a 13B model for 4 GPUs, twice",
                                                     "a 13B model on one GPU"),
     ("experts.md", "python -m meshtrain.plan"): "plans a 64-device pod",
