@@ -56,12 +56,14 @@ def walk(cfg, device: str) -> dict:
 
 
 def main():
+    from meshtrain.planner.compilers import GPU_TARGETS
+
     p = argparse.ArgumentParser()
     p.add_argument("--config", default=str(ROOT / "configs" / "llama3_8b.yaml"))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--device", default="h100", choices=("h100", "h200", "b200", "gb200"))
+    p.add_argument("--device", default="h100", choices=sorted(GPU_TARGETS))
     p.add_argument("--precisions", default="fp8,fp8_rowwise")
     args = p.parse_args()
     import jax

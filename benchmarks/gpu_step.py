@@ -62,10 +62,12 @@ def walk(cfg, devices: int, device: str, options: dict) -> dict:
 
 
 def main():
+    from meshtrain.planner.compilers import GPU_TARGETS
+
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--devices", type=int, required=True, help="the pod's GPUs (the config's `# pod:` comment)")
-    p.add_argument("--device", default="h100", choices=("h100", "h200", "b200", "gb200"))
+    p.add_argument("--device", default="h100", choices=sorted(GPU_TARGETS))
     p.add_argument("--set", action="append", default=[], help="config overrides, key=value")
     p.add_argument("--option", action="append", default=[],
                    help="an XLA:GPU compiler option, name=true|false|number, compared with the program's own")

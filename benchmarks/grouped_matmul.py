@@ -125,11 +125,10 @@ def profile_here() -> str | None:
     """This machine's GPU's DEVICE_PROFILES name (h100, h200...), None off one the planner knows."""
     import jax
 
-    from meshtrain.core.metrics import DEVICE_PROFILES
+    from meshtrain.core.metrics import DEVICE_PROFILES, named_in
 
-    here = jax.devices()[0].device_kind.lower()
-    longest_first = sorted(DEVICE_PROFILES, key=len, reverse=True)  # "gb200" before its substring "b200"
-    return next((k for k in longest_first if k in here), None) if jax.devices()[0].platform == "gpu" else None
+    here = jax.devices()[0]
+    return named_in(here.device_kind, DEVICE_PROFILES) if here.platform == "gpu" else None
 
 
 def error(step, reference, args) -> float:

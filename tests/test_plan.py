@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import plan as plan_command
 from meshtrain.config.loader import load_config
-from meshtrain.core.metrics import peak_flops
+from meshtrain.core.metrics import DEVICE_PROFILES, named_in, peak_flops
 from meshtrain.engine.compiler_options import GPU_OPTIONS, compiler_options, named_xla_flags
 from meshtrain.plan import main
 from meshtrain.planner import fit
@@ -167,10 +167,14 @@ def test_model_flops_formula_matches_the_compiled_step(tied):
 
 @pytest.mark.parametrize("device_kind,peak", [
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12), ("TPU v5 lite", 197e12), ("cpu", None)])
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("TPU v5 lite", 197e12), ("cpu", None), ("NVIDIA B200", 2250e12),
+    ("NVIDIA GB200", 2500e12)])
 def test_peak_table_resolves_real_device_kinds(device_kind, peak):
-    """jax's device_kind strings; the PCIe H100 must not match the SXM figure first."""
+    """jax's device_kind strings; the PCIe H100 must not match the SXM figure first, nor a GB200 the B200 its
+    name holds (`named_in`: the longest name; benchmarks find a GPU's profile by it too)."""
     assert peak_flops(device_kind) == peak
+    if device_kind.startswith("NVIDIA") and "PCIe" not in device_kind:
+        assert named_in(device_kind, DEVICE_PROFILES) == device_kind.split()[1].split("-")[0].lower()
 
 
 def test_budget_is_the_runtime_share_less_the_headroom(monkeypatch):

@@ -16,9 +16,9 @@ against the dense fp8 peak beside it where the device has one.
 """
 from __future__ import annotations
 
-# Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind (first match wins).
+# Dense bf16 peak FLOP/s per device, matched by substring of jax's device_kind (`named_in`: the longest).
 PEAK_BF16_FLOPS = {
-    "GB200": 2500e12,  # before "B200", its substring
+    "GB200": 2500e12,
     "B200": 2250e12,
     "H200": 989e12,
     "H100 PCIe": 756e12,
@@ -152,13 +152,19 @@ def devices_per_host(profile: dict, devices_per_node: int) -> int:
     return min(profile.get("devices_per_host", devices_per_node), devices_per_node)
 
 
+def named_in(device_kind: str, names) -> str | None:
+    """The longest of `names` that jax's `device_kind` contains, case aside ("NVIDIA GB200" is a GB200,
+    not the B200 its name also holds; "NVIDIA H100 PCIe" the PCIe card), or None."""
+    kind = device_kind.casefold()
+    return next((n for n in sorted(names, key=len, reverse=True) if n.casefold() in kind), None)
+
+
 def peak_flops(device_kind: str, peak: str = "peak_flops") -> float | None:
     """The device's dense bf16 peak FLOP/s (`peak` "peak_fp8_flops" or "peak_fp4_flops": that one), None
     when unknown or absent."""
-    for name, flops in LOW_PRECISION_PEAKS.get(peak, PEAK_BF16_FLOPS).items():
-        if name in device_kind:
-            return flops
-    return None
+    table = LOW_PRECISION_PEAKS.get(peak, PEAK_BF16_FLOPS)
+    name = named_in(device_kind, table)
+    return None if name is None else table[name]
 
 
 def run_peaks(device_kind: str, low_peak: str | None) -> tuple[float | None, float | None]:
